@@ -1,0 +1,1 @@
+"""Attention metadata and backends: how the attention layers find this step's K/V."""

@@ -1,0 +1,60 @@
+"""Per-step attention metadata, set by the runner and read by every attention layer.
+
+The model only runs forward(input_ids, positions); whether a token is part of a prefill or a decode,
+and where its K/V go, is described here.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Paged (BLOCK) layout: tokens of several sequences packed back to back.
+
+    query_start_loc: [num_seqs + 1] offsets of each sequence's new tokens in the packed batch.
+    seq_lens: [num_seqs] tokens of context (cached + new) each sequence attends over.
+    slot_mapping: [num_tokens] flat cache slot (block_id * block_size + offset) per new token; -1 = skip.
+    block_tables: [num_seqs, max_blocks] physical block ids, padded with -1.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int] | None = None  # host copies, for the torch backend's loop
+    seq_lens_cpu: list[int] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+_current: AttentionMetadata | None = None
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _current is None:
+        raise RuntimeError("attention metadata is not set: run the model through the model runner")
+    return _current
+
+
+@contextmanager
+def attention_metadata(meta: AttentionMetadata) -> Iterator[None]:
+    """Make meta visible to the attention layers for the duration of one forward."""
+    global _current
+    prev, _current = _current, meta
+    try:
+        yield
+    finally:
+        _current = prev

@@ -1,0 +1,118 @@
+"""Engine configuration: every knob the engine reads comes from these dataclasses (vLLM's names)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ModelConfig:
+    """Where the model lives and how its tensors are laid out."""
+
+    model: str
+    hf_config: Any = None  # transformers.PretrainedConfig, filled by the loader
+    dtype: torch.dtype | None = None  # None: bfloat16 on GPU, float32 on CPU
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    tokenizer: str | None = None
+    seed: int = 0
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.model.endswith(".gguf")
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache: block size, how many blocks, prefix caching."""
+
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # None: sized from free memory (GPU) or cpu_kv_cache_tokens (CPU)
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_tokens: int = 65536
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class SchedulerConfig:
+    """Batching limits for one engine step."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is spread over devices (tensor parallelism lands in its own issue)."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs, built once from the user's keyword arguments."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    device: str = "auto"
+    enforce_eager: bool = False
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kw: Any) -> "EngineConfig":
+        """Split vLLM-style flat keyword arguments into the config sections."""
+        sections = {"model_config": ModelConfig, "cache_config": CacheConfig,
+                    "scheduler_config": SchedulerConfig, "parallel_config": ParallelConfig}
+        parts: dict[str, dict[str, Any]] = {name: {} for name in sections}
+        top: dict[str, Any] = {}
+        for key, value in kw.items():
+            owner = next((n for n, c in sections.items() if key in c.__dataclass_fields__), None)
+            if owner is not None:
+                parts[owner][key] = value
+            elif key in ("device", "enforce_eager"):
+                top[key] = value
+            else:
+                raise TypeError(f"unknown engine argument {key!r}")
+        dtype = parts["model_config"].get("dtype")
+        if isinstance(dtype, str):
+            parts["model_config"]["dtype"] = _parse_dtype(dtype)
+        cfg = cls(model_config=ModelConfig(model=model, **parts["model_config"]),
+                  cache_config=CacheConfig(**parts["cache_config"]),
+                  scheduler_config=SchedulerConfig(**parts["scheduler_config"]),
+                  parallel_config=ParallelConfig(**parts["parallel_config"]), **top)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Reject values that can never work, naming the field."""
+        c, s, p = self.cache_config, self.scheduler_config, self.parallel_config
+        if not 0.0 < c.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
+        if c.block_size <= 0 or c.block_size & (c.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {c.block_size}")
+        if s.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
+        if s.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
+        if p.tensor_parallel_size != 1:
+            raise NotImplementedError("tensor_parallel_size > 1 is not supported yet")
+
+    def resolve_device(self) -> torch.device:
+        """'auto' picks CUDA when present; NOVAINFER_DEVICE overrides (documented in the README)."""
+        name = os.environ.get("NOVAINFER_DEVICE", self.device)
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.device(name)
+
+
+def _parse_dtype(name: str) -> torch.dtype | None:
+    table = {"auto": None, "float32": torch.float32, "float": torch.float32, "float16": torch.float16,
+             "half": torch.float16, "bfloat16": torch.bfloat16}
+    if name not in table:
+        raise ValueError(f"dtype must be one of {sorted(table)}, got {name!r}")
+    return table[name]

@@ -1,0 +1,1 @@
+"""Engine: requests, sequences, the scheduler and the block manager."""

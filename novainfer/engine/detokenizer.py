@@ -1,0 +1,57 @@
+"""Incremental, UTF-8-safe detokenization and stop-string search.
+
+Byte-level BPE can split one character over several tokens; decoding them one by one gives U+FFFD.
+Like vLLM, we decode a short window of tokens (from prefix_offset) and only release the text past
+read_offset once it no longer ends in an incomplete character.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+_INCOMPLETE = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        # start the window inside the prompt, so the first output token decodes with its left context
+        self.token_ids: list[int] = list(prompt_token_ids[-6:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.output_text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
+
+    def step(self, new_token_ids: list[int]) -> str:
+        """Append tokens; return the text they complete (may be '' while a character is incomplete)."""
+        self.token_ids.extend(new_token_ids)
+        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith(_INCOMPLETE):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.output_text += delta
+        return delta
+
+
+def check_stop_strings(output_text: str, new_char_count: int, stop: list[str],
+                       include_stop_str_in_output: bool) -> tuple[str, int] | None:
+    """Find a stop string that ends in this step's new text; return it and the length to truncate to."""
+    if new_char_count == 0:
+        return None
+    best: tuple[int, str] | None = None
+    for s in stop:
+        start = max(0, len(output_text) - new_char_count - len(s) + 1)
+        idx = output_text.find(s, start)
+        if idx != -1 and (best is None or idx < best[0]):
+            best = (idx, s)
+    if best is None:
+        return None
+    idx, s = best
+    return s, idx + len(s) if include_stop_str_in_output else idx

@@ -1,0 +1,135 @@
+"""Continuous batching: each step picks which sequences run and how many of their tokens.
+
+One token budget (max_num_batched_tokens) per step. Running sequences go first, oldest first: a
+decode takes one token, an unfinished (chunked) prefill takes what the budget leaves. Waiting
+sequences are then admitted in arrival order while the budget, max_num_seqs and free blocks allow,
+reusing cached prefix blocks. When blocks run out the newest running sequence is preempted: its
+blocks are freed and it waits at the head of the queue to be recomputed.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from novainfer.config import SchedulerConfig
+from novainfer.engine.block_manager import BlockManager
+from novainfer.engine.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The step reaches the end of the sequence, so its last logits row is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    num_preempted: int = 0
+    finished_seq_ids: list[int] = field(default_factory=list)  # finished since the last step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return all(s.num_new_tokens == 1 and s.samples for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._finished_since_step: list[int] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_seq_ids=self._finished_since_step)
+        self._finished_since_step = []
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+
+        # 1. running sequences, oldest first; preempt the newest when blocks run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not bm.can_append(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break
+            bm.allocate_slots(seq, n)
+            out.scheduled.append(ScheduledSequence(seq, n))
+            budget -= n
+            i += 1
+
+        # 2. admit waiting sequences (not in a step that had to preempt: memory is short)
+        while self.waiting and budget > 0 and not out.num_preempted \
+                and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            cached = bm.find_cached_prefix(seq)
+            n = min(len(seq) - len(cached) * bm.block_size, budget)
+            if not self.config.enable_chunked_prefill and n < len(seq) - len(cached) * bm.block_size:
+                break
+            if not bm.can_admit(seq, cached, n):
+                break
+            self.waiting.popleft()
+            bm.admit(seq, cached)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+            bm.allocate_slots(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, n))
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute later: free the blocks and put the sequence back at the head of the queue."""
+        logger.debug("preempting %r", seq)
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def on_step_done(self, scheduled: list[ScheduledSequence]) -> None:
+        """Advance each scheduled sequence past the tokens the step computed."""
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished (or aborted) sequence wherever it is."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        self._finished_since_step.append(seq.seq_id)

@@ -1,0 +1,72 @@
+"""A Sequence is one stream of tokens being generated; its KV lives in the blocks of its block table."""
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from novainfer.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Prompt plus output tokens, how many of them have KV computed, and where that KV lives."""
+
+    _ids = itertools.count()
+
+    def __init__(self, token_ids: list[int], sampling_params: "SamplingParams", request_id: str = "",
+                 index: int = 0, arrival_time: float = 0.0):
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id
+        self.index = index  # which of the request's n completions this is
+        self.arrival_time = arrival_time
+        self.status = SequenceStatus.WAITING
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.sampling_params = sampling_params
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at (first) admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hash of each full block in block_table, in order
+        self.num_preemptions = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[dict] = []
+        self.min_tokens_blocked: list[int] = []  # ids it may not sample yet (eos, stop ids) under min_tokens
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.value}, "
+                f"len={len(self)}, computed={self.num_computed_tokens}, blocks={self.block_table})")

@@ -1,0 +1,101 @@
+"""The `novainfer` command: generate (one prompt) and chat (a terminal chat loop)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from novainfer.sampling_params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -> None:
+    """vLLM's engine flags, shared by every subcommand that loads a model."""
+    help_ = "HF folder or .gguf file (default: SmolLM2-135M-Instruct, shipped with the install)"
+    if model_positional:
+        p.add_argument("model", nargs="?", default=None, help=help_)
+    else:  # the positional arguments are prompts
+        p.add_argument("--model", default=None, help=help_)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+                dtype=args.dtype, device=args.device)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from novainfer import LLM
+    llm = LLM(args.model, **engine_kwargs(args))
+    prompts = args.prompt or [sys.stdin.read()]
+    for out in llm.generate(prompts, sampling_params(args), use_tqdm=False):
+        print(out.outputs[0].text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Read a line, answer it with the whole conversation as context; an empty line or EOF quits."""
+    from novainfer import LLM
+    llm = LLM(args.model, **engine_kwargs(args))
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    params = sampling_params(args)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip() or line.strip() in ("/exit", "/quit"):
+            break
+        messages.append({"role": "user", "content": line})
+        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        print(reply, flush=True)
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="novainfer", description="NovaInfer LLM inference engine")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete one or more prompts")
+    gen.add_argument("prompt", nargs="*", help="prompt text (read from stdin when absent)")
+    chat = sub.add_parser("chat", help="chat in the terminal with the model's chat template")
+    chat.add_argument("--system", default=None, help="system prompt")
+    for p in (gen, chat):
+        add_engine_args(p, model_positional=False)
+        add_sampling_args(p)
+    gen.set_defaults(func=cmd_generate)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

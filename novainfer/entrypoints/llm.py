@@ -1,0 +1,82 @@
+"""The offline API, named as vLLM's: LLM(model).generate(prompts, SamplingParams) and LLM.chat(messages)."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence as Seq
+
+from tqdm import tqdm
+
+from novainfer.config import EngineConfig
+from novainfer.engine.llm_engine import LLMEngine
+from novainfer.outputs import RequestOutput
+from novainfer.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    """Loads a model (HF folder or .gguf; None = the default model) and generates from batches of prompts.
+
+    Keyword arguments are vLLM's engine arguments: max_model_len, max_num_seqs, max_num_batched_tokens,
+    gpu_memory_utilization, enable_prefix_caching, enforce_eager, tensor_parallel_size, dtype, block_size...
+    """
+
+    def __init__(self, model: str | None = None, **engine_kwargs: Any):
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model, **engine_kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        engine = self.llm_engine
+        order: dict[str, int] = {}
+        for prompt, params in zip(prompts, sampling_params):
+            request_id = str(next(self._ids))
+            engine.add_request(request_id, prompt, params)
+            order[request_id] = len(order)
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        tokens_before = engine.num_generated_tokens
+        try:
+            while any(r is None for r in results):
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+                elapsed = bar.format_dict["elapsed"]
+                if use_tqdm and elapsed > 0:
+                    rate = (engine.num_generated_tokens - tokens_before) / elapsed
+                    bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+        finally:
+            bar.close()
+            for request_id in order:
+                engine.abort_request(request_id)  # no-op for finished ones; frees the rest after an error
+        return results  # type: ignore[return-value]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them), then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conv in conversations:
+            ids = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                **(chat_template_kwargs or {}))
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

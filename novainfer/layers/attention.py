@@ -1,0 +1,27 @@
+"""The attention layer: stores this step's K/V in the paged cache, then attends over the context."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from novainfer.attention import torch_backend
+from novainfer.attention.metadata import get_attention_metadata
+
+
+class Attention(nn.Module):
+    """Paged attention over q/k/v of shape [tokens, heads * head_dim]; the cache is bound by the runner."""
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.scale = scale
+        self.k_cache = self.v_cache = torch.tensor([])
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = get_attention_metadata()
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        torch_backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        o = torch_backend.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        return o.reshape(-1, self.num_heads * self.head_dim)

@@ -1,0 +1,166 @@
+"""One Sampler for every request's parameters, run as a batched pass on the logits' device.
+
+Order (vLLM's): min_tokens blocking, repetition / frequency / presence penalties, then greedy rows take
+the argmax; the rest are divided by temperature, filtered by top-k, top-p and min-p, and sampled with
+the exponential race argmax(p / q), q ~ Exp(1). A seeded row draws q from its own generator, so its
+tokens depend only on its seed, never on what else is in the batch. Logprobs are the raw model's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from novainfer.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One row of logits to sample, with what its parameters need to know about its history."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None = None
+    blocked_token_ids: list[int] = field(default_factory=list)  # e.g. eos while under min_tokens
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor  # [rows]; 1.0 for greedy rows (they take the argmax anyway)
+    is_greedy: torch.Tensor  # [rows] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [rows] int64, vocab size = off; None when no row uses it
+    top_p: torch.Tensor | None
+    min_p: torch.Tensor | None
+    repetition_penalty: torch.Tensor | None  # [rows, 1]
+    frequency_penalty: torch.Tensor | None
+    presence_penalty: torch.Tensor | None
+    output_counts: torch.Tensor | None  # [rows, vocab] occurrences of each token in the output
+    seen_mask: torch.Tensor | None  # [rows, vocab] token occurs in prompt or output
+    blocked: tuple[torch.Tensor, torch.Tensor] | None  # (row indices, token ids) to set to -inf
+    generators: list[torch.Generator | None]
+    max_num_logprobs: int  # -1: no row wants logprobs
+
+    @classmethod
+    def build(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str) -> "SamplingMetadata":
+        ps = [r.params for r in rows]
+        f32 = dict(dtype=torch.float32, device=device)
+        greedy = [p.is_greedy for p in ps]
+
+        def column(values: list, dtype=torch.float32, unsqueeze: bool = False) -> torch.Tensor:
+            t = torch.tensor(values, dtype=dtype, device=device)
+            return t.unsqueeze(1) if unsqueeze else t
+
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in ps]
+        use_rep = any(p.repetition_penalty != 1.0 for p in ps)
+        use_freq_pres = any(p.frequency_penalty or p.presence_penalty for p in ps)
+        counts = seen = None
+        if use_rep or use_freq_pres:
+            counts = _token_counts([r.output_token_ids for r in rows], vocab_size, device)
+        if use_rep:
+            seen = (_token_counts([r.prompt_token_ids for r in rows], vocab_size, device) > 0) | (counts > 0)
+        blocked_pairs = [(i, t) for i, r in enumerate(rows) for t in r.blocked_token_ids if t < vocab_size]
+        blocked = None
+        if blocked_pairs:
+            idx = torch.tensor(blocked_pairs, dtype=torch.long, device=device)
+            blocked = (idx[:, 0], idx[:, 1])
+        return cls(
+            temperature=torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, ps)], **f32),
+            is_greedy=column(greedy, torch.bool),
+            all_greedy=all(greedy),
+            top_k=column(top_k, torch.long) if any(k < vocab_size for k in top_k) else None,
+            top_p=column([p.top_p for p in ps]) if any(p.top_p < 1.0 for p in ps) else None,
+            min_p=column([p.min_p for p in ps]) if any(p.min_p > 0 for p in ps) else None,
+            repetition_penalty=column([p.repetition_penalty for p in ps], unsqueeze=True) if use_rep else None,
+            frequency_penalty=column([p.frequency_penalty for p in ps], unsqueeze=True) if use_freq_pres else None,
+            presence_penalty=column([p.presence_penalty for p in ps], unsqueeze=True) if use_freq_pres else None,
+            output_counts=counts, seen_mask=seen, blocked=blocked,
+            generators=[r.generator for r in rows],
+            max_num_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [rows] int64
+    logprob_token_ids: torch.Tensor | None = None  # [rows, 1 + N]: the sampled token, then the top N
+    logprobs: torch.Tensor | None = None  # [rows, 1 + N] float32
+    sampled_token_ranks: torch.Tensor | None = None  # [rows], 1 = most likely
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+    """[rows, vocab] count of each token id in each row's list, built with one scatter."""
+    width = max((len(t) for t in token_lists), default=0)
+    counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.float32, device=device)
+    if width:
+        padded = torch.tensor([t + [vocab_size] * (width - len(t)) for t in token_lists], device=device)
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+class Sampler(nn.Module):
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
+        logits = self.apply_penalties(logits.clone(), meta)
+        sampled = logits.argmax(dim=-1)
+        if not meta.all_greedy:
+            random = self.sample_random(logits, meta)
+            sampled = torch.where(meta.is_greedy, sampled, random)
+        out = SamplerOutput(sampled_token_ids=sampled)
+        if raw_logprobs is not None:
+            self.gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs, out)
+        return out
+
+    @staticmethod
+    def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        if meta.blocked is not None:
+            logits[meta.blocked] = float("-inf")
+        if meta.repetition_penalty is not None:
+            penalised = torch.where(logits > 0, logits / meta.repetition_penalty, logits * meta.repetition_penalty)
+            logits = torch.where(meta.seen_mask, penalised, logits)
+        if meta.frequency_penalty is not None:
+            counts = meta.output_counts
+            logits = logits - meta.frequency_penalty * counts - meta.presence_penalty * (counts > 0).float()
+        return logits
+
+    @staticmethod
+    def sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        logits = logits / meta.temperature.unsqueeze(1)
+        if meta.top_k is not None or meta.top_p is not None:
+            logits = _top_k_top_p(logits, meta.top_k, meta.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if meta.min_p is not None:
+            threshold = meta.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        q = torch.empty_like(probs).exponential_()
+        for i, gen in enumerate(meta.generators):
+            if gen is not None:
+                q[i].exponential_(generator=gen)
+        return (probs / q).argmax(dim=-1)
+
+    @staticmethod
+    def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int, out: SamplerOutput) -> None:
+        chosen = logprobs.gather(1, sampled.unsqueeze(1))
+        out.sampled_token_ranks = (logprobs > chosen).sum(dim=-1) + 1
+        if k > 0:
+            top = logprobs.topk(k, dim=-1)
+            out.logprob_token_ids = torch.cat([sampled.unsqueeze(1), top.indices], dim=1)
+            out.logprobs = torch.cat([chosen, top.values], dim=1)
+        else:
+            out.logprob_token_ids, out.logprobs = sampled.unsqueeze(1), chosen
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask everything outside each row's top-k and its smallest top-p nucleus (at least one token kept)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

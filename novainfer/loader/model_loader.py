@@ -1,0 +1,86 @@
+"""Turns a model path (HF folder or .gguf file) into a config, a tokenizer and a loaded model."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from novainfer.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_path(model: str | None) -> str:
+    """None means the default model shipped with the install."""
+    if model is None:
+        from novainfer.loader.default_model import default_model_path
+        return default_model_path()
+    if not os.path.exists(model):
+        raise FileNotFoundError(f"model path {model!r} does not exist (give an HF folder or a .gguf file; "
+                                "no model hub is used)")
+    return model
+
+
+def load_hf_config(model: str) -> Any:
+    if model.endswith(".gguf"):
+        from novainfer.loader.gguf_loader import load_gguf_config
+        return load_gguf_config(model)
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model)
+
+
+def load_tokenizer(model: str) -> Any:
+    if model.endswith(".gguf"):
+        from novainfer.loader.gguf_loader import load_gguf_tokenizer
+        return load_gguf_tokenizer(model)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model)
+
+
+def eos_token_ids(model: str, hf_config: Any, tokenizer: Any) -> set[int]:
+    """Every id that ends generation: the tokenizer's eos plus generation_config's (may be a list)."""
+    ids: set[int] = set()
+    sources = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    gen_path = os.path.join(model, "generation_config.json")
+    if os.path.isdir(model) and os.path.exists(gen_path):
+        from transformers import GenerationConfig
+        sources.append(GenerationConfig.from_pretrained(model).eos_token_id)
+    for src in sources:
+        if isinstance(src, int):
+            ids.add(src)
+        elif src:
+            ids.update(int(i) for i in src)
+    return ids
+
+
+def _iter_weights(model: str):
+    if model.endswith(".gguf"):
+        from novainfer.loader.gguf_loader import iter_gguf_weights
+        return iter_gguf_weights(model), None
+    from novainfer.loader.safetensors_loader import count_safetensors_weights, iter_safetensors_weights
+    return iter_safetensors_weights(model), count_safetensors_weights(model)
+
+
+def load_model(model: str, hf_config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Build the model on device and fill every parameter through its weight_loader.
+
+    A weight the model needs but the checkpoint lacks fails here, naming it (design doc 002 §4.2.10).
+    """
+    model_cls = get_model_class(hf_config)
+    prev_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            net = model_cls(hf_config)
+    finally:
+        torch.set_default_dtype(prev_dtype)
+    weights, total = _iter_weights(model)
+    bar = tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False)
+    missing = net.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in bar)
+    if missing:
+        raise ValueError(f"checkpoint {model} lacks weights the model needs: {', '.join(sorted(missing))}")
+    return net.eval()

@@ -1,0 +1,1 @@
+"""Model definitions: forward(input_ids, positions) only; the runner handles everything else."""

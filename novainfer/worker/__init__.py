@@ -1,0 +1,1 @@
+"""Worker and model runner: execute one scheduled step on one device."""

@@ -1,0 +1,23 @@
+import pytest
+
+from tests.tiny_models import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("qwen2")), "qwen2", tie=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_tied(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("qwen2_tied")), "qwen2", tie=True, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("llama")), "llama", seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    return make_tiny_model(str(tmp_path_factory.mktemp("qwen3")), "qwen3", seed=3)
