@@ -1,0 +1,113 @@
+"""Reads GGUF files: the HF config from its metadata, the tokenizer through transformers, and the
+tensors dequantised with the gguf package and renamed to Hugging Face parameter names."""
+from __future__ import annotations
+
+import os
+import re
+from functools import lru_cache
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+# GGUF architecture -> (HF architecture, transformers config class name)
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "LlamaConfig"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
+}
+
+# per-layer GGUF tensor name -> HF name (after "model.layers.N.")
+LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@lru_cache(maxsize=4)
+def _reader(path: str) -> GGUFReader:
+    return GGUFReader(path)
+
+
+def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def load_gguf_config(path: str) -> Any:
+    """Build the transformers config the GGUF metadata describes."""
+    import transformers
+
+    reader = _reader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
+    hf_arch, config_cls = ARCHITECTURES[arch]
+    tensor_names = {t.name for t in reader.tensors}
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    kwargs = dict(
+        architectures=[hf_arch],
+        vocab_size=int(_field(reader, f"{arch}.vocab_size", int(embed.shape[1]))),
+        hidden_size=hidden,
+        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+    )
+    return getattr(transformers, config_cls)(**kwargs)
+
+
+def load_gguf_tokenizer(path: str) -> Any:
+    """The tokenizer and chat template stored in the GGUF, converted by transformers."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """HF parameter name of a GGUF tensor; None for tensors with no HF counterpart (e.g. rope_freqs)."""
+    base, _, suffix = gguf_name.rpartition(".")
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{suffix}"
+    if base in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[base]}.{suffix}"
+    return None
+
+
+def unpermute_rotary_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (it interleaves each head's two rotary halves)."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor in HF shape) for every GGUF tensor that has an HF counterpart."""
+    reader = _reader(path)
+    arch = _field(reader, "general.architecture")
+    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
+    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+        data = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            data = unpermute_rotary_rows(data, num_heads)
+        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            data = unpermute_rotary_rows(data, num_kv_heads)
+        yield name, torch.from_numpy(data.copy())  # the reader memory-maps the file read-only
