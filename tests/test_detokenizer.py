@@ -1,0 +1,37 @@
+"""Incremental detokenization never shows half a character, and stop strings are found across deltas."""
+from novainfer.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
+from tests.tiny_models import make_tokenizer
+
+TEXT = "héllo wörld, 你好世界 🙂🚀 naïve café <|im_end|> done"
+
+
+def test_deltas_are_utf8_safe_and_add_up():
+    tok = make_tokenizer()
+    ids = tok.encode(TEXT)
+    assert len(ids) > len(TEXT) / 4
+    prompt = tok.encode("Hello, my name is")
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=False)
+    deltas = [detok.step([i]) for i in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == detok.output_text == tok.decode(ids)
+    assert sum(1 for d in deltas if d == "") > 0  # some tokens hold back an incomplete character
+
+
+def test_skip_special_tokens():
+    tok = make_tokenizer()
+    ids = tok.encode(TEXT)
+    detok = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    for i in ids:
+        detok.step([i])
+    assert "<|im_end|>" not in detok.output_text
+    assert detok.output_text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_string_across_two_deltas():
+    text = "Hello wor"
+    assert check_stop_strings(text, 3, ["world"], False) is None
+    text += "ld and more"
+    assert check_stop_strings(text, len("ld and more"), ["world"], False) == ("world", 6)
+    assert check_stop_strings(text, len("ld and more"), ["world"], True) == ("world", 11)
+    # the earliest of several stop strings wins
+    assert check_stop_strings("abc STOP x END", 14, ["END", "STOP"], False) == ("STOP", 4)
