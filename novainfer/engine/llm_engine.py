@@ -90,6 +90,8 @@ class LLMEngine:
         """Queue a request; an unservable one raises ValueError before anything is queued."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet; use logprobs for the generated tokens")
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")

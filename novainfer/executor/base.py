@@ -20,8 +20,8 @@ class Executor(ABC):
         if backend == "uni":
             from novainfer.executor.uniproc import UniProcExecutor
             return UniProcExecutor
-        if backend == "ray":
-            raise NotImplementedError("distributed_executor_backend='ray' is not supported; use 'uni' or 'mp'")
+        if backend in ("mp", "ray"):
+            raise NotImplementedError(f"distributed_executor_backend={backend!r} is not supported yet; use 'uni'")
         raise ValueError(f"distributed_executor_backend must be one of uni, mp, ray; got {backend!r}")
 
     @abstractmethod

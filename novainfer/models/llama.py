@@ -10,7 +10,6 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from novainfer.distributed import get_tp_size
 from novainfer.layers.activation import SiluAndMul
 from novainfer.layers.attention import Attention
 from novainfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -22,7 +21,6 @@ from novainfer.layers.rotary import RotaryEmbedding
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, qkv_bias: bool, qk_norm: bool):
         super().__init__()
-        tp = get_tp_size()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
@@ -37,7 +35,6 @@ class LlamaAttention(nn.Module):
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        assert tp >= 1
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
