@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/novainfer generate "What is the capital of France?" --max-tokens 48
+	$(BIN)/novainfer generate "The capital of France is" --max-tokens 32
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

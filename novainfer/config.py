@@ -107,7 +107,8 @@ class EngineConfig:
         name = os.environ.get("NOVAINFER_DEVICE", self.device)
         if name == "auto":
             name = "cuda" if torch.cuda.is_available() else "cpu"
-        return torch.device(name)
+        device = torch.device(name)
+        return torch.device("cuda", 0) if device.type == "cuda" and device.index is None else device
 
 
 def _parse_dtype(name: str) -> torch.dtype | None:

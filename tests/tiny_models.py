@@ -75,12 +75,12 @@ def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int, **load_kwar
 
 def hf_greedy_with(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Argmax decoding with the model's own KV cache; eos is just another token here."""
-    out, past, ids = [], None, torch.tensor([prompt_ids])
+    out, past, ids = [], None, torch.tensor([prompt_ids], device=model.device)
     with torch.no_grad():
         for _ in range(max_new_tokens):
             res = model(input_ids=ids, past_key_values=past, use_cache=True)
             past = res.past_key_values
             nxt = int(res.logits[0, -1].argmax())
             out.append(nxt)
-            ids = torch.tensor([[nxt]])
+            ids = torch.tensor([[nxt]], device=model.device)
     return out

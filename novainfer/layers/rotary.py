@@ -22,7 +22,7 @@ def compute_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float
     params = rope_parameters(hf_config)
     if params["rope_type"] == "default":
         base = params["rope_theta"]
-        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim)), 1.0
     if params["rope_type"] == "dynamic":
         raise NotImplementedError("dynamic rope scaling is not supported")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -37,11 +37,13 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, hf_config: Any):
         super().__init__()
+        # tables are computed on the CPU (as transformers computes inv_freq), then moved to the model's device
         inv_freq, scaling = compute_inv_freq(hf_config, head_dim)
-        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
+        freqs = torch.arange(max_position, dtype=torch.float, device="cpu")[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
+        device = torch.get_default_device()
+        self.register_buffer("cos_cache", (emb.cos() * scaling).to(device), persistent=False)
+        self.register_buffer("sin_cache", (emb.sin() * scaling).to(device), persistent=False)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
