@@ -82,7 +82,6 @@ class BlockManager:
     def admit(self, seq: Sequence, cached: list[int]) -> None:
         """Give seq the cached prefix blocks (shared, ref-counted) and mark those tokens computed."""
         assert not seq.block_table
-        prev = -1
         for block_id in cached:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -90,7 +89,6 @@ class BlockManager:
             block.ref_count += 1
             seq.block_table.append(block_id)
             seq.block_hashes.append(block.hash)
-            prev = block.hash
         seq.num_computed_tokens = len(cached) * self.block_size
         self.num_prefix_queries += len(seq)
         self.num_prefix_hits += seq.num_computed_tokens

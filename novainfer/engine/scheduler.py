@@ -23,11 +23,10 @@ logger = logging.getLogger(__name__)
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
+    samples: bool = False  # the step reaches the sequence's end, so its last logits row is sampled
 
-    @property
-    def samples(self) -> bool:
-        """The step reaches the end of the sequence, so its last logits row is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
+    def __post_init__(self) -> None:
+        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
 
 
 @dataclass

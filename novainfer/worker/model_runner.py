@@ -7,7 +7,7 @@ prefill, chunked prefill and decode is in the step inputs and the attention meta
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +17,7 @@ from novainfer.engine.scheduler import SchedulerOutput
 from novainfer.layers.attention import Attention
 from novainfer.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from novainfer.loader.model_loader import load_model
+from novainfer.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class StepInputs:
     block_tables: list[list[int]]
     logits_indices: list[int]  # packed-token rows whose logits are sampled
     sample_seq_ids: list[int]  # the sequence of each sampled row
-    sampling_rows: list[SamplingRow] = field(default_factory=list)
+    sampling_rows: list[SamplingRow]
 
 
 @dataclass
@@ -78,10 +79,11 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self.profile_run()
+        torch.cuda.empty_cache()  # give the profile's scratch back, so it is counted once (as the peak)
         free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        peak_extra = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-        budget = total * cc.gpu_memory_utilization - used - peak_extra
+        used = total - free  # weights, the CUDA context, anything else on the device
+        peak_activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        budget = total * cc.gpu_memory_utilization - used - peak_activations
         num_blocks = int(budget // self.kv_bytes_per_block())
         if num_blocks < 1:
             raise RuntimeError(
@@ -92,7 +94,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_run(self) -> None:
-        """One forward over a full token budget with a scratch cache, to measure activation memory."""
+        """One forward over a full token budget and a sampling pass over max_num_seqs rows, with a
+        scratch cache, to measure the peak memory of a step."""
         n = min(self.config.scheduler_config.max_num_batched_tokens, self.max_model_len)
         self.allocate_kv_cache(self.blocks_for(n))
         meta = AttentionMetadata(
@@ -104,7 +107,12 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         with attention_metadata(meta):
             hidden = self.model(ids, torch.arange(n, device=self.device))
-        self.model.compute_logits(hidden[-1:])
+        rows = min(n, self.config.scheduler_config.max_num_seqs)
+        logits = self.model.compute_logits(hidden[-rows:]).float()
+        worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.1, repetition_penalty=1.1,
+                               presence_penalty=0.1, logprobs=20)
+        self.sampler(logits, SamplingMetadata.build([SamplingRow(worst, [0], [0])] * rows, logits.shape[-1],
+                                                    self.device))
         self.kv_cache = None
         for layer in self.attention_layers():
             layer.k_cache = layer.v_cache = torch.tensor([])
@@ -130,7 +138,8 @@ class ModelRunner:
     def prepare_step_inputs(self, sched: SchedulerOutput) -> StepInputs:
         for seq_id in sched.finished_seq_ids:
             self.generators.pop(seq_id, None)
-        inp = StepInputs([], [], [], [0], [], [], [], [])
+        inp = StepInputs(input_ids=[], positions=[], slot_mapping=[], query_start_loc=[0], seq_lens=[],
+                         block_tables=[], logits_indices=[], sample_seq_ids=[], sampling_rows=[])
         bs = self.block_size
         for s in sched.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
