@@ -51,7 +51,7 @@ def test_logprobs_match_transformers(llm, tiny_qwen2):
         row = ref[len(out.prompt_token_ids) - 1 + i]
         assert tok in entry and abs(entry[tok].logprob - row[tok].item()) < 1e-4
         top = torch.topk(row, 3)
-        for rank, (lp, tid) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+        for lp, tid in zip(top.values.tolist(), top.indices.tolist()):
             assert abs(entry[tid].logprob - lp) < 1e-4
         assert entry[tok].rank == 1  # greedy picks the best
         total += entry[tok].logprob

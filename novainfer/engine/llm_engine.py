@@ -6,7 +6,6 @@ import enum
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from novainfer.config import EngineConfig
 from novainfer.engine.block_manager import BlockManager
@@ -102,11 +101,13 @@ class LLMEngine:
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         now = time.monotonic() if arrival_time is None else arrival_time
+        blocked: list[int] = []  # ids that may not end the output before min_tokens
+        if params.min_tokens > 0:
+            blocked = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
         seqs, detoks = [], []
         for i in range(params.n):
             seq = Sequence(token_ids, params, request_id, index=i, arrival_time=now)
-            stoppers = set(params.stop_token_ids or []) | (set() if params.ignore_eos else self.eos_token_ids)
-            seq.min_tokens_blocked = sorted(stoppers) if params.min_tokens > 0 else []
+            seq.min_tokens_blocked = list(blocked)
             seqs.append(seq)
             detoks.append(IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
                                                  params.spaces_between_special_tokens))

@@ -34,5 +34,5 @@ class Executor(ABC):
     def check_health(self) -> None:
         self.collective_rpc("check_health")
 
-    def shutdown(self) -> None:
-        pass
+    def shutdown(self) -> None:  # noqa: B027 - executors with processes override it
+        """Release workers; nothing to do for an in-process worker."""
