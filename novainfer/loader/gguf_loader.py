@@ -94,6 +94,11 @@ def unpermute_rotary_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def count_gguf_weights(path: str) -> int:
+    """How many tensors iter_gguf_weights yields (for the progress bar)."""
+    return sum(1 for t in _reader(path).tensors if hf_name(t.name) is not None)
+
+
 def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor in HF shape) for every GGUF tensor that has an HF counterpart."""
     reader = _reader(path)

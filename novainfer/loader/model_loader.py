@@ -59,8 +59,8 @@ def eos_token_ids(model: str, hf_config: Any, tokenizer: Any) -> set[int]:
 
 def _iter_weights(model: str):
     if model.endswith(".gguf"):
-        from novainfer.loader.gguf_loader import iter_gguf_weights
-        return iter_gguf_weights(model), None
+        from novainfer.loader.gguf_loader import count_gguf_weights, iter_gguf_weights
+        return iter_gguf_weights(model), count_gguf_weights(model)
     from novainfer.loader.safetensors_loader import count_safetensors_weights, iter_safetensors_weights
     return iter_safetensors_weights(model), count_safetensors_weights(model)
 
