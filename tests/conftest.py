@@ -1,6 +1,13 @@
-import pytest
+import os
 
-from tests.tiny_models import make_tiny_model
+import pytest
+import torch
+
+# Without a GPU, Triton kernels run in Triton's CPU interpreter (set before anything imports triton).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests.tiny_models import make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,104 @@
+"""Each Triton kernel against its torch reference, on the CPU under TRITON_INTERPRET=1 (set in conftest.py).
+
+Shapes are small but cover GQA, a cached prefix, sequences that end exactly on and just past a block
+boundary, shuffled (non-contiguous) block tables, and padding slots (-1) that must not be written.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from novainfer.attention import torch_backend
+from novainfer.attention.metadata import AttentionMetadata
+
+kernels = pytest.importorskip("novainfer.kernels.paged_attention")
+from novainfer.kernels.kv_store import store_kv  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BLOCK_SIZE = 4
+
+
+def make_case(seed: int, ctx_lens: list[int], q_lens: list[int], num_heads: int, num_kv_heads: int,
+              head_dim: int = 16, dtype=torch.float32):
+    """A random cache holding each sequence's context, and a query batch of q_lens new tokens per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
+    blocks_per_seq = [(s + BLOCK_SIZE - 1) // BLOCK_SIZE for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()  # shuffled physical blocks
+    tables, used = [], 0
+    for nb in blocks_per_seq:
+        tables.append(perm[used:used + nb])
+        used += nb
+    width = max(blocks_per_seq)
+    bt = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        slot_mapping=torch.zeros(0, dtype=torch.long), block_tables=bt.long(), max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+    to = dict(device=DEVICE)
+    return (q.to(**to), k_cache.to(**to), v_cache.to(**to), bt.to(**to),
+            meta.query_start_loc.to(**to), meta.seq_lens.to(**to), meta)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def reference(q, k_cache, v_cache, meta, scale):
+    return torch_backend.paged_attention(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), meta, scale)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 2)])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_matches_reference(num_heads, num_kv_heads, num_splits):
+    # contexts: one token, exactly one block, one past a block boundary, several blocks
+    ctx = [0, 3, 4, 13]
+    q, kc, vc, bt, qsl, sl, meta = make_case(1, ctx, [1] * len(ctx), num_heads, num_kv_heads)
+    out = torch.full_like(q, float("nan"))
+    kernels.decode_attention(q, kc, vc, bt, sl, 0.25, num_splits=num_splits, out=out)
+    assert not out.isnan().any(), "every output element must be written"
+    assert rel_err(out.cpu(), reference(q, kc, vc, meta, 0.25)) < 1e-5
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2)])
+def test_prefill_with_cached_prefix_matches_reference(num_heads, num_kv_heads):
+    # fresh prompt; prompt after a cached prefix (block aligned and not); a chunk of one; a long chunk
+    ctx, qlen = [0, 8, 5, 9, 2], [7, 5, 6, 1, 21]
+    q, kc, vc, bt, qsl, sl, meta = make_case(2, ctx, qlen, num_heads, num_kv_heads)
+    out = torch.full_like(q, float("nan"))
+    kernels.prefill_attention(q, kc, vc, bt, qsl, sl, max(qlen), 0.3, out=out)
+    assert not out.isnan().any()
+    assert rel_err(out.cpu(), reference(q, kc, vc, meta, 0.3)) < 1e-5
+
+
+def test_prefill_kernel_equals_decode_kernel_on_single_tokens():
+    q, kc, vc, bt, qsl, sl, meta = make_case(3, [6, 1, 11], [1, 1, 1], 4, 2)
+    a = kernels.prefill_attention(q, kc, vc, bt, qsl, sl, 1, 0.25)
+    b = kernels.decode_attention(q, kc, vc, bt, sl, 0.25, num_splits=2)
+    assert rel_err(a.cpu(), b.cpu()) < 1e-5
+
+
+def test_store_kv_matches_reference_and_skips_padding():
+    g = torch.Generator().manual_seed(4)
+    num_blocks, kvh, hd = 6, 2, 16
+    qkv = torch.randn(5, (4 + 2 * kvh) * hd, generator=g)  # keys/values are strided views, as in the model
+    key = qkv[:, 4 * hd:(4 + kvh) * hd].view(5, kvh, hd)
+    value = qkv[:, (4 + kvh) * hd:].view(5, kvh, hd)
+    slots = torch.tensor([3, -1, 9, 10, 23])  # a padding slot, a block boundary (9 -> 10), the last slot
+    caches = [torch.randn(num_blocks, BLOCK_SIZE, kvh, hd, generator=g) for _ in range(2)]
+    ref_k, ref_v = caches[0].clone(), caches[1].clone()
+    torch_backend.store_kv(key, value, ref_k, ref_v, slots)
+    k_cache, v_cache = caches[0].to(DEVICE), caches[1].to(DEVICE)
+    store_kv(key.to(DEVICE), value.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))
+    assert torch.equal(k_cache.cpu(), ref_k) and torch.equal(v_cache.cpu(), ref_v)
+    untouched = torch.ones(num_blocks * BLOCK_SIZE, dtype=torch.bool)
+    untouched[[3, 9, 10, 23]] = False
+    assert torch.equal(k_cache.cpu().view(-1, kvh, hd)[untouched], caches[0].view(-1, kvh, hd)[untouched])
