@@ -61,7 +61,8 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "auto"
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # True: no CUDA graphs
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere), torch, triton
 
     @classmethod
     def from_kwargs(cls, model: str, **kw: Any) -> "EngineConfig":
@@ -74,7 +75,7 @@ class EngineConfig:
             owner = next((n for n, c in sections.items() if key in c.__dataclass_fields__), None)
             if owner is not None:
                 parts[owner][key] = value
-            elif key in ("device", "enforce_eager"):
+            elif key in ("device", "enforce_eager", "attention_backend"):
                 top[key] = value
             else:
                 raise TypeError(f"unknown engine argument {key!r}")

@@ -1,9 +1,17 @@
 """SamplingParams: how to pick each next token and when to stop, with vLLM's field names and defaults."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What LLMEngine.step returns for a request: its output after every step, or only once it finishes."""
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -27,6 +35,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # LLM.generate asks for FINAL_ONLY
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

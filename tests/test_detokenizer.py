@@ -35,3 +35,23 @@ def test_stop_string_across_two_deltas():
     assert check_stop_strings(text, len("ld and more"), ["world"], True) == ("world", 11)
     # the earliest of several stop strings wins
     assert check_stop_strings("abc STOP x END", 14, ["END", "STOP"], False) == ("STOP", 4)
+
+
+def test_final_only_output_text_equals_streamed_text(tiny_qwen2):
+    """LLM.generate defers detokenization to the end; the text must equal the per-step (streamed) text."""
+    from novainfer import LLM, SamplingParams
+    from novainfer.sampling_params import RequestOutputKind
+
+    llm = LLM(tiny_qwen2)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    final = llm.generate(["héllo wörld", "def add(a, b):"], params, use_tqdm=False)
+    engine = llm.llm_engine
+    for i, prompt in enumerate(["héllo wörld", "def add(a, b):"]):
+        engine.add_request(f"s{i}", prompt, params)
+    streamed = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed[out.request_id] = out.outputs[0].text
+    assert params.output_kind == RequestOutputKind.CUMULATIVE
+    assert [streamed["s0"], streamed["s1"]] == [o.outputs[0].text for o in final]
+    assert all(o.outputs[0].text for o in final)

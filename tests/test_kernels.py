@@ -102,3 +102,21 @@ def test_store_kv_matches_reference_and_skips_padding():
     untouched = torch.ones(num_blocks * BLOCK_SIZE, dtype=torch.bool)
     untouched[[3, 9, 10, 23]] = False
     assert torch.equal(k_cache.cpu().view(-1, kvh, hd)[untouched], caches[0].view(-1, kvh, hd)[untouched])
+
+
+def test_engine_on_triton_backend_matches_transformers(tiny_qwen2):
+    """The whole engine with the Triton kernels (interpreted on the CPU): prefix-cache hit, chunked prefill,
+    batched decode, and greedy tokens equal to transformers'."""
+    from novainfer import LLM, SamplingParams
+    from tests.tiny_models import hf_greedy
+
+    llm = LLM(tiny_qwen2, attention_backend="triton", block_size=4, max_num_batched_tokens=32)
+    tok = llm.get_tokenizer()
+    shared = "Paged attention stores keys and values in fixed-size blocks. "
+    prompts = [shared + "Hello", shared + "The quick brown fox"]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    llm.generate(prompts[:1], params, use_tqdm=False)  # fills the prefix cache
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert outs[1].num_cached_tokens > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(tiny_qwen2, tok.encode(prompt), 10), prompt

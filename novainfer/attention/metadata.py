@@ -19,7 +19,8 @@ class AttentionMetadata:
     query_start_loc: [num_seqs + 1] offsets of each sequence's new tokens in the packed batch.
     seq_lens: [num_seqs] tokens of context (cached + new) each sequence attends over.
     slot_mapping: [num_tokens] flat cache slot (block_id * block_size + offset) per new token; -1 = skip.
-    block_tables: [num_seqs, max_blocks] physical block ids, padded with -1.
+    block_tables: [num_seqs, max_blocks] physical block ids (int32); entries past a sequence's blocks are
+        never read and may hold anything.
     """
 
     query_start_loc: torch.Tensor
@@ -30,6 +31,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int] | None = None  # host copies, for the torch backend's loop
     seq_lens_cpu: list[int] | None = None
+    num_splits: int = 1  # decode kernel: parts each context is split into (split-K), a power of two
 
     @property
     def num_seqs(self) -> int:

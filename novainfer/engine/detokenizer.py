@@ -22,6 +22,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
         self.output_text = ""
+        self.pending: list[int] = []  # tokens not yet decoded (deferred detokenization)
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
@@ -38,6 +39,23 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         self.output_text += delta
         return delta
+
+    def defer(self, token_id: int) -> None:
+        """Keep a token to decode later in one call (flush): for requests whose text nobody reads before the end."""
+        self.pending.append(token_id)
+
+    def flush(self) -> None:
+        """Decode the deferred tokens in one call; a character still incomplete at the end is left out,
+        as step() would not have released it either."""
+        if not self.pending:
+            return
+        self.token_ids.extend(self.pending)
+        self.pending = []
+        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset:]).rstrip(_INCOMPLETE)
+        if len(full) > len(prefix):
+            self.output_text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
 
 
 def check_stop_strings(output_text: str, new_char_count: int, stop: list[str],

@@ -15,7 +15,7 @@ from novainfer.engine.sequence import Sequence
 from novainfer.executor.base import Executor
 from novainfer.loader.model_loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model_path
 from novainfer.outputs import CompletionOutput, Logprob, RequestOutput
-from novainfer.sampling_params import SamplingParams
+from novainfer.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -149,8 +149,11 @@ class LLMEngine:
         if sched.is_empty:
             return []
         self.step_id += 1
-        logger.debug("step_id=%d batch_size=%d num_tokens=%d preempted=%d", self.step_id,
-                     len(sched.scheduled), sched.num_tokens, sched.num_preempted)
+        if logger.isEnabledFor(logging.DEBUG):
+            decode = sum(s.num_new_tokens for s in sched.scheduled
+                         if s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
+            logger.debug("step_id=%d batch_size=%d num_prefill_tokens=%d num_decode_tokens=%d preempted=%d",
+                         self.step_id, len(sched.scheduled), sched.num_tokens - decode, decode, sched.num_preempted)
         try:
             result = self.executor.execute_model(sched)
         except Exception as exc:
@@ -170,11 +173,13 @@ class LLMEngine:
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
-            out = self._make_output(req)
-            if req.finished:
-                req.status = RequestStatus.FINISHED
-                del self.requests[req.request_id]
-            outputs.append(out)
+            if not req.finished:
+                if req.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                    outputs.append(self._make_output(req))
+                continue
+            req.status = RequestStatus.FINISHED
+            del self.requests[req.request_id]
+            outputs.append(self._make_output(req))
         return outputs
 
     def _fail_step(self, sched, exc: Exception) -> None:
@@ -195,7 +200,11 @@ class LLMEngine:
         p = seq.sampling_params
         seq.append_token(token_id)
         detok = req.detokenizers[seq.index]
-        new_text = detok.step([token_id])
+        if p.stop or p.output_kind != RequestOutputKind.FINAL_ONLY:
+            new_text = detok.step([token_id])
+        else:  # nobody reads the text before the end: decode it once then
+            detok.defer(token_id)
+            new_text = ""
         if logprobs:
             seq.cumulative_logprob += logprobs[0][1]
             seq.logprobs.append({tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, lp, rank in logprobs})
@@ -224,6 +233,7 @@ class LLMEngine:
     def _make_output(self, req: Request) -> RequestOutput:
         completions = []
         for seq, detok in zip(req.seqs, req.detokenizers):
+            detok.flush()
             want_lp = req.params.logprobs is not None
             completions.append(CompletionOutput(
                 index=seq.index, text=detok.output_text, token_ids=list(seq.output_token_ids),

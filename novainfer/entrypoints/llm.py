@@ -1,6 +1,7 @@
 """The offline API, named as vLLM's: LLM(model).generate(prompts, SamplingParams) and LLM.chat(messages)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Sequence as Seq
 
@@ -9,7 +10,7 @@ from tqdm import tqdm
 from novainfer.config import EngineConfig
 from novainfer.engine.llm_engine import LLMEngine
 from novainfer.outputs import RequestOutput
-from novainfer.sampling_params import SamplingParams
+from novainfer.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict
 
@@ -41,6 +42,8 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        # only finished outputs are read here: the engine can skip per-step outputs and detokenization
+        sampling_params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in sampling_params]
         engine = self.llm_engine
         order: dict[str, int] = {}
         for prompt, params in zip(prompts, sampling_params):

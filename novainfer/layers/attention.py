@@ -16,12 +16,13 @@ class Attention(nn.Module):
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         self.k_cache = self.v_cache = torch.tensor([])
+        self.backend = torch_backend  # the runner binds triton_backend on the GPU
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = get_attention_metadata()
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        torch_backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        o = torch_backend.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        o = self.backend.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
         return o.reshape(-1, self.num_heads * self.head_dim)

@@ -104,7 +104,8 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
-        logits = self.apply_penalties(logits.clone(), meta)
+        if meta.blocked is not None or meta.repetition_penalty is not None or meta.frequency_penalty is not None:
+            logits = self.apply_penalties(logits.clone(), meta)
         sampled = logits.argmax(dim=-1)
         if not meta.all_greedy:
             random = self.sample_random(logits, meta)

@@ -7,10 +7,14 @@ prefill, chunked prefill and decode is in the step inputs and the attention meta
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
+import numpy as np
 import torch
 
+from novainfer.attention import torch_backend
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata
 from novainfer.config import EngineConfig
 from novainfer.engine.scheduler import SchedulerOutput
@@ -18,23 +22,54 @@ from novainfer.layers.attention import Attention
 from novainfer.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from novainfer.loader.model_loader import load_model
 from novainfer.sampling_params import SamplingParams
+from novainfer.worker.cuda_graph import DecodeGraphs
 
 logger = logging.getLogger(__name__)
 
 
+@contextmanager
+def nvtx_range(name: str, enabled: bool) -> Iterator[None]:
+    """An NVTX range for Nsight timelines (prepare/*, attn_meta/*, forward/*, sample/*); free on the CPU."""
+    if not enabled:
+        yield
+        return
+    torch.cuda.nvtx.range_push(name)
+    try:
+        yield
+    finally:
+        torch.cuda.nvtx.range_pop()
+
+
 @dataclass
 class StepInputs:
-    """Host-side arrays for one step, in packed token order."""
+    """Host-side tensors for one step, in packed token order (pinned on CUDA, so uploads are asynchronous)."""
 
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
     query_start_loc: list[int]
     seq_lens: list[int]
-    block_tables: list[list[int]]
+    block_tables: torch.Tensor  # [num_seqs, width] int32; entries past a sequence's blocks are unused
     logits_indices: list[int]  # packed-token rows whose logits are sampled
     sample_seq_ids: list[int]  # the sequence of each sampled row
     sampling_rows: list[SamplingRow]
+    sampling_metadata: SamplingMetadata | None = None
+
+    @property
+    def max_query_len(self) -> int:
+        return max(b - a for a, b in zip(self.query_start_loc, self.query_start_loc[1:]))
+
+
+class HostBuffers:
+    """Preallocated (pinned on CUDA) host buffers the step inputs are written into, sized for the largest step."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, pin: bool):
+        def buf(n: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, pin_memory=pin)
+        self.input_ids = buf(max_tokens, torch.long)
+        self.positions = buf(max_tokens, torch.long)
+        self.slot_mapping = buf(max_tokens, torch.long)
+        self.block_tables = buf(max_seqs * max_blocks_per_seq, torch.int32)
 
 
 @dataclass
@@ -59,6 +94,25 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
+        self.nvtx = device.type == "cuda"
+        self.attn_backend = self._select_attention_backend(config.attention_backend)
+        sc = config.scheduler_config
+        self.max_blocks_per_seq = self.blocks_for(self.max_model_len)
+        self.host = HostBuffers(sc.max_num_batched_tokens,
+                                sc.max_num_seqs, self.max_blocks_per_seq, pin=device.type == "cuda")
+        self.graphs: DecodeGraphs | None = None
+        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+    def _select_attention_backend(self, name: str):
+        """'auto': the Triton kernels on CUDA, the torch reference elsewhere."""
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" else "torch"
+        if name == "torch":
+            return torch_backend
+        if name == "triton":
+            from novainfer.attention import triton_backend
+            return triton_backend
+        raise ValueError(f"attention_backend must be auto, torch or triton; got {name!r}")
 
     # ---- KV cache --------------------------------------------------------------------------------
     def attention_layers(self) -> list[Attention]:
@@ -102,7 +156,7 @@ class ModelRunner:
             query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
             slot_mapping=torch.arange(n, device=self.device),
-            block_tables=torch.arange(self.blocks_for(n), device=self.device)[None],
+            block_tables=torch.arange(self.blocks_for(n), dtype=torch.int32, device=self.device)[None],
             max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         with attention_metadata(meta):
@@ -132,28 +186,67 @@ class ModelRunner:
                                     dtype=self.dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            layer.backend = self.attn_backend
         self.num_blocks = num_blocks
+
+    def capture_cudagraphs(self) -> None:
+        """Capture decode graphs (CUDA only; enforce_eager turns them off)."""
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
+        sc = self.config.scheduler_config
+        self.graphs = DecodeGraphs(self.model, sc.max_num_seqs, self.max_blocks_per_seq,
+                                   self.hf_config.hidden_size, self.dtype, self.device, self.num_splits)
+        self.graphs.capture()
+
+    def num_splits(self, num_seqs: int, max_seq_len: int | None = None) -> int:
+        """Split-K parts for a decode batch: enough programs to fill the GPU, each over >= 256 tokens."""
+        if self.attn_backend is torch_backend:
+            return 1
+        kv_heads = self.attention_layers()[0].num_kv_heads
+        want = -(-2 * self.num_sms // (num_seqs * kv_heads))
+        cap = max(1, (max_seq_len or self.max_model_len) // 256)
+        splits = 1
+        while splits * 2 <= min(want, cap, 32):
+            splits *= 2
+        return splits
 
     # ---- the five stages -------------------------------------------------------------------------
     def prepare_step_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        """Token ids, positions, slots, offsets and block tables on the host; sampling parameters on the device."""
         for seq_id in sched.finished_seq_ids:
             self.generators.pop(seq_id, None)
-        inp = StepInputs(input_ids=[], positions=[], slot_mapping=[], query_start_loc=[0], seq_lens=[],
-                         block_tables=[], logits_indices=[], sample_seq_ids=[], sampling_rows=[])
         bs = self.block_size
-        for s in sched.scheduled:
-            seq, start = s.seq, s.seq.num_computed_tokens
-            end = start + s.num_new_tokens
-            inp.input_ids.extend(seq.token_ids[start:end])
-            inp.positions.extend(range(start, end))
-            inp.slot_mapping.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
-            inp.query_start_loc.append(inp.query_start_loc[-1] + s.num_new_tokens)
-            inp.seq_lens.append(end)
-            inp.block_tables.append(seq.block_table)
+        num_tokens, num_seqs = sched.num_tokens, len(sched.scheduled)
+        width = max(len(s.seq.block_table) for s in sched.scheduled)
+        h = self.host
+        ids, pos, slots = h.input_ids.numpy(), h.positions.numpy(), h.slot_mapping.numpy()
+        tables = h.block_tables[:num_seqs * width].numpy().reshape(num_seqs, width)
+        qsl, seq_lens, logits_indices, sample_seq_ids, rows = [0], [], [], [], []
+        t = 0
+        for i, s in enumerate(sched.scheduled):
+            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            table = seq.block_table
+            tables[i, :len(table)] = table
+            if n == 1:
+                ids[t], pos[t] = seq.token_ids[start], start
+                slots[t] = table[start // bs] * bs + start % bs
+            else:
+                p = np.arange(start, start + n)
+                ids[t:t + n] = seq.token_ids[start:start + n]
+                pos[t:t + n] = p
+                slots[t:t + n] = tables[i, p // bs].astype(np.int64) * bs + p % bs
+            t += n
+            qsl.append(t)
+            seq_lens.append(start + n)
             if s.samples:
-                inp.logits_indices.append(inp.query_start_loc[-1] - 1)
-                inp.sample_seq_ids.append(seq.seq_id)
-                inp.sampling_rows.append(self._sampling_row(seq))
+                logits_indices.append(t - 1)
+                sample_seq_ids.append(seq.seq_id)
+                rows.append(self._sampling_row(seq))
+        inp = StepInputs(h.input_ids[:num_tokens], h.positions[:num_tokens], h.slot_mapping[:num_tokens], qsl,
+                         seq_lens, h.block_tables[:num_seqs * width].view(num_seqs, width), logits_indices,
+                         sample_seq_ids, rows)
+        if rows:  # uploaded now, while the device is idle, so the forward is not waited on later
+            inp.sampling_metadata = SamplingMetadata.build(rows, self.hf_config.vocab_size, self.device)
         return inp
 
     def _sampling_row(self, seq) -> SamplingRow:
@@ -165,37 +258,48 @@ class ModelRunner:
                 gen = torch.Generator(device=self.device)
                 gen.manual_seed(params.seed + seq.index)
                 self.generators[seq.seq_id] = gen
-        return SamplingRow(params=params, prompt_token_ids=seq.prompt_token_ids,
-                           output_token_ids=seq.output_token_ids, generator=gen,
+        penalised = params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
+        return SamplingRow(params=params,  # token histories are copied only for rows that are penalised
+                           prompt_token_ids=seq.prompt_token_ids if penalised else [],
+                           output_token_ids=seq.output_token_ids if penalised else [], generator=gen,
                            blocked_token_ids=seq.min_tokens_blocked)
 
+    def use_cudagraph(self, inp: StepInputs) -> bool:
+        return self.graphs is not None and inp.max_query_len == 1 and self.graphs.can_run(len(inp.seq_lens))
+
     def build_attention_metadata(self, inp: StepInputs) -> AttentionMetadata:
-        width = max(len(t) for t in inp.block_tables)
-        tables = [t + [-1] * (width - len(t)) for t in inp.block_tables]
-        to = dict(device=self.device)
+        """Upload the step's inputs once (asynchronously from pinned memory) and describe them for attention."""
+        def up(x: torch.Tensor) -> torch.Tensor:
+            return x.to(self.device, non_blocking=True)
+        max_query_len = inp.max_query_len
         return AttentionMetadata(
-            query_start_loc=torch.tensor(inp.query_start_loc, dtype=torch.int32, **to),
-            seq_lens=torch.tensor(inp.seq_lens, dtype=torch.int32, **to),
-            slot_mapping=torch.tensor(inp.slot_mapping, dtype=torch.long, **to),
-            block_tables=torch.tensor(tables, dtype=torch.long, **to),
-            max_query_len=max(b - a for a, b in zip(inp.query_start_loc, inp.query_start_loc[1:])),
-            max_seq_len=max(inp.seq_lens),
-            query_start_loc_cpu=inp.query_start_loc, seq_lens_cpu=inp.seq_lens)
+            query_start_loc=torch.tensor(inp.query_start_loc, dtype=torch.int32).to(self.device),
+            seq_lens=torch.tensor(inp.seq_lens, dtype=torch.int32).to(self.device),
+            slot_mapping=up(inp.slot_mapping), block_tables=up(inp.block_tables),
+            max_query_len=max_query_len, max_seq_len=max(inp.seq_lens),
+            query_start_loc_cpu=inp.query_start_loc, seq_lens_cpu=inp.seq_lens,
+            num_splits=self.num_splits(len(inp.seq_lens), max(inp.seq_lens)) if max_query_len == 1 else 1)
 
     def run_model_forward(self, inp: StepInputs, meta: AttentionMetadata) -> torch.Tensor | None:
         """Logits [num_sampled_rows, vocab] in float32; None when no row samples (a prefill chunk)."""
-        ids = torch.tensor(inp.input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(inp.positions, dtype=torch.long, device=self.device)
-        with attention_metadata(meta):
-            hidden = self.model(ids, pos)
+        ids = inp.input_ids.to(self.device, non_blocking=True)
+        pos = inp.positions.to(self.device, non_blocking=True)
+        if self.use_cudagraph(inp):
+            with nvtx_range("forward/graph_replay", self.nvtx):
+                hidden = self.graphs.replay(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+        else:
+            with nvtx_range("forward/eager", self.nvtx), attention_metadata(meta):
+                hidden = self.model(ids, pos)
         if not inp.logits_indices:
             return None
-        rows = torch.tensor(inp.logits_indices, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows]).float()
+        with nvtx_range("forward/logits", self.nvtx):
+            if len(inp.logits_indices) != hidden.shape[0]:
+                rows = torch.tensor(inp.logits_indices, dtype=torch.long).to(self.device, non_blocking=True)
+                hidden = hidden[rows]
+            return self.model.compute_logits(hidden).float()
 
     def sample(self, logits: torch.Tensor, inp: StepInputs):
-        meta = SamplingMetadata.build(inp.sampling_rows, logits.shape[-1], self.device)
-        return self.sampler(logits, meta)
+        return self.sampler(logits, inp.sampling_metadata)
 
     def postprocess(self, inp: StepInputs, sampled) -> ModelRunnerOutput:
         """The step's one device-to-host copy."""
@@ -216,10 +320,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        inp = self.prepare_step_inputs(sched)
-        meta = self.build_attention_metadata(inp)
+        with nvtx_range("prepare/step_inputs", self.nvtx):
+            inp = self.prepare_step_inputs(sched)
+        with nvtx_range("attn_meta/build", self.nvtx):
+            meta = self.build_attention_metadata(inp)
         logits = self.run_model_forward(inp, meta)
         if logits is None:
             return ModelRunnerOutput([], [])
-        sampled = self.sample(logits, inp)
-        return self.postprocess(inp, sampled)
+        with nvtx_range("sample/sampler", self.nvtx):
+            sampled = self.sample(logits, inp)
+        with nvtx_range("sample/to_host", self.nvtx):
+            return self.postprocess(inp, sampled)

@@ -36,6 +36,7 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.model_runner.allocate_kv_cache(num_blocks)
+        self.model_runner.capture_cudagraphs()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
