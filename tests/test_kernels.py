@@ -120,3 +120,39 @@ def test_engine_on_triton_backend_matches_transformers(tiny_qwen2):
     assert outs[1].num_cached_tokens > 0
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(tiny_qwen2, tok.encode(prompt), 10), prompt
+
+
+# Triton's CPU interpreter has no bfloat16 arithmetic; bf16 is checked on the GPU (tests/gpu/gpu_check.py)
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_fused_elementwise_kernels_match_torch_layers(dtype):
+    """Residual add + RMSNorm, rotary and SiLU-and-multiply kernels against the torch layers they replace."""
+    from types import SimpleNamespace
+
+    from novainfer.kernels import fused_ops
+    from novainfer.layers.activation import SiluAndMul
+    from novainfer.layers.layernorm import RMSNorm
+    from novainfer.layers.rotary import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(5)
+    tol = 0 if dtype == torch.float32 else 1e-2
+    x = torch.randn(7, 96, generator=g).to(dtype)
+    res = torch.randn(7, 96, generator=g).to(dtype)
+    norm = RMSNorm(96, 1e-6)
+    norm.weight.data = torch.rand(96, generator=g).to(dtype) + 0.5
+    ref_out, ref_res = norm(x, res)
+    out, new_res = fused_ops.rms_norm(x.to(DEVICE), norm.weight.data.to(DEVICE), 1e-6, res.to(DEVICE))
+    assert torch.equal(new_res.cpu(), ref_res)
+    assert rel_err(out.cpu(), ref_out) <= max(tol, 1e-6)
+    assert rel_err(fused_ops.rms_norm(x.to(DEVICE), norm.weight.data.to(DEVICE), 1e-6).cpu(), norm(x)) <= max(tol, 1e-6)
+
+    rope = RotaryEmbedding(16, 64, SimpleNamespace(rope_theta=10000.0))
+    qkv = torch.randn(5, (6 + 2 * 2) * 16, generator=g).to(dtype)  # strided q/k views, as in the model
+    q, k = qkv[:, :96].view(5, 6, 16), qkv[:, 96:128].view(5, 2, 16)
+    positions = torch.tensor([0, 3, 17, 63, 1])
+    ref_q, ref_k = rope(positions, q, k)
+    out_q, out_k = fused_ops.rotary_embedding(positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE),
+                                              rope.cos_cache.to(DEVICE), rope.sin_cache.to(DEVICE))
+    assert rel_err(out_q.cpu(), ref_q) <= max(tol, 1e-6) and rel_err(out_k.cpu(), ref_k) <= max(tol, 1e-6)
+
+    gate_up = torch.randn(4, 2 * 40, generator=g).to(dtype)
+    assert rel_err(fused_ops.silu_and_mul(gate_up.to(DEVICE)).cpu(), SiluAndMul()(gate_up)) <= max(tol, 1e-6)

@@ -51,7 +51,10 @@ class RotaryEmbedding(nn.Module):
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. One Triton kernel on the GPU."""
+        if q.is_cuda:
+            from novainfer.kernels.fused_ops import rotary_embedding
+            return rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
         cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

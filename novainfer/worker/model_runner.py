@@ -22,7 +22,7 @@ from novainfer.layers.attention import Attention
 from novainfer.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from novainfer.loader.model_loader import load_model
 from novainfer.sampling_params import SamplingParams
-from novainfer.worker.cuda_graph import DecodeGraphs
+from novainfer.worker.cuda_graph import DecodeGraphs, batch_size_ladder
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,9 @@ class ModelRunner:
 
     # ---- KV cache --------------------------------------------------------------------------------
     def attention_layers(self) -> list[Attention]:
-        return [m for m in self.model.modules() if isinstance(m, Attention)]
+        if not hasattr(self, "_attention_layers"):
+            self._attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        return self._attention_layers
 
     def kv_bytes_per_block(self) -> int:
         layers = self.attention_layers()
@@ -198,15 +200,18 @@ class ModelRunner:
                                    self.hf_config.hidden_size, self.dtype, self.device, self.num_splits)
         self.graphs.capture()
 
-    def num_splits(self, num_seqs: int, max_seq_len: int | None = None) -> int:
-        """Split-K parts for a decode batch: enough programs to fill the GPU, each over >= 256 tokens."""
+    def num_splits(self, num_seqs: int) -> int:
+        """Split-K parts for a decode batch: enough programs to fill the GPU, each part >= 256 tokens of the
+        longest allowed context. A function of the batch size's graph bucket only, so eager and replayed
+        steps of one batch compute the same sums."""
         if self.attn_backend is torch_backend:
             return 1
+        ladder = batch_size_ladder(self.config.scheduler_config.max_num_seqs)
+        num_seqs = next((b for b in ladder if b >= num_seqs), num_seqs)
         kv_heads = self.attention_layers()[0].num_kv_heads
         want = -(-2 * self.num_sms // (num_seqs * kv_heads))
-        cap = max(1, (max_seq_len or self.max_model_len) // 256)
         splits = 1
-        while splits * 2 <= min(want, cap, 32):
+        while splits * 2 <= min(want, self.max_model_len // 256, 32):
             splits *= 2
         return splits
 
@@ -278,7 +283,7 @@ class ModelRunner:
             slot_mapping=up(inp.slot_mapping), block_tables=up(inp.block_tables),
             max_query_len=max_query_len, max_seq_len=max(inp.seq_lens),
             query_start_loc_cpu=inp.query_start_loc, seq_lens_cpu=inp.seq_lens,
-            num_splits=self.num_splits(len(inp.seq_lens), max(inp.seq_lens)) if max_query_len == 1 else 1)
+            num_splits=self.num_splits(len(inp.seq_lens)) if max_query_len == 1 else 1)
 
     def run_model_forward(self, inp: StepInputs, meta: AttentionMetadata) -> torch.Tensor | None:
         """Logits [num_sampled_rows, vocab] in float32; None when no row samples (a prefill chunk)."""

@@ -1,0 +1,54 @@
+"""Where a step's time goes on the host: cProfile over the engine loop for a decode-heavy workload.
+
+    python benchmarks/profile_step.py --model random:qwen2.5-0.5b --num-prompts 256 --output-len 128
+Prints the functions with the most own time, and the mean step time split into the runner's stages.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.checkpoints import resolve_model  # noqa: E402
+from benchmarks.throughput import make_workload, sync  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="random:qwen2.5-0.5b")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    from novainfer import LLM, SamplingParams
+    llm = LLM(resolve_model(args.model), device=args.device)
+    vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
+    prompts, outs = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, 0)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.output_len)
+    llm.generate(inputs[:2], params, use_tqdm=False)
+    engine = llm.llm_engine
+    steps0 = engine.step_id
+    sync()
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    llm.generate(inputs, params, use_tqdm=False)
+    prof.disable()
+    sync()
+    elapsed = time.perf_counter() - t0
+    steps = engine.step_id - steps0
+    print(f"{steps} steps, {elapsed / steps * 1e3:.2f} ms/step under cProfile, "
+          f"{args.num_prompts * args.output_len / elapsed:,.0f} output tok/s")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Fused elementwise kernels: residual add + RMSNorm, rotary embedding, SiLU-and-multiply.
+
+In eager PyTorch each of these is 5-15 small kernels per layer; at batch 1 a decode step is bound by
+that kernel count rather than by memory, so each becomes one Triton kernel here. The torch versions in
+novainfer/layers/ are their references (and the CPU path); the rounding follows them: sums and the
+norm in float32, results rounded to the activation dtype where Hugging Face rounds.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, x_stride, res_stride, out_stride, res_out_stride,
+                     n, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = x + tl.load(res_ptr + row * res_stride + offs, mask=mask, other=0.0)  # rounded like torch's add
+        tl.store(res_out_ptr + row * res_out_stride + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / n + eps)
+    y = (xf * rstd).to(x.dtype)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * out_stride + offs, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """norm(x) * weight, or with a residual (norm(x + residual) * weight, x + residual); x: [rows, hidden]."""
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else out
+    res = residual if residual is not None else x
+    if rows:
+        _rms_norm_kernel[(rows,)](x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0),
+                                  res_out.stride(0), n, eps, HAS_RESIDUAL=residual is not None,
+                                  BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, q_stride, k_stride,
+                   NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    d = tl.arange(0, HALF)
+    h = tl.arange(0, BLOCK_H)
+    cos1 = tl.load(cos_ptr + pos * 2 * HALF + d)
+    sin1 = tl.load(sin_ptr + pos * 2 * HALF + d)
+    cos2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + d)
+    sin2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + d)
+    for which in tl.static_range(2):
+        if which == 0:
+            src, dst, stride, heads = q_ptr, q_out_ptr, q_stride, NUM_Q
+        else:
+            src, dst, stride, heads = k_ptr, k_out_ptr, k_stride, NUM_K
+        hmask = (h < heads)[:, None]
+        base = token * stride + h[:, None] * (2 * HALF) + d[None, :]
+        x1 = tl.load(src + base, mask=hmask, other=0.0)
+        x2 = tl.load(src + base + HALF, mask=hmask, other=0.0)
+        dt = x1.dtype
+        # as torch: cos/sin cast to the activation dtype, x*cos + rotate_half(x)*sin, each product rounded
+        c1, s1 = cos1.to(dt).to(tl.float32)[None, :], sin1.to(dt).to(tl.float32)[None, :]
+        c2, s2 = cos2.to(dt).to(tl.float32)[None, :], sin2.to(dt).to(tl.float32)[None, :]
+        a1 = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
+        b1 = (-x2.to(tl.float32) * s1).to(dt).to(tl.float32)
+        a2 = (x2.to(tl.float32) * c2).to(dt).to(tl.float32)
+        b2 = (x1.to(tl.float32) * s2).to(dt).to(tl.float32)
+        out_base = token * heads * 2 * HALF + h[:, None] * (2 * HALF) + d[None, :]
+        tl.store(dst + out_base, (a1 + b1).to(dt), mask=hmask)
+        tl.store(dst + out_base + HALF, (a2 + b2).to(dt), mask=hmask)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
+                     sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox-style rotary on q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] (rows may be strided);
+    returns new contiguous tensors."""
+    tokens, num_q, head_dim = q.shape
+    num_k = k.shape[1]
+    assert q.stride(1) == head_dim and q.stride(2) == 1 and k.stride(1) == head_dim and k.stride(2) == 1
+    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
+                                                                                    device=k.device)
+    if tokens:
+        _rotary_kernel[(tokens,)](positions, q, k, cos_cache, sin_cache, q_out, k_out, q.stride(0), k.stride(0),
+                                  NUM_Q=num_q, NUM_K=num_k, HALF=head_dim // 2,
+                                  BLOCK_H=triton.next_power_of_2(max(num_q, num_k)))
+    return q_out, k_out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    gate = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * x_stride + n + offs, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # torch's silu rounds its result before the multiply
+    tl.store(out_ptr + row * out_stride + offs, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = concat(gate, up) along the last dim; x: [rows, 2 * d]."""
+    rows, two_d = x.shape
+    n = two_d // 2
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
+    return out
