@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from novainfer.attention import torch_backend
-from novainfer.attention.metadata import get_attention_metadata
+from novainfer.attention.metadata import SlotAttentionMetadata, get_attention_metadata
 
 
 class Attention(nn.Module):
@@ -23,5 +23,8 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         torch_backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        o = torch_backend.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        if isinstance(meta, SlotAttentionMetadata):  # the core API's SLOT cache: per-query visibility mask
+            o = torch_backend.masked_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        else:
+            o = torch_backend.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
         return o.reshape(-1, self.num_heads * self.head_dim)
