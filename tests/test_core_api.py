@@ -323,3 +323,17 @@ def test_batch_init_and_add():
         Batch.init(1, n_seq_max=1).add(1, 0, [0, 1])
     with pytest.raises(NotImplementedError):
         Batch.init(1, embd=64)
+
+
+def test_example_shares_the_system_prompt_and_matches_transformers(tiny_qwen2):
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parent.parent / "examples" / "core_api.py"
+    spec = importlib.util.spec_from_file_location("core_api_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    system, prompts, generated = example.run(tiny_qwen2, max_new_tokens=6, verbose=False)
+    assert len(prompts) == len(example.QUESTIONS) > 1
+    for s, ids in prompts.items():
+        ref = hf_greedy(tiny_qwen2, system + ids, 6)
+        assert generated[s] == ref[:len(generated[s])], s
