@@ -215,14 +215,20 @@ def test_kv_seq_add_matches_recompute_at_shifted_positions(fixture, request, hf_
                                atol=ATOL, rtol=0)
 
 
-def test_kv_seq_add_range_and_negative_positions(tiny_qwen2):
-    ctx = Context(tiny_qwen2, n_cells=16)
-    assert ctx.decode(Batch.get_one(PROMPT[:6])) == Status.OK
-    assert ctx.kv_seq_add(0, 3, 5, 10) == Status.OK  # only pos 3 and 4 move
-    assert ctx.cache.pos[:6].tolist() == [0, 1, 2, 13, 14, 5]
-    assert ctx.kv_seq_add(0, 0, 3, -2) == Status.OK  # pos 0, 1 fall below 0 and are freed
-    assert ctx.cache.pos[:6].tolist() == [-1, -1, 0, 13, 14, 5] and ctx.cache.n_used == 4
-    assert ctx.kv_seq_pos_max(0) == 14 and ctx.kv_seq_pos_min(0) == 0
+def test_ranges_are_half_open_with_open_ends(tiny_qwen2):
+    ctx = Context(tiny_qwen2, n_cells=16, n_seq_max=2)
+    assert ctx.decode(Batch.get_one(PROMPT[:6])) == Status.OK  # sequence 0: pos 0..5 in cells 0..5
+    used = lambda: np.flatnonzero(ctx.cache.used).tolist()  # noqa: E731
+    assert ctx.kv_seq_cp(1, 0, 2, 4) == Status.OK
+    assert np.flatnonzero(ctx.cache.seqs[:, 1]).tolist() == [2, 3]
+    assert ctx.kv_seq_rm(0, -1, 2) == Status.OK and used() == [2, 3, 4, 5]  # p0 < 0: from the start
+    assert ctx.kv_seq_rm(0, 5, -1) == Status.OK and used() == [2, 3, 4]  # p1 < 0: to the end
+    assert ctx.kv_seq_rm(0, 2, 4) == Status.OK and used() == [2, 3, 4]  # cells 2, 3 stay with sequence 1
+    assert (ctx.kv_seq_pos_min(0), ctx.kv_seq_pos_max(0), ctx.kv_seq_pos_max(1)) == (4, 4, 3)
+    assert ctx.kv_seq_add(1, 3, -1, 10) == Status.OK and ctx.cache.pos[2:5].tolist() == [2, 13, 4]
+    assert ctx.kv_seq_add(1, 0, 3, -3) == Status.OK and used() == [3, 4]  # pushed below 0: freed
+    assert ctx.cache.pos[2] == -1 and ctx.kv_seq_pos_max(1) == 13
+    assert ctx.kv_seq_keep(0) == Status.OK and used() == [4]
 
 
 def test_kv_seq_keep_drops_other_sequences(tiny_qwen2, hf_models):

@@ -25,8 +25,8 @@ class Batch:
         self.n_tokens = n_tokens
 
     @classmethod
-    def init(cls, n_tokens: int, n_seq_max: int = 1, embd: int = 0) -> "Batch":
-        """An empty batch with room for n_tokens tokens of up to n_seq_max sequence ids each."""
+    def init(cls, n_tokens: int, embd: int = 0, n_seq_max: int = 1) -> "Batch":
+        """Room for n_tokens tokens of up to n_seq_max sequence ids each; arguments in llama_batch_init's order."""
         if embd:
             raise NotImplementedError("embedding input (embd != 0) is not supported; pass token ids")
         if n_tokens < 1 or n_seq_max < 1:

@@ -170,7 +170,7 @@ class SlotKvCache:
 
     # ---- diagnostics -----------------------------------------------------------------------------
     def dump(self, view: BatchView | None = None, slots: SlotInfo | None = None, all_cells: bool = False) -> str:
-        """`cell[idx] = {seq_ids, pos, used}` per used cell (every cell with all_cells), then `token[i] -> cell[idx]`."""
+        """`cell[idx] = {seq_ids, pos, used}` per used cell (or every cell), then `token[i] -> cell[idx]`."""
         lines = [f"slot cache: {self.n_used}/{self.n_cells} cells used"]
         for idx in range(self.n_cells) if all_cells else np.flatnonzero(self.used):
             ids = np.flatnonzero(self.seqs[idx]).tolist()
