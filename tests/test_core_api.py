@@ -111,10 +111,11 @@ def test_get_one_tracks_positions_and_outputs_the_last_token(tiny_qwen2, hf_mode
                                atol=ATOL, rtol=0)
 
 
-def test_two_sequences_in_one_batch_are_isolated(tiny_qwen2, hf_models):
+@pytest.mark.parametrize("n_ubatch", [512, 3])  # 3: the batch runs as several forwards
+def test_two_sequences_in_one_batch_are_isolated(n_ubatch, tiny_qwen2, hf_models):
     hf = hf_models(tiny_qwen2)
     a, b = PROMPT, [300, 12, 9, 44, 71, 2]
-    ctx = Context(tiny_qwen2, n_cells=64)
+    ctx = Context(tiny_qwen2, n_cells=64, n_ubatch=n_ubatch)
     assert ctx.decode(seq_batch({0: a, 1: b}, all_logits=True)) == Status.OK
     rows = ctx.get_logits()
     ids = ctx.output_ids()
@@ -300,22 +301,30 @@ def test_invalid_batches_return_minus_1_with_a_reason(tiny_qwen2, caplog):
         assert_same_state(ctx, state)
 
 
-def test_abort_and_forward_failure_leave_the_cache_as_it_was(tiny_qwen2, monkeypatch):
-    ctx = Context(tiny_qwen2, n_cells=16)
+def test_abort_and_forward_failure_leave_the_cache_as_it_was(tiny_qwen2, hf_models, monkeypatch):
+    ctx = Context(tiny_qwen2, n_cells=16, n_ubatch=2)
     assert ctx.decode(Batch.get_one(PROMPT[:4])) == Status.OK
     state = cache_state(ctx)
     ctx.set_abort_callback(lambda: True)
-    assert ctx.decode(Batch.get_one(PROMPT[4:6])) == Status.ABORTED
+    assert ctx.decode(Batch.get_one(PROMPT[4:6])) == Status.ABORTED  # before anything is planned
     assert_same_state(ctx, state)
+    calls = []
+    ctx.set_abort_callback(lambda: calls.append(1) or len(calls) == 3)  # between the 2nd and 3rd ubatch
+    assert ctx.decode(Batch.get_one(PROMPT[4:10])) == Status.ABORTED and len(calls) == 3
+    pos, seqs, kv = state
+    assert np.array_equal(ctx.cache.pos, pos) and np.array_equal(ctx.cache.seqs, seqs)
+    assert torch.equal(ctx.kv_data[:, :, :4], kv[:, :, :4])  # the used cells' K/V
     ctx.set_abort_callback(None)
 
     def boom(*args, **kwargs):
         raise RuntimeError("injected")
     monkeypatch.setattr(ctx.model, "compute_logits", boom)
     assert ctx.decode(Batch.get_one(PROMPT[4:6])) == Status.COMPUTE_FAILED
-    assert np.array_equal(ctx.cache.pos, state[0]) and np.array_equal(ctx.cache.seqs, state[1])
+    assert np.array_equal(ctx.cache.pos, pos) and np.array_equal(ctx.cache.seqs, seqs)
     monkeypatch.undo()
-    assert ctx.decode(Batch.get_one(PROMPT[4:6])) == Status.OK and ctx.kv_seq_pos_max(0) == 5
+    assert ctx.decode(Batch.get_one(PROMPT[4:])) == Status.OK and ctx.kv_seq_pos_max(0) == len(PROMPT) - 1
+    torch.testing.assert_close(ctx.get_logits_ith(-1), hf_logits(hf_models(tiny_qwen2), PROMPT)[-1],
+                               atol=ATOL, rtol=0)
 
 
 def test_batch_init_and_add():

@@ -80,6 +80,11 @@ class BatchView:
     def seq_ids(self, i: int) -> list[int]:
         return np.flatnonzero(self.seq_mask[i]).tolist()
 
+    def slice(self, start: int, end: int) -> "BatchView":
+        """Tokens [start, end): one ubatch."""
+        return BatchView(self.tokens[start:end], self.pos[start:end], self.seq_mask[start:end],
+                         self.outputs[start:end])
+
 
 def resolve_batch(batch: Batch, n_seq_max: int, vocab_size: int, max_pos: int,
                   seq_pos_max: Callable[[int], int]) -> tuple[BatchView | None, str]:

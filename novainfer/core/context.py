@@ -29,7 +29,10 @@ class Context:
     """One model with n_cells KV cells shared by sequences 0..n_seq_max-1 (None = the default model)."""
 
     def __init__(self, model_path: str | None = None, n_cells: int = 4096, n_seq_max: int = 64,
-                 dtype: str | torch.dtype | None = None, device: str = "auto"):
+                 n_ubatch: int = 512, dtype: str | torch.dtype | None = None, device: str = "auto"):
+        if n_ubatch < 1:
+            raise ValueError(f"n_ubatch must be >= 1, got {n_ubatch}")
+        self.n_ubatch = n_ubatch  # a decode runs the forward on at most n_ubatch tokens at a time
         self.model_path = resolve_model_path(model_path)
         cfg = EngineConfig.from_kwargs(self.model_path, dtype=dtype, device=device)
         self.device = cfg.resolve_device()
@@ -75,8 +78,10 @@ class Context:
     def decode(self, batch: Batch) -> Status:
         """Run the batch: 0 ok, 1 no free cell, 2 aborted, -1 invalid input, -2 forward failed.
 
-        Every non-zero status leaves cell metadata and cached K/V as they were, and keeps the previous
-        decode's outputs readable.
+        Every non-zero status leaves cell metadata and the K/V of used cells as they were, and keeps the
+        previous decode's outputs readable. All cells are planned and committed up front; ubatches then
+        run in order (a later token of a shared sequence has a higher pos, so no query sees a cell whose
+        K/V are not written yet), and the abort callback is polled before each one.
         """
         view, reason = resolve_batch(batch, self.n_seq_max, self.vocab_size, self.max_pos, self.cache.seq_pos_max)
         if view is None:
@@ -87,15 +92,14 @@ class Context:
             logger.warning("decode: the batch needs %d cells but only %d of %d are free", view.n_tokens,
                            self.n_cells - self.cache.n_used, self.n_cells)
             return Status.NO_KV_SLOT
-        if self._abort is not None and self._abort():
-            logger.info("decode: aborted by the abort callback")
+        if self._aborted():
             return Status.ABORTED
         flagged = np.flatnonzero(view.outputs)
         self.output_reserve(len(flagged))
         saved = self.cache.snapshot()
         self.cache.commit_slots(view, slots)  # the forward's mask includes the batch's own cells
         try:
-            logits = self._forward(view, slots, flagged)
+            logits = self._forward(view, slots)
         except Exception:
             self.cache.restore(saved)
             logger.exception("decode: the forward failed; cell metadata rolled back")
@@ -103,6 +107,9 @@ class Context:
         except BaseException:
             self.cache.restore(saved)
             raise
+        if logits is None:
+            self.cache.restore(saved)
+            return Status.ABORTED
         self.outputs.store(flagged, view.n_tokens, logits)
         self._last = (view, slots)
         return Status.OK
@@ -115,16 +122,28 @@ class Context:
             cells=torch.as_tensor(cells, dtype=torch.long, device=self.device),
             visible=torch.as_tensor(visible, device=self.device))
 
-    def _forward(self, view: BatchView, slots: SlotInfo, flagged: np.ndarray) -> torch.Tensor:
-        meta = self.build_attention_metadata(view, slots)
-        ids = torch.as_tensor(view.tokens, device=self.device)
-        pos = torch.as_tensor(view.pos, device=self.device)
-        with attention_metadata(meta):
-            hidden = self.model(ids, pos)
-        if len(flagged) == 0:
-            return hidden.new_empty(0, self.vocab_size, dtype=torch.float32)
-        rows = torch.as_tensor(flagged, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows]).float()
+    def _aborted(self) -> bool:
+        if self._abort is not None and self._abort():
+            logger.info("decode: aborted by the abort callback")
+            return True
+        return False
+
+    def _forward(self, view: BatchView, slots: SlotInfo) -> torch.Tensor | None:
+        """Logits of the flagged tokens in batch order, ubatch by ubatch; None when aborted between ubatches."""
+        rows = [torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)]
+        for start in range(0, view.n_tokens, self.n_ubatch):
+            if start > 0 and self._aborted():
+                return None
+            part = view.slice(start, start + self.n_ubatch)
+            meta = self.build_attention_metadata(part, SlotInfo(slots.idxs[start:start + self.n_ubatch]))
+            with attention_metadata(meta):
+                hidden = self.model(torch.as_tensor(part.tokens, device=self.device),
+                                    torch.as_tensor(part.pos, device=self.device))
+            flagged = np.flatnonzero(part.outputs)
+            if len(flagged):
+                index = torch.as_tensor(flagged, dtype=torch.long, device=self.device)
+                rows.append(self.model.compute_logits(hidden[index]).float())
+        return torch.cat(rows)
 
     def infer(self, token_ids: Sequence[int]) -> int:
         """Compatibility helper (the old infer): append tokens to sequence 0, return the greedy next token."""
