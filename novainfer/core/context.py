@@ -70,7 +70,7 @@ class Context:
         return self._tokenizer
 
     def set_abort_callback(self, callback: Callable[[], bool] | None) -> None:
-        """callback() -> True makes the next decode return ABORTED (2) before it changes anything."""
+        """callback() -> True stops a decode before its next ubatch: it returns ABORTED (2), cache as before."""
         self._abort = callback
 
     # ---- decode ----------------------------------------------------------------------------------
