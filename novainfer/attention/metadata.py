@@ -42,17 +42,31 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
-_current: AttentionMetadata | None = None
+@dataclass
+class SlotAttentionMetadata:
+    """SLOT layout (core API): cells of block size 1, visibility given per query as a mask.
+
+    slot_mapping: [num_tokens] cell index each new token's K/V are written to.
+    cells: [num_candidates] cell indices the step may read (those sharing a sequence with the batch).
+    visible: [num_tokens, num_candidates] bool: query i sees cells[j] (seq-id sets meet, cell pos <= query pos).
+    """
+
+    slot_mapping: torch.Tensor
+    cells: torch.Tensor
+    visible: torch.Tensor
 
 
-def get_attention_metadata() -> AttentionMetadata:
+_current: AttentionMetadata | SlotAttentionMetadata | None = None
+
+
+def get_attention_metadata() -> AttentionMetadata | SlotAttentionMetadata:
     if _current is None:
         raise RuntimeError("attention metadata is not set: run the model through the model runner")
     return _current
 
 
 @contextmanager
-def attention_metadata(meta: AttentionMetadata) -> Iterator[None]:
+def attention_metadata(meta: AttentionMetadata | SlotAttentionMetadata) -> Iterator[None]:
     """Make meta visible to the attention layers for the duration of one forward."""
     global _current
     prev, _current = _current, meta

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from novainfer.attention.metadata import AttentionMetadata
+from novainfer.attention.metadata import AttentionMetadata, SlotAttentionMetadata
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -47,3 +47,19 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         out[q_start:q_end] = o.transpose(0, 1)
     return out
+
+
+def masked_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     meta: SlotAttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of every query over the candidate cells its visibility mask allows (SLOT layout).
+
+    query: [num_tokens, heads, head_dim]; caches: [num_cells, 1, kv_heads, head_dim]. Each query sees at
+    least its own cell, so no row of the mask is empty.
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k = k_cache.view(-1, num_kv_heads, head_dim)[meta.cells].transpose(0, 1).repeat_interleave(group, dim=0)
+    v = v_cache.view(-1, num_kv_heads, head_dim)[meta.cells].transpose(0, 1).repeat_interleave(group, dim=0)
+    o = F.scaled_dot_product_attention(query.transpose(0, 1), k, v, attn_mask=meta.visible, scale=scale)
+    return o.transpose(0, 1)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from novainfer.attention import torch_backend
-from novainfer.attention.metadata import get_attention_metadata
+from novainfer.attention.metadata import SlotAttentionMetadata, get_attention_metadata
 
 
 class Attention(nn.Module):
@@ -24,5 +24,8 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        o = self.backend.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        if isinstance(meta, SlotAttentionMetadata):  # the core API's SLOT cache: per-query visibility mask
+            o = torch_backend.masked_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+        else:
+            o = self.backend.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
         return o.reshape(-1, self.num_heads * self.head_dim)
