@@ -105,11 +105,15 @@ class BlockManager:
         attention reads it, so a sequence admitted later in the same step may already share them.
         """
         total = seq.num_computed_tokens + num_new_tokens
-        while len(seq.block_table) < self.blocks_needed(total):
-            seq.block_table.append(self._take_free_block())
+        table = seq.block_table
+        if len(table) * self.block_size < total:
+            while len(table) < self.blocks_needed(total):
+                table.append(self._take_free_block())
         if not self.enable_prefix_caching:
             return
         num_full = min(total, len(seq)) // self.block_size
+        if num_full == len(seq.block_hashes):  # no block was filled: the common decode step
+            return
         prev = seq.block_hashes[-1] if seq.block_hashes else -1
         for i in range(len(seq.block_hashes), num_full):
             tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]

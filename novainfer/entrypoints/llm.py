@@ -53,11 +53,13 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(prompts)
         bar = tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         tokens_before = engine.num_generated_tokens
+        remaining = len(prompts)
         try:
-            while any(r is None for r in results):
+            while remaining:
                 for out in engine.step():
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
+                        remaining -= 1
                         bar.update(1)
                 elapsed = bar.format_dict["elapsed"]
                 if use_tqdm and elapsed > 0:

@@ -92,6 +92,7 @@ class ModelRunner:
         self.model = load_model(mc.model, hf_config, self.dtype, device)
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
+        self._tables: dict[int, tuple[list[int], np.ndarray]] = {}  # seq_id -> (block table, as an array)
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
         self.nvtx = device.type == "cuda"
@@ -220,6 +221,7 @@ class ModelRunner:
         """Token ids, positions, slots, offsets and block tables on the host; sampling parameters on the device."""
         for seq_id in sched.finished_seq_ids:
             self.generators.pop(seq_id, None)
+            self._tables.pop(seq_id, None)
         bs = self.block_size
         num_tokens, num_seqs = sched.num_tokens, len(sched.scheduled)
         width = max(len(s.seq.block_table) for s in sched.scheduled)
@@ -231,7 +233,7 @@ class ModelRunner:
         for i, s in enumerate(sched.scheduled):
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
             table = seq.block_table
-            tables[i, :len(table)] = table
+            tables[i, :len(table)] = self._table_array(seq.seq_id, table)
             if n == 1:
                 ids[t], pos[t] = seq.token_ids[start], start
                 slots[t] = table[start // bs] * bs + start % bs
@@ -253,6 +255,15 @@ class ModelRunner:
         if rows:  # uploaded now, while the device is idle, so the forward is not waited on later
             inp.sampling_metadata = SamplingMetadata.build(rows, self.hf_config.vocab_size, self.device)
         return inp
+
+    def _table_array(self, seq_id: int, table: list[int]) -> np.ndarray:
+        """The block table as an array, converted again only when it changed: it grows by one block every
+        block_size tokens, and the block manager gives a sequence a new list when it frees its blocks."""
+        cached = self._tables.get(seq_id)
+        if cached is None or cached[0] is not table or len(cached[1]) != len(table):
+            cached = (table, np.array(table, dtype=np.int32))
+            self._tables[seq_id] = cached
+        return cached[1]
 
     def _sampling_row(self, seq) -> SamplingRow:
         params = seq.sampling_params
