@@ -220,6 +220,15 @@ def test_client_disconnect_aborts_request_and_frees_kv(server):
     assert server.metric("novainfer:generation_tokens_total") < 480 * 10  # not run to the end
 
 
+def test_non_streaming_client_that_leaves_is_aborted(server):
+    aborts = server.metric("novainfer:request_success_total", finished_reason="abort")
+    body = {k: v for k, v in _slow_stream_body().items() if k != "stream"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.05))
+    assert server.wait_idle() == 0.0
+    assert server.metric("novainfer:request_success_total", finished_reason="abort") == aborts + 1
+
+
 def test_session_second_turn_hits_prefix_cache(client, server):
     first = [{"role": "user", "content": "Paged attention stores keys and values in fixed-size blocks. "
                                           "Tell me more about the cache."}]
