@@ -5,13 +5,16 @@ logprobs, the tokenizer for token counts, and the server's own non-streamed answ
 """
 import asyncio
 import json
+import os
+import subprocess
+import sys
 
 import httpx
 import openai
 import pytest
 
 from novainfer import LLM, SamplingParams
-from tests.server_utils import RemoteServer
+from tests.server_utils import ROOT, RemoteServer
 
 MODEL = "tiny"
 
@@ -310,3 +313,15 @@ def test_tokenize_detokenize_version_health_openapi(server, offline):
         assert path in spec["paths"]
     props = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"messages", "max_completion_tokens", "stream_options", "session_id", "top_logprobs"} <= set(props)
+
+
+def test_serving_benchmark_reports_latencies(server, tmp_path):
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "serving.py"), "--base-url", server.url,
+                    "--num-prompts", "6", "--request-rate", "50", "--max-concurrency", "4", "--input-len", "16",
+                    "--output-len", "8", "--json", str(out)], check=True, capture_output=True, timeout=60)
+    report = json.loads(out.read_text())
+    assert report["completed"] == 6 and report["failed"] == 0
+    assert report["output_throughput_tok_s"] > 0
+    assert 0 < report["median_ttft_ms"] <= report["p99_ttft_ms"]
+    assert report["mean_tpot_ms"] > 0 and report["mean_itl_ms"] > 0
