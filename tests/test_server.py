@@ -311,6 +311,8 @@ def test_tokenize_detokenize_version_health_openapi(server, offline):
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
                  "/v1/requests/{request_id}/cancel"):
         assert path in spec["paths"]
+    assert all("422" not in op["responses"] for ops in spec["paths"].values() for op in ops.values())
+    assert "400" in spec["paths"]["/v1/completions"]["post"]["responses"]
     props = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"messages", "max_completion_tokens", "stream_options", "session_id", "top_logprobs"} <= set(props)
 

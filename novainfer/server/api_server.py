@@ -36,6 +36,8 @@ REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", d
 _VALID_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII without spaces
 _PUBLIC_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc")
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
+_STREAMING = {200: {"content": {"text/event-stream": {"description": "with stream=true: SSE chunks, then [DONE]"}}},
+              **_ERRORS}
 WEBUI_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "webui")
 
 
@@ -132,12 +134,12 @@ def build_app(engines: list[tuple[str, LLMEngine]], config: ServerConfig) -> Fas
         logger.exception("unexpected error")
         return error_response(APIError(500, f"internal error: {exc!r}"), _request_id(request))
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_STREAMING)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         """OpenAI chat completions; `stream: true` answers with SSE chunks."""
         return await handler.chat(body, _request_id(request), request)
 
-    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_STREAMING)
     async def completions(body: CompletionRequest, request: Request):
         """OpenAI text completions over a string, a list of strings, or token ids."""
         return await handler.completion(body, _request_id(request), request)
@@ -199,4 +201,19 @@ def build_app(engines: list[tuple[str, LLMEngine]], config: ServerConfig) -> Fas
         return HTMLResponse(f"<h1>NovaInfer</h1><p>Serving {names}. OpenAI API under <code>/v1</code>; "
                             f"see <a href='/docs'>/docs</a> and <a href='/metrics'>/metrics</a>.</p>")
 
+    app.openapi = lambda: _openapi_without_422(app)
     return app
+
+
+def _openapi_without_422(app: FastAPI) -> dict:
+    """FastAPI documents validation failures as 422; this server answers them with 400 (as vLLM does)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema.get("paths", {}).values():
+            for op in operations.values():
+                if op.get("responses", {}).pop("422", None) is not None:
+                    op["responses"].setdefault("400", {"description": "Invalid request", "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}})
+        app.openapi_schema = schema
+    return app.openapi_schema
