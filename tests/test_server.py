@@ -126,13 +126,20 @@ def test_n2_and_seed_reproducibility(client):
 
 
 def test_stop_string_whole_and_streamed(client):
-    full = client.completions.create(model=MODEL, prompt="Hello", temperature=0, max_tokens=30,
-                                     extra_body={"ignore_eos": True}).choices[0].text
-    stop = full[4:7]
-    kw = dict(model=MODEL, prompt="Hello", temperature=0, max_tokens=30, stop=[stop], extra_body={"ignore_eos": True})
-    cut = client.completions.create(**kw).choices[0]
-    assert cut.text == full[:full.index(stop)] and cut.finish_reason == "stop"
-    streamed = list(client.completions.create(stream=True, **kw))
+    kw = dict(model=MODEL, prompt="Hello", temperature=0, max_tokens=30, extra_body={"ignore_eos": True})
+    full = client.completions.create(logprobs=0, **kw).choices[0]
+    # a stop string whose first occurrence spans two tokens: a stream must hold its first half back
+    offset, stop = 0, None
+    for left, right in zip(full.logprobs.tokens, full.logprobs.tokens[1:]):
+        offset += len(left)
+        candidate = left[-1:] + right[:1]
+        if len(candidate) == 2 and full.text.index(candidate) == offset - 1:
+            stop = candidate
+            break
+    assert stop is not None
+    cut = client.completions.create(stop=[stop], **kw).choices[0]
+    assert cut.text == full.text[:offset - 1] and cut.finish_reason == "stop"
+    streamed = list(client.completions.create(stream=True, stop=[stop], **kw))
     assert "".join(c.choices[0].text for c in streamed) == cut.text  # the stop string never leaks into a delta
 
 
