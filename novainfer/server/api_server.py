@@ -6,6 +6,7 @@ import contextvars
 import logging
 import os
 import re
+import secrets
 import time
 import uuid
 from typing import Any
@@ -71,7 +72,8 @@ class RequestContextMiddleware:
         try:
             path = scope.get("path", "")
             if self.api_key and path != "/" and not path.startswith(_PUBLIC_PATHS):
-                if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.api_key}":
+                given = headers.get(b"authorization", b"").decode("latin-1")
+                if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                     logger.info("401 %s", path)
                     body = error_body(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
                                       request_id, code="invalid_api_key")

@@ -88,7 +88,7 @@ class CompletionHandler:
             async for _ in gen.outputs():
                 pass
         except (RequestFailedError, EngineDeadError) as exc:
-            raise APIError(503 if isinstance(exc, EngineDeadError) else 500, str(exc)) from None
+            raise _engine_error(exc) from None
         finally:
             watcher.cancel()
             gen.release()
@@ -109,8 +109,8 @@ class CompletionHandler:
         def chunk(choices: list[dict], usage=None) -> str:
             return "data: " + json.dumps({"id": response_id, "object": obj, "created": created,
                                           "model": gen.model.name, "choices": choices, "usage": usage}) + "\n\n"
-        sent_chars: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
+        sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) already streamed
+        done: set[int] = set()
         try:
             if kind == "chat":
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -118,27 +118,25 @@ class CompletionHandler:
             async for i, out in gen.outputs():
                 for c in out.outputs:
                     index = i * n + c.index
-                    start_c, start_t = sent_chars.get(index, 0), sent_tokens.get(index, 0)
-                    if start_c < 0:
-                        continue  # this choice already finished
+                    if index in done:
+                        continue
+                    start_c, start_t = sent.get(index, (0, 0))
                     end_c = len(c.text) if c.finish_reason else max(start_c, len(c.text) - hold)
-                    if end_c > start_c or len(c.token_ids) > start_t:
-                        piece = self._choice(kind, index, c, req, start_c, start_t, final=False, end=end_c)
-                        if end_c > start_c or piece["logprobs"]:
-                            yield chunk([piece])
-                        sent_chars[index], sent_tokens[index] = end_c, len(c.token_ids)
+                    piece = self._choice(kind, index, c, req, start_c, start_t, final=False, end=end_c)
+                    if end_c > start_c or piece["logprobs"]:
+                        yield chunk([piece])
+                    sent[index] = (end_c, len(c.token_ids))
                     if c.finish_reason:
-                        done = {"index": index, "logprobs": None, "finish_reason": c.finish_reason,
-                                "stop_reason": c.stop_reason}
-                        done.update({"delta": {}} if kind == "chat" else {"text": ""})
-                        yield chunk([done])
-                        sent_chars[index] = -1
+                        last = {"index": index, "logprobs": None, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason, **({"delta": {}} if kind == "chat" else {"text": ""})}
+                        yield chunk([last])
+                        done.add(index)
             remember(gen.finals)
             if include_usage:
                 yield chunk([], gen.usage().model_dump())
         except (RequestFailedError, EngineDeadError) as exc:
-            status = 503 if isinstance(exc, EngineDeadError) else 500
-            yield "data: " + json.dumps(error_body(status, str(exc), gen.request_id)) + "\n\n"
+            err = _engine_error(exc)
+            yield "data: " + json.dumps(error_body(err.status, err.message, gen.request_id)) + "\n\n"
         finally:
             gen.release()
         yield "data: [DONE]\n\n"
@@ -164,3 +162,8 @@ class CompletionHandler:
         else:
             choice["finish_reason"] = None
         return choice
+
+
+def _engine_error(exc: Exception) -> APIError:
+    """503 when the engine loop is gone, 500 when only this request's step failed."""
+    return APIError(503 if isinstance(exc, EngineDeadError) else 500, str(exc))
