@@ -56,14 +56,17 @@ class TrackedRequest:
     def is_terminal(self) -> bool:
         return self.status in _TERMINAL
 
-    def transition(self, new: RequestStatus) -> None:
-        """Move to `new`, refusing (and logging) moves the lifecycle does not allow."""
-        if new == self.status == RequestStatus.RUNNING:
+    def check(self, new: RequestStatus) -> None:
+        """Raise (and log) IllegalTransitionError unless the lifecycle allows moving to `new` now."""
+        if new == self.status == RequestStatus.RUNNING or new in _ALLOWED.get(self.status, ()):
             return
-        if new not in _ALLOWED.get(self.status, ()):
-            logger.warning("request_id=%s illegal transition %s -> %s refused", self.request_id,
-                           self.status.value, new.value)
-            raise IllegalTransitionError(f"request {self.request_id}: {self.status.value} -> {new.value}")
+        logger.warning("request_id=%s illegal transition %s -> %s refused", self.request_id,
+                       self.status.value, new.value)
+        raise IllegalTransitionError(f"request {self.request_id}: {self.status.value} -> {new.value}")
+
+    def transition(self, new: RequestStatus) -> None:
+        """Move to `new`, refusing moves the lifecycle does not allow."""
+        self.check(new)
         self.status = new
 
 
@@ -105,9 +108,6 @@ class AsyncLLMEngine:
         return self.dead_reason is not None
 
     # ---- the public API (event loop side) ---------------------------------------------------------
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
-
     async def submit(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams,
                      group: str | None = None) -> str:
         """Queue a request; ValueError if the engine refuses it, EngineDeadError if the loop died."""
@@ -142,13 +142,14 @@ class AsyncLLMEngine:
 
     async def cancel(self, request_id: str) -> bool:
         """Abort a request (or every request of a group); False when nothing live has that id."""
-        targets = [t for t in self._requests.values() if request_id in (t.request_id, t.group)]
-        live = [t for t in targets if not t.is_terminal]
-        for t in targets:
-            if t.is_terminal:
-                logger.warning("request_id=%s cancel refused: already %s", t.request_id, t.status.value)
-        for t in live:
-            self._post(("abort", t.request_id))
+        live = []
+        for t in [t for t in self._requests.values() if request_id in (t.request_id, t.group)]:
+            try:  # the state machine refuses (and logs) cancelling a request that already ended
+                t.check(RequestStatus.CANCELLED)
+            except IllegalTransitionError:
+                continue
+            live.append(t)
+            self._post(("abort", t.request_id))  # the engine's abort output moves it to cancelled
         return bool(live)
 
     def release(self, request_id: str) -> None:
@@ -157,9 +158,6 @@ class AsyncLLMEngine:
         if tracked is not None and not tracked.is_terminal and not self.is_dead:
             self._post(("abort", request_id))
             self._finish(tracked, RequestStatus.CANCELLED, "abort")
-
-    def num_live_requests(self) -> int:
-        return sum(not t.is_terminal for t in self._requests.values())
 
     # ---- the engine thread ---------------------------------------------------------------------
     def _post(self, command: tuple) -> None:
