@@ -21,7 +21,7 @@ import novainfer
 from novainfer.config import ServerConfig
 from novainfer.engine.llm_engine import LLMEngine
 from novainfer.entrypoints.chat_utils import apply_chat_template
-from novainfer.server.async_engine import AsyncLLMEngine
+from novainfer.server.async_engine import AsyncLLMEngine, TrackedRequest
 from novainfer.server.errors import APIError, error_body, error_response
 from novainfer.server.limits import AdmissionLimiter
 from novainfer.server.metrics import ServerMetrics
@@ -90,10 +90,17 @@ def _request_id(request: Request) -> str:
 def build_app(engines: list[tuple[str, LLMEngine]], config: ServerConfig) -> FastAPI:
     """The app serving each (name, engine); the engine loops start and stop with the app."""
     metrics = ServerMetrics()
+
+    def record_finished(model: str, tracked: TrackedRequest, reason: str | None) -> None:
+        token = REQUEST_ID.set(tracked.request_id)  # so its log line carries the id like the others
+        try:
+            metrics.record_finished(model, tracked, reason, time.monotonic())
+        finally:
+            REQUEST_ID.reset(token)
     served = []
     for name, llm in engines:
         engine = AsyncLLMEngine(llm, on_step=lambda e, n=name: metrics.observe_engine(n, e),
-                                on_finished=lambda t, r, n=name: metrics.record_finished(n, t, r, time.monotonic()))
+                                on_finished=lambda t, r, n=name: record_finished(n, t, r))
         served.append(ServedModel.create(name, engine))
     serving = OpenAIServing(served, AdmissionLimiter(config.max_concurrent_requests, config.max_queue_len,
                                                      config.retry_after),
