@@ -168,24 +168,33 @@ def test_completion_logprobs_shape(client):
 
 
 def test_32_concurrent_streams_equal_their_greedy_text(server):
+    """Async client, chat for even requests and completions for odd ones, all streamed at once."""
     async def main():
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         prompts = [f"Request number {i}: the quick brown fox" for i in range(32)]
 
-        async def stream(prompt):
-            chunks = [c async for c in await client.completions.create(model=MODEL, prompt=prompt, stream=True,
-                                                                       **GREEDY)]
+        def create(i: int, **kw):
+            if i % 2:
+                return client.completions.create(model=MODEL, prompt=prompts[i], **GREEDY, **kw)
+            return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompts[i]}],
+                                                  **GREEDY, **kw)
+
+        def text(choice) -> str:
+            return choice.text if hasattr(choice, "text") else (choice.delta.content or "")
+
+        async def stream(i: int):
+            chunks = [c async for c in await create(i, stream=True)]
             finishes = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
-            return chunks[0].id, "".join(c.choices[0].text for c in chunks), finishes
-        streamed = await asyncio.gather(*(stream(p) for p in prompts))
-        whole = await asyncio.gather(*(client.completions.create(model=MODEL, prompt=p, **GREEDY) for p in prompts))
+            return chunks[0].id, "".join(text(c.choices[0]) for c in chunks), finishes
+        streamed = await asyncio.gather(*(stream(i) for i in range(32)))
+        whole = await asyncio.gather(*(create(i) for i in range(32)))
         await client.close()
         return streamed, whole
     streamed, whole = asyncio.run(main())
     assert len({s[0] for s in streamed}) == 32  # none lost, none duplicated
-    for (_, text, finishes), ref in zip(streamed, whole):
+    for i, ((_, text, finishes), ref) in enumerate(zip(streamed, whole)):
         assert finishes == ["length"]
-        assert text == ref.choices[0].text
+        assert text == (ref.choices[0].text if i % 2 else ref.choices[0].message.content)
     assert server.wait_idle() == 0.0
 
 
