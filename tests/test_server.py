@@ -277,6 +277,10 @@ BAD_INPUTS = [
     ("prompt plus max_tokens too long", "/v1/completions",
      {"model": MODEL, "prompt": "hello world " * 30, "max_tokens": 500}, 400),
     ("token id outside the vocabulary", "/v1/completions", {"model": MODEL, "prompt": [1, 2, 10 ** 6]}, 400),
+    ("seed beyond 64 bits", "/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 2 ** 70}, 400),
+    ("too many logprobs", "/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 1000}, 400),
+    ("too many top_logprobs", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                        "logprobs": True, "top_logprobs": 50}, 400),
     ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404),
 ]
 

@@ -30,8 +30,6 @@ class CompletionHandler:
     # ---- building the engine requests ----------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request_id: str, raw: Request):
         model = self.serving.resolve_model(req.model)
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-            raise APIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = self.serving.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
