@@ -203,19 +203,22 @@ def _slow_stream_body(**extra):
             "stream": True, **extra}
 
 
-def test_cancel_endpoint_stops_stream_and_frees_kv(server):
+@pytest.mark.parametrize("by", ["x-request-id", "response id"])
+def test_cancel_endpoint_stops_stream_and_frees_kv(server, by):
     aborts = server.metric("novainfer:request_success_total", finished_reason="abort")
     events = []
     with httpx.Client(base_url=server.url, timeout=30) as http:
-        with http.stream("POST", "/v1/completions", json=_slow_stream_body(),
-                         headers={"X-Request-Id": "cancel-me"}) as resp:
+        with http.stream("POST", "/v1/chat/completions", headers={"X-Request-Id": "cancel-me"},
+                         json={"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 480,
+                               "temperature": 0, "ignore_eos": True, "stream": True}) as resp:
             assert resp.headers["x-request-id"] == "cancel-me"
             for line in resp.iter_lines():
                 if not line.startswith("data: "):
                     continue
                 events.append(line[6:])
                 if len(events) == 3:
-                    r = http.post("/v1/requests/cancel-me/cancel")
+                    target = "cancel-me" if by == "x-request-id" else json.loads(events[0])["id"]
+                    r = http.post(f"/v1/requests/{target}/cancel")
                     assert r.status_code == 200 and r.json()["cancelled"] is True
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])["choices"][0]
