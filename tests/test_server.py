@@ -350,3 +350,10 @@ def test_serving_benchmark_reports_latencies(server, tmp_path):
     assert report["output_throughput_tok_s"] > 0
     assert 0 < report["median_ttft_ms"] <= report["p99_ttft_ms"]
     assert report["mean_tpot_ms"] > 0 and report["mean_itl_ms"] > 0
+
+
+def test_unknown_route_and_method_get_openai_errors(server):
+    for method, path, status in (("GET", "/v1/nope", 404), ("GET", "/v1/chat/completions", 405)):
+        r = httpx.request(method, server.url + path)
+        assert r.status_code == status and r.headers["x-request-id"]
+        assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
