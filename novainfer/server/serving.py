@@ -54,7 +54,7 @@ class Generation:
             try:
                 async for out in self.model.engine.stream(request_id):
                     merged.put_nowait((i, out))
-            except BaseException as exc:
+            except Exception as exc:  # a failed request; cancellation (the consumer left) propagates
                 merged.put_nowait((i, exc))
                 return
             merged.put_nowait((i, None))
