@@ -1,10 +1,11 @@
-# The README's two commands: `make run` answers one prompt with the default model, `make test` runs the tests.
+# The README's two commands: `make serve` serves the default model over the OpenAI API, `make test` runs the tests.
+# `make run` answers one prompt with the default model.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test venv clean
+.PHONY: serve run test venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,6 +18,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/novainfer serve $(SERVE_ARGS)
 
 run: $(STAMP)
 	$(BIN)/novainfer generate "The capital of France is" --max-tokens 32

