@@ -29,6 +29,19 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, bt_stride, seq, kv
 
 
 @triton.jit
+def _attend_tile(q, k, v, valid, m, l, acc, scale, PRECISION: tl.constexpr):
+    """One online-softmax step: fold a K/V tile into the running max m, sum l and output acc (float32)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr,
                    part_ml_ptr, scale, q_stride_t, q_stride_h, bt_stride, o_stride_t, o_stride_h,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
@@ -57,14 +70,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
         pmask = pos < seq_len
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, bt_stride, seq, kvh, pos, pmask, d,
                              NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(pmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = _attend_tile(q, k, v, pmask[None, :], m, l, acc, scale, PRECISION)
 
     if NUM_SPLITS == 1:
         out = acc / l[:, None]
@@ -126,14 +132,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
         pmask = pos < kv_end
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, bt_stride, seq, kvh, pos, pmask, d,
                              NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        s = tl.where(pmask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = _attend_tile(q, k, v, pmask[None, :] & (pos[None, :] <= q_pos[:, None]), m, l, acc, scale,
+                                 PRECISION)
     out = acc / tl.where(rmask, l, 1.0)[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * o_stride_t + head * o_stride_h + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
