@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--torch-profiler", action="store_true", help="torch.profiler (host + device) instead of cProfile")
     args = ap.parse_args()
     from novainfer import LLM, SamplingParams
     llm = LLM(resolve_model(args.model), device=args.device)
@@ -37,6 +38,21 @@ def main() -> None:
     engine = llm.llm_engine
     steps0 = engine.step_id
     sync()
+    if args.torch_profiler:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            llm.generate(inputs, params, use_tqdm=False)
+            sync()
+            elapsed = time.perf_counter() - t0
+        steps = engine.step_id - steps0
+        print(f"{steps} steps, {elapsed / steps * 1e3:.2f} ms/step under torch.profiler")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_cuda_time_total" if torch.__version__ < "2.4"
+                                        else "self_device_time_total", row_limit=args.top,
+                                        max_name_column_width=60))
+        return
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()

@@ -63,17 +63,24 @@ class DecodeGraphs:
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-               seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """Hidden states [num_seqs, hidden] of one decode step; inputs are device tensors of the real rows."""
+    def load_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor) -> None:
+        """Copy one decode step's inputs (host tensors, pinned) into the static buffers; pad to the graph's size."""
         n = input_ids.shape[0]
-        bs = next(s for s in self.sizes if s >= n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(slot_mapping)
-        self.slot_mapping[n:bs].fill_(-1)
-        self.seq_lens[:n].copy_(seq_lens)
-        self.seq_lens[n:bs].fill_(1)
-        self.block_tables[:n, :block_tables.shape[1]].copy_(block_tables)
-        self.graphs[bs].replay()
-        return self.hidden[:n]
+        bs = self.bucket(n)
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
+        self.block_tables[:n, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        if bs > n:
+            self.slot_mapping[n:bs].fill_(-1)
+            self.seq_lens[n:bs].fill_(1)
+
+    def bucket(self, num_seqs: int) -> int:
+        return next(s for s in self.sizes if s >= num_seqs)
+
+    def replay(self, num_seqs: int) -> torch.Tensor:
+        """Hidden states [num_seqs, hidden] of the decode step whose inputs load_inputs copied in."""
+        self.graphs[self.bucket(num_seqs)].replay()
+        return self.hidden[:num_seqs]

@@ -50,6 +50,8 @@ class StepInputs:
     query_start_loc: list[int]
     seq_lens: list[int]
     block_tables: torch.Tensor  # [num_seqs, width] int32; entries past a sequence's blocks are unused
+    seq_lens_t: torch.Tensor  # the two lists above as host tensors, for the upload
+    query_start_loc_t: torch.Tensor
     logits_indices: list[int]  # packed-token rows whose logits are sampled
     sample_seq_ids: list[int]  # the sequence of each sampled row
     sampling_rows: list[SamplingRow]
@@ -70,6 +72,8 @@ class HostBuffers:
         self.positions = buf(max_tokens, torch.long)
         self.slot_mapping = buf(max_tokens, torch.long)
         self.block_tables = buf(max_seqs * max_blocks_per_seq, torch.int32)
+        self.seq_lens = buf(max_seqs, torch.int32)
+        self.query_start_loc = buf(max_seqs + 1, torch.int32)
 
 
 @dataclass
@@ -249,8 +253,11 @@ class ModelRunner:
                 logits_indices.append(t - 1)
                 sample_seq_ids.append(seq.seq_id)
                 rows.append(self._sampling_row(seq))
+        h.seq_lens.numpy()[:num_seqs] = seq_lens
+        h.query_start_loc.numpy()[:num_seqs + 1] = qsl
         inp = StepInputs(h.input_ids[:num_tokens], h.positions[:num_tokens], h.slot_mapping[:num_tokens], qsl,
-                         seq_lens, h.block_tables[:num_seqs * width].view(num_seqs, width), logits_indices,
+                         seq_lens, h.block_tables[:num_seqs * width].view(num_seqs, width),
+                         h.seq_lens[:num_seqs], h.query_start_loc[:num_seqs + 1], logits_indices,
                          sample_seq_ids, rows)
         if rows:  # uploaded now, while the device is idle, so the forward is not waited on later
             inp.sampling_metadata = SamplingMetadata.build(rows, self.hf_config.vocab_size, self.device)
@@ -289,21 +296,28 @@ class ModelRunner:
             return x.to(self.device, non_blocking=True)
         max_query_len = inp.max_query_len
         return AttentionMetadata(
-            query_start_loc=torch.tensor(inp.query_start_loc, dtype=torch.int32).to(self.device),
-            seq_lens=torch.tensor(inp.seq_lens, dtype=torch.int32).to(self.device),
+            query_start_loc=up(inp.query_start_loc_t), seq_lens=up(inp.seq_lens_t),
             slot_mapping=up(inp.slot_mapping), block_tables=up(inp.block_tables),
             max_query_len=max_query_len, max_seq_len=max(inp.seq_lens),
             query_start_loc_cpu=inp.query_start_loc, seq_lens_cpu=inp.seq_lens,
             num_splits=self.num_splits(len(inp.seq_lens)) if max_query_len == 1 else 1)
 
-    def run_model_forward(self, inp: StepInputs, meta: AttentionMetadata) -> torch.Tensor | None:
-        """Logits [num_sampled_rows, vocab] in float32; None when no row samples (a prefill chunk)."""
-        ids = inp.input_ids.to(self.device, non_blocking=True)
-        pos = inp.positions.to(self.device, non_blocking=True)
+    def run_model_forward(self, inp: StepInputs) -> torch.Tensor | None:
+        """Logits [num_sampled_rows, vocab] in float32; None when no row samples (a prefill chunk).
+
+        A pure decode step copies its inputs straight into a captured graph's buffers and replays it;
+        any other step builds its attention metadata and runs eagerly."""
         if self.use_cudagraph(inp):
+            with nvtx_range("attn_meta/graph_inputs", self.nvtx):
+                self.graphs.load_inputs(inp.input_ids, inp.positions, inp.slot_mapping, inp.seq_lens_t,
+                                        inp.block_tables)
             with nvtx_range("forward/graph_replay", self.nvtx):
-                hidden = self.graphs.replay(ids, pos, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+                hidden = self.graphs.replay(len(inp.seq_lens))
         else:
+            with nvtx_range("attn_meta/build", self.nvtx):
+                meta = self.build_attention_metadata(inp)
+            ids = inp.input_ids.to(self.device, non_blocking=True)
+            pos = inp.positions.to(self.device, non_blocking=True)
             with nvtx_range("forward/eager", self.nvtx), attention_metadata(meta):
                 hidden = self.model(ids, pos)
         if not inp.logits_indices:
@@ -338,10 +352,10 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         with nvtx_range("prepare/step_inputs", self.nvtx):
             inp = self.prepare_step_inputs(sched)
-        with nvtx_range("attn_meta/build", self.nvtx):
-            meta = self.build_attention_metadata(inp)
-        logits = self.run_model_forward(inp, meta)
-        if logits is None:
+        logits = self.run_model_forward(inp)
+        if logits is None:  # a prefill chunk: no tokens to copy back, but the pinned inputs are reused next step
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
             return ModelRunnerOutput([], [])
         with nvtx_range("sample/sampler", self.nvtx):
             sampled = self.sample(logits, inp)
