@@ -97,6 +97,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
         self._tables: dict[int, tuple[list[int], np.ndarray]] = {}  # seq_id -> (block table, as an array)
+        self._last_sampling: tuple[tuple[int, ...], SamplingMetadata] | None = None
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
         self.nvtx = device.type == "cuda"
@@ -260,8 +261,19 @@ class ModelRunner:
                          h.seq_lens[:num_seqs], h.query_start_loc[:num_seqs + 1], logits_indices,
                          sample_seq_ids, rows)
         if rows:  # uploaded now, while the device is idle, so the forward is not waited on later
-            inp.sampling_metadata = SamplingMetadata.build(rows, self.hf_config.vocab_size, self.device)
+            inp.sampling_metadata = self._sampling_metadata(rows, sample_seq_ids)
         return inp
+
+    def _sampling_metadata(self, rows: list[SamplingRow], seq_ids: list[int]) -> SamplingMetadata:
+        """Built and uploaded again only when the rows' parameters may have changed: decode steps of the same
+        sequences without penalties or min_tokens blocking reuse the last step's tensors."""
+        static = all(not r.blocked_token_ids and not r.output_token_ids and not r.prompt_token_ids for r in rows)
+        key = tuple(seq_ids)
+        if static and self._last_sampling is not None and self._last_sampling[0] == key:
+            return self._last_sampling[1]
+        meta = SamplingMetadata.build(rows, self.hf_config.vocab_size, self.device)
+        self._last_sampling = (key, meta) if static else None
+        return meta
 
     def _table_array(self, seq_id: int, table: list[int]) -> np.ndarray:
         """The block table as an array, converted again only when it changed: it grows by one block every
