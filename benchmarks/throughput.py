@@ -97,7 +97,7 @@ def device_name() -> str:
 
 
 def print_table(r: dict) -> None:
-    print(f"\n| engine | prompts | output tokens | time (s) | output tok/s |\n|---|---|---|---|---|")
+    print("\n| engine | prompts | output tokens | time (s) | output tok/s |\n|---|---|---|---|---|")
     print(f"| NovaInfer | {r['num_prompts']} | {r['output_tokens']} | {r['novainfer_s']:.2f} | "
           f"{r['novainfer_tok_s']:,.0f} |")
     if "hf_s" in r:

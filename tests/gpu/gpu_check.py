@@ -79,14 +79,14 @@ def kernel_checks() -> None:
         a, b = kc.clone(), vc.clone()
         torch_backend.store_kv(key[slots >= 0], key[slots >= 0], a, b, slots[slots >= 0])
         store_kv(key, key, kc, vc, slots)
-        check(f"kv store kv_heads={kv_heads} d={hd}", "bitwise vs index_copy", torch.equal(a, kc) and torch.equal(b, vc))
+        same = torch.equal(a, kc) and torch.equal(b, vc)
+        check(f"kv store kv_heads={kv_heads} d={hd}", "bitwise vs index_copy", same)
 
 
 def fused_op_checks() -> None:
     from types import SimpleNamespace
 
     from novainfer.kernels import fused_ops
-    from novainfer.layers.activation import SiluAndMul
     from novainfer.layers.layernorm import RMSNorm
     from novainfer.layers.rotary import RotaryEmbedding
     dev, dt = "cuda", torch.bfloat16
@@ -160,7 +160,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         engine_vs_hf(tmp)
         graph_vs_eager(tmp)
-    print(f"\n| check | detail | result |\n|---|---|---|")
+    print("\n| check | detail | result |\n|---|---|---|")
     for name, detail, ok in rows:
         print(f"| {name} | {detail} | {'pass' if ok else 'FAIL'} |")
     print(f"{sum(ok for *_, ok in rows)}/{len(rows)} passed in {time.time() - t0:.0f} s")
