@@ -21,7 +21,7 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, key
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """key/value: [tokens, kv_heads, head_dim], rows may be strided; caches: [blocks, block_size, kv_heads, head_dim]."""
+    """key/value: [tokens, kv_heads, head_dim] (rows may be strided); caches: [blocks, block_size, kv_heads, dim]."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
