@@ -74,14 +74,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            while not bm.can_append(seq, n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.num_preempted += 1
-                if victim is seq:
+            if len(seq.block_table) * bm.block_size < seq.num_computed_tokens + n:  # needs another block
+                while not bm.can_append(seq, n):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    out.num_preempted += 1
+                    if victim is seq:
+                        break
+                if seq.status != SequenceStatus.RUNNING:
                     break
-            if seq.status != SequenceStatus.RUNNING:
-                break
             bm.allocate_slots(seq, n)
             out.scheduled.append(ScheduledSequence(seq, n))
             budget -= n

@@ -98,6 +98,7 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         self._tables: dict[int, tuple[list[int], np.ndarray]] = {}  # seq_id -> (block table, as an array)
         self._last_sampling: tuple[tuple[int, ...], SamplingMetadata] | None = None
+        self._rows: dict[int, SamplingRow] = {}  # seq_id -> its sampling row, while it never changes
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
         self.nvtx = device.type == "cuda"
@@ -227,6 +228,7 @@ class ModelRunner:
         for seq_id in sched.finished_seq_ids:
             self.generators.pop(seq_id, None)
             self._tables.pop(seq_id, None)
+            self._rows.pop(seq_id, None)
         bs = self.block_size
         num_tokens, num_seqs = sched.num_tokens, len(sched.scheduled)
         width = max(len(s.seq.block_table) for s in sched.scheduled)
@@ -285,6 +287,10 @@ class ModelRunner:
         return cached[1]
 
     def _sampling_row(self, seq) -> SamplingRow:
+        """The row's sampling inputs; a row without penalties or blocked ids is the same every step (cached)."""
+        row = self._rows.get(seq.seq_id)
+        if row is not None and not seq.min_tokens_blocked:
+            return row
         params = seq.sampling_params
         gen = None
         if params.seed is not None:
@@ -294,10 +300,13 @@ class ModelRunner:
                 gen.manual_seed(params.seed + seq.index)
                 self.generators[seq.seq_id] = gen
         penalised = params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
-        return SamplingRow(params=params,  # token histories are copied only for rows that are penalised
-                           prompt_token_ids=seq.prompt_token_ids if penalised else [],
-                           output_token_ids=seq.output_token_ids if penalised else [], generator=gen,
-                           blocked_token_ids=seq.min_tokens_blocked)
+        row = SamplingRow(params=params,  # token histories are copied only for rows that are penalised
+                          prompt_token_ids=seq.prompt_token_ids if penalised else [],
+                          output_token_ids=seq.output_token_ids if penalised else [], generator=gen,
+                          blocked_token_ids=seq.min_tokens_blocked)
+        if not penalised and not seq.min_tokens_blocked:
+            self._rows[seq.seq_id] = row
+        return row
 
     def use_cudagraph(self, inp: StepInputs) -> bool:
         return self.graphs is not None and inp.max_query_len == 1 and self.graphs.can_run(len(inp.seq_lens))
