@@ -73,6 +73,7 @@ class HostBuffers:
         self.slot_mapping = buf(max_tokens, torch.long)
         self.block_tables = buf(max_seqs * max_blocks_per_seq, torch.int32)
         self.seq_lens = buf(max_seqs, torch.int32)
+        self.logits_indices = buf(max_seqs, torch.long)
         self.query_start_loc = buf(max_seqs + 1, torch.int32)
 
 
@@ -344,9 +345,11 @@ class ModelRunner:
         if not inp.logits_indices:
             return None
         with nvtx_range("forward/logits", self.nvtx):
-            if len(inp.logits_indices) != hidden.shape[0]:
-                rows = torch.tensor(inp.logits_indices, dtype=torch.long).to(self.device, non_blocking=True)
-                hidden = hidden[rows]
+            n = len(inp.logits_indices)
+            if n != hidden.shape[0]:  # a step with prefill chunks: only each sequence's last row is sampled
+                rows = self.host.logits_indices[:n]
+                rows.numpy()[:] = inp.logits_indices
+                hidden = hidden[rows.to(self.device, non_blocking=True)]
             return self.model.compute_logits(hidden).float()
 
     def sample(self, logits: torch.Tensor, inp: StepInputs):
