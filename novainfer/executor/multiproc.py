@@ -73,7 +73,7 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, stop_workers, self.procs, 0.0)
         try:
             self._receive("init_device")  # rank 0 joined the group, so every rank did
-            self.collective_rpc("load_model")
+            self.collective_rpc("load_model", self.config)  # other nodes take the engine's settings
         except BaseException:
             self.shutdown()
             raise

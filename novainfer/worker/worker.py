@@ -2,6 +2,7 @@
 and holds its KV cache (local_nkvh heads), runs steps. Executors drive workers; workers never schedule."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -56,8 +57,14 @@ class Worker:
                                 world_size=pc.world_size, rank=self.rank, timeout=timedelta(seconds=600))
         return TorchDistGroup()
 
-    def load_model(self) -> None:
-        """Check that the model splits over tp_size, then build this rank's shard of it on the device."""
+    def load_model(self, config: EngineConfig | None = None) -> None:
+        """Check that the model splits over tp_size, then build this rank's shard of it on the device.
+
+        config: the engine's, sent by the driver so ranks on other nodes use its model, cache and
+        scheduler settings (block size, dtype...); this node's parallel_config is kept."""
+        if config is not None:
+            self.config = dataclasses.replace(config, parallel_config=self.config.parallel_config)
+            self.hf_config = config.model_config.hf_config
         tp = self.config.parallel_config.tensor_parallel_size
         check_tp_divisibility(self.hf_config, tp, self.rank, str(self.device))
         self.model_runner = ModelRunner(self.config, self.hf_config, self.device)
