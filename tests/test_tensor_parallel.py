@@ -224,3 +224,31 @@ def test_mp_two_nodes_on_loopback(tp_model, reference):
         if node1.poll() is None:
             node1.kill()
             node1.wait(10)
+
+
+def test_step_wire_sends_deltas_and_rebuilds_the_step():
+    """mp steps carry appended tokens and changed block tables only; workers rebuild the same sequences."""
+    import pickle
+
+    from novainfer.engine.scheduler import ScheduledSequence, SchedulerOutput
+    from novainfer.engine.sequence import Sequence
+    from novainfer.executor.step_wire import StepPacker, StepReceiver
+    seqs = [Sequence(list(range(10 * i, 10 * i + 7)), SamplingParams(seed=i)) for i in range(3)]
+    packer, receiver = StepPacker(), StepReceiver(worker=None)
+    for step in range(4):
+        for s in seqs:
+            s.block_table = [] if step == 2 and s is seqs[0] else s.block_table + [step]  # seqs[0] preempted
+        msg = pickle.loads(pickle.dumps(packer.pack(SchedulerOutput([ScheduledSequence(s, 1) for s in seqs]))))
+        got = receiver.unpack(msg)
+        for s, g in zip(seqs, got.scheduled):
+            assert (g.seq.token_ids, g.seq.block_table, g.seq.sampling_params.seed, g.num_new_tokens, g.samples) == \
+                (s.token_ids, s.block_table, s.sampling_params.seed, 1, s.num_computed_tokens + 1 == len(s))
+            assert g.seq.prompt_token_ids == s.prompt_token_ids and g.seq.output_token_ids == s.output_token_ids
+        if step:
+            assert all(len(r[4]) == 1 for r in msg.rows) and not msg.new_seqs  # one appended token each
+        for s in seqs:
+            s.token_ids.append(100 + step)
+            s.num_computed_tokens = len(s) - 1
+    msg = packer.pack(SchedulerOutput([ScheduledSequence(seqs[1], 1)], finished_seq_ids=[seqs[0].seq_id]))
+    receiver.unpack(msg)
+    assert seqs[0].seq_id not in receiver.seqs and seqs[0].seq_id not in packer.sent

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 from novainfer.config import EngineConfig
 from novainfer.engine.scheduler import SchedulerOutput
 from novainfer.executor.base import Executor
+from novainfer.executor.step_wire import StepPacker
 from novainfer.executor.worker_proc import run_worker
 from novainfer.worker.model_runner import ModelRunnerOutput
 
@@ -69,6 +70,7 @@ class MultiprocExecutor(Executor):
         return self.config.parallel_config.distributed_init_method, 0, 0
 
     def _init_executor(self) -> None:
+        self.packer = StepPacker()
         self.procs, self.conn = start_local_workers(self.config, self.hf_config)
         self._finalizer = weakref.finalize(self, stop_workers, self.procs, 0.0)
         try:
@@ -89,7 +91,8 @@ class MultiprocExecutor(Executor):
         return self._receive(method)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", scheduler_output, gather=False)[0]
+        """Rank 0's output of the step, sent to every rank as a delta (step_wire)."""
+        return self.collective_rpc("execute_step", self.packer.pack(scheduler_output), gather=False)[0]
 
     def _receive(self, method: str) -> list[Any]:
         sentinels = {p.sentinel: p for p in self.procs}

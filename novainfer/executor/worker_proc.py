@@ -62,7 +62,10 @@ def _object_group(worker) -> Any:
 
 def _serve(conn, worker, objects) -> None:
     import torch.distributed as dist
+
+    from novainfer.executor.step_wire import StepReceiver
     world = worker.group.size
+    steps = StepReceiver(worker)
     while True:
         call = conn.recv() if worker.rank == 0 else None
         if world > 1:
@@ -73,7 +76,8 @@ def _serve(conn, worker, objects) -> None:
             return
         method, args, gather = call
         try:
-            reply: Reply = (worker.rank, True, getattr(worker, method)(*args))
+            target = steps if method == "execute_step" else worker
+            reply: Reply = (worker.rank, True, getattr(target, method)(*args))
         except Exception:
             reply = (worker.rank, False, traceback.format_exc())
             if not gather:  # nobody collects this rank's reply: fail loudly so the peers notice
