@@ -56,7 +56,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "uni"  # uni (one process), mp (one process per device), ray (refused)
     master_addr: str = "127.0.0.1"
-    master_port: int = 29501
+    master_port: int = 29501  # 0: any free port (one node only)
     node_rank: int = 0
     nnodes: int = 1
     world_size: int = 1
@@ -102,8 +102,8 @@ def normalize_parallel_config(cfg: ParallelConfig) -> ParallelConfig:
                          f"got {cfg.distributed_executor_backend!r}")
     if not 0 <= cfg.node_rank < cfg.nnodes:
         raise ValueError(f"node_rank must be in [0, nnodes={cfg.nnodes}), got {cfg.node_rank}")
-    if not 0 < cfg.master_port < 65536:
-        raise ValueError(f"master_port must be in 1..65535, got {cfg.master_port}")
+    if not 0 <= cfg.master_port < 65536 or (cfg.master_port == 0 and cfg.nnodes > 1):
+        raise ValueError(f"master_port must be in 1..65535 (0: a free port, one node only), got {cfg.master_port}")
     local = cfg.ranks_per_node
     if cfg.tensor_parallel_device_ids is None:
         cfg.tensor_parallel_device_ids = list(range(local))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing.connection
+import socket
 import weakref
 from typing import Any
 
@@ -70,6 +71,11 @@ class MultiprocExecutor(Executor):
         return self.config.parallel_config.distributed_init_method, 0, 0
 
     def _init_executor(self) -> None:
+        pc = self.config.parallel_config
+        if pc.master_port == 0:  # one node: any free port on this machine
+            with socket.socket() as s:
+                s.bind((pc.master_addr, 0))
+                pc.master_port = s.getsockname()[1]
         self.packer = StepPacker()
         self.procs, self.conn = start_local_workers(self.config, self.hf_config)
         self._finalizer = weakref.finalize(self, stop_workers, self.procs, 0.0)
