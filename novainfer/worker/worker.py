@@ -85,8 +85,17 @@ class Worker:
         self.model_runner.allocate_kv_cache(num_blocks)
         pc = self.config.parallel_config
         # uni ranks are threads meeting at a barrier, which a CUDA graph cannot capture: they run eager
-        if not (pc.use_single_process_tp and pc.tensor_parallel_size > 1):
+        if pc.use_single_process_tp and pc.tensor_parallel_size > 1:
+            return
+        try:
             self.model_runner.capture_cudagraphs()
+        except Exception:  # e.g. a collective this torch/NCCL cannot capture: slower, still correct
+            if pc.tensor_parallel_size == 1:
+                raise
+            logger.exception("rank %d: CUDA graph capture failed with tp_size=%d; decoding eagerly", self.rank,
+                             pc.tensor_parallel_size)
+            self.model_runner.graphs = None
+            torch.cuda.synchronize(self.device)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
