@@ -41,8 +41,10 @@ class UniProcExecutor(Executor):
         self.collective_rpc("load_model")
 
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        if not self.threads:
+        if len(self.workers) == 1:
             return [getattr(self.workers[0], method)(*args)]
+        if not self.threads:
+            raise RuntimeError("the uni executor is shut down")
         futures: list[Future] = [t.submit(getattr(w, method), *args) for t, w in zip(self.threads, self.workers)]
         results, failures = [], []
         for rank, fut in enumerate(futures):
