@@ -181,7 +181,7 @@ def test_uni_matches_tp1(tp_model, reference, tp):
 
 # ---- mp: one process per rank over gloo ---------------------------------------------------------
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [1, 2, 4])
 def test_mp_matches_tp1(tp_model, reference, tp):
     llm = LLM(tp_model, tensor_parallel_size=tp, distributed_executor_backend="mp", master_port=0, **ENGINE)
     try:

@@ -35,7 +35,7 @@ def run_worker(conn: multiprocessing.connection.Connection | None, config: Engin
     worker = Worker(config, hf_config, rank, local_rank, pc.distributed_init_method, is_driver_worker=rank == 0)
     try:
         worker.init_device()
-        objects = _object_group(worker)
+        objects = _object_group() if worker.group.size > 1 else None
     except Exception:
         logger.exception("rank %d failed to join the tensor-parallel group", rank)
         sys.exit(1)
@@ -52,7 +52,7 @@ def run_worker(conn: multiprocessing.connection.Connection | None, config: Engin
         worker.shutdown()
 
 
-def _object_group(worker) -> Any:
+def _object_group() -> Any:
     """The group calls are broadcast over: gloo (CPU objects), the default group when that is already gloo."""
     import torch.distributed as dist
     if dist.get_backend() == "gloo":
