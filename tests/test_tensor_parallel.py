@@ -254,3 +254,24 @@ def test_step_wire_sends_deltas_and_rebuilds_the_step():
     msg = packer.pack(SchedulerOutput([ScheduledSequence(seqs[1], 1)], finished_seq_ids=[seqs[0].seq_id]))
     receiver.unpack(msg)
     assert seqs[0].seq_id not in receiver.seqs and seqs[0].seq_id not in packer.sent
+
+
+@pytest.mark.timeout(60)
+def test_uni_rank_failure_is_named_and_does_not_hang(tp_model, reference, monkeypatch):
+    """A rank that raises mid-step wakes the ranks waiting for it at the all-reduce; the next step works."""
+    from novainfer.worker.worker import Worker
+    llm = LLM(tp_model, tensor_parallel_size=2, **ENGINE)
+    run = Worker.execute_model
+    fail = [True]
+
+    def flaky(self, sched):
+        if self.rank == 1 and fail[0]:
+            fail[0] = False
+            raise ValueError("injected failure")
+        return run(self, sched)
+    monkeypatch.setattr(Worker, "execute_model", flaky)
+    with pytest.raises(ValueError, match="injected failure") as info:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert "raised by tensor-parallel rank 1 in execute_model (uni backend)" in info.value.__notes__
+    assert generate(llm) == reference
+    llm.llm_engine.shutdown()

@@ -8,7 +8,7 @@ so ranks overlap. Decode CUDA graphs are off with tp_size > 1 (a thread barrier 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from novainfer.config import EngineConfig
@@ -46,14 +46,11 @@ class UniProcExecutor(Executor):
         if not self.threads:
             raise RuntimeError("the uni executor is shut down")
         futures: list[Future] = [t.submit(getattr(w, method), *args) for t, w in zip(self.threads, self.workers)]
-        results, failures = [], []
-        for rank, fut in enumerate(futures):
-            try:
-                results.append(fut.result())
-            except BaseException as exc:  # unblock the ranks waiting for this one at the barrier
-                failures.append((rank, exc))
-                self.reducer.barrier.abort()
-                results.append(None)
+        _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        if pending:  # a rank failed: wake the ranks waiting for it at the all-reduce barrier
+            self.reducer.barrier.abort()
+            wait(pending)
+        failures = [(rank, f.exception()) for rank, f in enumerate(futures) if f.exception() is not None]
         if failures:
             self.reducer.barrier.reset()
             # the rank that failed first, not the ones woken by the broken barrier
@@ -61,7 +58,7 @@ class UniProcExecutor(Executor):
                              failures[0])
             exc.add_note(f"raised by tensor-parallel rank {rank} in {method} (uni backend)")
             raise exc
-        return results
+        return [f.result() for f in futures]
 
     def shutdown(self) -> None:
         for t in self.threads:
