@@ -25,13 +25,18 @@ class ShardError(ValueError):
                 f"global_shape={f['global_shape']} local_shape={f['local_shape']} "
                 f"tp_size={f['tp_size']} tp_rank={f['tp_rank']})")
 
+    def __reduce__(self):  # picklable, so it can cross process boundaries
+        f = self.fields
+        return ShardError, (f["global_shape"], f["local_shape"], f["tp_size"], f["tp_rank"], self.reason,
+                            self.weight_name)
+
     def with_name(self, weight_name: str) -> "ShardError":
         f = self.fields
         return ShardError(f["global_shape"], f["local_shape"], f["tp_size"], f["tp_rank"], self.reason, weight_name)
 
 
 def shard_dim(full: torch.Tensor, dim: int, tp_rank: int, tp_size: int, local_shape: tuple) -> torch.Tensor:
-    """This rank's contiguous chunk [rank * chunk, (rank + 1) * chunk) of full along dim, checked against local_shape."""
+    """This rank's contiguous chunk [rank * chunk, (rank + 1) * chunk) of full along dim, of shape local_shape."""
     glob, local = tuple(full.shape), tuple(local_shape)
     if dim >= full.dim() or full.shape[dim] % tp_size:
         raise ShardError(glob, local, tp_size, tp_rank, f"dim {dim} is not divisible by tp_size")
