@@ -14,7 +14,7 @@ from novainfer import LLM, SamplingParams
 from novainfer.config import ParallelConfig, normalize_parallel_config
 from novainfer.distributed import ShardError, TPGroup, set_tp_group
 from novainfer.distributed.parallel_state import ThreadGroup
-from novainfer.entrypoints.cli import build_parser, engine_kwargs
+from novainfer.entrypoints.cli import build_parser, engine_kwargs, main
 from novainfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tests.tiny_models import hf_greedy, make_tiny_model
 
@@ -105,11 +105,16 @@ def test_bad_weight_shape_names_the_weight(tp_model, tmp_path):
         LLM(str(bad), tensor_parallel_size=2)
 
 
-def test_cli_flags_reach_the_engine_arguments():
+def test_cli_flags_reach_the_engine(tp_model, capsys):
     for argv in (["serve", "m", "-tp", "2", "--distributed-executor-backend", "mp"],
                  ["generate", "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp", "hi"]):
         kw = engine_kwargs(build_parser().parse_args(argv))
         assert kw["tensor_parallel_size"] == 2 and kw["distributed_executor_backend"] == "mp"
+    texts = []
+    for tp in ("1", "2"):
+        assert main(["generate", "--model", tp_model, "-tp", tp, "--max-tokens", "12", "Hello, my name is"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].strip()
 
 
 # ---- sharding -----------------------------------------------------------------------------------
