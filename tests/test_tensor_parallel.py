@@ -155,6 +155,25 @@ def test_shards_are_complementary_and_disjoint():
         assert not values[0] & values[1], name
 
 
+def test_thread_group_sums_in_rank_order_and_names_a_broken_collective():
+    import threading
+
+    from novainfer.distributed.parallel_state import InProcessReducer
+    reducer, out = InProcessReducer(3, timeout=30), {}
+    groups = [ThreadGroup(r, 3, reducer) for r in range(3)]
+    threads = [threading.Thread(target=lambda g=g: out.__setitem__(g.rank, g.all_reduce(torch.full((2,), g.rank + 1.))))
+               for g in groups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(torch.equal(out[r], torch.full((2,), 6.)) for r in range(3))
+    reducer.barrier.abort()
+    with pytest.raises(threading.BrokenBarrierError) as info:
+        groups[0].all_reduce(torch.zeros(2))
+    assert info.value.__notes__ == ["all_reduce failed: group=uni-threads rank=0/3 device=cpu"]
+
+
 def test_two_all_reduces_per_layer_and_none_at_tp1(tp_model, monkeypatch):
     calls: dict[str, list[int]] = {"tp1": [], "tp2": []}
     thread_reduce = ThreadGroup.all_reduce

@@ -30,6 +30,10 @@ class TPGroup:
     def abort(self) -> None:
         """Wake ranks blocked in a collective after another rank failed (where the group can)."""
 
+    def _annotate(self, exc: BaseException, x: torch.Tensor) -> None:
+        """Seed 000 §8.5.5: a failed collective names op, group, rank and device."""
+        exc.add_note(f"all_reduce failed: group={self.name} rank={self.rank}/{self.size} device={x.device}")
+
 
 class InProcessReducer:
     """The meeting point of a ThreadGroup's ranks: one slot per rank and a barrier."""
@@ -51,11 +55,15 @@ class ThreadGroup(TPGroup):
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         r = self.reducer
         r.slots[self.rank] = x
-        r.barrier.wait()  # every rank's partial sum is in place
-        total = r.slots[0].to(x.device, copy=True)
-        for part in r.slots[1:]:
-            total.add_(part.to(x.device))
-        r.barrier.wait()  # nobody overwrites a slot before every rank has read it
+        try:
+            r.barrier.wait()  # every rank's partial sum is in place
+            total = r.slots[0].to(x.device, copy=True)
+            for part in r.slots[1:]:
+                total.add_(part.to(x.device))
+            r.barrier.wait()  # nobody overwrites a slot before every rank has read it
+        except Exception as exc:
+            self._annotate(exc, x)
+            raise
         return total
 
     def abort(self) -> None:
@@ -71,7 +79,11 @@ class TorchDistGroup(TPGroup):
         super().__init__(dist.get_rank(), dist.get_world_size())
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x)
+        try:
+            dist.all_reduce(x)
+        except Exception as exc:
+            self._annotate(exc, x)
+            raise
         return x
 
 
