@@ -220,6 +220,12 @@ def test_mp_matches_tp1(tp_model, reference, tp):
             with pytest.raises(RuntimeError, match=r"worker rank=1 \(pid \d+\) died"):
                 llm.generate(PROMPTS, GREEDY, use_tqdm=False)
             assert not any(p.is_alive() for p in llm.llm_engine.executor.procs)
+        if tp == 4:  # a step that fails on the ranks: named, and the workers are stopped (their state is unknown)
+            with pytest.raises(RuntimeError, match=r"tensor-parallel worker rank=\d.*(failed in execute_step|died)"):
+                llm.llm_engine.executor.collective_rpc("execute_step", None, gather=False)
+            assert not any(p.is_alive() for p in llm.llm_engine.executor.procs)
+            with pytest.raises(RuntimeError, match="shut down"):
+                llm.llm_engine.executor.check_health()
     finally:
         llm.llm_engine.shutdown()
     assert not any(p.is_alive() for p in llm.llm_engine.executor.procs)

@@ -94,13 +94,13 @@ class MultiprocExecutor(Executor):
             self.conn.send((method, args, gather))
         except (BrokenPipeError, OSError):
             self._raise_dead(self.procs[0])
-        return self._receive(method)
+        return self._receive(method, gather)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Rank 0's output of the step, sent to every rank as a delta (step_wire)."""
         return self.collective_rpc("execute_step", self.packer.pack(scheduler_output), gather=False)[0]
 
-    def _receive(self, method: str) -> list[Any]:
+    def _receive(self, method: str, gathered: bool = True) -> list[Any]:
         sentinels = {p.sentinel: p for p in self.procs}
         while True:
             ready = multiprocessing.connection.wait([self.conn, *sentinels])
@@ -113,6 +113,8 @@ class MultiprocExecutor(Executor):
             self._raise_dead(sentinels[ready[0]])
         for rank, ok, payload in replies:
             if not ok:
+                if not gathered:  # the other ranks' replies were not collected: they may be stuck in a collective
+                    self.shutdown(timeout=1.0)
                 raise RuntimeError(f"tensor-parallel worker rank={rank} failed in {method}:\n{payload}")
         return [payload for _, _, payload in replies]
 
