@@ -1,6 +1,7 @@
 """The interface the engine uses to run steps, whatever the number of workers and processes (seed 000 §8.5)."""
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -8,6 +9,8 @@ from novainfer.config import EngineConfig
 from novainfer.distributed import check_tp_divisibility
 from novainfer.engine.scheduler import SchedulerOutput
 from novainfer.worker.model_runner import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
 
 
 class Executor(ABC):
@@ -21,6 +24,9 @@ class Executor(ABC):
         device = config.resolve_device()
         device_id = pc.tensor_parallel_device_ids[0] if device.type == "cuda" else device.type
         check_tp_divisibility(hf_config, pc.tensor_parallel_size, pc.rank, device_id)
+        logger.info("executor backend=%s tp_size=%d world_size=%d nnodes=%d device_ids=%s",
+                    pc.distributed_executor_backend, pc.tensor_parallel_size, pc.world_size, pc.nnodes,
+                    pc.tensor_parallel_device_ids)
 
     @staticmethod
     def get_class(config: EngineConfig) -> type["Executor"]:
