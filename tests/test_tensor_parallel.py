@@ -232,13 +232,13 @@ def test_mp_matches_tp1(tp_model, reference, tp):
 
 
 @pytest.mark.timeout(120)
-def test_mp_two_nodes_on_loopback(tp_model, reference):
+def test_mp_two_nodes_on_loopback(tp_model, reference, tmp_path):
     """node_rank 1 is a second launch (its own process tree) joining node 0's engine over TCP."""
     port = free_port()
+    log = open(tmp_path / "node1.log", "w+")  # a file, not a pipe: a full pipe would block the node
     node1 = subprocess.Popen([sys.executable, "-m", "novainfer.executor.node_worker", tp_model, "-tp", "2",
                               "--nnodes", "2", "--node-rank", "1", "--master-port", str(port)],
-                             env={**os.environ, "PYTHONPATH": os.getcwd()}, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+                             env={**os.environ, "PYTHONPATH": os.getcwd()}, stdout=log, stderr=subprocess.STDOUT)
     llm = None
     try:
         llm = LLM(tp_model, tensor_parallel_size=2, distributed_executor_backend="mp", nnodes=2, master_port=port,
@@ -247,7 +247,8 @@ def test_mp_two_nodes_on_loopback(tp_model, reference):
         ranks = llm.llm_engine.executor.collective_rpc("profile")
         assert [r["rank"] for r in ranks] == [0, 1] and ranks[1]["pid"] != ranks[0]["pid"]
         llm.llm_engine.shutdown()
-        out, _ = node1.communicate(timeout=30)
+        node1.wait(timeout=30)
+        out = (tmp_path / "node1.log").read_text()
         assert node1.returncode == 0, out
         assert "rank=1 local_rank=0 device=cpu tp_size=2" in out  # the start-up log line
     finally:
@@ -256,6 +257,7 @@ def test_mp_two_nodes_on_loopback(tp_model, reference):
         if node1.poll() is None:
             node1.kill()
             node1.wait(10)
+        log.close()
 
 
 def test_step_wire_sends_deltas_and_rebuilds_the_step():
