@@ -255,8 +255,12 @@ def test_mp_two_nodes_on_loopback(tp_model, reference, tmp_path):
         if llm is not None:
             llm.llm_engine.shutdown()
         if node1.poll() is None:
-            node1.kill()
-            node1.wait(10)
+            node1.terminate()  # the node stops its ranks on SIGTERM
+            try:
+                node1.wait(10)
+            except subprocess.TimeoutExpired:
+                node1.kill()
+                node1.wait(10)
         log.close()
 
 

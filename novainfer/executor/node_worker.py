@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing.connection
+import signal
 import sys
 
 from novainfer.config import EngineConfig
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig.from_kwargs(args.model, **kwargs)
     if config.parallel_config.node_rank == 0:
         parser.error("--node-rank 0 is the engine's node: start it with `novainfer serve/generate`")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # SIGTERM still stops this node's ranks (finally)
     return run_node(config)
 
 

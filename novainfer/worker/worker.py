@@ -33,7 +33,11 @@ class Worker:
         pc = self.config.parallel_config
         device = self.config.resolve_device()
         if device.type == "cuda":
-            device = torch.device("cuda", pc.tensor_parallel_device_ids[self.local_rank])
+            ids, count = pc.tensor_parallel_device_ids, torch.cuda.device_count()
+            if ids[self.local_rank] >= count:
+                raise ValueError(f"tensor_parallel_device_ids={ids}: rank {self.rank} wants cuda:{ids[self.local_rank]}"
+                                 f" but this machine has {count} CUDA device(s)")
+            device = torch.device("cuda", ids[self.local_rank])
             torch.cuda.set_device(device)
         self.device = device
         if self.group is None:
