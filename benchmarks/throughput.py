@@ -42,6 +42,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp"])
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--compare-hf", action="store_true", help="also run transformers on the same prompts")
@@ -54,7 +57,8 @@ def main() -> None:
     path = resolve_model(args.model)
     llm = LLM(path, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-              device=args.device)
+              device=args.device, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
+              distributed_executor_backend=args.distributed_executor_backend, master_port=0)
     engine = llm.llm_engine
     vocab = engine.config.model_config.hf_config.vocab_size
     prompts, out_lens = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
@@ -72,7 +76,9 @@ def main() -> None:
     result = {"model": args.model, "num_prompts": len(prompts), "input_tokens": sum(map(len, prompts)),
               "output_tokens": gen, "novainfer_s": elapsed, "novainfer_tok_s": gen / elapsed,
               "kv_cache_tokens": engine.block_manager.num_blocks * engine.config.cache_config.block_size,
-              "device": device_name()}
+              "device": device_name(), "tensor_parallel_size": args.tensor_parallel_size,
+              "distributed_executor_backend": args.distributed_executor_backend}
+    engine.shutdown()
     if args.compare_hf:
         del llm, engine, outs
         n = args.hf_num_prompts or len(prompts)
@@ -104,7 +110,8 @@ def print_table(r: dict) -> None:
         print(f"| HF transformers | {r['hf_prompts']} | {r['hf_output_tokens']} | {r['hf_s']:.2f} | "
               f"{r['hf_tok_s']:,.0f} |")
         print(f"ratio NovaInfer / HF: {r['ratio']:.1f}x")
-    print(f"device: {r['device']}; KV cache: {r['kv_cache_tokens']:,} tokens")
+    print(f"device: {r['device']}; tp={r['tensor_parallel_size']} ({r['distributed_executor_backend']}); "
+          f"KV cache per rank: {r['kv_cache_tokens']:,} tokens")
 
 
 if __name__ == "__main__":

@@ -46,10 +46,81 @@ class SchedulerConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the model is spread over devices (tensor parallelism lands in its own issue)."""
+    """How the model is spread over devices: seed 000 §5.1's fields, in its order (vLLM's names first).
 
+    world_size, rank and local_rank describe this process's place; normalize_parallel_config fills them.
+    distributed_backend "auto" means nccl on CUDA and gloo on the CPU (the seed fixes nccl: it has no CPU path).
+    """
+
+    pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "uni"
+    distributed_executor_backend: str = "uni"  # uni (one process), mp (one process per device), ray (refused)
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501  # 0: any free port (one node only)
+    node_rank: int = 0
+    nnodes: int = 1
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    # NovaInfer's additions (not vLLM fields)
+    distributed_backend: str = "auto"  # auto, nccl, gloo
+    init_method: str = ""  # "" means tcp://master_addr:master_port
+    tp_group_name: str = "TP0"
+    use_single_process_tp: bool = True  # derived: True for uni
+    tensor_parallel_device_ids: list[int] | None = None  # this node's CUDA device per local rank
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def distributed_init_method(self) -> str:
+        return self.init_method or f"tcp://{self.master_addr}:{self.master_port}"
+
+
+def normalize_parallel_config(cfg: ParallelConfig) -> ParallelConfig:
+    """Fill the derived fields and reject impossible layouts; every error names the field and its value."""
+    backends = ("uni", "mp", "ray")
+    if cfg.distributed_executor_backend not in backends:
+        raise ValueError(f"distributed_executor_backend must be one of {backends}, "
+                         f"got {cfg.distributed_executor_backend!r}")
+    if cfg.distributed_executor_backend == "ray":
+        raise NotImplementedError("distributed_executor_backend='ray' is not implemented; "
+                                  "use 'uni' (one process) or 'mp' (one process per device)")
+    if int(cfg.tensor_parallel_size) < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {cfg.tensor_parallel_size}")
+    if cfg.pipeline_parallel_size != 1:
+        raise NotImplementedError(f"pipeline_parallel_size must be 1, got {cfg.pipeline_parallel_size}")
+    if cfg.distributed_backend not in ("auto", "nccl", "gloo"):
+        raise ValueError(f"distributed_backend must be auto, nccl or gloo, got {cfg.distributed_backend!r}")
+    cfg.tensor_parallel_size = int(cfg.tensor_parallel_size)
+    if cfg.nnodes < 1 or cfg.tensor_parallel_size % cfg.nnodes:
+        raise ValueError(f"nnodes={cfg.nnodes} must be >= 1 and divide tensor_parallel_size="
+                         f"{cfg.tensor_parallel_size}")
+    if cfg.nnodes > 1 and cfg.distributed_executor_backend != "mp":
+        raise ValueError(f"nnodes={cfg.nnodes} needs distributed_executor_backend='mp', "
+                         f"got {cfg.distributed_executor_backend!r}")
+    if not 0 <= cfg.node_rank < cfg.nnodes:
+        raise ValueError(f"node_rank must be in [0, nnodes={cfg.nnodes}), got {cfg.node_rank}")
+    if not 0 <= cfg.master_port < 65536 or (cfg.master_port == 0 and cfg.nnodes > 1):
+        raise ValueError(f"master_port must be in 1..65535 (0: a free port, one node only), got {cfg.master_port}")
+    local = cfg.ranks_per_node
+    if cfg.tensor_parallel_device_ids is None:
+        cfg.tensor_parallel_device_ids = list(range(local))
+    ids = list(cfg.tensor_parallel_device_ids)
+    if len(ids) != local:
+        raise ValueError(f"tensor_parallel_device_ids={ids} has length {len(ids)}, expected {local} "
+                         f"(tensor_parallel_size={cfg.tensor_parallel_size} over nnodes={cfg.nnodes})")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"tensor_parallel_device_ids={ids} contains duplicates")
+    if any(int(i) < 0 for i in ids):
+        raise ValueError(f"tensor_parallel_device_ids={ids} contains a negative id")
+    cfg.tensor_parallel_device_ids = [int(i) for i in ids]
+    cfg.world_size = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+    cfg.rank = cfg.node_rank * local  # this process's first rank; each worker gets its own
+    cfg.local_rank = 0
+    cfg.use_single_process_tp = cfg.distributed_executor_backend == "uni"
+    return cfg
 
 
 @dataclass
@@ -100,8 +171,7 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
         if s.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
-        if p.tensor_parallel_size != 1:
-            raise NotImplementedError("tensor_parallel_size > 1 is not supported yet")
+        normalize_parallel_config(p)
 
     def resolve_device(self) -> torch.device:
         """'auto' picks CUDA when present; NOVAINFER_DEVICE overrides (documented in the README)."""

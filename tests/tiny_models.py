@@ -34,12 +34,14 @@ def make_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
 
 
 def make_tiny_model(path: str, arch: str = "qwen2", tie: bool = False, seed: int = 0, layers: int = 2,
-                    vocab_size: int = 400) -> str:
-    """Save a random tiny model of the given architecture (qwen2, llama, qwen3) plus tokenizer to path."""
+                    vocab_size: int = 400, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16) -> str:
+    """Save a random tiny model of the given architecture (qwen2, llama, qwen3) plus tokenizer to path.
+
+    hidden_size is num_heads * head_dim (64 by default); Qwen3 keeps its own head_dim of 32."""
     tokenizer = make_tokenizer(vocab_size)
     vocab = len(tokenizer)
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    common = dict(vocab_size=vocab, hidden_size=num_heads * head_dim, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
                   rms_norm_eps=1e-6, tie_word_embeddings=tie, initializer_range=0.1,
                   eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
                   pad_token_id=tokenizer.pad_token_id, bos_token_id=None)

@@ -1,4 +1,7 @@
-"""Tensor-parallel group: rank, size and the collectives the layers call."""
-from novainfer.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+"""Tensor-parallel group: rank, size and the collectives the layers call; sharding rules."""
+from novainfer.distributed.parallel_state import (TPGroup, get_tp_group, get_tp_rank, get_tp_size, set_tp_group,
+                                                  tensor_model_parallel_all_reduce)
+from novainfer.distributed.sharding import ShardError, check_tp_divisibility, shard_dim
 
-__all__ = ["get_tp_rank", "get_tp_size", "tensor_model_parallel_all_reduce"]
+__all__ = ["TPGroup", "get_tp_group", "get_tp_rank", "get_tp_size", "set_tp_group",
+           "tensor_model_parallel_all_reduce", "ShardError", "check_tp_divisibility", "shard_dim"]

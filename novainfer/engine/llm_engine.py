@@ -68,6 +68,10 @@ class LLMEngine:
         logger.info("engine ready: model=%s blocks=%d (%d tokens) max_model_len=%d",
                     mc.model, num_blocks, num_blocks * bs, self.max_model_len)
 
+    def shutdown(self) -> None:
+        """Stop the executor's workers (processes with the mp backend)."""
+        self.executor.shutdown()
+
     def _resolve_max_model_len(self, cache_tokens: int) -> int:
         mc = self.config.model_config
         model_max = mc.hf_config.max_position_embeddings

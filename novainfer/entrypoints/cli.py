@@ -22,6 +22,14 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp", "ray"],
+                   help="uni: every rank in this process; mp: one process per device (torch.distributed)")
+    p.add_argument("--tensor-parallel-device-ids", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="comma-separated CUDA device ids of this node's ranks (default 0..n-1)")
+    p.add_argument("--nnodes", type=int, default=1, help="mp: machines the ranks span")
+    p.add_argument("--node-rank", type=int, default=0, help="mp: this machine's index (0 runs the engine)")
+    p.add_argument("--master-addr", default="127.0.0.1", help="mp: address of node 0 for the rendezvous")
+    p.add_argument("--master-port", type=int, default=29501, help="mp: port of node 0 for the rendezvous")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -40,7 +48,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-                dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size)
+                dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
+                distributed_executor_backend=args.distributed_executor_backend,
+                tensor_parallel_device_ids=args.tensor_parallel_device_ids, nnodes=args.nnodes,
+                node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

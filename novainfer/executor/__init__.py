@@ -1,1 +1,1 @@
-"""Executors drive the workers: one in-process worker now, one process per device with tensor parallelism."""
+"""Executors drive the workers: uni (every rank in this process) or mp (a process per rank)."""

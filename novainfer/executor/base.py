@@ -1,37 +1,57 @@
-"""The interface the engine uses to run steps, whatever the number of workers and processes."""
+"""The interface the engine uses to run steps, whatever the number of workers and processes (seed 000 §8.5)."""
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from typing import Any
 
 from novainfer.config import EngineConfig
+from novainfer.distributed import check_tp_divisibility
 from novainfer.engine.scheduler import SchedulerOutput
 from novainfer.worker.model_runner import ModelRunnerOutput
 
+logger = logging.getLogger(__name__)
+
 
 class Executor(ABC):
+    """Control plane: drives the workers (one per tensor-parallel rank); never touches the model's tensors."""
+
     def __init__(self, config: EngineConfig, hf_config: Any):
         self.config = config
         self.hf_config = hf_config
+        pc = config.parallel_config
+        # fail before any worker starts when the model cannot be split (every rank would fail the same way)
+        device = config.resolve_device()
+        device_id = pc.tensor_parallel_device_ids[0] if device.type == "cuda" else device.type
+        check_tp_divisibility(hf_config, pc.tensor_parallel_size, pc.rank, device_id)
+        logger.info("executor backend=%s tp_size=%d world_size=%d nnodes=%d device_ids=%s",
+                    pc.distributed_executor_backend, pc.tensor_parallel_size, pc.world_size, pc.nnodes,
+                    pc.tensor_parallel_device_ids)
 
     @staticmethod
     def get_class(config: EngineConfig) -> type["Executor"]:
+        """The executor of config.parallel_config.distributed_executor_backend."""
         backend = config.parallel_config.distributed_executor_backend
         if backend == "uni":
             from novainfer.executor.uniproc import UniProcExecutor
             return UniProcExecutor
-        if backend in ("mp", "ray"):
-            raise NotImplementedError(f"distributed_executor_backend={backend!r} is not supported yet; use 'uni'")
+        if backend == "mp":
+            from novainfer.executor.multiproc import MultiprocExecutor
+            return MultiprocExecutor
+        if backend == "ray":
+            raise NotImplementedError("distributed_executor_backend='ray' is not implemented; use 'uni' or 'mp'")
         raise ValueError(f"distributed_executor_backend must be one of uni, mp, ray; got {backend!r}")
 
     @abstractmethod
     def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        """Call method on every worker and return each worker's result."""
+        """Call method on every worker (all ranks together) and return each rank's result, in rank order."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every rank; rank 0's output is the canonical one."""
         return self.collective_rpc("execute_model", scheduler_output)[0]
 
     def check_health(self) -> None:
+        """Raise if a worker is gone or not initialised."""
         self.collective_rpc("check_health")
 
     def shutdown(self) -> None:  # noqa: B027 - executors with processes override it

@@ -1,8 +1,9 @@
 """Linear layers with tensor-parallel sharding (vLLM's names). Each weight loads through weight_loader.
 
 Column-parallel layers split the output dim (dim 0 of the weight) across ranks, row-parallel layers
-the input dim (dim 1) and all-reduce their output. Fused layers (QKV, gate/up) load each HF tensor
-into its own slice of the fused weight.
+the input dim (dim 1) and all-reduce their output: two all-reduces per decoder layer (o_proj, down_proj).
+Fused layers (QKV, gate/up) shard each HF tensor on its own, then place it in its slice of the fused
+weight (seed 000 §7.1.2.1). Each layer keeps the group current when it was built (see parallel_state).
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from novainfer.distributed import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from novainfer.distributed import get_tp_group, get_tp_size, shard_dim
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -24,7 +25,8 @@ class LinearBase(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
-        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.tp_group = get_tp_group()
+        self.tp_rank, self.tp_size = self.tp_group.rank, self.tp_group.size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -51,8 +53,10 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, _divide(output_size, get_tp_size(), "output_size"), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        size = param.data.shape[0]
-        _copy_checked(param.data, loaded.narrow(0, self.tp_rank * size, size), param)
+        _copy_checked(param.data, self._shard(loaded, 0, param.data.shape), param)
+
+    def _shard(self, loaded: torch.Tensor, dim: int, local_shape) -> torch.Tensor:
+        return shard_dim(loaded, dim, self.tp_rank, self.tp_size, tuple(local_shape))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -66,7 +70,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         target = param.data.narrow(0, offset, size)
-        _copy_checked(target, loaded.narrow(0, self.tp_rank * size, size), param)
+        _copy_checked(target, self._shard(loaded, 0, target.shape), param)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -85,7 +89,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
         target = param.data.narrow(0, offset, size)
-        _copy_checked(target, loaded.narrow(0, self.tp_rank * size, size), param)
+        _copy_checked(target, self._shard(loaded, 0, target.shape), param)
 
 
 class RowParallelLinear(LinearBase):
@@ -95,16 +99,15 @@ class RowParallelLinear(LinearBase):
         super().__init__(_divide(input_size, get_tp_size(), "input_size"), output_size, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if param.data.dim() == 2:
-            size = param.data.shape[1]
-            loaded = loaded.narrow(1, self.tp_rank * size, size)
+        if param.data.dim() == 2:  # the bias is replicated
+            loaded = shard_dim(loaded, 1, self.tp_rank, self.tp_size, tuple(param.data.shape))
         _copy_checked(param.data, loaded, param)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the bias is added once, after the reduction
         y = F.linear(x, self.weight)
         if self.tp_size > 1:
-            y = tensor_model_parallel_all_reduce(y)
+            y = self.tp_group.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

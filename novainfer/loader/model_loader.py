@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
+from novainfer.distributed import ShardError
 from novainfer.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
+_build_lock = threading.Lock()  # the default dtype and device are process state; uni ranks build one at a time
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -68,19 +71,30 @@ def _iter_weights(model: str):
 def load_model(model: str, hf_config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """Build the model on device and fill every parameter through its weight_loader.
 
-    A weight the model needs but the checkpoint lacks fails here, naming it (design doc 002 §4.2.10).
+    A weight the model needs but the checkpoint lacks fails here, naming it (design doc 002 §4.2.10); so
+    does one that cannot be sharded for this rank (seed 000 §7.1.3).
     """
     model_cls = get_model_class(hf_config)
-    prev_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            net = model_cls(hf_config)
-    finally:
-        torch.set_default_dtype(prev_dtype)
+    with _build_lock:
+        prev_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                net = model_cls(hf_config)
+        finally:
+            torch.set_default_dtype(prev_dtype)
     weights, total = _iter_weights(model)
     bar = tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False)
-    missing = net.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in bar)
+    current = [""]
+
+    def named():
+        for name, t in bar:
+            current[0] = name
+            yield name, t.to(device=device, dtype=dtype)
+    try:
+        missing = net.load_weights(named())
+    except ShardError as exc:
+        raise exc.with_name(current[0]) from None
     if missing:
         raise ValueError(f"checkpoint {model} lacks weights the model needs: {', '.join(sorted(missing))}")
     return net.eval()
