@@ -77,6 +77,6 @@ def test_abort_frees_blocks_and_reports_abort(tiny_qwen2):
 
 def test_bf16_dtype_runs(tiny_qwen2):
     llm = LLM(tiny_qwen2, dtype="bfloat16")
-    assert llm.llm_engine.executor.worker.model_runner.kv_cache.dtype == torch.bfloat16
+    assert llm.llm_engine.executor.workers[0].model_runner.kv_cache.dtype == torch.bfloat16
     assert len(llm.generate(["Hello"], SamplingParams(max_tokens=4, ignore_eos=True),
                             use_tqdm=False)[0].outputs[0].token_ids) == 4

@@ -5,6 +5,7 @@ and where its K/V go, is described here.
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -56,21 +57,23 @@ class SlotAttentionMetadata:
     visible: torch.Tensor
 
 
-_current: AttentionMetadata | SlotAttentionMetadata | None = None
+# per thread: the uni backend runs one tensor-parallel rank per thread, each with its own step metadata
+_state = threading.local()
 
 
 def get_attention_metadata() -> AttentionMetadata | SlotAttentionMetadata:
-    if _current is None:
+    meta = getattr(_state, "current", None)
+    if meta is None:
         raise RuntimeError("attention metadata is not set: run the model through the model runner")
-    return _current
+    return meta
 
 
 @contextmanager
 def attention_metadata(meta: AttentionMetadata | SlotAttentionMetadata) -> Iterator[None]:
-    """Make meta visible to the attention layers for the duration of one forward."""
-    global _current
-    prev, _current = _current, meta
+    """Make meta visible to this thread's attention layers for the duration of one forward."""
+    prev = getattr(_state, "current", None)
+    _state.current = meta
     try:
         yield
     finally:
-        _current = prev
+        _state.current = prev

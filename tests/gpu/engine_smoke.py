@@ -36,7 +36,7 @@ def qwen25_kv_report(path: str) -> str:
         Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     make_tokenizer().save_pretrained(path)
     llm = LLM(path, gpu_memory_utilization=0.9)
-    runner = llm.llm_engine.executor.worker.model_runner
+    runner = llm.llm_engine.executor.workers[0].model_runner
     tokens = runner.num_blocks * runner.block_size
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
     t = time.perf_counter()
@@ -64,7 +64,7 @@ def main() -> int:
             release()
         path = make_tiny_model(f"{tmp}/bf16", "qwen2")
         llm = LLM(path, gpu_memory_utilization=0.3)
-        runner = llm.llm_engine.executor.worker.model_runner
+        runner = llm.llm_engine.executor.workers[0].model_runner
         rows.append(("bf16 KV blocks from free memory", f"{runner.num_blocks} blocks, dtype {runner.kv_cache.dtype}"))
         p = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
         a = llm.generate(["Hello"], p, use_tqdm=False)[0].outputs[0].token_ids

@@ -128,7 +128,7 @@ def engine_vs_hf(tmp: str) -> None:
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
         ok = all(o.outputs[0].token_ids == hf_greedy_with(hf, tok.encode(p), 32) for p, o in zip(prompts, outs))
-        graphs = llm.llm_engine.executor.worker.model_runner.graphs is not None
+        graphs = llm.llm_engine.executor.workers[0].model_runner.graphs is not None
         check(f"engine greedy == HF, {arch}, fp32, GPU", f"32 tokens x {len(prompts)} prompts, graphs={graphs}", ok)
         del llm, hf
         gc.collect()
