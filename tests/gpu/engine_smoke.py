@@ -81,10 +81,9 @@ def main() -> int:
         release()
         llm = LLM(path, dtype="float32", gpu_memory_utilization=0.3)
         small = LLM(path, dtype="float32", num_gpu_blocks=24, block_size=16)
-        ref = [o.outputs[0].token_ids for o in llm.generate(prompts * 2, SamplingParams(temperature=0, max_tokens=100,
-                                                                                         ignore_eos=True), use_tqdm=False)]
-        got = [o.outputs[0].token_ids for o in small.generate(prompts * 2, SamplingParams(temperature=0, max_tokens=100,
-                                                                                           ignore_eos=True), use_tqdm=False)]
+        greedy = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        ref = [o.outputs[0].token_ids for o in llm.generate(prompts * 2, greedy, use_tqdm=False)]
+        got = [o.outputs[0].token_ids for o in small.generate(prompts * 2, greedy, use_tqdm=False)]
         pre = small.llm_engine.scheduler.num_preemptions
         ok &= got == ref and pre > 0
         rows.append(("small cache preempts, same tokens (fp32)", f"{got == ref}, preemptions={pre}"))

@@ -24,13 +24,7 @@ from novainfer.attention.metadata import AttentionMetadata  # noqa: E402
 from novainfer.kernels.kv_store import store_kv  # noqa: E402
 from novainfer.kernels.paged_attention import decode_attention, prefill_attention  # noqa: E402
 from tests.tiny_models import hf_greedy_with, make_tiny_model  # noqa: E402
-
-rows: list[tuple[str, str, bool]] = []
-
-
-def check(name: str, detail: str, ok: bool) -> None:
-    rows.append((name, detail, ok))
-    print(("PASS " if ok else "FAIL ") + name + ": " + detail, flush=True)
+from tests.gpu.checks import check, rows  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -26,13 +26,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks.checkpoints import resolve_model  # noqa: E402
 from novainfer import LLM, SamplingParams  # noqa: E402
-
-rows: list[tuple[str, str, bool]] = []
-
-
-def check(name: str, detail: str, ok: bool) -> None:
-    rows.append((name, detail, ok))
-    print(("PASS " if ok else "FAIL ") + name + ": " + detail, flush=True)
+from tests.gpu.checks import check, rows  # noqa: E402
 
 
 def greedy_tokens(path: str, prompts: list[list[int]], tp: int, backend: str) -> tuple[list[list[int]], float]:
@@ -90,7 +84,7 @@ def throughput_checks(out_dir: str) -> None:
     r2 = throughput(2, out_dir, timeout=240)
     if r1 and r2:
         speedup = r2["novainfer_tok_s"] / r1["novainfer_tok_s"]
-        print(f"\n| Qwen2.5-7B bf16 | output tok/s | time (s) | KV cache tokens per rank |\n|---|---|---|---|")
+        print("\n| Qwen2.5-7B bf16 | output tok/s | time (s) | KV cache tokens per rank |\n|---|---|---|---|")
         for r in (r1, r2):
             print(f"| tp={r['tensor_parallel_size']} ({r['distributed_executor_backend']}) | "
                   f"{r['novainfer_tok_s']:,.0f} | {r['novainfer_s']:.2f} | {r['kv_cache_tokens']:,} |")
@@ -110,7 +104,7 @@ def main() -> int:
     parity_checks()
     if not args.skip_throughput:
         throughput_checks(args.out)
-    print(f"\n| check | result | ok |\n|---|---|---|")
+    print("\n| check | result | ok |\n|---|---|---|")
     for name, detail, ok in rows:
         print(f"| {name} | {detail} | {'PASS' if ok else 'FAIL'} |")
     print(f"devices: {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}; "

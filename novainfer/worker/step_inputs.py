@@ -1,0 +1,60 @@
+"""A step's inputs on the host: the packed arrays the runner fills, and the pinned buffers they live in."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from novainfer.layers.sampler import SamplingMetadata, SamplingRow
+
+
+@contextmanager
+def nvtx_range(name: str, enabled: bool) -> Iterator[None]:
+    """An NVTX range for Nsight timelines (prepare/*, attn_meta/*, forward/*, sample/*); free on the CPU."""
+    if not enabled:
+        yield
+        return
+    torch.cuda.nvtx.range_push(name)
+    try:
+        yield
+    finally:
+        torch.cuda.nvtx.range_pop()
+
+
+@dataclass
+class StepInputs:
+    """Host-side tensors for one step, in packed token order (pinned on CUDA, so uploads are asynchronous)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: torch.Tensor  # [num_seqs, width] int32; entries past a sequence's blocks are unused
+    seq_lens_t: torch.Tensor  # the two lists above as host tensors, for the upload
+    query_start_loc_t: torch.Tensor
+    logits_indices: list[int]  # packed-token rows whose logits are sampled
+    sample_seq_ids: list[int]  # the sequence of each sampled row
+    sampling_rows: list[SamplingRow]
+    sampling_metadata: SamplingMetadata | None = None
+
+    @property
+    def max_query_len(self) -> int:
+        return max(b - a for a, b in zip(self.query_start_loc, self.query_start_loc[1:]))
+
+
+class HostBuffers:
+    """Preallocated (pinned on CUDA) host buffers the step inputs are written into, sized for the largest step."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, pin: bool):
+        def buf(n: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, pin_memory=pin)
+        self.input_ids = buf(max_tokens, torch.long)
+        self.positions = buf(max_tokens, torch.long)
+        self.slot_mapping = buf(max_tokens, torch.long)
+        self.block_tables = buf(max_seqs * max_blocks_per_seq, torch.int32)
+        self.seq_lens = buf(max_seqs, torch.int32)
+        self.logits_indices = buf(max_seqs, torch.long)
+        self.query_start_loc = buf(max_seqs + 1, torch.int32)
