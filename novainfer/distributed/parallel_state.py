@@ -103,14 +103,5 @@ def get_tp_group() -> TPGroup:
     return getattr(_thread, "group", None) or _process_group
 
 
-def get_tp_rank() -> int:
-    return get_tp_group().rank
-
-
 def get_tp_size() -> int:
     return get_tp_group().size
-
-
-def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum x over the current group's ranks (identity with one rank)."""
-    return get_tp_group().all_reduce(x)

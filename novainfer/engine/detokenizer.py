@@ -31,14 +31,7 @@ class IncrementalDetokenizer:
     def step(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (may be '' while a character is incomplete)."""
         self.token_ids.extend(new_token_ids)
-        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.token_ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith(_INCOMPLETE):
-            return ""
-        delta = full[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        self.output_text += delta
-        return delta
+        return self._release(final=False)
 
     def defer(self, token_id: int) -> None:
         """Keep a token to decode later in one call (flush): for requests whose text nobody reads before the end."""
@@ -47,15 +40,23 @@ class IncrementalDetokenizer:
     def flush(self) -> None:
         """Decode the deferred tokens in one call; a character still incomplete at the end is left out,
         as step() would not have released it either."""
-        if not self.pending:
-            return
-        self.token_ids.extend(self.pending)
-        self.pending = []
+        if self.pending:
+            self.token_ids.extend(self.pending)
+            self.pending = []
+            self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        """Move the text decoded past read_offset into output_text, unless it ends mid-character."""
         prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.token_ids[self.prefix_offset:]).rstrip(_INCOMPLETE)
-        if len(full) > len(prefix):
-            self.output_text += full[len(prefix):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        full = self._decode(self.token_ids[self.prefix_offset:])
+        if final:
+            full = full.rstrip(_INCOMPLETE)
+        if len(full) <= len(prefix) or full.endswith(_INCOMPLETE):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.output_text += delta
+        return delta
 
 
 def check_stop_strings(output_text: str, new_char_count: int, stop: list[str],

@@ -98,22 +98,6 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class ChatDeltaChoice(BaseModel):
-    index: int
-    delta: ChatResponseMessage
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatDeltaChoice]
-    usage: UsageInfo | None = None
-
-
 class CompletionChoice(BaseModel):
     index: int
     text: str

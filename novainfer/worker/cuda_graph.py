@@ -23,6 +23,11 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+def bucket(ladder: list[int], num_seqs: int) -> int:
+    """The smallest ladder size that holds num_seqs (num_seqs itself past the ladder's end)."""
+    return next((b for b in ladder if b >= num_seqs), num_seqs)
+
+
 class DecodeGraphs:
     def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, num_splits: Callable[[int], int]):
@@ -67,7 +72,7 @@ class DecodeGraphs:
                     seq_lens: torch.Tensor, block_tables: torch.Tensor) -> None:
         """Copy one decode step's inputs (host tensors, pinned) into the static buffers; pad to the graph's size."""
         n = input_ids.shape[0]
-        bs = self.bucket(n)
+        bs = bucket(self.sizes, n)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
@@ -77,10 +82,7 @@ class DecodeGraphs:
             self.slot_mapping[n:bs].fill_(-1)
             self.seq_lens[n:bs].fill_(1)
 
-    def bucket(self, num_seqs: int) -> int:
-        return next(s for s in self.sizes if s >= num_seqs)
-
     def replay(self, num_seqs: int) -> torch.Tensor:
         """Hidden states [num_seqs, hidden] of the decode step whose inputs load_inputs copied in."""
-        self.graphs[self.bucket(num_seqs)].replay()
+        self.graphs[bucket(self.sizes, num_seqs)].replay()
         return self.hidden[:num_seqs]

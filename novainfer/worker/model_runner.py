@@ -20,7 +20,7 @@ from novainfer.layers.attention import Attention
 from novainfer.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from novainfer.loader.model_loader import load_model
 from novainfer.sampling_params import SamplingParams
-from novainfer.worker.cuda_graph import DecodeGraphs, batch_size_ladder
+from novainfer.worker.cuda_graph import DecodeGraphs, batch_size_ladder, bucket
 from novainfer.worker.step_inputs import HostBuffers, StepInputs, nvtx_range
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,7 @@ class ModelRunner:
         self.dtype = mc.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         self.block_size = config.cache_config.block_size
         self.model = load_model(mc.model, hf_config, self.dtype, device)
+        self._attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
         self._tables: dict[int, tuple[list[int], np.ndarray]] = {}  # seq_id -> (block table, as an array)
@@ -58,6 +59,7 @@ class ModelRunner:
         self.host = HostBuffers(sc.max_num_batched_tokens,
                                 sc.max_num_seqs, self.max_blocks_per_seq, pin=device.type == "cuda")
         self.graphs: DecodeGraphs | None = None
+        self.ladder = batch_size_ladder(sc.max_num_seqs)  # the decode batch sizes graphs are captured for
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
     def _select_attention_backend(self, name: str):
@@ -73,8 +75,6 @@ class ModelRunner:
 
     # ---- KV cache --------------------------------------------------------------------------------
     def attention_layers(self) -> list[Attention]:
-        if not hasattr(self, "_attention_layers"):
-            self._attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         return self._attention_layers
 
     def kv_bytes_per_block(self) -> int:
@@ -163,8 +163,7 @@ class ModelRunner:
         steps of one batch compute the same sums."""
         if self.attn_backend is torch_backend:
             return 1
-        ladder = batch_size_ladder(self.config.scheduler_config.max_num_seqs)
-        num_seqs = next((b for b in ladder if b >= num_seqs), num_seqs)
+        num_seqs = bucket(self.ladder, num_seqs)
         kv_heads = self.attention_layers()[0].num_kv_heads
         want = -(-2 * self.num_sms // (num_seqs * kv_heads))
         splits = 1
@@ -186,7 +185,7 @@ class ModelRunner:
         ids, pos, slots = h.input_ids.numpy(), h.positions.numpy(), h.slot_mapping.numpy()
         tables = h.block_tables[:num_seqs * width].numpy().reshape(num_seqs, width)
         qsl, seq_lens, logits_indices, sample_seq_ids, rows = [0], [], [], [], []
-        t = 0
+        t = max_query_len = 0
         for i, s in enumerate(sched.scheduled):
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
             table = seq.block_table
@@ -200,6 +199,7 @@ class ModelRunner:
                 pos[t:t + n] = p
                 slots[t:t + n] = tables[i, p // bs].astype(np.int64) * bs + p % bs
             t += n
+            max_query_len = max(max_query_len, n)
             qsl.append(t)
             seq_lens.append(start + n)
             if s.samples:
@@ -210,8 +210,8 @@ class ModelRunner:
         h.query_start_loc.numpy()[:num_seqs + 1] = qsl
         inp = StepInputs(h.input_ids[:num_tokens], h.positions[:num_tokens], h.slot_mapping[:num_tokens], qsl,
                          seq_lens, h.block_tables[:num_seqs * width].view(num_seqs, width),
-                         h.seq_lens[:num_seqs], h.query_start_loc[:num_seqs + 1], logits_indices,
-                         sample_seq_ids, rows)
+                         h.seq_lens[:num_seqs], h.query_start_loc[:num_seqs + 1], max_query_len,
+                         logits_indices, sample_seq_ids, rows)
         if rows:  # uploaded now, while the device is idle, so the forward is not waited on later
             inp.sampling_metadata = self._sampling_metadata(rows, sample_seq_ids)
         return inp
@@ -239,7 +239,7 @@ class ModelRunner:
     def _sampling_row(self, seq) -> SamplingRow:
         """The row's sampling inputs; a row without penalties or blocked ids is the same every step (cached)."""
         row = self._rows.get(seq.seq_id)
-        if row is not None and not seq.min_tokens_blocked:
+        if row is not None:
             return row
         params = seq.sampling_params
         gen = None

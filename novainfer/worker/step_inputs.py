@@ -35,14 +35,11 @@ class StepInputs:
     block_tables: torch.Tensor  # [num_seqs, width] int32; entries past a sequence's blocks are unused
     seq_lens_t: torch.Tensor  # the two lists above as host tensors, for the upload
     query_start_loc_t: torch.Tensor
+    max_query_len: int  # new tokens of the longest sequence: 1 means a pure decode step
     logits_indices: list[int]  # packed-token rows whose logits are sampled
     sample_seq_ids: list[int]  # the sequence of each sampled row
     sampling_rows: list[SamplingRow]
     sampling_metadata: SamplingMetadata | None = None
-
-    @property
-    def max_query_len(self) -> int:
-        return max(b - a for a, b in zip(self.query_start_loc, self.query_start_loc[1:]))
 
 
 class HostBuffers:
