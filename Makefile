@@ -1,11 +1,13 @@
 # The README's two commands: `make serve` serves the default model over the OpenAI API, `make test` runs the tests.
-# `make run` answers one prompt with the default model.
+# `make run` answers one prompt with the default model; `make fuzz` runs the long schema-fuzzing session.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: serve run test venv clean
+.PHONY: serve run test fuzz venv browser clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,14 +21,25 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The web page's tests drive Debian's Chromium through Playwright (Playwright's own browser download is never used).
+browser: $(CHROMIUM)
+
+$(CHROMIUM):
+	$(SUDO) apt-get update -q
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends chromium fonts-dejavu-core
+
 serve: $(STAMP)
 	$(BIN)/novainfer serve $(SERVE_ARGS)
 
 run: $(STAMP)
 	$(BIN)/novainfer generate "The capital of France is" --max-tokens 32
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q tests
+
+# A long schema-fuzzing run against a live server (`make test` runs a bounded one).
+fuzz: $(STAMP)
+	$(BIN)/python -m pytest -q tests/test_fuzz_api.py --hypothesis-profile=fuzz
 
 clean:
 	rm -rf $(VENV) build *.egg-info
