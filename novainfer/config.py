@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from novainfer.engine.faults import FaultInjector
+
 
 @dataclass
 class ModelConfig:
@@ -134,6 +136,7 @@ class EngineConfig:
     device: str = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs
     attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere), torch, triton
+    fault_injection: str | None = None  # tests only: "STAGE:REQUEST_ID_PREFIX" (engine/faults.py); off in production
 
     @classmethod
     def from_kwargs(cls, model: str, **kw: Any) -> "EngineConfig":
@@ -146,7 +149,7 @@ class EngineConfig:
             owner = next((n for n, c in sections.items() if key in c.__dataclass_fields__), None)
             if owner is not None:
                 parts[owner][key] = value
-            elif key in ("device", "enforce_eager", "attention_backend"):
+            elif key in ("device", "enforce_eager", "attention_backend", "fault_injection"):
                 top[key] = value
             else:
                 raise TypeError(f"unknown engine argument {key!r}")
@@ -172,6 +175,7 @@ class EngineConfig:
         if s.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
         normalize_parallel_config(p)
+        FaultInjector(self.fault_injection)  # a malformed spec fails here, not mid-step
 
     def resolve_device(self) -> torch.device:
         """'auto' picks CUDA when present; NOVAINFER_DEVICE overrides (documented in the README)."""
@@ -202,3 +206,6 @@ class ServerConfig:
     max_sessions: int = 1024  # session_id histories kept (least recently used dropped)
     session_ttl: float = 3600.0  # seconds an idle session is kept
     retry_after: int = 1  # seconds, sent with 429
+    max_request_body_bytes: int = 4 << 20  # larger bodies get 413 before they are parsed
+    allowed_origins: list[str] = field(default_factory=list)  # CORS is off unless origins are given
+    shutdown_timeout: float = 10.0  # on SIGTERM, seconds in-flight requests may finish before they are aborted

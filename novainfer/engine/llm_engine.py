@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from novainfer.config import EngineConfig
 from novainfer.engine.block_manager import BlockManager
 from novainfer.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
+from novainfer.engine.faults import FaultInjector, RequestError
 from novainfer.engine.scheduler import Scheduler
 from novainfer.engine.sequence import Sequence
 from novainfer.executor.base import Executor
@@ -63,6 +64,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, bs, config.cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
         self.requests: dict[str, Request] = {}
+        self.faults = FaultInjector(config.fault_injection)
         self.step_id = 0
         self.num_generated_tokens = 0
         logger.info("engine ready: model=%s blocks=%d (%d tokens) max_model_len=%d",
@@ -160,6 +162,8 @@ class LLMEngine:
                          self.step_id, len(sched.scheduled), sched.num_tokens - decode, decode, sched.num_preempted)
         try:
             result = self.executor.execute_model(sched)
+        except RequestError as exc:  # one request's fault: it fails alone, the others run again
+            return self._fail_request_in_step(sched, exc)
         except Exception as exc:
             self._fail_step(sched, exc)
             raise
@@ -167,15 +171,25 @@ class LLMEngine:
         self.num_generated_tokens += len(result.sampled_token_ids)
         by_seq = {s.seq.seq_id: s.seq for s in sched.scheduled}
         touched: dict[str, Request] = {}
+        outputs = []
         now = time.monotonic()
         for row, (seq_id, token_id) in enumerate(zip(result.seq_ids, result.sampled_token_ids)):
             seq = by_seq[seq_id]
-            req = self.requests[seq.request_id]
+            req = self.requests.get(seq.request_id)
+            if req is None:  # failed earlier in this step (another of its samples)
+                continue
             req.status = RequestStatus.RUNNING
             req.first_token_time = req.first_token_time or now
-            self._append_token(req, seq, token_id, result.logprobs[row] if result.logprobs else None)
+            try:
+                if self.faults:
+                    self.faults.check("postprocess", req.request_id)
+                self._append_token(req, seq, token_id, result.logprobs[row] if result.logprobs else None)
+            except Exception as exc:  # detokenizing or stop checks broke on this request: fail it alone
+                logger.exception("request_id=%s failed while applying its token", req.request_id)
+                outputs.append(self._fail_request(req, exc))
+                touched.pop(req.request_id, None)
+                continue
             touched[req.request_id] = req
-        outputs = []
         for req in touched.values():
             if not req.finished:
                 if req.params.output_kind != RequestOutputKind.FINAL_ONLY:
@@ -185,6 +199,32 @@ class LLMEngine:
             del self.requests[req.request_id]
             outputs.append(self._make_output(req))
         return outputs
+
+    def _fail_request(self, req: Request, exc: Exception) -> RequestOutput:
+        """End one request with finish_reason "error"; its final output carries the error."""
+        self.requests.pop(req.request_id, None)
+        req.status, req.error = RequestStatus.FAILED, f"{type(exc).__name__}: {exc}"
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.finish_reason = "error"
+                self.scheduler.finish(seq)
+        return self._make_output(req)
+
+    def _fail_request_in_step(self, sched, exc: RequestError) -> list[RequestOutput]:
+        """The step did not complete because of one request: fail it; the other sequences go back to
+        the queue to be recomputed (their KV for this step may be missing), and the prefix cache, which
+        registered this step's blocks when it was planned, is dropped."""
+        logger.error("step %d failed for request_id=%s: %s", self.step_id, exc.request_id, exc)
+        req = self.requests.get(exc.request_id)
+        if req is None:  # not a request of this engine: nothing to single out
+            self._fail_step(sched, exc)
+            raise exc
+        out = self._fail_request(req, exc)
+        for s in reversed(sched.scheduled):  # each goes to the queue's head: keep their order
+            if not s.seq.is_finished:
+                self.scheduler.requeue(s.seq)
+        self.block_manager.reset_prefix_cache()
+        return [out]
 
     def _fail_step(self, sched, exc: Exception) -> None:
         """A step that raised: its requests fail, and cached blocks it wrote can't be trusted."""
@@ -245,6 +285,6 @@ class LLMEngine:
                 logprobs=list(seq.logprobs) if want_lp else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,
-                             num_cached_tokens=req.seqs[0].num_cached_tokens,
+                             num_cached_tokens=req.seqs[0].num_cached_tokens, error=req.error,
                              metrics={"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
                                       "num_preemptions": sum(s.num_preemptions for s in req.seqs)})

@@ -112,11 +112,19 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: free the blocks and put the sequence back at the head of the queue."""
         logger.debug("preempting %r", seq)
-        self.running.remove(seq)
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.WAITING
+        self.requeue(seq)
         seq.num_preemptions += 1
         self.num_preemptions += 1
+
+    def requeue(self, seq: Sequence) -> None:
+        """Back to the head of the queue with no blocks, to be recomputed (a preemption, or a step that
+        failed for another request)."""
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            return
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
     def on_step_done(self, scheduled: list[ScheduledSequence]) -> None:

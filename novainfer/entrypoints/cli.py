@@ -33,6 +33,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--fault-injection", default=None, help=argparse.SUPPRESS)  # tests only: engine/faults.py
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -51,7 +52,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
                 distributed_executor_backend=args.distributed_executor_backend,
                 tensor_parallel_device_ids=args.tensor_parallel_device_ids, nnodes=args.nnodes,
-                node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
+                node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+                fault_injection=args.fault_injection)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -103,16 +105,21 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="requests allowed to wait for a slot; past it the server answers 429")
     p.add_argument("--max-sessions", type=int, default=d.max_sessions)
     p.add_argument("--session-ttl", type=float, default=d.session_ttl)
+    p.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                   help="larger request bodies are refused with 413")
+    p.add_argument("--allowed-origins", nargs="+", default=d.allowed_origins, metavar="ORIGIN",
+                   help="origins allowed by CORS (e.g. http://localhost:3000 or *); CORS is off without it")
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
+                   help="on SIGTERM, seconds in-flight requests may finish before they are aborted")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Load every model, then serve them over HTTP until interrupted."""
-    import uvicorn
-
     from novainfer.config import EngineConfig
     from novainfer.engine.llm_engine import LLMEngine
     from novainfer.loader.default_model import DEFAULT_MODEL_NAME
     from novainfer.server.api_server import RequestIdFilter, build_app
+    from novainfer.server.launcher import run_server
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())
     paths = ([args.model] if args.model or not args.more_models else []) + args.more_models
@@ -121,15 +128,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"--served-model-name needs one distinct name per model: {len(paths)} models, names {names}")
     config = ServerConfig(host=args.host, port=args.port, api_key=args.api_key,
                           max_concurrent_requests=args.max_concurrent_requests, max_queue_len=args.max_queue_len,
-                          max_sessions=args.max_sessions, session_ttl=args.session_ttl)
+                          max_sessions=args.max_sessions, session_ttl=args.session_ttl,
+                          max_request_body_bytes=args.max_request_body_bytes, allowed_origins=args.allowed_origins,
+                          shutdown_timeout=args.shutdown_timeout)
     engines = [(name, LLMEngine(EngineConfig.from_kwargs(path, **engine_kwargs(args))))
                for name, path in zip(names, paths)]
     app = build_app(engines, config)
     base = f"http://{args.host}:{args.port}"
     print(f"NovaInfer serving {', '.join(names)}\n  web page: {base}/\n  OpenAI API: {base}/v1  "
           f"(docs {base}/docs, metrics {base}/metrics)", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level.lower(),
-                timeout_graceful_shutdown=5)
+    run_server(app, config, args.log_level)
     return 0
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import logging
 import os
 import re
@@ -13,6 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -36,7 +38,8 @@ logger = logging.getLogger(__name__)
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 _VALID_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII without spaces
 _PUBLIC_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc")
-_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse}
+                                             for code in (400, 401, 404, 413, 429, 500, 503)}
 _STREAMING = {200: {"content": {"text/event-stream": {"description": "with stream=true: SSE chunks, then [DONE]"}}},
               **_ERRORS}
 WEBUI_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "webui")
@@ -51,10 +54,13 @@ class RequestIdFilter(logging.Filter):
 
 
 class RequestContextMiddleware:
-    """Pure ASGI (so streaming and disconnects pass untouched): X-Request-Id on every response, API key."""
+    """Pure ASGI (so streaming and disconnects pass untouched): X-Request-Id on every response, the API key,
+    and the body size limit (a body is read whole, up to the limit, before the app sees it)."""
 
-    def __init__(self, app: Any, api_key: str | None):
-        self.app, self.api_key = app, api_key
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int):
+        self.app, self.max_body_bytes = app, max_body_bytes
+        # compared as digests: equal length whatever was sent, so the comparison's time says nothing
+        self.key_digest = hashlib.sha256(f"Bearer {api_key}".encode()).digest() if api_key else None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -69,18 +75,54 @@ class RequestContextMiddleware:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
             await send(message)
+
+        async def refuse(status: int, message: str, code: str) -> None:
+            logger.info("%d %s: %s", status, path, message)
+            body = error_body(status, message, request_id, code=code)
+            await JSONResponse(body, status_code=status)(scope, receive, send_with_id)
         try:
             path = scope.get("path", "")
-            if self.api_key and path != "/" and not path.startswith(_PUBLIC_PATHS):
-                given = headers.get(b"authorization", b"").decode("latin-1")
-                if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                    logger.info("401 %s", path)
-                    body = error_body(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                      request_id, code="invalid_api_key")
-                    return await JSONResponse(body, status_code=401)(scope, receive, send_with_id)
+            if self.key_digest and path != "/" and not path.startswith(_PUBLIC_PATHS):
+                given = hashlib.sha256(headers.get(b"authorization", b"")).digest()
+                if not secrets.compare_digest(given, self.key_digest):
+                    return await refuse(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                        "invalid_api_key")
+            if scope.get("method") in ("POST", "PUT", "PATCH"):
+                body = await self._read_body(headers, receive)
+                if body is None:
+                    return await refuse(413, f"Request body too large: the limit is {self.max_body_bytes} bytes "
+                                             "(--max-request-body-bytes)", "request_too_large")
+                receive = _replay(body, receive)
             await self.app(scope, receive, send_with_id)
         finally:
             REQUEST_ID.reset(token)
+
+    async def _read_body(self, headers: dict, receive: Any) -> bytes | None:
+        """The whole body, or None as soon as it is known to exceed the limit (declared or counted)."""
+        declared = headers.get(b"content-length", b"").decode("latin-1")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return None
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left; the app will see the disconnect
+                return b"".join(chunks)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    """An ASGI receive that gives `body` once, then whatever the connection says (e.g. disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed() -> dict:
+        return pending.pop() if pending else await receive()
+    return replayed
 
 
 def _request_id(request: Request) -> str:
@@ -116,7 +158,11 @@ def build_app(engines: list[tuple[str, LLMEngine]], config: ServerConfig) -> Fas
             m.engine.shutdown()
 
     app = FastAPI(title="NovaInfer OpenAI-compatible API", version=novainfer.__version__, lifespan=lifespan)
-    app.add_middleware(RequestContextMiddleware, api_key=config.api_key)
+    app.add_middleware(RequestContextMiddleware, api_key=config.api_key, max_body_bytes=config.max_request_body_bytes)
+    if config.allowed_origins:  # off by default; outermost, so preflights and 401/413 answers carry its headers
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id", "Retry-After"])
     app.state.serving, app.state.metrics = serving, metrics
 
     @app.exception_handler(APIError)
@@ -187,6 +233,8 @@ def build_app(engines: list[tuple[str, LLMEngine]], config: ServerConfig) -> Fas
 
     @app.get("/health")
     async def health() -> Response:
+        if serving.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
         dead = [m.name for m in served if m.engine.is_dead]
         if dead:
             raise APIError(503, f"engine dead for {', '.join(dead)}")

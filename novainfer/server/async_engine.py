@@ -142,15 +142,22 @@ class AsyncLLMEngine:
 
     async def cancel(self, request_id: str) -> bool:
         """Abort a request (or every request of a group); False when nothing live has that id."""
-        live = []
-        for t in [t for t in self._requests.values() if request_id in (t.request_id, t.group)]:
+        return self._cancel(lambda t: request_id in (t.request_id, t.group)) > 0
+
+    def cancel_all(self) -> int:
+        """Abort every live request (server shutdown); returns how many were live."""
+        return self._cancel(lambda t: True)
+
+    def _cancel(self, match: Callable[[TrackedRequest], bool]) -> int:
+        live = 0
+        for t in [t for t in self._requests.values() if match(t)]:
             try:  # the state machine refuses (and logs) cancelling a request that already ended
                 t.check(RequestStatus.CANCELLED)
             except IllegalTransitionError:
                 continue
-            live.append(t)
+            live += 1
             self._post(("abort", t.request_id))  # the engine's abort output moves it to cancelled
-        return bool(live)
+        return live
 
     def release(self, request_id: str) -> None:
         """Forget a request whose consumer is done; abort it first if it is still live (idempotent)."""
@@ -209,6 +216,8 @@ class AsyncLLMEngine:
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
+            if self.engine.faults:  # tests only: a fault here is outside step()'s guard and kills the loop
+                self.engine.faults.check("loop", out.request_id)
             if out.finished:
                 self._in_engine.discard(out.request_id)
         if self.on_step is not None:
@@ -225,6 +234,9 @@ class AsyncLLMEngine:
         for out in outputs:
             tracked = self._requests.get(out.request_id)
             if tracked is None or tracked.is_terminal:
+                continue
+            if out.error is not None:  # the engine failed this request alone; its partial output is dropped
+                self._fail([out.request_id], RequestFailedError(f"request {out.request_id} failed: {out.error}"))
                 continue
             tracked.first_output_time = tracked.first_output_time or now
             tracked.last_output = out

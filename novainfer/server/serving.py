@@ -96,6 +96,24 @@ class OpenAIServing:
         self.models = {m.name: m for m in models}
         self.limiter = limiter
         self.sessions = sessions
+        self.draining = False  # set on SIGTERM: new generations get 503
+
+    def begin_drain(self, timeout: float) -> None:
+        """Refuse new generations from now on; abort the ones still running after `timeout` seconds."""
+        self.draining = True
+        asyncio.get_running_loop().call_later(timeout, self.abort_all)
+
+    def abort_all(self) -> None:
+        """Cancel every live request of every model (their streams end with finish_reason "abort")."""
+        for m in self.models.values():
+            m.engine.cancel_all()
+
+    def check_available(self, model: ServedModel) -> None:
+        """503 while the server shuts down or when the model's engine loop has died."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry on another instance", code="shutting_down")
+        if model.engine.is_dead:
+            raise APIError(503, f"the engine for {model.name} died: {model.engine.dead_reason}")
 
     def resolve_model(self, name: str | None) -> ServedModel:
         if name is None:
@@ -136,8 +154,7 @@ class OpenAIServing:
     async def start(self, model: ServedModel, request_id: str, prompts: list[list[int]],
                     params: SamplingParams, prompt_texts: list[str | None]) -> Generation:
         """Admit (429 past the limits) and submit every prompt; on any refusal nothing stays queued."""
-        if model.engine.is_dead:
-            raise APIError(503, f"the engine for {model.name} died: {model.engine.dead_reason}")
+        self.check_available(model)
         try:
             slot = await self.limiter.acquire()
         except OverloadedError as exc:
@@ -145,6 +162,7 @@ class OpenAIServing:
                            headers={"Retry-After": str(exc.retry_after)}) from None
         gen = Generation(model, request_id, prompts, slot)
         try:
+            self.check_available(model)  # the drain may have begun while this request waited for its slot
             for rid, ids, text in zip(gen.sub_ids, prompts, prompt_texts):
                 await model.engine.submit(rid, {"prompt": text, "prompt_token_ids": ids}, params,
                                           group=request_id)

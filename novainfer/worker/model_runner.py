@@ -15,6 +15,7 @@ import torch
 from novainfer.attention import torch_backend
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata
 from novainfer.config import EngineConfig
+from novainfer.engine.faults import FaultInjector
 from novainfer.engine.scheduler import SchedulerOutput
 from novainfer.layers.attention import Attention
 from novainfer.layers.sampler import Sampler, SamplingMetadata, SamplingRow
@@ -46,6 +47,7 @@ class ModelRunner:
         self.model = load_model(mc.model, hf_config, self.dtype, device)
         self._attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
+        self.faults = FaultInjector(config.fault_injection)
         self.generators: dict[int, torch.Generator] = {}
         self._tables: dict[int, tuple[list[int], np.ndarray]] = {}  # seq_id -> (block table, as an array)
         self._last_sampling: tuple[tuple[int, ...], SamplingMetadata] | None = None
@@ -188,6 +190,8 @@ class ModelRunner:
         t = max_query_len = 0
         for i, s in enumerate(sched.scheduled):
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
+            if self.faults:
+                self.faults.check("prepare", seq.request_id)
             table = seq.block_table
             tables[i, :len(table)] = self._table_array(seq.seq_id, table)
             if n == 1:

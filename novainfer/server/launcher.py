@@ -1,0 +1,52 @@
+"""Runs the app under uvicorn with a graceful drain on SIGTERM (and Ctrl-C).
+
+On the signal the server stops accepting connections and answers new generations with 503; requests in
+flight may finish for up to `shutdown_timeout` seconds, then the rest are aborted (streams end with
+finish_reason "abort" and `data: [DONE]`); the engines stop and `run_server` returns, so the process exits 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+from novainfer.config import ServerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server that starts the app's drain when it is told to exit."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, shutdown_timeout: float):
+        super().__init__(config)
+        self.app, self.shutdown_timeout = app, shutdown_timeout
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # the signal arrived outside the loop (start-up): nothing to drain
+                loop = None
+            if loop is not None:
+                logger.info("signal %d: draining, in-flight requests have %.1f s before they are aborted",
+                            sig, self.shutdown_timeout)
+                loop.call_soon(self.app.state.serving.begin_drain, self.shutdown_timeout)
+        super().handle_exit(sig, frame)
+
+
+def run_server(app: FastAPI, config: ServerConfig, log_level: str) -> None:
+    """Serve until SIGTERM/SIGINT, then drain (see the module docstring) and return."""
+    # uvicorn raises the signal it handled again once it has shut down; the drain already did the work,
+    # so that second delivery must not kill the process with a signal status instead of exit code 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
+                               log_level=log_level.lower(),
+                               timeout_graceful_shutdown=int(config.shutdown_timeout) + 5)
+    DrainingServer(uv_config, app, config.shutdown_timeout).run()
+    logger.info("server stopped")
