@@ -68,13 +68,15 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], ou
 
 
 def summarize(name: str, values: list[float], percentiles: tuple[float, ...] = (50, 99)) -> dict[str, float]:
-    """Mean, median and nearest-rank percentiles of values (seconds) in ms, under vLLM's key names."""
+    """Mean, median and percentiles (linear between ranks, as numpy and vLLM) of values (seconds) in ms."""
     ordered = sorted(values) or [0.0]
     report = {f"mean_{name}_ms": 1000 * statistics.fmean(ordered),
               f"median_{name}_ms": 1000 * statistics.median(ordered)}
     for q in percentiles:
-        rank = min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))
-        report[f"p{q:g}_{name}_ms"] = 1000 * ordered[rank]
+        pos = q / 100 * (len(ordered) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(ordered) - 1)
+        report[f"p{q:g}_{name}_ms"] = 1000 * (ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
     return report
 
 
