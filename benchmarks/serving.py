@@ -6,7 +6,8 @@
 Prompts are random token ids drawn from the server's own tokenization of a fixed text, sent to
 /v1/completions with stream=true and ignore_eos, so every request generates exactly --output-len tokens.
 Reports TTFT, TPOT and ITL (mean, median and --metric-percentiles, p50 and p99 by default, in ms), request and
-output-token throughput, and how many requests the server refused with 429 (its admission bounds) or failed.
+output-token throughput, and how many requests the server refused with 429 (its admission bounds; with how long
+the refusal took) or failed.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], ou
         async with http.stream("POST", "/v1/completions", json=body) as resp:
             res.status = resp.status_code
             if resp.status_code != 200:
+                res.latency = time.perf_counter() - start  # for a 429: how promptly the refusal came
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
                 return res
             async for line in resp.aiter_lines():
@@ -109,7 +111,8 @@ async def run(args: argparse.Namespace) -> dict:
               "duration_s": duration, "request_throughput": len(done) / duration,
               "output_throughput_tok_s": sum(r.output_tokens for r in done) / duration,
               **summarize("ttft", [r.ttft for r in done], pct), **summarize("tpot", tpots, pct),
-              **summarize("itl", [x for r in done for x in r.itl], pct)}
+              **summarize("itl", [x for r in done for x in r.itl], pct),
+              **summarize("time_to_429", [r.latency for r in refused], pct)}
     errors = [r.error for r in results if not r.ok and r.status != 429][:3]
     if errors:
         report["first_errors"] = errors
