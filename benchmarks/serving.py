@@ -5,7 +5,9 @@
 
 Prompts are random token ids drawn from the server's own tokenization of a fixed text, sent to
 /v1/completions with stream=true and ignore_eos, so every request generates exactly --output-len tokens.
-Reports TTFT, TPOT and ITL (mean, median, p99, in ms) and request and output-token throughput.
+Reports TTFT, TPOT and ITL (mean, median and --metric-percentiles, p50 and p99 by default, in ms), request and
+output-token throughput, and how many requests the server refused with 429 (its admission bounds; with how long
+the refusal took) or failed.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ SEED_TEXT = ("The quick brown fox jumps over the lazy dog. Paged attention store
 @dataclass
 class Result:
     ok: bool = False
+    status: int = 0  # HTTP status; 0 when the connection itself failed
     ttft: float = 0.0
     latency: float = 0.0
     output_tokens: int = 0
@@ -40,7 +43,9 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], ou
     last = start
     try:
         async with http.stream("POST", "/v1/completions", json=body) as resp:
+            res.status = resp.status_code
             if resp.status_code != 200:
+                res.latency = time.perf_counter() - start  # for a 429: how promptly the refusal came
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
                 return res
             async for line in resp.aiter_lines():
@@ -64,18 +69,23 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], ou
     return res
 
 
-def summarize(name: str, values: list[float]) -> dict[str, float]:
-    if not values:
-        return {f"mean_{name}_ms": 0.0, f"median_{name}_ms": 0.0, f"p99_{name}_ms": 0.0}
-    ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
-    return {f"mean_{name}_ms": 1000 * statistics.fmean(values), f"median_{name}_ms": 1000 * statistics.median(values),
-            f"p99_{name}_ms": 1000 * p99}
+def summarize(name: str, values: list[float], percentiles: tuple[float, ...] = (50, 99)) -> dict[str, float]:
+    """Mean, median and percentiles (linear between ranks, as numpy and vLLM) of values (seconds) in ms."""
+    ordered = sorted(values) or [0.0]
+    report = {f"mean_{name}_ms": 1000 * statistics.fmean(ordered),
+              f"median_{name}_ms": 1000 * statistics.median(ordered)}
+    for q in percentiles:
+        pos = q / 100 * (len(ordered) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(ordered) - 1)
+        report[f"p{q:g}_{name}_ms"] = 1000 * (ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
+    return report
 
 
 async def run(args: argparse.Namespace) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None) as http:
+    limits = httpx.Limits(max_connections=None)  # httpx's default of 100 would queue a larger load in the client
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None, limits=limits) as http:
         model = args.model or (await http.get("/v1/models")).json()["data"][0]["id"]
         vocab = (await http.post("/tokenize", json={"model": model, "prompt": SEED_TEXT})).json()["tokens"]
         rng = random.Random(args.seed)
@@ -93,13 +103,17 @@ async def run(args: argparse.Namespace) -> dict:
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     done = [r for r in results if r.ok]
+    refused = [r for r in results if r.status == 429]
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
-    report = {"model": model, "completed": len(done), "failed": len(results) - len(done),
+    pct = tuple(float(q) for q in args.metric_percentiles.split(","))
+    report = {"model": model, "completed": len(done), "rate_limited_429": len(refused),
+              "failed": len(results) - len(done) - len(refused),
               "duration_s": duration, "request_throughput": len(done) / duration,
               "output_throughput_tok_s": sum(r.output_tokens for r in done) / duration,
-              **summarize("ttft", [r.ttft for r in done]), **summarize("tpot", tpots),
-              **summarize("itl", [x for r in done for x in r.itl])}
-    errors = [r.error for r in results if not r.ok][:3]
+              **summarize("ttft", [r.ttft for r in done], pct), **summarize("tpot", tpots, pct),
+              **summarize("itl", [x for r in done for x in r.itl], pct),
+              **summarize("time_to_429", [r.latency for r in refused], pct)}
+    errors = [r.error for r in results if not r.ok and r.status != 429][:3]
     if errors:
         report["first_errors"] = errors
     return report
@@ -116,6 +130,7 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--metric-percentiles", default="50,99", help="comma-separated percentiles to report (vLLM's flag)")
     p.add_argument("--json", default=None, help="also write the report to this file")
     args = p.parse_args()
     report = asyncio.run(run(args))

@@ -55,3 +55,29 @@ def test_final_only_output_text_equals_streamed_text(tiny_qwen2):
     assert params.output_kind == RequestOutputKind.CUMULATIVE
     assert [streamed["s0"], streamed["s1"]] == [o.outputs[0].text for o in final]
     assert all(o.outputs[0].text for o in final)
+
+
+def test_last_token_completing_one_character_and_starting_another_keeps_the_completed_one():
+    """Streamed (step) and deferred (flush) text end alike: the complete character before a dangling byte."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    tok = make_tokenizer()
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    raw = {i: bytes(byte_of[c] for c in tok.convert_ids_to_tokens(i)) for i in range(len(tok))
+           if all(c in byte_of for c in tok.convert_ids_to_tokens(i))}
+    # a token of two non-ASCII bytes, the first a continuation byte, like '¸ĸ' (0xB8 0x96): after 0xC7 it ends
+    # 'Ǹ' and leaves a byte that no later token can make whole
+    tail = next(i for i, b in raw.items() if len(b) == 2 and 0x80 <= b[0] < 0xC0 and b[1] >= 0x80)
+    lead = next(i for i, b in raw.items() if b == b"\xc7")
+    hello = tok.encode("Hello")
+    ids = hello + [lead, tail]
+    expected = tok.decode(ids).rstrip("\ufffd")
+    assert expected.endswith(bytes([0xC7, raw[tail][0]]).decode())
+    streamed = IncrementalDetokenizer(tok, [])
+    assert streamed.step(hello) == "Hello"
+    assert streamed.step([lead]) == streamed.step([tail]) == ""  # both held back: each ends mid-character
+    deferred = IncrementalDetokenizer(tok, [])
+    for i in ids:
+        deferred.defer(i)
+    for detok in (streamed, deferred, streamed):  # flush twice: idempotent
+        detok.flush()
+        assert detok.output_text == expected

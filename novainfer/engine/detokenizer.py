@@ -38,12 +38,14 @@ class IncrementalDetokenizer:
         self.pending.append(token_id)
 
     def flush(self) -> None:
-        """Decode the deferred tokens in one call; a character still incomplete at the end is left out,
-        as step() would not have released it either."""
-        if self.pending:
-            self.token_ids.extend(self.pending)
-            self.pending = []
-            self._release(final=True)
+        """At the output's end: decode the deferred tokens and release the text step() held back behind a
+        trailing incomplete character, which is left out (nothing can complete it now); idempotent.
+
+        Streamed and deferred outputs thus end with the same text, even when the last token both completes
+        one character and starts another."""
+        self.token_ids.extend(self.pending)
+        self.pending = []
+        self._release(final=True)
 
     def _release(self, final: bool) -> str:
         """Move the text decoded past read_offset into output_text, unless it ends mid-character."""

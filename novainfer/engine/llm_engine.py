@@ -277,7 +277,8 @@ class LLMEngine:
     def _make_output(self, req: Request) -> RequestOutput:
         completions = []
         for seq, detok in zip(req.seqs, req.detokenizers):
-            detok.flush()
+            if seq.is_finished and not isinstance(seq.stop_reason, str):  # a stop string already cut the text
+                detok.flush()
             want_lp = req.params.logprobs is not None
             completions.append(CompletionOutput(
                 index=seq.index, text=detok.output_text, token_ids=list(seq.output_token_ids),

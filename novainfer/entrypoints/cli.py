@@ -20,6 +20,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="KV-cache blocks to allocate instead of sizing from memory (testing preemption)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp", "ray"],
@@ -47,7 +49,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
-                gpu_memory_utilization=args.gpu_memory_utilization,
+                gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks=args.num_gpu_blocks_override,
                 enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
                 dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
                 distributed_executor_backend=args.distributed_executor_backend,
