@@ -88,6 +88,8 @@ async def run(args: argparse.Namespace) -> dict:
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None, limits=limits) as http:
         model = args.model or (await http.get("/v1/models")).json()["data"][0]["id"]
         vocab = (await http.post("/tokenize", json={"model": model, "prompt": SEED_TEXT})).json()["tokens"]
+        if len(set(vocab)) < 2:  # a random checkpoint's word-level tokenizer knows no English: any low id will do
+            vocab = list(range(2, 500))
         rng = random.Random(args.seed)
         prompts = [[rng.choice(vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
         limit = asyncio.Semaphore(args.max_concurrency or args.num_prompts)
