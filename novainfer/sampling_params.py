@@ -81,7 +81,8 @@ class Range:
         kinds = (int,) if self.integer else (int, float)
         if isinstance(value, bool) or not isinstance(value, kinds):
             raise ValueError(f"{name} must be {'an integer' if self.integer else 'a number'}, got {value!r}")
-        if isinstance(value, float) and not math.isfinite(value):  # NaN passes every comparison below and would poison the logits
+        # NaN passes every comparison below (and would poison the logits); infinities are no setting either
+        if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{name} must be a finite number, got {value}")
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
             raise ValueError(f"{name} must be {'>' if self.low_open else '>='} {self.low}, got {value}")
