@@ -14,6 +14,7 @@ import httpx
 import pytest
 import schemathesis
 from schemathesis import GenerationMode
+from schemathesis.config import SchemathesisConfig
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
@@ -44,6 +45,7 @@ def well_formed_stream(ctx, response, case) -> bool | None:
     """An SSE answer is `data: <json>` events without an error chunk, ending with `data: [DONE]`."""
     if response.status_code != 200 or "text/event-stream" not in response.headers.get("content-type", [""])[0]:
         return None
+    assert not response.stream_cut_short, "the stream did not end within the request timeout"
     events = [e for e in response.content.decode().split("\n\n") if e]
     assert events and events[-1] == "data: [DONE]", f"the stream does not end with [DONE]: {events[-1:]!r}"
     for event in events[:-1]:
@@ -75,7 +77,9 @@ def fuzz_server(tiny_qwen2, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def api_schema(fuzz_server):
-    return schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")
+    # read whole streams (schemathesis stops at 20 events by default), so every one is checked up to [DONE]
+    config = SchemathesisConfig.from_dict({"max-stream-events": 100_000})
+    return schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json", config=config)
 
 
 def name_the_model(drawn: tuple) -> object:
@@ -133,7 +137,10 @@ REFUSED = [  # (why, path, raw body, the param the error names)
      '{"messages": [{"role": "user", "content": "hi"}], "top_p": NaN, "max_tokens": 3}', "top_p"),
     ("Infinity presence_penalty", "/v1/completions",
      '{"prompt": "hi", "presence_penalty": -Infinity, "max_tokens": 3}', "presence_penalty"),
-    ("negative token id reached the tokenizer", "/detokenize", '{"tokens": [-1]}', "tokens.0"),
+    ("a boolean was taken as the number 0.0", "/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "hi"}], "min_p": false, "max_tokens": 3}', "min_p"),
+    ("a string was taken as a number", "/v1/completions", '{"prompt": "hi", "n": "2", "max_tokens": 3}', "n"),
+    ("token ids are documented >= 0", "/detokenize", '{"tokens": [-1]}', "tokens.0"),
     ("param named pydantic's union member (prompt.constrained-str)", "/v1/completions", '{"prompt": []}', "prompt"),
 ]
 

@@ -43,7 +43,11 @@ _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse}
                                             for code in (400, 401, 404, 429, 500, 503)}
 _STREAMING = {200: {"description": "The completion; with `stream: true`, SSE chunks (`data: {json}`) then "
                                    "`data: [DONE]`",
-                    "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **_ERRORS}
+                    # in OpenAPI 3.1 an event stream's schema describes each event
+                    "content": {"text/event-stream": {"schema": {
+                        "type": "object", "required": ["data"],
+                        "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE] last"}}}}}},
+            **_ERRORS}
 WEBUI_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "webui")
 
 

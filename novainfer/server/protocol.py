@@ -25,7 +25,9 @@ def _bounded(name: str, default: Any = None, **extra: Any) -> Any:
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are accepted and ignored, as vLLM does
+    # unknown OpenAI fields are accepted and ignored, as vLLM does; known ones must have their documented JSON
+    # type (strict: lax mode took `"min_p": false` as 0.0 and `"n": "2"` as 2, which the schema does not allow)
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(OpenAIModel):
