@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 _GREEDY_EPS = 1e-5
@@ -40,30 +41,18 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):  # anything else (a number, a dict) is refused, not iterated
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {value!r}")
+            setattr(self, name, list(value or []))
         self._validate()
 
     def _validate(self) -> None:
-        _check_number("n", self.n, integer=True, low=1)
-        _check_number("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
-        _check_number("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
-        _check_number("repetition_penalty", self.repetition_penalty, low=0.0, low_open=True)
-        _check_number("temperature", self.temperature, low=0.0)
-        _check_number("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
-        _check_number("top_k", self.top_k, integer=True, low=-1)
-        _check_number("min_p", self.min_p, low=0.0, high=1.0)
-        if self.seed is not None:  # a 64-bit generator seed; larger ones would fail the whole step
-            _check_number("seed", self.seed, integer=True, low=-(2 ** 63), high=2 ** 63 - 1)
-        if self.max_tokens is not None:
-            _check_number("max_tokens", self.max_tokens, integer=True, low=1)
-        _check_number("min_tokens", self.min_tokens, integer=True, low=0)
+        for name, rng in RANGES.items():
+            rng.check(name, getattr(self, name))
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
-        if self.logprobs is not None:
-            _check_number("logprobs", self.logprobs, integer=True, low=0)
-        if self.prompt_logprobs is not None:
-            _check_number("prompt_logprobs", self.prompt_logprobs, integer=True, low=0)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
@@ -74,13 +63,55 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
 
-def _check_number(name: str, value, integer: bool = False, low: float | None = None,
-                  high: float | None = None, low_open: bool = False) -> None:
-    """Raise ValueError naming the field when value has the wrong type or lies outside [low, high]."""
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise ValueError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
-    if low is not None and (value <= low if low_open else value < low):
-        raise ValueError(f"{name} must be {'>' if low_open else '>='} {low}, got {value}")
-    if high is not None and value > high:
-        raise ValueError(f"{name} must be <= {high}, got {value}")
+@dataclass(frozen=True)
+class Range:
+    """The values one numeric field accepts: a finite number (or integer) in [low, high], low excluded when
+    low_open, None when nullable. SamplingParams checks them; the server's schema publishes the same bounds."""
+
+    integer: bool = False
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    nullable: bool = False
+
+    def check(self, name: str, value: object) -> None:
+        """Raise ValueError naming the field when value has the wrong type or lies outside the range."""
+        if value is None and self.nullable:
+            return
+        kinds = (int,) if self.integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise ValueError(f"{name} must be {'an integer' if self.integer else 'a number'}, got {value!r}")
+        # NaN passes every comparison below (and would poison the logits); infinities are no setting either
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value}")
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            raise ValueError(f"{name} must be {'>' if self.low_open else '>='} {self.low}, got {value}")
+        if self.high is not None and value > self.high:
+            raise ValueError(f"{name} must be <= {self.high}, got {value}")
+
+    def field_bounds(self) -> dict[str, float | bool]:
+        """The range as pydantic Field keywords (ge/gt/le; finite floats only)."""
+        bounds: dict[str, float | bool] = {} if self.integer else {"allow_inf_nan": False}
+        if self.low is not None:
+            bounds["gt" if self.low_open else "ge"] = self.low
+        if self.high is not None:
+            bounds["le"] = self.high
+        return bounds
+
+
+RANGES: dict[str, Range] = {
+    "n": Range(integer=True, low=1),
+    "presence_penalty": Range(low=-2.0, high=2.0),
+    "frequency_penalty": Range(low=-2.0, high=2.0),
+    "repetition_penalty": Range(low=0.0, low_open=True),
+    "temperature": Range(low=0.0),
+    "top_p": Range(low=0.0, high=1.0, low_open=True),
+    "top_k": Range(integer=True, low=-1),
+    "min_p": Range(low=0.0, high=1.0),
+    # a 64-bit generator seed; larger ones would fail the whole step
+    "seed": Range(integer=True, low=-(2 ** 63), high=2 ** 63 - 1, nullable=True),
+    "max_tokens": Range(integer=True, low=1, nullable=True),
+    "min_tokens": Range(integer=True, low=0),
+    "logprobs": Range(integer=True, low=0, nullable=True),
+    "prompt_logprobs": Range(integer=True, low=0, nullable=True),
+}

@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
 
 # Without a GPU, Triton kernels run in Triton's CPU interpreter (set before anything imports triton).
 if not torch.cuda.is_available():
@@ -28,3 +29,10 @@ def tiny_llama(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("qwen3")), "qwen3", seed=3)
+
+
+# Hypothesis profiles: `make test` runs the bounded one (a few hundred schema-fuzzing requests, about a
+# minute on two cores); `make fuzz` passes --hypothesis-profile=fuzz, which the plugin loads after this.
+settings.register_profile("bounded", max_examples=60, deadline=None, print_blob=True)
+settings.register_profile("fuzz", max_examples=1000, deadline=None, print_blob=True)
+settings.load_profile("bounded")

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -37,11 +37,19 @@ from novainfer.server.sessions import SessionStore
 logger = logging.getLogger(__name__)
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 _VALID_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII without spaces
+# pydantic names the member of a union that failed ("constrained-str", "list[int]"): not part of the field path
+_UNION_MEMBER = re.compile(r"^(constrained-)?(str|int|float|bool|none|list\[.*\]|dict\[.*\])$|^function-")
 _PUBLIC_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc")
+# 413: a body over --max-request-body-bytes; 500: a request whose engine step fails (naming its request_id)
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse}
-                                             for code in (400, 401, 404, 413, 429, 500, 503)}
-_STREAMING = {200: {"content": {"text/event-stream": {"description": "with stream=true: SSE chunks, then [DONE]"}}},
-              **_ERRORS}
+                                            for code in (400, 401, 404, 413, 429, 500, 503)}
+_STREAMING = {200: {"description": "The completion; with `stream: true`, SSE chunks (`data: {json}`) then "
+                                   "`data: [DONE]`",
+                    # in OpenAPI 3.1 an event stream's schema describes each event
+                    "content": {"text/event-stream": {"schema": {
+                        "type": "object", "required": ["data"],
+                        "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE] last"}}}}}},
+            **_ERRORS}
 WEBUI_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "webui")
 
 
@@ -176,18 +184,22 @@ def build_app(engines: list[tuple[str, LLMEngine]], config: ServerConfig) -> Fas
         if first.get("type") == "json_invalid":
             reason = first.get("ctx", {}).get("error", "")
             return await on_api_error(request, APIError(400, f"Invalid JSON body: {reason}"))
-        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not _UNION_MEMBER.match(str(p)))
         message = f"{loc or 'body'}: {first.get('msg', 'invalid request')}"
         return await on_api_error(request, APIError(400, message, param=loc or None))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):
-        return await on_api_error(request, APIError(exc.status_code, str(exc.detail)))
+        # the exception's headers matter: a 405 must say which methods are allowed (Allow, RFC 9110)
+        return await on_api_error(request, APIError(exc.status_code, str(exc.detail), headers=exc.headers))
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception):
         logger.exception("unexpected error")
-        return error_response(APIError(500, f"internal error: {exc!r}"), _request_id(request))
+        # Starlette runs this handler outside every middleware, so X-Request-Id is set here
+        request_id = _request_id(request)
+        return error_response(APIError(500, f"internal error: {exc!r}", headers={"X-Request-Id": request_id}),
+                              request_id)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_STREAMING)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -231,7 +243,8 @@ def build_app(engines: list[tuple[str, LLMEngine]], config: ServerConfig) -> Fas
             raise APIError(400, f"tokens must be in [0, {len(m.tokenizer)})", param="tokens")
         return DetokenizeResponse(prompt=m.tokenizer.decode(body.tokens))
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "Every engine is alive (empty "
+                                                                                 "body)"}, 503: _ERRORS[503]})
     async def health() -> Response:
         if serving.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
@@ -240,7 +253,7 @@ def build_app(engines: list[tuple[str, LLMEngine]], config: ServerConfig) -> Fas
             raise APIError(503, f"engine dead for {', '.join(dead)}")
         return Response(status_code=200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -21,7 +21,8 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, request_id: str | None, param: str | None = None,
                code: str | int | None = None) -> dict:
-    info = ErrorInfo(message=message, type=_TYPES.get(status, "error"), param=param,
+    default = "invalid_request_error" if status < 500 else "internal_error"  # e.g. 405, 413
+    info = ErrorInfo(message=message, type=_TYPES.get(status, default), param=param,
                      code=code if code is not None else status, request_id=request_id)
     return ErrorResponse(error=info).model_dump()
 

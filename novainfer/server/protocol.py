@@ -1,17 +1,33 @@
 """Pydantic schemas of the OpenAI API (field names as OpenAI's, plus vLLM's sampling extensions).
 
-Value ranges are checked once, by SamplingParams; these schemas check shapes and types.
+Sampling value ranges come from SamplingParams' RANGES, so /openapi.json publishes the bounds the engine
+enforces; MAX_N and MAX_LOGPROBS are the server's own limits on one request's work.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from novainfer.sampling_params import RANGES
+
+MAX_N = 128  # choices per prompt, as OpenAI's limit on n: a huge n would hold the engine for minutes
+MAX_LOGPROBS = 20  # per token, as OpenAI's top_logprobs and vLLM's default max_logprobs
+
+TokenId = Annotated[int, Field(ge=0)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+def _bounded(name: str, default: Any = None, **extra: Any) -> Any:
+    """A Field with SamplingParams' range for name (plus any extra bounds), so the schema documents it."""
+    return Field(default, **{**RANGES[name].field_bounds(), **extra})
+
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields are accepted and ignored, as vLLM does
+    # unknown OpenAI fields are accepted and ignored, as vLLM does; known ones must have their documented JSON
+    # type (strict: lax mode took `"min_p": false` as 0.0 and `"n": "2"` as 2, which the schema does not allow)
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(OpenAIModel):
@@ -22,19 +38,19 @@ class SamplingFields(OpenAIModel):
     """Fields shared by chat and text completions."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int = 1
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    max_tokens: int | None = _bounded("max_tokens")
+    temperature: float | None = _bounded("temperature")
+    top_p: float | None = _bounded("top_p")
+    top_k: int | None = _bounded("top_k")
+    min_p: float | None = _bounded("min_p")
+    n: int = _bounded("n", 1, le=MAX_N)
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: int | None = _bounded("seed")
+    presence_penalty: float | None = _bounded("presence_penalty")
+    frequency_penalty: float | None = _bounded("frequency_penalty")
+    repetition_penalty: float | None = _bounded("repetition_penalty")
+    min_tokens: int = _bounded("min_tokens", 0)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -59,14 +75,16 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = _bounded("max_tokens")
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = _bounded("logprobs", le=MAX_LOGPROBS)
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | \
+        Annotated[list[TokenId], Field(min_length=1)] | \
+        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    logprobs: int | None = _bounded("logprobs", le=MAX_LOGPROBS)
 
 
 class UsageInfo(BaseModel):
@@ -132,7 +150,7 @@ class ModelList(BaseModel):
 class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -140,12 +158,12 @@ class TokenizeRequest(OpenAIModel):
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class DetokenizeResponse(BaseModel):

@@ -17,7 +17,6 @@ from novainfer.server.limits import AdmissionLimiter, OverloadedError, Slot
 from novainfer.server.protocol import SamplingFields, UsageInfo
 from novainfer.server.sessions import SessionStore
 
-MAX_LOGPROBS = 20  # per token, as OpenAI's top_logprobs and vLLM's default max_logprobs
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                       "repetition_penalty")
 
@@ -126,8 +125,6 @@ class OpenAIServing:
     @staticmethod
     def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams from the request; its ValueError (naming the field) becomes a 400."""
-        if logprobs is not None and logprobs > MAX_LOGPROBS:
-            raise APIError(400, f"logprobs must be <= {MAX_LOGPROBS} per token, got {logprobs}", param="logprobs")
         kw: dict[str, Any] = {name: getattr(req, name) for name in _OPTIONAL_SAMPLING
                               if getattr(req, name) is not None}
         try:

@@ -71,8 +71,6 @@ class CompletionHandler:
     def _prompts(prompt) -> list:
         if isinstance(prompt, str):
             return [prompt]
-        if not prompt:
-            raise APIError(400, "prompt must not be empty", param="prompt")
         return [prompt] if isinstance(prompt[0], int) else list(prompt)
 
     # ---- answering -------------------------------------------------------------------------------
