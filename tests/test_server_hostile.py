@@ -82,6 +82,15 @@ def test_huge_prompt_and_max_tokens_past_the_models_room_are_400_naming_the_numb
     assert "max_tokens" in error["message"]
 
 
+def test_one_request_cannot_ask_for_unbounded_work(server):
+    """n is capped per prompt, and prompts x n per request (one admission slot holds them all)."""
+    error = _is_openai_error(httpx.post(server.url + "/v1/completions", timeout=30,
+                                        json={"model": MODEL, "prompt": ["Hi"] * 100, "n": 128}), 400)
+    assert "12800 sequences" in error["message"] and error["param"] == "n"
+    _is_openai_error(httpx.post(server.url + "/v1/completions", timeout=30,
+                                json={"model": MODEL, "prompt": "Hi", "n": 129}), 400)
+
+
 def _raw_get(port: int, path: str) -> tuple[int, bytes]:
     """GET with the path sent byte for byte (clients normalise `..` away)."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:

@@ -1,7 +1,7 @@
 """Pydantic schemas of the OpenAI API (field names as OpenAI's, plus vLLM's sampling extensions).
 
 Sampling value ranges come from SamplingParams' RANGES, so /openapi.json publishes the bounds the engine
-enforces; MAX_N and MAX_LOGPROBS are the server's own limits on one request's work.
+enforces; MAX_N, MAX_LOGPROBS and MAX_SEQUENCES are the server's own limits on one request's work.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from novainfer.sampling_params import RANGES
 
 MAX_N = 128  # choices per prompt, as OpenAI's limit on n: a huge n would hold the engine for minutes
 MAX_LOGPROBS = 20  # per token, as OpenAI's top_logprobs and vLLM's default max_logprobs
+MAX_SEQUENCES = 1024  # prompts x n in one request: it holds one admission slot, so its work must be bounded
 
 TokenId = Annotated[int, Field(ge=0)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]

@@ -16,7 +16,7 @@ from novainfer.outputs import CompletionOutput
 from novainfer.server.async_engine import EngineDeadError, RequestFailedError
 from novainfer.server.errors import APIError, error_body
 from novainfer.server.logprobs import chat_logprobs, completion_logprobs
-from novainfer.server.protocol import ChatCompletionRequest, CompletionRequest
+from novainfer.server.protocol import MAX_SEQUENCES, ChatCompletionRequest, CompletionRequest
 from novainfer.server.serving import Generation, OpenAIServing, abort_on_disconnect, held_back
 from novainfer.server.sessions import continue_conversation
 
@@ -48,6 +48,9 @@ class CompletionHandler:
     async def completion(self, req: CompletionRequest, request_id: str, raw: Request):
         model = self.serving.resolve_model(req.model)
         prompts = self._prompts(req.prompt)
+        if len(prompts) * req.n > MAX_SEQUENCES:
+            raise APIError(400, f"{len(prompts)} prompts x n={req.n} is {len(prompts) * req.n} sequences; "
+                                f"one request may ask for at most {MAX_SEQUENCES}", param="n")
         max_tokens = 16 if "max_tokens" not in req.model_fields_set else req.max_tokens  # OpenAI's default
         params = self.serving.sampling_params(req, max_tokens, req.logprobs)
         tok = model.tokenizer
