@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.staticfiles import StaticFiles
 
 import novainfer
 from novainfer.config import ServerConfig
@@ -35,7 +36,7 @@ from novainfer.server.sessions import SessionStore
 logger = logging.getLogger(__name__)
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 _VALID_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII without spaces
-_PUBLIC_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc")
+_PUBLIC_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc", "/webui/")
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 429, 503)}
 _STREAMING = {200: {"content": {"text/event-stream": {"description": "with stream=true: SSE chunks, then [DONE]"}}},
               **_ERRORS}
@@ -210,6 +211,8 @@ def build_app(engines: list[tuple[str, LLMEngine]], config: ServerConfig) -> Fas
         return HTMLResponse(f"<h1>NovaInfer</h1><p>Serving {names}. OpenAI API under <code>/v1</code>; "
                             f"see <a href='/docs'>/docs</a> and <a href='/metrics'>/metrics</a>.</p>")
 
+    # The page's scripts and styles; they load without the API key (the page sends the key the user typed).
+    app.mount("/webui", StaticFiles(directory=WEBUI_DIR, check_dir=False), name="webui")
     app.openapi = lambda: _openapi_without_422(app)
     return app
 
