@@ -24,6 +24,7 @@
     activeSessionId: null,
     settings: { ...DEFAULT_SETTINGS },
     models: [],              // ids from v1/models
+    modelsKey: null,         // the API key the model list was fetched with
     running: new Map(),      // session id -> the Turn of its request in flight
     editingId: null,         // id of the user message being edited
     renamingId: null,        // id of the session being renamed
@@ -132,13 +133,14 @@
     return line.length > 48 ? `${line.slice(0, 47)}…` : line || "New chat";
   }
 
-  /** The messages sent to the model: the system prompt, then the conversation (errors and empty answers left out). */
+  /** The messages sent to the model: the system prompt, then the conversation. Errors are left out, and so are
+   * answers stopped or failed before any text; a finished answer stays even when empty, as the server kept it. */
   function apiMessagesFor(session) {
     const out = [];
     const system = (state.settings.systemPrompt || "").trim();
     if (system) out.push({ role: "system", content: system });
     for (const msg of session.messages) {
-      if ((msg.role === "user" || msg.role === "assistant") && msg.content) {
+      if (msg.role === "user" || (msg.role === "assistant" && (msg.content || msg.status === "done"))) {
         out.push({ role: msg.role, content: msg.content });
       }
     }
@@ -636,7 +638,6 @@
       return row;
     }
     if (msg.role === "error") {
-      row.setAttribute("role", "alert");
       const box = el("div", "error-box");
       box.appendChild(icon("alert"));
       const body = el("div", "error-body");
@@ -671,6 +672,8 @@
     content.replaceChildren(renderMarkdown(msg.content));
     if (msg.status === "streaming") {
       content.appendChild(el("span", msg.content ? "cursor" : "typing", ""));
+    } else if (!msg.content) {
+      content.appendChild(el("span", "empty-answer", msg.status === "done" ? "(empty answer)" : "(no text)"));
     }
   }
 
@@ -862,7 +865,6 @@
     const session = activeSession();
     const text = els.prompt.value;
     if (!text.trim() || state.running.has(session.id)) return;
-    dropTrailingErrors(session);
     session.messages.push({ id: makeId(), role: "user", content: text });
     els.prompt.value = "";
     autosize();
@@ -879,12 +881,6 @@
       method: "POST", headers: authHeaders(), keepalive: true,
     }).catch(() => {});
     turn.controller.abort();
-  }
-
-  function dropTrailingErrors(session) {
-    while (session.messages.length && session.messages[session.messages.length - 1].role === "error") {
-      session.messages.pop();
-    }
   }
 
   /** Asks for the next assistant message of the session and fills it in as it arrives. */
@@ -979,10 +975,10 @@
     const tokens = usage.completion_tokens ?? turn.pieces;
     const totalMs = turn.endedAt - turn.startedAt;
     const ttftMs = turn.stream && turn.firstTokenAt !== null ? turn.firstTokenAt - turn.startedAt : null;
-    let tokensPerSecond = null;
-    if (ttftMs !== null && tokens > 1 && turn.endedAt > turn.firstTokenAt) {
+    let tokensPerSecond = null; // left out when the tokens arrived all at once and the time says nothing
+    if (ttftMs !== null && tokens > 1 && turn.endedAt - turn.firstTokenAt >= tokens / 4) {
       tokensPerSecond = (tokens - 1) / ((turn.endedAt - turn.firstTokenAt) / 1000); // decode speed
-    } else if (tokens > 0 && totalMs > 0) {
+    } else if (!turn.stream && tokens > 0 && totalMs > 0) {
       tokensPerSecond = tokens / (totalMs / 1000);
     }
     const details = usage.prompt_tokens_details || {};
@@ -1081,8 +1077,10 @@
   }
 
   async function refreshModels() {
+    state.modelsKey = state.settings.apiKey;
     try {
       state.models = await fetchModels();
+      els.notice.hidden = true; // an earlier failure to list them is stale now
       if (state.models.length && !state.models.includes(state.settings.model)) {
         state.settings.model = state.models[0];
         saveSettings();
@@ -1090,7 +1088,8 @@
     } catch (err) {
       state.models = [];
       const hint = err.status === 401 ? " Set the API key in Settings." : "";
-      showNotice(`Could not list the models: ${err.message}${hint} (request id ${err.requestId})`);
+      const message = /[.!?]$/.test(err.message) ? err.message : `${err.message}.`;
+      showNotice(`Could not list the models: ${message}${hint} (request id ${err.requestId})`);
     }
     renderModels();
     if (activeSession().messages.length === 0) renderThread();
@@ -1121,9 +1120,8 @@
     return Number(value);
   }
 
-  function onSettingsChanged(event) {
+  function onSettingsChanged() {
     const s = state.settings;
-    const keyBefore = s.apiKey;
     s.systemPrompt = els.setSystem.value;
     s.temperature = readNumber(els.setTemperature);
     s.topP = readNumber(els.setTopP);
@@ -1133,7 +1131,6 @@
     s.theme = els.setTheme.value;
     saveSettings();
     applyTheme();
-    if (event && event.type === "change" && s.apiKey !== keyBefore) refreshModels();
   }
 
   function bindEvents() {
@@ -1181,7 +1178,10 @@
       saveSettings();
       applyTheme();
     });
-    els.settingsDialog.addEventListener("close", () => els.prompt.focus());
+    els.settingsDialog.addEventListener("close", () => {
+      if (state.settings.apiKey !== state.modelsKey) refreshModels(); // a new key may unlock the model list
+      els.prompt.focus();
+    });
     els.noticeClose.addEventListener("click", () => { els.notice.hidden = true; });
     document.addEventListener("keydown", (e) => {
       if (e.key === "Escape" && els.app.classList.contains("sidebar-open")) setSidebarOpen(false);
