@@ -913,13 +913,16 @@
         });
       } catch (err) {
         if (turn.stopped) throw err;
-        throw new ApiError(`Could not reach the server (${err.message}). Is it running?`, { requestId: turn.requestId });
+        throw new ApiError(`Could not reach the server (${err.message}). Is it running?`,
+          { requestId: turn.requestId });
       }
       if (!resp.ok) throw await errorFromResponse(resp, turn.requestId);
       turn.requestId = resp.headers.get("X-Request-Id") || turn.requestId;
       if (turn.stream) {
         await readStream(resp, turn);
-        if (!turn.done) throw new ApiError("The connection closed before the answer was complete.", { requestId: turn.requestId });
+        if (!turn.done) {
+          throw new ApiError("The connection closed before the answer was complete.", { requestId: turn.requestId });
+        }
       } else {
         const body = await resp.json();
         const choice = (body.choices || [])[0] || {};
