@@ -809,9 +809,8 @@
   }
 
   function applyTheme() {
-    const theme = state.settings.theme;
-    if (theme === "light" || theme === "dark") document.documentElement.dataset.theme = theme;
-    else delete document.documentElement.dataset.theme;
+    // always the resolved theme, so styles.css needs one dark palette, keyed on data-theme
+    document.documentElement.dataset.theme = effectiveTheme();
     const dark = effectiveTheme() === "dark";
     els.themeToggle.replaceChildren(icon(dark ? "sun" : "moon"));
     els.themeToggle.setAttribute("aria-label", dark ? "Switch to light theme" : "Switch to dark theme");
