@@ -173,6 +173,7 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         outputs = []
         now = time.monotonic()
+        faults = self.faults if self.faults else None
         for row, (seq_id, token_id) in enumerate(zip(result.seq_ids, result.sampled_token_ids)):
             seq = by_seq[seq_id]
             req = self.requests.get(seq.request_id)
@@ -181,12 +182,13 @@ class LLMEngine:
             req.status = RequestStatus.RUNNING
             req.first_token_time = req.first_token_time or now
             try:
-                if self.faults:
-                    self.faults.check("postprocess", req.request_id)
+                if faults is not None:
+                    faults.check("postprocess", req.request_id)
                 self._append_token(req, seq, token_id, result.logprobs[row] if result.logprobs else None)
             except Exception as exc:  # detokenizing or stop checks broke on this request: fail it alone
                 logger.exception("request_id=%s failed while applying its token", req.request_id)
-                outputs.append(self._fail_request(req, exc))
+                self._fail_request(req, exc)
+                outputs.append(self._make_output(req))
                 touched.pop(req.request_id, None)
                 continue
             touched[req.request_id] = req
@@ -200,15 +202,14 @@ class LLMEngine:
             outputs.append(self._make_output(req))
         return outputs
 
-    def _fail_request(self, req: Request, exc: Exception) -> RequestOutput:
-        """End one request with finish_reason "error"; its final output carries the error."""
+    def _fail_request(self, req: Request, exc: Exception) -> None:
+        """End one request with finish_reason "error" and free its blocks; its output will carry the error."""
         self.requests.pop(req.request_id, None)
         req.status, req.error = RequestStatus.FAILED, f"{type(exc).__name__}: {exc}"
         for seq in req.seqs:
             if not seq.is_finished:
                 seq.finish_reason = "error"
                 self.scheduler.finish(seq)
-        return self._make_output(req)
 
     def _fail_request_in_step(self, sched, exc: RequestError) -> list[RequestOutput]:
         """The step did not complete because of one request: fail it; the other sequences go back to
@@ -219,25 +220,20 @@ class LLMEngine:
         if req is None:  # not a request of this engine: nothing to single out
             self._fail_step(sched, exc)
             raise exc
-        out = self._fail_request(req, exc)
+        self._fail_request(req, exc)
         for s in reversed(sched.scheduled):  # each goes to the queue's head: keep their order
             if not s.seq.is_finished:
                 self.scheduler.requeue(s.seq)
         self.block_manager.reset_prefix_cache()
-        return [out]
+        return [self._make_output(req)]
 
     def _fail_step(self, sched, exc: Exception) -> None:
         """A step that raised: its requests fail, and cached blocks it wrote can't be trusted."""
         logger.exception("step %d failed", self.step_id)
         for s in sched.scheduled:
-            req = self.requests.pop(s.seq.request_id, None)
-            if req is None:
-                continue
-            req.status, req.error = RequestStatus.FAILED, repr(exc)
-            for seq in req.seqs:
-                if not seq.is_finished:
-                    seq.finish_reason = "error"
-                    self.scheduler.finish(seq)
+            req = self.requests.get(s.seq.request_id)
+            if req is not None:
+                self._fail_request(req, exc)
         self.block_manager.reset_prefix_cache()
 
     def _append_token(self, req: Request, seq: Sequence, token_id: int, logprobs) -> None:

@@ -119,10 +119,7 @@ class Scheduler:
     def requeue(self, seq: Sequence) -> None:
         """Back to the head of the queue with no blocks, to be recomputed (a preemption, or a step that
         failed for another request)."""
-        if seq.status == SequenceStatus.RUNNING:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            return
+        self.running.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

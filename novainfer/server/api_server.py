@@ -79,6 +79,7 @@ class RequestContextMiddleware:
         request_id = sent if _VALID_ID.match(sent) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = request_id
         token = REQUEST_ID.set(request_id)
+        path = scope.get("path", "")
 
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -90,7 +91,6 @@ class RequestContextMiddleware:
             body = error_body(status, message, request_id, code=code)
             await JSONResponse(body, status_code=status)(scope, receive, send_with_id)
         try:
-            path = scope.get("path", "")
             if self.key_digest and path != "/" and not path.startswith(_PUBLIC_PATHS):
                 given = hashlib.sha256(headers.get(b"authorization", b"")).digest()
                 if not secrets.compare_digest(given, self.key_digest):

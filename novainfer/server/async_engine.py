@@ -215,9 +215,10 @@ class AsyncLLMEngine:
                 self._publish([out] if out is not None else [])
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            if self.engine.faults:  # tests only: a fault here is outside step()'s guard and kills the loop
+        if self.engine.faults:  # tests only: a fault here is outside step()'s guard and kills the loop
+            for out in outputs:
                 self.engine.faults.check("loop", out.request_id)
+        for out in outputs:
             if out.finished:
                 self._in_engine.discard(out.request_id)
         if self.on_step is not None:

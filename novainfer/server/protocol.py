@@ -100,12 +100,17 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
 
 
-class ChatChoice(BaseModel):
+class _Choice(BaseModel):
+    """What a chat and a text choice share."""
+
     index: int
-    message: ChatResponseMessage
     logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class ChatChoice(_Choice):
+    message: ChatResponseMessage
 
 
 class ChatCompletionResponse(BaseModel):
@@ -117,12 +122,8 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class CompletionChoice(BaseModel):
-    index: int
+class CompletionChoice(_Choice):
     text: str
-    logprobs: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -180,6 +180,9 @@ class ModelRunner:
             self.generators.pop(seq_id, None)
             self._tables.pop(seq_id, None)
             self._rows.pop(seq_id, None)
+        if self.faults:  # tests only: before any input is written
+            for s in sched.scheduled:
+                self.faults.check("prepare", s.seq.request_id)
         bs = self.block_size
         num_tokens, num_seqs = sched.num_tokens, len(sched.scheduled)
         width = max(len(s.seq.block_table) for s in sched.scheduled)
@@ -190,8 +193,6 @@ class ModelRunner:
         t = max_query_len = 0
         for i, s in enumerate(sched.scheduled):
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
-            if self.faults:
-                self.faults.check("prepare", seq.request_id)
             table = seq.block_table
             tables[i, :len(table)] = self._table_array(seq.seq_id, table)
             if n == 1:
