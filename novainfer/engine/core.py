@@ -1,0 +1,239 @@
+"""EngineCore: the scheduler, the block manager and the executor, and one step of the engine.
+
+A step has three phases, each a method: schedule (which sequences run, how many tokens), execute (the
+executor runs the model and samples), update_from_output (token-level bookkeeping: append each sampled
+token, finish on eos, a stop token id, max_tokens or the context's end). The core never tokenizes or
+detokenizes: it takes token ids and returns, per sample, the new token ids and how it ended. Stop strings,
+text and logprob formatting belong to the front-end (engine/output_processor.py). It runs in the caller's
+process (LLMEngine) or in a process of its own (engine/core_proc.py).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from novainfer.config import EngineConfig
+from novainfer.engine.block_manager import BlockManager
+from novainfer.engine.faults import FaultInjector, RequestError
+from novainfer.engine.messages import AbortTarget, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from novainfer.engine.processor import check_request
+from novainfer.engine.scheduler import Scheduler, SchedulerOutput
+from novainfer.engine.sequence import Sequence
+from novainfer.executor.base import Executor
+from novainfer.worker.model_runner import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    """The core's view of a request: its n samples' sequences."""
+
+    request_id: str
+    seqs: list[Sequence]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class EngineCore:
+    """Owns the KV cache's bookkeeping and the workers; `step()` advances every scheduled sequence."""
+
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int]):
+        mc = config.model_config  # model path resolved and hf_config loaded by the caller
+        self.config = config
+        self.eos_token_ids = set(eos_token_ids)
+        self.vocab_size = mc.hf_config.vocab_size
+        self.executor = Executor.get_class(config)(config, mc.hf_config)
+        self.num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
+        self.executor.collective_rpc("initialize_cache", self.num_blocks)
+        bs = config.cache_config.block_size
+        self.max_model_len = resolve_max_model_len(config, self.num_blocks * bs)
+        self.block_manager = BlockManager(self.num_blocks, bs, config.cache_config.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
+        self.requests: dict[str, Request] = {}
+        self.faults = FaultInjector(config.fault_injection)
+        self.step_id = 0
+        self.num_generated_tokens = 0
+        self._failed: list[EngineCoreOutput] = []  # outputs of requests a raising step failed
+        logger.info("engine core ready: model=%s blocks=%d (%d tokens) max_model_len=%d",
+                    mc.model, self.num_blocks, self.num_blocks * bs, self.max_model_len)
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (processes with the mp backend)."""
+        self.executor.shutdown()
+
+    # ---- requests --------------------------------------------------------------------------------
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a tokenized request; ValueError (nothing queued) when it cannot be served."""
+        rid, params = request.request_id, request.sampling_params
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        check_request(request.prompt_token_ids, params, self.max_model_len, self.vocab_size)
+        blocked: list[int] = []  # ids that may not end the output before min_tokens
+        if params.min_tokens > 0:
+            blocked = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(request.prompt_token_ids, params, rid, index=i, arrival_time=request.arrival_time)
+            seq.min_tokens_blocked = list(blocked)
+            seqs.append(seq)
+        self.requests[rid] = Request(rid, seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_requests(self, targets: list[AbortTarget]) -> None:
+        """Free the blocks of cancelled requests, or of single samples a stop string ended; unknown ids
+        (requests that already finished) are ignored."""
+        for target in targets:
+            req = self.requests.get(target.request_id)
+            if req is None:
+                continue
+            for seq in req.seqs:
+                if not seq.is_finished and target.index in (None, seq.index):
+                    self._finish(seq, "abort", None)
+            if req.finished:
+                del self.requests[target.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def make_stats(self) -> SchedulerStats:
+        sched, bm = self.scheduler, self.block_manager
+        return SchedulerStats(len({s.request_id for s in sched.running}), len({s.request_id for s in sched.waiting}),
+                              bm.usage, bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions,
+                              self.num_generated_tokens)
+
+    # ---- one step: schedule -> execute -> update_from_output -------------------------------------
+    def step(self) -> EngineCoreOutputs | None:
+        """One step; None when nothing could be scheduled. A step that raises (not because of one request)
+        has failed its requests first: pop_failed_outputs() has their outputs."""
+        sched = self.schedule()
+        if sched.is_empty:
+            return None
+        try:
+            result = self.execute(sched)
+        except RequestError as exc:  # one request's fault: it fails alone, the others run again
+            outputs = self._fail_request_in_step(sched, exc)
+        except Exception as exc:
+            self._fail_step(sched, exc)
+            raise
+        else:
+            outputs = self.update_from_output(sched, result)
+        return EngineCoreOutputs(outputs, self.make_stats(), time.monotonic())
+
+    def schedule(self) -> SchedulerOutput:
+        sched = self.scheduler.schedule()
+        if not sched.is_empty:
+            self.step_id += 1
+            if logger.isEnabledFor(logging.DEBUG):
+                decode = sum(s.num_new_tokens for s in sched.scheduled
+                             if s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
+                logger.debug("step_id=%d batch_size=%d num_prefill_tokens=%d num_decode_tokens=%d preempted=%d",
+                             self.step_id, len(sched.scheduled), sched.num_tokens - decode, decode,
+                             sched.num_preempted)
+        return sched
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.executor.execute_model(sched)
+
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append each sampled token to its sequence and finish the sequences that ended at the token level."""
+        self.scheduler.on_step_done(sched.scheduled)
+        self.num_generated_tokens += len(result.sampled_token_ids)
+        by_seq = {s.seq.seq_id: s.seq for s in sched.scheduled}
+        outputs: list[EngineCoreOutput] = []
+        faults = self.faults if self.faults else None
+        for row, (seq_id, token_id) in enumerate(zip(result.seq_ids, result.sampled_token_ids)):
+            seq = by_seq[seq_id]
+            rid = seq.request_id
+            if rid not in self.requests:  # failed earlier in this step (another of its samples), or aborted
+                continue
+            try:
+                if faults is not None:
+                    faults.check("postprocess", rid)
+                self._append_token(seq, token_id)
+            except Exception as exc:  # this request's bookkeeping broke: fail it alone
+                logger.exception("request_id=%s failed while applying its token", rid)
+                outputs.append(self._fail_request(rid, exc))
+                continue
+            outputs.append(EngineCoreOutput(
+                rid, seq.index, [token_id], [result.logprobs[row]] if result.logprobs else None,
+                seq.finish_reason, seq.stop_reason, seq.num_cached_tokens, seq.num_preemptions))
+            if seq.is_finished and self.requests[rid].finished:
+                del self.requests[rid]
+        return outputs
+
+    def _append_token(self, seq: Sequence, token_id: int) -> None:
+        """Token-level stops; stop strings are the front-end's (they need text)."""
+        p = seq.sampling_params
+        seq.append_token(token_id)
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            seq.min_tokens_blocked = []
+            if not p.ignore_eos and token_id in self.eos_token_ids:
+                return self._finish(seq, "stop", None)
+            if p.stop_token_ids and token_id in p.stop_token_ids:
+                return self._finish(seq, "stop", token_id)
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or len(seq) >= self.max_model_len:
+            self._finish(seq, "length", None)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | None) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
+
+    # ---- failures --------------------------------------------------------------------------------
+    def _fail_request(self, request_id: str, exc: Exception) -> EngineCoreOutput:
+        """End one request with finish_reason "error" and free its blocks; the output carries the error."""
+        req = self.requests.pop(request_id, None)
+        for seq in req.seqs if req is not None else []:
+            if not seq.is_finished:
+                self._finish(seq, "error", None)
+        return EngineCoreOutput(request_id, finish_reason="error", error=f"{type(exc).__name__}: {exc}")
+
+    def _fail_request_in_step(self, sched: SchedulerOutput, exc: RequestError) -> list[EngineCoreOutput]:
+        """The step did not complete because of one request: fail it; the other sequences go back to
+        the queue to be recomputed (their KV for this step may be missing), and the prefix cache, which
+        registered this step's blocks when it was planned, is dropped."""
+        logger.error("step %d failed for request_id=%s: %s", self.step_id, exc.request_id, exc)
+        if exc.request_id not in self.requests:  # not a request of this engine: nothing to single out
+            self._fail_step(sched, exc)
+            raise exc
+        output = self._fail_request(exc.request_id, exc)
+        for s in reversed(sched.scheduled):  # each goes to the queue's head: keep their order
+            if not s.seq.is_finished:
+                self.scheduler.requeue(s.seq)
+        self.block_manager.reset_prefix_cache()
+        return [output]
+
+    def _fail_step(self, sched: SchedulerOutput, exc: Exception) -> None:
+        """A step that raised: its requests fail, and cached blocks it wrote can't be trusted."""
+        logger.exception("step %d failed", self.step_id)
+        for rid in dict.fromkeys(s.seq.request_id for s in sched.scheduled):
+            if rid in self.requests:
+                self._failed.append(self._fail_request(rid, exc))
+        self.block_manager.reset_prefix_cache()
+
+    def pop_failed_outputs(self) -> list[EngineCoreOutput]:
+        """The error outputs of the requests the last raising step failed."""
+        failed, self._failed = self._failed, []
+        return failed
+
+
+def resolve_max_model_len(config: EngineConfig, cache_tokens: int) -> int:
+    """max_model_len as asked (checked against the model and the cache), or the most that fits."""
+    mc = config.model_config
+    model_max = mc.hf_config.max_position_embeddings
+    if mc.max_model_len is not None and mc.max_model_len > model_max:
+        raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's "
+                         f"max_position_embeddings={model_max}")
+    wanted = mc.max_model_len or model_max
+    if wanted > cache_tokens:
+        if mc.max_model_len is not None:
+            raise ValueError(f"max_model_len={wanted} needs more KV cache than fits ({cache_tokens} tokens); "
+                             "lower max_model_len or give the cache more memory")
+        logger.warning("max_model_len lowered from %d to the KV cache's %d tokens", wanted, cache_tokens)
+        wanted = cache_tokens
+    return wanted

@@ -1,0 +1,178 @@
+"""OutputProcessor: the front-end's half of a step. It applies the core's new token ids to each request:
+incremental detokenization, stop strings (a hit is returned as a sample for the core to abort, so its
+blocks are freed at once), logprob formatting, and RequestOutput assembly."""
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from novainfer.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
+from novainfer.engine.messages import AbortTarget, EngineCoreOutput
+from novainfer.outputs import CompletionOutput, Logprob, RequestOutput
+from novainfer.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class RequestStatus(enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+@dataclass
+class SampleState:
+    """One of a request's n samples as the front-end sees it."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[SampleState]
+    arrival_time: float
+    status: RequestStatus = RequestStatus.QUEUED
+    first_token_time: float | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class OutputProcessor:
+    """Per-request text state, fed with each step's EngineCoreOutputs."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float) -> None:
+        samples = [SampleState(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                                         params.spaces_between_special_tokens))
+                   for i in range(params.n)]
+        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, samples, arrival_time)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Forget a request; its final output (finish_reason "abort"), or None when it is unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for s in req.samples:
+            s.finish_reason = s.finish_reason or "abort"
+        req.status = RequestStatus.CANCELLED
+        return self._make_output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[AbortTarget]]:
+        """The outputs of requests that advanced, and the samples (or requests) the core must abort."""
+        touched: dict[str, RequestState] = {}
+        failed: list[RequestOutput] = []
+        to_abort: list[AbortTarget] = []
+        now = time.monotonic()
+        for out in core_outputs:
+            req = self.requests.get(out.request_id)
+            if req is None:  # aborted here while the core was stepping, or failed earlier in this batch
+                continue
+            if out.error is not None:
+                failed.append(self._fail(req, out.error))
+                touched.pop(req.request_id, None)
+                continue
+            if not 0 <= out.index < len(req.samples):
+                logger.warning("request_id=%s output for sample %d of %d dropped", req.request_id, out.index,
+                               len(req.samples))
+                continue
+            sample = req.samples[out.index]
+            if sample.finish_reason is not None:  # a stop string ended it; the core had not heard yet
+                continue
+            req.status = RequestStatus.RUNNING
+            req.first_token_time = req.first_token_time or now
+            req.num_cached_tokens, sample.num_preemptions = out.num_cached_tokens, out.num_preemptions
+            try:
+                if self._apply(req, sample, out):
+                    to_abort.append(AbortTarget(req.request_id, out.index))
+            except Exception as exc:  # detokenizing broke on this request: fail it alone
+                logger.exception("request_id=%s failed while applying its tokens", req.request_id)
+                failed.append(self._fail(req, f"{type(exc).__name__}: {exc}"))
+                to_abort.append(AbortTarget(req.request_id))
+                touched.pop(req.request_id, None)
+                continue
+            touched[req.request_id] = req
+        outputs = failed
+        for req in touched.values():
+            if not req.finished:
+                if req.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                    outputs.append(self._make_output(req))
+                continue
+            req.status = RequestStatus.FINISHED
+            del self.requests[req.request_id]
+            outputs.append(self._make_output(req))
+        return outputs, to_abort
+
+    def _apply(self, req: RequestState, sample: SampleState, out: EngineCoreOutput) -> bool:
+        """Add the new tokens' text and logprobs; True when a stop string ended the sample here (the core
+        still runs it and must abort it)."""
+        p = req.params
+        detok = sample.detokenizer
+        for i, token_id in enumerate(out.new_token_ids):
+            sample.token_ids.append(token_id)
+            if p.stop or p.output_kind != RequestOutputKind.FINAL_ONLY:
+                new_text = detok.step([token_id])
+            else:  # nobody reads the text before the end: decode it once then
+                detok.defer(token_id)
+                new_text = ""
+            top = out.new_logprobs[i] if out.new_logprobs else None
+            if top:
+                sample.cumulative_logprob += top[0][1]
+                sample.logprobs.append({tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, lp, rank in top})
+            if p.stop and out.finish_reason != "stop" and len(sample.token_ids) >= p.min_tokens:
+                hit = check_stop_strings(detok.output_text, len(new_text), p.stop, p.include_stop_str_in_output)
+                if hit is not None:
+                    detok.output_text = detok.output_text[:hit[1]]
+                    sample.finish_reason, sample.stop_reason = "stop", hit[0]
+                    return out.finish_reason is None
+        sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+        return False
+
+    def _fail(self, req: RequestState, error: str) -> RequestOutput:
+        self.requests.pop(req.request_id, None)
+        req.status, req.error = RequestStatus.FAILED, error
+        for s in req.samples:
+            s.finish_reason = s.finish_reason or "error"
+        return self._make_output(req)
+
+    def _make_output(self, req: RequestState) -> RequestOutput:
+        completions = []
+        want_lp = req.params.logprobs is not None
+        for s in req.samples:
+            if s.finish_reason is not None and not isinstance(s.stop_reason, str):  # a stop string already cut it
+                s.detokenizer.flush()
+            completions.append(CompletionOutput(
+                index=s.index, text=s.detokenizer.output_text, token_ids=list(s.token_ids),
+                cumulative_logprob=s.cumulative_logprob if want_lp else None,
+                logprobs=list(s.logprobs) if want_lp else None,
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,
+                             num_cached_tokens=req.num_cached_tokens, error=req.error,
+                             metrics={"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+                                      "num_preemptions": sum(s.num_preemptions for s in req.samples)})
