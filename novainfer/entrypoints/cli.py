@@ -113,6 +113,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="origins allowed by CORS (e.g. http://localhost:3000 or *); CORS is off without it")
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="on SIGTERM, seconds in-flight requests may finish before they are aborted")
+    p.add_argument("--engine-core", choices=("process", "thread"), default="process",
+                   help="process: each model's engine core runs in a process of its own (default); thread: in "
+                        "a thread of the server's process, as before the split (for comparison)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -121,6 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from novainfer.engine.llm_engine import LLMEngine
     from novainfer.loader.default_model import DEFAULT_MODEL_NAME
     from novainfer.server.api_server import RequestIdFilter, build_app
+    from novainfer.server.async_llm import AsyncLLM
     from novainfer.server.launcher import run_server
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())
@@ -133,7 +137,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_sessions=args.max_sessions, session_ttl=args.session_ttl,
                           max_request_body_bytes=args.max_request_body_bytes, allowed_origins=args.allowed_origins,
                           shutdown_timeout=args.shutdown_timeout)
-    engines = [(name, LLMEngine(EngineConfig.from_kwargs(path, **engine_kwargs(args))))
+    engine_class = AsyncLLM if args.engine_core == "process" else LLMEngine
+    engines = [(name, engine_class(EngineConfig.from_kwargs(path, **engine_kwargs(args))))
                for name, path in zip(names, paths)]
     app = build_app(engines, config)
     base = f"http://{args.host}:{args.port}"

@@ -24,7 +24,8 @@ import novainfer
 from novainfer.config import ServerConfig
 from novainfer.engine.llm_engine import LLMEngine
 from novainfer.entrypoints.chat_utils import apply_chat_template
-from novainfer.server.async_engine import AsyncLLMEngine, TrackedRequest
+from novainfer.server.async_engine import AsyncEngineBase, TrackedRequest
+from novainfer.server.engine_thread import AsyncLLMEngine
 from novainfer.server.errors import APIError, error_body, error_response
 from novainfer.server.limits import AdmissionLimiter
 from novainfer.server.metrics import ServerMetrics
@@ -138,8 +139,9 @@ def _request_id(request: Request) -> str:
     return request.state.request_id
 
 
-def build_app(engines: list[tuple[str, LLMEngine]], config: ServerConfig) -> FastAPI:
-    """The app serving each (name, engine); the engine loops start and stop with the app."""
+def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: ServerConfig) -> FastAPI:
+    """The app serving each (name, engine): an AsyncLLM (engine core in its own process), or an LLMEngine
+    that a thread of this process drives. The engines start and stop with the app."""
     metrics = ServerMetrics()
 
     def record_finished(model: str, tracked: TrackedRequest, reason: str | None) -> None:
@@ -149,9 +151,11 @@ def build_app(engines: list[tuple[str, LLMEngine]], config: ServerConfig) -> Fas
         finally:
             REQUEST_ID.reset(token)
     served = []
-    for name, llm in engines:
-        engine = AsyncLLMEngine(llm, on_step=lambda e, n=name: metrics.observe_engine(n, e),
-                                on_finished=lambda t, r, n=name: record_finished(n, t, r))
+    for name, engine in engines:
+        if isinstance(engine, LLMEngine):
+            engine = AsyncLLMEngine(engine)
+        engine.on_stats = lambda stats, n=name: metrics.observe_stats(n, stats)
+        engine.on_finished = lambda t, r, n=name: record_finished(n, t, r)
         served.append(ServedModel.create(name, engine))
     serving = OpenAIServing(served, AdmissionLimiter(config.max_concurrent_requests, config.max_queue_len,
                                                      config.retry_after),

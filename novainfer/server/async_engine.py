@@ -1,21 +1,22 @@
-"""AsyncLLMEngine: drives LLMEngine.step() in one background thread and streams outputs to asyncio.
+"""The server's asynchronous engines: submit / stream / cancel on the event loop, one asyncio.Queue of
+outputs per request. Each request follows a lifecycle (queued -> running -> finished | cancelled | failed);
+an illegal transition is refused and logged.
 
-LLMEngine is not thread-safe, so only the engine thread touches it: submit and cancel post commands to a
-thread-safe inbox that the thread drains before each step. Outputs go back to the event loop with
-call_soon_threadsafe, into one asyncio.Queue per request. Each request follows a lifecycle
-(queued -> running -> finished | cancelled | failed); an illegal transition is refused and logged.
+AsyncEngineBase holds that request side. Two engines build on it: AsyncLLM (server/async_llm.py, the
+default) talks to an engine core in its own process; AsyncLLMEngine (server/engine_thread.py) drives an
+in-process LLMEngine from a thread of the server (`--engine-core thread`, the layout before this split).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
-from novainfer.engine.llm_engine import LLMEngine, RequestStatus
+from novainfer.engine.output_processor import RequestStatus
+from novainfer.engine.messages import SchedulerStats
 from novainfer.outputs import RequestOutput
 from novainfer.sampling_params import SamplingParams
 
@@ -71,37 +72,38 @@ class TrackedRequest:
 
 
 FinishedHook = Callable[[TrackedRequest, str | None], None]
+StatsHook = Callable[[SchedulerStats], None]
 
 
-class AsyncLLMEngine:
-    """submit / stream / cancel over one LLMEngine whose loop runs in a dedicated thread."""
+class AsyncEngineBase(ABC):
+    """The event loop's side of an engine: tracked requests, their output queues and lifecycles."""
 
-    def __init__(self, engine: LLMEngine, on_step: Callable[[LLMEngine], None] | None = None,
-                 on_finished: FinishedHook | None = None):
-        self.engine = engine
-        self.on_step = on_step  # called on the engine thread after each step (metrics gauges)
+    model_path: str
+    max_model_len: int
+    tokenizer: Any  # for the event loop's own use (chat templates, /tokenize)
+
+    def __init__(self, on_stats: StatsHook | None = None, on_finished: FinishedHook | None = None):
+        self.on_stats = on_stats  # the core's gauges and counters, after each step (metrics)
         self.on_finished = on_finished  # called on the event loop when a request reaches a terminal state
         self.dead_reason: str | None = None
         self._requests: dict[str, TrackedRequest] = {}
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._stopping = False
-        self._in_engine: set[str] = set()  # engine-thread view of the ids LLMEngine holds
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
 
-    # ---- lifecycle of the loop -----------------------------------------------------------------
+    @abstractmethod
     def start(self) -> None:
-        """Start the engine thread; call from the event loop that will consume outputs."""
-        self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="novainfer-engine", daemon=True)
-        self._thread.start()
+        """Start delivering outputs; call from the event loop that will consume them."""
 
+    @abstractmethod
     def shutdown(self) -> None:
-        self._stopping = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        """Stop the engine (its thread or its process)."""
+
+    @abstractmethod
+    async def _add(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams) -> None:
+        """Hand a tracked request to the engine; ValueError when it refuses it."""
+
+    @abstractmethod
+    def _abort(self, request_id: str) -> None:
+        """Ask the engine to stop a request; its final output (finish_reason "abort") follows."""
 
     @property
     def is_dead(self) -> bool:
@@ -110,20 +112,18 @@ class AsyncLLMEngine:
     # ---- the public API (event loop side) ---------------------------------------------------------
     async def submit(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams,
                      group: str | None = None) -> str:
-        """Queue a request; ValueError if the engine refuses it, EngineDeadError if the loop died."""
+        """Queue a request; ValueError if the engine refuses it, EngineDeadError if the engine died."""
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        tracked = TrackedRequest(request_id, group or request_id, asyncio.Queue())
-        self._requests[request_id] = tracked
-        added = self._loop.create_future()
-        self._post(("add", request_id, prompt, params, added))
+        self._requests[request_id] = TrackedRequest(request_id, group or request_id, asyncio.Queue())
         try:
-            await added
+            await self._add(request_id, prompt, params)
         except BaseException:
             self._requests.pop(request_id, None)
-            self._post(("abort", request_id))  # in case the add went through before we stopped waiting
+            if not self.is_dead:
+                self._abort(request_id)  # in case the add went through before we stopped waiting
             raise
         return request_id
 
@@ -156,80 +156,17 @@ class AsyncLLMEngine:
             except IllegalTransitionError:
                 continue
             live += 1
-            self._post(("abort", t.request_id))  # the engine's abort output moves it to cancelled
+            self._abort(t.request_id)  # the engine's abort output moves it to cancelled
         return live
 
     def release(self, request_id: str) -> None:
         """Forget a request whose consumer is done; abort it first if it is still live (idempotent)."""
         tracked = self._requests.pop(request_id, None)
         if tracked is not None and not tracked.is_terminal and not self.is_dead:
-            self._post(("abort", request_id))
+            self._abort(request_id)
             self._finish(tracked, RequestStatus.CANCELLED, "abort")
 
-    # ---- the engine thread ---------------------------------------------------------------------
-    def _post(self, command: tuple) -> None:
-        self._inbox.put(command)
-        self._wake.set()
-
-    def _run(self) -> None:
-        try:
-            while not self._stopping:
-                self._drain_inbox()
-                if not self.engine.has_unfinished_requests():
-                    self._wake.wait(timeout=1.0)
-                    self._wake.clear()
-                    continue
-                step_id = self.engine.step_id
-                try:
-                    outputs = self.engine.step()
-                except Exception as exc:  # the engine failed that step's requests and keeps going
-                    lost = [r for r in self._in_engine if r not in self.engine.requests]
-                    self._in_engine.difference_update(lost)
-                    self._call(self._fail, lost, RequestFailedError(f"engine step failed: {exc!r}"))
-                    continue
-                self._publish(outputs)
-                if self.engine.step_id == step_id:
-                    time.sleep(0.001)  # nothing was schedulable: don't spin
-        except BaseException as exc:  # the loop itself broke: nothing can be trusted any more
-            logger.exception("engine loop died")
-            self.dead_reason = f"engine loop died: {exc!r}"
-            self._call(self._fail_all)
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if command[0] == "add":
-                _, request_id, prompt, params, added = command
-                try:
-                    self.engine.add_request(request_id, prompt, params)
-                except Exception as exc:
-                    self._call(_settle, added, exc)
-                else:
-                    self._in_engine.add(request_id)
-                    self._call(_settle, added, None)
-            else:
-                out = self.engine.abort_request(command[1])
-                self._publish([out] if out is not None else [])
-
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        if self.engine.faults:  # tests only: a fault here is outside step()'s guard and kills the loop
-            for out in outputs:
-                self.engine.faults.check("loop", out.request_id)
-        for out in outputs:
-            if out.finished:
-                self._in_engine.discard(out.request_id)
-        if self.on_step is not None:
-            self.on_step(self.engine)
-        if outputs:
-            self._call(self._deliver, outputs)
-
-    def _call(self, fn: Callable, *args) -> None:
-        self._loop.call_soon_threadsafe(fn, *args)
-
-    # ---- back on the event loop ------------------------------------------------------------------
+    # ---- outputs, on the event loop ----------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
         for out in outputs:
@@ -261,21 +198,9 @@ class AsyncLLMEngine:
                 self._finish(tracked, RequestStatus.FAILED, "error")
                 tracked.queue.put_nowait(exc)
 
-    def _fail_all(self) -> None:
+    def _die(self, reason: str) -> None:
+        """The engine is gone: every live request fails with EngineDeadError, and so will new ones."""
+        if self.dead_reason is None:
+            logger.error("%s", reason)
+            self.dead_reason = reason
         self._fail(list(self._requests), EngineDeadError(self.dead_reason))
-        while True:  # adds the dead loop never saw
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if command[0] == "add":
-                _settle(command[4], EngineDeadError(self.dead_reason))
-
-
-def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
-    if future.done():
-        return
-    if exc is None:
-        future.set_result(None)
-    else:
-        future.set_exception(exc)

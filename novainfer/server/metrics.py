@@ -6,7 +6,7 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from novainfer.engine.llm_engine import LLMEngine
+from novainfer.engine.messages import SchedulerStats
 from novainfer.server.async_engine import TrackedRequest
 
 logger = logging.getLogger("novainfer.server.requests")
@@ -17,7 +17,7 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2,
 
 
 class ServerMetrics:
-    """One registry per server; engine gauges are refreshed from the engine thread after each step."""
+    """One registry per server; engine gauges come from the core's stats, sent with each step's outputs."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -45,13 +45,13 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self._seen: dict[str, tuple[int, int, int, int]] = {}  # last cumulative engine counts per model
 
-    def observe_engine(self, model: str, engine: LLMEngine) -> None:
-        """Refresh gauges and add the engine's cumulative counters' growth since the last call."""
-        sched, bm = engine.scheduler, engine.block_manager
-        self.running.labels(model).set(len({s.request_id for s in sched.running}))
-        self.waiting.labels(model).set(len({s.request_id for s in sched.waiting}))
-        self.kv_usage.labels(model).set(bm.usage)
-        now = (bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions, engine.num_generated_tokens)
+    def observe_stats(self, model: str, stats: SchedulerStats) -> None:
+        """Refresh gauges and add the core's cumulative counters' growth since the last call."""
+        self.running.labels(model).set(stats.num_running_reqs)
+        self.waiting.labels(model).set(stats.num_waiting_reqs)
+        self.kv_usage.labels(model).set(stats.kv_cache_usage)
+        now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions,
+               stats.num_generation_tokens)
         last = self._seen.get(model, (0, 0, 0, 0))
         for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.preemptions,
                                       self.generation_tokens), now, last):

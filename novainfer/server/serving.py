@@ -1,9 +1,8 @@
 """What chat and text completions share: model routing, sampling parameters, prompt checks, admission,
-submitting to the AsyncLLMEngine, merging streams, usage, and aborting on client disconnect."""
+submitting to the engine, merging streams, usage, and aborting on client disconnect."""
 from __future__ import annotations
 
 import asyncio
-import copy
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -11,7 +10,7 @@ from fastapi import Request
 
 from novainfer.outputs import RequestOutput
 from novainfer.sampling_params import SamplingParams
-from novainfer.server.async_engine import AsyncLLMEngine, EngineDeadError
+from novainfer.server.async_engine import AsyncEngineBase, EngineDeadError
 from novainfer.server.errors import APIError
 from novainfer.server.limits import AdmissionLimiter, OverloadedError, Slot
 from novainfer.server.protocol import SamplingFields, UsageInfo
@@ -23,18 +22,17 @@ _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalt
 
 @dataclass
 class ServedModel:
-    """One model the server answers for: its engine, and a tokenizer copy for the event loop's use."""
+    """One model the server answers for: its engine, and a tokenizer for the event loop's use."""
 
     name: str
     path: str
-    engine: AsyncLLMEngine
+    engine: AsyncEngineBase
     tokenizer: Any
     max_model_len: int
 
     @classmethod
-    def create(cls, name: str, engine: AsyncLLMEngine) -> "ServedModel":
-        llm = engine.engine  # the tokenizer is copied: the engine thread uses the original concurrently
-        return cls(name, llm.config.model_config.model, engine, copy.deepcopy(llm.tokenizer), llm.max_model_len)
+    def create(cls, name: str, engine: AsyncEngineBase) -> "ServedModel":
+        return cls(name, engine.model_path, engine, engine.tokenizer, engine.max_model_len)
 
 
 class Generation:

@@ -1,0 +1,122 @@
+"""The front-end's handle on an engine core process (vLLM's AsyncMPClient): it starts the process, waits
+for its ready message, sends requests and aborts, and yields the core's step outputs on the event loop.
+
+The in-process alternative is LLMEngine, which holds an EngineCore directly (offline LLM, CLI generate/chat).
+The core gets its EngineConfig once, as the new process's arguments; every message after that is msgspec.
+On the CPU the process is forked (the front-end has imported torch already: it starts in a fraction of a
+second); with CUDA it is spawned, since a CUDA context does not survive a fork.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+import weakref
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from novainfer.config import EngineConfig
+from novainfer.engine.core_proc import run_engine_core
+from novainfer.engine.messages import (AbortTarget, CoreOutput, EngineCoreAbort, EngineCoreAdd, EngineCoreDead,
+                                       EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, MessageCodec,
+                                       request_id_of)
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCoreStartError(RuntimeError):
+    """The engine core process failed to load its model or exited before it was ready."""
+
+
+class AsyncMPClient:
+    """One engine core process and the two sockets to it."""
+
+    def __init__(self, config: EngineConfig, eos_token_ids: set[int], startup_timeout: float = 1800.0):
+        self._dir = tempfile.mkdtemp(prefix="novainfer-core-")
+        self.input_address = f"ipc://{self._dir}/input"
+        self.output_address = f"ipc://{self._dir}/output"
+        start_method = "spawn" if config.resolve_device().type == "cuda" else "fork"
+        self.proc = multiprocessing.get_context(start_method).Process(
+            target=run_engine_core, name="novainfer-engine-core", daemon=False,  # its TP workers are its children
+            args=(config, set(eos_token_ids), self.input_address, self.output_address, os.getpid(),
+                  logging.getLogger().getEffectiveLevel()))
+        self.proc.start()  # before this process has a ZMQ context, which a fork must not inherit
+        self._ctx = zmq.Context()
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.bind(self.output_address)
+        self._codec = MessageCodec(CoreOutput)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._finalizer = weakref.finalize(self, _stop, self.proc, self._ctx, self._dir, 5.0)
+        logger.info("engine core process pid=%d started (input %s)", self.proc.pid, self.input_address)
+        self.ready = self._wait_ready(startup_timeout)
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.connect(self.input_address)
+        self._async_output: zmq.asyncio.Socket | None = None
+
+    def _wait_ready(self, timeout: float) -> EngineCoreReady:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._output.poll(200):
+                message = self._decode(self._output.recv())
+                if isinstance(message, EngineCoreReady):
+                    return message
+                if isinstance(message, EngineCoreDead):
+                    self.shutdown()
+                    raise EngineCoreStartError(message.reason)
+            elif not self.proc.is_alive():
+                self.shutdown()
+                raise EngineCoreStartError(f"the engine core process exited with code {self.proc.exitcode} "
+                                           "before it was ready (see its log above)")
+        self.shutdown()
+        raise EngineCoreStartError(f"the engine core was not ready within {timeout:.0f} s")
+
+    @property
+    def sentinel(self) -> int:
+        """A file descriptor that becomes readable when the core process ends."""
+        return self.proc.sentinel
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._input.send(self._encoder.encode(EngineCoreAdd(request)), copy=False)
+
+    def abort_requests(self, targets: list[AbortTarget]) -> None:
+        self._input.send(self._encoder.encode(EngineCoreAbort(targets)), copy=False)
+
+    async def get_output(self) -> EngineCoreOutputs | EngineCoreDead:
+        """The core's next step outputs (or its death notice); malformed messages are logged and dropped."""
+        if self._async_output is None:
+            self._async_output = zmq.asyncio.Socket.from_socket(self._output)
+        while True:
+            message = self._decode(await self._async_output.recv())
+            if isinstance(message, (EngineCoreOutputs, EngineCoreDead)):
+                return message
+
+    def _decode(self, data: bytes) -> object | None:
+        try:
+            return self._codec.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.warning("request_id=%s malformed message from the engine core dropped (%d bytes): %s",
+                           request_id_of(data), len(data), exc)
+            return None
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the core process (SIGTERM, then SIGKILL after `timeout`) and close the sockets; idempotent."""
+        self._finalizer.detach()
+        _stop(self.proc, self._ctx, self._dir, timeout)
+
+
+def _stop(proc: multiprocessing.Process, ctx: zmq.Context, directory: str, timeout: float) -> None:
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(2)
+    ctx.destroy(linger=0)
+    shutil.rmtree(directory, ignore_errors=True)

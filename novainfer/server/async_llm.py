@@ -1,0 +1,105 @@
+"""AsyncLLM: the server's engine, split in two processes (vLLM V1's layout).
+
+This process (the front-end) tokenizes and checks requests (Processor), sends them to an engine core process
+(AsyncMPClient over ZMQ), and turns each step's token ids into text, stop-string ends and RequestOutputs
+(OutputProcessor) on the event loop. The core runs the scheduler and the model without sharing this
+interpreter's lock, so the API answers while the model runs. The core's death is seen at once (its process
+sentinel is watched by the event loop): live requests fail with EngineDeadError and new ones get 503.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from novainfer.config import EngineConfig
+from novainfer.engine.core_client import AsyncMPClient
+from novainfer.engine.llm_engine import load_model_info
+from novainfer.engine.messages import AbortTarget, EngineCoreDead, EngineCoreOutputs
+from novainfer.engine.output_processor import OutputProcessor
+from novainfer.engine.processor import Processor
+from novainfer.sampling_params import SamplingParams
+from novainfer.server.async_engine import AsyncEngineBase, FinishedHook, StatsHook
+
+logger = logging.getLogger(__name__)
+DEATH_NOTICE_WAIT_S = 0.1  # after the process ends: time for its last message (why it died) to arrive
+
+
+class AsyncLLM(AsyncEngineBase):
+    """submit / stream / cancel over an engine core process."""
+
+    def __init__(self, config: EngineConfig, on_stats: StatsHook | None = None,
+                 on_finished: FinishedHook | None = None):
+        super().__init__(on_stats, on_finished)
+        self.tokenizer, eos_token_ids = load_model_info(config)
+        self.model_path = config.model_config.model
+        self.core = AsyncMPClient(config, eos_token_ids)
+        self.max_model_len = self.core.ready.max_model_len
+        self.processor = Processor(self.tokenizer, self.max_model_len, config.model_config.hf_config.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._output_task: asyncio.Task | None = None
+        self._stopping = False
+
+    @property
+    def core_pid(self) -> int:
+        return self.core.proc.pid
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._output_task = self._loop.create_task(self._output_loop())
+        self._loop.add_reader(self.core.sentinel, self._on_core_exit)
+
+    def shutdown(self) -> None:
+        """Stop the core process (after the server's drain) and the output task."""
+        self._stopping = True
+        if self._loop is not None:
+            self._loop.remove_reader(self.core.sentinel)
+        if self._output_task is not None:
+            self._output_task.cancel()
+        self.core.shutdown()
+
+    async def _add(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams) -> None:
+        text, request = self.processor.process(request_id, prompt, params)
+        self.output_processor.add_request(request_id, text, request.prompt_token_ids, params, request.arrival_time)
+        self.core.add_request(request)
+
+    def _abort(self, request_id: str) -> None:
+        """Final output (finish_reason "abort") at once; the core frees the blocks when the abort arrives."""
+        out = self.output_processor.abort_request(request_id)
+        if not self.is_dead:
+            self.core.abort_requests([AbortTarget(request_id)])
+        if out is not None:
+            self._deliver([out])
+
+    # ---- outputs --------------------------------------------------------------------------------
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                message = await self.core.get_output()
+                if isinstance(message, EngineCoreDead):
+                    self._die(message.reason)
+                    return
+                self._process(message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug on this side: the requests can't be followed any more
+            logger.exception("engine output loop died")
+            self._die(f"engine output loop died: {exc!r}")
+
+    def _process(self, message: EngineCoreOutputs) -> None:
+        if message.scheduler_stats is not None and self.on_stats is not None:
+            self.on_stats(message.scheduler_stats)
+        if not message.outputs:
+            return
+        outputs, to_abort = self.output_processor.process_outputs(message.outputs)
+        if to_abort:  # stop strings ended these samples: free their blocks now
+            self.core.abort_requests(to_abort)
+        self._deliver(outputs)
+
+    def _on_core_exit(self) -> None:
+        self._loop.remove_reader(self.core.sentinel)
+        if self._stopping:
+            return
+        self.core.proc.join(timeout=0)
+        reason = (f"engine loop died: the engine core process (pid {self.core.proc.pid}) exited with code "
+                  f"{self.core.proc.exitcode}")
+        self._loop.call_later(DEATH_NOTICE_WAIT_S, self._die, reason)
