@@ -53,7 +53,8 @@ class AsyncMPClient:
         self._codec = MessageCodec(CoreOutput)
         self._encoder = msgspec.msgpack.Encoder()
         self._finalizer = weakref.finalize(self, _stop, self.proc, self._ctx, self._dir, 5.0)
-        logger.info("engine core process pid=%d started (input %s)", self.proc.pid, self.input_address)
+        logger.info("engine core process pid=%d started (input %s, output %s)", self.proc.pid, self.input_address,
+                    self.output_address)
         self.ready = self._wait_ready(startup_timeout)
         self._input = self._ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)

@@ -142,5 +142,4 @@ def run_engine_core(config: EngineConfig, eos_token_ids: set[int], input_address
     finally:
         if core is not None:
             core.shutdown()
-        out_socket.close()
-        ctx.term()
+        ctx.destroy(linger=1000)  # closes both sockets; a last message (EngineCoreDead) gets a second to leave
