@@ -16,6 +16,7 @@ import threading
 import time
 
 import msgspec
+import torch
 import zmq
 
 from novainfer.config import EngineConfig
@@ -106,6 +107,13 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
+def cpu_threads() -> int:
+    """Torch threads for a core on the CPU: every core this process may use but one, left to the front-end.
+    Two processes whose threads together outnumber the cores make each parallel op wait for a descheduled
+    thread (a whole time slice), which costs far more than the thread gives."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
 def _on_sigterm(*_: object) -> None:
     raise SystemExit(0)
 
@@ -118,6 +126,8 @@ def run_engine_core(config: EngineConfig, eos_token_ids: set[int], input_address
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
+    if config.resolve_device().type == "cpu":
+        torch.set_num_threads(cpu_threads())
     ctx = zmq.Context()
     out_socket = ctx.socket(zmq.PUSH)
     out_socket.setsockopt(zmq.SNDHWM, 0)
