@@ -7,7 +7,7 @@ goes on. FaultInjector raises one on purpose; it is off unless EngineConfig.faul
 """
 from __future__ import annotations
 
-STAGES = ("prepare", "postprocess", "loop")  # runner inputs, engine token bookkeeping, the server's loop
+STAGES = ("prepare", "postprocess", "loop")  # runner inputs, the core's token bookkeeping, the engine loop
 
 
 class RequestError(RuntimeError):
