@@ -101,7 +101,7 @@ class AsyncMPClient:
     def _decode(self, data: bytes) -> object | None:
         try:
             return self._codec.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except Exception as exc:  # msgspec's errors, or whatever a field's own check raised while decoding
             logger.warning("request_id=%s malformed message from the engine core dropped (%d bytes): %s",
                            request_id_of(data), len(data), exc)
             return None

@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 
-import msgspec
 import torch
 import zmq
 
@@ -60,7 +59,7 @@ class EngineCoreProc:
     def _handle(self, data: bytes) -> None:
         try:
             message = self.inputs.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except Exception as exc:  # msgspec's errors, or whatever a field's own check raised while decoding
             request_id = request_id_of(data)
             logger.warning("request_id=%s malformed message dropped (%d bytes): %s", request_id, len(data), exc)
             if request_id is not None:
@@ -69,9 +68,9 @@ class EngineCoreProc:
         if isinstance(message, EngineCoreAdd):
             try:
                 self.core.add_request(message.request)
-            except ValueError as exc:
-                logger.warning("request_id=%s refused: %s", message.request.request_id, exc)
-                self._send_error(message.request.request_id, f"ValueError: {exc}")
+            except Exception as exc:  # ValueError: not servable; anything else: a message that made no sense
+                logger.warning("request_id=%s refused: %r", message.request.request_id, exc)
+                self._send_error(message.request.request_id, f"{type(exc).__name__}: {exc}")
         elif isinstance(message, EngineCoreAbort):
             self.core.abort_requests(message.targets)
 
