@@ -18,6 +18,7 @@ import zmq
 
 from novainfer import LLM, SamplingParams
 from tests.server_utils import RemoteServer
+from tests.tiny_models import make_tiny_model
 
 PROMPT = "The cat sat on"
 _CORE_LINE = re.compile(r"engine core process pid=(\d+) started \(input (\S+), output (\S+)\)")
@@ -137,8 +138,18 @@ def test_core_leaves_when_the_server_dies(tiny_qwen2, tmp_path_factory):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_sigterm_stops_the_core(tiny_qwen2, tmp_path_factory):
-    srv = _server(tmp_path_factory, tiny_qwen2, "--served-model-name", "tiny")
+def test_tp_workers_are_the_cores_children_and_sigterm_stops_them(tmp_path_factory):
+    """mp backend, tp 2: the ranks are the core's children; SIGTERM stops the server, its core and the ranks."""
+    model = make_tiny_model(str(tmp_path_factory.mktemp("qwen2_tp")), "qwen2", seed=5, num_heads=8, num_kv_heads=4,
+                            head_dim=8)
+    srv = _server(tmp_path_factory, model, "--served-model-name", "tiny", "--tensor-parallel-size", "2",
+                  "--distributed-executor-backend", "mp", "--master-port", "0")
     (pid, _, _), = _cores(srv)
-    srv.stop()
+    try:
+        assert _complete(srv, "tiny").status_code == 200
+        ranks = [p for p in psutil.Process(pid).children() if "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(ranks) == 2  # the two ranks (spawning also starts a resource tracker, not counted)
+    finally:
+        srv.stop()
     assert srv.proc.returncode == 0 and _gone(pid, within=1.0)
+    assert all(_gone(p.pid, within=5.0) for p in ranks)
