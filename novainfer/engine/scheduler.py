@@ -19,14 +19,19 @@ from novainfer.engine.sequence import Sequence, SequenceStatus
 logger = logging.getLogger(__name__)
 
 
-@dataclass
 class ScheduledSequence:
-    seq: Sequence
-    num_new_tokens: int
-    samples: bool = False  # the step reaches the sequence's end, so its last logits row is sampled
+    """One sequence's share of a step: how many new tokens, and whether its last logits row is sampled
+    (the step reaches the sequence's end). A plain slotted class: a step makes one per running sequence."""
 
-    def __post_init__(self) -> None:
-        self.samples = self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq)
+    __slots__ = ("seq", "num_new_tokens", "samples")
+
+    def __init__(self, seq: Sequence, num_new_tokens: int):
+        self.seq = seq
+        self.num_new_tokens = num_new_tokens
+        self.samples = seq.num_computed_tokens + num_new_tokens == len(seq.token_ids)
+
+    def __repr__(self) -> str:
+        return f"ScheduledSequence({self.seq!r}, num_new_tokens={self.num_new_tokens}, samples={self.samples})"
 
 
 @dataclass
@@ -68,13 +73,14 @@ class Scheduler:
         self._finished_since_step = []
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
+        block_size = bm.block_size
 
         # 1. running sequences, oldest first; preempt the newest when blocks run out
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
-            if len(seq.block_table) * bm.block_size < seq.num_computed_tokens + n:  # needs another block
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if len(seq.block_table) * block_size < seq.num_computed_tokens + n:  # needs another block
                 while not bm.can_append(seq, n):
                     victim = self.running[-1]
                     self._preempt(victim)

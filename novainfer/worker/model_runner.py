@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from novainfer.layers.attention import Attention
 from novainfer.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from novainfer.loader.model_loader import load_model
 from novainfer.sampling_params import SamplingParams
+from novainfer.worker.input_batch import InputBatch
 from novainfer.worker.cuda_graph import DecodeGraphs, batch_size_ladder, bucket
 from novainfer.worker.step_inputs import HostBuffers, StepInputs, nvtx_range
 
@@ -49,7 +51,6 @@ class ModelRunner:
         self.sampler = Sampler()
         self.faults = FaultInjector(config.fault_injection)
         self.generators: dict[int, torch.Generator] = {}
-        self._tables: dict[int, tuple[list[int], np.ndarray]] = {}  # seq_id -> (block table, as an array)
         self._last_sampling: tuple[tuple[int, ...], SamplingMetadata] | None = None
         self._rows: dict[int, SamplingRow] = {}  # seq_id -> its sampling row, while it never changes
         self.kv_cache: torch.Tensor | None = None
@@ -58,6 +59,7 @@ class ModelRunner:
         self.attn_backend = self._select_attention_backend(config.attention_backend)
         sc = config.scheduler_config
         self.max_blocks_per_seq = self.blocks_for(self.max_model_len)
+        self.input_batch = InputBatch(sc.max_num_seqs, self.max_blocks_per_seq)
         self.host = HostBuffers(sc.max_num_batched_tokens,
                                 sc.max_num_seqs, self.max_blocks_per_seq, pin=device.type == "cuda")
         self.graphs: DecodeGraphs | None = None
@@ -175,50 +177,57 @@ class ModelRunner:
 
     # ---- the five stages -------------------------------------------------------------------------
     def prepare_step_inputs(self, sched: SchedulerOutput) -> StepInputs:
-        """Token ids, positions, slots, offsets and block tables on the host; sampling parameters on the device."""
+        """Token ids, positions, slots, offsets and block tables on the host; sampling parameters on the device.
+
+        Block tables come from the persistent input batch (updated by deltas); positions, slots and
+        offsets are vectorized over the step, so a decode step costs a few list reads per sequence."""
         for seq_id in sched.finished_seq_ids:
             self.generators.pop(seq_id, None)
-            self._tables.pop(seq_id, None)
+            self.input_batch.remove(seq_id)
             self._rows.pop(seq_id, None)
         if self.faults:  # tests only: before any input is written
             for s in sched.scheduled:
                 self.faults.check("prepare", s.seq.request_id)
-        bs = self.block_size
-        num_tokens, num_seqs = sched.num_tokens, len(sched.scheduled)
-        width = max(len(s.seq.block_table) for s in sched.scheduled)
+        scheduled, batch = sched.scheduled, self.input_batch
+        num_seqs = len(scheduled)
+        rows = np.fromiter((batch.row(s.seq.seq_id, s.seq.block_table) for s in scheduled), np.int64, num_seqs)
+        starts = np.fromiter((s.seq.num_computed_tokens for s in scheduled), np.int64, num_seqs)
+        counts = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, num_seqs)
+        num_tokens = int(counts.sum())
         h = self.host
         ids, pos, slots = h.input_ids.numpy(), h.positions.numpy(), h.slot_mapping.numpy()
-        tables = h.block_tables[:num_seqs * width].numpy().reshape(num_seqs, width)
-        qsl, seq_lens, logits_indices, sample_seq_ids, rows = [0], [], [], [], []
-        t = max_query_len = 0
-        for i, s in enumerate(sched.scheduled):
-            seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
-            table = seq.block_table
-            tables[i, :len(table)] = self._table_array(seq.seq_id, table)
-            if n == 1:
-                ids[t], pos[t] = seq.token_ids[start], start
-                slots[t] = table[start // bs] * bs + start % bs
-            else:
-                p = np.arange(start, start + n)
-                ids[t:t + n] = seq.token_ids[start:start + n]
-                pos[t:t + n] = p
-                slots[t:t + n] = tables[i, p // bs].astype(np.int64) * bs + p % bs
-            t += n
-            max_query_len = max(max_query_len, n)
-            qsl.append(t)
-            seq_lens.append(start + n)
-            if s.samples:
-                logits_indices.append(t - 1)
-                sample_seq_ids.append(seq.seq_id)
-                rows.append(self._sampling_row(seq))
+        ends = np.cumsum(counts)
+        if num_tokens == num_seqs:  # one new token per sequence: a decode step
+            ids[:num_tokens] = [s.seq.token_ids[s.seq.num_computed_tokens] for s in scheduled]
+            positions, token_rows = starts, rows
+        else:
+            ids[:num_tokens] = list(chain.from_iterable(
+                s.seq.token_ids[s.seq.num_computed_tokens:s.seq.num_computed_tokens + s.num_new_tokens]
+                for s in scheduled))
+            positions = np.arange(num_tokens) + np.repeat(starts - (ends - counts), counts)
+            token_rows = np.repeat(rows, counts)
+        pos[:num_tokens] = positions
+        slots[:num_tokens] = batch.slots(token_rows, positions, self.block_size)
+        width = int(batch.num_blocks[rows].max())
+        h.block_tables[:num_seqs * width].numpy().reshape(num_seqs, width)[:] = batch.block_tables[rows, :width]
+        seq_lens = starts + counts
         h.seq_lens.numpy()[:num_seqs] = seq_lens
-        h.query_start_loc.numpy()[:num_seqs + 1] = qsl
-        inp = StepInputs(h.input_ids[:num_tokens], h.positions[:num_tokens], h.slot_mapping[:num_tokens], qsl,
-                         seq_lens, h.block_tables[:num_seqs * width].view(num_seqs, width),
-                         h.seq_lens[:num_seqs], h.query_start_loc[:num_seqs + 1], max_query_len,
-                         logits_indices, sample_seq_ids, rows)
-        if rows:  # uploaded now, while the device is idle, so the forward is not waited on later
-            inp.sampling_metadata = self._sampling_metadata(rows, sample_seq_ids)
+        qsl = h.query_start_loc.numpy()
+        qsl[0] = 0
+        qsl[1:num_seqs + 1] = ends
+        logits_indices, sample_seq_ids, sampling_rows = [], [], []
+        for s, end in zip(scheduled, ends.tolist()):
+            if s.samples:
+                logits_indices.append(end - 1)
+                sample_seq_ids.append(s.seq.seq_id)
+                sampling_rows.append(self._sampling_row(s.seq))
+        inp = StepInputs(h.input_ids[:num_tokens], h.positions[:num_tokens], h.slot_mapping[:num_tokens],
+                         qsl[:num_seqs + 1].tolist(), seq_lens.tolist(),
+                         h.block_tables[:num_seqs * width].view(num_seqs, width), h.seq_lens[:num_seqs],
+                         h.query_start_loc[:num_seqs + 1], int(counts.max()), logits_indices, sample_seq_ids,
+                         sampling_rows)
+        if sampling_rows:  # uploaded now, while the device is idle, so the forward is not waited on later
+            inp.sampling_metadata = self._sampling_metadata(sampling_rows, sample_seq_ids)
         return inp
 
     def _sampling_metadata(self, rows: list[SamplingRow], seq_ids: list[int]) -> SamplingMetadata:
@@ -231,15 +240,6 @@ class ModelRunner:
         meta = SamplingMetadata.build(rows, self.hf_config.vocab_size, self.device)
         self._last_sampling = (key, meta) if static else None
         return meta
-
-    def _table_array(self, seq_id: int, table: list[int]) -> np.ndarray:
-        """The block table as an array, converted again only when it changed: it grows by one block every
-        block_size tokens, and the block manager gives a sequence a new list when it frees its blocks."""
-        cached = self._tables.get(seq_id)
-        if cached is None or cached[0] is not table or len(cached[1]) != len(table):
-            cached = (table, np.array(table, dtype=np.int32))
-            self._tables[seq_id] = cached
-        return cached[1]
 
     def _sampling_row(self, seq) -> SamplingRow:
         """The row's sampling inputs; a row without penalties or blocked ids is the same every step (cached)."""

@@ -1,0 +1,147 @@
+"""Host overhead per decode step, with the device replaced by a simulated one.
+
+The engine's whole host path runs for real (scheduler, block manager, step inputs, sampling metadata,
+postprocess, token bookkeeping, incremental detokenization, outputs); the model forward and the sampler are
+replaced by a simulated device that does its work off the host thread in a fixed time per step and returns
+fixed tokens. The host waits for the device only where it reads the sampled ids back, so
+
+    host ms per step = step wall time - time blocked on the device.
+
+    python benchmarks/host_overhead.py --num-seqs 1 64 256 --simulated-device-ms 2
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TEXT = ("The quick brown fox jumps over the lazy dog while the engine schedules the next step and the "
+        "device computes this one; paged attention keeps keys and values in blocks of the cache. ")
+
+
+class PendingTokens:
+    """Sampled ids that are still being computed by the simulated device; tolist() waits for them."""
+
+    def __init__(self, future: Future, device: "SimulatedDevice"):
+        self.future, self.device = future, device
+
+    def tolist(self) -> list[int]:
+        t0 = time.perf_counter()
+        ids = self.future.result()
+        self.device.blocked_s += time.perf_counter() - t0
+        return ids
+
+
+class SimulatedSample:
+    """Stands in for SamplerOutput: no logprobs, ids pending on the simulated device."""
+
+    logprobs = None
+
+    def __init__(self, pending: PendingTokens):
+        self.sampled_token_ids = pending
+
+
+class SimulatedDevice:
+    """Each step's forward + sampling takes `ms` on a device thread and yields fixed tokens."""
+
+    def __init__(self, ms: float, tokens: list[int]):
+        self.seconds = ms / 1e3
+        self.tokens = tokens
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="simulated-device")
+        self.blocked_s = 0.0
+        self.steps = 0
+
+    def _work(self, rows: int, step: int) -> list[int]:
+        deadline = time.perf_counter() + self.seconds
+        ids = [self.tokens[(step + r) % len(self.tokens)] for r in range(rows)]
+        while time.perf_counter() < deadline:  # sleep() overshoots by ~0.1 ms; the busy tail keeps it exact
+            time.sleep(max(0.0, deadline - time.perf_counter() - 2e-4))
+        return ids
+
+    def install(self, runner) -> None:
+        """Replace the runner's forward and sampler; everything else in it runs for real."""
+        def run_model_forward(inp):
+            self.steps += 1
+            rows = len(inp.logits_indices)
+            future = self.pool.submit(self._work, rows, self.steps)
+            return future if rows else None
+
+        def sample(future, inp):
+            return SimulatedSample(PendingTokens(future, self))
+
+        runner.run_model_forward = run_model_forward
+        runner.sample = sample
+
+
+def run(num_seqs: int, args, llm, device: SimulatedDevice) -> dict:
+    from novainfer import SamplingParams
+    from novainfer.sampling_params import RequestOutputKind
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=args.temperature, top_p=0.95, ignore_eos=True, max_tokens=args.output_len,
+                            output_kind=RequestOutputKind.CUMULATIVE)
+    vocab = engine.config.model_config.hf_config.vocab_size
+    for i in range(num_seqs):  # distinct prompts: no prefix-cache sharing between sequences
+        engine.add_request(f"r{num_seqs}-{i}", [(7 * i + j) % vocab for j in range(args.input_len)], params)
+    decode_steps: list[tuple[float, float]] = []
+    schedule = engine.scheduler.schedule
+    while engine.has_unfinished_requests():
+        blocked0 = device.blocked_s
+        t0 = time.perf_counter()
+        pure = []
+        engine.scheduler.schedule = lambda: pure.append(out := schedule()) or out  # noqa: B023
+        engine.step()
+        wall = time.perf_counter() - t0
+        engine.scheduler.schedule = schedule
+        if pure and pure[0].is_pure_decode and len(pure[0].scheduled) == num_seqs:
+            decode_steps.append((wall, device.blocked_s - blocked0))
+    steady = decode_steps[len(decode_steps) // 4:]  # drop warm-up steps
+    step_ms = 1e3 * sum(w for w, _ in steady) / len(steady)
+    host_ms = 1e3 * sum(w - b for w, b in steady) / len(steady)
+    return {"num_seqs": num_seqs, "decode_steps": len(steady), "step_ms": round(step_ms, 3),
+            "host_ms": round(host_ms, 3), "device_ms": args.simulated_device_ms,
+            "step_over_max": round(step_ms / max(host_ms, args.simulated_device_ms), 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a model path (default: the default model); only its "
+                                                   "tokenizer and shapes matter")
+    ap.add_argument("--num-seqs", type=int, nargs="+", default=[1, 64, 256])
+    ap.add_argument("--simulated-device-ms", type=float, default=2.0)
+    ap.add_argument("--input-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", action="store_true", help="cProfile the largest batch's run (host functions)")
+    args = ap.parse_args()
+
+    from novainfer import LLM
+    llm = LLM(args.model, max_num_seqs=max(args.num_seqs), device="cpu",
+              cpu_kv_cache_tokens=max(args.num_seqs) * (args.input_len + args.output_len + 32))
+    tokens = llm.get_tokenizer().encode(TEXT, add_special_tokens=False)
+    device = SimulatedDevice(args.simulated_device_ms, tokens)
+    runner = llm.llm_engine.executor.workers[0].model_runner
+    device.install(runner)
+    rows = [run(n, args, llm, device) for n in args.num_seqs]
+    if args.profile:
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        prof.runcall(run, max(args.num_seqs), args, llm, device)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    print(f"{'seqs':>5} {'host ms/step':>13} {'step ms':>8} {'device ms':>10} {'step/max(host,dev)':>19}")
+    for r in rows:
+        print(f"{r['num_seqs']:>5} {r['host_ms']:>13.3f} {r['step_ms']:>8.3f} {r['device_ms']:>10.1f} "
+              f"{r['step_over_max']:>19.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
