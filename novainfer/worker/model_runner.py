@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import chain
 
 import numpy as np
@@ -60,8 +61,15 @@ class ModelRunner:
         sc = config.scheduler_config
         self.max_blocks_per_seq = self.blocks_for(self.max_model_len)
         self.input_batch = InputBatch(sc.max_num_seqs, self.max_blocks_per_seq)
-        self.host = HostBuffers(sc.max_num_batched_tokens,
-                                sc.max_num_seqs, self.max_blocks_per_seq, pin=device.type == "cuda")
+        # two sets, alternating per step: with overlap the host fills step N+1's while step N still reads its own
+        self._host_sets = [HostBuffers(sc.max_num_batched_tokens, sc.max_num_seqs, self.max_blocks_per_seq,
+                                       pin=device.type == "cuda") for _ in range(2)]
+        self.host = self._host_sets[0]
+        self._num_steps = 0
+        self._prev: PreviousStep | None = None  # the last step that sampled: its ids stay on the device
+        # on the CPU a step's forward and sampling run on this thread, so the host can plan the next step meanwhile
+        self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="novainfer-step") \
+            if device.type != "cuda" else None
         self.graphs: DecodeGraphs | None = None
         self.ladder = batch_size_ladder(sc.max_num_seqs)  # the decode batch sizes graphs are captured for
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
@@ -194,16 +202,26 @@ class ModelRunner:
         starts = np.fromiter((s.seq.num_computed_tokens for s in scheduled), np.int64, num_seqs)
         counts = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, num_seqs)
         num_tokens = int(counts.sum())
-        h = self.host
+        self._num_steps += 1
+        h = self.host = self._host_sets[self._num_steps % 2]
         ids, pos, slots = h.input_ids.numpy(), h.positions.numpy(), h.slot_mapping.numpy()
         ends = np.cumsum(counts)
+        feed = None
         if num_tokens == num_seqs:  # one new token per sequence: a decode step
-            ids[:num_tokens] = [s.seq.token_ids[s.seq.num_computed_tokens] for s in scheduled]
+            known = [s.seq.token_ids[s.seq.num_computed_tokens] if s.seq.num_computed_tokens < len(s.seq.token_ids)
+                     else -1 for s in scheduled]
+            if -1 in known:  # sampled by the step still in flight: taken from its ids on the device
+                feed = self._feed_from_previous(scheduled, known)
+            ids[:num_tokens] = known
             positions, token_rows = starts, rows
         else:
-            ids[:num_tokens] = list(chain.from_iterable(
+            known = list(chain.from_iterable(
                 s.seq.token_ids[s.seq.num_computed_tokens:s.seq.num_computed_tokens + s.num_new_tokens]
-                for s in scheduled))
+                or [-1] for s in scheduled))  # [] only for a decode whose input is pending: one token
+            if -1 in known:
+                feed = self._feed_from_previous([scheduled[i] for i in np.repeat(np.arange(num_seqs), counts)],
+                                                known)
+            ids[:num_tokens] = known
             positions = np.arange(num_tokens) + np.repeat(starts - (ends - counts), counts)
             token_rows = np.repeat(rows, counts)
         pos[:num_tokens] = positions
@@ -221,14 +239,24 @@ class ModelRunner:
                 logits_indices.append(end - 1)
                 sample_seq_ids.append(s.seq.seq_id)
                 sampling_rows.append(self._sampling_row(s.seq))
+        h.logits_indices.numpy()[:len(logits_indices)] = logits_indices
         inp = StepInputs(h.input_ids[:num_tokens], h.positions[:num_tokens], h.slot_mapping[:num_tokens],
                          qsl[:num_seqs + 1].tolist(), seq_lens.tolist(),
                          h.block_tables[:num_seqs * width].view(num_seqs, width), h.seq_lens[:num_seqs],
                          h.query_start_loc[:num_seqs + 1], int(counts.max()), logits_indices, sample_seq_ids,
-                         sampling_rows)
+                         sampling_rows, feed=feed, logits_indices_t=h.logits_indices[:len(logits_indices)])
         if sampling_rows:  # uploaded now, while the device is idle, so the forward is not waited on later
             inp.sampling_metadata = self._sampling_metadata(sampling_rows, sample_seq_ids)
         return inp
+
+    def _feed_from_previous(self, scheduled, known: list[int]) -> TokenFeed:
+        """Where each pending input token (-1 in known) lies in the previous step's sampled ids."""
+        prev = self._prev
+        if prev is None:
+            raise RuntimeError("a step's input token is pending but no earlier step sampled it")
+        dst = [i for i, t in enumerate(known) if t < 0]
+        src = [prev.rows[scheduled[i].seq.seq_id] for i in dst]
+        return TokenFeed(dst, src, prev)
 
     def _sampling_metadata(self, rows: list[SamplingRow], seq_ids: list[int]) -> SamplingMetadata:
         """Built and uploaded again only when the rows' parameters may have changed: decode steps of the same
@@ -287,12 +315,18 @@ class ModelRunner:
             with nvtx_range("attn_meta/graph_inputs", self.nvtx):
                 self.graphs.load_inputs(inp.input_ids, inp.positions, inp.slot_mapping, inp.seq_lens_t,
                                         inp.block_tables)
+                if inp.feed is not None:
+                    inp.feed.apply(self.graphs.input_ids, self.device)
             with nvtx_range("forward/graph_replay", self.nvtx):
                 hidden = self.graphs.replay(len(inp.seq_lens))
         else:
             with nvtx_range("attn_meta/build", self.nvtx):
                 meta = self.build_attention_metadata(inp)
             ids = inp.input_ids.to(self.device, non_blocking=True)
+            if inp.feed is not None:
+                if ids.data_ptr() == inp.input_ids.data_ptr():  # on the CPU: do not write into the host buffer
+                    ids = ids.clone()
+                inp.feed.apply(ids, self.device)
             pos = inp.positions.to(self.device, non_blocking=True)
             with nvtx_range("forward/eager", self.nvtx), attention_metadata(meta):
                 hidden = self.model(ids, pos)
@@ -301,9 +335,7 @@ class ModelRunner:
         with nvtx_range("forward/logits", self.nvtx):
             n = len(inp.logits_indices)
             if n != hidden.shape[0]:  # a step with prefill chunks: only each sequence's last row is sampled
-                rows = self.host.logits_indices[:n]
-                rows.numpy()[:] = inp.logits_indices
-                hidden = hidden[rows.to(self.device, non_blocking=True)]
+                hidden = hidden[inp.logits_indices_t.to(self.device, non_blocking=True)]
             return self.model.compute_logits(hidden).float()
 
     def sample(self, logits: torch.Tensor, inp: StepInputs):
@@ -326,16 +358,81 @@ class ModelRunner:
                 out.logprobs.append(entries)
         return out
 
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, waited for: its sampled tokens on the host."""
+        return self.execute_model_async(sched).get()
+
+    @torch.inference_mode()
+    def execute_model_async(self, sched: SchedulerOutput) -> "StepHandle":
+        """Prepare and launch one step; the handle's get() waits for it and copies its tokens to the host.
+
+        On CUDA the launch is asynchronous by nature; on the CPU the forward and sampling run on the step
+        thread. Either way a later step may be prepared (and launched) before this one's get()."""
         with nvtx_range("prepare/step_inputs", self.nvtx):
             inp = self.prepare_step_inputs(sched)
+        if self._device_thread is None:
+            handle = StepHandle(self, inp, self._forward_and_sample(inp))
+        else:
+            handle = StepHandle(self, inp, self._device_thread.submit(self._forward_and_sample, inp))
+        if inp.sample_seq_ids:
+            self._prev = PreviousStep(handle, {seq_id: i for i, seq_id in enumerate(inp.sample_seq_ids)})
+        return handle
+
+    @torch.inference_mode()
+    def _forward_and_sample(self, inp: StepInputs):
+        """The device's part of a step: forward, logits and sampling (None for a step that samples nothing)."""
         logits = self.run_model_forward(inp)
-        if logits is None:  # a prefill chunk: no tokens to copy back, but the pinned inputs are reused next step
+        if logits is None:  # a prefill chunk: no tokens, but its pinned inputs are reused two steps later
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
-            return ModelRunnerOutput([], [])
+            return None
         with nvtx_range("sample/sampler", self.nvtx):
-            sampled = self.sample(logits, inp)
-        with nvtx_range("sample/to_host", self.nvtx):
-            return self.postprocess(inp, sampled)
+            return self.sample(logits, inp)
+
+
+class PreviousStep:
+    """The last launched step that sampled, and which row of its sampled ids belongs to each sequence."""
+
+    def __init__(self, handle: "StepHandle", rows: dict[int, int]):
+        self.handle, self.rows = handle, rows
+
+    def sampled_ids(self) -> torch.Tensor:
+        """Its sampled ids, still on the device (on the CPU: once its step thread has produced them)."""
+        return self.handle.sampled().sampled_token_ids
+
+
+class TokenFeed:
+    """Input tokens a step takes from the previous step's sampled ids, on the device (no host round trip)."""
+
+    def __init__(self, dst: list[int], src: list[int], prev: PreviousStep):
+        self.dst, self.src, self.prev = dst, src, prev
+
+    def apply(self, input_ids: torch.Tensor, device: torch.device) -> None:
+        dst = torch.tensor(self.dst, dtype=torch.long).to(device, non_blocking=True)
+        src = torch.tensor(self.src, dtype=torch.long).to(device, non_blocking=True)
+        input_ids[dst] = self.prev.sampled_ids()[src]
+
+
+class StepHandle:
+    """A launched step. It keeps the step's inputs and outputs alive until get() has read them back."""
+
+    def __init__(self, runner: ModelRunner, inp: StepInputs, sampled):
+        self.runner, self.inp, self._sampled = runner, inp, sampled
+        self._output: ModelRunnerOutput | None = None
+
+    def sampled(self):
+        """The sampler's output (device tensors); on the CPU, waits for the step thread."""
+        if isinstance(self._sampled, Future):
+            self._sampled = self._sampled.result()
+        return self._sampled
+
+    def get(self) -> ModelRunnerOutput:
+        """Wait for the step and copy its sampled ids (and logprobs) to the host, once."""
+        if self._output is None:
+            sampled = self.sampled()
+            if sampled is None:
+                self._output = ModelRunnerOutput([], [])
+            else:
+                with nvtx_range("sample/to_host", self.runner.nvtx):
+                    self._output = self.runner.postprocess(self.inp, sampled)
+        return self._output

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -40,6 +40,8 @@ class StepInputs:
     sample_seq_ids: list[int]  # the sequence of each sampled row
     sampling_rows: list[SamplingRow]
     sampling_metadata: SamplingMetadata | None = None
+    logits_indices_t: torch.Tensor | None = None  # logits_indices in this step's host buffer, for the upload
+    feed: Any = None  # TokenFeed: input tokens sampled by the step still in flight, filled in on the device
 
 
 class HostBuffers:
