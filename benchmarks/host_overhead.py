@@ -8,6 +8,9 @@ fixed tokens. The host waits for the device only where it reads the sampled ids 
     host ms per step = step wall time - time blocked on the device.
 
     python benchmarks/host_overhead.py --num-seqs 1 64 256 --simulated-device-ms 2
+
+With overlap on, the host plans and launches step N+1 before it reads step N back, so a step should take
+about max(host, device) instead of host + device.
 """
 from __future__ import annotations
 
@@ -118,25 +121,30 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="cProfile the largest batch's run (host functions)")
+    ap.add_argument("--overlap", nargs="+", choices=["off", "on"], default=["off", "on"],
+                    help="async scheduling: plan step N+1 while the device runs step N")
     args = ap.parse_args()
 
     from novainfer import LLM
-    llm = LLM(args.model, max_num_seqs=max(args.num_seqs), device="cpu",
-              cpu_kv_cache_tokens=max(args.num_seqs) * (args.input_len + args.output_len + 32))
-    tokens = llm.get_tokenizer().encode(TEXT, add_special_tokens=False)
-    device = SimulatedDevice(args.simulated_device_ms, tokens)
-    runner = llm.llm_engine.executor.workers[0].model_runner
-    device.install(runner)
-    rows = [run(n, args, llm, device) for n in args.num_seqs]
-    if args.profile:
-        import cProfile
-        import pstats
-        prof = cProfile.Profile()
-        prof.runcall(run, max(args.num_seqs), args, llm, device)
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-    print(f"{'seqs':>5} {'host ms/step':>13} {'step ms':>8} {'device ms':>10} {'step/max(host,dev)':>19}")
+    rows = []
+    for overlap in args.overlap:
+        extra = {"async_scheduling": True} if overlap == "on" else {}  # off: also runs on commits before it
+        llm = LLM(args.model, max_num_seqs=max(args.num_seqs), device="cpu",
+                  cpu_kv_cache_tokens=max(args.num_seqs) * (args.input_len + args.output_len + 32), **extra)
+        tokens = llm.get_tokenizer().encode(TEXT, add_special_tokens=False)
+        device = SimulatedDevice(args.simulated_device_ms, tokens)
+        device.install(llm.llm_engine.executor.workers[0].model_runner)
+        rows += [dict(overlap=overlap, **run(n, args, llm, device)) for n in args.num_seqs]
+        if args.profile:
+            import cProfile
+            import pstats
+            prof = cProfile.Profile()
+            prof.runcall(run, max(args.num_seqs), args, llm, device)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        llm.llm_engine.shutdown()
+    print(f"{'overlap':>7} {'seqs':>5} {'host ms/step':>13} {'step ms':>8} {'device ms':>10} {'step/max(host,dev)':>19}")
     for r in rows:
-        print(f"{r['num_seqs']:>5} {r['host_ms']:>13.3f} {r['step_ms']:>8.3f} {r['device_ms']:>10.1f} "
+        print(f"{r['overlap']:>7} {r['num_seqs']:>5} {r['host_ms']:>13.3f} {r['step_ms']:>8.3f} {r['device_ms']:>10.1f} "
               f"{r['step_over_max']:>19.3f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -44,6 +44,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
+    async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on with CUDA, off on the CPU
 
 
 @dataclass

@@ -68,7 +68,6 @@ def test_scheduler_preempts_newest_and_respects_limits():
         sched.add(s)
     out = sched.schedule()
     assert [x.seq for x in out.scheduled] == seqs[:2]  # max_num_seqs
-    sched.on_step_done(out.scheduled)
     for s in seqs[:2]:
         s.append_token(1)
     # decode steps until blocks run out: 2 seqs x 3 blocks = 6 blocks, so growth past 12 tokens preempts
@@ -77,7 +76,6 @@ def test_scheduler_preempts_newest_and_respects_limits():
         out = sched.schedule()
         preempted += out.num_preempted
         sampling = [x.seq for x in out.scheduled if x.samples]
-        sched.on_step_done(out.scheduled)
         for s in sampling:
             s.append_token(1)
     assert preempted > 0 and seqs[1].num_preemptions > 0 and seqs[0].num_preemptions == 0
@@ -93,6 +91,5 @@ def test_chunked_prefill_splits_by_budget():
     while s.num_computed_tokens < 25:
         out = sched.schedule()
         chunks.append(out.scheduled[0].num_new_tokens)
-        assert out.scheduled[0].samples == (s.num_computed_tokens + chunks[-1] == 25)
-        sched.on_step_done(out.scheduled)
+        assert out.scheduled[0].samples == (out.scheduled[0].start + chunks[-1] == 25)
     assert chunks == [10, 10, 5]

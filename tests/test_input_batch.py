@@ -73,7 +73,7 @@ def test_runner_step_inputs_match_reference(tmp_path):
         inp = runner.prepare_step_inputs(sched)
         ids, pos, slots, qsl, tables = [], [], [], [0], []
         for s in sched.scheduled:
-            seq, start = s.seq, s.seq.num_computed_tokens
+            seq, start = s.seq, s.start
             for p in range(start, start + s.num_new_tokens):
                 ids.append(seq.token_ids[p])
                 pos.append(p)

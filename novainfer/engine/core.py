@@ -21,7 +21,7 @@ from novainfer.engine.processor import check_request
 from novainfer.engine.scheduler import Scheduler, SchedulerOutput
 from novainfer.engine.sequence import Sequence
 from novainfer.executor.base import Executor
-from novainfer.worker.model_runner import ModelRunnerOutput
+from novainfer.worker.model_runner import ModelRunnerOutput, StepHandle
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,10 @@ class EngineCore:
         self.step_id = 0
         self.num_generated_tokens = 0
         self._failed: list[EngineCoreOutput] = []  # outputs of requests a raising step failed
-        logger.info("engine core ready: model=%s blocks=%d (%d tokens) max_model_len=%d",
-                    mc.model, self.num_blocks, self.num_blocks * bs, self.max_model_len)
+        self.async_scheduling = resolve_async_scheduling(config)
+        self._inflight: InFlightStep | None = None  # with async scheduling: the launched step not yet read back
+        logger.info("engine core ready: model=%s blocks=%d (%d tokens) max_model_len=%d async_scheduling=%s",
+                    mc.model, self.num_blocks, self.num_blocks * bs, self.max_model_len, self.async_scheduling)
 
     def shutdown(self) -> None:
         """Stop the executor's workers (processes with the mp backend)."""
@@ -98,7 +100,8 @@ class EngineCore:
                 del self.requests[target.request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Requests to run, or a launched step still to read back."""
+        return bool(self.requests) or self._inflight is not None
 
     def make_stats(self) -> SchedulerStats:
         sched, bm = self.scheduler, self.block_manager
@@ -108,29 +111,84 @@ class EngineCore:
 
     # ---- one step: schedule -> execute -> update_from_output -------------------------------------
     def step(self) -> EngineCoreOutputs | None:
-        """One step; None when nothing could be scheduled. A step that raises (not because of one request)
-        has failed its requests first: pop_failed_outputs() has their outputs."""
+        """One step; None when nothing ran or was read back. A step that raises (not because of one request)
+        has failed its requests first: pop_failed_outputs() has their outputs.
+
+        With async scheduling the step launched here is read back by the next call: the host plans and
+        launches step N+1 while step N runs, and step N's tokens are applied one step late."""
+        if self.async_scheduling:
+            return self._step_overlapped()
         sched = self.schedule()
         if sched.is_empty:
             return None
         try:
             result = self.execute(sched)
-        except RequestError as exc:  # one request's fault: it fails alone, the others run again
-            outputs = self._fail_request_in_step(sched, exc)
         except Exception as exc:
-            self._fail_step(sched, exc)
-            raise
+            outputs = self._fail_step_of(sched, exc)
         else:
             outputs = self.update_from_output(sched, result)
         return EngineCoreOutputs(outputs, self.make_stats(), time.monotonic())
+
+    def _step_overlapped(self) -> EngineCoreOutputs | None:
+        outputs: list[EngineCoreOutput] = []
+        if self._inflight is not None and self._inflight.needs_sync:  # its tokens shape the next step's sampling
+            outputs += self._read_back(self._inflight, None)
+            self._inflight = None
+        sched = self.schedule()
+        launched = None
+        if not sched.is_empty:
+            try:
+                launched = InFlightStep(sched, self.executor.execute_model_async(sched))
+            except Exception as exc:  # preparing the step failed: finish the one before, then fail this one
+                if self._inflight is not None:
+                    outputs += self._read_back(self._inflight, None)
+                    self._inflight = None
+                outputs += self._fail_step_of(sched, exc)
+        prev, self._inflight = self._inflight, launched
+        if prev is not None:
+            outputs += self._read_back(prev, launched)
+        if prev is None and launched is None and not outputs:
+            return None
+        return EngineCoreOutputs(outputs, self.make_stats(), time.monotonic())
+
+    def _read_back(self, step: "InFlightStep", next_step: "InFlightStep | None") -> list[EngineCoreOutput]:
+        """Wait for a launched step and apply its tokens. If it failed, the step launched after it (which
+        continued its sequences from KV that can't be trusted) is discarded and recomputed first."""
+        try:
+            result = step.handle.get()
+        except Exception as exc:
+            if next_step is not None and self._inflight is next_step:
+                self._discard(next_step)
+                self._inflight = None
+            return self._fail_step_of(step.sched, exc)
+        return self.update_from_output(step.sched, result)
+
+    def _discard(self, step: "InFlightStep") -> None:
+        """Drop a launched step's results: wait for it, then its sequences go back to be recomputed."""
+        try:
+            step.handle.get()
+        except Exception:  # noqa: BLE001 - its outcome is dropped either way
+            logger.debug("discarded step failed too", exc_info=True)
+        self.scheduler.undo_step(step.sched.scheduled)
+        for s in reversed(step.sched.scheduled):
+            if not s.seq.is_finished:
+                self.scheduler.requeue(s.seq)
+
+    def _fail_step_of(self, sched: SchedulerOutput, exc: Exception) -> list[EngineCoreOutput]:
+        """A step that did not complete: one request's fault fails it alone (the others run again);
+        anything else fails the step's requests and is raised."""
+        self.scheduler.undo_step(sched.scheduled)
+        if isinstance(exc, RequestError):
+            return self._fail_request_in_step(sched, exc)
+        self._fail_step(sched, exc)
+        raise exc
 
     def schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()
         if not sched.is_empty:
             self.step_id += 1
             if logger.isEnabledFor(logging.DEBUG):
-                decode = sum(s.num_new_tokens for s in sched.scheduled
-                             if s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
+                decode = sum(s.num_new_tokens for s in sched.scheduled if s.start >= s.seq.num_prompt_tokens)
                 logger.debug("step_id=%d batch_size=%d num_prefill_tokens=%d num_decode_tokens=%d preempted=%d",
                              self.step_id, len(sched.scheduled), sched.num_tokens - decode, decode,
                              sched.num_preempted)
@@ -141,16 +199,14 @@ class EngineCore:
 
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append each sampled token to its sequence and finish the sequences that ended at the token level."""
-        self.scheduler.on_step_done(sched.scheduled)
-        self.num_generated_tokens += len(result.sampled_token_ids)
         by_seq = {s.seq.seq_id: s.seq for s in sched.scheduled}
         outputs: list[EngineCoreOutput] = []
         faults = self.faults if self.faults else None
         for row, (seq_id, token_id) in enumerate(zip(result.seq_ids, result.sampled_token_ids)):
             seq = by_seq[seq_id]
             rid = seq.request_id
-            if rid not in self.requests:  # failed earlier in this step (another of its samples), or aborted
-                continue
+            if seq.is_finished or rid not in self.requests:  # finished before this step was read back (its
+                continue  # token is the overlap's extra one), failed earlier in this step, or aborted
             try:
                 if faults is not None:
                     faults.check("postprocess", rid)
@@ -170,6 +226,7 @@ class EngineCore:
         """Token-level stops; stop strings are the front-end's (they need text)."""
         p = seq.sampling_params
         seq.append_token(token_id)
+        self.num_generated_tokens += 1
         n_out = seq.num_output_tokens
         if n_out >= p.min_tokens:
             seq.min_tokens_blocked = []
@@ -220,6 +277,35 @@ class EngineCore:
         """The error outputs of the requests the last raising step failed."""
         failed, self._failed = self._failed, []
         return failed
+
+
+class InFlightStep:
+    """A launched step: what was scheduled, the handle that reads it back, and whether the next step must
+    wait for its tokens (a sampling parameter that reads the output so far: penalties, min_tokens)."""
+
+    def __init__(self, sched: SchedulerOutput, handle: StepHandle):
+        self.sched, self.handle = sched, handle
+        self.needs_sync = any(needs_output_history(s.seq) for s in sched.scheduled if s.samples)
+
+
+def needs_output_history(seq: Sequence) -> bool:
+    """Whether sampling this sequence's next token reads its latest token on the host."""
+    p = seq.sampling_params
+    return bool(seq.min_tokens_blocked or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
+
+
+def resolve_async_scheduling(config: EngineConfig) -> bool:
+    """Overlap on by default on CUDA, off on the CPU (measured: benchmarks/host_overhead.py); only with one
+    rank in the engine's process, the executor that returns a step before it finishes."""
+    pc = config.parallel_config
+    wanted = config.scheduler_config.async_scheduling
+    if wanted is None:
+        wanted = config.resolve_device().type == "cuda"
+    if wanted and (pc.tensor_parallel_size > 1 or pc.distributed_executor_backend != "uni"):
+        if config.scheduler_config.async_scheduling:
+            logger.warning("async_scheduling needs tensor_parallel_size=1 with the uni backend; it is off")
+        return False
+    return wanted
 
 
 def resolve_max_model_len(config: EngineConfig, cache_tokens: int) -> int:

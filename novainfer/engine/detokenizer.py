@@ -23,10 +23,14 @@ class IncrementalDetokenizer:
         self.read_offset = len(self.token_ids)
         self.output_text = ""
         self.pending: list[int] = []  # tokens not yet decoded (deferred detokenization)
+        self._backend = fast_backend(tokenizer)
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      spaces_between_special_tokens=self.spaces_between_special_tokens)
+
 
     def step(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (may be '' while a character is incomplete)."""
@@ -76,3 +80,12 @@ def check_stop_strings(output_text: str, new_char_count: int, stop: list[str],
         return None
     idx, s = best
     return s, idx + len(s) if include_stop_str_in_output else idx
+
+
+def fast_backend(tokenizer: Any) -> Any:
+    """The Rust tokenizer behind a fast HF tokenizer whose decode() adds nothing to it (no space clean-up):
+    calling it directly skips transformers' per-call conversions, most of the cost of a one-token decode."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend if hasattr(backend, "decode") else None

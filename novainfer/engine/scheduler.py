@@ -20,15 +20,17 @@ logger = logging.getLogger(__name__)
 
 
 class ScheduledSequence:
-    """One sequence's share of a step: how many new tokens, and whether its last logits row is sampled
-    (the step reaches the sequence's end). A plain slotted class: a step makes one per running sequence."""
+    """One sequence's share of a step: from which position, how many new tokens, and whether its last logits
+    row is sampled (the step reaches the sequence's end). A plain slotted class: a step makes one per
+    running sequence."""
 
-    __slots__ = ("seq", "num_new_tokens", "samples")
+    __slots__ = ("seq", "num_new_tokens", "start", "samples")
 
     def __init__(self, seq: Sequence, num_new_tokens: int):
         self.seq = seq
         self.num_new_tokens = num_new_tokens
-        self.samples = seq.num_computed_tokens + num_new_tokens == len(seq.token_ids)
+        self.start = seq.num_computed_tokens  # position of the step's first token for this sequence
+        self.samples = self.start + num_new_tokens == len(seq.token_ids) + seq.num_pending_tokens
 
     def __repr__(self) -> str:
         return f"ScheduledSequence({self.seq!r}, num_new_tokens={self.num_new_tokens}, samples={self.samples})"
@@ -79,7 +81,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            n = min(len(seq.token_ids) + seq.num_pending_tokens - seq.num_computed_tokens, budget)
             if len(seq.block_table) * block_size < seq.num_computed_tokens + n:  # needs another block
                 while not bm.can_append(seq, n):
                     victim = self.running[-1]
@@ -89,8 +91,7 @@ class Scheduler:
                         break
                 if seq.status != SequenceStatus.RUNNING:
                     break
-            bm.allocate_slots(seq, n)
-            out.scheduled.append(ScheduledSequence(seq, n))
+            self._launch(seq, n, out)
             budget -= n
             i += 1
 
@@ -98,6 +99,8 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.num_preempted \
                 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_pending_tokens:  # preempted while a launched step samples its next token: wait for it
+                break
             cached = bm.find_cached_prefix(seq)
             n = min(len(seq) - len(cached) * bm.block_size, budget)
             if not self.config.enable_chunked_prefill and n < len(seq) - len(cached) * bm.block_size:
@@ -108,12 +111,21 @@ class Scheduler:
             bm.admit(seq, cached)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
-            bm.allocate_slots(seq, n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, n))
+            self._launch(seq, n, out)
             budget -= n
         return out
+
+    def _launch(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        """Give the step n tokens of seq: their slots, and the sequence's progress as if the step ran
+        (so the next step can be planned before this one is read back)."""
+        self.block_manager.allocate_slots(seq, n)
+        s = ScheduledSequence(seq, n)
+        out.scheduled.append(s)
+        seq.num_computed_tokens += n
+        if s.samples:
+            seq.num_pending_tokens += 1
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: free the blocks and put the sequence back at the head of the queue."""
@@ -125,15 +137,19 @@ class Scheduler:
     def requeue(self, seq: Sequence) -> None:
         """Back to the head of the queue with no blocks, to be recomputed (a preemption, or a step that
         failed for another request)."""
-        self.running.remove(seq)
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:  # already requeued (a discarded step, then the failed one before it)
+            self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def on_step_done(self, scheduled: list[ScheduledSequence]) -> None:
-        """Advance each scheduled sequence past the tokens the step computed."""
+    def undo_step(self, scheduled: list[ScheduledSequence]) -> None:
+        """A step that will not be read back (it failed): its tokens will not arrive."""
         for s in scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            if s.samples:
+                s.seq.num_pending_tokens = max(0, s.seq.num_pending_tokens - 1)
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished (or aborted) sequence wherever it is."""

@@ -30,7 +30,8 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
         self.sampling_params = sampling_params
-        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache, or being written by a launched step
+        self.num_pending_tokens = 0  # tokens sampled by a launched step, not yet appended (0 or 1)
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at (first) admission
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hash of each full block in block_table, in order
@@ -62,10 +63,12 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
 
     def append_token(self, token_id: int) -> None:
+        """The token a step sampled for this sequence (its pending token, once the step is read back)."""
         self.token_ids.append(token_id)
+        self.num_pending_tokens = max(0, self.num_pending_tokens - 1)
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.value}, "

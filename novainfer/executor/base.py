@@ -8,7 +8,7 @@ from typing import Any
 from novainfer.config import EngineConfig
 from novainfer.distributed import check_tp_divisibility
 from novainfer.engine.scheduler import SchedulerOutput
-from novainfer.worker.model_runner import ModelRunnerOutput
+from novainfer.worker.model_runner import ModelRunnerOutput, StepHandle
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +50,24 @@ class Executor(ABC):
         """Run one step on every rank; rank 0's output is the canonical one."""
         return self.collective_rpc("execute_model", scheduler_output)[0]
 
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> "StepHandle | DoneStep":
+        """Launch one step; its get() reads it back. Executors that cannot return before a step finishes
+        run it here and hand back its output."""
+        return DoneStep(self.execute_model(scheduler_output))
+
     def check_health(self) -> None:
         """Raise if a worker is gone or not initialised."""
         self.collective_rpc("check_health")
 
     def shutdown(self) -> None:  # noqa: B027 - executors with processes override it
         """Release workers; nothing to do for an in-process worker."""
+
+
+class DoneStep:
+    """A step that already ran: get() returns its output."""
+
+    def __init__(self, output: ModelRunnerOutput):
+        self.output = output
+
+    def get(self) -> ModelRunnerOutput:
+        return self.output

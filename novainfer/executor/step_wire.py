@@ -19,7 +19,7 @@ from novainfer.sampling_params import SamplingParams
 @dataclass
 class StepMessage:
     new_seqs: list[tuple[int, int, Any, int]]  # (seq_id, index, sampling_params, num_prompt_tokens), first sight
-    # (seq_id, num_computed_tokens, num_new_tokens, samples, appended token ids, block table or None, blocked ids)
+    # (seq_id, the step's start position, num_new_tokens, samples, appended token ids, block table or None, blocked ids)
     rows: list[tuple[int, int, int, bool, list[int], list[int] | None, list[int]]]
     finished_seq_ids: list[int]
     num_preempted: int
@@ -49,7 +49,7 @@ class StepPacker:
             else:
                 state[1], state[2] = table, len(table)
                 table = list(table)
-            rows.append((seq.seq_id, seq.num_computed_tokens, s.num_new_tokens, s.samples, tokens, table,
+            rows.append((seq.seq_id, s.start, s.num_new_tokens, s.samples, tokens, table,
                          seq.min_tokens_blocked))
         return StepMessage(new, rows, list(sched.finished_seq_ids), sched.num_preempted)
 

@@ -60,6 +60,12 @@ class UniProcExecutor(Executor):
             raise exc
         return [f.result() for f in futures]
 
+    def execute_model_async(self, scheduler_output):
+        """One rank: launched on its runner, read back later; several ranks run it now."""
+        if len(self.workers) == 1:
+            return self.workers[0].model_runner.execute_model_async(scheduler_output)
+        return super().execute_model_async(scheduler_output)
+
     def shutdown(self) -> None:
         for t in self.threads:
             t.shutdown(wait=True)

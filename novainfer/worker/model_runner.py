@@ -199,7 +199,7 @@ class ModelRunner:
         scheduled, batch = sched.scheduled, self.input_batch
         num_seqs = len(scheduled)
         rows = np.fromiter((batch.row(s.seq.seq_id, s.seq.block_table) for s in scheduled), np.int64, num_seqs)
-        starts = np.fromiter((s.seq.num_computed_tokens for s in scheduled), np.int64, num_seqs)
+        starts = np.fromiter((s.start for s in scheduled), np.int64, num_seqs)
         counts = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, num_seqs)
         num_tokens = int(counts.sum())
         self._num_steps += 1
@@ -208,16 +208,14 @@ class ModelRunner:
         ends = np.cumsum(counts)
         feed = None
         if num_tokens == num_seqs:  # one new token per sequence: a decode step
-            known = [s.seq.token_ids[s.seq.num_computed_tokens] if s.seq.num_computed_tokens < len(s.seq.token_ids)
-                     else -1 for s in scheduled]
+            known = [s.seq.token_ids[s.start] if s.start < len(s.seq.token_ids) else -1 for s in scheduled]
             if -1 in known:  # sampled by the step still in flight: taken from its ids on the device
                 feed = self._feed_from_previous(scheduled, known)
             ids[:num_tokens] = known
             positions, token_rows = starts, rows
         else:
             known = list(chain.from_iterable(
-                s.seq.token_ids[s.seq.num_computed_tokens:s.seq.num_computed_tokens + s.num_new_tokens]
-                or [-1] for s in scheduled))  # [] only for a decode whose input is pending: one token
+                s.seq.token_ids[s.start:s.start + s.num_new_tokens] or [-1] for s in scheduled))  # [] only for a decode whose input is pending: one token
             if -1 in known:
                 feed = self._feed_from_previous([scheduled[i] for i in np.repeat(np.arange(num_seqs), counts)],
                                                 known)
