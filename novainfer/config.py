@@ -1,6 +1,7 @@
 """Engine configuration: every knob the engine reads comes from these dataclasses (vLLM's names)."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -177,6 +178,20 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
         normalize_parallel_config(p)
         FaultInjector(self.fault_injection)  # a malformed spec fails here, not mid-step
+
+    def use_async_scheduling(self) -> bool:
+        """Overlap on by default on CUDA, off on the CPU (measured: benchmarks/host_overhead.py); only with one
+        rank in the engine's process, whose executor returns a step before it finishes."""
+        pc = self.parallel_config
+        wanted = self.scheduler_config.async_scheduling
+        if wanted is None:
+            wanted = self.resolve_device().type == "cuda"
+        if wanted and (pc.tensor_parallel_size > 1 or pc.distributed_executor_backend != "uni"):
+            if self.scheduler_config.async_scheduling:
+                logging.getLogger(__name__).warning(
+                    "async_scheduling needs tensor_parallel_size=1 with the uni backend; it is off")
+            return False
+        return wanted
 
     def resolve_device(self) -> torch.device:
         """'auto' picks CUDA when present; NOVAINFER_DEVICE overrides (documented in the README)."""

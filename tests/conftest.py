@@ -8,7 +8,17 @@ from hypothesis import settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from novainfer.config import EngineConfig  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=["sync", "overlap"])
+def step_loop(request):
+    """The step loop of the engines a module builds: synchronous, or async scheduling (plan step N+1 while
+    step N runs). A module that uses this fixture runs once with each."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EngineConfig, "use_async_scheduling", lambda self: request.param == "overlap")
+        yield request.param
 
 
 @pytest.fixture(scope="session")

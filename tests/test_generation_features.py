@@ -8,8 +8,11 @@ from transformers import AutoModelForCausalLM
 from novainfer import LLM, SamplingParams
 
 
+pytestmark = pytest.mark.usefixtures("step_loop")  # every test with the synchronous and the overlapped loop
+
+
 @pytest.fixture(scope="module")
-def llm(tiny_qwen2):
+def llm(tiny_qwen2, step_loop):
     return LLM(tiny_qwen2, block_size=4)
 
 

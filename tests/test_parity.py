@@ -4,6 +4,8 @@ import pytest
 from novainfer import LLM, SamplingParams
 from tests.tiny_models import hf_greedy
 
+pytestmark = pytest.mark.usefixtures("step_loop")  # every test with the synchronous and the overlapped loop
+
 PROMPTS = ["Hello, my name is", "The capital of France is", "def add(a, b):"]
 
 

@@ -58,7 +58,7 @@ class EngineCore:
         self.step_id = 0
         self.num_generated_tokens = 0
         self._failed: list[EngineCoreOutput] = []  # outputs of requests a raising step failed
-        self.async_scheduling = resolve_async_scheduling(config)
+        self.async_scheduling = config.use_async_scheduling()
         self._inflight: InFlightStep | None = None  # with async scheduling: the launched step not yet read back
         logger.info("engine core ready: model=%s blocks=%d (%d tokens) max_model_len=%d async_scheduling=%s",
                     mc.model, self.num_blocks, self.num_blocks * bs, self.max_model_len, self.async_scheduling)
@@ -292,20 +292,6 @@ def needs_output_history(seq: Sequence) -> bool:
     """Whether sampling this sequence's next token reads its latest token on the host."""
     p = seq.sampling_params
     return bool(seq.min_tokens_blocked or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
-
-
-def resolve_async_scheduling(config: EngineConfig) -> bool:
-    """Overlap on by default on CUDA, off on the CPU (measured: benchmarks/host_overhead.py); only with one
-    rank in the engine's process, the executor that returns a step before it finishes."""
-    pc = config.parallel_config
-    wanted = config.scheduler_config.async_scheduling
-    if wanted is None:
-        wanted = config.resolve_device().type == "cuda"
-    if wanted and (pc.tensor_parallel_size > 1 or pc.distributed_executor_backend != "uni"):
-        if config.scheduler_config.async_scheduling:
-            logger.warning("async_scheduling needs tensor_parallel_size=1 with the uni backend; it is off")
-        return False
-    return wanted
 
 
 def resolve_max_model_len(config: EngineConfig, cache_tokens: int) -> int:

@@ -33,6 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
     p.add_argument("--master-addr", default="127.0.0.1", help="mp: address of node 0 for the rendezvous")
     p.add_argument("--master-port", type=int, default=29501, help="mp: port of node 0 for the rendezvous")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="plan step N+1 while step N runs (default: on with CUDA, off on the CPU)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--fault-injection", default=None, help=argparse.SUPPRESS)  # tests only: engine/faults.py
@@ -51,6 +53,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks=args.num_gpu_blocks_override,
                 enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
+                async_scheduling=args.async_scheduling,
                 dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
                 distributed_executor_backend=args.distributed_executor_backend,
                 tensor_parallel_device_ids=args.tensor_parallel_device_ids, nnodes=args.nnodes,

@@ -69,7 +69,7 @@ class ModelRunner:
         self._prev: PreviousStep | None = None  # the last step that sampled: its ids stay on the device
         # on the CPU a step's forward and sampling run on this thread, so the host can plan the next step meanwhile
         self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="novainfer-step") \
-            if device.type != "cuda" else None
+            if device.type != "cuda" and config.use_async_scheduling() else None
         self.graphs: DecodeGraphs | None = None
         self.ladder = batch_size_ladder(sc.max_num_seqs)  # the decode batch sizes graphs are captured for
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
