@@ -120,7 +120,9 @@ class Context:
         return SlotAttentionMetadata(
             slot_mapping=torch.as_tensor(slots.idxs, dtype=torch.long, device=self.device),
             cells=torch.as_tensor(cells, dtype=torch.long, device=self.device),
-            visible=torch.as_tensor(visible, device=self.device))
+            visible=torch.as_tensor(visible, device=self.device),
+            query_pos=torch.as_tensor(view.pos, device=self.device),
+            cell_pos=torch.as_tensor(self.cache.pos[cells], device=self.device))
 
     def _aborted(self) -> bool:
         if self._abort is not None and self._abort():
