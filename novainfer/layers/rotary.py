@@ -1,4 +1,8 @@
-"""Rotary position embedding (neox layout, as Hugging Face Llama/Qwen), with the config's rope scaling."""
+"""Rotary position embedding (neox layout, as Hugging Face Llama/Qwen), with the config's rope scaling.
+
+Models whose layers differ in rope (Gemma 3: local and global bases) name a layer_type; the config then
+holds one parameter set per layer type. LongRoPE (Phi-3) keeps a short and a long table.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -7,9 +11,12 @@ import torch
 from torch import nn
 
 
-def rope_parameters(hf_config: Any) -> dict:
-    """The config's rope settings as one dict, for transformers 4 (rope_scaling) and 5 (rope_parameters)."""
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict:
+    """The config's rope settings as one dict, for transformers 4 (rope_scaling) and 5 (rope_parameters);
+    with a layer_type, that type's own set where the config keeps one per type."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     if not params:
         params = dict(getattr(hf_config, "rope_scaling", None) or {})
         params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -17,9 +24,17 @@ def rope_parameters(hf_config: Any) -> dict:
     return params
 
 
-def compute_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+def _is_per_layer_type(hf_config: Any, layer_type: str | None) -> bool:
+    return layer_type is not None and isinstance((getattr(hf_config, "rope_parameters", None) or {}).get(layer_type),
+                                                 dict)
+
+
+def compute_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = None,
+                     **init_kwargs: Any) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the cos/sin scaling factor, using transformers' rope formulas for scaled types."""
-    params = rope_parameters(hf_config)
+    params = rope_parameters(hf_config, layer_type)
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise NotImplementedError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported")
     if params["rope_type"] == "default":
         base = params["rope_theta"]
         return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim)), 1.0
@@ -28,22 +43,28 @@ def compute_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     if params["rope_type"] not in ROPE_INIT_FUNCTIONS:
         raise NotImplementedError(f"rope_type {params['rope_type']!r} is not supported")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_config, torch.device("cpu"))
+    if _is_per_layer_type(hf_config, layer_type):
+        init_kwargs["layer_type"] = layer_type
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_config, torch.device("cpu"), **init_kwargs)
     return inv_freq.float(), float(scaling)
+
+
+def _cos_sin(inv_freq: torch.Tensor, scaling: float, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # tables are computed on the CPU (as transformers computes inv_freq), then moved to the model's device
+    freqs = torch.arange(max_position, dtype=torch.float, device="cpu")[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    device = torch.get_default_device()
+    return (emb.cos() * scaling).to(device), (emb.sin() * scaling).to(device)
 
 
 class RotaryEmbedding(nn.Module):
     """Precomputes cos/sin for every position once; forward rotates q and k in place of copies."""
 
-    def __init__(self, head_dim: int, max_position: int, hf_config: Any):
+    def __init__(self, head_dim: int, max_position: int, hf_config: Any, layer_type: str | None = None):
         super().__init__()
-        # tables are computed on the CPU (as transformers computes inv_freq), then moved to the model's device
-        inv_freq, scaling = compute_inv_freq(hf_config, head_dim)
-        freqs = torch.arange(max_position, dtype=torch.float, device="cpu")[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        device = torch.get_default_device()
-        self.register_buffer("cos_cache", (emb.cos() * scaling).to(device), persistent=False)
-        self.register_buffer("sin_cache", (emb.sin() * scaling).to(device), persistent=False)
+        cos, sin = _cos_sin(*compute_inv_freq(hf_config, head_dim, layer_type), max_position)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -58,3 +79,30 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+class LongRopeRotaryEmbedding(RotaryEmbedding):
+    """LongRoPE (Phi-3): short factors below original_max_position_embeddings, long factors from there on.
+
+    One table holds both: positions past the original length read the long rows. transformers switches a
+    whole forward to the long factors once its last position passes the original length; token by token
+    (decode) that is the same rule, for a prompt longer than the original length the two differ."""
+
+    def __init__(self, head_dim: int, max_position: int, hf_config: Any, layer_type: str | None = None):
+        nn.Module.__init__(self)
+        params = rope_parameters(hf_config, layer_type)
+        original = int(params.get("original_max_position_embeddings")
+                       or getattr(hf_config, "original_max_position_embeddings"))
+        short_cos, short_sin = _cos_sin(*compute_inv_freq(hf_config, head_dim, layer_type), max_position)
+        long_cos, long_sin = _cos_sin(*compute_inv_freq(hf_config, head_dim, layer_type, seq_len=original + 1),
+                                      max_position)
+        n = min(original, max_position)
+        self.register_buffer("cos_cache", torch.cat([short_cos[:n], long_cos[n:]]), persistent=False)
+        self.register_buffer("sin_cache", torch.cat([short_sin[:n], long_sin[n:]]), persistent=False)
+
+
+def get_rope(head_dim: int, max_position: int, hf_config: Any, layer_type: str | None = None) -> RotaryEmbedding:
+    """The rotary module the config's rope type needs (vLLM's name)."""
+    cls = LongRopeRotaryEmbedding if rope_parameters(hf_config, layer_type)["rope_type"] == "longrope" \
+        else RotaryEmbedding
+    return cls(head_dim, max_position, hf_config, layer_type)
