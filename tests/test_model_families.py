@@ -1,0 +1,120 @@
+"""The model families of issue 17 against Hugging Face transformers (float32, CPU): greedy tokens identical
+for 40 new tokens and the chosen tokens' logprobs equal (which also checks what greedy cannot see, such as
+Gemma 2's final logit soft-cap), on tiny random checkpoints saved with save_pretrained.
+
+Each prompt set holds one prompt longer than the sliding window of the windowed models (tests/tiny_models.py
+WINDOW); MoE models have more experts than top-k and routers scaled so routing is uneven. Tensor parallelism
+(uni backend, threads) gives tp 1's tokens for one MoE and one Gemma model.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from novainfer import LLM, SamplingParams
+from novainfer.models.registry import MODEL_REGISTRY, get_model_class
+from tests.tiny_models import FAMILIES, WINDOW, hf_greedy_with, make_tiny_model
+
+PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. The capital of France is"]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine two threads spin against
+    other processes: one thread ran these tests about ten times faster here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def family_path(tmp_path_factory):
+    paths: dict[str, str] = {}
+
+    def build(arch: str) -> str:
+        if arch not in paths:
+            paths[arch] = make_tiny_model(str(tmp_path_factory.mktemp(arch)), arch, seed=17)
+        return paths[arch]
+    return build
+
+
+def hf_reference(path: str, prompt_ids: list[list[int]], n: int) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens and the logprob of each, decoding token by token with its KV cache (as
+    tests/tiny_models.hf_greedy_with, which a one-shot forward would not equal: LongRoPE switches tables)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    for ids in prompt_ids:
+        tokens, lps, past, step = [], [], None, torch.tensor([ids])
+        with torch.no_grad():
+            for _ in range(n):
+                res = model(input_ids=step, past_key_values=past, use_cache=True)
+                past, logprobs = res.past_key_values, torch.log_softmax(res.logits[0, -1].float(), -1)
+                tokens.append(int(logprobs.argmax()))
+                lps.append(float(logprobs[tokens[-1]]))
+                step = torch.tensor([[tokens[-1]]])
+        out.append((tokens, lps))
+    return out
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_greedy_and_logprobs_match_transformers(arch, family_path):
+    path = family_path(arch)
+    llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16)  # chunked prefill too
+    tok = llm.get_tokenizer()
+    ids = [tok.encode(p) for p in PROMPTS]
+    assert len(ids[1]) > 2 * WINDOW
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    for (ref_tokens, ref_lps), out, prompt in zip(hf_reference(path, ids, 40), outs, PROMPTS):
+        got = out.outputs[0]
+        assert got.token_ids == ref_tokens, (arch, prompt)
+        lps = [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)]
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4, (arch, prompt)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "gemma2"])
+def test_tensor_parallel_two_ranks_equal_one(arch, family_path):
+    path = family_path(arch)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    for tp in (1, 2):
+        llm = LLM(path, dtype="float32", block_size=4, tensor_parallel_size=tp)
+        tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        llm.llm_engine.shutdown()
+    assert tokens[2] == tokens[1]
+
+
+def test_one_all_reduce_per_moe_layer(family_path, monkeypatch):
+    """tp=2 Qwen2-MoE: o_proj and the MoE block (routed + shared experts) reduce once each per layer."""
+    from novainfer.distributed.parallel_state import ThreadGroup
+    calls: list[int] = []
+    reduce = ThreadGroup.all_reduce
+    monkeypatch.setattr(ThreadGroup, "all_reduce", lambda self, x: calls.append(self.rank) or reduce(self, x))
+    llm = LLM(family_path("qwen2_moe"), dtype="float32", tensor_parallel_size=2, num_gpu_blocks=32)
+    calls.clear()
+    llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    llm.llm_engine.shutdown()
+    assert sorted(calls) == [0] * 4 + [1] * 4  # 2 layers (one MoE, one dense) x 2 reductions x 2 ranks
+
+
+def test_triton_backend_window_and_soft_cap_in_the_engine(family_path):
+    """Gemma 2 through the Triton kernels (interpreted on the CPU): window, soft-cap, chunked prefill, decode."""
+    path = family_path("gemma2")
+    llm = LLM(path, dtype="float32", attention_backend="triton", block_size=4, max_num_batched_tokens=16)
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.generate(PROMPTS[1:], params, use_tqdm=False)[0]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert out.outputs[0].token_ids == hf_greedy_with(model, tok.encode(PROMPTS[1]), 8)
+
+
+def test_registry_lists_every_family_and_refuses_the_rest():
+    from types import SimpleNamespace
+    for arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "MistralForCausalLM",
+                 "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"):
+        assert get_model_class(SimpleNamespace(architectures=[arch])) is MODEL_REGISTRY[arch]
+    with pytest.raises(ValueError, match="unsupported model architecture.*supported: Gemma2ForCausalLM, "
+                                         "Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM"):
+        get_model_class(SimpleNamespace(architectures=["FalconForCausalLM"]))
