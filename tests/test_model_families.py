@@ -118,3 +118,19 @@ def test_registry_lists_every_family_and_refuses_the_rest():
     with pytest.raises(ValueError, match="unsupported model architecture.*supported: Gemma2ForCausalLM, "
                                          "Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM"):
         get_model_class(SimpleNamespace(architectures=["FalconForCausalLM"]))
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "mistral"])
+def test_core_api_slot_cache_honours_the_window(arch, family_path):
+    """The llama.cpp-style Context (SLOT cache, visibility masks) with windowed, soft-capped layers: the prompt
+    is longer than the window, then token by token; greedy tokens equal transformers'."""
+    from novainfer.core import Context
+    path = family_path(arch)
+    ctx = Context(path, n_cells=64, dtype="float32", device="cpu")
+    prompt = ctx.tokenizer.encode(PROMPTS[1])
+    out, nxt = [], ctx.infer(prompt)
+    for _ in range(10):
+        out.append(nxt)
+        nxt = ctx.infer([nxt])
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert out == hf_greedy_with(model, prompt, 10)
