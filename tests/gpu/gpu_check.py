@@ -3,6 +3,9 @@
 1. Triton kernels vs the torch reference on real shapes (Qwen2.5-0.5B and -7B heads), bf16: rel err <= 1e-2.
 2. Engine greedy tokens vs transformers on the GPU in float32, first 32 tokens, CUDA graphs on.
 3. CUDA-graph replay vs eager: identical tokens (bf16, a batch that spans several graph sizes).
+4. Issue 17 (tests/gpu/family_checks.py): the fused MoE kernel (Qwen3-30B-A3B, Qwen2-57B-A14B, Mixtral
+   shapes) and sliding-window / soft-cap attention (Gemma-2-9B, Mistral-7B heads) in bf16 vs their torch
+   references, rel err <= 1e-2; the new families' greedy tokens vs transformers in float32.
 Prints a table; exits non-zero if any check fails.
 """
 from __future__ import annotations
@@ -25,6 +28,7 @@ from novainfer.kernels.kv_store import store_kv  # noqa: E402
 from novainfer.kernels.paged_attention import decode_attention, prefill_attention  # noqa: E402
 from tests.tiny_models import hf_greedy_with, make_tiny_model  # noqa: E402
 from tests.gpu.checks import check, rows  # noqa: E402
+from tests.gpu.family_checks import families_vs_hf, moe_kernel_checks, window_kernel_checks  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -151,8 +155,11 @@ def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     kernel_checks()
     fused_op_checks()
+    moe_kernel_checks()
+    window_kernel_checks()
     with tempfile.TemporaryDirectory() as tmp:
         engine_vs_hf(tmp)
+        families_vs_hf(tmp)
         graph_vs_eager(tmp)
     print("\n| check | detail | result |\n|---|---|---|")
     for name, detail, ok in rows:
