@@ -12,28 +12,20 @@ import torch
 from torch import nn
 
 from novainfer.layers.layernorm import GemmaRMSNorm
-from novainfer.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
+from novainfer.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 
-class Gemma2DecoderLayer(nn.Module):
+class Gemma2DecoderLayer(LlamaDecoderLayer):
     """x + post_ff(mlp(pre_ff(h))) with h = x + post_attn(attn(input_norm(x))); the residual adds are
     fused into the next norm, as in the Llama layer."""
 
     def __init__(self, config: Any, self_attn: nn.Module, mlp: nn.Module):
-        super().__init__()
-        self.self_attn, self.mlp = self_attn, mlp
-        hs, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(hs, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(hs, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(hs, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(hs, eps)
+        super().__init__(config, self_attn, mlp, GemmaRMSNorm)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = self.input_norm(hidden_states, residual)
         hidden_states = self.post_attention_layernorm(self.self_attn(positions, hidden_states))
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual

@@ -83,19 +83,21 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, self_attn: nn.Module, mlp: nn.Module):
+    def __init__(self, config: Any, self_attn: nn.Module, mlp: nn.Module, norm_cls: type[RMSNorm] = RMSNorm):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = norm_cls(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = norm_cls(config.hidden_size, config.rms_norm_eps)
+
+    def input_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor | None):
+        """(input_layernorm(h + residual), h + residual); the first layer has no residual yet."""
+        if residual is None:
+            return self.input_layernorm(hidden_states), hidden_states
+        return self.input_layernorm(hidden_states, residual)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None):
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, residual = self.input_norm(hidden_states, residual)
         hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual

@@ -11,10 +11,9 @@ import os
 import torch
 
 from novainfer.attention import torch_backend
-from novainfer.attention.metadata import AttentionMetadata
 from novainfer.layers.activation import SiluAndMul
 from novainfer.layers.fused_moe import fused_experts_torch, select_experts
-from tests.gpu.checks import check
+from tests.gpu.checks import check, paged_case
 
 # (name, experts, top_k, hidden, moe intermediate): Qwen3-30B-A3B, Qwen2-57B-A14B, Mixtral-8x7B
 MOE_SHAPES = [("qwen3-30b-a3b", 128, 8, 2048, 768), ("qwen2-57b-a14b", 64, 8, 3584, 2560),
@@ -53,24 +52,7 @@ def window_kernel_checks(dev: str = "cuda", dtype: torch.dtype = torch.bfloat16,
     for name, heads, kv_heads, hd, window, cap in shapes:
         g = torch.Generator(device=dev).manual_seed(heads + hd)
         for q_lens in ([1] * len(contexts), [min(300, c + 1) for c in contexts]):
-            seq_lens = [c + q for c, q in zip(contexts, q_lens)]
-            nb = [(s + block_size - 1) // block_size for s in seq_lens]
-            perm = torch.randperm(sum(nb) + 4, device=dev, generator=g).tolist()
-            tables, used = [], 0
-            for n in nb:
-                tables.append(perm[used:used + n] + [-1] * (max(nb) - n))
-                used += n
-            bt = torch.tensor(tables, dtype=torch.int32, device=dev)
-            kc = torch.randn(sum(nb) + 4, block_size, kv_heads, hd, device=dev, generator=g).to(dtype)
-            vc = torch.randn(kc.shape, device=dev, generator=g).to(dtype)
-            q = torch.randn(sum(q_lens), heads, hd, device=dev, generator=g).to(dtype)
-            qsl = [0]
-            for n in q_lens:
-                qsl.append(qsl[-1] + n)
-            meta = AttentionMetadata(torch.tensor(qsl, dtype=torch.int32, device=dev),
-                                     torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-                                     torch.zeros(0, dtype=torch.long, device=dev), bt, max(q_lens), max(seq_lens),
-                                     qsl, seq_lens)
+            q, kc, vc, bt, meta = paged_case(dev, g, contexts, q_lens, block_size, heads, kv_heads, hd, dtype, 4)
             scale = hd ** -0.5
             ref = torch_backend.paged_attention(q.float(), kc.float(), vc.float(), meta, scale, window, cap)
             what = f"window={window} cap={cap}"

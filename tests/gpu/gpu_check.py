@@ -23,11 +23,10 @@ sys.path.insert(0, ROOT)
 
 from novainfer import LLM, SamplingParams  # noqa: E402
 from novainfer.attention import torch_backend  # noqa: E402
-from novainfer.attention.metadata import AttentionMetadata  # noqa: E402
 from novainfer.kernels.kv_store import store_kv  # noqa: E402
 from novainfer.kernels.paged_attention import decode_attention, prefill_attention  # noqa: E402
 from tests.tiny_models import hf_greedy_with, make_tiny_model  # noqa: E402
-from tests.gpu.checks import check, rows  # noqa: E402
+from tests.gpu.checks import check, paged_case, rows  # noqa: E402
 from tests.gpu.family_checks import families_vs_hf, moe_kernel_checks, window_kernel_checks  # noqa: E402
 
 
@@ -41,25 +40,7 @@ def kernel_checks() -> None:
         g = torch.Generator(device=dev).manual_seed(heads)
         ctx = [0, 15, 16, 17, 500, 3000]
         for q_lens in ([1] * len(ctx), [300, 1, 64, 17, 1000, 5]):
-            seq_lens = [c + q for c, q in zip(ctx, q_lens)]
-            nb = [(s + bs - 1) // bs for s in seq_lens]
-            perm = torch.randperm(sum(nb) + 8, device=dev, generator=g)
-            tables, used = [], 0
-            for n in nb:
-                tables.append(perm[used:used + n].tolist())
-                used += n
-            width = max(nb)
-            bt = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
-            kc = torch.randn(sum(nb) + 8, bs, kv_heads, hd, device=dev, generator=g, dtype=torch.bfloat16)
-            vc = torch.randn_like(kc)
-            q = torch.randn(sum(q_lens), heads, hd, device=dev, generator=g, dtype=torch.bfloat16)
-            qsl = [0]
-            for n in q_lens:
-                qsl.append(qsl[-1] + n)
-            meta = AttentionMetadata(torch.tensor(qsl, dtype=torch.int32, device=dev),
-                                     torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-                                     torch.zeros(0, dtype=torch.long, device=dev), bt, max(q_lens), max(seq_lens),
-                                     qsl, seq_lens)
+            q, kc, vc, bt, meta = paged_case(dev, g, ctx, q_lens, bs, heads, kv_heads, hd, torch.bfloat16)
             ref = torch_backend.paged_attention(q.float(), kc.float(), vc.float(), meta, hd ** -0.5)
             if max(q_lens) == 1:
                 for splits in (1, 8):
