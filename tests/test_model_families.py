@@ -134,3 +134,19 @@ def test_core_api_slot_cache_honours_the_window(arch, family_path):
         nxt = ctx.infer([nxt])
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert out == hf_greedy_with(model, prompt, 10)
+
+
+def test_core_api_refuses_to_move_keys_of_per_layer_rope(family_path):
+    """Gemma 3's sliding and global layers rotate with different bases: kv_seq_add cannot shift their keys
+    with one rotation, so it refuses instead of corrupting the cache (Gemma 2 shares one base and may)."""
+    from novainfer.core import Context
+    for arch, moves in (("gemma3", False), ("gemma2", True)):
+        ctx = Context(family_path(arch), n_cells=32, dtype="float32", device="cpu")
+        ctx.infer(ctx.tokenizer.encode("Hello, my name is"))
+        if moves:
+            assert ctx.kv_seq_add(0, 0, -1, 3) == 0
+        else:
+            before = ctx.cache.pos.copy()
+            with pytest.raises(NotImplementedError, match="per-layer rope bases"):
+                ctx.kv_seq_add(0, 0, -1, 3)
+            assert (ctx.cache.pos == before).all()  # refused before anything moved
