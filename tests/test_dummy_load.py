@@ -46,3 +46,9 @@ def test_benchmark_writes_the_big_moe_shape_config_only(tmp_path):
     assert (config.architectures, config.num_experts, config.num_experts_per_tok, config.hidden_size) == \
         (["Qwen3MoeForCausalLM"], 128, 8, 2048)
     assert not [f for f in os.listdir(path) if f.endswith(".safetensors")]
+
+
+def test_cli_flag_reaches_the_engine():
+    from novainfer.entrypoints.cli import build_parser, engine_kwargs
+    assert engine_kwargs(build_parser().parse_args(["serve", "m", "--load-format", "dummy"]))["load_format"] == "dummy"
+    assert engine_kwargs(build_parser().parse_args(["serve", "m"]))["load_format"] == "auto"

@@ -35,6 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: a config-only folder, weights drawn at random in place (benchmarks)")
     p.add_argument("--fault-injection", default=None, help=argparse.SUPPRESS)  # tests only: engine/faults.py
 
 
@@ -55,7 +57,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 distributed_executor_backend=args.distributed_executor_backend,
                 tensor_parallel_device_ids=args.tensor_parallel_device_ids, nnodes=args.nnodes,
                 node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
-                fault_injection=args.fault_injection)
+                fault_injection=args.fault_injection, load_format=args.load_format)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
