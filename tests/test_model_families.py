@@ -150,3 +150,17 @@ def test_core_api_refuses_to_move_keys_of_per_layer_rope(family_path):
             with pytest.raises(NotImplementedError, match="per-layer rope bases"):
                 ctx.kv_seq_add(0, 0, -1, 3)
             assert (ctx.cache.pos == before).all()  # refused before anything moved
+
+
+def test_longrope_prompt_longer_than_the_original_length(family_path):
+    """Phi-3's LongRoPE: a prompt already past original_max_position_embeddings (32 here) is rotated with the
+    long factors from its first token on, as transformers does (one prefill chunk); logprobs show it."""
+    path = family_path("phi3")
+    llm = LLM(path, dtype="float32", block_size=4)
+    prompt = llm.get_tokenizer().encode(PROMPTS[1] + " " + PROMPTS[0])
+    assert 32 < len(prompt) < 32 + WINDOW  # the last token's window still reaches rows below 32
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
+    (ref_tokens, ref_lps), = hf_reference(path, [prompt], 12)
+    assert got.token_ids == ref_tokens
+    assert max(abs(got.logprobs[i][t].logprob - lp) for i, (t, lp) in enumerate(zip(ref_tokens, ref_lps))) < 1e-4

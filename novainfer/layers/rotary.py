@@ -82,23 +82,38 @@ class RotaryEmbedding(nn.Module):
 
 
 class LongRopeRotaryEmbedding(RotaryEmbedding):
-    """LongRoPE (Phi-3): short factors below original_max_position_embeddings, long factors from there on.
+    """LongRoPE (Phi-3): a sequence uses the short factors while it is no longer than
+    original_max_position_embeddings, the long ones once it is, as transformers decides per forward.
 
-    One table holds both: positions past the original length read the long rows. transformers switches a
-    whole forward to the long factors once its last position passes the original length; token by token
-    (decode) that is the same rule, for a prompt longer than the original length the two differ."""
+    The table holds the short rows, then the long rows; a token reads the long half when its sequence's last
+    position in this step reaches the original length (a prompt longer than it is rotated with the long
+    factors throughout, a decode step past it too). Keys cached earlier keep their rotation, as in
+    transformers' cache. Chunked prefill decides per chunk (a first chunk that ends below the original
+    length uses the short factors), and the core API's SLOT path per token."""
 
     def __init__(self, head_dim: int, max_position: int, hf_config: Any, layer_type: str | None = None):
         nn.Module.__init__(self)
         params = rope_parameters(hf_config, layer_type)
-        original = int(params.get("original_max_position_embeddings")
-                       or getattr(hf_config, "original_max_position_embeddings"))
+        self.original = int(params.get("original_max_position_embeddings")
+                            or getattr(hf_config, "original_max_position_embeddings"))
+        self.max_position = max_position
         short_cos, short_sin = _cos_sin(*compute_inv_freq(hf_config, head_dim, layer_type), max_position)
-        long_cos, long_sin = _cos_sin(*compute_inv_freq(hf_config, head_dim, layer_type, seq_len=original + 1),
+        long_cos, long_sin = _cos_sin(*compute_inv_freq(hf_config, head_dim, layer_type, seq_len=self.original + 1),
                                       max_position)
-        n = min(original, max_position)
-        self.register_buffer("cos_cache", torch.cat([short_cos[:n], long_cos[n:]]), persistent=False)
-        self.register_buffer("sin_cache", torch.cat([short_sin[:n], long_sin[n:]]), persistent=False)
+        self.register_buffer("cos_cache", torch.cat([short_cos, long_cos]), persistent=False)
+        self.register_buffer("sin_cache", torch.cat([short_sin, long_sin]), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
+        meta = get_attention_metadata()
+        if not isinstance(meta, AttentionMetadata):  # SLOT layout: no sequence lengths, per token
+            last = positions
+        elif meta.max_query_len == 1:  # decode (and its CUDA graphs): one token per sequence
+            last = meta.seq_lens[:positions.shape[0]] - 1
+        else:
+            q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
+            last = torch.repeat_interleave(meta.seq_lens - 1, q_lens, output_size=positions.shape[0])
+        return super().forward(positions + (last >= self.original).to(positions.dtype) * self.max_position, q, k)
 
 
 def get_rope(head_dim: int, max_position: int, hf_config: Any, layer_type: str | None = None) -> RotaryEmbedding:
