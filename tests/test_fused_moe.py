@@ -58,6 +58,15 @@ def test_triton_grouped_gemm_matches_torch_reference(tokens, top_k):
     assert ((out - ref).norm() / ref.norm()).item() < 1e-5
 
 
+@pytest.mark.parametrize("tokens,top_k", [(1, 1), (9, 3), (40, 2)])
+def test_grouped_cpu_path_matches_torch_reference(tokens, top_k):
+    from novainfer.layers.fused_moe.moe_torch import fused_experts_grouped
+    x, logits, w13, w2 = uneven_case(tokens, tokens, top_k)
+    weights, ids = select_experts(logits, top_k, renormalize=False)
+    ref = fused_experts_torch(x, w13, w2, weights, ids, SiluAndMul())
+    assert ((fused_experts_grouped(x, w13, w2, weights, ids, SiluAndMul()) - ref).norm() / ref.norm()).item() < 1e-6
+
+
 def test_align_pads_each_expert_to_whole_blocks():
     from novainfer.kernels.fused_moe import align_by_expert
     ids = torch.tensor([[2, 0], [2, 1], [2, 0]])  # pairs 0..5 -> experts 2,0,2,1,2,0

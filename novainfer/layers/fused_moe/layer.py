@@ -3,7 +3,8 @@
 w13_weight [experts, 2 * inter / tp, hidden] holds each expert's gate rows then up rows (column-parallel:
 each rank keeps its slice of the intermediate size), w2_weight [experts, hidden, inter / tp] the down
 projection (row-parallel). The output is this rank's partial sum; the MoE block all-reduces once.
-On CUDA the Triton kernel (kernels/fused_moe.py) runs the experts, elsewhere the torch reference.
+On CUDA the Triton kernel (kernels/fused_moe.py) runs the experts, elsewhere torch's grouped_mm over the
+tokens sorted by expert (the loop reference where torch lacks grouped_mm).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from novainfer.distributed import get_tp_group, shard_dim
 from novainfer.layers.activation import get_act_and_mul
-from novainfer.layers.fused_moe.moe_torch import fused_experts_torch
+from novainfer.layers.fused_moe.moe_torch import fused_experts_grouped, fused_experts_torch
 from novainfer.layers.fused_moe.routing import select_experts
 
 
@@ -54,8 +55,8 @@ class FusedMoE(nn.Module):
             from novainfer.kernels.fused_moe import fused_experts
             return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                  self.act_fn)
-        return fused_experts_torch(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                   self.act_fn)
+        experts = fused_experts_grouped if hasattr(torch.nn.functional, "grouped_mm") else fused_experts_torch
+        return experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act_fn)
 
 
 def expert_params_mapping(gate: str, down: str, up: str) -> dict[str, tuple[str, str]]:
