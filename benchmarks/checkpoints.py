@@ -1,28 +1,53 @@
 """Random-weight checkpoints with real model shapes, for benchmarks (no model hub is reachable).
 
-`random:qwen2.5-0.5b`, `random:qwen2.5-7b` and `random:tiny` name a Qwen2 config; the checkpoint is
-written with transformers' save_pretrained next to a word-level tokenizer that covers the whole
-vocabulary (made with the `tokenizers` library), so any token id decodes.
+`random:<name>` names a shape below (published configurations, or small ones for the CPU). The folder
+holds the config and a word-level tokenizer that covers the whole vocabulary (made with `tokenizers`),
+so any token id decodes. Shapes in DUMMY are written config-only and loaded with load_format="dummy"
+(weights drawn in place): Qwen3-30B-A3B is ~61 GB in bf16, too much for the GPU machine's disk; the rest
+are written with transformers' save_pretrained.
 """
 from __future__ import annotations
 
 import os
 
 import torch
+import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 CONFIGS = {
     # published shapes of Qwen2.5-0.5B and Qwen2.5-7B
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
-                         rope_theta=1000000.0, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768,
-                       rope_theta=1000000.0, tie_word_embeddings=False),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096, tie_word_embeddings=False),
+    "qwen2.5-0.5b": ("Qwen2Config", dict(
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+        vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True)),
+    "qwen2.5-7b": ("Qwen2Config", dict(
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        vocab_size=152064, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=False)),
+    "tiny": ("Qwen2Config", dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=512, max_position_embeddings=4096, tie_word_embeddings=False)),
+    # published shapes of Qwen3-30B-A3B (128 experts, 8 active) and Gemma-2-9B
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+        tie_word_embeddings=False)),
+    "gemma-2-9b": ("Gemma2Config", dict(
+        hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=256, vocab_size=256000, max_position_embeddings=8192,
+        query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    # small shapes for the CPU: a Qwen3-MoE (16 experts, 4 active) and a dense Qwen3 with the same active
+    # parameters per token (intermediate = 4 x 256), its baseline
+    "qwen3-moe-small": ("Qwen3MoeConfig", dict(
+        hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=16, num_experts_per_tok=4,
+        norm_topk_prob=True, vocab_size=8192, max_position_embeddings=4096, tie_word_embeddings=False)),
+    "qwen3-dense-small": ("Qwen3Config", dict(
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=64, vocab_size=8192, max_position_embeddings=4096, tie_word_embeddings=False)),
 }
+DUMMY = {"qwen3-30b-a3b", "gemma-2-9b"}
 
 
 def word_level_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -32,23 +57,45 @@ def word_level_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>", pad_token="<eos>")
 
 
+def make_config(key: str) -> transformers.PretrainedConfig:
+    if key not in CONFIGS:
+        raise SystemExit(f"unknown random config {key!r}; choose from {sorted(CONFIGS)}")
+    config_cls, kwargs = CONFIGS[key]
+    return getattr(transformers, config_cls)(**kwargs, rms_norm_eps=1e-6, eos_token_id=0, pad_token_id=0,
+                                             bos_token_id=None, initializer_range=0.02)
+
+
+def load_format(name: str) -> str:
+    """The load_format a model name needs: "dummy" for the config-only shapes, else "auto"."""
+    return "dummy" if name.startswith("random:") and name.split(":", 1)[1] in DUMMY else "auto"
+
+
 def resolve_model(name: str, cache_dir: str = "/tmp/novainfer-bench", dtype: torch.dtype = torch.bfloat16) -> str:
-    """A path as given, or `random:<config>` built once into cache_dir (on the GPU when there is one)."""
+    """A path as given, or `random:<config>` built once into cache_dir (on the GPU when there is one).
+
+    Pass load_format=load_format(name) to the engine: the DUMMY shapes have no weights on disk."""
     if not name.startswith("random:"):
         return name
     key = name.split(":", 1)[1]
-    if key not in CONFIGS:
-        raise SystemExit(f"unknown random config {key!r}; choose from {sorted(CONFIGS)}")
+    config = make_config(key)
     path = os.path.join(cache_dir, key)
     if os.path.exists(os.path.join(path, "config.json")):
         return path
-    config = Qwen2Config(**CONFIGS[key], rms_norm_eps=1e-6, eos_token_id=0, pad_token_id=0, bos_token_id=None,
-                         initializer_range=0.02)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype if device == "cuda" else torch.float32)
-    model.save_pretrained(path)
+    if key in DUMMY:
+        config.architectures = [config_architecture(config)]
+        config.save_pretrained(path)
+    else:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype if device == "cuda" else torch.float32)
+        model.save_pretrained(path)
+        del model
     word_level_tokenizer(config.vocab_size).save_pretrained(path)
-    del model
     return path
+
+
+def config_architecture(config: transformers.PretrainedConfig) -> str:
+    """The CausalLM class transformers maps this config to (what save_pretrained would record)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]

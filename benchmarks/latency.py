@@ -14,7 +14,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.checkpoints import resolve_model  # noqa: E402
+from benchmarks.checkpoints import load_format, resolve_model  # noqa: E402
 from benchmarks.throughput import device_name, make_workload, sync  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def main() -> None:
     from novainfer import LLM, SamplingParams
     path = resolve_model(args.model)
     llm = LLM(path, enforce_eager=args.enforce_eager, device=args.device, enable_prefix_caching=False,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+              gpu_memory_utilization=args.gpu_memory_utilization, load_format=load_format(args.model))
     vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
     (prompt,), _ = make_workload(1, args.prompt_len, 1, vocab, 0)
     (long_prompt,), _ = make_workload(1, args.ttft_prompt_len, 1, vocab, 1)

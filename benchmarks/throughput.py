@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.checkpoints import resolve_model  # noqa: E402
+from benchmarks.checkpoints import load_format, resolve_model  # noqa: E402
 from benchmarks.hf_baseline import hf_generate  # noqa: E402
 
 
@@ -58,7 +58,8 @@ def main() -> None:
     llm = LLM(path, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
               device=args.device, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
-              distributed_executor_backend=args.distributed_executor_backend, master_port=0)
+              distributed_executor_backend=args.distributed_executor_backend, master_port=0,
+              load_format=load_format(args.model))
     engine = llm.llm_engine
     vocab = engine.config.model_config.hf_config.vocab_size
     prompts, out_lens = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)

@@ -21,6 +21,9 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     tokenizer: str | None = None
     seed: int = 0
+    # "auto": the weights in the folder or GGUF file; "dummy" (vLLM's): a config-only folder, the weights
+    # initialised randomly in place (for benchmarks of shapes too large to write to disk)
+    load_format: str = "auto"
 
     @property
     def is_gguf(self) -> bool:
@@ -177,6 +180,8 @@ class EngineConfig:
         if s.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {s.max_num_batched_tokens}")
         normalize_parallel_config(p)
+        if self.model_config.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.model_config.load_format!r}")
         FaultInjector(self.fault_injection)  # a malformed spec fails here, not mid-step
 
     def use_async_scheduling(self) -> bool:

@@ -21,7 +21,9 @@ def test_unsupported_architecture_lists_supported(tiny_qwen2, tmp_path):
     cfg = json.load(open(cfg_path))
     cfg["architectures"] = ["MambaForCausalLM"]
     json.dump(cfg, open(cfg_path, "w"))
-    with pytest.raises(ValueError, match="MambaForCausalLM.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    with pytest.raises(ValueError, match="MambaForCausalLM.*supported: Gemma2ForCausalLM, Gemma3ForCausalLM, "
+                                         "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, "
+                                         "Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
         LLM(path)
 
 

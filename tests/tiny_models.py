@@ -5,6 +5,7 @@ import os
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+import transformers
 from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast,
                           Qwen2Config, Qwen3Config)
 
@@ -33,11 +34,39 @@ def make_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
     return fast
 
 
+WINDOW = 7  # the sliding window of the tiny windowed models: test prompts run past it
+# the new families: transformers config class and what makes each one itself (tiny, so every feature bites)
+FAMILIES = {
+    "mistral": ("MistralConfig", dict(sliding_window=WINDOW)),
+    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=0.5,
+                                    final_logit_softcapping=2.0, sliding_window=WINDOW, tie_word_embeddings=True,
+                                    layer_types=["sliding_attention", "full_attention"])),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+                                        tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention"],
+                                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                            "rope_theta": 1e6},
+                                                         "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 1e4}})),
+    # LongRoPE: decoding runs past original_max_position_embeddings into the long factors
+    "phi3": ("Phi3Config", dict(original_max_position_embeddings=32, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [2.0 + 0.5 * i for i in range(8)]}, sliding_window=WINDOW + 5)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48, norm_topk_prob=False,
+                                         mlp_only_layers=[1])),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         norm_topk_prob=True, head_dim=16)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=5, num_experts_per_tok=2, intermediate_size=48)),
+}
+
+
 def make_tiny_model(path: str, arch: str = "qwen2", tie: bool = False, seed: int = 0, layers: int = 2,
                     vocab_size: int = 400, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16) -> str:
-    """Save a random tiny model of the given architecture (qwen2, llama, qwen3) plus tokenizer to path.
+    """Save a random tiny model of the given architecture (qwen2, llama, qwen3 or a FAMILIES key) plus
+    tokenizer to path.
 
-    hidden_size is num_heads * head_dim (64 by default); Qwen3 keeps its own head_dim of 32."""
+    hidden_size is num_heads * head_dim (64 by default); Qwen3 keeps its own head_dim of 32. MoE routers get
+    weights three times larger than the rest, so routing is decisive and uneven rather than near-uniform."""
     tokenizer = make_tokenizer(vocab_size)
     vocab = len(tokenizer)
     common = dict(vocab_size=vocab, hidden_size=num_heads * head_dim, intermediate_size=128, num_hidden_layers=layers,
@@ -53,6 +82,9 @@ def make_tiny_model(path: str, arch: str = "qwen2", tie: bool = False, seed: int
                                                      "original_max_position_embeddings": 128})
     elif arch == "qwen3":
         config = Qwen3Config(**common, head_dim=32)
+    elif arch in FAMILIES:
+        config_cls, extra = FAMILIES[arch]
+        config = getattr(transformers, config_cls)(**{**common, **extra})
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -62,6 +94,12 @@ def make_tiny_model(path: str, arch: str = "qwen2", tie: bool = False, seed: int
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                param.mul_(3.0)
+            elif arch.startswith("gemma") and name.endswith("norm.weight"):
+                param.normal_(0, 0.1)  # Gemma stores norms as offsets from one; zeros would hide (1 + w)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -50,11 +50,14 @@ class SlotAttentionMetadata:
     slot_mapping: [num_tokens] cell index each new token's K/V are written to.
     cells: [num_candidates] cell indices the step may read (those sharing a sequence with the batch).
     visible: [num_tokens, num_candidates] bool: query i sees cells[j] (seq-id sets meet, cell pos <= query pos).
+    query_pos, cell_pos: [num_tokens] and [num_candidates] logical positions, for sliding-window layers.
     """
 
     slot_mapping: torch.Tensor
     cells: torch.Tensor
     visible: torch.Tensor
+    query_pos: torch.Tensor | None = None
+    cell_pos: torch.Tensor | None = None
 
 
 # per thread: the uni backend runs one tensor-parallel rank per thread, each with its own step metadata

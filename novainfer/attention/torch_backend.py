@@ -17,9 +17,21 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[valid])
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           soft_cap: float | None = None) -> torch.Tensor:
+    """softmax(cap(q k^T * scale) masked) v over [heads, q_len, d] x [heads, k_len, d]; mask: [q_len, k_len]."""
+    if soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole cached context.
+                    meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached context (the last sliding_window keys).
 
     query: [num_tokens, heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim].
     The i-th of a sequence's q new tokens sits at position seq_len - q + i and sees keys up to it.
@@ -43,23 +55,28 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k = k.transpose(0, 1).repeat_interleave(group, dim=0)
         v = v.transpose(0, 1).repeat_interleave(group, dim=0)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        dist = q_pos[:, None] - torch.arange(seq_len, device=query.device)[None, :]
+        mask = dist >= 0 if sliding_window is None else (dist >= 0) & (dist < sliding_window)
+        o = attend(q, k, v, mask, scale, logits_soft_cap)
         out[q_start:q_end] = o.transpose(0, 1)
     return out
 
 
 def masked_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: SlotAttentionMetadata, scale: float) -> torch.Tensor:
+                     meta: SlotAttentionMetadata, scale: float, sliding_window: int | None = None,
+                     logits_soft_cap: float | None = None) -> torch.Tensor:
     """Attention of every query over the candidate cells its visibility mask allows (SLOT layout).
 
     query: [num_tokens, heads, head_dim]; caches: [num_cells, 1, kv_heads, head_dim]. Each query sees at
-    least its own cell, so no row of the mask is empty.
+    least its own cell (distance 0), so no row of the mask is empty, with or without a window.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     k = k_cache.view(-1, num_kv_heads, head_dim)[meta.cells].transpose(0, 1).repeat_interleave(group, dim=0)
     v = v_cache.view(-1, num_kv_heads, head_dim)[meta.cells].transpose(0, 1).repeat_interleave(group, dim=0)
-    o = F.scaled_dot_product_attention(query.transpose(0, 1), k, v, attn_mask=meta.visible, scale=scale)
+    mask = meta.visible
+    if sliding_window is not None:
+        mask = mask & (meta.query_pos[:, None] - meta.cell_pos[None, :] < sliding_window)
+    o = attend(query.transpose(0, 1), k, v, mask, scale, logits_soft_cap)
     return o.transpose(0, 1)

@@ -11,9 +11,12 @@ __all__ = ["store_kv", "paged_attention"]
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
     """One new token per sequence takes the split-K decode kernel; anything else the prefill kernel."""
     if meta.max_query_len == 1:
-        return decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.num_splits)
+        return decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.num_splits,
+                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     return prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                             meta.max_query_len, scale)
+                             meta.max_query_len, scale, sliding_window=sliding_window,
+                             logits_soft_cap=logits_soft_cap)

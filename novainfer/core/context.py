@@ -19,7 +19,7 @@ from novainfer.core.batch import Batch, BatchView, resolve_batch
 from novainfer.core.kv_cache import SlotInfo, SlotKvCache, Status
 from novainfer.core.outputs import OutputBuffer
 from novainfer.layers.attention import Attention
-from novainfer.layers.rotary import RotaryEmbedding, compute_inv_freq
+from novainfer.layers.rotary import RotaryEmbedding, compute_inv_freq, rope_parameters
 from novainfer.loader.model_loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class Context:
             layer.k_cache, layer.v_cache = self.kv_data[0, i], self.kv_data[1, i]
         self.cache = SlotKvCache(n_cells, n_seq_max)
         self.outputs = OutputBuffer(self.vocab_size, self.device)
-        self.inv_freq = compute_inv_freq(self.hf_config, a.head_dim)[0]  # the model's rotary frequencies
+        self.inv_freq = self._shared_inv_freq(a.head_dim)  # the model's rotary frequencies
         self._abort: Callable[[], bool] | None = None
         self._last: tuple[BatchView, SlotInfo] | None = None
         self._tokenizer: Any = None
@@ -120,7 +120,9 @@ class Context:
         return SlotAttentionMetadata(
             slot_mapping=torch.as_tensor(slots.idxs, dtype=torch.long, device=self.device),
             cells=torch.as_tensor(cells, dtype=torch.long, device=self.device),
-            visible=torch.as_tensor(visible, device=self.device))
+            visible=torch.as_tensor(visible, device=self.device),
+            query_pos=torch.as_tensor(view.pos, device=self.device),
+            cell_pos=torch.as_tensor(self.cache.pos[cells], device=self.device))
 
     def _aborted(self) -> bool:
         if self._abort is not None and self._abort():
@@ -198,6 +200,9 @@ class Context:
         """Move seq_id's cells in [p0, p1) by delta positions, re-rotating their cached keys to match."""
         if not self._check_seqs("kv_seq_add", seq_id):
             return Status.INVALID_INPUT
+        if delta != 0 and self.inv_freq is None:  # refused before anything moves
+            raise NotImplementedError("kv_seq_add cannot move cached keys of this model: its layers do not share "
+                                      "one set of rotary frequencies (per-layer rope bases or LongRoPE)")
         if delta != 0:
             self._rotate_keys(self.cache.seq_add(seq_id, p0, p1, delta), delta)
         return Status.OK
@@ -219,6 +224,16 @@ class Context:
     def kv_clear(self) -> None:
         """Free every cell."""
         self.cache.clear()
+
+    def _shared_inv_freq(self, head_dim: int) -> torch.Tensor | None:
+        """The rotary frequencies every layer shares; None where layers differ (Gemma 3's local and global
+        bases) or frequencies depend on the position (LongRoPE): moving keys is then refused."""
+        if rope_parameters(self.hf_config)["rope_type"] == "longrope":
+            return None
+        freqs = [compute_inv_freq(self.hf_config, head_dim, t)[0]
+                 for t in sorted(set(getattr(self.hf_config, "layer_types", None) or []))] or \
+            [compute_inv_freq(self.hf_config, head_dim)[0]]
+        return freqs[0] if all(torch.equal(f, freqs[0]) for f in freqs) else None
 
     @torch.inference_mode()
     def _rotate_keys(self, cells: np.ndarray, delta: int) -> None:

@@ -37,6 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
                    help="plan step N+1 while step N runs (default: on with CUDA, off on the CPU)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: a config-only folder, weights drawn at random in place (benchmarks)")
     p.add_argument("--fault-injection", default=None, help=argparse.SUPPRESS)  # tests only: engine/faults.py
 
 
@@ -58,7 +60,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 distributed_executor_backend=args.distributed_executor_backend,
                 tensor_parallel_device_ids=args.tensor_parallel_device_ids, nnodes=args.nnodes,
                 node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
-                fault_injection=args.fault_injection)
+                fault_injection=args.fault_injection, load_format=args.load_format)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

@@ -9,6 +9,10 @@ re-use, and both keep the softmax online in float32 (flash-attention style).
   an unnormalised partial result and a second kernel merges them.
 - prefill: any number of new tokens per sequence, after any number of cached ones (chunked prefill,
   prefix-cache hits). A program takes BLOCK_M query tokens of one head and walks the visible keys.
+
+Both honour a per-layer sliding window (a query at p sees keys k with p - window < k <= p: the loops
+start at the window's first tile, so a long context costs only the window) and logit soft-capping
+(cap * tanh(score / cap) before the softmax, Gemma 2). The torch reference is attention/torch_backend.py.
 """
 from __future__ import annotations
 
@@ -29,13 +33,18 @@ def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, bt_stride, seq, kv
 
 
 @triton.jit
-def _attend_tile(q, k, v, valid, m, l, acc, scale, PRECISION: tl.constexpr):
-    """One online-softmax step: fold a K/V tile into the running max m, sum l and output acc (float32)."""
+def _attend_tile(q, k, v, valid, m, l, acc, scale, soft_cap, HAS_SOFT_CAP: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step: fold a K/V tile into the running max m, sum l and output acc (float32).
+
+    A row that has seen no visible key yet (a window's edge) keeps m = -inf, l = 0 and acc = 0."""
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    if HAS_SOFT_CAP:  # cap * tanh(s / cap), tanh written with exp (saturates to +-1 without overflow)
+        s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0))
     s = tl.where(valid, s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(s - m_new[:, None])
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_ref)
+    p = tl.exp(s - m_ref[:, None])
     l = l * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l, acc
@@ -43,10 +52,11 @@ def _attend_tile(q, k, v, valid, m, l, acc, scale, PRECISION: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr,
-                   part_ml_ptr, scale, q_stride_t, q_stride_h, bt_stride, o_stride_t, o_stride_h,
+                   part_ml_ptr, scale, window, soft_cap, q_stride_t, q_stride_h, bt_stride, o_stride_t, o_stride_h,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
+                   PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -57,9 +67,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + d[None, :], mask=gmask[:, None], other=0.0)
 
+    kv_start = tl.maximum(seq_len - window, 0) if HAS_WINDOW else 0  # the query sits at seq_len - 1
+    first_tile = kv_start // BLOCK_N
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_start = split * tiles_per_split
+    tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
+    tile_start = first_tile + split * tiles_per_split
     tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)
@@ -67,10 +79,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
     n = tl.arange(0, BLOCK_N)
     for t in range(tile_start, tile_end):
         pos = t * BLOCK_N + n
-        pmask = pos < seq_len
+        pmask = (pos < seq_len) & (pos >= kv_start)
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, bt_stride, seq, kvh, pos, pmask, d,
                              NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-        m, l, acc = _attend_tile(q, k, v, pmask[None, :], m, l, acc, scale, PRECISION)
+        m, l, acc = _attend_tile(q, k, v, pmask[None, :], m, l, acc, scale, soft_cap, HAS_SOFT_CAP, PRECISION)
 
     if NUM_SPLITS == 1:
         out = acc / l[:, None]
@@ -103,10 +115,10 @@ def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, o_stride_t, o_strid
 
 @triton.jit
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-                    scale, q_stride_t, q_stride_h, bt_stride, o_stride_t, o_stride_h,
+                    scale, window, soft_cap, q_stride_t, q_stride_h, bt_stride, o_stride_t, o_stride_h,
                     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     mblk = tl.program_id(1)
     head = tl.program_id(2)
@@ -127,13 +139,17 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     n = tl.arange(0, BLOCK_N)
-    for start in range(0, kv_end, BLOCK_N):
+    # the block's first query (at context + mblk * BLOCK_M) sees nothing before its window
+    kv_start = tl.maximum(context + mblk * BLOCK_M - window + 1, 0) if HAS_WINDOW else 0
+    for start in range((kv_start // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
         pos = start + n
         pmask = pos < kv_end
         k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, bt_stride, seq, kvh, pos, pmask, d,
                              NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-        m, l, acc = _attend_tile(q, k, v, pmask[None, :] & (pos[None, :] <= q_pos[:, None]), m, l, acc, scale,
-                                 PRECISION)
+        valid = pmask[None, :] & (pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            valid = valid & (q_pos[:, None] - pos[None, :] < window)
+        m, l, acc = _attend_tile(q, k, v, valid, m, l, acc, scale, soft_cap, HAS_SOFT_CAP, PRECISION)
     out = acc / tl.where(rmask, l, 1.0)[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * o_stride_t + head * o_stride_h + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
@@ -155,10 +171,12 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int, int]:
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int = 1,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, sliding_window: int | None = None,
+                     logits_soft_cap: float | None = None) -> torch.Tensor:
     """q: [num_seqs, heads, head_dim], one new token per sequence (already in the cache); returns the same shape.
 
-    num_splits (a power of two) divides each context into that many parts computed in parallel.
+    num_splits (a power of two) divides each context (the window's part of it) into that many parts
+    computed in parallel.
     """
     num_heads, head_dim, block_size, num_kv_heads = _check(q, k_cache)
     num_seqs = q.shape[0]
@@ -173,11 +191,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         part_acc = part_ml = out  # unused
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale,
-        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale, sliding_window or 0,
+        logits_soft_cap or 1.0, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=max(16, min(64, 4 * block_size)),
-        NUM_SPLITS=num_splits, PRECISION=_precision(q.dtype), num_warps=4)
+        NUM_SPLITS=num_splits, HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None,
+        PRECISION=_precision(q.dtype), num_warps=4)
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_acc, part_ml, out, out.stride(0), out.stride(1),
@@ -187,8 +206,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens (packed in q: [tokens, heads, head_dim]) over its context."""
+                      out: torch.Tensor | None = None, sliding_window: int | None = None,
+                      logits_soft_cap: float | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens (packed in q: [tokens, heads, head_dim]) over its context
+    (its last sliding_window keys when a window is given)."""
     num_heads, head_dim, block_size, num_kv_heads = _check(q, k_cache)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
@@ -198,8 +219,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_n = 64 if head_dim <= 64 else 32
     grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale,
-        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, sliding_window or 0,
+        logits_soft_cap or 1.0, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q.dtype), num_warps=4)
+        BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None,
+        HAS_SOFT_CAP=logits_soft_cap is not None, PRECISION=_precision(q.dtype), num_warps=4)
     return out

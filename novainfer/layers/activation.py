@@ -15,3 +15,26 @@ class SiluAndMul(nn.Module):
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(nn.Module):
+    """gelu(gate) * up over concat(gate, up), tanh-approximated as Gemma's gelu_pytorch_tanh."""
+
+    def __init__(self, approximate: str = "tanh"):
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up
+
+
+def get_act_and_mul(hidden_act: str) -> nn.Module:
+    """The gated activation a config's hidden_act (or hidden_activation) names."""
+    if hidden_act == "silu":
+        return SiluAndMul()
+    if hidden_act in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return GeluAndMul("tanh")
+    if hidden_act == "gelu":
+        return GeluAndMul("none")
+    raise NotImplementedError(f"hidden activation {hidden_act!r} is not supported")

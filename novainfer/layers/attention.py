@@ -9,12 +9,23 @@ from novainfer.attention.metadata import SlotAttentionMetadata, get_attention_me
 
 
 class Attention(nn.Module):
-    """Paged attention over q/k/v of shape [tokens, heads * head_dim]; the cache is bound by the runner."""
+    """Paged attention over q/k/v of shape [tokens, heads * head_dim]; the cache is bound by the runner.
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+    sliding_window: a query at position p sees key position k iff k <= p and p - k < sliding_window
+    (transformers' rule); None attends over the whole context. logits_soft_cap: scores become
+    cap * tanh(score / cap) before the softmax (Gemma 2); None leaves them as they are.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
         super().__init__()
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        if logits_soft_cap is not None and logits_soft_cap <= 0:
+            raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend = torch_backend  # the runner binds triton_backend on the GPU
 
@@ -24,8 +35,9 @@ class Attention(nn.Module):
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        window, cap = self.sliding_window, self.logits_soft_cap
         if isinstance(meta, SlotAttentionMetadata):  # the core API's SLOT cache: per-query visibility mask
-            o = torch_backend.masked_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+            o = torch_backend.masked_attention(q, self.k_cache, self.v_cache, meta, self.scale, window, cap)
         else:
-            o = self.backend.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale)
+            o = self.backend.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, window, cap)
         return o.reshape(-1, self.num_heads * self.head_dim)

@@ -93,10 +93,14 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; partial outputs are summed with one all-reduce."""
+    """Input features split across ranks; partial outputs are summed with one all-reduce.
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    reduce_results=False leaves the partial sum to the caller, which reduces several at once (an MoE
+    layer's shared expert and routed experts share one all-reduce)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True):
         super().__init__(_divide(input_size, get_tp_size(), "input_size"), output_size, bias)
+        self.reduce_results = reduce_results
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         if param.data.dim() == 2:  # the bias is replicated
@@ -106,7 +110,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the bias is added once, after the reduction
         y = F.linear(x, self.weight)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.reduce_results:
             y = self.tp_group.all_reduce(y)
         return y if self.bias is None else y + self.bias
 

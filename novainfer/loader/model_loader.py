@@ -68,8 +68,10 @@ def _iter_weights(model: str):
     return iter_safetensors_weights(model), count_safetensors_weights(model)
 
 
-def load_model(model: str, hf_config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Build the model on device and fill every parameter through its weight_loader.
+def load_model(model: str, hf_config: Any, dtype: torch.dtype, device: torch.device,
+               load_format: str = "auto") -> nn.Module:
+    """Build the model on device and fill every parameter through its weight_loader (load_format "dummy":
+    random values in place, nothing read).
 
     A weight the model needs but the checkpoint lacks fails here, naming it (design doc 002 §4.2.10); so
     does one that cannot be sharded for this rank (seed 000 §7.1.3).
@@ -83,6 +85,8 @@ def load_model(model: str, hf_config: Any, dtype: torch.dtype, device: torch.dev
                 net = model_cls(hf_config)
         finally:
             torch.set_default_dtype(prev_dtype)
+    if load_format == "dummy":
+        return initialize_dummy_weights(net).eval()
     weights, total = _iter_weights(model)
     bar = tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False)
     current = [""]
@@ -98,3 +102,16 @@ def load_model(model: str, hf_config: Any, dtype: torch.dtype, device: torch.dev
     if missing:
         raise ValueError(f"checkpoint {model} lacks weights the model needs: {', '.join(sorted(missing))}")
     return net.eval()
+
+
+@torch.no_grad()
+def initialize_dummy_weights(net: nn.Module, std: float = 0.02, seed: int = 0) -> nn.Module:
+    """vLLM's dummy load format: matrices (and stacked experts) drawn from N(0, std^2) in place, biases zero,
+    norm weights as their layers built them; every rank draws its own shards."""
+    gen = torch.Generator(device=next(net.parameters()).device).manual_seed(seed)
+    for name, param in net.named_parameters():
+        if name.endswith("bias"):
+            param.zero_()
+        elif param.dim() >= 2:
+            param.normal_(0.0, std, generator=gen)
+    return net

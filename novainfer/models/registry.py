@@ -5,14 +5,28 @@ from typing import Any
 
 from torch import nn
 
+from novainfer.models.gemma2 import Gemma2ForCausalLM
+from novainfer.models.gemma3 import Gemma3ForCausalLM
 from novainfer.models.llama import LlamaForCausalLM
+from novainfer.models.mistral import MistralForCausalLM
+from novainfer.models.mixtral import MixtralForCausalLM
+from novainfer.models.phi3 import Phi3ForCausalLM
 from novainfer.models.qwen2 import Qwen2ForCausalLM
+from novainfer.models.qwen2_moe import Qwen2MoeForCausalLM
 from novainfer.models.qwen3 import Qwen3ForCausalLM
+from novainfer.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 

@@ -47,7 +47,7 @@ class ModelRunner:
         mc = config.model_config
         self.dtype = mc.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         self.block_size = config.cache_config.block_size
-        self.model = load_model(mc.model, hf_config, self.dtype, device)
+        self.model = load_model(mc.model, hf_config, self.dtype, device, mc.load_format)
         self._attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         self.faults = FaultInjector(config.fault_injection)

@@ -3,6 +3,9 @@
 1. Triton kernels vs the torch reference on real shapes (Qwen2.5-0.5B and -7B heads), bf16: rel err <= 1e-2.
 2. Engine greedy tokens vs transformers on the GPU in float32, first 32 tokens, CUDA graphs on.
 3. CUDA-graph replay vs eager: identical tokens (bf16, a batch that spans several graph sizes).
+4. Issue 17 (tests/gpu/family_checks.py): the fused MoE kernel (Qwen3-30B-A3B, Qwen2-57B-A14B, Mixtral
+   shapes) and sliding-window / soft-cap attention (Gemma-2-9B, Mistral-7B heads) in bf16 vs their torch
+   references, rel err <= 1e-2; the new families' greedy tokens vs transformers in float32.
 Prints a table; exits non-zero if any check fails.
 """
 from __future__ import annotations
@@ -20,11 +23,11 @@ sys.path.insert(0, ROOT)
 
 from novainfer import LLM, SamplingParams  # noqa: E402
 from novainfer.attention import torch_backend  # noqa: E402
-from novainfer.attention.metadata import AttentionMetadata  # noqa: E402
 from novainfer.kernels.kv_store import store_kv  # noqa: E402
 from novainfer.kernels.paged_attention import decode_attention, prefill_attention  # noqa: E402
 from tests.tiny_models import hf_greedy_with, make_tiny_model  # noqa: E402
-from tests.gpu.checks import check, rows  # noqa: E402
+from tests.gpu.checks import check, paged_case, rows  # noqa: E402
+from tests.gpu.family_checks import families_vs_hf, moe_kernel_checks, window_kernel_checks  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -37,25 +40,7 @@ def kernel_checks() -> None:
         g = torch.Generator(device=dev).manual_seed(heads)
         ctx = [0, 15, 16, 17, 500, 3000]
         for q_lens in ([1] * len(ctx), [300, 1, 64, 17, 1000, 5]):
-            seq_lens = [c + q for c, q in zip(ctx, q_lens)]
-            nb = [(s + bs - 1) // bs for s in seq_lens]
-            perm = torch.randperm(sum(nb) + 8, device=dev, generator=g)
-            tables, used = [], 0
-            for n in nb:
-                tables.append(perm[used:used + n].tolist())
-                used += n
-            width = max(nb)
-            bt = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
-            kc = torch.randn(sum(nb) + 8, bs, kv_heads, hd, device=dev, generator=g, dtype=torch.bfloat16)
-            vc = torch.randn_like(kc)
-            q = torch.randn(sum(q_lens), heads, hd, device=dev, generator=g, dtype=torch.bfloat16)
-            qsl = [0]
-            for n in q_lens:
-                qsl.append(qsl[-1] + n)
-            meta = AttentionMetadata(torch.tensor(qsl, dtype=torch.int32, device=dev),
-                                     torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-                                     torch.zeros(0, dtype=torch.long, device=dev), bt, max(q_lens), max(seq_lens),
-                                     qsl, seq_lens)
+            q, kc, vc, bt, meta = paged_case(dev, g, ctx, q_lens, bs, heads, kv_heads, hd, torch.bfloat16)
             ref = torch_backend.paged_attention(q.float(), kc.float(), vc.float(), meta, hd ** -0.5)
             if max(q_lens) == 1:
                 for splits in (1, 8):
@@ -151,8 +136,11 @@ def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     kernel_checks()
     fused_op_checks()
+    moe_kernel_checks()
+    window_kernel_checks()
     with tempfile.TemporaryDirectory() as tmp:
         engine_vs_hf(tmp)
+        families_vs_hf(tmp)
         graph_vs_eager(tmp)
     print("\n| check | detail | result |\n|---|---|---|")
     for name, detail, ok in rows:

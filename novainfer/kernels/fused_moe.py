@@ -1,0 +1,107 @@
+"""The mixture-of-experts layer on the GPU: tokens sorted by expert, then two grouped GEMMs.
+
+1. align: each (token, k) pair is sorted by its expert and every expert's run is padded to BLOCK_M rows,
+   so a block of rows belongs to one expert (vLLM's moe_align_block_size, here in torch ops that do not
+   sync with the host, so a decode step stays capturable in a CUDA graph).
+2. grouped GEMM over gate/up: for each block, rows of the hidden states times its expert's w13.
+3. act-and-mul on the [pairs, 2 * inter] result (the fused SiLU kernel).
+4. grouped GEMM over down, the routing weight multiplied in before the store; then each token's k
+   rows are summed.
+The torch reference is layers/fused_moe/moe_torch.py.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, block_experts_ptr,
+                         num_padded_ptr, N, K, num_valid, stride_am, stride_be, stride_bn, stride_cm,
+                         A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """C[pair] = A[pair // A_ROW_DIV] @ B[expert]^T (times the pair's routing weight) for one block of pairs."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # the grid is sized for the worst case
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + rows)  # padding rows hold num_valid
+    mmask = pair < num_valid
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = cols < N
+    kk = tl.arange(0, BLOCK_K)
+    a_rows = (pair // A_ROW_DIV).to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = (k0 + kk) < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :],
+                    other=0.0)
+        b = tl.load(b_ptr + expert * stride_be + cols[None, :] * stride_bn + (k0 + kk)[:, None],
+                    mask=nmask[None, :] & kmask[:, None], other=0.0)
+        acc += tl.dot(a, b, input_precision=PRECISION)
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_weights_ptr + pair, mask=mmask, other=0.0)
+        acc = acc * w[:, None]
+    tl.store(c_ptr + pair.to(tl.int64)[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=mmask[:, None] & nmask[None, :])
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """(sorted pair ids padded per expert to block_m, each block's expert, the padded total as a tensor).
+
+    Pair p = token * k + slot. Arrays have the worst-case length, so their shapes never depend on data."""
+    flat = topk_ids.flatten()
+    num_pairs = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    run_start = torch.cumsum(padded, 0) - padded  # where each expert's padded run begins
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    rank_in_expert = torch.arange(num_pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert_of]
+    max_len = num_pairs + num_experts * (block_m - 1)
+    max_len = (max_len + block_m - 1) // block_m * block_m
+    sorted_ids = torch.full((max_len,), num_pairs, dtype=torch.int32, device=flat.device)
+    sorted_ids[run_start[expert_of] + rank_in_expert] = order.to(torch.int32)
+    block_ends = torch.cumsum(padded, 0) // block_m
+    blocks = torch.arange(max_len // block_m, device=flat.device)
+    block_experts = torch.searchsorted(block_ends, blocks, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_ids, block_experts, padded.sum().reshape(1).to(torch.int32)
+
+
+def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_ids, block_experts, num_padded,
+                  num_pairs: int, a_row_div: int, topk_weights: torch.Tensor | None, block_m: int) -> None:
+    n, k = b.shape[1], b.shape[2]
+    assert a.stride(1) == 1 and b.stride(2) == 1 and out.stride(1) == 1
+    block_n = 64 if n >= 64 else 32
+    block_k = 64 if k >= 64 else 32
+    grid = (sorted_ids.numel() // block_m, triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a, b, out, topk_weights if topk_weights is not None else out, sorted_ids, block_experts, num_padded,
+        n, k, num_pairs, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=topk_weights is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4)
+
+
+def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, act_and_mul: nn.Module) -> torch.Tensor:
+    """Same contract as layers/fused_moe/moe_torch.fused_experts_torch: [tokens, hidden] -> [tokens, hidden]."""
+    tokens, hidden = hidden_states.shape
+    top_k, num_experts = topk_ids.shape[1], w13.shape[0]
+    num_pairs = tokens * top_k
+    if tokens == 0:
+        return torch.zeros_like(hidden_states)
+    block_m = 16 if num_pairs <= 32 * num_experts else 64  # rows per expert, on average
+    sorted_ids, block_experts, num_padded = align_by_expert(topk_ids, num_experts, block_m)
+    x = hidden_states.contiguous()
+    gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, gate_up, sorted_ids, block_experts, num_padded, num_pairs, top_k, None, block_m)
+    act = act_and_mul(gate_up)
+    down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    weights = topk_weights.to(x.dtype).contiguous().flatten()  # rounded as the reference rounds them
+    _grouped_gemm(act, w2, down, sorted_ids, block_experts, num_padded, num_pairs, 1, weights, block_m)
+    return down.view(tokens, top_k, hidden).sum(dim=1)

@@ -1,0 +1,64 @@
+"""FusedMoE: every expert's gate/up and down weights in two stacked tensors, sharded for tensor parallelism.
+
+w13_weight [experts, 2 * inter / tp, hidden] holds each expert's gate rows then up rows (column-parallel:
+each rank keeps its slice of the intermediate size), w2_weight [experts, hidden, inter / tp] the down
+projection (row-parallel). The output is this rank's partial sum; the MoE block all-reduces once.
+On CUDA the Triton kernel (kernels/fused_moe.py) runs the experts, elsewhere torch's grouped_mm over the
+tokens sorted by expert (the loop reference where torch lacks grouped_mm).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from novainfer.distributed import get_tp_group, shard_dim
+from novainfer.layers.activation import get_act_and_mul
+from novainfer.layers.fused_moe.moe_torch import fused_experts_grouped, fused_experts_torch
+from novainfer.layers.fused_moe.routing import select_experts
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 renormalize: bool, hidden_act: str = "silu"):
+        super().__init__()
+        self.tp_group = get_tp_group()
+        self.tp_rank, self.tp_size = self.tp_group.rank, self.tp_group.size
+        if intermediate_size % self.tp_size:
+            raise ValueError(f"moe_intermediate_size={intermediate_size} is not divisible by "
+                             f"tp_size={self.tp_size}")
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.hidden_act = hidden_act
+        self.local_inter = intermediate_size // self.tp_size
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.local_inter, hidden_size),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_inter), requires_grad=False)
+        self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+        self.act_fn = get_act_and_mul(hidden_act)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
+        """One HF expert tensor: shard_id = (expert, 'w1' gate | 'w3' up | 'w2' down)."""
+        expert, kind = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} out of range: the config has {self.num_experts} experts")
+        if kind == "w2":
+            target = param.data[expert]
+            part = shard_dim(loaded, 1, self.tp_rank, self.tp_size, tuple(target.shape))
+        else:
+            target = param.data[expert].narrow(0, 0 if kind == "w1" else self.local_inter, self.local_inter)
+            part = shard_dim(loaded, 0, self.tp_rank, self.tp_size, tuple(target.shape))
+        target.copy_(part)
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output [tokens, hidden] (the caller all-reduces)."""
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if hidden_states.is_cuda:
+            from novainfer.kernels.fused_moe import fused_experts
+            return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                 self.act_fn)
+        experts = fused_experts_grouped if hasattr(torch.nn.functional, "grouped_mm") else fused_experts_torch
+        return experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act_fn)
+
+
+def expert_params_mapping(gate: str, down: str, up: str) -> dict[str, tuple[str, str]]:
+    """HF per-expert projection name -> (our stacked parameter, shard kind); vLLM's mapping, by name."""
+    return {gate: ("w13_weight", "w1"), up: ("w13_weight", "w3"), down: ("w2_weight", "w2")}
