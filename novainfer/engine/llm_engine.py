@@ -17,6 +17,7 @@ from novainfer.executor.base import Executor
 from novainfer.loader.model_loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model_path
 from novainfer.outputs import CompletionOutput, Logprob, RequestOutput
 from novainfer.sampling_params import RequestOutputKind, SamplingParams
+from novainfer.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ class Request:
     first_token_time: float | None = None
     error: str | None = None
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list | None = None  # one entry per prompt token (the first None) when params ask for them
 
     @property
     def finished(self) -> bool:
@@ -65,6 +67,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
         self.requests: dict[str, Request] = {}
         self.faults = FaultInjector(config.fault_injection)
+        self.structured_output = StructuredOutputManager(self.tokenizer, mc.hf_config.vocab_size,
+                                                         self.eos_token_ids)
         self.step_id = 0
         self.num_generated_tokens = 0
         logger.info("engine ready: model=%s blocks=%d (%d tokens) max_model_len=%d",
@@ -95,8 +99,7 @@ class LLMEngine:
         """Queue a request; an unservable one raises ValueError before anything is queued."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet; use logprobs for the generated tokens")
+        grammar = self.structured_output.compile(params.structured_outputs) if params.structured_outputs else None
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
@@ -114,10 +117,14 @@ class LLMEngine:
         for i in range(params.n):
             seq = Sequence(token_ids, params, request_id, index=i, arrival_time=now)
             seq.min_tokens_blocked = list(blocked)
+            if grammar is not None:
+                seq.grammar = self.structured_output.new_state(grammar)
             seqs.append(seq)
             detoks.append(IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens,
                                                  params.spaces_between_special_tokens))
-        self.requests[request_id] = Request(request_id, text, token_ids, params, seqs, detoks, now)
+        self.requests[request_id] = Request(request_id, text, token_ids, params, seqs, detoks, now,
+                                            prompt_logprobs=[None] * len(token_ids)
+                                            if params.prompt_logprobs is not None else None)
         for seq in seqs:
             self.scheduler.add(seq)
 
@@ -160,6 +167,8 @@ class LLMEngine:
                          if s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
             logger.debug("step_id=%d batch_size=%d num_prefill_tokens=%d num_decode_tokens=%d preempted=%d",
                          self.step_id, len(sched.scheduled), sched.num_tokens - decode, decode, sched.num_preempted)
+        sched.grammar_bitmask = self.structured_output.grammar_bitmask(
+            [s.seq for s in sched.scheduled if s.samples])
         try:
             result = self.executor.execute_model(sched)
         except RequestError as exc:  # one request's fault: it fails alone, the others run again
@@ -171,6 +180,8 @@ class LLMEngine:
         self.num_generated_tokens += len(result.sampled_token_ids)
         by_seq = {s.seq.seq_id: s.seq for s in sched.scheduled}
         touched: dict[str, Request] = {}
+        if result.prompt_logprobs:
+            self._add_prompt_logprobs(by_seq, result.prompt_logprobs, touched)
         outputs = []
         now = time.monotonic()
         faults = self.faults if self.faults else None
@@ -201,6 +212,19 @@ class LLMEngine:
             del self.requests[req.request_id]
             outputs.append(self._make_output(req))
         return outputs
+
+    def _add_prompt_logprobs(self, by_seq: dict, chunks: dict, touched: dict) -> None:
+        """Store a step's prompt logprobs by position (a recomputed chunk, after preemption, changes nothing)."""
+        for seq_id, (start, entries) in chunks.items():
+            req = self.requests.get(by_seq[seq_id].request_id)
+            if req is None or req.prompt_logprobs is None:
+                continue
+            for pos, entry in enumerate(entries, start + 1):
+                if req.prompt_logprobs[pos] is None:
+                    req.prompt_logprobs[pos] = {tid: Logprob(lp, rank, self.tokenizer.decode([tid]))
+                                                for tid, lp, rank in entry}
+            if req.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                touched[req.request_id] = req
 
     def _fail_request(self, req: Request, exc: Exception) -> None:
         """End one request with finish_reason "error" and free its blocks; its output will carry the error."""
@@ -239,6 +263,8 @@ class LLMEngine:
     def _append_token(self, req: Request, seq: Sequence, token_id: int, logprobs) -> None:
         p = seq.sampling_params
         seq.append_token(token_id)
+        if seq.grammar is not None:
+            self.structured_output.accept(seq.grammar, seq.output_token_ids)
         detok = req.detokenizers[seq.index]
         if p.stop or p.output_kind != RequestOutputKind.FINAL_ONLY:
             new_text = detok.step([token_id])
@@ -283,5 +309,6 @@ class LLMEngine:
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,
                              num_cached_tokens=req.seqs[0].num_cached_tokens, error=req.error,
+                             prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
                              metrics={"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
                                       "num_preemptions": sum(s.num_preemptions for s in req.seqs)})

@@ -22,6 +22,7 @@ from novainfer.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from novainfer.loader.model_loader import load_model
 from novainfer.sampling_params import SamplingParams
 from novainfer.worker.cuda_graph import DecodeGraphs, batch_size_ladder, bucket
+from novainfer.worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from novainfer.worker.step_inputs import HostBuffers, StepInputs, nvtx_range
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ class ModelRunnerOutput:
     seq_ids: list[int]
     sampled_token_ids: list[int]
     logprobs: list[list[tuple[int, float, int]]] | None = None  # [(token_id, logprob, rank)] per row
+    # seq_id -> (first prompt position, [(token_id, logprob, rank), ...] per next prompt token); see prompt_logprobs.py
+    prompt_logprobs: dict[int, tuple[int, list[list[tuple[int, float, int]]]]] | None = None
 
 
 class ModelRunner:
@@ -189,7 +192,7 @@ class ModelRunner:
         h = self.host
         ids, pos, slots = h.input_ids.numpy(), h.positions.numpy(), h.slot_mapping.numpy()
         tables = h.block_tables[:num_seqs * width].numpy().reshape(num_seqs, width)
-        qsl, seq_lens, logits_indices, sample_seq_ids, rows = [0], [], [], [], []
+        qsl, seq_lens, logits_indices, sample_seq_ids, rows, prompt_lp = [0], [], [], [], [], []
         t = max_query_len = 0
         for i, s in enumerate(sched.scheduled):
             seq, start, n = s.seq, s.seq.num_computed_tokens, s.num_new_tokens
@@ -203,6 +206,10 @@ class ModelRunner:
                 ids[t:t + n] = seq.token_ids[start:start + n]
                 pos[t:t + n] = p
                 slots[t:t + n] = tables[i, p // bs].astype(np.int64) * bs + p % bs
+            if seq.sampling_params.prompt_logprobs is not None and start < seq.num_prompt_tokens:
+                plan = plan_prompt_logprobs(seq, start, n, t)
+                if plan is not None:
+                    prompt_lp.append(plan)
             t += n
             max_query_len = max(max_query_len, n)
             qsl.append(t)
@@ -216,7 +223,7 @@ class ModelRunner:
         inp = StepInputs(h.input_ids[:num_tokens], h.positions[:num_tokens], h.slot_mapping[:num_tokens], qsl,
                          seq_lens, h.block_tables[:num_seqs * width].view(num_seqs, width),
                          h.seq_lens[:num_seqs], h.query_start_loc[:num_seqs + 1], max_query_len,
-                         logits_indices, sample_seq_ids, rows)
+                         logits_indices, sample_seq_ids, rows, prompt_logprob_rows=prompt_lp)
         if rows:  # uploaded now, while the device is idle, so the forward is not waited on later
             inp.sampling_metadata = self._sampling_metadata(rows, sample_seq_ids)
         return inp
@@ -296,6 +303,8 @@ class ModelRunner:
             pos = inp.positions.to(self.device, non_blocking=True)
             with nvtx_range("forward/eager", self.nvtx), attention_metadata(meta):
                 hidden = self.model(ids, pos)
+        if inp.prompt_logprob_rows:
+            inp.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, inp.prompt_logprob_rows)
         if not inp.logits_indices:
             return None
         with nvtx_range("forward/logits", self.nvtx):
@@ -306,12 +315,19 @@ class ModelRunner:
                 hidden = hidden[rows.to(self.device, non_blocking=True)]
             return self.model.compute_logits(hidden).float()
 
-    def sample(self, logits: torch.Tensor, inp: StepInputs):
-        return self.sampler(logits, inp.sampling_metadata)
+    def sample(self, logits: torch.Tensor, inp: StepInputs, grammar_bitmask=None):
+        """grammar_bitmask: the engine's GrammarBitmask (structured outputs) for some of the sampled rows."""
+        token_bitmask = None
+        if grammar_bitmask is not None:
+            row_of = {seq_id: r for r, seq_id in enumerate(inp.sample_seq_ids)}
+            rows = torch.tensor([row_of[s] for s in grammar_bitmask.seq_ids], device=self.device)
+            token_bitmask = (rows, grammar_bitmask.bitmask.to(self.device, non_blocking=True))
+        return self.sampler(logits, inp.sampling_metadata, token_bitmask)
 
     def postprocess(self, inp: StepInputs, sampled) -> ModelRunnerOutput:
         """The step's one device-to-host copy."""
-        out = ModelRunnerOutput(inp.sample_seq_ids, sampled.sampled_token_ids.tolist())
+        out = ModelRunnerOutput(inp.sample_seq_ids, sampled.sampled_token_ids.tolist(),
+                                prompt_logprobs=inp.prompt_logprobs)
         if sampled.logprobs is not None:
             ids, lps = sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist()
             ranks = sampled.sampled_token_ranks.tolist()
@@ -334,8 +350,8 @@ class ModelRunner:
         if logits is None:  # a prefill chunk: no tokens to copy back, but the pinned inputs are reused next step
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()
-            return ModelRunnerOutput([], [])
+            return ModelRunnerOutput([], [], prompt_logprobs=inp.prompt_logprobs)
         with nvtx_range("sample/sampler", self.nvtx):
-            sampled = self.sample(logits, inp)
+            sampled = self.sample(logits, inp, sched.grammar_bitmask)
         with nvtx_range("sample/to_host", self.nvtx):
             return self.postprocess(inp, sampled)

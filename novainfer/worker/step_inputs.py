@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -40,6 +40,8 @@ class StepInputs:
     sample_seq_ids: list[int]  # the sequence of each sampled row
     sampling_rows: list[SamplingRow]
     sampling_metadata: SamplingMetadata | None = None
+    prompt_logprob_rows: list = field(default_factory=list)  # PromptLogprobRows of sequences that want them
+    prompt_logprobs: dict | None = None  # their results, filled by the forward
 
 
 class HostBuffers:
