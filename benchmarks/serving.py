@@ -5,6 +5,10 @@
 
 Prompts are random token ids drawn from the server's own tokenization of a fixed text, sent to
 /v1/completions with stream=true and ignore_eos, so every request generates exactly --output-len tokens.
+With --response-format json_schema (or json_object) the same prompts run twice in one invocation: unconstrained
+(the baseline), then constrained by benchmarks/serving.py's SCHEMA (objects, enums, booleans, bounded integers,
+arrays, a nested object) without ignore_eos; the report gives both and the TPOT ratio, and counts the constrained
+outputs that parse and validate (jsonschema).
 Reports TTFT, TPOT and ITL (mean, median and --metric-percentiles, p50 and p99 by default, in ms), request and
 output-token throughput, and how many requests the server refused with 429 (its admission bounds; with how long
 the refusal took) or failed.
@@ -25,6 +29,18 @@ SEED_TEXT = ("The quick brown fox jumps over the lazy dog. Paged attention store
              "continuous batching admits new requests at every step, and a prefix cache shares equal prompts. ")
 
 
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "color": {"enum": ["red", "green", "blue"]}, "active": {"type": "boolean"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
+    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                 "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
+                "required": ["city", "zip"], "additionalProperties": False}},
+    "required": ["name", "age", "color", "active", "tags", "address"], "additionalProperties": False}
+RESPONSE_FORMATS = {"json_schema": {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
+                    "json_object": {"type": "json_object"}}
+
+
 @dataclass
 class Result:
     ok: bool = False
@@ -34,11 +50,15 @@ class Result:
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    text: str = ""
 
 
-async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> Result:
+async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], output_len: int,
+                      response_format: dict | None = None) -> Result:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    if response_format is not None:  # a constrained output ends where its grammar does
+        body.update(response_format=response_format, ignore_eos=False)
     res, start = Result(), time.perf_counter()
     last = start
     try:
@@ -56,6 +76,7 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], ou
                     res.output_tokens = chunk["usage"]["completion_tokens"]
                 if not chunk.get("choices") or not chunk["choices"][0].get("text"):
                     continue
+                res.text += chunk["choices"][0]["text"]
                 now = time.perf_counter()
                 if res.ttft == 0.0:
                     res.ttft = now - start
@@ -83,6 +104,33 @@ def summarize(name: str, values: list[float], percentiles: tuple[float, ...] = (
 
 
 async def run(args: argparse.Namespace) -> dict:
+    """The load once, or (with --response-format) unconstrained then constrained, with the TPOT ratio."""
+    if args.response_format is None:
+        return await run_load(args, None)
+    base = await run_load(args, None)
+    constrained = await run_load(args, RESPONSE_FORMATS[args.response_format])
+    report = {**{f"unconstrained_{k}": v for k, v in base.items()}, **{f"constrained_{k}": v for k, v in
+                                                                       constrained.items()}}
+    report["tpot_ratio_constrained_over_unconstrained"] = constrained["mean_tpot_ms"] / base["mean_tpot_ms"]
+    return report
+
+
+def count_valid(texts: list[str], response_format: str) -> int:
+    """Outputs that parse as JSON objects (and, for json_schema, validate against SCHEMA)."""
+    import jsonschema
+    valid = 0
+    for text in texts:
+        try:
+            obj = json.loads(text)
+            if response_format == "json_schema":
+                jsonschema.validate(obj, SCHEMA)
+            valid += isinstance(obj, dict)
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    return valid
+
+
+async def run_load(args: argparse.Namespace, response_format: dict | None) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None)  # httpx's default of 100 would queue a larger load in the client
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None, limits=limits) as http:
@@ -96,7 +144,7 @@ async def run(args: argparse.Namespace) -> dict:
 
         async def limited(prompt: list[int]) -> Result:
             async with limit:
-                return await one_request(http, model, prompt, args.output_len)
+                return await one_request(http, model, prompt, args.output_len, response_format)
         tasks, start = [], time.perf_counter()
         for prompt in prompts:
             tasks.append(asyncio.create_task(limited(prompt)))
@@ -115,6 +163,9 @@ async def run(args: argparse.Namespace) -> dict:
               **summarize("ttft", [r.ttft for r in done], pct), **summarize("tpot", tpots, pct),
               **summarize("itl", [x for r in done for x in r.itl], pct),
               **summarize("time_to_429", [r.latency for r in refused], pct)}
+    if response_format is not None:
+        report["valid_outputs"] = count_valid([r.text for r in done], args.response_format)
+        report["mean_output_tokens"] = statistics.fmean([r.output_tokens for r in done] or [0])
     errors = [r.error for r in results if not r.ok and r.status != 429][:3]
     if errors:
         report["first_errors"] = errors
@@ -133,6 +184,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metric-percentiles", default="50,99", help="comma-separated percentiles to report (vLLM's flag)")
+    p.add_argument("--response-format", default=None, choices=sorted(RESPONSE_FORMATS),
+                   help="also run the prompts constrained by this response_format and compare TPOT")
     p.add_argument("--json", default=None, help="also write the report to this file")
     args = p.parse_args()
     report = asyncio.run(run(args))

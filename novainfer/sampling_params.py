@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import enum
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 _GREEDY_EPS = 1e-5
 
@@ -13,6 +14,38 @@ class RequestOutputKind(enum.Enum):
 
     CUMULATIVE = 0
     FINAL_ONLY = 2
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One output constraint, as vLLM's StructuredOutputsParams: a JSON schema (dict or its JSON text), any JSON
+    object, a regex, a choice among strings, or a Lark grammar. Exactly one is set."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {given or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise ValueError("structured_outputs.json must be a JSON schema object")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    def key(self) -> str:
+        """A stable text naming the constraint: the compiled-grammar cache's key."""
+        kind = next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+        return kind + ":" + json.dumps(getattr(self, kind), sort_keys=True, separators=(",", ":"))
 
 
 @dataclass
@@ -36,6 +69,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (clamped to ±100)
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # LLM.generate asks for FINAL_ONLY
 
     def __post_init__(self) -> None:
@@ -46,6 +81,10 @@ class SamplingParams:
             if value is not None and not isinstance(value, (list, tuple)):
                 raise ValueError(f"{name} must be a list, got {value!r}")
             setattr(self, name, list(value or []))
+        if isinstance(self.structured_outputs, dict):  # as it arrives over a wire
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.logit_bias is not None:
+            self.logit_bias = _check_logit_bias(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -61,6 +100,22 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+
+def _check_logit_bias(bias: object) -> dict[int, float]:
+    """{token id: bias} with ids as ints (JSON keys are strings) and biases clamped to [-100, 100] as OpenAI."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a map of token id to bias, got {bias!r}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            tid = int(key)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        if tid < 0 or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"logit_bias must map token ids >= 0 to finite numbers, got {key!r}: {value!r}")
+        out[tid] = max(-100.0, min(100.0, float(value)))
+    return out
 
 
 @dataclass(frozen=True)

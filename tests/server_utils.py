@@ -22,11 +22,11 @@ def free_port() -> int:
 class RemoteServer:
     """`python -m novainfer.entrypoints.cli serve ...` until stop(); url is the server's base URL."""
 
-    def __init__(self, args: list[str], log_path: str, timeout: float = 60.0):
+    def __init__(self, args: list[str], log_path: str, timeout: float = 60.0, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(os.environ, **(env or {}), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "novainfer.entrypoints.cli", "serve", *args,
                                       "--port", str(self.port), "--device", "cpu"],

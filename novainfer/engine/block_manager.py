@@ -58,8 +58,9 @@ class BlockManager:
 
     # ---- prefix cache -------------------------------------------------------------------------
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached prefix of seq, leaving at least one token to compute."""
-        if not self.enable_prefix_caching:
+        """Block ids holding the longest cached prefix of seq, leaving at least one token to compute; none for a
+        sequence that wants prompt logprobs (its every position is computed for them)."""
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
         hits: list[int] = []
         prev = -1

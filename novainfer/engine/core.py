@@ -21,6 +21,8 @@ from novainfer.engine.processor import check_request
 from novainfer.engine.scheduler import Scheduler, SchedulerOutput
 from novainfer.engine.sequence import Sequence
 from novainfer.executor.base import Executor
+from novainfer.loader.model_loader import load_tokenizer
+from novainfer.structured_output import StructuredOutputManager
 from novainfer.worker.model_runner import ModelRunnerOutput, StepHandle
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,8 @@ class EngineCore:
         self.num_generated_tokens = 0
         self._failed: list[EngineCoreOutput] = []  # outputs of requests a raising step failed
         self.async_scheduling = config.use_async_scheduling()
+        self.structured_output = StructuredOutputManager(lambda: load_tokenizer(mc.tokenizer or mc.model),
+                                                         self.vocab_size, self.eos_token_ids)
         self._inflight: InFlightStep | None = None  # with async scheduling: the launched step not yet read back
         logger.info("engine core ready: model=%s blocks=%d (%d tokens) max_model_len=%d async_scheduling=%s",
                     mc.model, self.num_blocks, self.num_blocks * bs, self.max_model_len, self.async_scheduling)
@@ -74,6 +78,7 @@ class EngineCore:
         if rid in self.requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         check_request(request.prompt_token_ids, params, self.max_model_len, self.vocab_size)
+        grammar = self.structured_output.compile(params.structured_outputs) if params.structured_outputs else None
         blocked: list[int] = []  # ids that may not end the output before min_tokens
         if params.min_tokens > 0:
             blocked = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
@@ -81,6 +86,8 @@ class EngineCore:
         for i in range(params.n):
             seq = Sequence(request.prompt_token_ids, params, rid, index=i, arrival_time=request.arrival_time)
             seq.min_tokens_blocked = list(blocked)
+            if grammar is not None:
+                seq.grammar = self.structured_output.new_state(grammar)
             seqs.append(seq)
         self.requests[rid] = Request(rid, seqs)
         for seq in seqs:
@@ -187,6 +194,8 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if not sched.is_empty:
             self.step_id += 1
+            sched.grammar_bitmask = self.structured_output.grammar_bitmask(
+                [s.seq for s in sched.scheduled if s.samples])
             if logger.isEnabledFor(logging.DEBUG):
                 decode = sum(s.num_new_tokens for s in sched.scheduled if s.start >= s.seq.num_prompt_tokens)
                 logger.debug("step_id=%d batch_size=%d num_prefill_tokens=%d num_decode_tokens=%d preempted=%d",
@@ -201,6 +210,10 @@ class EngineCore:
         """Append each sampled token to its sequence and finish the sequences that ended at the token level."""
         by_seq = {s.seq.seq_id: s.seq for s in sched.scheduled}
         outputs: list[EngineCoreOutput] = []
+        for seq_id, (start, entries) in (result.prompt_logprobs or {}).items():  # ids and logprobs; text is the front-end's
+            seq = by_seq[seq_id]
+            if seq.request_id in self.requests:
+                outputs.append(EngineCoreOutput(seq.request_id, seq.index, prompt_logprobs=[start, entries]))
         faults = self.faults if self.faults else None
         for row, (seq_id, token_id) in enumerate(zip(result.seq_ids, result.sampled_token_ids)):
             seq = by_seq[seq_id]
@@ -227,6 +240,8 @@ class EngineCore:
         p = seq.sampling_params
         seq.append_token(token_id)
         self.num_generated_tokens += 1
+        if seq.grammar is not None:
+            self.structured_output.accept(seq.grammar, seq.output_token_ids)
         n_out = seq.num_output_tokens
         if n_out >= p.min_tokens:
             seq.min_tokens_blocked = []
@@ -281,7 +296,7 @@ class EngineCore:
 
 class InFlightStep:
     """A launched step: what was scheduled, the handle that reads it back, and whether the next step must
-    wait for its tokens (a sampling parameter that reads the output so far: penalties, min_tokens)."""
+    wait for its tokens (a sampling parameter that reads the output so far: penalties, min_tokens, a grammar)."""
 
     def __init__(self, sched: SchedulerOutput, handle: StepHandle):
         self.sched, self.handle = sched, handle
@@ -289,9 +304,10 @@ class InFlightStep:
 
 
 def needs_output_history(seq: Sequence) -> bool:
-    """Whether sampling this sequence's next token reads its latest token on the host."""
+    """Whether sampling this sequence's next token reads its latest token on the host (a grammar's bitmask too)."""
     p = seq.sampling_params
-    return bool(seq.min_tokens_blocked or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
+    return bool(seq.min_tokens_blocked or seq.grammar is not None or p.repetition_penalty != 1.0
+                or p.frequency_penalty or p.presence_penalty)
 
 
 def resolve_max_model_len(config: EngineConfig, cache_tokens: int) -> int:

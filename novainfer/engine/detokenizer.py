@@ -42,8 +42,8 @@ class IncrementalDetokenizer:
         self.pending.append(token_id)
 
     def flush(self) -> None:
-        """At the output's end: decode the deferred tokens and release the text step() held back behind a
-        trailing incomplete character, which is left out (nothing can complete it now); idempotent.
+        """At the output's end: decode the deferred tokens and release the text step() held back, a trailing
+        incomplete character included (as U+FFFD, so the text equals tokenizer.decode of the output); idempotent.
 
         Streamed and deferred outputs thus end with the same text, even when the last token both completes
         one character and starts another."""
@@ -55,9 +55,7 @@ class IncrementalDetokenizer:
         """Move the text decoded past read_offset into output_text, unless it ends mid-character."""
         prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.token_ids[self.prefix_offset:])
-        if final:
-            full = full.rstrip(_INCOMPLETE)
-        if len(full) <= len(prefix) or full.endswith(_INCOMPLETE):
+        if len(full) <= len(prefix) or (full.endswith(_INCOMPLETE) and not final):
             return ""
         delta = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)

@@ -37,7 +37,9 @@ class LLMEngine:
         self.tokenizer, eos = load_model_info(config)
         self.engine_core = EngineCore(config, eos)
         self.max_model_len = self.engine_core.max_model_len
-        self.processor = Processor(self.tokenizer, self.max_model_len, self.engine_core.vocab_size)
+        self.engine_core.structured_output.tokenizer = self.tokenizer  # in one process: load it once
+        self.processor = Processor(self.tokenizer, self.max_model_len, self.engine_core.vocab_size,
+                                   self.engine_core.structured_output)
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def shutdown(self) -> None:
@@ -64,6 +66,10 @@ class LLMEngine:
     @eos_token_ids.setter
     def eos_token_ids(self, ids: set[int]) -> None:
         self.engine_core.eos_token_ids = set(ids)
+
+    @property
+    def structured_output(self):
+        return self.engine_core.structured_output
 
     @property
     def faults(self):

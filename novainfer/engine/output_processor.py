@@ -51,6 +51,7 @@ class RequestState:
     first_token_time: float | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list | None = None  # one entry per prompt token (the first None) when params ask for them
 
     @property
     def finished(self) -> bool:
@@ -69,7 +70,9 @@ class OutputProcessor:
         samples = [SampleState(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
                                                          params.spaces_between_special_tokens))
                    for i in range(params.n)]
-        self.requests[request_id] = RequestState(request_id, prompt, prompt_token_ids, params, samples, arrival_time)
+        self.requests[request_id] = RequestState(
+            request_id, prompt, prompt_token_ids, params, samples, arrival_time,
+            prompt_logprobs=[None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Forget a request; its final output (finish_reason "abort"), or None when it is unknown."""
@@ -101,6 +104,11 @@ class OutputProcessor:
             if not 0 <= out.index < len(req.samples):
                 logger.warning("request_id=%s output for sample %d of %d dropped", req.request_id, out.index,
                                len(req.samples))
+                continue
+            if out.prompt_logprobs is not None:  # a prefill chunk's prompt logprobs (no new token)
+                self._add_prompt_logprobs(req, *out.prompt_logprobs)
+                if req.params.output_kind != RequestOutputKind.FINAL_ONLY:
+                    touched[req.request_id] = req
                 continue
             sample = req.samples[out.index]
             if sample.finish_reason is not None:  # a stop string ended it; the core had not heard yet
@@ -154,6 +162,15 @@ class OutputProcessor:
         sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
         return False
 
+    def _add_prompt_logprobs(self, req: RequestState, start: int, entries: list) -> None:
+        """Store a chunk's prompt logprobs by position (a chunk recomputed after preemption changes nothing)."""
+        if req.prompt_logprobs is None:
+            return
+        for pos, entry in enumerate(entries, start + 1):
+            if pos < len(req.prompt_logprobs) and req.prompt_logprobs[pos] is None:
+                req.prompt_logprobs[pos] = {tid: Logprob(lp, rank, self.tokenizer.decode([tid]))
+                                            for tid, lp, rank in entry}
+
     def _fail(self, req: RequestState, error: str) -> RequestOutput:
         self.requests.pop(req.request_id, None)
         req.status, req.error = RequestStatus.FAILED, error
@@ -174,5 +191,6 @@ class OutputProcessor:
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,
                              num_cached_tokens=req.num_cached_tokens, error=req.error,
+                             prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
                              metrics={"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
                                       "num_preemptions": sum(s.num_preemptions for s in req.samples)})

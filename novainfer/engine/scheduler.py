@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from novainfer.config import SchedulerConfig
 from novainfer.engine.block_manager import BlockManager
@@ -41,6 +42,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     num_preempted: int = 0
     finished_seq_ids: list[int] = field(default_factory=list)  # finished since the last step
+    grammar_bitmask: Any = None  # structured_output.GrammarBitmask of the constrained sampled rows, set by the engine
 
     @property
     def is_empty(self) -> bool:

@@ -41,6 +41,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.logprobs: list[dict] = []
         self.min_tokens_blocked: list[int] = []  # ids it may not sample yet (eos, stop ids) under min_tokens
+        self.grammar = None  # structured_output GrammarState when its output is constrained
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -23,6 +23,7 @@ class StepMessage:
     rows: list[tuple[int, int, int, bool, list[int], list[int] | None, list[int]]]
     finished_seq_ids: list[int]
     num_preempted: int
+    grammar_bitmask: Any = None  # sent resolved (host tensor), see SchedulerOutput
 
 
 class StepPacker:
@@ -51,7 +52,7 @@ class StepPacker:
                 table = list(table)
             rows.append((seq.seq_id, s.start, s.num_new_tokens, s.samples, tokens, table,
                          seq.min_tokens_blocked))
-        return StepMessage(new, rows, list(sched.finished_seq_ids), sched.num_preempted)
+        return StepMessage(new, rows, list(sched.finished_seq_ids), sched.num_preempted, sched.grammar_bitmask)
 
 
 class StepReceiver:
@@ -81,7 +82,7 @@ class StepReceiver:
             s = ScheduledSequence(seq, num_new)
             s.samples = samples
             scheduled.append(s)
-        return SchedulerOutput(scheduled, msg.num_preempted, msg.finished_seq_ids)
+        return SchedulerOutput(scheduled, msg.num_preempted, msg.finished_seq_ids, msg.grammar_bitmask)
 
     def execute_step(self, msg: StepMessage):
         return self.worker.execute_model(self.unpack(msg))

@@ -1,6 +1,7 @@
 """One Sampler for every request's parameters, run as a batched pass on the logits' device.
 
-Order (vLLM's): min_tokens blocking, repetition / frequency / presence penalties, then greedy rows take
+Order (vLLM's): logit_bias, min_tokens blocking, repetition / frequency / presence penalties, the grammar's
+token bitmask (structured outputs; constrained and free rows mix in one batch), then greedy rows take
 the argmax; the rest are divided by temperature, filtered by top-k, top-p and min-p, and sampled with
 the exponential race argmax(p / q), q ~ Exp(1). A seeded row draws q from its own generator, so its
 tokens depend only on its seed, never on what else is in the batch. Logprobs are the raw model's.
@@ -40,6 +41,7 @@ class SamplingMetadata:
     output_counts: torch.Tensor | None  # [rows, vocab] occurrences of each token in the output
     seen_mask: torch.Tensor | None  # [rows, vocab] token occurs in prompt or output
     blocked: tuple[torch.Tensor, torch.Tensor] | None  # (row indices, token ids) to set to -inf
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (row indices, token ids, biases)
     generators: list[torch.Generator | None]
     max_num_logprobs: int  # -1: no row wants logprobs
 
@@ -62,6 +64,11 @@ class SamplingMetadata:
         if use_rep:
             seen = (_token_counts([r.prompt_token_ids for r in rows], vocab_size, device) > 0) | (counts > 0)
         blocked_pairs = [(i, t) for i, r in enumerate(rows) for t in r.blocked_token_ids if t < vocab_size]
+        bias = [(i, t, b) for i, p in enumerate(ps) for t, b in (p.logit_bias or {}).items() if t < vocab_size]
+        logit_bias = None
+        if bias:
+            logit_bias = (column([b[0] for b in bias], torch.long), column([b[1] for b in bias], torch.long),
+                          column([b[2] for b in bias]))
         blocked = None
         if blocked_pairs:
             idx = torch.tensor(blocked_pairs, dtype=torch.long, device=device)
@@ -76,7 +83,7 @@ class SamplingMetadata:
             repetition_penalty=column([p.repetition_penalty for p in ps], unsqueeze=True) if use_rep else None,
             frequency_penalty=column([p.frequency_penalty for p in ps], unsqueeze=True) if use_freq_pres else None,
             presence_penalty=column([p.presence_penalty for p in ps], unsqueeze=True) if use_freq_pres else None,
-            output_counts=counts, seen_mask=seen, blocked=blocked,
+            output_counts=counts, seen_mask=seen, blocked=blocked, logit_bias=logit_bias,
             generators=[r.generator for r in rows],
             max_num_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
         )
@@ -101,11 +108,16 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torc
 
 
 class Sampler(nn.Module):
-    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata,
+                token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplerOutput:
+        """token_bitmask: (row indices, int32 bitmask rows on the logits' device) of the grammar-constrained rows."""
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
-        if meta.blocked is not None or meta.repetition_penalty is not None or meta.frequency_penalty is not None:
+        if meta.logit_bias is not None or meta.blocked is not None or meta.repetition_penalty is not None \
+                or meta.frequency_penalty is not None:
             logits = self.apply_penalties(logits.clone(), meta)
+        if token_bitmask is not None:
+            logits = apply_token_bitmask(logits, *token_bitmask)
         sampled = logits.argmax(dim=-1)
         if not meta.all_greedy:
             random = self.sample_random(logits, meta)
@@ -117,6 +129,9 @@ class Sampler(nn.Module):
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        if meta.logit_bias is not None:
+            rows, tokens, values = meta.logit_bias
+            logits.index_put_((rows, tokens), values, accumulate=True)
         if meta.blocked is not None:
             logits[meta.blocked] = float("-inf")
         if meta.repetition_penalty is not None:
@@ -152,6 +167,18 @@ class Sampler(nn.Module):
             out.logprobs = torch.cat([chosen, top.values], dim=1)
         else:
             out.logprob_token_ids, out.logprobs = sampled.unsqueeze(1), chosen
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """-inf for every token whose bit is clear in its row's bitmask (bit t % 32 of word t // 32); ids past the
+    bitmask's width (a padded vocabulary) are disallowed too. Unconstrained rows are untouched."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1).bool()
+    vocab = logits.shape[-1]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab], float("-inf"))
+    return logits
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

@@ -35,6 +35,7 @@ from novainfer.server.protocol import (ChatCompletionRequest, ChatCompletionResp
 from novainfer.server.serving import OpenAIServing, ServedModel
 from novainfer.server.serving_completions import CompletionHandler
 from novainfer.server.sessions import SessionStore
+from novainfer.server.tool_calling import ToolConfig
 
 logger = logging.getLogger(__name__)
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
@@ -160,7 +161,7 @@ def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: Se
     serving = OpenAIServing(served, AdmissionLimiter(config.max_concurrent_requests, config.max_queue_len,
                                                      config.retry_after),
                             SessionStore(config.max_sessions, config.session_ttl))
-    handler = CompletionHandler(serving)
+    handler = CompletionHandler(serving, ToolConfig(config.enable_auto_tool_choice, config.tool_call_parser))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -191,6 +192,8 @@ def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: Se
             return await on_api_error(request, APIError(400, f"Invalid JSON body: {reason}"))
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not _UNION_MEMBER.match(str(p)))
         message = f"{loc or 'body'}: {first.get('msg', 'invalid request')}"
+        if first.get("type") == "extra_forbidden":  # no silent ignores: README, "Request fields"
+            message = f"{loc}: this server does not support the field `{loc}` (README, \"Request fields\")"
         return await on_api_error(request, APIError(400, message, param=loc or None))
 
     @app.exception_handler(StarletteHTTPException)

@@ -17,6 +17,7 @@ from novainfer.engine.llm_engine import load_model_info
 from novainfer.engine.messages import AbortTarget, EngineCoreDead, EngineCoreOutputs
 from novainfer.engine.output_processor import OutputProcessor
 from novainfer.engine.processor import Processor
+from novainfer.structured_output import StructuredOutputManager
 from novainfer.sampling_params import SamplingParams
 from novainfer.server.async_engine import AsyncEngineBase, FinishedHook, StatsHook
 
@@ -34,7 +35,9 @@ class AsyncLLM(AsyncEngineBase):
         self.model_path = config.model_config.model
         self.core = AsyncMPClient(config, eos_token_ids)
         self.max_model_len = self.core.ready.max_model_len
-        self.processor = Processor(self.tokenizer, self.max_model_len, config.model_config.hf_config.vocab_size)
+        vocab_size = config.model_config.hf_config.vocab_size
+        self.processor = Processor(self.tokenizer, self.max_model_len, vocab_size,
+                                   StructuredOutputManager(self.tokenizer, vocab_size, eos_token_ids))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._output_task: asyncio.Task | None = None
         self._stopping = False

@@ -26,13 +26,71 @@ def _bounded(name: str, default: Any = None, **extra: Any) -> Any:
 
 
 class OpenAIModel(BaseModel):
-    # unknown OpenAI fields are accepted and ignored, as vLLM does; known ones must have their documented JSON
-    # type (strict: lax mode took `"min_p": false` as 0.0 and `"n": "2"` as 2, which the schema does not allow)
-    model_config = ConfigDict(extra="allow", strict=True)
+    # no field is silently ignored: an unknown one is a 400 naming it (README, "Request fields"); known ones must
+    # have their documented JSON type (strict: lax mode took `"min_p": false` as 0.0 and `"n": "2"` as 2)
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StructuredOutputs(OpenAIModel):
+    """vLLM's `structured_outputs` request object (its StructuredOutputsParams); exactly one field is set."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class JsonSchemaFormat(OpenAIModel):
+    name: str = Field(..., max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # always enforced: the grammar follows the schema whatever this says
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # "required" / named choices always follow the schema; "auto" never is forced
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(OpenAIModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+LogitBias = dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]]
 
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # a no-op: chunks are not padded
 
 
 class SamplingFields(OpenAIModel):
@@ -55,7 +113,22 @@ class SamplingFields(OpenAIModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logit_bias: LogitBias | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names for structured_outputs' fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # documented no-ops: they cannot change the output
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     session_id: str | None = Field(None, description="NovaInfer extension: keep this conversation's history "
                                                      "on the server so the next turn hits the prefix cache")
 
@@ -66,12 +139,38 @@ class TextPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
 
     def text(self) -> str:
-        """The content as one string (text parts joined)."""
+        """The content as one string (text parts joined; none is "")."""
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def to_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (tool calls with their arguments parsed, as HF templates expect)."""
+        msg: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            msg["name"] = self.name
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _parse_arguments(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        return msg
+
+
+def _parse_arguments(arguments: str) -> Any:
+    import json
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -79,6 +178,13 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = _bounded("max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = _bounded("logprobs", le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    modalities: list[Literal["text"]] | None = None  # text is the only output this server makes
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -86,6 +192,9 @@ class CompletionRequest(SamplingFields):
         Annotated[list[TokenId], Field(min_length=1)] | \
         Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     logprobs: int | None = _bounded("logprobs", le=MAX_LOGPROBS)
+    echo: bool = False
+    prompt_logprobs: int | None = _bounded("prompt_logprobs", le=MAX_LOGPROBS)
+    response_format: ResponseFormat | None = None
 
 
 class UsageInfo(BaseModel):
@@ -98,6 +207,7 @@ class UsageInfo(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class _Choice(BaseModel):

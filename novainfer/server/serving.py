@@ -121,16 +121,29 @@ class OpenAIServing:
         return self.models[name]
 
     @staticmethod
-    def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """SamplingParams from the request; its ValueError (naming the field) becomes a 400."""
+    def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                        **extra: Any) -> SamplingParams:
+        """SamplingParams from the request (extra: what the endpoint decides, e.g. structured_outputs,
+        prompt_logprobs); its ValueError (naming the field) becomes a 400."""
         kw: dict[str, Any] = {name: getattr(req, name) for name in _OPTIONAL_SAMPLING
                               if getattr(req, name) is not None}
         try:
             return SamplingParams(n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
                                   stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos,
-                                  logprobs=logprobs, **kw)
+                                  logprobs=logprobs, logit_bias=req.logit_bias,
+                                  skip_special_tokens=req.skip_special_tokens,
+                                  spaces_between_special_tokens=req.spaces_between_special_tokens,
+                                  include_stop_str_in_output=req.include_stop_str_in_output, **kw, **extra)
         except ValueError as exc:
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+
+    @staticmethod
+    def check_logit_bias(model: ServedModel, params: SamplingParams) -> None:
+        """400 for a logit_bias key outside the vocabulary (a silently ignored bias would be a silent no-op)."""
+        vocab = len(model.tokenizer)
+        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
+        if bad:
+            raise APIError(400, f"logit_bias token ids must be in [0, {vocab}), got {bad[0]}", param="logit_bias")
 
     @staticmethod
     def check_prompt(model: ServedModel, prompt_ids: list[int], max_tokens: int | None) -> None:

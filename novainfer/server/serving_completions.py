@@ -12,38 +12,57 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from novainfer.entrypoints.chat_utils import apply_chat_template
-from novainfer.outputs import CompletionOutput
+from novainfer.outputs import CompletionOutput, RequestOutput
 from novainfer.server.async_engine import EngineDeadError, RequestFailedError
 from novainfer.server.errors import APIError, error_body
-from novainfer.server.logprobs import chat_logprobs, completion_logprobs
+from novainfer.server.logprobs import (chat_logprobs, completion_logprobs, join_completion_logprobs,
+                                       prompt_completion_logprobs, vllm_prompt_logprobs)
 from novainfer.server.protocol import MAX_SEQUENCES, ChatCompletionRequest, CompletionRequest
 from novainfer.server.serving import Generation, OpenAIServing, abort_on_disconnect, held_back
 from novainfer.server.sessions import continue_conversation
+from novainfer.server.structured_request import structured_outputs_params
+from novainfer.server.tool_calling import (ToolCallStream, ToolConfig, ToolPlan, call_dict, extract_calls,
+                                           finish_reason, plan_tools, template_inputs)
 
 
 class CompletionHandler:
     """Shared by both endpoints; chat and text differ in prompts, choice shape and logprobs shape."""
 
-    def __init__(self, serving: OpenAIServing):
+    def __init__(self, serving: OpenAIServing, tools: ToolConfig | None = None):
         self.serving = serving
+        self.tools = tools or ToolConfig()
 
     # ---- building the engine requests ----------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request_id: str, raw: Request):
         model = self.serving.resolve_model(req.model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = self.serving.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        plan = plan_tools(req, self.tools)
+        constraint = structured_outputs_params(req)
+        if plan.structured is not None and constraint is not None:
+            raise APIError(400, f"tool_choice {req.tool_choice if isinstance(req.tool_choice, str) else 'named'} "
+                                "already constrains the output; drop response_format / structured_outputs",
+                           param="tool_choice")
+        params = self.serving.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
+                                              structured_outputs=plan.structured or constraint)
+        self.serving.check_logit_bias(model, params)
+        messages = [m.to_template() for m in req.messages]
         session = self.serving.sessions.get(req.session_id) if req.session_id else None
         if session is not None:
             messages = continue_conversation(session.messages, messages)
-        ids = apply_chat_template(model.tokenizer, messages)
+        shown, template_kwargs = template_inputs(model.tokenizer, messages, plan)
+        try:
+            ids = apply_chat_template(model.tokenizer, shown, req.add_generation_prompt,
+                                      **template_kwargs, **(req.chat_template_kwargs or {}))
+        except Exception as exc:  # the model's template refused these messages (its own rules, e.g. roles)
+            raise APIError(400, f"the model's chat template failed on these messages: {exc}",
+                           param="messages") from None
         self.serving.check_prompt(model, ids, max_tokens)
         gen = await self.serving.start(model, request_id, [ids], params, [None])
 
         def remember(outs) -> None:
             if session is not None:
                 session.messages = messages + [{"role": "assistant", "content": outs[0].outputs[0].text}]
-        return await self._respond(gen, req, raw, "chat", f"chatcmpl-{request_id}", remember)
+        return await self._respond(gen, req, raw, "chat", f"chatcmpl-{request_id}", remember, plan)
 
     async def completion(self, req: CompletionRequest, request_id: str, raw: Request):
         model = self.serving.resolve_model(req.model)
@@ -52,7 +71,12 @@ class CompletionHandler:
             raise APIError(400, f"{len(prompts)} prompts x n={req.n} is {len(prompts) * req.n} sequences; "
                                 f"one request may ask for at most {MAX_SEQUENCES}", param="n")
         max_tokens = 16 if "max_tokens" not in req.model_fields_set else req.max_tokens  # OpenAI's default
-        params = self.serving.sampling_params(req, max_tokens, req.logprobs)
+        prompt_lp = req.prompt_logprobs
+        if req.echo and req.logprobs is not None:  # echo + logprobs: the prompt's tokens come with theirs
+            prompt_lp = max(prompt_lp or 0, req.logprobs)
+        params = self.serving.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs=prompt_lp,
+                                              structured_outputs=structured_outputs_params(req))
+        self.serving.check_logit_bias(model, params)
         tok = model.tokenizer
         session = self.serving.sessions.get(req.session_id) if req.session_id else None
         if session is not None and len(prompts) != 1:
@@ -68,7 +92,7 @@ class CompletionHandler:
         def remember(outs) -> None:
             if session is not None:
                 session.token_ids = ids[0] + list(outs[0].outputs[0].token_ids)
-        return await self._respond(gen, req, raw, "text", f"cmpl-{request_id}", remember)
+        return await self._respond(gen, req, raw, "text", f"cmpl-{request_id}", remember, ToolPlan(None))
 
     @staticmethod
     def _prompts(prompt) -> list:
@@ -77,10 +101,11 @@ class CompletionHandler:
         return [prompt] if isinstance(prompt[0], int) else list(prompt)
 
     # ---- answering -------------------------------------------------------------------------------
-    async def _respond(self, gen: Generation, req, raw: Request, kind: str, response_id: str, remember):
+    async def _respond(self, gen: Generation, req, raw: Request, kind: str, response_id: str, remember,
+                       plan: ToolPlan):
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(gen, req, kind, response_id, include_usage, remember)
+            body = self._stream(gen, req, kind, response_id, include_usage, remember, plan)
             return StreamingResponse(body, media_type="text/event-stream", background=BackgroundTask(gen.release))
         watcher = asyncio.create_task(abort_on_disconnect(raw, gen))
         try:
@@ -93,17 +118,46 @@ class CompletionHandler:
             gen.release()
         remember(gen.finals)
         n = req.n
-        choices = [self._choice(kind, i * n + c.index, c, req, 0, 0, final=True)
-                   for i, out in enumerate(gen.finals) for c in out.outputs]
+        choices = []
+        for i, out in enumerate(gen.finals):
+            for c in out.outputs:
+                choice = self._choice(kind, i * n + c.index, c, req, 0, 0, final=True)
+                if kind == "chat" and plan.mode not in (None, "none"):
+                    self._with_tool_calls(choice, plan, c)
+                if kind == "text":
+                    self._echo(choice, out, gen, req)
+                choices.append(choice)
         obj = "chat.completion" if kind == "chat" else "text_completion"
         return JSONResponse({"id": response_id, "object": obj, "created": int(time.time()),
                              "model": gen.model.name, "choices": choices,
                              "usage": gen.usage().model_dump()})
 
+    @staticmethod
+    def _with_tool_calls(choice: dict, plan: ToolPlan, c: CompletionOutput) -> None:
+        content, calls = extract_calls(plan, c.text)
+        choice["message"].update(content=content, tool_calls=[call_dict(call) for call in calls])
+        choice["finish_reason"] = finish_reason(plan, calls, c.finish_reason)
+
+    @staticmethod
+    def _echo(choice: dict, out: RequestOutput, gen: Generation, req: CompletionRequest) -> None:
+        """echo puts the prompt before the text (and its tokens before the logprobs); prompt_logprobs adds vLLM's
+        field."""
+        if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs)
+        if not req.echo:
+            return
+        tok = gen.model.tokenizer
+        prompt_text = out.prompt if out.prompt is not None else tok.decode(out.prompt_token_ids)
+        if req.logprobs is not None:
+            first = prompt_completion_logprobs(out.prompt_token_ids, out.prompt_logprobs, req.logprobs, tok)
+            choice["logprobs"] = join_completion_logprobs(first, choice["logprobs"], len(prompt_text))
+        choice["text"] = prompt_text + choice["text"]
+
     async def _stream(self, gen: Generation, req, kind: str, response_id: str, include_usage: bool,
-                      remember) -> AsyncIterator[str]:
+                      remember, plan: ToolPlan) -> AsyncIterator[str]:
         created, n, hold = int(time.time()), req.n, held_back(req.stop)
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        tool_streams: dict[int, ToolCallStream] = {}
 
         def chunk(choices: list[dict], usage=None) -> str:
             return "data: " + json.dumps({"id": response_id, "object": obj, "created": created,
@@ -122,11 +176,19 @@ class CompletionHandler:
                     start_c, start_t = sent.get(index, (0, 0))
                     end_c = len(c.text) if c.finish_reason else max(start_c, len(c.text) - hold)
                     piece = self._choice(kind, index, c, req, start_c, start_t, final=False, end=end_c)
-                    if end_c > start_c or piece["logprobs"]:
+                    if kind == "text" and index not in sent:
+                        self._echo(piece, out, gen, req)
+                    reason = c.finish_reason
+                    if kind == "chat" and plan.mode not in (None, "none"):
+                        stream = tool_streams.setdefault(index, ToolCallStream(plan))
+                        for delta in stream.deltas(c.text[:end_c], bool(c.finish_reason)):
+                            yield chunk([{**piece, "delta": delta}])
+                        reason = finish_reason(plan, [None] * stream.sent_calls, reason)
+                    elif end_c > start_c or piece["logprobs"] or piece.get("text"):
                         yield chunk([piece])
                     sent[index] = (end_c, len(c.token_ids))
                     if c.finish_reason:
-                        last = {"index": index, "logprobs": None, "finish_reason": c.finish_reason,
+                        last = {"index": index, "logprobs": None, "finish_reason": reason,
                                 "stop_reason": c.stop_reason, **({"delta": {}} if kind == "chat" else {"text": ""})}
                         yield chunk([last])
                         done.add(index)

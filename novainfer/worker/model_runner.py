@@ -24,6 +24,7 @@ from novainfer.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from novainfer.loader.model_loader import load_model
 from novainfer.sampling_params import SamplingParams
 from novainfer.worker.input_batch import InputBatch
+from novainfer.worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from novainfer.worker.cuda_graph import DecodeGraphs, batch_size_ladder, bucket
 from novainfer.worker.step_inputs import HostBuffers, StepInputs, nvtx_range
 
@@ -37,6 +38,8 @@ class ModelRunnerOutput:
     seq_ids: list[int]
     sampled_token_ids: list[int]
     logprobs: list[list[tuple[int, float, int]]] | None = None  # [(token_id, logprob, rank)] per row
+    # seq_id -> (first prompt position, [(token_id, logprob, rank), ...] per next prompt token); see prompt_logprobs.py
+    prompt_logprobs: dict[int, tuple[int, list[list[tuple[int, float, int]]]]] | None = None
 
 
 class ModelRunner:
@@ -238,11 +241,15 @@ class ModelRunner:
                 sample_seq_ids.append(s.seq.seq_id)
                 sampling_rows.append(self._sampling_row(s.seq))
         h.logits_indices.numpy()[:len(logits_indices)] = logits_indices
+        prompt_lp = [plan for s, end in zip(scheduled, ends.tolist())
+                     if s.seq.sampling_params.prompt_logprobs is not None and s.start < s.seq.num_prompt_tokens
+                     and (plan := plan_prompt_logprobs(s.seq, s.start, s.num_new_tokens, end - s.num_new_tokens))]
         inp = StepInputs(h.input_ids[:num_tokens], h.positions[:num_tokens], h.slot_mapping[:num_tokens],
                          qsl[:num_seqs + 1].tolist(), seq_lens.tolist(),
                          h.block_tables[:num_seqs * width].view(num_seqs, width), h.seq_lens[:num_seqs],
                          h.query_start_loc[:num_seqs + 1], int(counts.max()), logits_indices, sample_seq_ids,
-                         sampling_rows, feed=feed, logits_indices_t=h.logits_indices[:len(logits_indices)])
+                         sampling_rows, feed=feed, logits_indices_t=h.logits_indices[:len(logits_indices)],
+                         prompt_logprob_rows=prompt_lp, grammar_bitmask=sched.grammar_bitmask)
         if sampling_rows:  # uploaded now, while the device is idle, so the forward is not waited on later
             inp.sampling_metadata = self._sampling_metadata(sampling_rows, sample_seq_ids)
         return inp
@@ -328,6 +335,8 @@ class ModelRunner:
             pos = inp.positions.to(self.device, non_blocking=True)
             with nvtx_range("forward/eager", self.nvtx), attention_metadata(meta):
                 hidden = self.model(ids, pos)
+        if inp.prompt_logprob_rows:
+            inp.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, inp.prompt_logprob_rows)
         if not inp.logits_indices:
             return None
         with nvtx_range("forward/logits", self.nvtx):
@@ -337,11 +346,18 @@ class ModelRunner:
             return self.model.compute_logits(hidden).float()
 
     def sample(self, logits: torch.Tensor, inp: StepInputs):
-        return self.sampler(logits, inp.sampling_metadata)
+        """The sampler over the step's rows; constrained rows (structured outputs) get their grammar's bitmask."""
+        token_bitmask = None
+        if inp.grammar_bitmask is not None:
+            row_of = {seq_id: r for r, seq_id in enumerate(inp.sample_seq_ids)}
+            rows = torch.tensor([row_of[s] for s in inp.grammar_bitmask.seq_ids], device=self.device)
+            token_bitmask = (rows, inp.grammar_bitmask.bitmask.to(self.device, non_blocking=True))
+        return self.sampler(logits, inp.sampling_metadata, token_bitmask)
 
     def postprocess(self, inp: StepInputs, sampled) -> ModelRunnerOutput:
         """The step's one device-to-host copy."""
-        out = ModelRunnerOutput(inp.sample_seq_ids, sampled.sampled_token_ids.tolist())
+        out = ModelRunnerOutput(inp.sample_seq_ids, sampled.sampled_token_ids.tolist(),
+                                prompt_logprobs=inp.prompt_logprobs)
         if sampled.logprobs is not None:
             ids, lps = sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist()
             ranks = sampled.sampled_token_ranks.tolist()
@@ -429,7 +445,7 @@ class StepHandle:
         if self._output is None:
             sampled = self.sampled()
             if sampled is None:
-                self._output = ModelRunnerOutput([], [])
+                self._output = ModelRunnerOutput([], [], prompt_logprobs=self.inp.prompt_logprobs)
             else:
                 with nvtx_range("sample/to_host", self.runner.nvtx):
                     self._output = self.runner.postprocess(self.inp, sampled)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
@@ -42,6 +42,9 @@ class StepInputs:
     sampling_metadata: SamplingMetadata | None = None
     logits_indices_t: torch.Tensor | None = None  # logits_indices in this step's host buffer, for the upload
     feed: Any = None  # TokenFeed: input tokens sampled by the step still in flight, filled in on the device
+    prompt_logprob_rows: list = field(default_factory=list)  # PromptLogprobRows of sequences that want them
+    prompt_logprobs: dict | None = None  # their results, filled by the forward
+    grammar_bitmask: Any = None  # structured_output.GrammarBitmask of the constrained sampled rows
 
 
 class HostBuffers:
