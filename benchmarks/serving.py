@@ -107,11 +107,17 @@ async def run(args: argparse.Namespace) -> dict:
     """The load once, or (with --response-format) unconstrained then constrained, with the TPOT ratio."""
     if args.response_format is None:
         return await run_load(args, None)
-    base = await run_load(args, None)
-    constrained = await run_load(args, RESPONSE_FORMATS[args.response_format])
-    report = {**{f"unconstrained_{k}": v for k, v in base.items()}, **{f"constrained_{k}": v for k, v in
-                                                                       constrained.items()}}
-    report["tpot_ratio_constrained_over_unconstrained"] = constrained["mean_tpot_ms"] / base["mean_tpot_ms"]
+    report: dict = {}
+    ratios = []
+    for r in range(args.rounds):  # alternate, so a noisy machine's drift hits both sides alike
+        base = await run_load(args, None)
+        constrained = await run_load(args, RESPONSE_FORMATS[args.response_format], args.constrained_output_len)
+        ratios.append(constrained["mean_tpot_ms"] / base["mean_tpot_ms"])
+        report.update({f"r{r}_unconstrained_{k}": v for k, v in base.items() if "tpot" in k or k == "completed"})
+        report.update({f"r{r}_constrained_{k}": v for k, v in constrained.items()
+                       if "tpot" in k or k in ("completed", "valid_outputs", "mean_output_tokens")})
+    report["tpot_ratio_per_round"] = ", ".join(f"{x:.3f}" for x in ratios)
+    report["tpot_ratio_median"] = statistics.median(ratios)
     return report
 
 
@@ -130,7 +136,7 @@ def count_valid(texts: list[str], response_format: str) -> int:
     return valid
 
 
-async def run_load(args: argparse.Namespace, response_format: dict | None) -> dict:
+async def run_load(args: argparse.Namespace, response_format: dict | None, output_len: int | None = None) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=None)  # httpx's default of 100 would queue a larger load in the client
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=None, limits=limits) as http:
@@ -144,7 +150,7 @@ async def run_load(args: argparse.Namespace, response_format: dict | None) -> di
 
         async def limited(prompt: list[int]) -> Result:
             async with limit:
-                return await one_request(http, model, prompt, args.output_len, response_format)
+                return await one_request(http, model, prompt, output_len or args.output_len, response_format)
         tasks, start = [], time.perf_counter()
         for prompt in prompts:
             tasks.append(asyncio.create_task(limited(prompt)))
@@ -186,6 +192,9 @@ def main() -> None:
     p.add_argument("--metric-percentiles", default="50,99", help="comma-separated percentiles to report (vLLM's flag)")
     p.add_argument("--response-format", default=None, choices=sorted(RESPONSE_FORMATS),
                    help="also run the prompts constrained by this response_format and compare TPOT")
+    p.add_argument("--constrained-output-len", type=int, default=256,
+                   help="max_tokens of the constrained requests (room for the JSON to end)")
+    p.add_argument("--rounds", type=int, default=1, help="unconstrained/constrained pairs, alternated")
     p.add_argument("--json", default=None, help="also write the report to this file")
     args = p.parse_args()
     report = asyncio.run(run(args))
