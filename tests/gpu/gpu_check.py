@@ -6,6 +6,8 @@
 4. Issue 17 (tests/gpu/family_checks.py): the fused MoE kernel (Qwen3-30B-A3B, Qwen2-57B-A14B, Mixtral
    shapes) and sliding-window / soft-cap attention (Gemma-2-9B, Mistral-7B heads) in bf16 vs their torch
    references, rel err <= 1e-2; the new families' greedy tokens vs transformers in float32.
+5. Issue 14: the overlapped step loop's tokens equal the synchronous loop's (and engine_vs_hf runs with it, the
+   CUDA default).
 Prints a table; exits non-zero if any check fails.
 """
 from __future__ import annotations
@@ -131,6 +133,30 @@ def graph_vs_eager(tmp: str) -> None:
           same == len(prompts))
 
 
+def overlap_vs_sync(tmp: str) -> None:
+    """The overlapped loop (async scheduling: step N+1 launched before N is read back, its input tokens fed
+    on the device) returns the tokens of the synchronous loop, with graphs, chunked prefill and stop limits."""
+    path = make_tiny_model(os.path.join(tmp, "qwen2_overlap"), "qwen2", seed=11, layers=4)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 9 * i))} for i in range(48)]
+    params = [SamplingParams(temperature=0, max_tokens=8 + (i % 5) * 11, ignore_eos=True) for i in range(48)]
+    params[7] = SamplingParams(temperature=0.9, seed=3, max_tokens=40, ignore_eos=True)
+    params[9] = SamplingParams(temperature=0.8, seed=5, max_tokens=40, repetition_penalty=1.2, ignore_eos=True)
+    results = {}
+    for overlap in (False, True):
+        llm = LLM(path, dtype="bfloat16", async_scheduling=overlap, gpu_memory_utilization=0.3, max_num_seqs=64,
+                  max_num_batched_tokens=512)
+        before = llm.llm_engine.num_generated_tokens
+        results[overlap] = ([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)],
+                            llm.llm_engine.num_generated_tokens - before)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    same = sum(a == b for a, b in zip(results[False][0], results[True][0]))
+    counts = results[False][1] == results[True][1] == sum(p.max_tokens for p in params)
+    check("overlapped loop == synchronous loop", f"{same}/{len(prompts)} sequences identical (bf16, graphs), "
+          f"tokens counted {results[True][1]}", same == len(prompts) and counts)
+
+
 def main() -> None:
     t0 = time.time()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
@@ -142,6 +168,7 @@ def main() -> None:
         engine_vs_hf(tmp)
         families_vs_hf(tmp)
         graph_vs_eager(tmp)
+        overlap_vs_sync(tmp)
     print("\n| check | detail | result |\n|---|---|---|")
     for name, detail, ok in rows:
         print(f"| {name} | {detail} | {'pass' if ok else 'FAIL'} |")

@@ -1,0 +1,67 @@
+"""One lent-GPU call's work for issue 19: checks, then throughput and latency with the overlapped loop on and
+off (and HF transformers in the same run), printing one table. Raw JSON goes to --out.
+
+    python3 benchmarks/gpu_round.py --part checks-0.5b --out $OUT
+    python3 benchmarks/gpu_round.py --part 7b-moe --out $OUT
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PARTS = {
+    "checks-0.5b": [
+        ("gpu_check", ["tests/gpu/gpu_check.py"]),
+        ("tput 0.5b overlap on (+HF)", ["benchmarks/throughput.py", "--model", "random:qwen2.5-0.5b",
+                                        "--compare-hf", "--hf-num-prompts", "128", "--async-scheduling"]),
+        ("tput 0.5b overlap off", ["benchmarks/throughput.py", "--model", "random:qwen2.5-0.5b",
+                                   "--no-async-scheduling"]),
+        ("lat 0.5b overlap on (+HF)", ["benchmarks/latency.py", "--model", "random:qwen2.5-0.5b", "--compare-hf",
+                                       "--async-scheduling"]),
+        ("lat 0.5b overlap off", ["benchmarks/latency.py", "--model", "random:qwen2.5-0.5b",
+                                  "--no-async-scheduling"]),
+    ],
+    "7b-moe": [
+        ("tput 7b overlap on", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--async-scheduling"]),
+        ("tput 7b overlap off", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--no-async-scheduling"]),
+        ("lat 7b overlap on", ["benchmarks/latency.py", "--model", "random:qwen2.5-7b", "--async-scheduling"]),
+        ("lat 7b overlap off", ["benchmarks/latency.py", "--model", "random:qwen2.5-7b", "--no-async-scheduling"]),
+        ("tput qwen3-30b-a3b overlap on", ["benchmarks/throughput.py", "--model", "random:qwen3-30b-a3b",
+                                           "--async-scheduling"]),
+    ],
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=sorted(PARTS), required=True)
+    ap.add_argument("--out", default="/tmp/gpu_round")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for name, cmd in PARTS[args.part]:
+        slug = name.split(" (")[0].replace(" ", "_")
+        out_json = os.path.join(args.out, slug + ".json")
+        full = [sys.executable, *cmd] + (["--json", out_json] if "benchmarks/" in cmd[0] else [])
+        t0 = time.time()
+        with open(os.path.join(args.out, slug + ".log"), "w") as log:
+            rc = subprocess.run(full, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+        with open(os.path.join(args.out, slug + ".log")) as f:
+            tail = f.read().strip().splitlines()[-1:] or [""]
+        result = json.load(open(out_json)) if os.path.exists(out_json) else {}
+        rows.append((name, rc, time.time() - t0, result, tail[0]))
+        print(f"[{name}] rc={rc} {time.time() - t0:.0f}s {tail[0][:200]}", flush=True)
+    print("\n| run | rc | s | result |\n|---|---|---|---|")
+    for name, rc, secs, result, tail in rows:
+        summary = json.dumps(result, separators=(",", ":"))[:400] if result else tail[:200]
+        print(f"| {name} | {rc} | {secs:.0f} | {summary} |")
+
+
+if __name__ == "__main__":
+    main()
