@@ -28,6 +28,11 @@ PARTS = {
                                   "--no-async-scheduling"]),
     ],
     "7b-moe": [
+        ("tput 0.5b overlap on", ["benchmarks/throughput.py", "--model", "random:qwen2.5-0.5b", "--async-scheduling"]),
+        ("tput 0.5b overlap off", ["benchmarks/throughput.py", "--model", "random:qwen2.5-0.5b",
+                                   "--no-async-scheduling"]),
+        ("lat 0.5b overlap on", ["benchmarks/latency.py", "--model", "random:qwen2.5-0.5b", "--async-scheduling"]),
+        ("lat 0.5b overlap off", ["benchmarks/latency.py", "--model", "random:qwen2.5-0.5b", "--no-async-scheduling"]),
         ("tput 7b overlap on", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--async-scheduling"]),
         ("tput 7b overlap off", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--no-async-scheduling"]),
         ("lat 7b overlap on", ["benchmarks/latency.py", "--model", "random:qwen2.5-7b", "--async-scheduling"]),

@@ -261,7 +261,10 @@ class ModelRunner:
             raise RuntimeError("a step's input token is pending but no earlier step sampled it")
         dst = [i for i, t in enumerate(known) if t < 0]
         src = [prev.rows[scheduled[i].seq.seq_id] for i in dst]
-        return TokenFeed(dst, src, prev)
+        h = self.host
+        h.feed_dst.numpy()[:len(dst)] = dst
+        h.feed_src.numpy()[:len(src)] = src
+        return TokenFeed(h.feed_dst[:len(dst)], h.feed_src[:len(src)], prev)
 
     def _sampling_metadata(self, rows: list[SamplingRow], seq_ids: list[int]) -> SamplingMetadata:
         """Built and uploaded again only when the rows' parameters may have changed: decode steps of the same
@@ -418,12 +421,12 @@ class PreviousStep:
 class TokenFeed:
     """Input tokens a step takes from the previous step's sampled ids, on the device (no host round trip)."""
 
-    def __init__(self, dst: list[int], src: list[int], prev: PreviousStep):
-        self.dst, self.src, self.prev = dst, src, prev
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, prev: PreviousStep):
+        self.dst, self.src, self.prev = dst, src, prev  # host tensors in the step's (pinned) buffers
 
     def apply(self, input_ids: torch.Tensor, device: torch.device) -> None:
-        dst = torch.tensor(self.dst, dtype=torch.long).to(device, non_blocking=True)
-        src = torch.tensor(self.src, dtype=torch.long).to(device, non_blocking=True)
+        dst = self.dst.to(device, non_blocking=True)
+        src = self.src.to(device, non_blocking=True)
         input_ids[dst] = self.prev.sampled_ids()[src]
 
 

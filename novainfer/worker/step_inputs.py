@@ -60,3 +60,6 @@ class HostBuffers:
         self.seq_lens = buf(max_seqs, torch.int32)
         self.logits_indices = buf(max_seqs, torch.long)
         self.query_start_loc = buf(max_seqs + 1, torch.int32)
+        # TokenFeed's indices: a copy from pageable memory would wait for the step in flight, undoing the overlap
+        self.feed_dst = buf(max_seqs, torch.long)
+        self.feed_src = buf(max_seqs, torch.long)

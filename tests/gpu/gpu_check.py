@@ -137,7 +137,7 @@ def overlap_vs_sync(tmp: str) -> None:
     """The overlapped loop (async scheduling: step N+1 launched before N is read back, its input tokens fed
     on the device) returns the tokens of the synchronous loop, with graphs, chunked prefill and stop limits."""
     path = make_tiny_model(os.path.join(tmp, "qwen2_overlap"), "qwen2", seed=11, layers=4)
-    prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 9 * i))} for i in range(48)]
+    prompts = [{"prompt_token_ids": list(range(3 + i, 33 + i + 7 * (i % 6)))} for i in range(48)]  # ids < 400
     params = [SamplingParams(temperature=0, max_tokens=8 + (i % 5) * 11, ignore_eos=True) for i in range(48)]
     params[7] = SamplingParams(temperature=0.9, seed=3, max_tokens=40, ignore_eos=True)
     params[9] = SamplingParams(temperature=0.8, seed=5, max_tokens=40, repetition_penalty=1.2, ignore_eos=True)
