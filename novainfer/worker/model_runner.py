@@ -6,6 +6,7 @@ prefill, chunked prefill and decode is in the step inputs and the attention meta
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +21,7 @@ from novainfer.config import EngineConfig
 from novainfer.engine.faults import FaultInjector
 from novainfer.engine.scheduler import SchedulerOutput
 from novainfer.layers.attention import Attention
-from novainfer.layers.sampler import Sampler, SamplingMetadata, SamplingRow
+from novainfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from novainfer.loader.model_loader import load_model
 from novainfer.sampling_params import SamplingParams
 from novainfer.worker.input_batch import InputBatch
@@ -388,7 +389,8 @@ class ModelRunner:
         with nvtx_range("prepare/step_inputs", self.nvtx):
             inp = self.prepare_step_inputs(sched)
         if self._device_thread is None:
-            handle = StepHandle(self, inp, self._forward_and_sample(inp))
+            sampled = self._forward_and_sample(inp)
+            handle = StepHandle(self, inp, sampled, HostCopy(sampled) if self.device.type == "cuda" else None)
         else:
             handle = StepHandle(self, inp, self._device_thread.submit(self._forward_and_sample, inp))
         if inp.sample_seq_ids:
@@ -430,11 +432,30 @@ class TokenFeed:
         input_ids[dst] = self.prev.sampled_ids()[src]
 
 
+class HostCopy:
+    """A step's sampler outputs copied into pinned host memory in stream order, and the event that marks them
+    done: reading them back waits for this step only. (tolist() on a device tensor would synchronize the
+    whole stream, which by then holds the next step too, and undo the overlap.)"""
+
+    def __init__(self, sampled: SamplerOutput | None):
+        self.out = None
+        if sampled is not None:
+            self.out = SamplerOutput(**{f.name: None if (t := getattr(sampled, f.name)) is None else
+                                        torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                                        for f in dataclasses.fields(sampled)})
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def wait(self) -> SamplerOutput | None:
+        self.event.synchronize()
+        return self.out
+
+
 class StepHandle:
     """A launched step. It keeps the step's inputs and outputs alive until get() has read them back."""
 
-    def __init__(self, runner: ModelRunner, inp: StepInputs, sampled):
-        self.runner, self.inp, self._sampled = runner, inp, sampled
+    def __init__(self, runner: ModelRunner, inp: StepInputs, sampled, host_copy: HostCopy | None = None):
+        self.runner, self.inp, self._sampled, self.host_copy = runner, inp, sampled, host_copy
         self._output: ModelRunnerOutput | None = None
 
     def sampled(self):
@@ -446,7 +467,7 @@ class StepHandle:
     def get(self) -> ModelRunnerOutput:
         """Wait for the step and copy its sampled ids (and logprobs) to the host, once."""
         if self._output is None:
-            sampled = self.sampled()
+            sampled = self.sampled() if self.host_copy is None else self.host_copy.wait()
             if sampled is None:
                 self._output = ModelRunnerOutput([], [], prompt_logprobs=self.inp.prompt_logprobs)
             else:
