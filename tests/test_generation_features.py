@@ -10,7 +10,7 @@ from novainfer import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_qwen2):
-    return LLM(tiny_qwen2, block_size=4)
+    return LLM(tiny_qwen2, dtype="float32", block_size=4)
 
 
 def texts(outs):
