@@ -148,8 +148,12 @@ class ModelRunner:
         """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; each layer gets views."""
         layers = self.attention_layers()
         a = layers[0]
-        self.kv_cache = torch.zeros(2, len(layers), num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
-                                    dtype=self.kv_dtype, device=self.device)
+        shape = (2, len(layers), num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        nbytes = self.kv_dtype.itemsize * int(np.prod(shape))
+        # A large CPU cache is taken fresh from mmap, whose pages are zero and become resident only when
+        # written, so RSS grows with the tokens cached, not the capacity (the same zeros torch.zeros writes).
+        lazy = self.device.type == "cpu" and nbytes >= 64 << 20
+        self.kv_cache = (torch.empty if lazy else torch.zeros)(shape, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             layer.backend = self.attn_backend
