@@ -17,6 +17,9 @@ from novainfer.layers.quantization.cpu_kernels import quant_gemm
 from novainfer.layers.quantization.gguf_repack import PackedWeight, dequantize_rows, merge_rows, repack
 
 
+PREFILL_ROWS = 64  # from this many rows on, dequantize-then-GEMM beats the GEMV-style kernel
+
+
 class GGUFQuantTensor:
     """One GGUF tensor's raw blocks as the loader yields them when weights stay quantized."""
 
@@ -69,7 +72,10 @@ class GGUFCPULinearMethod(QuantizeMethodBase):
         if packed is None:
             return F.linear(x, layer.weight, bias)
         lead = x.shape[:-1]
-        y = quant_gemm(x.reshape(-1, x.shape[-1]).float().contiguous(), packed).to(x.dtype)
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] >= PREFILL_ROWS:  # a prefill: the weight read once, then the BLAS GEMM (see the docs)
+            return F.linear(x, packed.dequantize().to(x.dtype), bias)
+        y = quant_gemm(x2.float().contiguous(), packed).to(x.dtype)
         if bias is not None:
             y += bias
         return y.view(*lead, y.shape[-1])
