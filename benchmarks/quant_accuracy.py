@@ -96,6 +96,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp's figures out")
     args = ap.parse_args()
     from novainfer.loader.model_loader import resolve_model_path
     path = resolve_model_path(args.model)
@@ -107,6 +108,8 @@ def main() -> None:
     r = {"model": os.path.basename(path), "positions": ref.shape[0], "ctx": args.ctx,
          "novainfer_kl": kl, "novainfer_top1": top1}
     try:
+        if args.no_llamacpp:
+            raise ImportError
         import llama_cpp
         lc = llamacpp_logits(path, chunks, args.threads)
         r["llamacpp_version"] = llama_cpp.__version__
