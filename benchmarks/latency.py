@@ -2,6 +2,10 @@
 
 Decode tok/s = 255 / (time for 256 new tokens - time for 1), so prefill is left out. Example:
     python benchmarks/latency.py --model random:qwen2.5-0.5b --compare-hf --json out.json
+
+--compare-llamacpp (a GGUF model; `--model default` is the default model) runs llama.cpp on the same file,
+the same prompt token ids, greedy, the same thread count, and gives every timed run a fresh prompt (so
+neither engine serves a repeat from a prefix cache); NovaInfer runs with its default settings.
 """
 from __future__ import annotations
 
@@ -44,9 +48,12 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--compare-hf", action="store_true")
+    ap.add_argument("--compare-llamacpp", action="store_true", help="llama.cpp on the same GGUF (see module doc)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
+    if args.compare_llamacpp:
+        return compare_llamacpp(args)
     from novainfer import LLM, SamplingParams
     path = resolve_model(args.model)
     llm = LLM(path, enforce_eager=args.enforce_eager, device=args.device, enable_prefix_caching=False,
@@ -74,6 +81,65 @@ def main() -> None:
         print(f"| HF transformers | {r['hf_decode_tok_s']:,.0f} | {r['hf_ttft_ms']:.1f} |")
         print(f"decode ratio NovaInfer / HF: {r['decode_ratio']:.1f}x")
     print(f"device: {r['device']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+
+
+def compare_llamacpp(args: argparse.Namespace) -> None:
+    """Both engines, one after the other in this process, fresh prompts for every timed run."""
+    import torch
+
+    from benchmarks import llamacpp_baseline
+    from novainfer import LLM, SamplingParams
+    from novainfer.loader.model_loader import resolve_model_path
+    path = resolve_model_path(None if args.model == "default" else args.model)
+    threads = torch.get_num_threads()
+    llm = LLM(path)  # the defaults a user gets
+    vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
+    seeds = iter(range(100, 10_000))
+
+    def fresh(n: int) -> list[int]:
+        return make_workload(1, n, 1, vocab, next(seeds))[0][0]
+
+    def nova(prompt: list[int], n: int) -> tuple[list[int], float]:
+        t0 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=n,
+                                                                          ignore_eos=True), use_tqdm=False)
+        return out[0].outputs[0].token_ids, time.perf_counter() - t0
+
+    def measure(run) -> dict:
+        run(fresh(16), 4)  # warm-up
+        decode, prefill = [], []
+        for _ in range(args.repeat):
+            p = fresh(args.prompt_len)
+            _, t_one = run(p, 1)
+            _, t_full = run(p[:-1] + [p[-1] + 1], args.output_len)  # another fresh prompt, same length
+            decode.append((args.output_len - 1) / (t_full - t_one))
+            prefill.append(run(fresh(args.ttft_prompt_len), 1)[1] * 1e3)
+        return {"decode_tok_s": decode, "prefill_ms": prefill}
+
+    r = {"model": path, "threads": threads, "novainfer": measure(nova)}
+    same = fresh(args.prompt_len)
+    ours_tokens = nova(same, 32)[0]
+    llm.llm_engine.shutdown()
+    del llm
+    lc, version = llamacpp_baseline.load(path, threads)
+    r["llamacpp_version"] = version
+    r["llamacpp"] = measure(lambda p, n: llamacpp_baseline.greedy(lc, p, n))
+    theirs = llamacpp_baseline.greedy(lc, same, 32)[0]
+    r["greedy_tokens_agree"] = sum(a == b for a, b in zip(ours_tokens, theirs))
+    print(f"\n{args.prompt_len}-token prompts, {args.output_len} new tokens, {args.ttft_prompt_len}-token prefill, "
+          f"{threads} threads, fresh prompt per run; ranges over {args.repeat} runs\n"
+          "| engine | batch-1 decode tok/s | prefill of a {0}-token prompt (ms) |\n|---|---|---|".format(
+              args.ttft_prompt_len))
+    for name, key in (("NovaInfer (defaults)", "novainfer"), (f"llama.cpp {version}", "llamacpp")):
+        d, p = r[key]["decode_tok_s"], r[key]["prefill_ms"]
+        print(f"| {name} | {min(d):.1f}-{max(d):.1f} | {min(p):,.0f}-{max(p):,.0f} |")
+    ratio = [a / b for a, b in zip(r["novainfer"]["decode_tok_s"], r["llamacpp"]["decode_tok_s"])]
+    pre = [b / a for a, b in zip(r["novainfer"]["prefill_ms"], r["llamacpp"]["prefill_ms"])]
+    print(f"decode NovaInfer / llama.cpp: {min(ratio):.2f}-{max(ratio):.2f}x; prefill speed-up: "
+          f"{min(pre):.2f}-{max(pre):.2f}x; greedy tokens equal to llama.cpp's: {r['greedy_tokens_agree']}/32")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)

@@ -53,7 +53,12 @@ def main() -> None:
     ap.add_argument("--hf-num-prompts", type=int, default=None, help="HF on the first N prompts only")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--cpu-streams", type=int, default=0,
+                    help="CPU many-streams mode: N concurrent greedy streams of the default (or given GGUF) model "
+                         "with default settings against llama.cpp's single stream on the same file")
     args = ap.parse_args()
+    if args.cpu_streams:
+        return cpu_streams(args)
 
     from novainfer import LLM, SamplingParams
     path = resolve_model(args.model)
@@ -93,6 +98,43 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+
+
+def cpu_streams(args: argparse.Namespace) -> None:
+    """N streams (input-len prompt, output-len tokens each, greedy, ignore_eos) at once in NovaInfer's
+    default engine, then one stream of the same shape in llama.cpp, in this process one after the other."""
+    import torch
+
+    from benchmarks import llamacpp_baseline
+    from novainfer import LLM, SamplingParams
+    from novainfer.loader.model_loader import resolve_model_path
+    path = resolve_model_path(None if args.model in ("default", "random:qwen2.5-0.5b") else args.model)
+    n_in, n_out, threads = args.input_len or 128, args.output_len or 128, torch.get_num_threads()
+    llm = LLM(path)
+    vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
+    prompts, _ = make_workload(args.cpu_streams + 1, n_in, n_out, vocab, args.seed)
+    params = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[-1][:16]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:-1]], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    llm.llm_engine.shutdown()
+    del llm, outs
+    lc, version = llamacpp_baseline.load(path, threads)
+    llamacpp_baseline.greedy(lc, prompts[-1][:16], 4)
+    toks, lc_s = llamacpp_baseline.greedy(lc, prompts[-1], n_out)
+    r = {"model": path, "threads": threads, "streams": args.cpu_streams, "novainfer_tok_s": gen / elapsed,
+         "llamacpp_version": version, "llamacpp_single_stream_tok_s": len(toks) / lc_s}
+    r["ratio"] = r["novainfer_tok_s"] / r["llamacpp_single_stream_tok_s"]
+    print(f"\n{n_in}-token prompts, {n_out} greedy tokens each (prefill included), {threads} threads\n"
+          f"| engine | streams | output tok/s |\n|---|---|---|\n"
+          f"| NovaInfer (defaults) | {args.cpu_streams} | {r['novainfer_tok_s']:.1f} |\n"
+          f"| llama.cpp {version} | 1 | {r['llamacpp_single_stream_tok_s']:.1f} |\n"
+          f"ratio: {r['ratio']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
 
 
 def sync() -> None:

@@ -17,7 +17,9 @@ class ModelConfig:
 
     model: str
     hf_config: Any = None  # transformers.PretrainedConfig, filled by the loader
-    dtype: torch.dtype | None = None  # None: bfloat16 on GPU, float32 on CPU
+    dtype: torch.dtype | None = None  # None: bfloat16 on GPU; on CPU bfloat16 with AVX512-BF16/AMX, else float32
+    quantization: str | None = None  # None (auto): GGUF blocks stay quantized on the CPU unless dtype=float32
+    # is given; "gguf": keep them quantized on the CPU; "none": dequantize (today's exact path)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     tokenizer: str | None = None
     seed: int = 0
@@ -37,7 +39,9 @@ class CacheConfig:
     block_size: int = 16
     num_gpu_blocks: int | None = None  # None: sized from free memory (GPU) or cpu_kv_cache_tokens (CPU)
     gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_tokens: int = 65536
+    cpu_kv_cache_tokens: int = 32768  # CPU KV capacity (--cpu-kv-cache-tokens); 32k bf16 tokens of the
+    # default model are 0.75 GB, inside the 1.5 GB serve budget
+    cache_dtype: str = "auto"  # auto: the model's dtype, bfloat16 on the CPU unless dtype=float32 is given
     enable_prefix_caching: bool = True
 
 
@@ -140,7 +144,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere), torch, triton
+    attention_backend: str = "auto"  # auto (triton on CUDA, cpu elsewhere), cpu, torch, triton
     fault_injection: str | None = None  # tests only: "STAGE:REQUEST_ID_PREFIX" (engine/faults.py); off in production
 
     @classmethod
@@ -175,6 +179,12 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {c.gpu_memory_utilization}")
         if c.block_size <= 0 or c.block_size & (c.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {c.block_size}")
+        if c.cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"cache_dtype must be auto, float32, bfloat16 or float16, got {c.cache_dtype!r}")
+        if self.model_config.quantization not in (None, "gguf", "none"):
+            raise ValueError(f"quantization must be gguf or none, got {self.model_config.quantization!r}")
+        if c.cpu_kv_cache_tokens < 1:
+            raise ValueError(f"cpu_kv_cache_tokens must be >= 1, got {c.cpu_kv_cache_tokens}")
         if s.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {s.max_num_seqs}")
         if s.max_num_batched_tokens < 1:
@@ -205,6 +215,22 @@ class EngineConfig:
             name = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(name)
         return torch.device("cuda", 0) if device.type == "cuda" and device.index is None else device
+
+
+def default_cpu_dtype() -> torch.dtype:
+    """bfloat16 where the CPU multiplies it natively (AVX512-BF16 or AMX), float32 elsewhere."""
+    from novainfer.layers.quantization.cpu_kernels import cpu_flags
+    return torch.bfloat16 if cpu_flags() & {"avx512_bf16", "amx_bf16"} else torch.float32
+
+
+def resolve_cache_dtype(cfg: EngineConfig, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype: as asked, else the model's; bfloat16 on the CPU unless float32 was asked for."""
+    name = cfg.cache_config.cache_dtype
+    if name != "auto":
+        return _parse_dtype(name)
+    if device.type == "cpu" and cfg.model_config.dtype is None:
+        return torch.bfloat16
+    return model_dtype
 
 
 def _parse_dtype(name: str) -> torch.dtype | None:

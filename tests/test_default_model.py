@@ -29,7 +29,7 @@ def hf_model(gguf_path):
 
 @pytest.fixture(scope="module")
 def default_llm():
-    return LLM(max_model_len=512, block_size=16)
+    return LLM(max_model_len=512, block_size=16, dtype="float32")
 
 
 def test_config_matches_transformers(gguf_path, hf_model):

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("step_loop")  # every test with the synchro
 
 @pytest.fixture(scope="module")
 def llm(tiny_qwen2, step_loop):
-    return LLM(tiny_qwen2, block_size=4)
+    return LLM(tiny_qwen2, dtype="float32", block_size=4)
 
 
 def texts(outs):

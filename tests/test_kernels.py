@@ -110,7 +110,7 @@ def test_engine_on_triton_backend_matches_transformers(tiny_qwen2):
     from novainfer import LLM, SamplingParams
     from tests.tiny_models import hf_greedy
 
-    llm = LLM(tiny_qwen2, attention_backend="triton", block_size=4, max_num_batched_tokens=32)
+    llm = LLM(tiny_qwen2, dtype="float32", attention_backend="triton", block_size=4, max_num_batched_tokens=32)
     tok = llm.get_tokenizer()
     shared = "Paged attention stores keys and values in fixed-size blocks. "
     prompts = [shared + "Hello", shared + "The quick brown fox"]

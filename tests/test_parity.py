@@ -12,7 +12,7 @@ PROMPTS = ["Hello, my name is", "The capital of France is", "def add(a, b):"]
 @pytest.mark.parametrize("fixture", ["tiny_qwen2", "tiny_qwen2_tied", "tiny_llama", "tiny_qwen3"])
 def test_greedy_matches_transformers(fixture, request):
     path = request.getfixturevalue(fixture)
-    llm = LLM(path, block_size=16)
+    llm = LLM(path, block_size=16, dtype="float32")
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
@@ -24,7 +24,7 @@ def test_greedy_matches_transformers(fixture, request):
 
 
 def test_batch_of_prompts_matches_each_alone(tiny_qwen2):
-    llm = LLM(tiny_qwen2, block_size=4)
+    llm = LLM(tiny_qwen2, dtype="float32", block_size=4)
     tok = llm.get_tokenizer()
     base = "The quick brown fox jumps over the lazy dog. Paged attention stores keys"
     prompts = [base[: 5 + 9 * i] for i in range(8)]
@@ -40,8 +40,8 @@ def test_prefix_caching_same_tokens_and_reports_hits(tiny_qwen2):
     shared = "Paged attention stores keys and values in fixed-size blocks of the cache. " * 3
     prompts = [shared + "Hello", shared + "The quick brown fox"]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    off = LLM(tiny_qwen2, block_size=4, enable_prefix_caching=False)
-    on = LLM(tiny_qwen2, block_size=4, enable_prefix_caching=True)
+    off = LLM(tiny_qwen2, dtype="float32", block_size=4, enable_prefix_caching=False)
+    on = LLM(tiny_qwen2, dtype="float32", block_size=4, enable_prefix_caching=True)
     ref = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]
     first = on.generate(prompts[:1], params, use_tqdm=False)[0]
     second = on.generate(prompts[1:], params, use_tqdm=False)[0]
@@ -57,9 +57,9 @@ def test_prefix_caching_same_tokens_and_reports_hits(tiny_qwen2):
 def test_small_cache_preempts_and_matches(tiny_qwen2):
     prompts = [f"Hello, my name is {name} and" for name in ["Ann", "Bob", "Cy", "Dee", "Eve", "Fay"]]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    big = LLM(tiny_qwen2, block_size=4)
+    big = LLM(tiny_qwen2, dtype="float32", block_size=4)
     ref = [o.outputs[0].token_ids for o in big.generate(prompts, params, use_tqdm=False)]
-    small = LLM(tiny_qwen2, block_size=4, num_gpu_blocks=40)  # 160 tokens for 6 x ~50
+    small = LLM(tiny_qwen2, dtype="float32", block_size=4, num_gpu_blocks=40)  # 160 tokens for 6 x ~50
     outs = small.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert small.llm_engine.scheduler.num_preemptions > 0
@@ -69,7 +69,7 @@ def test_small_cache_preempts_and_matches(tiny_qwen2):
 def test_chunked_prefill_long_prompt(tiny_qwen2):
     prompt = "The quick brown fox jumps over the lazy dog. " * 6
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    llm = LLM(tiny_qwen2, block_size=4, max_num_batched_tokens=16)
+    llm = LLM(tiny_qwen2, dtype="float32", block_size=4, max_num_batched_tokens=16)
     n = len(llm.get_tokenizer().encode(prompt))
     assert n > 16
     out = llm.generate([prompt, "Hello"], params, use_tqdm=False)
@@ -78,7 +78,7 @@ def test_chunked_prefill_long_prompt(tiny_qwen2):
 
 
 def test_unservable_prompts_are_rejected(tiny_qwen2):
-    llm = LLM(tiny_qwen2, block_size=4, max_model_len=64)
+    llm = LLM(tiny_qwen2, dtype="float32", block_size=4, max_model_len=64)
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate(["word " * 100], SamplingParams(max_tokens=4), use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
@@ -86,11 +86,11 @@ def test_unservable_prompts_are_rejected(tiny_qwen2):
     # the engine keeps working afterwards
     assert llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="needs more KV cache"):
-        LLM(tiny_qwen2, block_size=4, num_gpu_blocks=4, max_model_len=64)
+        LLM(tiny_qwen2, dtype="float32", block_size=4, num_gpu_blocks=4, max_model_len=64)
 
 
 def test_max_model_len_stops_generation(tiny_qwen2):
-    llm = LLM(tiny_qwen2, block_size=4, max_model_len=20)
+    llm = LLM(tiny_qwen2, dtype="float32", block_size=4, max_model_len=20)
     out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
                        use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 15 and out.outputs[0].finish_reason == "length"

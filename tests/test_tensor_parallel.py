@@ -21,7 +21,7 @@ from tests.tiny_models import hf_greedy, make_tiny_model
 PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. The capital of France is",
            "def add(a, b):"]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-ENGINE = dict(block_size=4, max_num_batched_tokens=16)  # chunked prefill and mixed prefill/decode steps
+ENGINE = dict(block_size=4, max_num_batched_tokens=16, dtype="float32")  # chunked prefill and mixed prefill/decode steps
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: a config-only folder, weights drawn at random in place (benchmarks)")
+    p.add_argument("--quantization", default=None, choices=["gguf", "none"],
+                   help="GGUF on the CPU: keep blocks quantized (default unless --dtype float32) or dequantize")
+    p.add_argument("--cpu-kv-cache-tokens", type=int, default=32768, help="KV cache capacity on the CPU, in tokens")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: the model's dtype; bfloat16 on the CPU unless --dtype float32")
     p.add_argument("--fault-injection", default=None, help=argparse.SUPPRESS)  # tests only: engine/faults.py
 
 
@@ -57,6 +62,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
                 async_scheduling=args.async_scheduling,
                 dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
+                quantization=args.quantization, cpu_kv_cache_tokens=args.cpu_kv_cache_tokens,
+                cache_dtype=args.kv_cache_dtype,
                 distributed_executor_backend=args.distributed_executor_backend,
                 tensor_parallel_device_ids=args.tensor_parallel_device_ids, nnodes=args.nnodes,
                 node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,

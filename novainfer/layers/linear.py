@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from novainfer.distributed import get_tp_group, get_tp_size, shard_dim
+from novainfer.layers.quantization import current_quant_config
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -21,14 +22,26 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    """y = x W^T (+ b) with weight [output_size, input_size] as stored by Hugging Face."""
+    """y = x W^T (+ b) with weight [output_size, input_size] as stored by Hugging Face.
+
+    A quant method (from the config of the model being built) may store the weight its own way; the
+    layer's weight_loader then hands each checkpoint tensor to it.
+    """
+
+    shard_order: list = [None]  # the shard ids a fused layer's weight is stacked from, in row order
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
         self.tp_group = get_tp_group()
         self.tp_rank, self.tp_size = self.tp_group.rank, self.tp_group.size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        config = current_quant_config()
+        self.quant_method = config.get_quant_method(self) if config is not None else None
+        if self.quant_method is None:
+            self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+            self.weight.weight_loader = self.weight_loader
+        else:
+            self.weight = self.quant_method.create_weights(self, output_size, input_size)
+            self.weight.weight_loader = self._quant_weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
@@ -38,7 +51,12 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy_checked(param.data, loaded, param)
 
+    def _quant_weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        self.quant_method.load_shard(self, param, loaded, shard_id, self.weight_loader)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -64,6 +82,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
+        self.shard_order = list(range(len(output_sizes)))
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
@@ -75,6 +94,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections fused; each rank holds its own heads of each, concatenated."""
+
+    shard_order = ["q", "k", "v"]
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool = False):
@@ -109,7 +130,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the bias is added once, after the reduction
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if self.quant_method is None else self.quant_method.apply(self, x)
         if self.tp_size > 1 and self.reduce_results:
             y = self.tp_group.all_reduce(y)
         return y if self.bias is None else y + self.bias

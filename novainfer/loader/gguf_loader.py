@@ -2,6 +2,7 @@
 tensors dequantised with the gguf package and renamed to Hugging Face parameter names."""
 from __future__ import annotations
 
+import logging
 import os
 import re
 from functools import lru_cache
@@ -9,7 +10,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 # GGUF architecture -> (HF architecture, transformers config class name)
@@ -29,9 +30,28 @@ LAYER_NAMES = {
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+logger = logging.getLogger(__name__)
+
+
 @lru_cache(maxsize=4)
 def _reader(path: str) -> GGUFReader:
-    return GGUFReader(path)
+    """The parsed file; a truncated or corrupt file fails here with an error naming it."""
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # the reader raises whatever its parsing hits first (struct, numpy, value errors)
+        raise ValueError(f"GGUF file {path} is corrupt or truncated: {type(exc).__name__}: {exc}") from None
+    for t in reader.tensors:
+        _check_tensor_size(path, t)
+    return reader
+
+
+def _check_tensor_size(path: str, tensor) -> None:
+    """A tensor whose data runs past the end of the file (a truncated download) is named, not crashed on."""
+    block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+    expected = int(np.prod(tensor.shape)) // block * type_size
+    if tensor.data.nbytes != expected:
+        raise ValueError(f"GGUF file {path} is corrupt or truncated: tensor {tensor.name} holds "
+                         f"{tensor.data.nbytes} bytes of {expected}")
 
 
 def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
@@ -99,20 +119,41 @@ def count_gguf_weights(path: str) -> int:
     return sum(1 for t in _reader(path).tensors if hf_name(t.name) is not None)
 
 
-def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor in HF shape) for every GGUF tensor that has an HF counterpart."""
+def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+    """(HF name, tensor in HF shape) for every GGUF tensor that has an HF counterpart: float32 tensors, or
+    with keep_quantized, 2-D weights of a repackable type as GGUFQuantTensor (raw blocks, memory-mapped)."""
+    from novainfer.layers.quantization.gguf_cpu import GGUFQuantTensor
+    from novainfer.layers.quantization.gguf_repack import SUPPORTED
+
     reader = _reader(path)
     arch = _field(reader, "general.architecture")
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
+    logged: set[str] = set()
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
             continue
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
-        data = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+        qtype = GGMLQuantizationType(tensor.tensor_type)
+        quantized = qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+        if keep_quantized and quantized and len(shape) == 2 and qtype in SUPPORTED:
+            data = np.asarray(tensor.data).reshape(shape[0], -1)  # one row of blocks per output row
+        else:
+            if keep_quantized and quantized and qtype.name not in logged:
+                logged.add(qtype.name)
+                logger.info("GGUF tensor type %s has no quantized CPU kernel; its tensors (first: %s) load "
+                            "dequantized", qtype.name, tensor.name)
+            try:
+                data = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+            except Exception as exc:
+                raise ValueError(f"GGUF file {path}: tensor {tensor.name} of type {qtype.name} cannot be "
+                                 f"dequantized: {exc}") from None
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             data = unpermute_rotary_rows(data, num_heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = unpermute_rotary_rows(data, num_kv_heads)
-        yield name, torch.from_numpy(data.copy())  # the reader memory-maps the file read-only
+        if data.dtype == np.uint8:
+            yield name, GGUFQuantTensor(tensor.name, np.ascontiguousarray(data), qtype, shape)
+        else:
+            yield name, torch.from_numpy(data.copy())  # the reader memory-maps the file read-only

@@ -11,6 +11,7 @@ from torch import nn
 from tqdm import tqdm
 
 from novainfer.distributed import ShardError
+from novainfer.layers.quantization import QuantizationConfig, building_with
 from novainfer.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -60,18 +61,19 @@ def eos_token_ids(model: str, hf_config: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
-def _iter_weights(model: str):
+def _iter_weights(model: str, keep_quantized: bool = False):
     if model.endswith(".gguf"):
         from novainfer.loader.gguf_loader import count_gguf_weights, iter_gguf_weights
-        return iter_gguf_weights(model), count_gguf_weights(model)
+        return iter_gguf_weights(model, keep_quantized), count_gguf_weights(model)
     from novainfer.loader.safetensors_loader import count_safetensors_weights, iter_safetensors_weights
     return iter_safetensors_weights(model), count_safetensors_weights(model)
 
 
 def load_model(model: str, hf_config: Any, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto") -> nn.Module:
+               load_format: str = "auto", quant_config: QuantizationConfig | None = None) -> nn.Module:
     """Build the model on device and fill every parameter through its weight_loader (load_format "dummy":
-    random values in place, nothing read).
+    random values in place, nothing read); with a quant_config (GGUF on the CPU) its layers keep the
+    checkpoint's blocks quantized.
 
     A weight the model needs but the checkpoint lacks fails here, naming it (design doc 002 §4.2.10); so
     does one that cannot be sharded for this rank (seed 000 §7.1.3).
@@ -81,13 +83,13 @@ def load_model(model: str, hf_config: Any, dtype: torch.dtype, device: torch.dev
         prev_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            with torch.device(device):
+            with torch.device(device), building_with(quant_config):
                 net = model_cls(hf_config)
         finally:
             torch.set_default_dtype(prev_dtype)
     if load_format == "dummy":
         return initialize_dummy_weights(net).eval()
-    weights, total = _iter_weights(model)
+    weights, total = _iter_weights(model, keep_quantized=quant_config is not None)
     bar = tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False)
     current = [""]
 
@@ -101,6 +103,10 @@ def load_model(model: str, hf_config: Any, dtype: torch.dtype, device: torch.dev
         raise exc.with_name(current[0]) from None
     if missing:
         raise ValueError(f"checkpoint {model} lacks weights the model needs: {', '.join(sorted(missing))}")
+    for module in net.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
     return net.eval()
 
 

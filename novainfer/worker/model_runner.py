@@ -15,12 +15,13 @@ from itertools import chain
 import numpy as np
 import torch
 
-from novainfer.attention import torch_backend
+from novainfer.attention import cpu_backend, torch_backend
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata
-from novainfer.config import EngineConfig
+from novainfer.config import EngineConfig, default_cpu_dtype, resolve_cache_dtype
 from novainfer.engine.faults import FaultInjector
 from novainfer.engine.scheduler import SchedulerOutput
 from novainfer.layers.attention import Attention
+from novainfer.layers.quantization.selector import get_quant_config
 from novainfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from novainfer.loader.model_loader import load_model
 from novainfer.sampling_params import SamplingParams
@@ -49,9 +50,11 @@ class ModelRunner:
         self.hf_config = hf_config
         self.device = device
         mc = config.model_config
-        self.dtype = mc.dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        self.dtype = mc.dtype or (torch.bfloat16 if device.type == "cuda" else default_cpu_dtype())
+        self.kv_dtype = resolve_cache_dtype(config, self.dtype, device)
         self.block_size = config.cache_config.block_size
-        self.model = load_model(mc.model, hf_config, self.dtype, device, mc.load_format)
+        quant = get_quant_config(mc, device, config.parallel_config.tensor_parallel_size)
+        self.model = load_model(mc.model, hf_config, self.dtype, device, mc.load_format, quant)
         self._attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
         self.faults = FaultInjector(config.fault_injection)
@@ -79,15 +82,17 @@ class ModelRunner:
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
     def _select_attention_backend(self, name: str):
-        """'auto': the Triton kernels on CUDA, the torch reference elsewhere."""
+        """'auto': the Triton kernels on CUDA, the batched CPU decode path elsewhere."""
         if name == "auto":
-            name = "triton" if self.device.type == "cuda" else "torch"
-        if name == "torch":
+            name = "triton" if self.device.type == "cuda" else "cpu"
+        if name == "torch" and self.kv_dtype == self.dtype:
             return torch_backend
+        if name in ("cpu", "torch"):  # the torch reference needs the cache in the activations' dtype
+            return cpu_backend
         if name == "triton":
             from novainfer.attention import triton_backend
             return triton_backend
-        raise ValueError(f"attention_backend must be auto, torch or triton; got {name!r}")
+        raise ValueError(f"attention_backend must be auto, cpu, torch or triton; got {name!r}")
 
     # ---- KV cache --------------------------------------------------------------------------------
     def attention_layers(self) -> list[Attention]:
@@ -96,7 +101,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         layers = self.attention_layers()
         a = layers[0]
-        return 2 * len(layers) * self.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return 2 * len(layers) * self.block_size * a.num_kv_heads * a.head_dim * self.kv_dtype.itemsize
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit: configured, else free GPU memory after a profiling forward, else the CPU budget."""
@@ -157,8 +162,12 @@ class ModelRunner:
         """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; each layer gets views."""
         layers = self.attention_layers()
         a = layers[0]
-        self.kv_cache = torch.zeros(2, len(layers), num_blocks, self.block_size, a.num_kv_heads, a.head_dim,
-                                    dtype=self.dtype, device=self.device)
+        shape = (2, len(layers), num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
+        nbytes = self.kv_dtype.itemsize * int(np.prod(shape))
+        # A large CPU cache is taken fresh from mmap, whose pages are zero and become resident only when
+        # written, so RSS grows with the tokens cached, not the capacity (the same zeros torch.zeros writes).
+        lazy = self.device.type == "cpu" and nbytes >= 64 << 20
+        self.kv_cache = (torch.empty if lazy else torch.zeros)(shape, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             layer.backend = self.attn_backend
@@ -177,7 +186,7 @@ class ModelRunner:
         """Split-K parts for a decode batch: enough programs to fill the GPU, each part >= 256 tokens of the
         longest allowed context. A function of the batch size's graph bucket only, so eager and replayed
         steps of one batch compute the same sums."""
-        if self.attn_backend is torch_backend:
+        if self.attn_backend in (torch_backend, cpu_backend):
             return 1
         num_seqs = bucket(self.ladder, num_seqs)
         kv_heads = self.attention_layers()[0].num_kv_heads

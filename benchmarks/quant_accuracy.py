@@ -1,0 +1,131 @@
+"""Accuracy of quantized-weight inference, measured as llama.cpp measures its quantizations: mean KL
+divergence of the next-token distribution against the float32 dequantized reference, and top-1 agreement,
+over teacher-forced positions of real English text (a license text shipped with a package), in
+independent chunks of --ctx tokens. llama.cpp's own figures on the same file and tokens when llama_cpp
+is installed. Example:
+    python benchmarks/quant_accuracy.py --positions 2048 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def english_text() -> str:
+    """The Apache-2.0 license text that ships with transformers (about 2,400 tokens), no network needed."""
+    import importlib.metadata
+    dist = importlib.metadata.distribution("transformers")
+    for f in dist.files or []:
+        if f.name == "LICENSE":
+            return dist.locate_file(f).read_text()
+    raise FileNotFoundError("transformers' LICENSE text is not installed")
+
+
+def novainfer_logits(path: str, chunks: list[list[int]], quantized: bool) -> torch.Tensor:
+    """Float32 logits of every position of every chunk: GGUF kept quantized (the default CPU path: float32
+    activations here, bfloat16 KV) or the float32 dequantized reference with a float32 cache."""
+    from novainfer.attention import cpu_backend
+    from novainfer.attention.metadata import AttentionMetadata, attention_metadata
+    from novainfer.layers.attention import Attention
+    from novainfer.layers.quantization.gguf_cpu import GGUFCPUConfig
+    from novainfer.loader.model_loader import load_hf_config, load_model
+    hf_config = load_hf_config(path)
+    cpu = torch.device("cpu")
+    model = load_model(path, hf_config, torch.float32, cpu, GGUFCPUConfig() if quantized else None)
+    kv_dtype = torch.bfloat16 if quantized else torch.float32
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    out = []
+    with torch.inference_mode():
+        for ids in chunks:
+            n, bs = len(ids), 16
+            blocks = (n + bs - 1) // bs
+            for layer in layers:
+                shape = (blocks, bs, layer.num_kv_heads, layer.head_dim)
+                layer.k_cache, layer.v_cache = torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)
+                layer.backend = cpu_backend
+            meta = AttentionMetadata(
+                query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
+                slot_mapping=torch.arange(n), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+                max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
+            with attention_metadata(meta):
+                hidden = model(torch.tensor(ids), torch.arange(n))
+            out.append(model.compute_logits(hidden).float())
+    return torch.cat(out)
+
+
+def llamacpp_logits(path: str, chunks: list[list[int]], threads: int) -> torch.Tensor:
+    """llama.cpp's logits for the same token ids (logits_all), each chunk in a fresh context."""
+    from llama_cpp import Llama
+    ctx = max(len(c) for c in chunks)
+    llm = Llama(path, n_ctx=ctx, n_batch=ctx, n_threads=threads, logits_all=True, verbose=False)
+    out = []
+    for ids in chunks:
+        llm.reset()
+        llm.eval(ids)
+        out.append(torch.from_numpy(llm.scores[:len(ids)].copy()).float())
+    return torch.cat(out)
+
+
+def kl_and_top1(ref: torch.Tensor, test: torch.Tensor) -> tuple[float, float]:
+    """Mean KL(ref || test) of the softmax distributions per position, and how often their argmax agrees."""
+    ref_lp, test_lp = torch.log_softmax(ref.double(), -1), torch.log_softmax(test.double(), -1)
+    kl = (ref_lp.exp() * (ref_lp - test_lp)).sum(-1)
+    return kl.mean().item(), (ref.argmax(-1) == test.argmax(-1)).double().mean().item()
+
+
+def make_chunks(path: str, positions: int, ctx: int) -> list[list[int]]:
+    from novainfer.loader.model_loader import load_tokenizer
+    ids = load_tokenizer(path).encode(english_text())
+    while len(ids) < positions + 1:
+        ids = ids + ids
+    ids = ids[:positions]
+    return [ids[i:i + ctx] for i in range(0, len(ids), ctx)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a .gguf file (default: the default model)")
+    ap.add_argument("--positions", type=int, default=2048)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp's figures out")
+    args = ap.parse_args()
+    from novainfer.loader.model_loader import resolve_model_path
+    path = resolve_model_path(args.model)
+    chunks = make_chunks(path, args.positions, args.ctx)
+    t0 = time.perf_counter()
+    ref = novainfer_logits(path, chunks, quantized=False)
+    ours = novainfer_logits(path, chunks, quantized=True)
+    kl, top1 = kl_and_top1(ref, ours)
+    r = {"model": os.path.basename(path), "positions": ref.shape[0], "ctx": args.ctx,
+         "novainfer_kl": kl, "novainfer_top1": top1}
+    try:
+        if args.no_llamacpp:
+            raise ImportError
+        import llama_cpp
+        lc = llamacpp_logits(path, chunks, args.threads)
+        r["llamacpp_version"] = llama_cpp.__version__
+        r["llamacpp_kl"], r["llamacpp_top1"] = kl_and_top1(ref, lc)
+    except ImportError:
+        print("llama_cpp is not installed: llama.cpp's figures are left out (see README)")
+    r["seconds"] = time.perf_counter() - t0
+    print(f"\nreference: float32 dequantized weights, float32 KV; {r['positions']} teacher-forced positions of "
+          f"the Apache-2.0 text in chunks of {args.ctx}\n| engine | mean KL | top-1 agreement |\n|---|---|---|")
+    print(f"| NovaInfer (quantized weights, bf16 KV) | {kl:.5f} | {top1:.2%} |")
+    if "llamacpp_kl" in r:
+        print(f"| llama.cpp {r['llamacpp_version']} | {r['llamacpp_kl']:.5f} | {r['llamacpp_top1']:.2%} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

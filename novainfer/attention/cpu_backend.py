@@ -1,0 +1,61 @@
+"""CPU attention over the paged cache: a decode step is one batched gather + matmul for all sequences
+(no per-sequence Python loop); other steps use the torch reference. The cache may be stored narrower than
+the activations (bfloat16 K/V under float32 activations): K/V are widened after the gather.
+
+Honours sliding_window (a query at p sees key k iff p - k < window) and logits_soft_cap
+(cap * tanh(score / cap)), the interface agreed with layers/attention.py.
+"""
+from __future__ import annotations
+
+import torch
+
+from novainfer.attention import torch_backend
+from novainfer.attention.metadata import AttentionMetadata
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write the step's K/V [num_tokens, kv_heads, head_dim] into cache slots (cast to the cache's dtype)."""
+    if k_cache.dtype != key.dtype:
+        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    torch_backend.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
+    """query [num_tokens, heads, head_dim] -> output of the same shape (see torch_backend.paged_attention)."""
+    if meta.max_query_len == 1 and query.shape[0] == meta.num_seqs:
+        return decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
+    extra = {k: v for k, v in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap))
+             if v is not None}
+    if k_cache.dtype == query.dtype:
+        return torch_backend.paged_attention(query, k_cache, v_cache, meta, scale, **extra)
+    out = torch_backend.paged_attention(query.to(k_cache.dtype), k_cache, v_cache, meta, scale, **extra)
+    return out.to(query.dtype)
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float, sliding_window: int | None = None,
+                     logits_soft_cap: float | None = None) -> torch.Tensor:
+    """One new token per sequence: gather every sequence's blocks at once, mask past its length, softmax."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = meta.max_seq_len
+    tables = meta.block_tables[:, :(max_len + block_size - 1) // block_size].long()
+    # [seqs, blocks, block_size, kv_heads, d] -> [seqs, kv_heads, d, ctx] / [seqs, kv_heads, ctx, d]
+    k = k_cache[tables].flatten(1, 2)[:, :max_len].to(query.dtype).permute(0, 2, 3, 1)
+    v = v_cache[tables].flatten(1, 2)[:, :max_len].to(query.dtype).transpose(1, 2)
+    q = query.view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(q, k).mul_(scale)  # [seqs, kv_heads, group, ctx]
+    if logits_soft_cap is not None:
+        scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
+    pos = torch.arange(max_len, device=query.device)
+    seq_lens = meta.seq_lens.to(query.device).long()[:, None]
+    hidden = pos[None, :] >= seq_lens  # [seqs, ctx]
+    if sliding_window is not None:
+        hidden |= (seq_lens - 1 - pos[None, :]) >= sliding_window
+    scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v).view(num_seqs, num_heads, head_dim)

@@ -1,0 +1,64 @@
+"""The quantization-method hook of the linear and embedding layers (vLLM's QuantizeMethodBase).
+
+A layer keeps its class and weight_loader; its method decides how the weight is stored and how forward
+multiplies. The CPU GGUF method (gguf_cpu.py) is the first; a Triton dequant-GEMM for CUDA would be a
+second method with the same four calls.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+
+class QuantizeMethodBase:
+    """How one layer stores and applies its (quantized) weight."""
+
+    def create_weights(self, layer: nn.Module, output_size: int, input_size: int) -> nn.Parameter:
+        """The layer's `weight` parameter (a placeholder the method fills while loading)."""
+        raise NotImplementedError
+
+    def load_shard(self, layer: nn.Module, param: nn.Parameter, loaded: Any, shard_id: Any,
+                   dense_loader) -> None:
+        """Take one checkpoint tensor (a fused layer gets several, by shard_id)."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Turn the loaded shards into the stored form, once every shard is in."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x W^T (+ bias)."""
+        raise NotImplementedError
+
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of W for the ids (the embedding lookup)."""
+        raise NotImplementedError
+
+
+class QuantizationConfig:
+    """Picks a method per layer while a model is built; None keeps the layer dense."""
+
+    def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
+        raise NotImplementedError
+
+
+_state = threading.local()
+
+
+def current_quant_config() -> QuantizationConfig | None:
+    """The config of the model being built on this thread (set by the loader), else None."""
+    return getattr(_state, "config", None)
+
+
+@contextmanager
+def building_with(config: QuantizationConfig | None) -> Iterator[None]:
+    """Layers constructed inside ask `config` for their method (models need not pass it through)."""
+    prev = current_quant_config()
+    _state.config = config
+    try:
+        yield
+    finally:
+        _state.config = prev

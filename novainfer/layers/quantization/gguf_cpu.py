@@ -1,0 +1,97 @@
+"""GGUF weights kept quantized on the CPU: repacked at load (gguf_repack.py), multiplied by the AVX2
+kernel (cpu_kernels.py). A tensor of a type without a repack arrives dequantized and the layer stays dense.
+
+The quantized state hangs on the weight Parameter (`param.packed`), so a tied lm_head, which shares the
+embedding's Parameter, shares its packed weight too.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from novainfer.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
+from novainfer.layers.quantization.cpu_kernels import quant_gemm
+from novainfer.layers.quantization.gguf_repack import PackedWeight, dequantize_rows, merge_rows, repack
+
+
+PREFILL_ROWS = 64  # from this many rows on, dequantize-then-GEMM beats the GEMV-style kernel
+
+
+class GGUFQuantTensor:
+    """One GGUF tensor's raw blocks as the loader yields them when weights stay quantized."""
+
+    def __init__(self, name: str, data, qtype, shape: tuple[int, int]):
+        self.name, self.data, self.qtype, self.shape = name, data, qtype, shape
+
+    def to(self, *args: Any, **kwargs: Any) -> "GGUFQuantTensor":
+        return self  # stays on the host, in its own format
+
+    def dequantize(self) -> torch.Tensor:
+        return repack(self.data, self.qtype, self.shape).dequantize()
+
+
+class GGUFCPULinearMethod(QuantizeMethodBase):
+    """Linear/embedding layers whose GGUF blocks stay quantized, multiplied by the CPU kernel."""
+
+    def create_weights(self, layer: nn.Module, output_size: int, input_size: int) -> nn.Parameter:
+        param = nn.Parameter(torch.empty(0), requires_grad=False)
+        param.full_shape = (output_size, input_size)
+        param.shards = {}
+        param.packed = None
+        param.act_dtype = torch.get_default_dtype()  # the model's dtype while it is built
+        return param
+
+    def load_shard(self, layer: nn.Module, param: nn.Parameter, loaded: Any, shard_id: Any,
+                   dense_loader) -> None:
+        param.shards[shard_id] = loaded
+        param.dense_loader = dense_loader
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        param = layer.weight
+        if param.packed is not None or not param.shards:
+            return  # done already (a tied weight), or nothing loaded (the loader reports missing weights)
+        order = getattr(layer, "shard_order", [None])
+        shards = [param.shards[s] for s in order if s in param.shards]
+        if len(shards) == len(order) and all(isinstance(s, GGUFQuantTensor) for s in shards):
+            param.packed = merge_rows([repack(s.data, s.qtype, s.shape) for s in shards])
+            if param.packed.shape != param.full_shape:
+                raise ValueError(f"weight shape mismatch: expected {param.full_shape}, got {param.packed.shape}")
+        else:  # a shard of a type without a repack: the whole layer goes dense, exactly as without the method
+            param.data = torch.empty(param.full_shape, dtype=param.act_dtype)
+            for shard_id, t in param.shards.items():
+                dense = t.dequantize() if isinstance(t, GGUFQuantTensor) else t
+                dense = dense.to(param.act_dtype)
+                param.dense_loader(param, dense) if shard_id is None else param.dense_loader(param, dense, shard_id)
+        param.shards = {}
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        packed: PackedWeight | None = layer.weight.packed
+        if packed is None:
+            return F.linear(x, layer.weight, bias)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] >= PREFILL_ROWS:  # a prefill: the weight read once, then the BLAS GEMM (see the docs)
+            return F.linear(x, packed.dequantize().to(x.dtype), bias)
+        y = quant_gemm(x2.float().contiguous(), packed).to(x.dtype)
+        if bias is not None:
+            y += bias
+        return y.view(*lead, y.shape[-1])
+
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        packed = layer.weight.packed
+        if packed is None:
+            return F.embedding(input_ids, layer.weight)
+        rows = dequantize_rows(packed, input_ids.reshape(-1)).to(layer.weight.act_dtype)
+        return rows.view(*input_ids.shape, -1)
+
+
+class GGUFCPUConfig(QuantizationConfig):
+    """Every replicated linear/embedding layer of a one-rank CPU model gets the GGUF CPU method."""
+
+    def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
+        if getattr(layer, "tp_size", 1) != 1:
+            return None
+        return GGUFCPULinearMethod()

@@ -1,0 +1,143 @@
+"""Repacks GGUF quantized blocks, without re-quantizing, into the two layouts the CPU kernels read.
+
+Every supported type dequantizes per group as q * scale + zero, so the repack is exact (the float32
+scale and zero are products of GGUF's float16 factors and small integers):
+  q4 (4-bit, groups of 32): Q4_0 (scale d, zero -8d), Q4_1 (d, m), Q4_K (d*sc, -dmin*m per 32-sub-block);
+  q8 (int8 container): Q8_0 (groups of 32), Q5_K (groups of 32, with zero), Q6_K (groups of 16).
+Q5_K and Q6_K cost 8 bits a weight in memory instead of 5.5 / 6.6, and nothing in accuracy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+# type -> (elements per block, bytes per block)
+BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q5_K: (256, 176),
+         T.Q6_K: (256, 210)}
+SUPPORTED = frozenset(BLOCK)
+
+
+@dataclass
+class PackedWeight:
+    """A [N, K] weight in one of the kernels' layouts (see module docstring); tensors on the CPU."""
+
+    kind: str  # "q4" or "q8"
+    qweight: torch.Tensor  # q4: uint8 [N, K/2]; q8: int8 [N, K]
+    scales: torch.Tensor  # float32 [N, K/group]
+    zeros: torch.Tensor | None  # float32 [N, K/group]; None: all zero
+    group: int
+    shape: tuple[int, int]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 [N, K] weight (fallback paths, prefill and the tests' reference)."""
+        return dequantize_rows(self, slice(None))
+
+
+def dequantize_rows(w: PackedWeight, rows) -> torch.Tensor:
+    """Float32 rows of the weight: an index tensor or a slice (the embedding lookup)."""
+    q = w.qweight[rows]
+    n, k = q.shape[0], w.shape[1]
+    if w.kind == "q4":
+        g = q.view(n, k // 32, 16)
+        vals = torch.stack([g & 15, g >> 4], dim=-2).view(n, k // 32, 32).float()  # [lo16, hi16] per group
+    else:
+        vals = q.float().view(n, k // w.group, w.group)
+    out = vals * w.scales[rows].unsqueeze(-1)
+    if w.zeros is not None:
+        out += w.zeros[rows].unsqueeze(-1)
+    return out.view(n, k)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _pack_nibbles(vals: np.ndarray) -> np.ndarray:
+    """[N, K] values 0..15 -> [N, K/2] bytes: per group of 32, element j low nibble, j+16 high."""
+    n, k = vals.shape
+    v = vals.reshape(n, k // 32, 2, 16).astype(np.uint8)
+    return (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins per super-block (ggml get_scale_min_k4)."""
+    s = s.astype(np.uint8)
+    sc = np.empty(s.shape[:-1] + (8,), np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4], mn[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def repack(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> PackedWeight:
+    """GGUF blocks of a [N, K] weight (uint8 [N, bytes per row]) -> PackedWeight, exactly."""
+    n, k = shape
+    per, nbytes = BLOCK[qtype]
+    if k % per:
+        raise ValueError(f"row length {k} is not a multiple of {qtype.name}'s block of {per}")
+    b = np.asarray(data, dtype=np.uint8).reshape(n, k // per, nbytes)
+    t = torch.from_numpy
+    if qtype in (T.Q4_0, T.Q4_1):
+        d = _f16(b[..., 0:2]).reshape(n, -1)
+        if qtype == T.Q4_0:
+            zero, qs = -8 * d, b[..., 2:18]
+        else:
+            zero, qs = _f16(b[..., 2:4]).reshape(n, -1), b[..., 4:20]
+        return PackedWeight("q4", t(np.ascontiguousarray(qs).reshape(n, k // 2)), t(d), t(zero), 32, shape)
+    if qtype == T.Q8_0:
+        d = _f16(b[..., 0:2]).reshape(n, -1)
+        q = np.ascontiguousarray(b[..., 2:34]).view(np.int8).reshape(n, k)
+        return PackedWeight("q8", t(q), t(d), None, 32, shape)
+    if qtype in (T.Q4_K, T.Q5_K):
+        d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # [n, blocks, 1]
+        sc, mn = _k_scales(b[..., 4:16])
+        scales, zeros = (d * sc).reshape(n, -1), (-dmin * mn).reshape(n, -1)
+        qs = b[..., -128:].reshape(n, -1, 4, 1, 32)  # 4 chunks of 64 elements: low nibbles, then high
+        vals = np.concatenate([qs & 0xF, qs >> 4], axis=3)  # [n, blocks, 4, 2, 32]
+        if qtype == T.Q4_K:
+            return PackedWeight("q4", t(_pack_nibbles(vals.reshape(n, k))), t(scales), t(zeros), 32, shape)
+        qh = b[..., 16:48].reshape(n, -1, 1, 1, 32)
+        bit = np.arange(8, dtype=np.uint8).reshape(1, 1, 4, 2, 1)
+        vals = vals | (((qh >> bit) & 1) << 4)
+        return PackedWeight("q8", t(vals.reshape(n, k).astype(np.int8)), t(scales), t(zeros), 32, shape)
+    if qtype == T.Q6_K:
+        ql, qh = b[..., 0:128].reshape(n, -1, 2, 64), b[..., 128:192].reshape(n, -1, 2, 1, 32)
+        sc = b[..., 192:208].view(np.int8).astype(np.float32)  # [n, blocks, 16]
+        d = _f16(b[..., 208:210])
+        low = np.stack([ql[..., :32] & 0xF, ql[..., 32:] & 0xF, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=3)
+        high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3  # [n, blocks, 2, 4, 32]
+        vals = (low.astype(np.int16) | (high.astype(np.int16) << 4)) - 32
+        return PackedWeight("q8", t(vals.reshape(n, k).astype(np.int8)), t((d * sc).reshape(n, -1)), None, 16,
+                            shape)
+    raise ValueError(f"no repack for GGUF type {qtype.name}")
+
+
+def merge_rows(parts: list[PackedWeight]) -> PackedWeight:
+    """Stack weights along N (fused q/k/v or gate/up). Mixed kinds go to the q8 container, exactly."""
+    k = parts[0].shape[1]
+    if len({(p.kind, p.group) for p in parts}) > 1:
+        group = min(p.group for p in parts)
+        parts = [_as_q8(p, group) for p in parts]
+    first = parts[0]
+    zeros = None
+    if any(p.zeros is not None for p in parts):
+        zeros = torch.cat([p.zeros if p.zeros is not None else torch.zeros_like(p.scales) for p in parts])
+    return PackedWeight(first.kind, torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+                        zeros, first.group, (sum(p.shape[0] for p in parts), k))
+
+
+def _as_q8(p: PackedWeight, group: int) -> PackedWeight:
+    """The same weight in the int8 container with groups of `group` (a divisor of p.group)."""
+    n, k = p.shape
+    if p.kind == "q4":
+        g = p.qweight.view(n, k // 32, 16)
+        q = torch.stack([g & 15, g >> 4], dim=-2).view(n, k).to(torch.int8)
+    else:
+        q = p.qweight
+    rep = p.group // group
+    zeros = None if p.zeros is None else p.zeros.repeat_interleave(rep, dim=1)
+    return PackedWeight("q8", q, p.scales.repeat_interleave(rep, dim=1), zeros, group, p.shape)
