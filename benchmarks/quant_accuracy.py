@@ -38,7 +38,7 @@ def novainfer_logits(path: str, chunks: list[list[int]], quantized: bool) -> tor
     from novainfer.loader.model_loader import load_hf_config, load_model
     hf_config = load_hf_config(path)
     cpu = torch.device("cpu")
-    model = load_model(path, hf_config, torch.float32, cpu, GGUFCPUConfig() if quantized else None)
+    model = load_model(path, hf_config, torch.float32, cpu, quant_config=GGUFCPUConfig() if quantized else None)
     kv_dtype = torch.bfloat16 if quantized else torch.float32
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     out = []

@@ -72,7 +72,7 @@ def test_defaults_keep_the_default_model_quantized():
     assert get_quant_config(ModelConfig(model=path, quantization="none"), cpu) is None
     config = get_quant_config(ModelConfig(model=path), cpu)
     assert isinstance(config, GGUFCPUConfig)
-    model = load_model(path, load_hf_config(path), torch.float32, cpu, config)
+    model = load_model(path, load_hf_config(path), torch.float32, cpu, quant_config=config)
     packed = {id(m.weight) for m in model.modules() if getattr(getattr(m, "weight", None), "packed", None) is not None}
     assert len(packed) == 30 * 4 + 1  # qkv, o, gate_up, down per layer, and the embedding tied to lm_head
     assert model.lm_head.weight.packed is model.model.embed_tokens.weight.packed
