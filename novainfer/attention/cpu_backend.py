@@ -29,10 +29,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
     extra = {k: v for k, v in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap))
              if v is not None}
-    if k_cache.dtype == query.dtype:
-        return torch_backend.paged_attention(query, k_cache, v_cache, meta, scale, **extra)
-    out = torch_backend.paged_attention(query.to(k_cache.dtype), k_cache, v_cache, meta, scale, **extra)
-    return out.to(query.dtype)
+    # prefill: the reference, which reads a narrower cache in the query's dtype (computing in bf16 made the
+    # result depend on how a prompt was chunked and batched)
+    return torch_backend.paged_attention(query, k_cache, v_cache, meta, scale, **extra)
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -49,8 +49,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             continue
         num_blocks = (seq_len + block_size - 1) // block_size
         blocks = meta.block_tables[i, :num_blocks]
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        # a cache stored in a narrower dtype (bf16 KV on the CPU) is read in the activations' dtype
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(query.dtype)
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(query.dtype)
         q = query[q_start:q_end].transpose(0, 1)  # [heads, q_len, d]
         k = k.transpose(0, 1).repeat_interleave(group, dim=0)
         v = v.transpose(0, 1).repeat_interleave(group, dim=0)
