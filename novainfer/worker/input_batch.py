@@ -21,10 +21,6 @@ class InputBatch:
         self._sources: list[list[int] | None] = [None] * max_num_seqs  # the block-table list each row mirrors
         self.row_of: dict[int, int] = {}
 
-    @property
-    def num_rows(self) -> int:
-        return len(self.row_of)
-
     def _grow(self) -> None:
         """More rows than planned (preempted sequences keep theirs while they wait): double the arrays."""
         n = len(self.seq_ids)
