@@ -56,6 +56,55 @@ class SchedulerConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config`): a proposer guesses up to num_speculative_tokens
+    tokens per sequence and one target forward checks them all (spec_decode/)."""
+
+    method: str = "ngram"  # "ngram" (prompt lookup, no extra model) or "draft_model"
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 1  # ngram: shortest suffix n-gram matched
+    prompt_lookup_max: int = 3  # ngram: longest suffix n-gram tried first
+    model: str | None = None  # draft_model: the draft checkpoint (same tokenizer/vocabulary as the target)
+
+    @classmethod
+    def from_value(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
+        """From a dict (or a JSON string from the command line); unknown keys are refused by name."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            import json
+            value = json.loads(value)
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown field(s) {unknown}; "
+                             f"known: {sorted(cls.__dataclass_fields__)}")
+        cfg = cls(**value)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculative_config.method must be 'ngram' or 'draft_model', got {self.method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model (the draft checkpoint) is required for method 'draft_model'")
+        if self.method == "ngram" and self.model:
+            raise ValueError("speculative_config.model is only used by method 'draft_model'")
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots past a step's tokens that the proposer writes (a draft model's guesses), per sequence."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+
+@dataclass
 class ParallelConfig:
     """How the model is spread over devices: seed 000 §5.1's fields, in its order (vLLM's names first).
 
@@ -146,6 +195,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu elsewhere), cpu, torch, triton
     fault_injection: str | None = None  # tests only: "STAGE:REQUEST_ID_PREFIX" (engine/faults.py); off in production
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @classmethod
     def from_kwargs(cls, model: str, **kw: Any) -> "EngineConfig":
@@ -160,6 +210,8 @@ class EngineConfig:
                 parts[owner][key] = value
             elif key in ("device", "enforce_eager", "attention_backend", "fault_injection"):
                 top[key] = value
+            elif key == "speculative_config":
+                top[key] = SpeculativeConfig.from_value(value)
             else:
                 raise TypeError(f"unknown engine argument {key!r}")
         dtype = parts["model_config"].get("dtype")
@@ -193,12 +245,22 @@ class EngineConfig:
         if self.model_config.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.model_config.load_format!r}")
         FaultInjector(self.fault_injection)  # a malformed spec fails here, not mid-step
+        sc = self.speculative_config
+        if sc is not None:
+            sc.validate()
+            if sc.method == "draft_model" and (p.tensor_parallel_size > 1 or p.distributed_executor_backend != "uni"):
+                raise ValueError("speculative_config.method 'draft_model' needs tensor_parallel_size=1 with the "
+                                 "uni backend")
 
     def use_async_scheduling(self) -> bool:
         """Overlap on by default on CUDA, off on the CPU (measured: benchmarks/host_overhead.py); only with one
         rank in the engine's process, whose executor returns a step before it finishes."""
         pc = self.parallel_config
         wanted = self.scheduler_config.async_scheduling
+        if self.speculative_config is not None:  # proposals need the step's tokens first (spec_decode/)
+            if wanted:
+                logging.getLogger(__name__).warning("async_scheduling is off with speculative decoding")
+            return False
         if wanted is None:
             wanted = self.resolve_device().type == "cuda"
         if wanted and (pc.tensor_parallel_size > 1 or pc.distributed_executor_backend != "uni"):

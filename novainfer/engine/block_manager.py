@@ -99,16 +99,17 @@ class BlockManager:
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         return needed <= self.num_free_blocks
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Make room for num_new_tokens more tokens, then register the blocks those tokens fill.
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, num_lookahead_slots: int = 0) -> None:
+        """Make room for num_new_tokens more tokens (and lookahead slots a draft model writes past them), then
+        register the blocks those tokens fill.
 
         Hashes are registered when the step is planned: the step writes each layer's K/V before any
         attention reads it, so a sequence admitted later in the same step may already share them.
         """
         total = seq.num_computed_tokens + num_new_tokens
         table = seq.block_table
-        if len(table) * self.block_size < total:
-            while len(table) < self.blocks_needed(total):
+        if len(table) * self.block_size < total + num_lookahead_slots:
+            while len(table) < self.blocks_needed(total + num_lookahead_slots):
                 table.append(self._take_free_block())
         if not self.enable_prefix_caching:
             return

@@ -25,13 +25,15 @@ class ScheduledSequence:
     row is sampled (the step reaches the sequence's end). A plain slotted class: a step makes one per
     running sequence."""
 
-    __slots__ = ("seq", "num_new_tokens", "start", "samples")
+    __slots__ = ("seq", "num_new_tokens", "start", "samples", "spec_token_ids")
 
-    def __init__(self, seq: Sequence, num_new_tokens: int):
+    def __init__(self, seq: Sequence, num_new_tokens: int, spec_token_ids: list[int] | None = None):
         self.seq = seq
-        self.num_new_tokens = num_new_tokens
+        self.num_new_tokens = num_new_tokens  # including spec_token_ids, the guesses this step verifies
         self.start = seq.num_computed_tokens  # position of the step's first token for this sequence
-        self.samples = self.start + num_new_tokens == len(seq.token_ids) + seq.num_pending_tokens
+        self.spec_token_ids = spec_token_ids or []
+        self.samples = self.start + num_new_tokens - len(self.spec_token_ids) \
+            == len(seq.token_ids) + seq.num_pending_tokens
 
     def __repr__(self) -> str:
         return f"ScheduledSequence({self.seq!r}, num_new_tokens={self.num_new_tokens}, samples={self.samples})"
@@ -58,9 +60,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_lookahead_slots: int = 0):
         self.config = config
         self.block_manager = block_manager
+        self.num_lookahead_slots = num_lookahead_slots  # KV slots a draft model writes past each step's tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -79,13 +82,18 @@ class Scheduler:
         bm = self.block_manager
         block_size = bm.block_size
 
+        lookahead = self.num_lookahead_slots
         # 1. running sequences, oldest first; preempt the newest when blocks run out
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(len(seq.token_ids) + seq.num_pending_tokens - seq.num_computed_tokens, budget)
-            if len(seq.block_table) * block_size < seq.num_computed_tokens + n:  # needs another block
-                while not bm.can_append(seq, n):
+            spec = seq.spec_token_ids
+            if spec:  # a decode step that also verifies the proposer's guesses, as many as the budget leaves
+                spec = spec[:budget - n] if n == 1 else []
+                n += len(spec)
+            if len(seq.block_table) * block_size < seq.num_computed_tokens + n + lookahead:  # needs another block
+                while not bm.can_append(seq, n + lookahead):
                     victim = self.running[-1]
                     self._preempt(victim)
                     out.num_preempted += 1
@@ -93,7 +101,7 @@ class Scheduler:
                         break
                 if seq.status != SequenceStatus.RUNNING:
                     break
-            self._launch(seq, n, out)
+            self._launch(seq, n, out, spec)
             budget -= n
             i += 1
 
@@ -107,7 +115,7 @@ class Scheduler:
             n = min(len(seq) - len(cached) * bm.block_size, budget)
             if not self.config.enable_chunked_prefill and n < len(seq) - len(cached) * bm.block_size:
                 break
-            if not bm.can_admit(seq, cached, n):
+            if not bm.can_admit(seq, cached, n + lookahead):
                 break
             self.waiting.popleft()
             bm.admit(seq, cached)
@@ -119,11 +127,12 @@ class Scheduler:
             budget -= n
         return out
 
-    def _launch(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+    def _launch(self, seq: Sequence, n: int, out: SchedulerOutput, spec: list[int] | None = None) -> None:
         """Give the step n tokens of seq: their slots, and the sequence's progress as if the step ran
-        (so the next step can be planned before this one is read back)."""
-        self.block_manager.allocate_slots(seq, n)
-        s = ScheduledSequence(seq, n)
+        (so the next step can be planned before this one is read back). Rejected guesses are given back
+        when the step is read (Scheduler.rollback)."""
+        self.block_manager.allocate_slots(seq, n, self.num_lookahead_slots)
+        s = ScheduledSequence(seq, n, spec)
         out.scheduled.append(s)
         seq.num_computed_tokens += n
         if s.samples:
@@ -144,8 +153,14 @@ class Scheduler:
         elif seq in self.waiting:  # already requeued (a discarded step, then the failed one before it)
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        seq.spec_token_ids, seq.num_draft_computed = [], 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def rollback(self, seq: Sequence, num_rejected: int) -> None:
+        """A verified step rejected the last num_rejected guesses: their KV is never read and their slots
+        are written again by the next step (the prefix cache only ever hashed accepted tokens)."""
+        seq.num_computed_tokens -= num_rejected
 
     def undo_step(self, scheduled: list[ScheduledSequence]) -> None:
         """A step that will not be read back (it failed): its tokens will not arrive."""

@@ -42,6 +42,10 @@ class Sequence:
         self.logprobs: list[dict] = []
         self.min_tokens_blocked: list[int] = []  # ids it may not sample yet (eos, stop ids) under min_tokens
         self.grammar = None  # structured_output GrammarState when its output is constrained
+        self.spec_token_ids: list[int] = []  # a proposer's guesses for the next step (spec_decode/)
+        self.num_draft_computed = 0  # tokens whose KV the draft model has (draft_model speculation)
+        self.num_spec_draft_tokens = 0  # guesses checked so far, and how many of them were accepted
+        self.num_spec_accepted_tokens = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

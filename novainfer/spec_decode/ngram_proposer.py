@@ -1,0 +1,52 @@
+"""Prompt lookup (n-gram) speculation: no extra model, the guesses are copied from the sequence itself.
+
+For n from prompt_lookup_max down to prompt_lookup_min, the last n tokens are searched for earlier in the
+prompt and output; at the latest earlier match, the tokens that followed it are the guesses. Text that
+repeats or edits its input (code, quotes, rewrites) continues an earlier span often, and then one target
+forward accepts several tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from novainfer.engine.sequence import Sequence
+from novainfer.spec_decode.proposer import Proposer
+
+
+def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix n-gram."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        windows = sliding_window_view(tokens[:length - 1], n)  # every n-gram that ends before the last token
+        hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start:start + k].tolist()
+    return []
+
+
+class NgramProposer(Proposer):
+    """Keeps each sequence's tokens as a growing numpy array, so a step converts only the new tokens."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self._tokens: dict[int, tuple[np.ndarray, int]] = {}  # seq_id -> (buffer, tokens in it)
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
+        return [propose_ngram(self._array(seq), self.min_n, self.max_n, k) if k > 0 else []
+                for seq, k in zip(seqs, num_tokens)]
+
+    def _array(self, seq: Sequence) -> np.ndarray:
+        buf, n = self._tokens.get(seq.seq_id, (None, 0))
+        length = len(seq.token_ids)
+        if buf is None or n > length or len(buf) < length:
+            buf = np.empty(max(2 * length, 64), dtype=np.int64)
+            n = 0
+        buf[n:length] = seq.token_ids[n:length]
+        self._tokens[seq.seq_id] = (buf, length)
+        return buf[:length]
+
+    def remove(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self._tokens.pop(seq_id, None)
