@@ -22,6 +22,8 @@ from novainfer.engine.scheduler import Scheduler, SchedulerOutput
 from novainfer.engine.sequence import Sequence
 from novainfer.executor.base import Executor
 from novainfer.loader.model_loader import load_tokenizer
+from novainfer.spec_decode.proposer import make_proposer
+from novainfer.spec_decode.stats import SpecDecodeStats
 from novainfer.structured_output import StructuredOutputManager
 from novainfer.worker.model_runner import ModelRunnerOutput, StepHandle
 
@@ -54,7 +56,12 @@ class EngineCore:
         bs = config.cache_config.block_size
         self.max_model_len = resolve_max_model_len(config, self.num_blocks * bs)
         self.block_manager = BlockManager(self.num_blocks, bs, config.cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config, self.block_manager)
+        spec = config.speculative_config
+        self.scheduler = Scheduler(config.scheduler_config, self.block_manager,
+                                   spec.num_lookahead_slots if spec is not None else 0)
+        self.proposer = make_proposer(spec, self.executor) if spec is not None else None
+        self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        self.spec_stats = SpecDecodeStats()
         self.requests: dict[str, Request] = {}
         self.faults = FaultInjector(config.fault_injection)
         self.step_id = 0
@@ -112,9 +119,11 @@ class EngineCore:
 
     def make_stats(self) -> SchedulerStats:
         sched, bm = self.scheduler, self.block_manager
+        sp = self.spec_stats
         return SchedulerStats(len({s.request_id for s in sched.running}), len({s.request_id for s in sched.waiting}),
                               bm.usage, bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions,
-                              self.num_generated_tokens)
+                              self.num_generated_tokens, sp.num_drafts, sp.num_draft_tokens, sp.num_accepted_tokens,
+                              sp.num_emitted_tokens)
 
     # ---- one step: schedule -> execute -> update_from_output -------------------------------------
     def step(self) -> EngineCoreOutputs | None:
@@ -215,6 +224,8 @@ class EngineCore:
             if seq.request_id in self.requests:
                 outputs.append(EngineCoreOutput(seq.request_id, seq.index, prompt_logprobs=[start, entries]))
         faults = self.faults if self.faults else None
+        if result.spec_accepted_token_ids is not None:
+            return outputs + self._update_verified(sched, result, by_seq, faults)
         for row, (seq_id, token_id) in enumerate(zip(result.seq_ids, result.sampled_token_ids)):
             seq = by_seq[seq_id]
             rid = seq.request_id
@@ -233,7 +244,76 @@ class EngineCore:
                 seq.finish_reason, seq.stop_reason, seq.num_cached_tokens, seq.num_preemptions))
             if seq.is_finished and self.requests[rid].finished:
                 del self.requests[rid]
+        if self.proposer is not None:
+            self._propose(sched)
         return outputs
+
+    def _update_verified(self, sched: SchedulerOutput, result: ModelRunnerOutput, by_seq: dict,
+                         faults: FaultInjector | None) -> list[EngineCoreOutput]:
+        """A verify step: each sequence appends its accepted guesses and the token after them, stopping at the
+        first token that ends it (nothing past it is returned); rejected guesses' KV is given back."""
+        outputs: list[EngineCoreOutput] = []
+        spec_of = {s.seq.seq_id: len(s.spec_token_ids) for s in sched.scheduled}
+        for row, (seq_id, token_id) in enumerate(zip(result.seq_ids, result.sampled_token_ids)):
+            seq = by_seq[seq_id]
+            rid = seq.request_id
+            if seq.is_finished or rid not in self.requests:
+                continue
+            accepted = result.spec_accepted_token_ids[row]
+            tokens = accepted + [token_id]
+            logprobs = result.spec_logprobs[row] + [result.logprobs[row]] if result.logprobs else None
+            drafted, proposed = spec_of[seq_id], len(seq.spec_token_ids)
+            try:
+                if faults is not None:
+                    faults.check("postprocess", rid)
+                emitted = 0
+                for t in tokens:
+                    self._append_token(seq, t)
+                    emitted += 1
+                    if seq.is_finished:
+                        break
+            except Exception as exc:
+                logger.exception("request_id=%s failed while applying its tokens", rid)
+                outputs.append(self._fail_request(rid, exc))
+                continue
+            if drafted:
+                self.spec_stats.record(drafted, len(accepted), emitted)
+                seq.num_spec_draft_tokens += drafted
+                seq.num_spec_accepted_tokens += len(accepted)
+            if not seq.is_finished:
+                self.scheduler.rollback(seq, drafted - len(accepted))
+                self.proposer.on_verified(seq, proposed, len(accepted) if drafted else 0)
+            outputs.append(EngineCoreOutput(
+                rid, seq.index, tokens[:emitted], logprobs[:emitted] if logprobs else None,
+                seq.finish_reason, seq.stop_reason, seq.num_cached_tokens, seq.num_preemptions,
+                spec_num_draft_tokens=seq.num_spec_draft_tokens,
+                spec_num_accepted_tokens=seq.num_spec_accepted_tokens))
+            if seq.is_finished and self.requests[rid].finished:
+                del self.requests[rid]
+        self._propose(sched)
+        return outputs
+
+    def _propose(self, sched: SchedulerOutput) -> None:
+        """Guesses for the next step of every sequence this step sampled that may speculate: decoding freely
+        (no grammar, no min_tokens block), with room for more than one token before max_tokens and the
+        context's end."""
+        seqs, counts = [], []
+        for s in sched.scheduled:
+            seq = s.seq
+            seq.spec_token_ids = []
+            if not s.samples or seq.is_finished or seq.num_computed_tokens != len(seq.token_ids) - 1:
+                continue
+            p = seq.sampling_params
+            room = self.max_model_len - len(seq.token_ids)
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - seq.num_output_tokens - 1)
+            k = min(self.num_speculative_tokens, room)
+            if k > 0 and seq.grammar is None and not seq.min_tokens_blocked:
+                seqs.append(seq)
+                counts.append(k)
+        if seqs:
+            for seq, guesses in zip(seqs, self.proposer.propose(seqs, counts)):
+                seq.spec_token_ids = guesses
 
     def _append_token(self, seq: Sequence, token_id: int) -> None:
         """Token-level stops; stop strings are the front-end's (they need text)."""
@@ -255,6 +335,9 @@ class EngineCore:
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | None) -> None:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.finish(seq)
+        if self.proposer is not None:
+            seq.spec_token_ids = []
+            self.proposer.remove([seq.seq_id])
 
     # ---- failures --------------------------------------------------------------------------------
     def _fail_request(self, request_id: str, exc: Exception) -> EngineCoreOutput:

@@ -55,6 +55,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions: int = 0
     error: str | None = None  # why the request failed (finish_reason "error")
     prompt_logprobs: list[Any] | None = None  # filled by the prompt-logprobs work (issue 16)
+    spec_num_draft_tokens: int = 0  # this sample's guesses verified so far (speculative decoding)
+    spec_num_accepted_tokens: int = 0  # and accepted
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -67,6 +69,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_generation_tokens: int = 0
+    spec_num_drafts: int = 0  # speculative decoding (spec_decode/stats.py): sequence-steps that verified guesses,
+    spec_num_draft_tokens: int = 0  # guesses verified, accepted, and tokens those steps emitted
+    spec_num_accepted_tokens: int = 0
+    spec_num_emitted_tokens: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True):

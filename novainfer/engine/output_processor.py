@@ -37,6 +37,8 @@ class SampleState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    spec_num_draft_tokens: int = 0  # speculative decoding: guesses verified for this sample, and accepted
+    spec_num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -116,6 +118,9 @@ class OutputProcessor:
             req.status = RequestStatus.RUNNING
             req.first_token_time = req.first_token_time or now
             req.num_cached_tokens, sample.num_preemptions = out.num_cached_tokens, out.num_preemptions
+            if out.spec_num_draft_tokens:
+                sample.spec_num_draft_tokens = out.spec_num_draft_tokens
+                sample.spec_num_accepted_tokens = out.spec_num_accepted_tokens
             try:
                 if self._apply(req, sample, out):
                     to_abort.append(AbortTarget(req.request_id, out.index))
@@ -193,4 +198,7 @@ class OutputProcessor:
                              num_cached_tokens=req.num_cached_tokens, error=req.error,
                              prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
                              metrics={"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
-                                      "num_preemptions": sum(s.num_preemptions for s in req.samples)})
+                                      "num_preemptions": sum(s.num_preemptions for s in req.samples),
+                                      "spec_num_draft_tokens": sum(s.spec_num_draft_tokens for s in req.samples),
+                                      "spec_num_accepted_tokens": sum(s.spec_num_accepted_tokens
+                                                                      for s in req.samples)})

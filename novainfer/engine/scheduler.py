@@ -45,6 +45,7 @@ class SchedulerOutput:
     num_preempted: int = 0
     finished_seq_ids: list[int] = field(default_factory=list)  # finished since the last step
     grammar_bitmask: Any = None  # structured_output.GrammarBitmask of the constrained sampled rows, set by the engine
+    num_spec_tokens: int = 0  # guesses verified in this step (speculative decoding)
 
     @property
     def is_empty(self) -> bool:
@@ -134,6 +135,7 @@ class Scheduler:
         self.block_manager.allocate_slots(seq, n, self.num_lookahead_slots)
         s = ScheduledSequence(seq, n, spec)
         out.scheduled.append(s)
+        out.num_spec_tokens += len(s.spec_token_ids)
         seq.num_computed_tokens += n
         if s.samples:
             seq.num_pending_tokens += 1

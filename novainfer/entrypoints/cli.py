@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -44,7 +45,18 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
     p.add_argument("--cpu-kv-cache-tokens", type=int, default=32768, help="KV cache capacity on the CPU, in tokens")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: the model's dtype; bfloat16 on the CPU unless --dtype float32")
+    p.add_argument("--speculative-config", default=None, type=_json_object,
+                   help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                        'or {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4}')
     p.add_argument("--fault-injection", default=None, help=argparse.SUPPRESS)  # tests only: engine/faults.py
+
+
+def _json_object(text: str) -> dict:
+    """--speculative-config's value: a JSON object (argparse turns the ValueError into a usage error)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("expected a JSON object")
+    return value
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -67,7 +79,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 distributed_executor_backend=args.distributed_executor_backend,
                 tensor_parallel_device_ids=args.tensor_parallel_device_ids, nnodes=args.nnodes,
                 node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
-                fault_injection=args.fault_injection, load_format=args.load_format)
+                fault_injection=args.fault_injection, load_format=args.load_format,
+                speculative_config=args.speculative_config)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

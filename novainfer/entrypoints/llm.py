@@ -30,6 +30,16 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_metrics(self) -> dict[str, float]:
+        """The engine's counters since start (SchedulerStats' fields), plus speculation's acceptance rate and
+        mean accepted length (emitted tokens per verified sequence-step) when it is on."""
+        stats = self.llm_engine.make_stats()
+        metrics = {f: getattr(stats, f) for f in stats.__struct_fields__}
+        if stats.spec_num_drafts:
+            metrics["spec_acceptance_rate"] = stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
+            metrics["spec_mean_accepted_length"] = stats.spec_num_emitted_tokens / stats.spec_num_drafts
+        return metrics
+
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -111,13 +111,7 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata,
                 token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplerOutput:
         """token_bitmask: (row indices, int32 bitmask rows on the logits' device) of the grammar-constrained rows."""
-        logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
-        if meta.logit_bias is not None or meta.blocked is not None or meta.repetition_penalty is not None \
-                or meta.frequency_penalty is not None:
-            logits = self.apply_penalties(logits.clone(), meta)
-        if token_bitmask is not None:
-            logits = apply_token_bitmask(logits, *token_bitmask)
+        logits, raw_logprobs = self.process_logits(logits, meta, token_bitmask)
         sampled = logits.argmax(dim=-1)
         if not meta.all_greedy:
             random = self.sample_random(logits, meta)
@@ -126,6 +120,20 @@ class Sampler(nn.Module):
         if raw_logprobs is not None:
             self.gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs, out)
         return out
+
+    def process_logits(self, logits: torch.Tensor, meta: SamplingMetadata,
+                       token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits after logit_bias, min_tokens blocking, penalties and the grammar's bitmask (greedy rows take
+        their argmax), and the raw model's logprobs when a row wants logprobs."""
+        logits = logits.float()
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
+        if meta.logit_bias is not None or meta.blocked is not None or meta.repetition_penalty is not None \
+                or meta.frequency_penalty is not None:
+            logits = self.apply_penalties(logits.clone(), meta)
+        if token_bitmask is not None:
+            logits = apply_token_bitmask(logits, *token_bitmask)
+        return logits, raw_logprobs
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -143,7 +151,8 @@ class Sampler(nn.Module):
         return logits
 
     @staticmethod
-    def sample_random(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    def probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """The distribution a random row samples from: temperature, then top-k, top-p and min-p."""
         logits = logits / meta.temperature.unsqueeze(1)
         if meta.top_k is not None or meta.top_p is not None:
             logits = _top_k_top_p(logits, meta.top_k, meta.top_p)
@@ -151,11 +160,21 @@ class Sampler(nn.Module):
         if meta.min_p is not None:
             threshold = meta.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
+        return probs
+
+    @staticmethod
+    def exponentials(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """q ~ Exp(1) per entry; a seeded row draws from its own generator."""
         q = torch.empty_like(probs).exponential_()
         for i, gen in enumerate(meta.generators):
             if gen is not None:
                 q[i].exponential_(generator=gen)
-        return (probs / q).argmax(dim=-1)
+        return q
+
+    @classmethod
+    def sample_random(cls, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        probs = cls.probs(logits, meta)
+        return (probs / cls.exponentials(probs, meta)).argmax(dim=-1)
 
     @staticmethod
     def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int, out: SamplerOutput) -> None:

@@ -43,7 +43,18 @@ class ServerMetrics:
                               "the first", m, buckets=_TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("novainfer:e2e_request_latency_seconds", "Arrival to last output", m,
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self._seen: dict[str, tuple[int, int, int, int]] = {}  # last cumulative engine counts per model
+        self.spec_drafts = Counter("novainfer:spec_decode_num_drafts", "Sequence-steps that verified guessed "
+                                   "tokens (speculative decoding)", m, registry=r)
+        self.spec_draft_tokens = Counter("novainfer:spec_decode_num_draft_tokens", "Guessed tokens verified", m,
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("novainfer:spec_decode_num_accepted_tokens", "Guessed tokens accepted",
+                                            m, registry=r)
+        self.spec_emitted_tokens = Counter("novainfer:spec_decode_num_emitted_tokens", "Tokens emitted by "
+                                           "verify steps (accepted guesses plus one sampled token each)", m,
+                                           registry=r)
+        self.spec_mean_accepted_length = Gauge("novainfer:spec_decode_mean_accepted_length", "Emitted tokens per "
+                                               "verified sequence-step, since start", m, registry=r)
+        self._seen: dict[str, tuple[int, ...]] = {}  # last cumulative engine counts per model
 
     def observe_stats(self, model: str, stats: SchedulerStats) -> None:
         """Refresh gauges and add the core's cumulative counters' growth since the last call."""
@@ -51,12 +62,16 @@ class ServerMetrics:
         self.waiting.labels(model).set(stats.num_waiting_reqs)
         self.kv_usage.labels(model).set(stats.kv_cache_usage)
         now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions,
-               stats.num_generation_tokens)
-        last = self._seen.get(model, (0, 0, 0, 0))
+               stats.num_generation_tokens, stats.spec_num_drafts, stats.spec_num_draft_tokens,
+               stats.spec_num_accepted_tokens, stats.spec_num_emitted_tokens)
+        last = self._seen.get(model, (0,) * len(now))
         for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.preemptions,
-                                      self.generation_tokens), now, last):
+                                      self.generation_tokens, self.spec_drafts, self.spec_draft_tokens,
+                                      self.spec_accepted_tokens, self.spec_emitted_tokens), now, last):
             if new > old:
                 counter.labels(model).inc(new - old)
+        if stats.spec_num_drafts:
+            self.spec_mean_accepted_length.labels(model).set(stats.spec_num_emitted_tokens / stats.spec_num_drafts)
         self._seen[model] = now
 
     def record_finished(self, model: str, tracked: TrackedRequest, reason: str | None, end: float) -> None:

@@ -25,6 +25,8 @@ from novainfer.layers.quantization.selector import get_quant_config
 from novainfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from novainfer.loader.model_loader import load_model
 from novainfer.sampling_params import SamplingParams
+from novainfer.spec_decode.rejection_sampler import emitted_rows, rejection_sample
+from novainfer.spec_decode.verify_inputs import verify_rows
 from novainfer.worker.input_batch import InputBatch
 from novainfer.worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from novainfer.worker.cuda_graph import DecodeGraphs, batch_size_ladder, bucket
@@ -42,6 +44,10 @@ class ModelRunnerOutput:
     logprobs: list[list[tuple[int, float, int]]] | None = None  # [(token_id, logprob, rank)] per row
     # seq_id -> (first prompt position, [(token_id, logprob, rank), ...] per next prompt token); see prompt_logprobs.py
     prompt_logprobs: dict[int, tuple[int, list[list[tuple[int, float, int]]]]] | None = None
+    # a verify step (speculative decoding): per sampled sequence, the accepted guesses that come before its
+    # sampled token, and their logprobs
+    spec_accepted_token_ids: list[list[int]] | None = None
+    spec_logprobs: list[list[list[tuple[int, float, int]]]] | None = None
 
 
 class ModelRunner:
@@ -226,6 +232,15 @@ class ModelRunner:
                 feed = self._feed_from_previous(scheduled, known)
             ids[:num_tokens] = known
             positions, token_rows = starts, rows
+        elif sched.num_spec_tokens:  # a verify step: a sequence's last token, then its guesses
+            known = list(chain.from_iterable(
+                (s.seq.token_ids[s.start:s.start + s.num_new_tokens - len(s.spec_token_ids)] or [-1])
+                + s.spec_token_ids for s in scheduled))
+            if -1 in known:
+                raise RuntimeError("speculative decoding runs with async scheduling off")
+            ids[:num_tokens] = known
+            positions = np.arange(num_tokens) + np.repeat(starts - (ends - counts), counts)
+            token_rows = np.repeat(rows, counts)
         else:
             known = list(chain.from_iterable(
                 s.seq.token_ids[s.start:s.start + s.num_new_tokens] or [-1] for s in scheduled))  # [] only for a decode whose input is pending: one token
@@ -245,11 +260,16 @@ class ModelRunner:
         qsl[0] = 0
         qsl[1:num_seqs + 1] = ends
         logits_indices, sample_seq_ids, sampling_rows = [], [], []
-        for s, end in zip(scheduled, ends.tolist()):
-            if s.samples:
-                logits_indices.append(end - 1)
-                sample_seq_ids.append(s.seq.seq_id)
-                sampling_rows.append(self._sampling_row(s.seq))
+        spec = None
+        if sched.num_spec_tokens:
+            spec = verify_rows(scheduled, ends.tolist(), self._sampling_row, logits_indices, sample_seq_ids,
+                               sampling_rows)
+        else:
+            for s, end in zip(scheduled, ends.tolist()):
+                if s.samples:
+                    logits_indices.append(end - 1)
+                    sample_seq_ids.append(s.seq.seq_id)
+                    sampling_rows.append(self._sampling_row(s.seq))
         h.logits_indices.numpy()[:len(logits_indices)] = logits_indices
         prompt_lp = [plan for s, end in zip(scheduled, ends.tolist())
                      if s.seq.sampling_params.prompt_logprobs is not None and s.start < s.seq.num_prompt_tokens
@@ -260,8 +280,10 @@ class ModelRunner:
                          h.query_start_loc[:num_seqs + 1], int(counts.max()), logits_indices, sample_seq_ids,
                          sampling_rows, feed=feed, logits_indices_t=h.logits_indices[:len(logits_indices)],
                          prompt_logprob_rows=prompt_lp, grammar_bitmask=sched.grammar_bitmask)
+        if spec is not None:
+            inp.spec_num_drafts, inp.spec_draft_ids = spec
         if sampling_rows:  # uploaded now, while the device is idle, so the forward is not waited on later
-            inp.sampling_metadata = self._sampling_metadata(sampling_rows, sample_seq_ids)
+            inp.sampling_metadata = self._sampling_metadata(sampling_rows, sample_seq_ids if spec is None else None)
         return inp
 
     def _feed_from_previous(self, scheduled, known: list[int]) -> TokenFeed:
@@ -276,11 +298,13 @@ class ModelRunner:
         h.feed_src.numpy()[:len(src)] = src
         return TokenFeed(h.feed_dst[:len(dst)], h.feed_src[:len(src)], prev)
 
-    def _sampling_metadata(self, rows: list[SamplingRow], seq_ids: list[int]) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: list[SamplingRow], seq_ids: list[int] | None) -> SamplingMetadata:
         """Built and uploaded again only when the rows' parameters may have changed: decode steps of the same
-        sequences without penalties or min_tokens blocking reuse the last step's tensors."""
-        static = all(not r.blocked_token_ids and not r.output_token_ids and not r.prompt_token_ids for r in rows)
-        key = tuple(seq_ids)
+        sequences without penalties or min_tokens blocking reuse the last step's tensors (seq_ids None: the
+        rows are not one per sequence, as in a verify step; always built)."""
+        static = seq_ids is not None and \
+            all(not r.blocked_token_ids and not r.output_token_ids and not r.prompt_token_ids for r in rows)
+        key = tuple(seq_ids or ())
         if static and self._last_sampling is not None and self._last_sampling[0] == key:
             return self._last_sampling[1]
         meta = SamplingMetadata.build(rows, self.hf_config.vocab_size, self.device)
@@ -362,9 +386,14 @@ class ModelRunner:
         """The sampler over the step's rows; constrained rows (structured outputs) get their grammar's bitmask."""
         token_bitmask = None
         if inp.grammar_bitmask is not None:
-            row_of = {seq_id: r for r, seq_id in enumerate(inp.sample_seq_ids)}
+            firsts = range(len(inp.sample_seq_ids)) if inp.spec_num_drafts is None else \
+                np.cumsum([0] + [d + 1 for d in inp.spec_num_drafts]).tolist()
+            row_of = dict(zip(inp.sample_seq_ids, firsts))  # a constrained sequence has one row: it never guesses
             rows = torch.tensor([row_of[s] for s in inp.grammar_bitmask.seq_ids], device=self.device)
             token_bitmask = (rows, inp.grammar_bitmask.bitmask.to(self.device, non_blocking=True))
+        if inp.spec_num_drafts is not None:
+            draft_ids = torch.tensor(inp.spec_draft_ids, device=self.device)
+            return rejection_sample(self.sampler, logits, inp.sampling_metadata, draft_ids, token_bitmask)
         return self.sampler(logits, inp.sampling_metadata, token_bitmask)
 
     def postprocess(self, inp: StepInputs, sampled) -> ModelRunnerOutput:
@@ -383,7 +412,26 @@ class ModelRunner:
                 entries = [(ids[r][0], lps[r][0], ranks[r])]
                 entries += [(ids[r][j], lps[r][j], j) for j in range(1, k + 1)]
                 out.logprobs.append(entries)
+        if inp.spec_num_drafts is not None:
+            self._split_verified(out, inp.spec_num_drafts, sampled.accepted.tolist())
         return out
+
+    @staticmethod
+    def _split_verified(out: ModelRunnerOutput, num_drafts: list[int], accepted: list[bool]) -> None:
+        """Rows of a verify step -> per sequence: the accepted guesses, then the one sampled token after them."""
+        tokens, logprobs = out.sampled_token_ids, out.logprobs
+        out.sampled_token_ids, out.spec_accepted_token_ids = [], []
+        out.logprobs = [] if logprobs is not None else None
+        out.spec_logprobs = [] if logprobs is not None else None
+        first = 0
+        for d in num_drafts:
+            n = emitted_rows(accepted, first, d)
+            out.spec_accepted_token_ids.append(tokens[first:first + n - 1])
+            out.sampled_token_ids.append(tokens[first + n - 1])
+            if logprobs is not None:
+                out.spec_logprobs.append(logprobs[first:first + n - 1])
+                out.logprobs.append(logprobs[first + n - 1])
+            first += d + 1
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One step, waited for: its sampled tokens on the host."""
@@ -449,7 +497,7 @@ class HostCopy:
     def __init__(self, sampled: SamplerOutput | None):
         self.out = None
         if sampled is not None:
-            self.out = SamplerOutput(**{f.name: None if (t := getattr(sampled, f.name)) is None else
+            self.out = type(sampled)(**{f.name: None if (t := getattr(sampled, f.name)) is None else
                                         torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
                                         for f in dataclasses.fields(sampled)})
         self.event = torch.cuda.Event()

@@ -45,6 +45,10 @@ class StepInputs:
     prompt_logprob_rows: list = field(default_factory=list)  # PromptLogprobRows of sequences that want them
     prompt_logprobs: dict | None = None  # their results, filled by the forward
     grammar_bitmask: Any = None  # structured_output.GrammarBitmask of the constrained sampled rows
+    # speculative decoding: per sampled sequence, how many guesses it verifies (its rows are that many plus
+    # one, consecutive); per sampled row, the guess it checks (-1: none). None in a step without guesses.
+    spec_num_drafts: list[int] | None = None
+    spec_draft_ids: list[int] | None = None
 
 
 class HostBuffers:
@@ -58,7 +62,7 @@ class HostBuffers:
         self.slot_mapping = buf(max_tokens, torch.long)
         self.block_tables = buf(max_seqs * max_blocks_per_seq, torch.int32)
         self.seq_lens = buf(max_seqs, torch.int32)
-        self.logits_indices = buf(max_seqs, torch.long)
+        self.logits_indices = buf(max_tokens, torch.long)  # a verify step samples several rows per sequence
         self.query_start_loc = buf(max_seqs + 1, torch.int32)
         # TokenFeed's indices: a copy from pageable memory would wait for the step in flight, undoing the overlap
         self.feed_dst = buf(max_seqs, torch.long)

@@ -1,0 +1,38 @@
+"""The sampled rows of a verify step: a sequence that checks d guesses samples d + 1 consecutive rows (its
+last token and each guess predict the next position), each with the sampling state of that position."""
+from __future__ import annotations
+
+from typing import Callable
+
+from novainfer.engine.scheduler import ScheduledSequence
+from novainfer.engine.sequence import Sequence
+from novainfer.layers.sampler import SamplingRow
+
+
+def verify_rows(scheduled: list[ScheduledSequence], ends: list[int], row_of: Callable[[Sequence], SamplingRow],
+                logits_indices: list[int], sample_seq_ids: list[int], sampling_rows: list[SamplingRow]
+                ) -> tuple[list[int], list[int]]:
+    """Fill the step's sampled rows (appending to the three lists) and return, per sampled sequence, how
+    many guesses it verifies, and per row the guess it checks (-1: none)."""
+    num_drafts: list[int] = []
+    draft_ids: list[int] = []
+    for s, end in zip(scheduled, ends):
+        if not s.samples:
+            continue
+        spec = s.spec_token_ids
+        d = len(spec)
+        row = row_of(s.seq)
+        sample_seq_ids.append(s.seq.seq_id)
+        num_drafts.append(d)
+        logits_indices.extend(range(end - 1 - d, end))
+        draft_ids.extend(spec)
+        draft_ids.append(-1)
+        if not d:
+            sampling_rows.append(row)
+        elif row.output_token_ids or row.prompt_token_ids:  # penalties count the guesses before each position
+            out = list(row.output_token_ids)
+            sampling_rows.extend(SamplingRow(row.params, row.prompt_token_ids, out + spec[:j], row.generator,
+                                             row.blocked_token_ids) for j in range(d + 1))
+        else:
+            sampling_rows.extend([row] * (d + 1))
+    return num_drafts, draft_ids
