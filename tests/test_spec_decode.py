@@ -1,0 +1,190 @@
+"""Speculative decoding returns what decoding without it returns: greedy tokens equal (and equal to
+transformers'), in mixed batches, with prefix caching, under preemption and chunked prefill, with stops
+inside an accepted run; sampled tokens keep the target's distribution (chi-square); counters add up."""
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2_contingency, chisquare
+
+from novainfer import LLM, SamplingParams
+from novainfer.config import EngineConfig, SpeculativeConfig
+from novainfer.layers.sampler import Sampler, SamplingMetadata, SamplingRow
+from novainfer.spec_decode import rejection_sampler
+from novainfer.spec_decode.ngram_proposer import propose_ngram
+from tests.tiny_models import hf_greedy
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# repetitive prompts: a random tiny model soon loops, and prompt lookup then guesses right
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [40, 41, 42],
+           [100, 200, 300, 100, 200, 300, 100, 200, 300, 100, 200, 300, 100, 200, 300, 100, 200, 300]]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def make(path: str, spec: dict | None = None, **kw) -> LLM:
+    kw.setdefault("num_gpu_blocks", 128)
+    return LLM(path, dtype="float32", device="cpu", block_size=4, speculative_config=spec, **kw)
+
+
+def tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    return [c.token_ids for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_qwen2):
+    return make(tiny_qwen2)
+
+
+@pytest.fixture(scope="module")
+def ngram(tiny_qwen2):
+    return make(tiny_qwen2, NGRAM)
+
+
+def test_ngram_lookup_takes_the_latest_longest_match():
+    assert propose_ngram(np.array([1, 2, 3, 4, 5, 9, 1, 2, 3]), 1, 3, 3) == [4, 5, 9]
+    assert propose_ngram(np.array([7, 1, 8, 2, 1]), 1, 3, 2) == [8, 2]  # only a 1-gram matches
+    assert propose_ngram(np.array([5, 6, 7]), 1, 3, 3) == []
+    assert propose_ngram(np.array([1, 2, 9, 1, 2, 8, 1, 2]), 2, 2, 1) == [8]  # the latest of two matches
+
+
+def test_greedy_equals_no_speculation_and_transformers(tiny_qwen2, plain, ngram):
+    ref = tokens(plain, PROMPTS, GREEDY)
+    steps_before = ngram.llm_engine.step_id
+    got = tokens(ngram, PROMPTS, GREEDY)
+    assert got == ref
+    assert got[1] == hf_greedy(tiny_qwen2, PROMPTS[1], 40)
+    m = ngram.get_metrics()
+    assert m["spec_num_accepted_tokens"] > 0, "no guess was ever accepted: the check would be vacuous"
+    assert ngram.llm_engine.step_id - steps_before < 40  # fewer steps than tokens per sequence
+
+
+def test_counters_add_up(tiny_qwen2):
+    llm = make(tiny_qwen2, NGRAM)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    m = llm.get_metrics()
+    assert 0 < m["spec_num_accepted_tokens"] <= m["spec_num_draft_tokens"] <= 4 * m["spec_num_drafts"]
+    # every verified sequence-step emits its accepted guesses plus one token (no stop cuts a run here)
+    assert m["spec_num_emitted_tokens"] == m["spec_num_drafts"] + m["spec_num_accepted_tokens"]
+    assert m["num_generation_tokens"] == 40 * len(PROMPTS)
+    assert m["spec_mean_accepted_length"] == pytest.approx(m["spec_num_emitted_tokens"] / m["spec_num_drafts"])
+    per_request = [o.metrics for o in outs]
+    assert sum(r["spec_num_draft_tokens"] for r in per_request) == m["spec_num_draft_tokens"]
+    assert sum(r["spec_num_accepted_tokens"] for r in per_request) == m["spec_num_accepted_tokens"]
+
+
+def test_mixed_batch_with_requests_that_do_not_speculate(plain, ngram):
+    """Greedy, seeded sampling, min_tokens (which keeps a sequence from guessing) and n=2 in one batch."""
+    eos = sorted(plain.llm_engine.eos_token_ids)[0]
+    params = [GREEDY, SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, min_tokens=10, logit_bias={eos: 100.0}),
+              SamplingParams(temperature=0, max_tokens=25, n=2, ignore_eos=True)]
+    ref = tokens(plain, PROMPTS, params)
+    got = tokens(ngram, PROMPTS, params)
+    assert got[0] == ref[0] and got[2] == ref[2] and got[3] == got[4] == ref[3] == ref[4]
+    assert len(ref[2]) == 11 and ref[2][-1] == eos  # min_tokens held eos back, then the bias ended it
+    again = tokens(ngram, PROMPTS, params)
+    assert again[1] == got[1] and len(got[1]) == 30  # a seed fixes the speculative run too
+
+
+def test_penalties_and_logprobs_match(plain, ngram):
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3,
+                            frequency_penalty=0.2, logprobs=3)
+    ref = plain.generate(PROMPTS, params, use_tqdm=False)
+    got = ngram.generate(PROMPTS, params, use_tqdm=False)
+    for r, g in zip(ref, got):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids
+        for lr, lg in zip(r.outputs[0].logprobs, g.outputs[0].logprobs):
+            assert lr.keys() == lg.keys()
+            for tid in lr:
+                assert lg[tid].logprob == pytest.approx(lr[tid].logprob, abs=1e-4)
+                assert lg[tid].rank == lr[tid].rank
+
+
+def test_stops_inside_an_accepted_run_cut_it_there(plain, ngram):
+    full = tokens(plain, PROMPTS[1:2], GREEDY)[0]
+    stop_id = full[9]
+    first = full.index(stop_id)
+    text = plain.generate(PROMPTS[1:2], GREEDY, use_tqdm=False)[0].outputs[0].text
+    cases = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_id]),
+             SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[text[12:16]])]
+    for params in cases:
+        r = plain.generate(PROMPTS[1:2], params, use_tqdm=False)[0].outputs[0]
+        g = ngram.generate(PROMPTS[1:2], params, use_tqdm=False)[0].outputs[0]
+        assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == \
+            (r.token_ids, r.text, r.finish_reason, r.stop_reason)
+    assert len(tokens(ngram, PROMPTS[1:2], cases[0])[0]) == first + 1
+
+
+def test_prefix_caching_preemption_and_chunked_prefill(tiny_qwen2):
+    long = [p * 4 for p in PROMPTS]  # 12..72 tokens
+    kw = dict(max_num_batched_tokens=16, num_gpu_blocks=40, enable_prefix_caching=True)
+    plain, spec = make(tiny_qwen2, **kw), make(tiny_qwen2, NGRAM, **kw)
+    ref = tokens(plain, long, GREEDY)
+    got = tokens(spec, long, GREEDY)
+    assert got == ref
+    assert spec.get_metrics()["num_preemptions"] > 0, "the cache was meant to run out"
+    assert spec.get_metrics()["spec_num_accepted_tokens"] > 0
+    cached = make(tiny_qwen2, NGRAM, max_num_batched_tokens=16)
+    assert tokens(cached, long[:2], GREEDY) == ref[:2]
+    assert tokens(cached, long[:2], GREEDY) == ref[:2]  # their prompts' blocks are cached now
+    assert cached.get_metrics()["prefix_cache_hits"] > 0
+
+
+@pytest.mark.parametrize("bad, field", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
+])
+def test_bad_configurations_fail_at_start_naming_the_field(bad, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig.from_kwargs("unused", speculative_config=bad)
+
+
+def test_speculation_turns_the_overlapped_loop_off():
+    cfg = EngineConfig.from_kwargs("unused", speculative_config=NGRAM, async_scheduling=True, device="cpu")
+    assert isinstance(cfg.speculative_config, SpeculativeConfig) and not cfg.use_async_scheduling()
+
+
+# ---- the rejection sampler keeps the target's distribution --------------------------------------------------
+def _verify_many(probs: torch.Tensor, guess: int, n: int, temperature: float = 1.0) -> np.ndarray:
+    """n independent verify rows of the same target distribution checking the same guess: emitted tokens."""
+    logits = (probs.log() * temperature).expand(n, -1).contiguous()
+    params = SamplingParams(temperature=temperature)
+    meta = SamplingMetadata.build([SamplingRow(params, [], [])] * n, probs.shape[0], "cpu")
+    out = rejection_sampler.rejection_sample(Sampler(), logits, meta, torch.full((n,), guess))
+    return np.bincount(out.sampled_token_ids.numpy(), minlength=probs.shape[0])
+
+
+@pytest.mark.parametrize("guess", [0, 2, 4])  # the most likely token, a middling one, an impossible one
+def test_rejection_sampling_keeps_the_distribution(guess, monkeypatch):
+    torch.manual_seed(0)
+    p = torch.tensor([0.45, 0.25, 0.15, 0.15, 0.0])
+    n = 20000
+    counts = _verify_many(p, guess, n)
+    assert counts[4] == 0
+    assert chisquare(counts[:4], p[:4].numpy() * n).pvalue > 0.01
+    if guess == 0:  # accepting a likely guess without the coin flip (greedy-style) is caught
+        monkeypatch.setattr(rejection_sampler, "uniforms", lambda meta, device: torch.zeros(len(meta.generators)))
+        broken = _verify_many(p, guess, n)
+        assert chisquare(broken[:4], p[:4].numpy() * n).pvalue < 0.01
+
+
+def test_sampled_tokens_keep_their_distribution_end_to_end(tiny_qwen2, plain):
+    """Many seeds, the first positions after the prompt: token frequencies with and without speculation agree.
+    The draft is the target itself, so its (greedy) guesses are the likeliest tokens and often accepted: a
+    verifier that accepted them without the coin flip would skew every position toward the argmax."""
+    spec = make(tiny_qwen2, {"method": "draft_model", "model": tiny_qwen2, "num_speculative_tokens": 3})
+    prompt, n = PROMPTS[3], 200
+    ref = np.array(tokens(plain, [prompt] * n, [SamplingParams(temperature=1.0, top_k=3, seed=s, max_tokens=4,
+                                                               ignore_eos=True) for s in range(n)]))
+    got = np.array(tokens(spec, [prompt] * n, [SamplingParams(temperature=1.0, top_k=3, seed=1000 + s, max_tokens=4,
+                                                              ignore_eos=True) for s in range(n)]))
+    m = spec.get_metrics()
+    assert m["spec_num_accepted_tokens"] > n, "too few guesses accepted for the test to mean anything"
+    for pos in range(1, 4):
+        cats = sorted(set(ref[:, pos]) | set(got[:, pos]))
+        table = np.array([[(ref[:, pos] == c).sum() for c in cats], [(got[:, pos] == c).sum() for c in cats]])
+        assert chi2_contingency(table + 0.5).pvalue > 0.01, (pos, cats, table)
