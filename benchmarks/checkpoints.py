@@ -23,6 +23,13 @@ CONFIGS = {
     "qwen2.5-7b": ("Qwen2Config", dict(
         hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
         vocab_size=152064, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=False)),
+    # published shapes of SmolLM2-135M (the default model) and SmolLM2-360M: a draft and a target of one vocabulary
+    "smollm2-135m": ("LlamaConfig", dict(
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True)),
+    "smollm2-360m": ("LlamaConfig", dict(
+        hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15, num_key_value_heads=5,
+        vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True)),
     "tiny": ("Qwen2Config", dict(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         vocab_size=512, max_position_embeddings=4096, tie_word_embeddings=False)),

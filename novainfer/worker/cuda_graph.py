@@ -2,7 +2,10 @@
 
 A decode step launches a few hundred small kernels; replaying a captured graph launches them in one
 call. The graph reads its inputs from fixed buffers, so a step copies its inputs in, pads the batch
-up to the next captured size (padding rows write nowhere: slot -1) and replays.
+up to the next captured size (padding rows write nowhere: slot -1) and replays. With query_len > 1 the same
+class captures speculative decoding's verify step, where every sequence brings query_len tokens (its last
+token and its guesses); those graphs run the prefill attention kernel, whose grid depends only on the
+batch size and query_len.
 """
 from __future__ import annotations
 
@@ -30,59 +33,65 @@ def bucket(ladder: list[int], num_seqs: int) -> int:
 
 class DecodeGraphs:
     def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, num_splits: Callable[[int], int]):
+                 dtype: torch.dtype, device: torch.device, num_splits: Callable[[int], int], query_len: int = 1):
         self.model = model
         self.sizes = batch_size_ladder(max_num_seqs)
         self.num_splits = num_splits
+        self.query_len = q = query_len
         n, i32 = self.sizes[-1], dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
-        self.seq_lens = torch.ones(n, **i32)
-        self.query_start_loc = torch.arange(n + 1, **i32)
+        self.input_ids = torch.zeros(n * q, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n * q, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n * q,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.full((n,), q, **i32)
+        self.query_start_loc = torch.arange(n + 1, **i32) * q
         self.block_tables = torch.zeros(n, max_blocks_per_seq, **i32)  # column 0 stays a valid block id
-        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.hidden = torch.zeros(n * q, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def metadata(self, bs: int) -> AttentionMetadata:
+        q = self.query_len
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
-            slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs],
-            max_query_len=1, max_seq_len=self.block_tables.shape[1], num_splits=self.num_splits(bs))
+            slot_mapping=self.slot_mapping[:bs * q], block_tables=self.block_tables[:bs],
+            max_query_len=q, max_seq_len=self.block_tables.shape[1],
+            num_splits=self.num_splits(bs) if q == 1 else 1)
 
     @torch.inference_mode()
     def capture(self) -> None:
         pool = None
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
             graph = torch.cuda.CUDAGraph()
+            t = bs * self.query_len
             with attention_metadata(self.metadata(bs)):
-                self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])  # warm-up, JIT compile
+                self.hidden[:t] = self.model(self.input_ids[:t], self.positions[:t])  # warm-up, JIT compile
                 torch.cuda.synchronize()
                 with torch.cuda.graph(graph, pool):
-                    self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs])
+                    self.hidden[:t] = self.model(self.input_ids[:t], self.positions[:t])
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
         torch.cuda.synchronize()
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+        logger.info("captured %s CUDA graphs for batch sizes %s", "decode" if self.query_len == 1 else
+                    f"verify ({self.query_len} tokens a sequence)", self.sizes)
 
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
     def load_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor) -> None:
-        """Copy one decode step's inputs (host tensors, pinned) into the static buffers; pad to the graph's size."""
-        n = input_ids.shape[0]
+        """Copy one step's inputs (host tensors, pinned) into the static buffers; pad to the graph's size."""
+        n, q = seq_lens.shape[0], self.query_len
         bs = bucket(self.sizes, n)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
+        t = n * q
+        self.input_ids[:t].copy_(input_ids, non_blocking=True)
+        self.positions[:t].copy_(positions, non_blocking=True)
+        self.slot_mapping[:t].copy_(slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
         self.block_tables[:n, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
         if bs > n:
-            self.slot_mapping[n:bs].fill_(-1)
-            self.seq_lens[n:bs].fill_(1)
+            self.slot_mapping[t:bs * q].fill_(-1)
+            self.seq_lens[n:bs].fill_(q)
 
     def replay(self, num_seqs: int) -> torch.Tensor:
-        """Hidden states [num_seqs, hidden] of the decode step whose inputs load_inputs copied in."""
+        """Hidden states [num_seqs * query_len, hidden] of the step whose inputs load_inputs copied in."""
         self.graphs[bucket(self.sizes, num_seqs)].replay()
-        return self.hidden[:num_seqs]
+        return self.hidden[:num_seqs * self.query_len]

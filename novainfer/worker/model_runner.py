@@ -84,6 +84,7 @@ class ModelRunner:
         self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="novainfer-step") \
             if device.type != "cuda" and config.use_async_scheduling() else None
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: DecodeGraphs | None = None  # speculative decoding's verify step (CUDA)
         self.ladder = batch_size_ladder(sc.max_num_seqs)  # the decode batch sizes graphs are captured for
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
@@ -187,6 +188,12 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, sc.max_num_seqs, self.max_blocks_per_seq,
                                    self.hf_config.hidden_size, self.dtype, self.device, self.num_splits)
         self.graphs.capture()
+        spec = self.config.speculative_config
+        if spec is not None:  # verify steps where every sequence checks num_speculative_tokens guesses
+            self.verify_graphs = DecodeGraphs(self.model, sc.max_num_seqs, self.max_blocks_per_seq,
+                                              self.hf_config.hidden_size, self.dtype, self.device, self.num_splits,
+                                              query_len=spec.num_speculative_tokens + 1)
+            self.verify_graphs.capture()
 
     def num_splits(self, num_seqs: int) -> int:
         """Split-K parts for a decode batch: enough programs to fill the GPU, each part >= 256 tokens of the
@@ -333,8 +340,17 @@ class ModelRunner:
             self._rows[seq.seq_id] = row
         return row
 
-    def use_cudagraph(self, inp: StepInputs) -> bool:
-        return self.graphs is not None and inp.max_query_len == 1 and self.graphs.can_run(len(inp.seq_lens))
+    def cudagraphs_for(self, inp: StepInputs) -> DecodeGraphs | None:
+        """The captured graphs that can run this step: a pure decode step, or a verify step in which every
+        sequence checks the full number of guesses; None runs it eagerly."""
+        num_seqs = len(inp.seq_lens)
+        graphs = self.graphs if inp.max_query_len == 1 else self.verify_graphs
+        if graphs is None or not graphs.can_run(num_seqs) or inp.max_query_len != graphs.query_len:
+            return None
+        if inp.max_query_len > 1 and (inp.spec_num_drafts is None or len(inp.spec_num_drafts) != num_seqs
+                                      or inp.input_ids.shape[0] != num_seqs * graphs.query_len):
+            return None
+        return graphs
 
     def build_attention_metadata(self, inp: StepInputs) -> AttentionMetadata:
         """Upload the step's inputs once (asynchronously from pinned memory) and describe them for attention."""
@@ -353,14 +369,14 @@ class ModelRunner:
 
         A pure decode step copies its inputs straight into a captured graph's buffers and replays it;
         any other step builds its attention metadata and runs eagerly."""
-        if self.use_cudagraph(inp):
+        graphs = self.cudagraphs_for(inp) if self.graphs is not None else None
+        if graphs is not None:
             with nvtx_range("attn_meta/graph_inputs", self.nvtx):
-                self.graphs.load_inputs(inp.input_ids, inp.positions, inp.slot_mapping, inp.seq_lens_t,
-                                        inp.block_tables)
+                graphs.load_inputs(inp.input_ids, inp.positions, inp.slot_mapping, inp.seq_lens_t, inp.block_tables)
                 if inp.feed is not None:
-                    inp.feed.apply(self.graphs.input_ids, self.device)
+                    inp.feed.apply(graphs.input_ids, self.device)
             with nvtx_range("forward/graph_replay", self.nvtx):
-                hidden = self.graphs.replay(len(inp.seq_lens))
+                hidden = graphs.replay(len(inp.seq_lens))
         else:
             with nvtx_range("attn_meta/build", self.nvtx):
                 meta = self.build_attention_metadata(inp)
