@@ -188,3 +188,37 @@ def test_sampled_tokens_keep_their_distribution_end_to_end(tiny_qwen2, plain):
         cats = sorted(set(ref[:, pos]) | set(got[:, pos]))
         table = np.array([[(ref[:, pos] == c).sum() for c in cats], [(got[:, pos] == c).sum() for c in cats]])
         assert chi2_contingency(table + 0.5).pvalue > 0.01, (pos, cats, table)
+
+
+def test_server_speculates_streams_and_counts(tiny_qwen2, plain, tmp_path):
+    """`novainfer serve --speculative-config`: the official client gets the tokens decoding without speculation
+    gives, streamed or not, and /metrics counts guesses."""
+    import json
+
+    import openai
+
+    from tests.server_utils import RemoteServer
+    srv = RemoteServer([tiny_qwen2, "--served-model-name", "tiny", "--dtype", "float32",
+                        "--speculative-config", json.dumps(NGRAM)], str(tmp_path / "server.log"))
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+        tok = plain.get_tokenizer()
+        prompt = tok.decode(PROMPTS[3])
+        want = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].text
+        resp = client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=30,
+                                         extra_body={"ignore_eos": True})
+        assert resp.choices[0].text == want and resp.usage.completion_tokens == 30
+        chunks = client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=30, stream=True,
+                                           extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        srv.wait_idle()
+        accepted = srv.metric("novainfer:spec_decode_num_accepted_tokens_total", model_name="tiny")
+        drafts = srv.metric("novainfer:spec_decode_num_drafts_total", model_name="tiny")
+        emitted = srv.metric("novainfer:spec_decode_num_emitted_tokens_total", model_name="tiny")
+        assert 0 < accepted <= srv.metric("novainfer:spec_decode_num_draft_tokens_total", model_name="tiny")
+        assert emitted == drafts + accepted
+        assert srv.metric("novainfer:spec_decode_mean_accepted_length", model_name="tiny") == \
+            pytest.approx(emitted / drafts)
+    finally:
+        srv.stop()
