@@ -40,6 +40,32 @@ PARTS = {
         ("tput qwen3-30b-a3b overlap on", ["benchmarks/throughput.py", "--model", "random:qwen3-30b-a3b",
                                            "--async-scheduling"]),
     ],
+    # round 3 (issues 15 and 19): checks with speculation, the default model's n-gram speed-up, throughput and
+    # latency after the host-overhead work
+    "round3-a": [
+        ("gpu_check", ["tests/gpu/gpu_check.py"]),
+        ("spec ngram default model b1 b32", ["benchmarks/speculation.py", "--device", "cuda", "--batch", "1", "32",
+                                             "--max-tokens", "128"]),
+        ("tput 0.5b overlap on (+HF)", ["benchmarks/throughput.py", "--model", "random:qwen2.5-0.5b",
+                                        "--compare-hf", "--hf-num-prompts", "128", "--async-scheduling"]),
+        ("tput 0.5b overlap off", ["benchmarks/throughput.py", "--model", "random:qwen2.5-0.5b",
+                                   "--no-async-scheduling"]),
+        ("lat 0.5b overlap on (+HF)", ["benchmarks/latency.py", "--model", "random:qwen2.5-0.5b", "--compare-hf",
+                                       "--async-scheduling"]),
+        ("lat 0.5b overlap off", ["benchmarks/latency.py", "--model", "random:qwen2.5-0.5b",
+                                  "--no-async-scheduling"]),
+    ],
+    "round3-b": [
+        ("tput 7b overlap on", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--async-scheduling"]),
+        ("tput 7b overlap off", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--no-async-scheduling"]),
+        ("lat 7b overlap on", ["benchmarks/latency.py", "--model", "random:qwen2.5-7b", "--async-scheduling"]),
+        ("spec draft 360m-135m b1", ["benchmarks/speculation.py", "--device", "cuda", "--model",
+                                     "random:smollm2-360m", "--max-tokens", "64", "--speculative-config",
+                                     '{"method": "draft_model", "model": "random:smollm2-135m", '
+                                     '"num_speculative_tokens": 4}']),
+        ("tput qwen3-30b-a3b overlap on", ["benchmarks/throughput.py", "--model", "random:qwen3-30b-a3b",
+                                           "--async-scheduling"]),
+    ],
 }
 
 

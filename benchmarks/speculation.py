@@ -128,8 +128,9 @@ def main() -> None:
     kw = dict(device=args.device, dtype=args.dtype, load_format=load_format(args.model))
     rows = []
     for batch in args.batch:
-        off = run_novainfer(model, None, prompts, args.max_tokens, batch, kw)
-        on = run_novainfer(model, spec, prompts, args.max_tokens, batch, kw)
+        batch_prompts = (prompts * -(-batch // len(prompts)))[:max(batch, len(prompts))]  # a full batch of copies
+        off = run_novainfer(model, None, batch_prompts, args.max_tokens, batch, kw)
+        on = run_novainfer(model, spec, batch_prompts, args.max_tokens, batch, kw)
         on["speedup"] = on["tok_s"] / off["tok_s"]
         on["greedy_equal"] = on["tokens"] == off["tokens"]
         rows += [off, on]

@@ -8,6 +8,9 @@
    references, rel err <= 1e-2; the new families' greedy tokens vs transformers in float32.
 5. Issue 14: the overlapped step loop's tokens equal the synchronous loop's (and engine_vs_hf runs with it, the
    CUDA default).
+6. Issue 15: speculative decoding (n-gram and a draft model) gives the greedy tokens of decoding without it
+   (float32) and transformers'; verify steps replayed from CUDA graphs give the tokens of eager verify steps
+   (bf16), and the graphs are really replayed.
 Prints a table; exits non-zero if any check fails.
 """
 from __future__ import annotations
@@ -157,9 +160,53 @@ def overlap_vs_sync(tmp: str) -> None:
           f"tokens counted {results[True][1]}", same == len(prompts) and counts)
 
 
+def speculation_checks(tmp: str) -> None:
+    """Greedy identity with speculation on the GPU, and verify-step CUDA graphs against eager verify steps."""
+    from transformers import AutoModelForCausalLM
+    path = make_tiny_model(os.path.join(tmp, "qwen2_spec"), "qwen2", seed=13, layers=4)
+    loop = [100, 200, 300, 400] * 6
+    prompts = [{"prompt_token_ids": loop[i % 4:] + list(range(5 + i, 12 + i))} for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    want = [hf_greedy_with(hf, p["prompt_token_ids"], 40) for p in prompts]
+    del hf
+    specs = {"ngram k=4": {"method": "ngram", "num_speculative_tokens": 4},
+             "draft_model k=3 (draft = target)": {"method": "draft_model", "model": path, "num_speculative_tokens": 3}}
+    for name, spec in specs.items():
+        for dtype, eager in (("float32", False), ("bfloat16", True), ("bfloat16", False)):
+            llm = LLM(path, dtype=dtype, enforce_eager=eager, gpu_memory_utilization=0.3, max_num_seqs=16,
+                      speculative_config=spec)
+            runner = llm.llm_engine.executor.workers[0].model_runner
+            replays = [0]
+            if runner.verify_graphs is not None:
+                replay = runner.verify_graphs.replay
+                runner.verify_graphs.replay = lambda n, _r=replay: (replays.__setitem__(0, replays[0] + 1), _r(n))[1]
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            m = llm.get_metrics()
+            detail = (f"{dtype}, graphs={not eager}: acceptance {m.get('spec_acceptance_rate', 0):.2f}, "
+                      f"mean accepted length {m.get('spec_mean_accepted_length', 0):.2f}, verify replays {replays[0]}")
+            if dtype == "float32":
+                same = sum(a == b for a, b in zip(got, want))
+                check(f"speculation {name} == HF greedy", f"{same}/{len(prompts)}; {detail}",
+                      same == len(prompts) and m.get("spec_num_accepted_tokens", 0) > 0 and replays[0] > 0)
+            elif eager:
+                eager_tokens = got
+            else:
+                same = sum(a == b for a, b in zip(got, eager_tokens))
+                check(f"speculation {name}: verify graphs == eager", f"{same}/{len(prompts)}; {detail}",
+                      same == len(prompts) and replays[0] > 0)
+            del llm, runner
+            gc.collect()
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     t0 = time.time()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    if sys.argv[1:] == ["--only", "speculation"]:  # just that group (a re-run after a fix)
+        with tempfile.TemporaryDirectory() as tmp:
+            speculation_checks(tmp)
+        return report(t0)
     kernel_checks()
     fused_op_checks()
     moe_kernel_checks()
@@ -169,6 +216,11 @@ def main() -> None:
         families_vs_hf(tmp)
         graph_vs_eager(tmp)
         overlap_vs_sync(tmp)
+        speculation_checks(tmp)
+    report(t0)
+
+
+def report(t0: float) -> None:
     print("\n| check | detail | result |\n|---|---|---|")
     for name, detail, ok in rows:
         print(f"| {name} | {detail} | {'pass' if ok else 'FAIL'} |")
