@@ -357,12 +357,22 @@ class ModelRunner:
         def up(x: torch.Tensor) -> torch.Tensor:
             return x.to(self.device, non_blocking=True)
         max_query_len = inp.max_query_len
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             query_start_loc=up(inp.query_start_loc_t), seq_lens=up(inp.seq_lens_t),
             slot_mapping=up(inp.slot_mapping), block_tables=up(inp.block_tables),
             max_query_len=max_query_len, max_seq_len=max(inp.seq_lens),
             query_start_loc_cpu=inp.query_start_loc, seq_lens_cpu=inp.seq_lens,
             num_splits=self.num_splits(len(inp.seq_lens)) if max_query_len == 1 else 1)
+        num_tokens = inp.input_ids.shape[0]
+        if self.attn_backend is cpu_backend and inp.spec_num_drafts is not None and \
+                sum(inp.spec_num_drafts) + len(inp.spec_num_drafts) == num_tokens:  # only sequences that verify
+            rows = torch.from_numpy(np.repeat(np.arange(len(inp.seq_lens)), np.diff(inp.query_start_loc)))
+            seq_lens = inp.positions + 1
+            meta.per_token = AttentionMetadata(
+                query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32), seq_lens=seq_lens,
+                slot_mapping=meta.slot_mapping, block_tables=meta.block_tables[rows], max_query_len=1,
+                max_seq_len=int(seq_lens.max()))
+        return meta
 
     def run_model_forward(self, inp: StepInputs) -> torch.Tensor | None:
         """Logits [num_sampled_rows, vocab] in float32; None when no row samples (a prefill chunk).
