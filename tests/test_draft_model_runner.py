@@ -41,10 +41,11 @@ def make_worker(target: str, draft: str, **kw) -> Worker:
     return worker
 
 
-@pytest.fixture(scope="module")
-def worker(tiny_qwen2, tiny_draft):
-    # a budget of 16 tokens: the batch's reading pass below runs in chunks, one prompt split over two
-    return make_worker(tiny_qwen2, tiny_draft, max_num_batched_tokens=16)
+@pytest.fixture(scope="module", params=["cpu", "torch"])
+def worker(request, tiny_qwen2, tiny_draft):
+    """With each CPU attention backend; a budget of 16 tokens, so the batch's reading pass below runs in
+    chunks, one prompt split over two."""
+    return make_worker(tiny_qwen2, tiny_draft, max_num_batched_tokens=16, attention_backend=request.param)
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -100,6 +101,7 @@ def test_cache_sized_for_both_models(worker):
     assert runner.drafter.kv_cache.shape == (2, 1, NUM_BLOCKS, BLOCK_SIZE, 1, 16)
     assert runner.kv_cache.shape[2] == runner.drafter.kv_cache.shape[2] == runner.num_blocks == NUM_BLOCKS
     assert runner.drafter.kv_cache.data_ptr() != runner.kv_cache.data_ptr()
+    assert {layer.backend for layer in runner.drafter.layers} == {runner.attn_backend}
 
 
 def test_bad_requests_are_refused(worker):
