@@ -9,7 +9,9 @@ from transformers import AutoModelForCausalLM
 from novainfer import LLM
 from novainfer.config import EngineConfig
 from novainfer.engine.llm_engine import load_model_info
-from novainfer.spec_decode.draft_model_proposer import DraftRequest
+from novainfer.engine.sequence import Sequence
+from novainfer.sampling_params import SamplingParams
+from novainfer.spec_decode.draft_model_proposer import DraftModelProposer, DraftRequest
 from novainfer.worker.worker import Worker
 from tests.tiny_models import hf_greedy_with, make_tiny_model
 
@@ -87,6 +89,35 @@ def test_incremental_reads_its_own_cache(worker, hf_draft):
     second = worker.propose_draft_tokens([DraftRequest(0, len(ps[0]) + 2, new0, bts[0], 5),
                                           DraftRequest(1, len(ps[1]) + k - 1, new1, bts[1], 3)])
     assert second == [hf_greedy_with(hf_draft, full0, 5), hf_greedy_with(hf_draft, full1, 3)]
+
+
+class OneWorker:
+    """The uni executor's collective_rpc over one worker."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+
+    def collective_rpc(self, method: str, *args):
+        return [getattr(self.worker, method)(*args)]
+
+
+def test_core_side_proposer_keeps_the_draft_cache_in_step(worker, hf_draft):
+    """DraftModelProposer's bookkeeping (what the draft has read, what verification lets it keep) and the
+    runner agree over rounds of scripted verification: some guesses accepted, then a correction or a bonus."""
+    proposer = DraftModelProposer(OneWorker(worker))
+    seqs = [Sequence(p, SamplingParams()) for p in prompts(2, 3, seed=2)]
+    for i, seq in enumerate(seqs):
+        seq.block_table = list(range(1 + 12 * i, 13 + 12 * i))  # 48 slots: room for every round below
+    ks = [4, 2]
+    scripts = [[2, 4, 0, 3], [2, 0, 1, 2]]  # guesses the target accepts, per round
+    for round_ in range(4):
+        guesses = proposer.propose(seqs, ks)
+        assert guesses == [hf_greedy_with(hf_draft, seq.token_ids, k) for seq, k in zip(seqs, ks)], round_
+        for seq, g, k, script in zip(seqs, guesses, ks, scripts):
+            accepted = script[round_]
+            nxt = (g[accepted] + 1) % 400 if accepted < k else 17  # the target's correction, or its bonus token
+            seq.token_ids += g[:accepted] + [nxt]
+            proposer.on_verified(seq, k, accepted)
 
 
 def test_cache_sized_for_both_models(worker):
