@@ -2,6 +2,9 @@
 continuation of the draft checkpoint, batched, chunked and incremental over its own paged KV cache."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -154,3 +157,15 @@ def test_draft_with_another_vocabulary_fails(tiny_qwen2, tmp_path):
     other = make_tiny_model(str(tmp_path / "other"), "qwen2", layers=1, vocab_size=300)
     with pytest.raises(ValueError, match="speculative_config.model.*vocab_size"):
         make_worker(tiny_qwen2, other)
+
+
+def test_draft_whose_ids_name_other_tokens_fails(tiny_qwen2, tiny_draft, tmp_path):
+    """Same vocab_size, but two ids swapped in the tokenizer: the draft would read the target's ids wrongly."""
+    other = shutil.copytree(tiny_draft, tmp_path / "swapped")
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = [t for t, i in vocab.items() if i in (300, 301)]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="speculative_config.model.*vocabulary differs"):
+        make_worker(tiny_qwen2, str(other))

@@ -50,17 +50,28 @@ def load_draft_config(config: EngineConfig, target_hf_config: Any, max_model_len
 
 
 def _check_tokenizers(draft_path: str, target_path: str) -> None:
-    """Where both tokenizers load, each id must name the same token in both (the draft reads the target's ids;
-    how each would split text does not matter, and transformers picks the splitter by model type)."""
+    """Each id must name the same token in both vocabularies (the draft reads the target's ids; how each would
+    split text does not matter). Compared where both are GGUF files (their token lists) or both are HF
+    folders (their tokenizers); converting a GGUF tokenizer to compare it with a folder's takes seconds."""
+    if draft_path.endswith(".gguf") != target_path.endswith(".gguf"):
+        logger.info("draft vocabulary not compared: one of %s and %s is GGUF, the other not", draft_path, target_path)
+        return
     try:
-        draft_vocab, target_vocab = load_tokenizer(draft_path).get_vocab(), load_tokenizer(target_path).get_vocab()
+        draft_vocab, target_vocab = _vocab(draft_path), _vocab(target_path)
     except Exception as exc:  # e.g. a config-only folder: nothing to compare
-        logger.info("draft tokenizer not compared with the target's: %s", exc)
+        logger.info("draft vocabulary not compared with the target's: %s", exc)
         return
     differ = sorted(set(draft_vocab.items()) ^ set(target_vocab.items()), key=lambda kv: kv[1])
     if differ:
         raise ValueError(f"speculative_config.model {draft_path!r}: its tokenizer's vocabulary differs from the "
                          f"target's in {len(differ)} (token, id) entries, e.g. {differ[:3]}")
+
+
+def _vocab(path: str) -> dict[str, int]:
+    if path.endswith(".gguf"):
+        from novainfer.loader.gguf_loader import load_gguf_vocab
+        return load_gguf_vocab(path)
+    return load_tokenizer(path).get_vocab()
 
 
 class DraftModelRunner:
