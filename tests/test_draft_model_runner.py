@@ -138,6 +138,14 @@ def test_cache_sized_for_both_models(worker):
     assert {layer.backend for layer in runner.drafter.layers} == {runner.attn_backend}
 
 
+def test_profile_run_releases_both_caches(tiny_qwen2, tiny_draft):
+    """The memory profile (CUDA's; it runs on the CPU too) works with a draft and gives both scratch caches back."""
+    runner = make_worker(tiny_qwen2, tiny_draft, max_num_batched_tokens=32).model_runner
+    runner.profile_run()
+    assert runner.kv_cache is None and runner.drafter.kv_cache is None
+    assert all(layer.k_cache.numel() == 0 for layer in runner.attention_layers() + runner.drafter.layers)
+
+
 def test_bad_requests_are_refused(worker):
     with pytest.raises(ValueError, match="block_table"):  # 5 tokens + 3 guesses need 7 slots: 2 blocks
         worker.propose_draft_tokens([DraftRequest(0, 0, [1, 2, 3, 4, 5], [1], 3)])

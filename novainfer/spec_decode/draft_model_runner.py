@@ -113,6 +113,13 @@ class DraftModelRunner:
         self.kv_cache = None
         release_kv_cache(self.layers)
 
+    def profile_run(self, ids: torch.Tensor, meta: AttentionMetadata, rows: int) -> None:
+        """The largest draft forward (a reading chunk of max_num_batched_tokens, logits for rows sequences), for
+        the target runner's memory profile; meta addresses the scratch cache."""
+        with attention_metadata(meta):
+            hidden = self.model(ids, torch.arange(len(ids), device=self.device))
+        self.model.compute_logits(hidden[-rows:])
+
     # ---- proposing -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, requests: list[DraftRequest]) -> list[list[int]]:

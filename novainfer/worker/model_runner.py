@@ -145,9 +145,11 @@ class ModelRunner:
             block_tables=torch.arange(self.blocks_for(n), dtype=torch.int32, device=self.device)[None],
             max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        rows = min(n, self.config.scheduler_config.max_num_seqs)
+        if self.drafter is not None:  # its forwards run apart from the target's, so its peak is measured alone
+            self.drafter.profile_run(ids, meta, rows)
         with attention_metadata(meta):
             hidden = self.model(ids, torch.arange(n, device=self.device))
-        rows = min(n, self.config.scheduler_config.max_num_seqs)
         logits = self.model.compute_logits(hidden[-rows:]).float()
         worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.1, repetition_penalty=1.1,
                                presence_penalty=0.1, logprobs=20)
