@@ -85,6 +85,7 @@ class DraftModelRunner:
                  device: torch.device, max_model_len: int):
         path = config.speculative_config.model
         self.hf_config = load_draft_config(config, target_hf_config, max_model_len)
+        # the draft's weights are always read, also under a load_format="dummy" target (a benchmark's random one)
         draft_mc = dataclasses.replace(config.model_config, model=path, hf_config=self.hf_config, tokenizer=None,
                                        max_model_len=None, load_format="auto")
         try:
@@ -143,14 +144,10 @@ class DraftModelRunner:
         guesses[:, 0] = self._read(requests, tables)
         for j in range(1, guesses.shape[1]):  # guess j+1 from guess j, for every sequence that wants it
             rows = np.flatnonzero(wanted > j)
-            ids = guesses[:, j - 1] if len(rows) == len(requests) else \
-                guesses[torch.from_numpy(rows).to(self.device), j - 1]
-            hidden = self._forward(ids, tables, rows, ends[rows] + j - 1, np.ones(len(rows), dtype=np.int64))
-            nxt = self.model.compute_logits(hidden).argmax(dim=-1)
-            if len(rows) == len(requests):
-                guesses[:, j] = nxt
-            else:
-                guesses[torch.from_numpy(rows).to(self.device), j] = nxt
+            index = slice(None) if len(rows) == len(requests) else self._upload(rows)
+            hidden = self._forward(guesses[index, j - 1], tables, rows, ends[rows] + j - 1,
+                                   np.ones(len(rows), dtype=np.int64))
+            guesses[index, j] = self.model.compute_logits(hidden).argmax(dim=-1)
         return [row[:k] for row, k in zip(guesses.tolist(), wanted.tolist())]
 
     def _read(self, requests: list[DraftRequest], tables: np.ndarray) -> torch.Tensor:
@@ -180,13 +177,12 @@ class DraftModelRunner:
         lengths = np.array([n for _, _, n in pieces], dtype=np.int64)
         starts = np.array([requests[i].start for i in rows], dtype=np.int64) + offsets
         ids = [t for i, off, n in pieces for t in requests[i].token_ids[off:off + n]]
-        hidden = self._forward(torch.tensor(ids, dtype=torch.long, device=self.device), tables, rows, starts,
-                               lengths)
+        hidden = self._forward(self._upload(np.array(ids, dtype=np.int64)), tables, rows, starts, lengths)
         last = [p for p, (i, off, n) in enumerate(pieces) if off + n == len(requests[i].token_ids)]
         if last:
             ends = np.cumsum(lengths)[last] - 1
-            logits = self.model.compute_logits(hidden[torch.from_numpy(ends).to(self.device)])
-            first[torch.from_numpy(rows[last]).to(self.device)] = logits.argmax(dim=-1)
+            logits = self.model.compute_logits(hidden[self._upload(ends)])
+            first[self._upload(rows[last])] = logits.argmax(dim=-1)
 
     def _forward(self, ids: torch.Tensor, tables: np.ndarray, rows: np.ndarray, starts: np.ndarray,
                  lengths: np.ndarray) -> torch.Tensor:
@@ -198,16 +194,21 @@ class DraftModelRunner:
         slots = tables[token_rows, positions // self.block_size] * self.block_size + positions % self.block_size
         seq_lens = starts + lengths
         qsl = np.concatenate([[0], ends])
-        dev = self.device
         meta = AttentionMetadata(
-            query_start_loc=torch.from_numpy(qsl).to(dev, torch.int32),
-            seq_lens=torch.from_numpy(seq_lens).to(dev, torch.int32),
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            block_tables=torch.from_numpy(tables[rows]).to(dev, torch.int32),
+            query_start_loc=self._upload(qsl, torch.int32), seq_lens=self._upload(seq_lens, torch.int32),
+            slot_mapping=self._upload(slots), block_tables=self._upload(tables[rows], torch.int32),
             max_query_len=int(lengths.max()), max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
         with attention_metadata(meta):
-            return self.model(ids, torch.from_numpy(positions).to(dev))
+            return self.model(ids, self._upload(positions))
+
+    def _upload(self, x: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x on the device; on CUDA from pinned memory without waiting, so a forward's inputs never sync the host
+        with the device (the guesses' one read at the end does)."""
+        t = torch.from_numpy(x) if dtype is None else torch.from_numpy(x).to(dtype)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _check(self, r: DraftRequest) -> None:
         """A request the cache can serve: tokens to read, guesses wanted, slots and positions that exist."""
