@@ -20,6 +20,7 @@ from tests.tiny_models import hf_greedy_with, make_tiny_model
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 48
+VOCAB = 400  # make_tiny_model's tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def worker(request, tiny_qwen2, tiny_draft):
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 400, (length + 4 * i,), generator=gen).tolist() for i in range(n)]
+    return [torch.randint(3, VOCAB, (length + 4 * i,), generator=gen).tolist() for i in range(n)]
 
 
 def tables(free: list[int], lengths: list[int]) -> list[list[int]]:
@@ -69,13 +70,20 @@ def tables(free: list[int], lengths: list[int]) -> list[list[int]]:
 
 
 def test_batched_guesses_match_hf_greedy(worker, hf_draft):
-    ps = [p for p in prompts(3, 5, seed=0)] + [[7]]  # 5, 9, 13 and 1 tokens: 28 > 16, so two chunks
+    ps = prompts(3, 5, seed=0) + [[7]]  # 5, 9, 13 and 1 tokens: 28 > 16, so two chunks
     ks = [4, 1, 6, 3]
     free = list(range(NUM_BLOCKS - 1, 0, -3))  # scattered blocks, not in order
     bts = tables(free, [len(p) + k - 1 for p, k in zip(ps, ks)])
     reqs = [DraftRequest(i, 0, p, bt, k) for i, (p, bt, k) in enumerate(zip(ps, bts, ks))]
-    guesses = worker.propose_draft_tokens(reqs)
+    forwards = []  # tokens per draft forward
+    hook = worker.model_runner.drafter.model.register_forward_hook(lambda m, args, out: forwards.append(len(args[0])))
+    try:
+        guesses = worker.propose_draft_tokens(reqs)
+    finally:
+        hook.remove()
     assert guesses == [hf_greedy_with(hf_draft, p, k) for p, k in zip(ps, ks)]
+    # two reading chunks, then one decode forward per further guess over the sequences still guessing
+    assert forwards == [16, 12, 3, 3, 2, 1, 1]
 
 
 def test_incremental_reads_its_own_cache(worker, hf_draft):
@@ -86,7 +94,7 @@ def test_incremental_reads_its_own_cache(worker, hf_draft):
     first = worker.propose_draft_tokens([DraftRequest(i, 0, p, bt, k) for i, (p, bt) in enumerate(zip(ps, bts))])
     assert first == [hf_greedy_with(hf_draft, p, k) for p in ps]
     # seq 0: the target accepted 2 guesses, then corrected the third; seq 1: all 4 accepted, plus a bonus token
-    fix = (first[0][2] + 1) % 400
+    fix = (first[0][2] + 1) % VOCAB
     full0, new0 = ps[0] + first[0][:2] + [fix], [fix]
     full1, new1 = ps[1] + first[1] + [11], [first[1][3], 11]
     second = worker.propose_draft_tokens([DraftRequest(0, len(ps[0]) + 2, new0, bts[0], 5),
@@ -118,7 +126,7 @@ def test_core_side_proposer_keeps_the_draft_cache_in_step(worker, hf_draft):
         assert guesses == [hf_greedy_with(hf_draft, seq.token_ids, k) for seq, k in zip(seqs, ks)], round_
         for seq, g, k, script in zip(seqs, guesses, ks, scripts):
             accepted = script[round_]
-            nxt = (g[accepted] + 1) % 400 if accepted < k else 17  # the target's correction, or its bonus token
+            nxt = (g[accepted] + 1) % VOCAB if accepted < k else 17  # the target's correction, or its bonus token
             seq.token_ids += g[:accepted] + [nxt]
             proposer.on_verified(seq, k, accepted)
 
