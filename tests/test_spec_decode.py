@@ -177,13 +177,13 @@ def test_sampled_tokens_keep_their_distribution_end_to_end(tiny_qwen2, plain):
     The draft is the target itself, so its (greedy) guesses are the likeliest tokens and often accepted: a
     verifier that accepted them without the coin flip would skew every position toward the argmax."""
     spec = make(tiny_qwen2, {"method": "draft_model", "model": tiny_qwen2, "num_speculative_tokens": 3})
-    prompt, n = PROMPTS[3], 200
+    prompt, n = PROMPTS[3], 200  # 4 tokens each: at most 3 guesses checked, each accepted with p(argmax)
     ref = np.array(tokens(plain, [prompt] * n, [SamplingParams(temperature=1.0, top_k=3, seed=s, max_tokens=4,
                                                                ignore_eos=True) for s in range(n)]))
     got = np.array(tokens(spec, [prompt] * n, [SamplingParams(temperature=1.0, top_k=3, seed=1000 + s, max_tokens=4,
                                                               ignore_eos=True) for s in range(n)]))
     m = spec.get_metrics()
-    assert m["spec_num_accepted_tokens"] > n, "too few guesses accepted for the test to mean anything"
+    assert m["spec_num_accepted_tokens"] > n // 2, "too few guesses accepted for the test to mean anything"
     for pos in range(1, 4):
         cats = sorted(set(ref[:, pos]) | set(got[:, pos]))
         table = np.array([[(ref[:, pos] == c).sum() for c in cats], [(got[:, pos] == c).sum() for c in cats]])

@@ -92,6 +92,11 @@ def load_gguf_config(path: str) -> Any:
     return getattr(transformers, config_cls)(**kwargs)
 
 
+def load_gguf_vocab(path: str) -> dict[str, int]:
+    """Token -> id as the file's tokenizer.ggml.tokens lists them (no tokenizer conversion, which is slow)."""
+    return {token: i for i, token in enumerate(_field(_reader(path), "tokenizer.ggml.tokens", []))}
+
+
 def load_gguf_tokenizer(path: str) -> Any:
     """The tokenizer and chat template stored in the GGUF, converted by transformers."""
     from transformers import AutoTokenizer

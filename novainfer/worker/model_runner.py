@@ -25,9 +25,11 @@ from novainfer.layers.quantization.selector import get_quant_config
 from novainfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
 from novainfer.loader.model_loader import load_model
 from novainfer.sampling_params import SamplingParams
+from novainfer.spec_decode.draft_model_runner import DraftModelRunner
 from novainfer.spec_decode.rejection_sampler import emitted_rows, rejection_sample
 from novainfer.spec_decode.verify_inputs import verify_rows
 from novainfer.worker.input_batch import InputBatch
+from novainfer.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, release_kv_cache
 from novainfer.worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from novainfer.worker.cuda_graph import DecodeGraphs, batch_size_ladder, bucket
 from novainfer.worker.step_inputs import HostBuffers, StepInputs, nvtx_range
@@ -59,6 +61,10 @@ class ModelRunner:
         self.dtype = mc.dtype or (torch.bfloat16 if device.type == "cuda" else default_cpu_dtype())
         self.kv_dtype = resolve_cache_dtype(config, self.dtype, device)
         self.block_size = config.cache_config.block_size
+        spec = config.speculative_config
+        self.drafter: DraftModelRunner | None = None  # the draft model of speculative_config (its own KV cache)
+        if spec is not None and spec.method == "draft_model":  # first: a bad draft fails before the target loads
+            self.drafter = DraftModelRunner(config, hf_config, self.dtype, self.kv_dtype, device, self.max_model_len)
         quant = get_quant_config(mc, device, config.parallel_config.tensor_parallel_size)
         self.model = load_model(mc.model, hf_config, self.dtype, device, mc.load_format, quant)
         self._attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -106,9 +112,9 @@ class ModelRunner:
         return self._attention_layers
 
     def kv_bytes_per_block(self) -> int:
-        layers = self.attention_layers()
-        a = layers[0]
-        return 2 * len(layers) * self.block_size * a.num_kv_heads * a.head_dim * self.kv_dtype.itemsize
+        """The target's cache per block, plus the draft model's (it has as many blocks)."""
+        draft = self.drafter.kv_bytes_per_block() if self.drafter is not None else 0
+        return kv_bytes_per_block(self.attention_layers(), self.block_size, self.kv_dtype) + draft
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit: configured, else free GPU memory after a profiling forward, else the CPU budget."""
@@ -146,17 +152,20 @@ class ModelRunner:
             block_tables=torch.arange(self.blocks_for(n), dtype=torch.int32, device=self.device)[None],
             max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        rows = min(n, self.config.scheduler_config.max_num_seqs)
+        if self.drafter is not None:  # its forwards run apart from the target's, so its peak is measured alone
+            self.drafter.profile_run(ids, meta, rows)
         with attention_metadata(meta):
             hidden = self.model(ids, torch.arange(n, device=self.device))
-        rows = min(n, self.config.scheduler_config.max_num_seqs)
         logits = self.model.compute_logits(hidden[-rows:]).float()
         worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.1, repetition_penalty=1.1,
                                presence_penalty=0.1, logprobs=20)
         self.sampler(logits, SamplingMetadata.build([SamplingRow(worst, [0], [0])] * rows, logits.shape[-1],
                                                     self.device))
         self.kv_cache = None
-        for layer in self.attention_layers():
-            layer.k_cache = layer.v_cache = torch.tensor([])
+        release_kv_cache(self.attention_layers())
+        if self.drafter is not None:
+            self.drafter.release_kv_cache()
 
     @property
     def max_model_len(self) -> int:
@@ -166,18 +175,12 @@ class ModelRunner:
         return (num_tokens + self.block_size - 1) // self.block_size
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; each layer gets views."""
-        layers = self.attention_layers()
-        a = layers[0]
-        shape = (2, len(layers), num_blocks, self.block_size, a.num_kv_heads, a.head_dim)
-        nbytes = self.kv_dtype.itemsize * int(np.prod(shape))
-        # A large CPU cache is taken fresh from mmap, whose pages are zero and become resident only when
-        # written, so RSS grows with the tokens cached, not the capacity (the same zeros torch.zeros writes).
-        lazy = self.device.type == "cpu" and nbytes >= 64 << 20
-        self.kv_cache = (torch.empty if lazy else torch.zeros)(shape, dtype=self.kv_dtype, device=self.device)
-        for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-            layer.backend = self.attn_backend
+        """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; each layer gets views. A draft model
+        gets its own cache of as many blocks, so the target's block tables address it too."""
+        self.kv_cache = allocate_kv_cache(self.attention_layers(), num_blocks, self.block_size, self.kv_dtype,
+                                          self.device, self.attn_backend)
+        if self.drafter is not None:
+            self.drafter.allocate_kv_cache(num_blocks, self.attn_backend)
         self.num_blocks = num_blocks
 
     def capture_cudagraphs(self) -> None:

@@ -11,6 +11,7 @@ import torch
 from novainfer.config import EngineConfig
 from novainfer.distributed import TPGroup, check_tp_divisibility, set_tp_group
 from novainfer.engine.scheduler import SchedulerOutput
+from novainfer.spec_decode.draft_model_proposer import DraftRequest
 from novainfer.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,13 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def propose_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int]]:
+        """The draft model's greedy guesses for each request (speculative_config method draft_model)."""
+        drafter = self.model_runner.drafter
+        if drafter is None:
+            raise RuntimeError("propose_draft_tokens needs speculative_config with method 'draft_model'")
+        return drafter.propose(requests)
 
     def check_health(self) -> None:
         if self.model_runner is None or self.model_runner.kv_cache is None:
