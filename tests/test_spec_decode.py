@@ -11,7 +11,7 @@ from novainfer.config import EngineConfig, SpeculativeConfig
 from novainfer.layers.sampler import Sampler, SamplingMetadata, SamplingRow
 from novainfer.spec_decode import rejection_sampler
 from novainfer.spec_decode.ngram_proposer import propose_ngram
-from tests.tiny_models import hf_greedy
+from tests.tiny_models import hf_greedy, make_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 # repetitive prompts: a random tiny model soon loops, and prompt lookup then guesses right
@@ -39,6 +39,26 @@ def ngram(tiny_qwen2):
     return make(tiny_qwen2, NGRAM)
 
 
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    """Another architecture and other weights, the same tokenizer: its guesses are often wrong."""
+    return make_tiny_model(str(tmp_path_factory.mktemp("draft")), "llama", seed=5, layers=1, num_heads=2,
+                           num_kv_heads=1)
+
+
+@pytest.fixture(scope="module", params=["ngram", "draft=target", "draft=other"])
+def any_spec(request, tiny_qwen2, tiny_draft):
+    """An engine of each kind of speculation: prompt lookup; a draft model that is the target itself (every
+    greedy guess right); a draft model of other weights (many rejections)."""
+    if request.param == "ngram":
+        llm = request.getfixturevalue("ngram")
+    else:
+        draft = tiny_qwen2 if request.param == "draft=target" else tiny_draft
+        llm = make(tiny_qwen2, {"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+    llm.spec_kind = request.param
+    return llm
+
+
 def test_ngram_lookup_takes_the_latest_longest_match():
     assert propose_ngram(np.array([1, 2, 3, 4, 5, 9, 1, 2, 3]), 1, 3, 3) == [4, 5, 9]
     assert propose_ngram(np.array([7, 1, 8, 2, 1]), 1, 3, 2) == [8, 2]  # only a 1-gram matches
@@ -46,15 +66,21 @@ def test_ngram_lookup_takes_the_latest_longest_match():
     assert propose_ngram(np.array([1, 2, 9, 1, 2, 8, 1, 2]), 2, 2, 1) == [8]  # the latest of two matches
 
 
-def test_greedy_equals_no_speculation_and_transformers(tiny_qwen2, plain, ngram):
+def test_greedy_equals_no_speculation_and_transformers(tiny_qwen2, plain, any_spec):
     ref = tokens(plain, PROMPTS, GREEDY)
-    steps_before = ngram.llm_engine.step_id
-    got = tokens(ngram, PROMPTS, GREEDY)
+    before = any_spec.get_metrics()
+    steps_before = any_spec.llm_engine.step_id
+    got = tokens(any_spec, PROMPTS, GREEDY)
     assert got == ref
     assert got[1] == hf_greedy(tiny_qwen2, PROMPTS[1], 40)
-    m = ngram.get_metrics()
-    assert m["spec_num_accepted_tokens"] > 0, "no guess was ever accepted: the check would be vacuous"
-    assert ngram.llm_engine.step_id - steps_before < 40  # fewer steps than tokens per sequence
+    m = any_spec.get_metrics()
+    drafted, accepted = (m[k] - before[k] for k in ("spec_num_draft_tokens", "spec_num_accepted_tokens"))
+    if any_spec.spec_kind == "draft=other":
+        assert drafted > accepted  # its guesses are rejected: the rejection path ran
+    else:
+        assert accepted > 0, "no guess accepted: the check would be vacuous"
+    if any_spec.spec_kind != "draft=other":
+        assert any_spec.llm_engine.step_id - steps_before < 40  # fewer steps than tokens per sequence
 
 
 def test_counters_add_up(tiny_qwen2):
@@ -71,17 +97,17 @@ def test_counters_add_up(tiny_qwen2):
     assert sum(r["spec_num_accepted_tokens"] for r in per_request) == m["spec_num_accepted_tokens"]
 
 
-def test_mixed_batch_with_requests_that_do_not_speculate(plain, ngram):
+def test_mixed_batch_with_requests_that_do_not_speculate(plain, any_spec):
     """Greedy, seeded sampling, min_tokens (which keeps a sequence from guessing) and n=2 in one batch."""
     eos = sorted(plain.llm_engine.eos_token_ids)[0]
     params = [GREEDY, SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=12, min_tokens=10, logit_bias={eos: 100.0}),
               SamplingParams(temperature=0, max_tokens=25, n=2, ignore_eos=True)]
     ref = tokens(plain, PROMPTS, params)
-    got = tokens(ngram, PROMPTS, params)
+    got = tokens(any_spec, PROMPTS, params)
     assert got[0] == ref[0] and got[2] == ref[2] and got[3] == got[4] == ref[3] == ref[4]
     assert len(ref[2]) == 11 and ref[2][-1] == eos  # min_tokens held eos back, then the bias ended it
-    again = tokens(ngram, PROMPTS, params)
+    again = tokens(any_spec, PROMPTS, params)
     assert again[1] == got[1] and len(got[1]) == 30  # a seed fixes the speculative run too
 
 
@@ -99,7 +125,8 @@ def test_penalties_and_logprobs_match(plain, ngram):
                 assert lg[tid].rank == lr[tid].rank
 
 
-def test_stops_inside_an_accepted_run_cut_it_there(plain, ngram):
+def test_stops_inside_an_accepted_run_cut_it_there(plain, any_spec):
+    ngram = any_spec
     full = tokens(plain, PROMPTS[1:2], GREEDY)[0]
     stop_id = full[9]
     first = full.index(stop_id)
@@ -115,16 +142,19 @@ def test_stops_inside_an_accepted_run_cut_it_there(plain, ngram):
     assert len(tokens(ngram, PROMPTS[1:2], cases[0])[0]) == first + 1
 
 
-def test_prefix_caching_preemption_and_chunked_prefill(tiny_qwen2):
+@pytest.mark.parametrize("spec_config", ["ngram", "draft"])
+def test_prefix_caching_preemption_and_chunked_prefill(tiny_qwen2, spec_config):
     long = [p * 4 for p in PROMPTS]  # 12..72 tokens
     kw = dict(max_num_batched_tokens=16, num_gpu_blocks=40, enable_prefix_caching=True)
-    plain, spec = make(tiny_qwen2, **kw), make(tiny_qwen2, NGRAM, **kw)
+    config = NGRAM if spec_config == "ngram" else {"method": "draft_model", "model": tiny_qwen2,
+                                                   "num_speculative_tokens": 3}
+    plain, spec = make(tiny_qwen2, **kw), make(tiny_qwen2, config, **kw)
     ref = tokens(plain, long, GREEDY)
     got = tokens(spec, long, GREEDY)
     assert got == ref
     assert spec.get_metrics()["num_preemptions"] > 0, "the cache was meant to run out"
     assert spec.get_metrics()["spec_num_accepted_tokens"] > 0
-    cached = make(tiny_qwen2, NGRAM, max_num_batched_tokens=16)
+    cached = make(tiny_qwen2, config, max_num_batched_tokens=16)
     assert tokens(cached, long[:2], GREEDY) == ref[:2]
     assert tokens(cached, long[:2], GREEDY) == ref[:2]  # their prompts' blocks are cached now
     assert cached.get_metrics()["prefix_cache_hits"] > 0
