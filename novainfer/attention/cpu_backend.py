@@ -27,7 +27,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """query [num_tokens, heads, head_dim] -> output of the same shape (see torch_backend.paged_attention)."""
     if meta.max_query_len == 1 and query.shape[0] == meta.num_seqs:
         return decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
-    if meta.per_token is not None:  # a verify step: every token exactly as a decode step computes it
+    if meta.per_token is not None:  # a verify step: every token as a decode step computes it
         return decode_attention(query, k_cache, v_cache, meta.per_token, scale, sliding_window, logits_soft_cap)
     extra = {k: v for k, v in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap))
              if v is not None}

@@ -33,8 +33,8 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int] | None = None  # host copies, for the torch backend's loop
     seq_lens_cpu: list[int] | None = None
     num_splits: int = 1  # decode kernel: parts each context is split into (split-K), a power of two
-    # a verify step (speculative decoding) on the CPU: each token as a one-token sequence over its causal
-    # prefix, so the backend computes it exactly as a decode step would (greedy tokens then match decoding)
+    # a verify step (speculative decoding) on the CPU: each token as a one-token sequence over its causal prefix,
+    # so the backend's decode path computes it as a decode step would
     per_token: "AttentionMetadata | None" = None
 
     @property

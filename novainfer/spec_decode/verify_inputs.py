@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
+import torch
+
+from novainfer.attention.metadata import AttentionMetadata
 from novainfer.engine.scheduler import ScheduledSequence
 from novainfer.engine.sequence import Sequence
 from novainfer.layers.sampler import SamplingRow
@@ -36,3 +40,15 @@ def verify_rows(scheduled: list[ScheduledSequence], ends: list[int], row_of: Cal
         else:
             sampling_rows.extend([row] * (d + 1))
     return num_drafts, draft_ids
+
+
+def per_token_metadata(query_start_loc: list[int], positions: torch.Tensor, slot_mapping: torch.Tensor,
+                       block_tables: torch.Tensor) -> AttentionMetadata:
+    """A verify step's tokens as one-token sequences over their causal prefixes (the sequence's block table,
+    length = position + 1): the CPU backend runs them through its decode path, whose per-sequence result does
+    not depend on the batch, so each token is computed as decoding computes it and greedy choices match."""
+    rows = torch.from_numpy(np.repeat(np.arange(len(query_start_loc) - 1), np.diff(query_start_loc)))
+    seq_lens = (positions + 1).to(torch.int32)
+    return AttentionMetadata(query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32), seq_lens=seq_lens,
+                             slot_mapping=slot_mapping, block_tables=block_tables[rows], max_query_len=1,
+                             max_seq_len=int(seq_lens.max()))

@@ -27,7 +27,7 @@ from novainfer.loader.model_loader import load_model
 from novainfer.sampling_params import SamplingParams
 from novainfer.spec_decode.draft_model_runner import DraftModelRunner
 from novainfer.spec_decode.rejection_sampler import emitted_rows, rejection_sample
-from novainfer.spec_decode.verify_inputs import verify_rows
+from novainfer.spec_decode.verify_inputs import per_token_metadata, verify_rows
 from novainfer.worker.input_batch import InputBatch
 from novainfer.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, release_kv_cache
 from novainfer.worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
@@ -369,12 +369,8 @@ class ModelRunner:
         num_tokens = inp.input_ids.shape[0]
         if self.attn_backend is cpu_backend and inp.spec_num_drafts is not None and \
                 sum(inp.spec_num_drafts) + len(inp.spec_num_drafts) == num_tokens:  # only sequences that verify
-            rows = torch.from_numpy(np.repeat(np.arange(len(inp.seq_lens)), np.diff(inp.query_start_loc)))
-            seq_lens = inp.positions + 1
-            meta.per_token = AttentionMetadata(
-                query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32), seq_lens=seq_lens,
-                slot_mapping=meta.slot_mapping, block_tables=meta.block_tables[rows], max_query_len=1,
-                max_seq_len=int(seq_lens.max()))
+            meta.per_token = per_token_metadata(inp.query_start_loc, inp.positions, meta.slot_mapping,
+                                                meta.block_tables)
         return meta
 
     def run_model_forward(self, inp: StepInputs) -> torch.Tensor | None:
