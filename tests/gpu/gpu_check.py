@@ -164,7 +164,7 @@ def speculation_checks(tmp: str) -> None:
     """Greedy identity with speculation on the GPU, and verify-step CUDA graphs against eager verify steps."""
     from transformers import AutoModelForCausalLM
     path = make_tiny_model(os.path.join(tmp, "qwen2_spec"), "qwen2", seed=13, layers=4)
-    loop = [100, 200, 300, 400] * 6
+    loop = [100, 200, 300, 350] * 6
     prompts = [{"prompt_token_ids": loop[i % 4:] + list(range(5 + i, 12 + i))} for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
