@@ -174,7 +174,7 @@ def speculation_checks(tmp: str) -> None:
              "draft_model k=3 (draft = target)": {"method": "draft_model", "model": path, "num_speculative_tokens": 3}}
     for name, spec in specs.items():
         for dtype, eager in (("float32", False), ("bfloat16", True), ("bfloat16", False)):
-            llm = LLM(path, dtype=dtype, enforce_eager=eager, gpu_memory_utilization=0.6, max_num_seqs=16,
+            llm = LLM(path, dtype=dtype, enforce_eager=eager, num_gpu_blocks=2048, max_num_seqs=16,
                       speculative_config=spec)
             runner = llm.llm_engine.executor.workers[0].model_runner
             replays = [0]
