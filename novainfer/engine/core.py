@@ -61,6 +61,9 @@ class EngineCore:
                                    spec.num_lookahead_slots if spec is not None else 0)
         self.proposer = make_proposer(spec, self.executor) if spec is not None else None
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
+        # with CUDA graphs, a proposer's short guess lists are filled up by repeating the last token (checked like
+        # any guess), so verify steps have one shape and replay a captured graph instead of running eagerly
+        self.fill_guesses = config.resolve_device().type == "cuda" and not config.enforce_eager
         self.spec_stats = SpecDecodeStats()
         self.requests: dict[str, Request] = {}
         self.faults = FaultInjector(config.fault_injection)
@@ -312,7 +315,9 @@ class EngineCore:
                 seqs.append(seq)
                 counts.append(k)
         if seqs:
-            for seq, guesses in zip(seqs, self.proposer.propose(seqs, counts)):
+            for seq, k, guesses in zip(seqs, counts, self.proposer.propose(seqs, counts)):
+                if self.fill_guesses and len(guesses) < k:  # every sequence k guesses: the verify step's graph runs
+                    guesses = guesses + [guesses[-1] if guesses else seq.token_ids[-1]] * (k - len(guesses))
                 seq.spec_token_ids = guesses
 
     def _append_token(self, seq: Sequence, token_id: int) -> None:
