@@ -13,12 +13,15 @@ caching off (every timed run computes its prompt). tok/s counts output tokens ov
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
 
 CODE = '''def moving_average(values, window):
     result = []
@@ -77,6 +80,10 @@ def run_novainfer(model: str | None, spec: dict | None, prompts: list[list[int]]
         row.update(acceptance=diff["spec_num_accepted_tokens"] / diff["spec_num_draft_tokens"],
                    mean_accepted_length=diff["spec_num_emitted_tokens"] / diff["spec_num_drafts"], **diff)
     llm.llm_engine.shutdown()
+    del llm
+    gc.collect()  # the engine's reference cycles would keep its KV cache on the GPU while the next one sizes its own
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return row
 
 

@@ -65,6 +65,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # ngram: shortest suffix n-gram matched
     prompt_lookup_max: int = 3  # ngram: longest suffix n-gram tried first
     model: str | None = None  # draft_model: the draft checkpoint (same tokenizer/vocabulary as the target)
+    disable_by_batch_size: int | None = None  # no guesses while this many sequences or more are running
 
     @classmethod
     def from_value(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
@@ -95,6 +96,8 @@ class SpeculativeConfig:
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.model (the draft checkpoint) is required for method 'draft_model'")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"speculative_config.disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
         if self.method == "ngram" and self.model:
             raise ValueError("speculative_config.model is only used by method 'draft_model'")
 

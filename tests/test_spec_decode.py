@@ -173,6 +173,14 @@ def test_bad_configurations_fail_at_start_naming_the_field(bad, field):
         EngineConfig.from_kwargs("unused", speculative_config=bad)
 
 
+def test_disable_by_batch_size_stops_guessing_in_a_busy_batch(tiny_qwen2, plain):
+    spec = make(tiny_qwen2, dict(NGRAM, disable_by_batch_size=3))
+    assert tokens(spec, PROMPTS, GREEDY) == tokens(plain, PROMPTS, GREEDY)
+    assert spec.get_metrics()["spec_num_drafts"] == 0  # four sequences ran together the whole time
+    assert tokens(spec, PROMPTS[:2], GREEDY) == tokens(plain, PROMPTS[:2], GREEDY)
+    assert spec.get_metrics()["spec_num_drafts"] > 0  # two: under the limit, they guess
+
+
 def test_speculation_turns_the_overlapped_loop_off():
     cfg = EngineConfig.from_kwargs("unused", speculative_config=NGRAM, async_scheduling=True, device="cpu")
     assert isinstance(cfg.speculative_config, SpeculativeConfig) and not cfg.use_async_scheduling()

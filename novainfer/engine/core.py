@@ -301,9 +301,13 @@ class EngineCore:
         (no grammar, no min_tokens block), with room for more than one token before max_tokens and the
         context's end."""
         seqs, counts = [], []
+        limit = self.config.speculative_config.disable_by_batch_size
+        busy = limit is not None and len(self.scheduler.running) >= limit  # verifying costs more than it saves
         for s in sched.scheduled:
             seq = s.seq
             seq.spec_token_ids = []
+            if busy:
+                continue
             if not s.samples or seq.is_finished or seq.num_computed_tokens != len(seq.token_ids) - 1:
                 continue
             p = seq.sampling_params
