@@ -251,9 +251,10 @@ class EngineConfig:
         sc = self.speculative_config
         if sc is not None:
             sc.validate()
-            if sc.method == "draft_model" and (p.tensor_parallel_size > 1 or p.distributed_executor_backend != "uni"):
-                raise ValueError("speculative_config.method 'draft_model' needs tensor_parallel_size=1 with the "
-                                 "uni backend")
+            if p.distributed_executor_backend != "uni":  # the mp step wire does not carry guesses
+                raise ValueError("speculative_config needs distributed_executor_backend='uni'")
+            if sc.method == "draft_model" and p.tensor_parallel_size > 1:
+                raise ValueError("speculative_config.method 'draft_model' needs tensor_parallel_size=1")
 
     def use_async_scheduling(self) -> bool:
         """Overlap on by default on CUDA, off on the CPU (measured: benchmarks/host_overhead.py); only with one

@@ -173,6 +173,14 @@ def test_bad_configurations_fail_at_start_naming_the_field(bad, field):
         EngineConfig.from_kwargs("unused", speculative_config=bad)
 
 
+def test_speculation_refuses_executors_it_does_not_run_on():
+    with pytest.raises(ValueError, match="distributed_executor_backend"):
+        EngineConfig.from_kwargs("unused", speculative_config=NGRAM, distributed_executor_backend="mp")
+    draft = {"method": "draft_model", "model": "d", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig.from_kwargs("unused", speculative_config=draft, tensor_parallel_size=2)
+
+
 def test_disable_by_batch_size_stops_guessing_in_a_busy_batch(tiny_qwen2, plain):
     spec = make(tiny_qwen2, dict(NGRAM, disable_by_batch_size=3))
     assert tokens(spec, PROMPTS, GREEDY) == tokens(plain, PROMPTS, GREEDY)
