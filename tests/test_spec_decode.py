@@ -268,3 +268,22 @@ def test_server_speculates_streams_and_counts(tiny_qwen2, plain, tmp_path):
             pytest.approx(emitted / drafts)
     finally:
         srv.stop()
+
+
+def test_abort_mid_run_frees_everything_and_leaves_the_others_alone(plain, any_spec):
+    engine = any_spec.llm_engine
+    want = tokens(plain, PROMPTS[1:2], GREEDY)[0]
+    engine.add_request("keep", {"prompt_token_ids": PROMPTS[1]}, GREEDY)
+    engine.add_request("drop", {"prompt_token_ids": PROMPTS[3]}, GREEDY)
+    outs = {}
+    for i in range(200):
+        for out in engine.step():
+            outs[out.request_id] = out
+        if i == 3:
+            engine.abort_request("drop")
+        if not engine.has_unfinished_requests():
+            break
+    assert outs["keep"].finished and outs["keep"].outputs[0].token_ids == want
+    assert "drop" not in engine.engine_core.requests
+    bm = engine.engine_core.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
