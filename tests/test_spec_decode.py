@@ -66,6 +66,21 @@ def test_ngram_lookup_takes_the_latest_longest_match():
     assert propose_ngram(np.array([1, 2, 9, 1, 2, 8, 1, 2]), 2, 2, 1) == [8]  # the latest of two matches
 
 
+def test_ngram_lookup_equals_a_brute_force_search():
+    def brute(t: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+        for n in range(max_n, min_n - 1, -1):
+            for end in range(len(t) - 2, n - 2, -1):  # latest earlier match first
+                if t[end - n + 1:end + 1] == t[len(t) - n:]:
+                    return t[end + 1:end + 1 + k]
+        return []
+    rng = np.random.default_rng(0)
+    for _ in range(3000):
+        t = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 30))).tolist()
+        lo = int(rng.integers(1, 4))
+        hi, k = int(rng.integers(lo, 6)), int(rng.integers(1, 6))
+        assert propose_ngram(np.array(t), lo, hi, k) == brute(t, lo, hi, k), (t, lo, hi, k)
+
+
 def test_greedy_equals_no_speculation_and_transformers(tiny_qwen2, plain, any_spec):
     ref = tokens(plain, PROMPTS, GREEDY)
     before = any_spec.get_metrics()

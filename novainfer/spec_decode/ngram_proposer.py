@@ -8,7 +8,6 @@ forward accepts several tokens.
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from novainfer.engine.sequence import Sequence
 from novainfer.spec_decode.proposer import Proposer
@@ -16,14 +15,24 @@ from novainfer.spec_decode.proposer import Proposer
 
 def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix n-gram."""
-    length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        windows = sliding_window_view(tokens[:length - 1], n)  # every n-gram that ends before the last token
-        hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return tokens[start:start + k].tolist()
-    return []
+    last = len(tokens) - 1
+    if last < 1:
+        return []
+    ends = np.flatnonzero(tokens[:last] == tokens[last])  # earlier positions where a match could end
+    if not len(ends):
+        return []
+    lengths = np.ones(len(ends), dtype=np.int64)  # how far back each one matches the suffix, up to max_n
+    alive = np.ones(len(ends), dtype=bool)
+    for j in range(1, min(max_n, last)):
+        alive &= (ends >= j) & (tokens[np.maximum(ends - j, 0)] == tokens[last - j])
+        if not alive.any():
+            break
+        lengths += alive
+    best = int(lengths.max())
+    if best < min_n:
+        return []
+    start = int(ends[np.flatnonzero(lengths == best)[-1]]) + 1
+    return tokens[start:start + k].tolist()
 
 
 class NgramProposer(Proposer):
