@@ -128,3 +128,23 @@ def test_request_fault_fails_it_alone(tiny_qwen2, stage):
         results.append({k: v.outputs[0].token_ids for k, v in outs.items() if k.startswith("ok-")})
         assert all(len(t) == 12 for t in results[-1].values())
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_dropped_engine_is_freed_at_once(tiny_qwen2, overlap):
+    """Shutting an engine down gives its KV cache back at once, and no reference cycle keeps the runner alive
+    until the collector runs: a second LLM in the same process sizes its GPU cache from free memory."""
+    import gc
+    import weakref
+    llm = make(tiny_qwen2, overlap)
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6), use_tqdm=False)
+    runner = weakref.ref(llm.llm_engine.executor.workers[0].model_runner)
+    cache = weakref.ref(runner().kv_cache)
+    gc.disable()
+    try:
+        llm.llm_engine.shutdown()
+        assert cache() is None
+        del llm
+        assert runner() is None
+    finally:
+        gc.enable()

@@ -78,7 +78,14 @@ class EngineCore:
                     mc.model, self.num_blocks, self.num_blocks * bs, self.max_model_len, self.async_scheduling)
 
     def shutdown(self) -> None:
-        """Stop the executor's workers (processes with the mp backend)."""
+        """Stop the executor's workers (processes with the mp backend) and free their caches; a launched step
+        nobody will read is waited for first."""
+        if self._inflight is not None:
+            try:
+                self._inflight.handle.get()
+            except Exception:  # noqa: BLE001 - its outcome is dropped either way
+                logger.debug("in-flight step failed at shutdown", exc_info=True)
+            self._inflight = None
         self.executor.shutdown()
 
     # ---- requests --------------------------------------------------------------------------------

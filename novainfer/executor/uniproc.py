@@ -70,3 +70,6 @@ class UniProcExecutor(Executor):
         for t in self.threads:
             t.shutdown(wait=True)
         self.threads = []
+        for w in self.workers:
+            if w.model_runner is not None:
+                w.model_runner.shutdown()

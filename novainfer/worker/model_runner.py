@@ -183,6 +183,17 @@ class ModelRunner:
             self.drafter.allocate_kv_cache(num_blocks, self.attn_backend)
         self.num_blocks = num_blocks
 
+    def shutdown(self) -> None:
+        """Give the KV caches, graphs and the last step back now, not when the collector finds a dropped engine."""
+        if self._device_thread is not None:
+            self._device_thread.shutdown(wait=True)
+        self._prev = None
+        self.graphs = self.verify_graphs = None
+        self.kv_cache = None
+        release_kv_cache(self.attention_layers())
+        if self.drafter is not None:
+            self.drafter.release_kv_cache()
+
     def capture_cudagraphs(self) -> None:
         """Capture decode graphs (CUDA only; enforce_eager turns them off)."""
         if self.device.type != "cuda" or self.config.enforce_eager:
@@ -555,4 +566,5 @@ class StepHandle:
             else:
                 with nvtx_range("sample/to_host", self.runner.nvtx):
                     self._output = self.runner.postprocess(self.inp, sampled)
+            self.runner = None  # the runner keeps its last step (PreviousStep): no cycle once it is read back
         return self._output

@@ -117,7 +117,9 @@ class Worker:
             raise RuntimeError(f"worker rank {self.rank} (local_rank {self.local_rank}) is not initialised")
 
     def shutdown(self) -> None:
-        """Leave the torch.distributed group, if this worker joined one."""
+        """Free the runner's caches and leave the torch.distributed group, if this worker joined one."""
         import torch.distributed as dist
+        if self.model_runner is not None:
+            self.model_runner.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
