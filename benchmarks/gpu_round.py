@@ -40,12 +40,10 @@ PARTS = {
         ("tput qwen3-30b-a3b overlap on", ["benchmarks/throughput.py", "--model", "random:qwen3-30b-a3b",
                                            "--async-scheduling"]),
     ],
-    # round 3 (issues 15 and 19): checks with speculation, the default model's n-gram speed-up, throughput and
-    # latency after the host-overhead work
+    # round 3 (issues 15 and 19): checks with speculation, throughput and latency after the host-overhead work,
+    # the default model's n-gram speed-up (its GGUF at --gguf; it travels in two halves: see BENCHMARKS.md)
     "round3-a": [
         ("gpu_check", ["tests/gpu/gpu_check.py"]),
-        ("spec ngram default model b1 b32", ["benchmarks/speculation.py", "--device", "cuda", "--batch", "1", "32",
-                                             "--max-tokens", "128"]),
         ("tput 0.5b overlap on (+HF)", ["benchmarks/throughput.py", "--model", "random:qwen2.5-0.5b",
                                         "--compare-hf", "--hf-num-prompts", "128", "--async-scheduling"]),
         ("tput 0.5b overlap off", ["benchmarks/throughput.py", "--model", "random:qwen2.5-0.5b",
@@ -56,15 +54,15 @@ PARTS = {
                                   "--no-async-scheduling"]),
     ],
     "round3-b": [
-        ("tput 7b overlap on", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--async-scheduling"]),
-        ("tput 7b overlap off", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--no-async-scheduling"]),
-        ("lat 7b overlap on", ["benchmarks/latency.py", "--model", "random:qwen2.5-7b", "--async-scheduling"]),
+        ("spec ngram default model b1 b32", ["benchmarks/speculation.py", "--device", "cuda", "--model", "{gguf}",
+                                             "--batch", "1", "32", "--max-tokens", "128"]),
         ("spec draft 360m-135m b1", ["benchmarks/speculation.py", "--device", "cuda", "--model",
                                      "random:smollm2-360m", "--max-tokens", "64", "--speculative-config",
                                      '{"method": "draft_model", "model": "random:smollm2-135m", '
                                      '"num_speculative_tokens": 4}']),
-        ("tput qwen3-30b-a3b overlap on", ["benchmarks/throughput.py", "--model", "random:qwen3-30b-a3b",
-                                           "--async-scheduling"]),
+        ("tput 7b overlap on", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--async-scheduling"]),
+        ("tput 7b overlap off", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--no-async-scheduling"]),
+        ("lat 7b overlap on", ["benchmarks/latency.py", "--model", "random:qwen2.5-7b", "--async-scheduling"]),
     ],
 }
 
@@ -73,16 +71,23 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", choices=sorted(PARTS), required=True)
     ap.add_argument("--out", default="/tmp/gpu_round")
+    ap.add_argument("--gguf", default="/tmp/smol.gguf", help="the default model's GGUF file on this machine")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds each run may take")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     rows = []
     for name, cmd in PARTS[args.part]:
         slug = name.split(" (")[0].replace(" ", "_")
         out_json = os.path.join(args.out, slug + ".json")
+        cmd = [c.replace("{gguf}", args.gguf) for c in cmd]
         full = [sys.executable, *cmd] + (["--json", out_json] if "benchmarks/" in cmd[0] else [])
         t0 = time.time()
         with open(os.path.join(args.out, slug + ".log"), "w") as log:
-            rc = subprocess.run(full, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+            try:
+                rc = subprocess.run(full, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                    timeout=args.timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
         with open(os.path.join(args.out, slug + ".log")) as f:
             tail = f.read().strip().splitlines()[-1:] or [""]
         result = json.load(open(out_json)) if os.path.exists(out_json) else {}
@@ -90,7 +95,10 @@ def main() -> None:
         print(f"[{name}] rc={rc} {time.time() - t0:.0f}s {tail[0][:200]}", flush=True)
     print("\n| run | rc | s | result |\n|---|---|---|---|")
     for name, rc, secs, result, tail in rows:
-        summary = json.dumps(result, separators=(",", ":"))[:400] if result else tail[:200]
+        if isinstance(result, list):  # speculation.py: one row per engine and setting
+            result = [{k: r.get(k) for k in ("speculative_config", "batch", "tok_s", "acceptance",
+                                              "mean_accepted_length", "greedy_equal")} for r in result]
+        summary = json.dumps(result, separators=(",", ":"))[:600] if result else tail[:200]
         print(f"| {name} | {rc} | {secs:.0f} | {summary} |")
 
 
