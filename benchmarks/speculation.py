@@ -130,8 +130,11 @@ def main() -> None:
     tokenizer = load_tokenizer(model or default_model_path())
     if tokenizer.chat_template:
         prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
-    else:  # a random checkpoint's word-level tokenizer: the raw text
-        prompts = [tokenizer.encode(p) for p in PROMPTS]
+    else:  # a random checkpoint (its word-level tokenizer knows no English): a block of ids, then it again
+        import random
+        rng = random.Random(0)
+        blocks = [[rng.randrange(10, len(tokenizer)) for _ in range(48)] for _ in PROMPTS]
+        prompts = [b + b[:24] for b in blocks]
     kw = dict(device=args.device, dtype=args.dtype, load_format=load_format(args.model))
     rows = []
     for batch in args.batch:
