@@ -87,7 +87,7 @@ def run(num_seqs: int, args, llm, device: SimulatedDevice) -> dict:
     from novainfer.sampling_params import RequestOutputKind
     engine = llm.llm_engine
     params = SamplingParams(temperature=args.temperature, top_p=0.95, ignore_eos=True, max_tokens=args.output_len,
-                            output_kind=RequestOutputKind.CUMULATIVE)
+                            output_kind=RequestOutputKind[args.output_kind.upper()])
     vocab = engine.config.model_config.hf_config.vocab_size
     for i in range(num_seqs):  # distinct prompts: no prefix-cache sharing between sequences
         engine.add_request(f"r{num_seqs}-{i}", [(7 * i + j) % vocab for j in range(args.input_len)], params)
@@ -121,6 +121,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--output-kind", choices=["cumulative", "final_only"], default="cumulative",
+                    help="cumulative: an output per request per step, as the server streams; final_only: only "
+                         "finished outputs, as LLM.generate (benchmarks/throughput.py) reads them")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="cProfile the largest batch's run (host functions)")
     ap.add_argument("--overlap", nargs="+", choices=["off", "on"], default=["off", "on"],

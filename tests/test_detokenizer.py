@@ -76,9 +76,7 @@ def test_last_token_completing_one_character_and_starting_another_ends_as_decode
     streamed = IncrementalDetokenizer(tok, [])
     assert streamed.step(hello) == "Hello"
     assert streamed.step([lead]) == streamed.step([tail]) == ""  # both held back: each ends mid-character
-    deferred = IncrementalDetokenizer(tok, [])
-    for i in ids:
-        deferred.defer(i)
-    for detok in (streamed, deferred, streamed):  # flush twice: idempotent
-        detok.flush()
+    deferred = IncrementalDetokenizer(tok, [])  # never stepped: flush decodes the whole output at once
+    for detok in (streamed, deferred, streamed, deferred):  # flush twice: idempotent
+        detok.flush(ids)
         assert detok.output_text == expected

@@ -7,18 +7,17 @@ first, which makes eviction LRU.
 """
 from __future__ import annotations
 
-import numpy as np
+import struct
+
 import xxhash
 
 from novainfer.engine.sequence import Sequence
 
 
 def hash_block(token_ids: list[int], prev_hash: int) -> int:
-    """Chained hash of one full block of tokens."""
-    h = xxhash.xxh64()
-    h.update(prev_hash.to_bytes(8, "little", signed=True))
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
-    return h.intdigest() - (1 << 63)  # keep it a signed 64-bit value
+    """Chained hash of one full block of tokens: xxh64 of the previous hash and the tokens as little-endian
+    int64s, made a signed 64-bit value."""
+    return xxhash.xxh64_intdigest(struct.pack(f"<{len(token_ids) + 1}q", prev_hash, *token_ids)) - (1 << 63)
 
 
 class Block:
@@ -104,23 +103,28 @@ class BlockManager:
 
         Hashes are registered when the step is planned: the step writes each layer's K/V before any
         attention reads it, so a sequence admitted later in the same step may already share them.
+        A decode step that neither crosses into a new block nor fills one costs two comparisons.
         """
+        block_size = self.block_size
         total = seq.num_computed_tokens + num_new_tokens
         table = seq.block_table
-        if len(table) * self.block_size < total:
-            while len(table) < self.blocks_needed(total):
+        if total > len(table) * block_size:
+            for _ in range(self.blocks_needed(total) - len(table)):
                 table.append(self._take_free_block())
-        if not self.enable_prefix_caching:
-            return
-        num_full = min(total, len(seq)) // self.block_size
-        if num_full == len(seq.block_hashes):  # no block was filled: the common decode step
-            return
-        prev = seq.block_hashes[-1] if seq.block_hashes else -1
-        for i in range(len(seq.block_hashes), num_full):
-            tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+        if total < (len(seq.block_hashes) + 1) * block_size or not self.enable_prefix_caching:
+            return  # no block was filled (the tokens past len(seq) are still to be sampled)
+        self._register_full_blocks(seq, min(total, len(seq.token_ids)) // block_size)
+
+    def _register_full_blocks(self, seq: Sequence, num_full: int) -> None:
+        """Hash seq's blocks up to num_full and offer each to the prefix cache (first writer wins)."""
+        block_size = self.block_size
+        hashes = seq.block_hashes
+        prev = hashes[-1] if hashes else -1
+        for i in range(len(hashes), num_full):
+            tokens = seq.token_ids[i * block_size:(i + 1) * block_size]
             prev = hash_block(tokens, prev)
             block = self.blocks[seq.block_table[i]]
-            seq.block_hashes.append(prev)
+            hashes.append(prev)
             if block.hash == -1 and prev not in self.hash_to_block_id:
                 block.hash, block.token_ids = prev, tokens
                 self.hash_to_block_id[prev] = block.block_id

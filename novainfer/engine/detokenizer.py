@@ -22,7 +22,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
         self.output_text = ""
-        self.pending: list[int] = []  # tokens not yet decoded (deferred detokenization)
+        self.num_output_tokens = 0  # output tokens taken so far (by step() or flush())
         self._backend = fast_backend(tokenizer)
 
     def _decode(self, ids: list[int]) -> str:
@@ -31,24 +31,22 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      spaces_between_special_tokens=self.spaces_between_special_tokens)
 
-
     def step(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (may be '' while a character is incomplete)."""
         self.token_ids.extend(new_token_ids)
+        self.num_output_tokens += len(new_token_ids)
         return self._release(final=False)
 
-    def defer(self, token_id: int) -> None:
-        """Keep a token to decode later in one call (flush): for requests whose text nobody reads before the end."""
-        self.pending.append(token_id)
-
-    def flush(self) -> None:
-        """At the output's end: decode the deferred tokens and release the text step() held back, a trailing
-        incomplete character included (as U+FFFD, so the text equals tokenizer.decode of the output); idempotent.
+    def flush(self, output_token_ids: list[int] = ()) -> None:
+        """At the output's end: take the output's tokens that step() never saw (all of them when nobody read the
+        text before the end: one decode call then) and release the text step() held back, a trailing incomplete
+        character included (as U+FFFD, so the text equals tokenizer.decode of the output); idempotent.
 
         Streamed and deferred outputs thus end with the same text, even when the last token both completes
         one character and starts another."""
-        self.token_ids.extend(self.pending)
-        self.pending = []
+        unseen = output_token_ids[self.num_output_tokens:]
+        self.token_ids.extend(unseen)
+        self.num_output_tokens += len(unseen)
         self._release(final=True)
 
     def _release(self, final: bool) -> str:
