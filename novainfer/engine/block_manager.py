@@ -8,6 +8,7 @@ first, which makes eviction LRU.
 from __future__ import annotations
 
 import struct
+from collections import OrderedDict
 
 import xxhash
 
@@ -36,7 +37,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
-        self.free_block_ids: dict[int, None] = dict.fromkeys(range(num_blocks))  # ordered set, LRU first
+        # ordered set, LRU first. Not a dict: taking from a dict's front leaves holes that next(iter()) scans
+        # again on every take, until the dict is rebuilt (30 us a take after 20k takes of 366k blocks)
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0  # tokens
 
@@ -130,8 +133,7 @@ class BlockManager:
                 self.hash_to_block_id[prev] = block.block_id
 
     def _take_free_block(self) -> int:
-        block_id = next(iter(self.free_block_ids))
-        del self.free_block_ids[block_id]
+        block_id, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash != -1:  # evict its cached contents
             if self.hash_to_block_id.get(block.hash) == block_id:
