@@ -193,18 +193,23 @@ class OutputProcessor:
         return self._make_output(req)
 
     def _make_output(self, req: RequestState) -> RequestOutput:
-        completions = []
         want_lp = req.params.logprobs is not None
+        completions = []
+        finished = True
         for s in req.samples:
-            if s.finish_reason is not None and not isinstance(s.stop_reason, str):  # a stop string already cut it
+            if s.finish_reason is None:
+                finished = False
+            elif not isinstance(s.stop_reason, str):  # a stop string already cut it
                 s.detokenizer.flush(s.token_ids)
             completions.append(CompletionOutput(
                 index=s.index, text=s.detokenizer.output_text, token_ids=list(s.token_ids),
                 cumulative_logprob=s.cumulative_logprob if want_lp else None,
                 logprobs=list(s.logprobs) if want_lp else None,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,
+        samples = req.samples
+        preemptions = samples[0].num_preemptions if len(samples) == 1 else sum(s.num_preemptions for s in samples)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished,
                              num_cached_tokens=req.num_cached_tokens, error=req.error,
                              prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
                              metrics={"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
-                                      "num_preemptions": sum(s.num_preemptions for s in req.samples)})
+                                      "num_preemptions": preemptions})
