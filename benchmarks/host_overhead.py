@@ -16,6 +16,7 @@ about max(host, device) instead of host + device.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -82,19 +83,43 @@ class SimulatedDevice:
         runner.sample = sample
 
 
-def run(num_seqs: int, args, llm, device: SimulatedDevice) -> dict:
+PHASES = {"schedule": ("engine_core", "schedule"), "step_inputs": ("runner", "prepare_step_inputs"),
+          "postprocess": ("runner", "postprocess"), "update_from_output": ("engine_core", "update_from_output"),
+          "output_processor": ("output_processor", "process_outputs")}
+
+
+def time_phases(llm) -> dict[str, float]:
+    """Wrap the host path's stages so each adds its engine-thread CPU seconds to the returned dict."""
+    engine = llm.llm_engine
+    owners = {"engine_core": engine.engine_core, "runner": engine.executor.workers[0].model_runner,
+              "output_processor": engine.output_processor}
+    spent = dict.fromkeys(PHASES, 0.0)
+    for phase, (owner, name) in PHASES.items():
+        def timed(*a, _f=getattr(owners[owner], name), _phase=phase, **kw):
+            c0 = time.thread_time()
+            try:
+                return _f(*a, **kw)
+            finally:
+                spent[_phase] += time.thread_time() - c0
+        setattr(owners[owner], name, timed)
+    return spent
+
+
+def run(num_seqs: int, args, llm, device: SimulatedDevice, spent: dict[str, float] | None = None) -> dict:
     from novainfer import SamplingParams
     from novainfer.sampling_params import RequestOutputKind
     engine = llm.llm_engine
     params = SamplingParams(temperature=args.temperature, top_p=0.95, ignore_eos=True, max_tokens=args.output_len,
-                            output_kind=RequestOutputKind.CUMULATIVE)
+                            output_kind=RequestOutputKind[args.output_kind.upper()])
     vocab = engine.config.model_config.hf_config.vocab_size
     for i in range(num_seqs):  # distinct prompts: no prefix-cache sharing between sequences
         engine.add_request(f"r{num_seqs}-{i}", [(7 * i + j) % vocab for j in range(args.input_len)], params)
     decode_steps: list[tuple[float, float]] = []
+    phase_steps: list[dict[str, float]] = []
     schedule = engine.scheduler.schedule
     while engine.has_unfinished_requests():
         blocked0 = device.blocked_s
+        before = dict(spent or {})
         t0, c0 = time.perf_counter(), time.thread_time()
         pure = []
         engine.scheduler.schedule = lambda: pure.append(out := schedule()) or out  # noqa: B023
@@ -103,13 +128,17 @@ def run(num_seqs: int, args, llm, device: SimulatedDevice) -> dict:
         engine.scheduler.schedule = schedule
         if pure and pure[0].is_pure_decode and len(pure[0].scheduled) == num_seqs:
             decode_steps.append((wall, device.blocked_s - blocked0, cpu))
+            phase_steps.append({k: v - before[k] for k, v in (spent or {}).items()})
     steady = decode_steps[len(decode_steps) // 4:]  # drop warm-up steps
+    phases = {k: round(1e3 * sum(p[k] for p in phase_steps[len(decode_steps) // 4:]) / len(steady), 3)
+              for k in (spent or {})}
     step_ms = 1e3 * sum(w for w, _, _ in steady) / len(steady)
     host_ms = 1e3 * sum(w - b for w, b, _ in steady) / len(steady)
     cpu_ms = 1e3 * sum(c for _, _, c in steady) / len(steady)
     return {"num_seqs": num_seqs, "decode_steps": len(steady), "step_ms": round(step_ms, 3),
             "host_ms": round(host_ms, 3), "host_cpu_ms": round(cpu_ms, 3), "device_ms": args.simulated_device_ms,
-            "step_over_max": round(step_ms / max(host_ms, args.simulated_device_ms), 3)}
+            "step_over_max": round(step_ms / max(host_ms, args.simulated_device_ms), 3),
+            **({"cpu_ms_by_phase": phases} if spent is not None else {})}
 
 
 def main() -> None:
@@ -121,6 +150,10 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.7)
+    ap.add_argument("--output-kind", choices=["cumulative", "final_only"], default="cumulative",
+                    help="cumulative: an output per request per step, as the server streams; final_only: only "
+                         "finished outputs, as LLM.generate (benchmarks/throughput.py) reads them")
+    ap.add_argument("--split", action="store_true", help="also print each stage's engine-thread CPU ms per step")
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", action="store_true", help="cProfile the largest batch's run (host functions)")
     ap.add_argument("--overlap", nargs="+", choices=["off", "on"], default=["off", "on"],
@@ -136,7 +169,9 @@ def main() -> None:
         tokens = llm.get_tokenizer().encode(TEXT, add_special_tokens=False)
         device = SimulatedDevice(args.simulated_device_ms, tokens)
         device.install(llm.llm_engine.executor.workers[0].model_runner)
-        rows += [dict(overlap=overlap, **run(n, args, llm, device)) for n in args.num_seqs]
+        spent = time_phases(llm) if args.split else None
+        gc.freeze()  # as the server's core process and LLM.generate do: no 0.3-0.5 s full collections in a window
+        rows += [dict(overlap=overlap, **run(n, args, llm, device, spent)) for n in args.num_seqs]
         if args.profile:
             import cProfile
             import pstats
@@ -144,11 +179,16 @@ def main() -> None:
             prof.runcall(run, max(args.num_seqs), args, llm, device)
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         llm.llm_engine.shutdown()
+        gc.unfreeze()
     print(f"{'overlap':>7} {'seqs':>5} {'host ms/step':>13} {'host CPU ms':>12} {'step ms':>8} {'device ms':>10} "
           f"{'step/max(host,dev)':>19}")
     for r in rows:
         print(f"{r['overlap']:>7} {r['num_seqs']:>5} {r['host_ms']:>13.3f} {r['host_cpu_ms']:>12.3f} {r['step_ms']:>8.3f} "
               f"{r['device_ms']:>10.1f} {r['step_over_max']:>19.3f}")
+    for r in rows:
+        if "cpu_ms_by_phase" in r:
+            print(f"{r['overlap']:>7} {r['num_seqs']:>5} CPU ms per step: "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in r["cpu_ms_by_phase"].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -76,9 +76,38 @@ def test_last_token_completing_one_character_and_starting_another_ends_as_decode
     streamed = IncrementalDetokenizer(tok, [])
     assert streamed.step(hello) == "Hello"
     assert streamed.step([lead]) == streamed.step([tail]) == ""  # both held back: each ends mid-character
-    deferred = IncrementalDetokenizer(tok, [])
-    for i in ids:
-        deferred.defer(i)
-    for detok in (streamed, deferred, streamed):  # flush twice: idempotent
-        detok.flush()
+    deferred = IncrementalDetokenizer(tok, [])  # never stepped: flush decodes the whole output at once
+    for detok in (streamed, deferred, streamed, deferred):  # flush twice: idempotent
+        detok.flush(ids)
         assert detok.output_text == expected
+
+
+def test_byte_level_prefix_reuse_gives_the_plain_deltas():
+    """With a byte-level decoder the next window's text is taken from the last delta (one decode per token);
+    random ids, valid text or stray bytes, must give the same deltas as decoding both windows every step,
+    and end as tokenizer.decode does."""
+    import random
+    tok = make_tokenizer()
+    rng = random.Random(0)
+    text_ids = tok.encode(TEXT)
+    fast_steps = 0
+    for trial in range(400):
+        pool = text_ids if trial % 2 else list(range(len(tok)))
+        ids = [rng.choice(pool) for _ in range(rng.randrange(1, 40))]
+        prompt = [rng.randrange(len(tok)) for _ in range(rng.randrange(0, 8))]
+        for skip in (True, False):
+            fast = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+            plain = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+            plain._delta_is_prefix = False
+            assert fast._delta_is_prefix
+            deltas = []
+            for i in ids:
+                deltas.append(fast.step([i]))
+                fast_steps += fast._prefix_text is not None
+            assert deltas == [plain.step([i]) for i in ids]
+            fast.flush(ids)
+            plain.flush(ids)
+            assert fast.output_text == plain.output_text
+            if not prompt:
+                assert fast.output_text == tok.decode(ids, skip_special_tokens=skip)
+    assert fast_steps > 1000  # the reuse did happen

@@ -47,6 +47,41 @@ def test_rows_follow_random_joins_growth_and_leaves():
     batch.remove(10**9)  # unknown ids are ignored
 
 
+def test_gather_equals_row_per_sequence():
+    """gather() (one pass, row() only for new or grown tables) keeps the same rows as calling row() for each."""
+    from types import SimpleNamespace as NS
+    rng = random.Random(1)
+    by_row, by_gather = InputBatch(4, 32), InputBatch(4, 32)
+    seqs: dict[int, NS] = {}
+    for it in range(1500):
+        op = rng.random()
+        if op < 0.2 or not seqs:
+            seqs[it] = NS(seq_id=it, block_table=[rng.randrange(1000) for _ in range(rng.randint(0, 3))])
+        elif op < 0.35:
+            seq_id = rng.choice(list(seqs))
+            del seqs[seq_id]
+            by_row.remove(seq_id)
+            by_gather.remove(seq_id)
+        elif op < 0.8:
+            table = rng.choice(list(seqs.values())).block_table
+            if len(table) < 32:
+                table.append(rng.randrange(1000))
+        else:
+            rng.choice(list(seqs.values())).block_table = [rng.randrange(1000) for _ in range(rng.randint(0, 5))]
+        step = [NS(seq=seq, start=rng.randrange(100), num_new_tokens=rng.randint(1, 9))
+                for seq in rng.sample(list(seqs.values()), k=min(len(seqs), 3))]
+        rows, starts, counts = by_gather.gather(step)
+        assert rows.tolist() == [by_row.row(s.seq.seq_id, s.seq.block_table) for s in step]
+        assert starts.tolist() == [s.start for s in step] and counts.tolist() == [s.num_new_tokens for s in step]
+        assert by_gather.row_of == by_row.row_of
+        n = len(by_row.row_of)
+        assert by_gather.num_blocks[:n].tolist() == by_row.num_blocks[:n].tolist()
+        for row in rows.tolist():
+            width = int(by_row.num_blocks[row])
+            assert by_gather.block_tables[row, :width].tolist() == by_row.block_tables[row, :width].tolist()
+    assert by_gather.gather([])[0].dtype == np.int64
+
+
 def test_slots_match_per_token_arithmetic():
     batch = InputBatch(8, 16)
     tables = {3: [5, 9, 2], 7: [11], 8: [4, 6]}

@@ -20,6 +20,7 @@ import zmq
 
 from novainfer.config import EngineConfig
 from novainfer.engine.core import EngineCore
+from novainfer.engine.gc_heap import freeze_startup_heap
 from novainfer.engine.messages import (CoreInput, EngineCoreAbort, EngineCoreAdd, EngineCoreDead, EngineCoreOutput,
                                        EngineCoreOutputs, EngineCoreReady, MessageCodec, request_id_of)
 
@@ -136,6 +137,7 @@ def run_engine_core(config: EngineConfig, eos_token_ids: set[int], input_address
     core = None
     try:
         core = EngineCore(config, eos_token_ids)
+        freeze_startup_heap()
         in_socket = ctx.socket(zmq.PULL)
         in_socket.setsockopt(zmq.RCVHWM, 0)
         in_socket.bind(input_address)

@@ -22,8 +22,11 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.token_ids)
         self.output_text = ""
-        self.pending: list[int] = []  # tokens not yet decoded (deferred detokenization)
+        self.num_output_tokens = 0  # output tokens taken so far (by step() or flush())
         self._backend = fast_backend(tokenizer)
+        # the decoded text of token_ids[prefix_offset:read_offset], when known without decoding it again
+        self._prefix_text: str | None = None
+        self._delta_is_prefix = self._backend is not None and is_byte_level(self._backend)
 
     def _decode(self, ids: list[int]) -> str:
         if self._backend is not None:
@@ -31,34 +34,39 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
                                      spaces_between_special_tokens=self.spaces_between_special_tokens)
 
-
     def step(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (may be '' while a character is incomplete)."""
         self.token_ids.extend(new_token_ids)
+        self.num_output_tokens += len(new_token_ids)
         return self._release(final=False)
 
-    def defer(self, token_id: int) -> None:
-        """Keep a token to decode later in one call (flush): for requests whose text nobody reads before the end."""
-        self.pending.append(token_id)
-
-    def flush(self) -> None:
-        """At the output's end: decode the deferred tokens and release the text step() held back, a trailing
-        incomplete character included (as U+FFFD, so the text equals tokenizer.decode of the output); idempotent.
+    def flush(self, output_token_ids: list[int] = ()) -> None:
+        """At the output's end: take the output's tokens that step() never saw (all of them when nobody read the
+        text before the end: one decode call then) and release the text step() held back, a trailing incomplete
+        character included (as U+FFFD, so the text equals tokenizer.decode of the output); idempotent.
 
         Streamed and deferred outputs thus end with the same text, even when the last token both completes
         one character and starts another."""
-        self.token_ids.extend(self.pending)
-        self.pending = []
+        unseen = output_token_ids[self.num_output_tokens:]
+        self.token_ids.extend(unseen)
+        self.num_output_tokens += len(unseen)
         self._release(final=True)
 
     def _release(self, final: bool) -> str:
         """Move the text decoded past read_offset into output_text, unless it ends mid-character."""
-        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        prefix = self._prefix_text
+        if prefix is None:
+            prefix = self._prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.token_ids[self.prefix_offset:])
         if len(full) <= len(prefix) or (full.endswith(_INCOMPLETE) and not final):
             return ""
         delta = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        # byte-level BPE decodes a run of tokens as their concatenated bytes; when the window's bytes before and
+        # after the new tokens were both valid UTF-8, the new window's text is the delta itself: one decode call
+        # per token instead of two (a U+FFFD anywhere means invalid bytes whose decoding depends on context)
+        valid = self._delta_is_prefix and _INCOMPLETE not in full and _INCOMPLETE not in prefix
+        self._prefix_text = delta if valid else None
         self.output_text += delta
         return delta
 
@@ -87,3 +95,10 @@ def fast_backend(tokenizer: Any) -> Any:
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return None
     return backend if hasattr(backend, "decode") else None
+
+
+def is_byte_level(backend: Any) -> bool:
+    """Whether a Rust tokenizer's decoder is plain byte-level BPE (GPT-2, Llama 3, Qwen2): the text of a run of
+    tokens is their bytes as UTF-8, with nothing stripped or replaced."""
+    from tokenizers import decoders
+    return isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)

@@ -54,6 +54,8 @@ class RequestState:
     num_cached_tokens: int = 0
     error: str | None = None
     prompt_logprobs: list | None = None  # one entry per prompt token (the first None) when params ask for them
+    final_only: bool = False  # params.output_kind is FINAL_ONLY: nobody reads an output before the end
+    text_deferred: bool = False  # final_only and no stop strings: the text is decoded once, at the end
 
     @property
     def finished(self) -> bool:
@@ -72,9 +74,11 @@ class OutputProcessor:
         samples = [SampleState(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
                                                          params.spaces_between_special_tokens))
                    for i in range(params.n)]
+        final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         self.requests[request_id] = RequestState(
             request_id, prompt, prompt_token_ids, params, samples, arrival_time,
-            prompt_logprobs=[None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)
+            prompt_logprobs=[None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None,
+            final_only=final_only, text_deferred=final_only and not params.stop)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Forget a request; its final output (finish_reason "abort"), or None when it is unknown."""
@@ -90,55 +94,68 @@ class OutputProcessor:
         return bool(self.requests)
 
     def process_outputs(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[AbortTarget]]:
-        """The outputs of requests that advanced, and the samples (or requests) the core must abort."""
+        """The outputs of requests that advanced, and the samples (or requests) the core must abort.
+
+        The common output (new tokens of a request whose text nobody reads before its end, no logprobs) only
+        extends the sample's token ids; its text is decoded once, when the request finishes."""
         touched: dict[str, RequestState] = {}
+        ended: set[str] = set()  # requests a sample of which ended in this batch
         failed: list[RequestOutput] = []
         to_abort: list[AbortTarget] = []
         now = time.monotonic()
+        requests = self.requests
         for out in core_outputs:
-            req = self.requests.get(out.request_id)
+            rid = out.request_id
+            req = requests.get(rid)
             if req is None:  # aborted here while the core was stepping, or failed earlier in this batch
                 continue
             if out.error is not None:
                 failed.append(self._fail(req, out.error))
-                touched.pop(req.request_id, None)
+                touched.pop(rid, None)
                 continue
-            if not 0 <= out.index < len(req.samples):
-                logger.warning("request_id=%s output for sample %d of %d dropped", req.request_id, out.index,
-                               len(req.samples))
+            samples = req.samples
+            if not 0 <= out.index < len(samples):
+                logger.warning("request_id=%s output for sample %d of %d dropped", rid, out.index, len(samples))
                 continue
             if out.prompt_logprobs is not None:  # a prefill chunk's prompt logprobs (no new token)
                 self._add_prompt_logprobs(req, *out.prompt_logprobs)
-                if req.params.output_kind != RequestOutputKind.FINAL_ONLY:
-                    touched[req.request_id] = req
+                if not req.final_only:
+                    touched[rid] = req
                 continue
-            sample = req.samples[out.index]
+            sample = samples[out.index]
             if sample.finish_reason is not None:  # a stop string ended it; the core had not heard yet
                 continue
             req.status = RequestStatus.RUNNING
-            req.first_token_time = req.first_token_time or now
+            if req.first_token_time is None:
+                req.first_token_time = now
             req.num_cached_tokens, sample.num_preemptions = out.num_cached_tokens, out.num_preemptions
             if out.spec_num_draft_tokens:
                 sample.spec_num_draft_tokens = out.spec_num_draft_tokens
                 sample.spec_num_accepted_tokens = out.spec_num_accepted_tokens
-            try:
-                if self._apply(req, sample, out):
-                    to_abort.append(AbortTarget(req.request_id, out.index))
-            except Exception as exc:  # detokenizing broke on this request: fail it alone
-                logger.exception("request_id=%s failed while applying its tokens", req.request_id)
-                failed.append(self._fail(req, f"{type(exc).__name__}: {exc}"))
-                to_abort.append(AbortTarget(req.request_id))
-                touched.pop(req.request_id, None)
-                continue
-            touched[req.request_id] = req
+            if req.text_deferred and out.new_logprobs is None:
+                sample.token_ids += out.new_token_ids
+                sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+            else:
+                try:
+                    if self._apply(req, sample, out):
+                        to_abort.append(AbortTarget(rid, out.index))
+                except Exception as exc:  # detokenizing broke on this request: fail it alone
+                    logger.exception("request_id=%s failed while applying its tokens", rid)
+                    failed.append(self._fail(req, f"{type(exc).__name__}: {exc}"))
+                    to_abort.append(AbortTarget(rid))
+                    touched.pop(rid, None)
+                    continue
+            if sample.finish_reason is not None:
+                ended.add(rid)
+            touched[rid] = req
         outputs = failed
-        for req in touched.values():
-            if not req.finished:
-                if req.params.output_kind != RequestOutputKind.FINAL_ONLY:
+        for rid, req in touched.items():
+            if rid not in ended or not req.finished:
+                if not req.final_only:
                     outputs.append(self._make_output(req))
                 continue
             req.status = RequestStatus.FINISHED
-            del self.requests[req.request_id]
+            del requests[rid]
             outputs.append(self._make_output(req))
         return outputs, to_abort
 
@@ -149,11 +166,8 @@ class OutputProcessor:
         detok = sample.detokenizer
         for i, token_id in enumerate(out.new_token_ids):
             sample.token_ids.append(token_id)
-            if p.stop or p.output_kind != RequestOutputKind.FINAL_ONLY:
-                new_text = detok.step([token_id])
-            else:  # nobody reads the text before the end: decode it once then
-                detok.defer(token_id)
-                new_text = ""
+            # nobody reads the text before the end: decoded once then (flush)
+            new_text = "" if req.text_deferred else detok.step([token_id])
             top = out.new_logprobs[i] if out.new_logprobs else None
             if top:
                 sample.cumulative_logprob += top[0][1]
@@ -184,21 +198,26 @@ class OutputProcessor:
         return self._make_output(req)
 
     def _make_output(self, req: RequestState) -> RequestOutput:
-        completions = []
         want_lp = req.params.logprobs is not None
+        completions = []
+        finished = True
         for s in req.samples:
-            if s.finish_reason is not None and not isinstance(s.stop_reason, str):  # a stop string already cut it
-                s.detokenizer.flush()
+            if s.finish_reason is None:
+                finished = False
+            elif not isinstance(s.stop_reason, str):  # a stop string already cut it
+                s.detokenizer.flush(s.token_ids)
             completions.append(CompletionOutput(
                 index=s.index, text=s.detokenizer.output_text, token_ids=list(s.token_ids),
                 cumulative_logprob=s.cumulative_logprob if want_lp else None,
                 logprobs=list(s.logprobs) if want_lp else None,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, req.finished,
+        samples = req.samples
+        preemptions = samples[0].num_preemptions if len(samples) == 1 else sum(s.num_preemptions for s in samples)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished,
                              num_cached_tokens=req.num_cached_tokens, error=req.error,
                              prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
                              metrics={"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
-                                      "num_preemptions": sum(s.num_preemptions for s in req.samples),
+                                      "num_preemptions": preemptions,
                                       "spec_num_draft_tokens": sum(s.spec_num_draft_tokens for s in req.samples),
                                       "spec_num_accepted_tokens": sum(s.spec_num_accepted_tokens
                                                                       for s in req.samples)})

@@ -8,6 +8,7 @@ from typing import Any, Sequence as Seq
 from tqdm import tqdm
 
 from novainfer.config import EngineConfig
+from novainfer.engine.gc_heap import frozen_heap
 from novainfer.engine.llm_engine import LLMEngine
 from novainfer.entrypoints.chat_utils import apply_chat_template
 from novainfer.outputs import RequestOutput
@@ -66,16 +67,16 @@ class LLM:
         tokens_before = engine.num_generated_tokens
         remaining = len(prompts)
         try:
-            while remaining:
-                for out in engine.step():
-                    if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
-                        remaining -= 1
-                        bar.update(1)
-                elapsed = bar.format_dict["elapsed"]
-                if use_tqdm and elapsed > 0:
-                    rate = (engine.num_generated_tokens - tokens_before) / elapsed
-                    bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
+            with frozen_heap():  # the loaded engine's objects stay out of the collector's full passes meanwhile
+                while remaining:
+                    for out in engine.step():
+                        if out.finished and out.request_id in order:
+                            results[order[out.request_id]] = out
+                            remaining -= 1
+                            bar.update(1)
+                    if use_tqdm and (elapsed := bar.format_dict["elapsed"]) > 0:
+                        rate = (engine.num_generated_tokens - tokens_before) / elapsed
+                        bar.set_postfix_str(f"output {rate:.1f} tok/s", refresh=False)
         finally:
             bar.close()
             for request_id in order:

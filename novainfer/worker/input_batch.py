@@ -7,6 +7,8 @@ Rows are compacted when sequences leave: the last row moves into the hole.
 """
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import numpy as np
 
 
@@ -19,6 +21,7 @@ class InputBatch:
         self.num_blocks = np.zeros(max_num_seqs, dtype=np.int32)
         self.seq_ids = np.full(max_num_seqs, -1, dtype=np.int64)
         self._sources: list[list[int] | None] = [None] * max_num_seqs  # the block-table list each row mirrors
+        self._lengths = [0] * max_num_seqs  # num_blocks as Python ints: gather()'s unchanged-row check
         self.row_of: dict[int, int] = {}
 
     def _grow(self) -> None:
@@ -28,6 +31,7 @@ class InputBatch:
         self.num_blocks = np.concatenate([self.num_blocks, np.zeros(n, dtype=np.int32)])
         self.seq_ids = np.concatenate([self.seq_ids, np.full(n, -1, dtype=np.int64)])
         self._sources += [None] * n
+        self._lengths += [0] * n
 
     def row(self, seq_id: int, block_table: list[int]) -> int:
         """The sequence's row, added if new, with its block table brought up to date."""
@@ -46,8 +50,25 @@ class InputBatch:
         else:  # new, or the block manager gave the sequence a new table (preempted and readmitted)
             self.block_tables[row, :len(block_table)] = block_table
             self._sources[row] = block_table
-        self.num_blocks[row] = len(block_table)
+        self.num_blocks[row] = self._lengths[row] = len(block_table)
         return row
+
+    def gather(self, scheduled: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A step's rows, start positions and new-token counts (int64 arrays) in one pass over its
+        ScheduledSequences; rows are added or brought up to date as row() does, which only new or grown
+        tables need (a steady decode step calls it once per block_size steps per sequence)."""
+        row_of, sources, lengths = self.row_of, self._sources, self._lengths
+        rows, starts, counts = [], [], []
+        for s in scheduled:
+            seq = s.seq
+            table = seq.block_table
+            row = row_of.get(seq.seq_id)
+            if row is None or sources[row] is not table or lengths[row] != len(table):
+                row = self.row(seq.seq_id, table)
+            rows.append(row)
+            starts.append(s.start)
+            counts.append(s.num_new_tokens)
+        return np.array(rows, np.int64), np.array(starts, np.int64), np.array(counts, np.int64)
 
     def remove(self, seq_id: int) -> None:
         """Drop the sequence's row; the last row moves into its place."""
@@ -59,12 +80,12 @@ class InputBatch:
             moved = int(self.seq_ids[last])
             width = int(self.num_blocks[last])
             self.block_tables[row, :width] = self.block_tables[last, :width]
-            self.num_blocks[row] = width
+            self.num_blocks[row] = self._lengths[row] = width
             self.seq_ids[row] = moved
             self._sources[row] = self._sources[last]
             self.row_of[moved] = row
         self.seq_ids[last] = -1
-        self.num_blocks[last] = 0
+        self.num_blocks[last] = self._lengths[last] = 0
         self._sources[last] = None
 
     def slots(self, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
