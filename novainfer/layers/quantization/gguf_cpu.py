@@ -91,6 +91,8 @@ class GGUFCPULinearMethod(QuantizeMethodBase):
 class GGUFCPUConfig(QuantizationConfig):
     """Every replicated linear/embedding layer of a one-rank CPU model gets the GGUF CPU method."""
 
+    fused_cpu_ops = True
+
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
         if getattr(layer, "tp_size", 1) != 1:
             return None
