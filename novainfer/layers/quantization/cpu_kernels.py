@@ -87,18 +87,35 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+_kernel_threads: int | None = None
+
+
+def set_num_threads(n: int | None) -> None:
+    """Threads for these kernels (None: follow torch.get_num_threads()). Their pool never waits for a
+    worker that has not started, so a process may give them every core even where torch keeps one free."""
+    global _kernel_threads
+    if n is not None and n < 1:
+        raise ValueError(f"kernel threads must be >= 1, got {n}")
+    _kernel_threads = n
+
+
+def num_threads() -> int:
+    """Threads the kernels use now."""
+    return _kernel_threads or torch.get_num_threads()
+
+
 def available() -> bool:
     """True when the kernels can run on this machine (building them on first call)."""
     return _library() is not None
 
 
 def quant_gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    """x [M, K] float32 contiguous @ dequant(w)^T -> [M, N] float32 (x rounded to int8 per block of 32)."""
+    """x [M, K] float32 contiguous @ dequant(w)^T -> [M, N] float32 (x rounded to int16 per block of 32)."""
     lib = _library()
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    threads = torch.get_num_threads()
+    threads = _kernel_threads or torch.get_num_threads()
     if w.kind == "q4":
         rc = lib.q4_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(), n,
                          y.data_ptr(), threads)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from novainfer.layers.quantization.cpu_kernels import library
+from novainfer.layers.quantization.cpu_kernels import library, num_threads
 
 
 def usable(x: torch.Tensor) -> bool:
     """True for what the C ops take: a float32 CPU tensor whose last dim is contiguous."""
-    return x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(-1) == 1
+    return x.dtype is torch.float32 and x.stride(-1) == 1 and not x.is_cuda
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -75,7 +75,7 @@ def decode_attention_bf16(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     rc = library().decode_attention_bf16(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), s, nh, nkv, d, block_size, scale, sliding_window or 0,
-        logits_soft_cap or 0.0, out.data_ptr(), torch.get_num_threads())
+        logits_soft_cap or 0.0, out.data_ptr(), num_threads())
     if rc:
         raise MemoryError("decode attention: no memory for the scores")
     return out
