@@ -37,6 +37,7 @@ def test_repack_is_exact_and_kernel_matches_dequantize_then_matmul(qtype, n, k):
     w = repack(blocks, qtype, (n, k))
     ref_w = torch.from_numpy(dequantize(blocks, qtype).reshape(n, k).astype(np.float32))
     assert torch.equal(w.dequantize(), ref_w)  # the repack keeps every value exactly
+    torch.testing.assert_close(cpu_kernels.dequantize(w), ref_w, rtol=1e-6, atol=1e-7)  # C: q * s + z fused
     for m in (1, 9, 17):  # batch 1, a partial row tile, more than two tiles
         x = torch.randn(m, k)
         ref = x.double() @ ref_w.double().T
@@ -71,6 +72,7 @@ def test_mixed_types_merge_into_one_exact_layer():
     ref = np.concatenate([dequantize(b, t).reshape(n, k) for b, (t, n) in zip(blocks, parts)])
     assert merged.kind == "q8" and merged.group == 16
     assert torch.equal(merged.dequantize(), torch.from_numpy(ref.astype(np.float32)))
+    torch.testing.assert_close(cpu_kernels.dequantize(merged), merged.dequantize(), rtol=1e-6, atol=1e-7)
     x = torch.randn(3, k)  # the kernel on groups of 16 with zero points (the Q4_K part)
     want = x.double() @ torch.from_numpy(ref).double().T
     assert (cpu_kernels.quant_gemm(x, merged).double() - want).norm() < 1e-4 * want.norm()

@@ -71,6 +71,7 @@ def _library() -> ctypes.CDLL | None:
     lib.q4_gemm.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P, _I]
     lib.q8_gemm.argtypes = [_P, _I, _I, _P, _I, _P, _P, _I, _I, _P, _I]
     _F = ctypes.c_float
+    lib.dequantize.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P, _I]
     lib.add_rms_norm.argtypes = [_P, _P, _P, _P, _F, _P, _I, _I]
     lib.silu_and_mul.argtypes = [_P, _P, _I, _I]
     lib.rotary_neox.argtypes = [_P, _I, _I, _P, _I, _I, _P, _I, _P, _P, _I, _I]
@@ -126,3 +127,14 @@ def quant_gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     if rc:
         raise MemoryError(f"quantized CPU GEMM: no memory for a [{m}, {k}] activation's scratch")
     return y
+
+
+def dequantize(w: PackedWeight) -> torch.Tensor:
+    """The float32 [N, K] weight, in C (the prefill path's GEMM input; PackedWeight.dequantize in torch is
+    the reference)."""
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=torch.float32)
+    zeros = None if w.zeros is None else w.zeros.data_ptr()
+    _library().dequantize(w.qweight.data_ptr(), int(w.kind == "q4"), w.group, w.scales.data_ptr(), zeros, n, k,
+                          out.data_ptr(), _kernel_threads or torch.get_num_threads())
+    return out

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from novainfer.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
-from novainfer.layers.quantization.cpu_kernels import quant_gemm
+from novainfer.layers.quantization.cpu_kernels import dequantize, quant_gemm
 from novainfer.layers.quantization.gguf_repack import PackedWeight, dequantize_rows, merge_rows, repack
 
 
@@ -73,7 +73,7 @@ class GGUFCPULinearMethod(QuantizeMethodBase):
             return F.linear(x, layer.weight, bias)
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if x2.shape[0] >= PREFILL_ROWS:  # a prefill: the weight read once, then the BLAS GEMM (see the docs)
-            return F.linear(x, packed.dequantize().to(x.dtype), bias)
+            return F.linear(x, dequantize(packed).to(x.dtype), bias)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
         y = quant_gemm(x2, packed)
