@@ -12,7 +12,7 @@ from novainfer.layers.attention import Attention
 path=default_model_path(); cfg=load_hf_config(path)
 models={}
 for name,q,kv in [("quantized+bf16KV",True,torch.bfloat16),("float32 dense",False,torch.float32)]:
-    m=load_model(path,cfg,torch.float32,torch.device('cpu'),GGUFCPUConfig() if q else None)
+    m=load_model(path,cfg,torch.float32,torch.device('cpu'),quant_config=GGUFCPUConfig() if q else None)
     for l in [x for x in m.modules() if isinstance(x, Attention)]:
         l.k_cache=torch.zeros(64,16,3,64,dtype=kv); l.v_cache=torch.zeros(64,16,3,64,dtype=kv); l.backend=cpu_backend
     models[name]=m

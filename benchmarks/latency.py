@@ -47,7 +47,7 @@ def main() -> None:
                     help="plan step N+1 while step N runs (default: on with CUDA, off on the CPU)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--compare-hf", action="store_true")
+    ap.add_argument("--compare-hf", action="store_true", help="with --compare-llamacpp too: a third row")
     ap.add_argument("--compare-llamacpp", action="store_true", help="llama.cpp on the same GGUF (see module doc)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -129,11 +129,30 @@ def compare_llamacpp(args: argparse.Namespace) -> None:
     r["llamacpp"] = measure(lambda p, n: llamacpp_baseline.greedy(lc, p, n))
     theirs = llamacpp_baseline.greedy(lc, same, 32)[0]
     r["greedy_tokens_agree"] = sum(a == b for a, b in zip(ours_tokens, theirs))
+    del lc
+    if args.compare_hf:  # transformers' own GGUF loading (dequantized to float32), greedy, the same prompts
+        from transformers import AutoModelForCausalLM
+
+        from benchmarks.hf_baseline import run
+        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                  dtype=torch.float32).eval()
+
+        def hf_run(p: list[int], n: int) -> tuple[None, float]:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                run(hf, [p], [n], 0.0, 0, "cpu")
+            return None, time.perf_counter() - t0
+        import transformers
+        r["hf_version"] = transformers.__version__
+        r["hf"] = measure(hf_run)
     print(f"\n{args.prompt_len}-token prompts, {args.output_len} new tokens, {args.ttft_prompt_len}-token prefill, "
           f"{threads} threads, fresh prompt per run; ranges over {args.repeat} runs\n"
           "| engine | batch-1 decode tok/s | prefill of a {0}-token prompt (ms) |\n|---|---|---|".format(
               args.ttft_prompt_len))
-    for name, key in (("NovaInfer (defaults)", "novainfer"), (f"llama.cpp {version}", "llamacpp")):
+    rows = [("NovaInfer (defaults)", "novainfer"), (f"llama.cpp {version}", "llamacpp")]
+    if "hf" in r:
+        rows.append((f"HF transformers {r['hf_version']} (float32)", "hf"))
+    for name, key in rows:
         d, p = r[key]["decode_tok_s"], r[key]["prefill_ms"]
         print(f"| {name} | {min(d):.1f}-{max(d):.1f} | {min(p):,.0f}-{max(p):,.0f} |")
     ratio = [a / b for a, b in zip(r["novainfer"]["decode_tok_s"], r["llamacpp"]["decode_tok_s"])]

@@ -28,9 +28,11 @@ def english_text() -> str:
     raise FileNotFoundError("transformers' LICENSE text is not installed")
 
 
-def novainfer_logits(path: str, chunks: list[list[int]], quantized: bool) -> torch.Tensor:
+def novainfer_logits(path: str, chunks: list[list[int]], quantized: bool, step: int | None = None) -> torch.Tensor:
     """Float32 logits of every position of every chunk: GGUF kept quantized (the default CPU path: float32
-    activations here, bfloat16 KV) or the float32 dequantized reference with a float32 cache."""
+    activations here, bfloat16 KV) or the float32 dequantized reference with a float32 cache. A chunk goes in
+    as one prefill, or with `step`, in steps of that many tokens over the cache (below gguf_cpu.PREFILL_ROWS
+    they take the decode kernel, int16-rounded activations, as generated tokens do)."""
     from novainfer.attention import cpu_backend
     from novainfer.attention.metadata import AttentionMetadata, attention_metadata
     from novainfer.layers.attention import Attention
@@ -50,13 +52,17 @@ def novainfer_logits(path: str, chunks: list[list[int]], quantized: bool) -> tor
                 shape = (blocks, bs, layer.num_kv_heads, layer.head_dim)
                 layer.k_cache, layer.v_cache = torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)
                 layer.backend = cpu_backend
-            meta = AttentionMetadata(
-                query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([n], dtype=torch.int32),
-                slot_mapping=torch.arange(n), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-                max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
-            with attention_metadata(meta):
-                hidden = model(torch.tensor(ids), torch.arange(n))
-            out.append(model.compute_logits(hidden).float())
+            for start in range(0, n, step or n):
+                end = min(n, start + (step or n))
+                q = end - start
+                meta = AttentionMetadata(
+                    query_start_loc=torch.tensor([0, q], dtype=torch.int32),
+                    seq_lens=torch.tensor([end], dtype=torch.int32), slot_mapping=torch.arange(start, end),
+                    block_tables=torch.arange(blocks, dtype=torch.int32)[None], max_query_len=q, max_seq_len=end,
+                    query_start_loc_cpu=[0, q], seq_lens_cpu=[end])
+                with attention_metadata(meta):
+                    hidden = model(torch.tensor(ids[start:end]), torch.arange(start, end))
+                out.append(model.compute_logits(hidden).float())
     return torch.cat(out)
 
 
@@ -95,6 +101,8 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=2048)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--decode-step", type=int, default=32,
+                    help="tokens per step for the decode-path row (below the prefill threshold of 64 rows)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp's figures out")
     args = ap.parse_args()
@@ -103,10 +111,10 @@ def main() -> None:
     chunks = make_chunks(path, args.positions, args.ctx)
     t0 = time.perf_counter()
     ref = novainfer_logits(path, chunks, quantized=False)
-    ours = novainfer_logits(path, chunks, quantized=True)
-    kl, top1 = kl_and_top1(ref, ours)
+    kl, top1 = kl_and_top1(ref, novainfer_logits(path, chunks, quantized=True))
+    dkl, dtop1 = kl_and_top1(ref, novainfer_logits(path, chunks, quantized=True, step=args.decode_step))
     r = {"model": os.path.basename(path), "positions": ref.shape[0], "ctx": args.ctx,
-         "novainfer_kl": kl, "novainfer_top1": top1}
+         "novainfer_kl": kl, "novainfer_top1": top1, "novainfer_decode_kl": dkl, "novainfer_decode_top1": dtop1}
     try:
         if args.no_llamacpp:
             raise ImportError
@@ -119,7 +127,9 @@ def main() -> None:
     r["seconds"] = time.perf_counter() - t0
     print(f"\nreference: float32 dequantized weights, float32 KV; {r['positions']} teacher-forced positions of "
           f"the Apache-2.0 text in chunks of {args.ctx}\n| engine | mean KL | top-1 agreement |\n|---|---|---|")
-    print(f"| NovaInfer (quantized weights, bf16 KV) | {kl:.5f} | {top1:.2%} |")
+    print(f"| NovaInfer, prefill path (quantized weights dequantized per layer, bf16 KV) | {kl:.5f} | {top1:.2%} |")
+    print(f"| NovaInfer, decode path (steps of {args.decode_step}: int16-rounded activations, bf16 KV) | {dkl:.5f} "
+          f"| {dtop1:.2%} |")
     if "llamacpp_kl" in r:
         print(f"| llama.cpp {r['llamacpp_version']} | {r['llamacpp_kl']:.5f} | {r['llamacpp_top1']:.2%} |")
     if args.json:

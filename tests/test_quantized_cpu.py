@@ -37,12 +37,31 @@ def test_repack_is_exact_and_kernel_matches_dequantize_then_matmul(qtype, n, k):
     w = repack(blocks, qtype, (n, k))
     ref_w = torch.from_numpy(dequantize(blocks, qtype).reshape(n, k).astype(np.float32))
     assert torch.equal(w.dequantize(), ref_w)  # the repack keeps every value exactly
+    torch.testing.assert_close(cpu_kernels.dequantize(w), ref_w, rtol=1e-6, atol=1e-7)  # C: q * s + z fused
     for m in (1, 9, 17):  # batch 1, a partial row tile, more than two tiles
         x = torch.randn(m, k)
         ref = x.double() @ ref_w.double().T
-        # float32 accumulation in a different order than the reference: bounded by k * eps * sum |x w|
-        tol = 4 * k * torch.finfo(torch.float32).eps * (x.abs().double() @ ref_w.abs().double().T)
-        assert ((cpu_kernels.quant_gemm(x, w).double() - ref).abs() <= tol + 1e-6).all()
+        # x is rounded to int16 per block of 32 (step max|x| / 32767, error at most half a step), then summed in
+        # float32 in another order than the reference: bounded by sum |w| step / 2 + k eps sum |x w|
+        step = x.abs().view(m, k // 32, 32).amax(-1).double().repeat_interleave(32, dim=1) / 32767
+        tol = (step / 2 * 1.001) @ ref_w.abs().double().T
+        tol += 4 * k * torch.finfo(torch.float32).eps * (x.abs().double() @ ref_w.abs().double().T)
+        y = cpu_kernels.quant_gemm(x, w)
+        assert ((y.double() - ref).abs() <= tol + 1e-6).all()
+        assert (y.double() - ref).norm() < 1e-4 * ref.norm()  # and typically far inside the bound
+
+
+def test_kernel_gives_the_same_bits_on_one_thread_or_many():
+    w = repack(random_blocks(T.Q4_1, 1000, 512), T.Q4_1, (1000, 512))
+    x = torch.randn(5, 512)
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.quant_gemm(x, w)
+        torch.set_num_threads(2)
+        assert torch.equal(cpu_kernels.quant_gemm(x, w), one)  # each output row is summed by one thread
+    finally:
+        torch.set_num_threads(prev)
 
 
 def test_mixed_types_merge_into_one_exact_layer():
@@ -53,6 +72,10 @@ def test_mixed_types_merge_into_one_exact_layer():
     ref = np.concatenate([dequantize(b, t).reshape(n, k) for b, (t, n) in zip(blocks, parts)])
     assert merged.kind == "q8" and merged.group == 16
     assert torch.equal(merged.dequantize(), torch.from_numpy(ref.astype(np.float32)))
+    torch.testing.assert_close(cpu_kernels.dequantize(merged), merged.dequantize(), rtol=1e-6, atol=1e-7)
+    x = torch.randn(3, k)  # the kernel on groups of 16 with zero points (the Q4_K part)
+    want = x.double() @ torch.from_numpy(ref).double().T
+    assert (cpu_kernels.quant_gemm(x, merged).double() - want).norm() < 1e-4 * want.norm()
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,20 @@ import torch
 
 from novainfer.attention import torch_backend
 from novainfer.attention.metadata import AttentionMetadata
+from novainfer.layers.quantization import cpu_kernels, cpu_ops
+
+
+def _c_path(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    """The C ops take float32 activations over a bfloat16 cache (the default CPU path)."""
+    return (cache.dtype == torch.bfloat16 and cache.is_contiguous() and cpu_ops.usable(x)
+            and cpu_kernels.available())
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write the step's K/V [num_tokens, kv_heads, head_dim] into cache slots (cast to the cache's dtype)."""
+    if _c_path(key, k_cache) and key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]:
+        return cpu_ops.store_kv_bf16(key, value, k_cache, v_cache, slot_mapping)
     if k_cache.dtype != key.dtype:
         key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
     torch_backend.store_kv(key, value, k_cache, v_cache, slot_mapping)
@@ -39,7 +48,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                      scale: float, sliding_window: int | None = None,
                      logits_soft_cap: float | None = None) -> torch.Tensor:
-    """One new token per sequence: gather every sequence's blocks at once, mask past its length, softmax."""
+    """One new token per sequence: gather every sequence's blocks at once, mask past its length, softmax
+    (in C for float32 queries over a bfloat16 cache)."""
+    if _c_path(query, k_cache) and query.stride(1) == query.shape[2] and query.shape[2] % 8 == 0:
+        return cpu_ops.decode_attention_bf16(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                             sliding_window, logits_soft_cap)
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads

@@ -128,6 +128,8 @@ def run_engine_core(config: EngineConfig, eos_token_ids: set[int], input_address
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
     if config.resolve_device().type == "cpu":
         torch.set_num_threads(cpu_threads())
+        from novainfer.layers.quantization import cpu_kernels
+        cpu_kernels.set_num_threads(len(os.sched_getaffinity(0)))  # their pool copes with a busy front-end
     ctx = zmq.Context()
     out_socket = ctx.socket(zmq.PUSH)
     out_socket.setsockopt(zmq.SNDHWM, 0)

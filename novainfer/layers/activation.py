@@ -5,14 +5,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from novainfer.layers.quantization import cpu_ops, current_quant_config
+
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up, where the input is [..., 2 * d] = concat(gate, up)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fused_cpu = getattr(current_quant_config(), "fused_cpu_ops", False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dim() == 2:
             from novainfer.kernels.fused_ops import silu_and_mul
             return silu_and_mul(x)
+        if self.fused_cpu and cpu_ops.usable(x):
+            return cpu_ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from novainfer.layers.quantization import cpu_ops, current_quant_config
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.fused_cpu = getattr(current_quant_config(), "fused_cpu_ops", False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # computed in float32 as Hugging Face does, then cast back before the weight
@@ -23,6 +26,9 @@ class RMSNorm(nn.Module):
         if x.is_cuda and x.dim() == 2:
             from novainfer.kernels.fused_ops import rms_norm
             return rms_norm(x, self.weight, self.eps, residual)
+        if self.fused_cpu and cpu_ops.usable(x) and self.weight.dtype == torch.float32:
+            out, res = cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, res)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from novainfer.layers.quantization import cpu_ops, current_quant_config
+
 
 def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict:
     """The config's rope settings as one dict, for transformers 4 (rope_scaling) and 5 (rope_parameters);
@@ -65,6 +67,8 @@ class RotaryEmbedding(nn.Module):
         cos, sin = _cos_sin(*compute_inv_freq(hf_config, head_dim, layer_type), max_position)
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
+        # the in-place C rotation of the quantized CPU path, for this class's own (single) table
+        self.fused_cpu = type(self) is RotaryEmbedding and getattr(current_quant_config(), "fused_cpu_ops", False)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -76,6 +80,9 @@ class RotaryEmbedding(nn.Module):
         if q.is_cuda:
             from novainfer.kernels.fused_ops import rotary_embedding
             return rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
+        if self.fused_cpu and cpu_ops.usable(q) and cpu_ops.usable(k) and self.cos_cache.dtype == torch.float32:
+            cpu_ops.rotary_neox_(positions, q, k, self.cos_cache, self.sin_cache)
+            return q, k
         cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -39,7 +39,13 @@ class QuantizeMethodBase:
 
 
 class QuantizationConfig:
-    """Picks a method per layer while a model is built; None keeps the layer dense."""
+    """Picks a method per layer while a model is built; None keeps the layer dense.
+
+    fused_cpu_ops: the model's norms, activation and rotary run the C ops of cpu_ops.py on float32 CPU
+    tensors (the quantized CPU path; the float32 exact path keeps torch's ops).
+    """
+
+    fused_cpu_ops = False
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
         raise NotImplementedError

@@ -1,6 +1,7 @@
-"""Builds (once per machine, with the system C compiler) and calls the AVX2 quantized GEMM in csrc/.
+"""Builds (once per machine, with the system C compiler) the AVX2 kernels in csrc/ and calls the quantized GEMM.
 
-The library is cached under ~/.cache/novainfer keyed by the source's hash. Where no compiler or no
+The library (csrc/qgemm_cpu.c and the decode-step ops of csrc/decode_ops_cpu.c, whose wrappers are in
+cpu_ops.py) is cached under ~/.cache/novainfer keyed by the sources' hash. Where no compiler or no
 AVX2/FMA is found, available() is False and GGUF weights load dequantized (one log line says why).
 """
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 from novainfer.layers.quantization.gguf_repack import PackedWeight
 
 logger = logging.getLogger(__name__)
-_SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "qgemm_cpu.c")
+_HEADER = os.path.join(os.path.dirname(__file__), "csrc", "cpu_pool.h")
+_SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name) for name in ("qgemm_cpu.c", "decode_ops_cpu.c", "cpu_pool.c")]
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 
@@ -46,15 +48,18 @@ def _library() -> ctypes.CDLL | None:
     if cc is None:
         logger.info("no C compiler (gcc) found for the quantized CPU kernels; GGUF weights load dequantized")
         return None
-    with open(_SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    sha = hashlib.sha256()
+    for source in [*_SOURCES, _HEADER]:
+        with open(source, "rb") as f:
+            sha.update(f.read())
+    digest = sha.hexdigest()[:16]
     cache = os.path.join(os.path.expanduser("~"), ".cache", "novainfer")
     target = os.path.join(cache, f"qgemm_cpu-{digest}.so")
     if not os.path.exists(target):
         os.makedirs(cache, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
-        cmd = [cc, "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-o", tmp, _SOURCE]
+        cmd = [cc, "-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC", "-o", tmp, *_SOURCES, "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             os.unlink(tmp)
@@ -63,9 +68,41 @@ def _library() -> ctypes.CDLL | None:
             return None
         os.replace(tmp, target)  # atomic: concurrent builders each write their own temporary file
     lib = ctypes.CDLL(target)
-    lib.q4_gemm.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P, _P, _I]
-    lib.q8_gemm.argtypes = [_P, _I, _I, _P, _I, _P, _P, _I, _I, _P, _P, _I]
+    lib.q4_gemm.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P, _I]
+    lib.q8_gemm.argtypes = [_P, _I, _I, _P, _I, _P, _P, _I, _I, _P, _I]
+    _F = ctypes.c_float
+    lib.dequantize.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P, _I]
+    lib.add_rms_norm.argtypes = [_P, _P, _P, _P, _F, _P, _I, _I]
+    lib.silu_and_mul.argtypes = [_P, _P, _I, _I]
+    lib.rotary_neox.argtypes = [_P, _I, _I, _P, _I, _I, _P, _I, _P, _P, _I, _I]
+    lib.store_kv_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I]
+    lib.decode_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I]
     return lib
+
+
+def library() -> ctypes.CDLL:
+    """The built library (callers check available() first)."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the quantized CPU kernels are not available on this machine")
+    return lib
+
+
+_kernel_threads: int | None = None
+
+
+def set_num_threads(n: int | None) -> None:
+    """Threads for these kernels (None: follow torch.get_num_threads()). Their pool never waits for a
+    worker that has not started, so a process may give them every core even where torch keeps one free."""
+    global _kernel_threads
+    if n is not None and n < 1:
+        raise ValueError(f"kernel threads must be >= 1, got {n}")
+    _kernel_threads = n
+
+
+def num_threads() -> int:
+    """Threads the kernels use now."""
+    return _kernel_threads or torch.get_num_threads()
 
 
 def available() -> bool:
@@ -74,18 +111,30 @@ def available() -> bool:
 
 
 def quant_gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    """x [M, K] float32 contiguous @ dequant(w)^T -> [M, N] float32."""
+    """x [M, K] float32 contiguous @ dequant(w)^T -> [M, N] float32 (x rounded to int16 per block of 32)."""
     lib = _library()
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    xsum = torch.empty(m * (k // w.group), dtype=torch.float32)
-    threads = torch.get_num_threads()
+    threads = _kernel_threads or torch.get_num_threads()
     if w.kind == "q4":
-        lib.q4_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(), n,
-                    y.data_ptr(), xsum.data_ptr(), threads)
+        rc = lib.q4_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(), n,
+                         y.data_ptr(), threads)
     else:
         zeros = w.zeros if w.zeros is not None else w.scales  # never read without has_zeros
-        lib.q8_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), w.group, w.scales.data_ptr(), zeros.data_ptr(),
-                    int(w.zeros is not None), n, y.data_ptr(), xsum.data_ptr(), threads)
+        rc = lib.q8_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), w.group, w.scales.data_ptr(), zeros.data_ptr(),
+                         int(w.zeros is not None), n, y.data_ptr(), threads)
+    if rc:
+        raise MemoryError(f"quantized CPU GEMM: no memory for a [{m}, {k}] activation's scratch")
     return y
+
+
+def dequantize(w: PackedWeight) -> torch.Tensor:
+    """The float32 [N, K] weight, in C (the prefill path's GEMM input; PackedWeight.dequantize in torch is
+    the reference)."""
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=torch.float32)
+    zeros = None if w.zeros is None else w.zeros.data_ptr()
+    _library().dequantize(w.qweight.data_ptr(), int(w.kind == "q4"), w.group, w.scales.data_ptr(), zeros, n, k,
+                          out.data_ptr(), _kernel_threads or torch.get_num_threads())
+    return out

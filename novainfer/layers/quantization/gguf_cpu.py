@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from novainfer.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
-from novainfer.layers.quantization.cpu_kernels import quant_gemm
+from novainfer.layers.quantization.cpu_kernels import dequantize, quant_gemm
 from novainfer.layers.quantization.gguf_repack import PackedWeight, dequantize_rows, merge_rows, repack
 
 
@@ -71,14 +71,17 @@ class GGUFCPULinearMethod(QuantizeMethodBase):
         packed: PackedWeight | None = layer.weight.packed
         if packed is None:
             return F.linear(x, layer.weight, bias)
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if x2.shape[0] >= PREFILL_ROWS:  # a prefill: the weight read once, then the BLAS GEMM (see the docs)
-            return F.linear(x, packed.dequantize().to(x.dtype), bias)
-        y = quant_gemm(x2.float().contiguous(), packed).to(x.dtype)
+            return F.linear(x, dequantize(packed).to(x.dtype), bias)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        y = quant_gemm(x2, packed)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
         if bias is not None:
             y += bias
-        return y.view(*lead, y.shape[-1])
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[-1])
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         packed = layer.weight.packed
@@ -90,6 +93,8 @@ class GGUFCPULinearMethod(QuantizeMethodBase):
 
 class GGUFCPUConfig(QuantizationConfig):
     """Every replicated linear/embedding layer of a one-rank CPU model gets the GGUF CPU method."""
+
+    fused_cpu_ops = True
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
         if getattr(layer, "tp_size", 1) != 1:

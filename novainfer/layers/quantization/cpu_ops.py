@@ -1,0 +1,81 @@
+"""The float32 ops of a CPU decode step in C (csrc/decode_ops_cpu.c): each replaces 5-10 small torch ops,
+whose per-op cost dominated a 30-layer decode step of the default model once the weights were quantized.
+
+Used by the layers of a model built for the quantized CPU path (QuantizationConfig.fused_cpu_ops); the
+float32 exact path (dtype="float32") keeps the torch ops. Each wrapper checks what the C code assumes.
+"""
+from __future__ import annotations
+
+import torch
+
+from novainfer.layers.quantization.cpu_kernels import library, num_threads
+
+
+def usable(x: torch.Tensor) -> bool:
+    """True for what the C ops take: a float32 CPU tensor whose last dim is contiguous."""
+    return x.dtype is torch.float32 and x.stride(-1) == 1 and not x.is_cuda
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) * weight, x + residual); without a residual, x itself is the new residual."""
+    x = x.contiguous()
+    m, h = x.numel() // x.shape[-1], x.shape[-1]
+    out = torch.empty_like(x)
+    if residual is None:
+        library().add_rms_norm(x.data_ptr(), None, None, weight.data_ptr(), eps, out.data_ptr(), m, h)
+        return out, x
+    residual = residual.contiguous()
+    new_res = torch.empty_like(x)
+    library().add_rms_norm(x.data_ptr(), residual.data_ptr(), new_res.data_ptr(), weight.data_ptr(), eps,
+                           out.data_ptr(), m, h)
+    return out, new_res
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] for x [..., 2d]."""
+    x = x.contiguous()
+    d = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
+    library().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], d)
+    return out
+
+
+def rotary_neox_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> None:
+    """Rotates q [T, heads, D] and k [T, kv_heads, D] in place (views of one fused qkv row are fine)."""
+    t, nq, d = q.shape
+    if q.stride(1) != d or k.stride(1) != d:
+        raise ValueError("rotary_neox_: each head's values must be contiguous")
+    pos = positions.to(torch.int64).contiguous()
+    rc = library().rotary_neox(q.data_ptr(), q.stride(0), nq, k.data_ptr(), k.stride(0), k.shape[1],
+                               pos.data_ptr(), t, cos.data_ptr(), sin.data_ptr(), cos.shape[0], d)
+    if rc:
+        raise ValueError(f"a position is outside the rotary table of {cos.shape[0]} positions")
+
+
+def store_kv_bf16(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """key/value [T, kv_heads, D] (rows may be strided) -> bf16 caches [blocks, block_size, kv_heads, D]."""
+    slots = slot_mapping.to(torch.int64).contiguous()
+    width = key.shape[1] * key.shape[2]
+    library().store_kv_bf16(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
+                            v_cache.data_ptr(), slots.data_ptr(), key.shape[0], width)
+
+
+def decode_attention_bf16(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                          sliding_window: int | None, logits_soft_cap: float | None) -> torch.Tensor:
+    """One query per sequence, query [S, heads, D], over the bf16 paged cache -> [S, heads, D] float32."""
+    s, nh, d = query.shape
+    block_size, nkv = k_cache.shape[1], k_cache.shape[2]
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty(s, nh, d, dtype=torch.float32)
+    rc = library().decode_attention_bf16(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        tables.shape[1], lens.data_ptr(), s, nh, nkv, d, block_size, scale, sliding_window or 0,
+        logits_soft_cap or 0.0, out.data_ptr(), num_threads())
+    if rc:
+        raise MemoryError("decode attention: no memory for the scores")
+    return out

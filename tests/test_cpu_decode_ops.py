@@ -1,0 +1,72 @@
+"""The C ops of the quantized CPU decode step (layers/quantization/cpu_ops.py) against the torch ops they
+replace: residual add + RMSNorm, SiLU-and-mul, rotary embedding, the bf16 KV store and decode attention over
+a paged cache (ragged lengths, shuffled blocks, GQA, sliding window, soft cap)."""
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from novainfer.attention import torch_backend
+from novainfer.attention.metadata import AttentionMetadata
+from novainfer.layers.quantization import cpu_kernels, cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX2+FMA and a C compiler")
+torch.manual_seed(0)
+
+
+def test_add_rms_norm_matches_torch():
+    from novainfer.layers.layernorm import RMSNorm
+    norm = RMSNorm(72, 1e-5)
+    norm.weight.data = torch.randn(72)
+    x, res = torch.randn(5, 72), torch.randn(5, 72)
+    out, new_res = cpu_ops.add_rms_norm(x, res, norm.weight, 1e-5)
+    want_out, want_res = norm(x, res)  # the layer built outside the quantized path: torch ops
+    assert torch.equal(new_res, want_res)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-6)
+    out, same = cpu_ops.add_rms_norm(x, None, norm.weight, 1e-5)
+    assert same is x
+    torch.testing.assert_close(out, norm(x), rtol=1e-5, atol=1e-6)
+
+
+def test_silu_and_mul_matches_torch():
+    x = torch.randn(3, 2 * 100) * 8  # a width that is not a multiple of 8, values far into both tails
+    torch.testing.assert_close(cpu_ops.silu_and_mul(x), F.silu(x[:, :100]) * x[:, 100:], rtol=2e-6, atol=1e-6)
+
+
+def test_rotary_in_place_on_a_fused_qkv_row_matches_torch():
+    from novainfer.layers.rotary import RotaryEmbedding
+    cfg = types.SimpleNamespace(rope_theta=10000.0)
+    rope = RotaryEmbedding(32, 64, cfg)
+    qkv = torch.randn(4, (4 + 2 + 2) * 32)
+    q, k = qkv[:, :128].view(4, 4, 32), qkv[:, 128:192].view(4, 2, 32)
+    pos = torch.tensor([0, 5, 63, 17])
+    want_q, want_k = rope(pos, q.clone(), k.clone())
+    cpu_ops.rotary_neox_(pos, q, k, rope.cos_cache, rope.sin_cache)
+    torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="outside the rotary table"):
+        cpu_ops.rotary_neox_(torch.tensor([64, 0, 0, 0]), q, k, rope.cos_cache, rope.sin_cache)
+
+
+@pytest.mark.parametrize("window,cap", [(None, None), (7, None), (None, 20.0)])
+def test_store_and_decode_attention_match_the_torch_reference(window, cap):
+    blocks, bs, nkv, nh, d = 12, 4, 2, 6, 16
+    k_cache = torch.randn(blocks, bs, nkv, d).to(torch.bfloat16)
+    v_cache = torch.randn(blocks, bs, nkv, d).to(torch.bfloat16)
+    seq_lens = torch.tensor([1, 9, 13], dtype=torch.int32)
+    tables = torch.tensor([[5, 0, 0, 0], [2, 7, 11, 0], [9, 1, 3, 4]], dtype=torch.int32)  # shuffled blocks
+    slots = torch.tensor([5 * bs + 0, 11 * bs + 0, 4 * bs + 0])  # each sequence's newest position
+    k_new, v_new = torch.randn(3, nkv, d), torch.randn(3, nkv, d)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    torch_backend.store_kv(k_new.to(torch.bfloat16), v_new.to(torch.bfloat16), ref_k, ref_v, slots)
+    cpu_ops.store_kv_bf16(k_new, v_new, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # the same rounding as torch's cast
+    q = torch.randn(3, nh, d)
+    meta = AttentionMetadata(query_start_loc=torch.arange(4, dtype=torch.int32), seq_lens=seq_lens,
+                             slot_mapping=slots, block_tables=tables, max_query_len=1, max_seq_len=13,
+                             query_start_loc_cpu=[0, 1, 2, 3], seq_lens_cpu=seq_lens.tolist())
+    extra = {k: v for k, v in (("sliding_window", window), ("logits_soft_cap", cap)) if v is not None}
+    want = torch_backend.paged_attention(q, k_cache.float(), v_cache.float(), meta, 0.25, **extra)
+    got = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, tables, seq_lens, 0.25, window, cap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
