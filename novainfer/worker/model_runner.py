@@ -238,9 +238,7 @@ class ModelRunner:
                 self.faults.check("prepare", s.seq.request_id)
         scheduled, batch = sched.scheduled, self.input_batch
         num_seqs = len(scheduled)
-        rows = np.fromiter((batch.row(s.seq.seq_id, s.seq.block_table) for s in scheduled), np.int64, num_seqs)
-        starts = np.fromiter((s.start for s in scheduled), np.int64, num_seqs)
-        counts = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, num_seqs)
+        rows, starts, counts = batch.gather(scheduled)
         num_tokens = int(counts.sum())
         self._num_steps += 1
         h = self.host = self._host_sets[self._num_steps % 2]
