@@ -19,7 +19,7 @@ from novainfer.engine.faults import FaultInjector, RequestError
 from novainfer.engine.messages import AbortTarget, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from novainfer.engine.processor import check_request
 from novainfer.engine.scheduler import Scheduler, SchedulerOutput
-from novainfer.engine.sequence import Sequence
+from novainfer.engine.sequence import Sequence, SequenceStatus
 from novainfer.executor.base import Executor
 from novainfer.loader.model_loader import load_tokenizer
 from novainfer.spec_decode.proposer import make_proposer
@@ -28,6 +28,7 @@ from novainfer.structured_output import StructuredOutputManager
 from novainfer.worker.model_runner import ModelRunnerOutput, StepHandle
 
 logger = logging.getLogger(__name__)
+FINISHED = SequenceStatus.FINISHED
 
 
 @dataclass
@@ -239,8 +240,8 @@ class EngineCore:
         for row, (seq_id, token_id) in enumerate(zip(result.seq_ids, result.sampled_token_ids)):
             seq = by_seq[seq_id]
             rid = seq.request_id
-            if seq.is_finished or rid not in self.requests:  # finished before this step was read back (its
-                continue  # token is the overlap's extra one), failed earlier in this step, or aborted
+            if seq.status is FINISHED or rid not in self.requests:  # finished before this step was read back
+                continue  # (its token is the overlap's extra one), failed earlier in this step, or aborted
             try:
                 if faults is not None:
                     faults.check("postprocess", rid)
@@ -338,14 +339,16 @@ class EngineCore:
         self.num_generated_tokens += 1
         if seq.grammar is not None:
             self.structured_output.accept(seq.grammar, seq.output_token_ids)
-        n_out = seq.num_output_tokens
+        length = len(seq.token_ids)
+        n_out = length - seq.num_prompt_tokens
         if n_out >= p.min_tokens:
-            seq.min_tokens_blocked = []
+            if seq.min_tokens_blocked:
+                seq.min_tokens_blocked = []
             if not p.ignore_eos and token_id in self.eos_token_ids:
                 return self._finish(seq, "stop", None)
             if p.stop_token_ids and token_id in p.stop_token_ids:
                 return self._finish(seq, "stop", token_id)
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or len(seq) >= self.max_model_len:
+        if (p.max_tokens is not None and n_out >= p.max_tokens) or length >= self.max_model_len:
             self._finish(seq, "length", None)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | None) -> None:

@@ -73,7 +73,8 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         """The token a step sampled for this sequence (its pending token, once the step is read back)."""
         self.token_ids.append(token_id)
-        self.num_pending_tokens = max(0, self.num_pending_tokens - 1)
+        if self.num_pending_tokens:
+            self.num_pending_tokens -= 1
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.value}, "
