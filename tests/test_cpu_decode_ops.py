@@ -70,3 +70,19 @@ def test_store_and_decode_attention_match_the_torch_reference(window, cap):
     want = torch_backend.paged_attention(q, k_cache.float(), v_cache.float(), meta, 0.25, **extra)
     got = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, tables, seq_lens, 0.25, window, cap)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_attention_of_whole_prompts_matches_the_reference():
+    from novainfer.attention import cpu_backend
+    blocks, bs, nkv, nh, d = 10, 4, 2, 6, 16
+    k_cache = torch.randn(blocks, bs, nkv, d).to(torch.bfloat16)
+    v_cache = torch.randn(blocks, bs, nkv, d).to(torch.bfloat16)
+    tables = torch.tensor([[3, 8, 0], [1, 6, 2]], dtype=torch.int32)
+    meta = AttentionMetadata(query_start_loc=torch.tensor([0, 7, 17], dtype=torch.int32),
+                             seq_lens=torch.tensor([7, 10], dtype=torch.int32), slot_mapping=torch.arange(17),
+                             block_tables=tables, max_query_len=10, max_seq_len=10,
+                             query_start_loc_cpu=[0, 7, 17], seq_lens_cpu=[7, 10])
+    q = torch.randn(17, nh, d)
+    want = torch_backend.paged_attention(q, k_cache, v_cache, meta, 0.25)
+    torch.testing.assert_close(cpu_backend.paged_attention(q, k_cache, v_cache, meta, 0.25), want,
+                               rtol=1e-5, atol=1e-5)

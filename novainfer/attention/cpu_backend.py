@@ -8,6 +8,7 @@ Honours sliding_window (a query at p sees key k iff p - k < window) and logits_s
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from novainfer.attention import torch_backend
 from novainfer.attention.metadata import AttentionMetadata
@@ -38,6 +39,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
     if meta.per_token is not None:  # a verify step: every token as a decode step computes it
         return decode_attention(query, k_cache, v_cache, meta.per_token, scale, sliding_window, logits_soft_cap)
+    if sliding_window is None and logits_soft_cap is None and _fresh_prompts_only(meta):
+        return prefill_attention(query, k_cache, v_cache, meta, scale)
     extra = {k: v for k, v in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap))
              if v is not None}
     # prefill: the reference, which reads a narrower cache in the query's dtype (computing in bf16 made the
@@ -73,3 +76,30 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, v).view(num_seqs, num_heads, head_dim)
+
+
+def _fresh_prompts_only(meta: AttentionMetadata) -> bool:
+    """Every sequence of the step is a whole prompt (no cached prefix): plain causal attention each."""
+    starts = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+    return all(starts[i + 1] - starts[i] == n for i, n in enumerate(seq_lens))
+
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      scale: float) -> torch.Tensor:
+    """Whole prompts: torch's causal scaled_dot_product_attention per sequence (its CPU flash kernel skips
+    the masked half), over K/V read back from the cache in the query's dtype as the reference reads them.
+    The reference's explicit mask and softmax took 30% of a 512-token prefill of the default model."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    out = torch.empty_like(query)
+    starts = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
+    for i, n in enumerate(meta.seq_lens_cpu or meta.seq_lens.tolist()):
+        blocks = meta.block_tables[i, :(n + block_size - 1) // block_size]
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].to(query.dtype).transpose(0, 1)
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].to(query.dtype).transpose(0, 1)
+        q = query[starts[i]:starts[i + 1]].transpose(0, 1)
+        # 4-D: with 3-D inputs torch takes its math path, 7x slower than the flash kernel here
+        o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
+                                           enable_gqa=num_kv_heads != query.shape[1])
+        out[starts[i]:starts[i + 1]] = o[0].transpose(0, 1)
+    return out
