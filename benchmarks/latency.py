@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="plan step N+1 while step N runs (default: on with CUDA, off on the CPU)")
+    ap.add_argument("--speculative-config", type=json.loads, default=None,
+                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     ap.add_argument("--device", default="auto")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--compare-hf", action="store_true", help="with --compare-llamacpp too: a third row")
@@ -58,7 +60,7 @@ def main() -> None:
     path = resolve_model(args.model)
     llm = LLM(path, enforce_eager=args.enforce_eager, device=args.device, enable_prefix_caching=False,
               gpu_memory_utilization=args.gpu_memory_utilization, load_format=load_format(args.model),
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, speculative_config=args.speculative_config)
     vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
     (prompt,), _ = make_workload(1, args.prompt_len, 1, vocab, 0)
     (long_prompt,), _ = make_workload(1, args.ttft_prompt_len, 1, vocab, 1)

@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="plan step N+1 while step N runs (default: on with CUDA, off on the CPU)")
+    ap.add_argument("--speculative-config", type=json.loads, default=None,
+                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     ap.add_argument("--device", default="auto")
     ap.add_argument("--compare-hf", action="store_true", help="also run transformers on the same prompts")
     ap.add_argument("--hf-num-prompts", type=int, default=None, help="HF on the first N prompts only")
@@ -67,7 +69,7 @@ def main() -> None:
               device=args.device, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
               distributed_executor_backend=args.distributed_executor_backend, master_port=0,
               load_format=load_format(args.model),
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, speculative_config=args.speculative_config)
     engine = llm.llm_engine
     vocab = engine.config.model_config.hf_config.vocab_size
     prompts, out_lens = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
