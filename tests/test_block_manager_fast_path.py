@@ -29,9 +29,9 @@ def reference_hash(token_ids: list[int], prev_hash: int) -> int:
 class ReferenceBlockManager(BlockManager):
     """allocate_slots written the plain way: one block at a time, every full block checked on every call."""
 
-    def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> None:
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int, num_lookahead_slots: int = 0) -> None:
         total = seq.num_computed_tokens + num_new_tokens
-        while len(seq.block_table) < self.blocks_needed(total):
+        while len(seq.block_table) < self.blocks_needed(total + num_lookahead_slots):
             seq.block_table.append(self._take_free_block())
         if not self.enable_prefix_caching:
             return
@@ -67,11 +67,12 @@ def state(sched: Scheduler) -> tuple:
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2 ** 32 - 1), block_size=st.sampled_from([1, 2, 4, 16]),
        num_blocks=st.integers(4, 40), budget=st.integers(1, 48), overlap=st.booleans(),
-       caching=st.booleans())
-def test_fast_allocate_equals_reference(seed, block_size, num_blocks, budget, overlap, caching):
+       caching=st.booleans(), lookahead=st.sampled_from([0, 3]))
+def test_fast_allocate_equals_reference(seed, block_size, num_blocks, budget, overlap, caching, lookahead):
     rng = random.Random(seed)
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget)
-    pair = [Scheduler(cfg, cls(num_blocks, block_size, caching)) for cls in (BlockManager, ReferenceBlockManager)]
+    pair = [Scheduler(cfg, cls(num_blocks, block_size, caching), lookahead)  # lookahead: a draft model's slots
+            for cls in (BlockManager, ReferenceBlockManager)]
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(1, 20))] for _ in range(3)]
     for i in range(6):
         prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(0, 10))]
