@@ -87,7 +87,9 @@ def test_fast_allocate_equals_reference(seed, block_size, num_blocks, budget, ov
             [[(s.seq.request_id, s.num_new_tokens) for s in outs[1].scheduled]] * 2
         assert state(pair[0]) == state(pair[1])
         for s in pair[0].running:  # and what the definition says, as planned (before this step's tokens arrive)
-            assert len(s.block_table) == pair[0].block_manager.blocks_needed(s.num_computed_tokens)
+            bm = pair[0].block_manager  # a draft model's lookahead slots may hold blocks past the computed tokens
+            assert bm.blocks_needed(s.num_computed_tokens) <= len(s.block_table) \
+                <= bm.blocks_needed(s.num_computed_tokens + lookahead)
             num_full = min(s.num_computed_tokens, len(s)) // block_size if caching else 0
             chain, prev = [], -1
             for i in range(num_full):
