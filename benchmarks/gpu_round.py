@@ -40,19 +40,8 @@ PARTS = {
         ("tput qwen3-30b-a3b overlap on", ["benchmarks/throughput.py", "--model", "random:qwen3-30b-a3b",
                                            "--async-scheduling"]),
     ],
-    # round 3 (issues 15 and 19): checks with speculation, throughput and latency after the host-overhead work,
-    # the default model's n-gram speed-up (its GGUF at --gguf; it travels in two halves: see BENCHMARKS.md)
-    "round3-a": [
-        ("gpu_check", ["tests/gpu/gpu_check.py"]),
-        ("tput 0.5b overlap on (+HF)", ["benchmarks/throughput.py", "--model", "random:qwen2.5-0.5b",
-                                        "--compare-hf", "--hf-num-prompts", "128", "--async-scheduling"]),
-        ("tput 0.5b overlap off", ["benchmarks/throughput.py", "--model", "random:qwen2.5-0.5b",
-                                   "--no-async-scheduling"]),
-        ("lat 0.5b overlap on (+HF)", ["benchmarks/latency.py", "--model", "random:qwen2.5-0.5b", "--compare-hf",
-                                       "--async-scheduling"]),
-        ("lat 0.5b overlap off", ["benchmarks/latency.py", "--model", "random:qwen2.5-0.5b",
-                                  "--no-async-scheduling"]),
-    ],
+    # round 3 (issues 15 and 19), after checks-0.5b: the default model's n-gram speed-up (its GGUF at --gguf; it
+    # travels in two halves: see BENCHMARKS.md), a draft run, the 7B
     "round3-b": [
         ("spec ngram default model b1 b32", ["benchmarks/speculation.py", "--device", "cuda", "--model", "{gguf}",
                                              "--batch", "1", "32", "--max-tokens", "128"]),
