@@ -109,6 +109,7 @@ class LongRopeRotaryEmbedding(RotaryEmbedding):
                                       max_position)
         self.register_buffer("cos_cache", torch.cat([short_cos, long_cos]), persistent=False)
         self.register_buffer("sin_cache", torch.cat([short_sin, long_sin]), persistent=False)
+        self.fused_cpu = False  # the C rotation reads one table; this one picks a half per sequence
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
