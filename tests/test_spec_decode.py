@@ -98,6 +98,14 @@ def test_greedy_equals_no_speculation_and_transformers(tiny_qwen2, plain, any_sp
         assert any_spec.llm_engine.step_id - steps_before < 40  # fewer steps than tokens per sequence
 
 
+def test_greedy_equal_on_the_torch_reference_backend(tiny_qwen2, plain):
+    """The verify step through the torch backend's varlen path (the CPU backend runs it as decode rows)."""
+    ref = make(tiny_qwen2, attention_backend="torch")
+    spec = make(tiny_qwen2, NGRAM, attention_backend="torch")
+    assert tokens(spec, PROMPTS, GREEDY) == tokens(ref, PROMPTS, GREEDY) == tokens(plain, PROMPTS, GREEDY)
+    assert spec.get_metrics()["spec_num_accepted_tokens"] > 0
+
+
 def test_counters_add_up(tiny_qwen2):
     llm = make(tiny_qwen2, NGRAM)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)

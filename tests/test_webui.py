@@ -238,6 +238,8 @@ def test_stop_cancels_on_the_server(page, server):
     configure(page, max_tokens="8")
     page.get_by_role("button", name="Regenerate answer").click()
     wait_idle_page(page)
+    errors = page.locator("#thread article.error").all_text_contents()
+    assert not errors, f"the regenerated answer failed: {errors} (server log: {server.log_path})"
     expect(answers(page)).to_have_count(1)
     expect(answers(page).last).to_have_attribute("data-status", "done")
     expect(answers(page).last.locator(".stats")).to_have_attribute("data-tokens", "8")
