@@ -43,7 +43,6 @@ def rejection_sample(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetad
                                     (residual / sampler.exponentials(residual, meta)).argmax(dim=-1))
         tokens = torch.where(meta.is_greedy, tokens, random_tokens)
         accepted = torch.where(meta.is_greedy, accepted, random_accepted)
-    tokens = torch.where(accepted, draft_ids, tokens)
     out = VerifiedOutput(sampled_token_ids=tokens, accepted=accepted)
     if raw_logprobs is not None:
         sampler.gather_logprobs(raw_logprobs, tokens, meta.max_num_logprobs, out)
