@@ -1,6 +1,9 @@
 """What the serve memory cuts rely on: the lean GGUF reader reads what gguf-py's GGUFReader reads (metadata,
 tensor table, tensor data) and names the file when it is cut short; a loaded model keeps no mapping of its
-GGUF file; the layers of a model share one rotary table."""
+GGUF file; the layers of a model share one rotary table; trimming the C heap gives freed pages back."""
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -92,3 +95,25 @@ def test_loaded_model_keeps_no_mapping_of_its_gguf_and_shares_one_rotary_table(t
     ropes2 = [m for m in net2.modules() if type(m).__name__.endswith("RotaryEmbedding")]
     assert ropes2[0].cos_cache.data_ptr() == ropes[0].cos_cache.data_ptr()
     assert ropes2[0].sin_cache.data_ptr() == ropes[0].sin_cache.data_ptr()
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim, /proc")
+def test_trim_returns_freed_heap_pages_to_the_system():
+    from novainfer.engine.malloc_heap import trim_malloc_heap
+    if not trim_malloc_heap():
+        pytest.skip("the C library has no malloc_trim")
+    chunks = [torch.ones(16 << 10) for _ in range(2048)]  # 64 KB each: below the mmap threshold, in the heap
+    pin = torch.ones(16)  # allocated after them: the freed chunks are not at the heap's top
+    before = _rss_mb()
+    del chunks
+    freed = _rss_mb()
+    assert trim_malloc_heap()
+    after = _rss_mb()
+    assert before - freed < 32, (before, freed)  # free() alone keeps the pages resident
+    assert freed - after > 64, (freed, after)  # 128 MB were freed; the trim gives (most of) them back
+    del pin
