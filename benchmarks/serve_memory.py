@@ -3,9 +3,10 @@ process of the server's tree, from /proc/<pid>/smaps (Linux): after one short re
 distinct random-token requests to write every token slot of the KV cache (the "full cache" figure).
 
 RSS counts a page once in every process that maps it (libtorch's file pages, and the pages a forked child
-still shares with its parent); PSS divides each shared page among its sharers, so the PSS sum is what the
-tree really holds. Both are reported, with each process split by category: anonymous memory (Python heap,
-tensors, the KV cache), the model file's mapping, shared libraries, other files. Example:
+still shares with its parent); PSS divides each shared page among its sharers (processes outside the tree
+included). Both are reported, each process split by category: anonymous memory (Python heap, tensors, the KV
+cache), the model file's mapping, shared libraries, other files. With root, the "unique" figure counts the
+physical pages the tree maps, each once (from /proc/<pid>/pagemap): what the server holds. Example:
     python benchmarks/serve_memory.py --port 18731 --json out.json
 """
 from __future__ import annotations
@@ -20,6 +21,8 @@ import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 
 _HEADER = re.compile(r"^[0-9a-f]+-[0-9a-f]+ \S+ \S+ \S+ \S+\s*(.*)$")
 
@@ -50,40 +53,62 @@ def _category(path: str) -> str:
 
 
 def process_memory(pid: int) -> dict:
-    """RSS and PSS of one process in MB, in total and per category (see _category)."""
+    """RSS and PSS of one process in MB, in total and per category (see _category); its resident ranges."""
     cats: dict[str, dict[str, float]] = {}
-    cur = None
+    cur, ranges = None, []
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
             m = _HEADER.match(line)
             if m:
                 cur = cats.setdefault(_category(m.group(1)), {"rss": 0.0, "pss": 0.0})
+                start, end = line.split(" ", 1)[0].split("-")
+                ranges.append((int(start, 16), int(end, 16)))
                 continue
             key, _, value = line.partition(":")
             if key in ("Rss", "Pss") and cur is not None:
                 cur[key.lower()] += int(value.split()[0]) / 1024
+                if key == "Rss" and value.split()[0] == "0":
+                    ranges.pop()
     with open(f"/proc/{pid}/cmdline") as f:
         cmd = f.read().replace("\0", " ").strip()
     with open(f"/proc/{pid}/comm") as f:
         comm = f.read().strip()
-    return {"pid": pid, "comm": comm, "cmd": cmd[:120],
+    return {"pid": pid, "comm": comm, "cmd": cmd[:120], "ranges": ranges,
             "rss": sum(c["rss"] for c in cats.values()), "pss": sum(c["pss"] for c in cats.values()),
             "categories": {k: {kk: round(vv, 1) for kk, vv in v.items()} for k, v in sorted(cats.items())}}
 
 
+def physical_pages(pid: int, ranges: list[tuple[int, int]]) -> np.ndarray | None:
+    """Page frame numbers of the present pages in ranges (None without the right to read them: not root)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    frames = []
+    with open(f"/proc/{pid}/pagemap", "rb") as f:
+        for start, end in ranges:
+            f.seek(start // page * 8)
+            entries = np.frombuffer(f.read((end - start) // page * 8), dtype=np.uint64)
+            frames.append(entries[(entries >> np.uint64(63)) == 1] & np.uint64((1 << 55) - 1))
+    pfns = np.concatenate(frames) if frames else np.zeros(0, np.uint64)
+    return None if pfns.size and not pfns.any() else pfns
+
+
 def tree_memory(pid: int) -> dict:
-    procs = []
+    procs, frames = [], []
     for p in tree_pids(pid):
         try:
             procs.append(process_memory(p))
+            frames.append(physical_pages(p, procs[-1].pop("ranges")))
         except OSError:  # the process ended between the listing and the read
             continue
+    unique = None
+    if frames and all(f is not None for f in frames):
+        unique = round(np.unique(np.concatenate(frames)).size * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
     return {"rss_mb": round(sum(p["rss"] for p in procs), 1), "pss_mb": round(sum(p["pss"] for p in procs), 1),
-            "processes": procs}
+            "unique_mb": unique, "processes": procs}
 
 
 def report(label: str, mem: dict) -> None:
-    print(f"{label}: tree RSS {mem['rss_mb']:,.0f} MB, PSS {mem['pss_mb']:,.0f} MB")
+    unique = "n/a (needs root)" if mem["unique_mb"] is None else f"{mem['unique_mb']:,.0f} MB"
+    print(f"{label}: tree RSS {mem['rss_mb']:,.0f} MB, PSS {mem['pss_mb']:,.0f} MB, unique pages {unique}")
     for p in mem["processes"]:
         cats = ", ".join(f"{k} {v['rss']:,.0f}/{v['pss']:,.0f}" for k, v in p["categories"].items())
         print(f"  pid {p['pid']} ({p['comm']}): RSS {p['rss']:,.0f} PSS {p['pss']:,.0f}  [RSS/PSS: {cats}]")
