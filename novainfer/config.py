@@ -196,6 +196,8 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs
+    trim_heap_when_idle: bool = True  # the engine core process returns the C heap's free pages (its last steps'
+    # workspaces) to the system whenever it goes idle (engine/malloc_heap.py)
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu elsewhere), cpu, torch, triton
     fault_injection: str | None = None  # tests only: "STAGE:REQUEST_ID_PREFIX" (engine/faults.py); off in production
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
@@ -211,7 +213,7 @@ class EngineConfig:
             owner = next((n for n, c in sections.items() if key in c.__dataclass_fields__), None)
             if owner is not None:
                 parts[owner][key] = value
-            elif key in ("device", "enforce_eager", "attention_backend", "fault_injection"):
+            elif key in ("device", "enforce_eager", "attention_backend", "fault_injection", "trim_heap_when_idle"):
                 top[key] = value
             elif key == "speculative_config":
                 top[key] = SpeculativeConfig.from_value(value)

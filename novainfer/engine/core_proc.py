@@ -21,6 +21,7 @@ import zmq
 from novainfer.config import EngineConfig
 from novainfer.engine.core import EngineCore
 from novainfer.engine.gc_heap import freeze_startup_heap
+from novainfer.engine.malloc_heap import trim_malloc_heap
 from novainfer.engine.messages import (CoreInput, EngineCoreAbort, EngineCoreAdd, EngineCoreDead, EngineCoreOutput,
                                        EngineCoreOutputs, EngineCoreReady, MessageCodec, request_id_of)
 
@@ -35,6 +36,8 @@ class EngineCoreProc:
         self.core, self.input_socket, self.output_socket = core, input_socket, output_socket
         self.inputs = MessageCodec(CoreInput)
         self.outputs = MessageCodec(EngineCoreOutputs)
+        self.trim_when_idle = core.config.trim_heap_when_idle
+        self.heap_dirty = True  # steps (or the model's load) freed memory since the last trim
 
     def run_busy_loop(self) -> None:
         while True:
@@ -44,6 +47,9 @@ class EngineCoreProc:
     def process_input_queue(self, block: bool) -> None:
         """Apply every waiting message (waiting for one when idle); report stats after any change."""
         if block:
+            if self.trim_when_idle and self.heap_dirty:
+                trim_malloc_heap()
+                self.heap_dirty = False
             while not self.input_socket.poll(1000):
                 pass
         handled = 0
@@ -84,6 +90,7 @@ class EngineCoreProc:
             if self.core.has_unfinished_requests():
                 time.sleep(0.001)  # nothing was schedulable: don't spin
             return
+        self.heap_dirty = True
         if self.core.faults:  # tests only: a fault here is outside step()'s guard and kills the loop
             for out in outputs.outputs:
                 self.core.faults.check("loop", out.request_id)

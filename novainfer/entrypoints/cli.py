@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
     p.add_argument("--quantization", default=None, choices=["gguf", "none"],
                    help="GGUF on the CPU: keep blocks quantized (default unless --dtype float32) or dequantize")
     p.add_argument("--cpu-kv-cache-tokens", type=int, default=32768, help="KV cache capacity on the CPU, in tokens")
+    p.add_argument("--trim-heap-when-idle", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine core process gives its freed step workspaces back to the system when it goes "
+                        "idle (glibc malloc_trim)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: the model's dtype; bfloat16 on the CPU unless --dtype float32")
     p.add_argument("--speculative-config", default=None, type=_json_object,
@@ -80,6 +83,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 tensor_parallel_device_ids=args.tensor_parallel_device_ids, nnodes=args.nnodes,
                 node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
                 fault_injection=args.fault_injection, load_format=args.load_format,
+                trim_heap_when_idle=args.trim_heap_when_idle,
                 speculative_config=args.speculative_config)
 
 

@@ -5,6 +5,7 @@ holds one parameter set per layer type. LongRoPE (Phi-3) keeps a short and a lon
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -51,12 +52,23 @@ def compute_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = Non
     return inv_freq.float(), float(scaling)
 
 
+# cos/sin tables by (inv_freq, scaling, max_position, device): every layer of a model (and every model with the
+# same rope) shares one table instead of holding its own copy (30 layers x 4 MB for the default model); an
+# entry lives as long as some layer holds it
+_TABLES: "weakref.WeakValueDictionary[tuple, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
 def _cos_sin(inv_freq: torch.Tensor, scaling: float, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # tables are computed on the CPU (as transformers computes inv_freq), then moved to the model's device
-    freqs = torch.arange(max_position, dtype=torch.float, device="cpu")[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
     device = torch.get_default_device()
-    return (emb.cos() * scaling).to(device), (emb.sin() * scaling).to(device)
+    key = (inv_freq.numpy().tobytes(), scaling, max_position, str(device))
+    cos, sin = _TABLES.get(("cos", *key)), _TABLES.get(("sin", *key))
+    if cos is None or sin is None:
+        # tables are computed on the CPU (as transformers computes inv_freq), then moved to the model's device
+        freqs = torch.arange(max_position, dtype=torch.float, device="cpu")[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = (emb.cos() * scaling).to(device), (emb.sin() * scaling).to(device)
+        _TABLES[("cos", *key)], _TABLES[("sin", *key)] = cos, sin
+    return cos, sin
 
 
 class RotaryEmbedding(nn.Module):

@@ -10,8 +10,10 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
+
+from novainfer.loader.gguf_file import GGUFFile
 
 # GGUF architecture -> (HF architecture, transformers config class name)
 ARCHITECTURES = {
@@ -34,29 +36,14 @@ logger = logging.getLogger(__name__)
 
 
 @lru_cache(maxsize=4)
-def _reader(path: str) -> GGUFReader:
-    """The parsed file; a truncated or corrupt file fails here with an error naming it."""
-    try:
-        reader = GGUFReader(path)
-    except Exception as exc:  # the reader raises whatever its parsing hits first (struct, numpy, value errors)
-        raise ValueError(f"GGUF file {path} is corrupt or truncated: {type(exc).__name__}: {exc}") from None
-    for t in reader.tensors:
-        _check_tensor_size(path, t)
-    return reader
+def _reader(path: str) -> GGUFFile:
+    """The parsed header (no tensor data: iter_gguf_weights maps the file while it reads); a truncated or
+    corrupt file fails here with an error naming it."""
+    return GGUFFile(path)
 
 
-def _check_tensor_size(path: str, tensor) -> None:
-    """A tensor whose data runs past the end of the file (a truncated download) is named, not crashed on."""
-    block, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
-    expected = int(np.prod(tensor.shape)) // block * type_size
-    if tensor.data.nbytes != expected:
-        raise ValueError(f"GGUF file {path} is corrupt or truncated: tensor {tensor.name} holds "
-                         f"{tensor.data.nbytes} bytes of {expected}")
-
-
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.field(key, default)
 
 
 def load_gguf_config(path: str) -> Any:
@@ -135,6 +122,7 @@ def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple
     num_heads = int(_field(reader, f"{arch}.attention.head_count"))
     num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
     logged: set[str] = set()
+    file_map = reader.open_map()  # unmapped once the last tensor view is gone: no file pages stay resident
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
@@ -143,14 +131,15 @@ def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple
         qtype = GGMLQuantizationType(tensor.tensor_type)
         quantized = qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
         if keep_quantized and quantized and len(shape) == 2 and qtype in SUPPORTED:
-            data = np.asarray(tensor.data).reshape(shape[0], -1)  # one row of blocks per output row
+            data = reader.tensor_data(file_map, tensor).reshape(shape[0], -1)  # one row of blocks per output row
         else:
             if keep_quantized and quantized and qtype.name not in logged:
                 logged.add(qtype.name)
                 logger.info("GGUF tensor type %s has no quantized CPU kernel; its tensors (first: %s) load "
                             "dequantized", qtype.name, tensor.name)
             try:
-                data = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+                data = np.asarray(dequantize(reader.tensor_data(file_map, tensor), tensor.tensor_type),
+                                  dtype=np.float32).reshape(shape)
             except Exception as exc:
                 raise ValueError(f"GGUF file {path}: tensor {tensor.name} of type {qtype.name} cannot be "
                                  f"dequantized: {exc}") from None
