@@ -7,8 +7,8 @@ so each matrix's weights have a standard deviation of about gain / sqrt(input si
 of order one through the layers. Tensors are streamed: the writer holds one tensor at a time, never the file.
 
 The tokenizer is the default model's (SmolLM2, byte-level BPE, 49,152 tokens) padded with "[PAD<i>]" tokens
-of type UNUSED to the vocabulary size, as llama.cpp's converter pads Qwen's vocabulary; llama.cpp and
-transformers (hence NovaInfer) both load it.
+of type UNUSED to the vocabulary size, as llama.cpp's converter pads Qwen's vocabulary (a smaller vocabulary
+keeps its first tokens and their merges); llama.cpp and transformers (hence NovaInfer) both load it.
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class Qwen2Shape:
 SHAPES = {
     "qwen2.5-7b": Qwen2Shape(layers=28, hidden=3584, heads=28, kv_heads=4, intermediate=18944, vocab=152064),
     # multiples of 256 where the K-quants need them; two layers, so one of each attn_v / ffn_down type
-    "tiny": Qwen2Shape(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=49152, context=2048),
+    "tiny": Qwen2Shape(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=2048, context=2048),
 }
 
 
@@ -96,16 +96,16 @@ def add_tokenizer(w: GGUFWriter, source: str, vocab: int) -> None:
     """The source GGUF's tokenizer, padded with UNUSED tokens to `vocab` entries."""
     r = GGUFReader(source)
     f = lambda key: r.fields[key].contents()  # noqa: E731
-    tokens, types = list(f("tokenizer.ggml.tokens")), list(f("tokenizer.ggml.token_type"))
-    if len(tokens) > vocab:
-        raise ValueError(f"the tokenizer of {source} has {len(tokens)} tokens, more than the vocabulary {vocab}")
+    tokens, types = list(f("tokenizer.ggml.tokens"))[:vocab], list(f("tokenizer.ggml.token_type"))[:vocab]
+    kept = set(tokens)  # a smaller vocabulary keeps the merges that make a kept token (the tests' tiny file)
+    merges = [m for m in f("tokenizer.ggml.merges") if m.replace(" ", "") in kept]
     tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab)]
     types += [int(TokenType.UNUSED)] * (vocab - len(types))
     w.add_tokenizer_model(f("tokenizer.ggml.model"))
     w.add_tokenizer_pre(f("tokenizer.ggml.pre"))
     w.add_token_list(tokens)
     w.add_token_types(types)
-    w.add_token_merges(list(f("tokenizer.ggml.merges")))
+    w.add_token_merges(merges)
     w.add_bos_token_id(f("tokenizer.ggml.bos_token_id"))
     w.add_eos_token_id(f("tokenizer.ggml.eos_token_id"))
     w.add_pad_token_id(f("tokenizer.ggml.padding_token_id"))

@@ -48,6 +48,8 @@ class GGUFCPULinearMethod(QuantizeMethodBase):
                    dense_loader) -> None:
         param.shards[shard_id] = loaded
         param.dense_loader = dense_loader
+        if set(getattr(layer, "shard_order", [None])) <= param.shards.keys():
+            self.process_weights_after_loading(layer)  # repack now: one layer's raw blocks alive at a time
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         param = layer.weight
