@@ -36,7 +36,9 @@ def child(args: argparse.Namespace) -> dict:
     import torch
     threads = torch.get_num_threads()
     seeds = iter(range(1000, 10_000))
-    fresh = lambda n: make_workload(1, n, 1, 49152, next(seeds))[0][0]  # noqa: E731  (real tokenizer ids)
+    from benchmarks.gguf_checkpoint import SHAPES
+    vocab = SHAPES[args.shape].vocab
+    fresh = lambda n: make_workload(1, n, 1, vocab, next(seeds))[0][0]  # noqa: E731  (ids below 10,000)
     t0 = time.perf_counter()
     if args.child == "novainfer":
         from novainfer import LLM, SamplingParams
@@ -48,21 +50,42 @@ def child(args: argparse.Namespace) -> dict:
                                                                               ignore_eos=True), use_tqdm=False)
             return list(out[0].outputs[0].token_ids), time.perf_counter() - t
         name = "NovaInfer (LLM(path), defaults)"
+
+        def top5(ids: list[int]) -> list[list[tuple[int, float]]]:
+            out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1,
+                                                                           prompt_logprobs=5), use_tqdm=False)
+            return [sorted(((t, lp.logprob) for t, lp in d.items()), key=lambda e: -e[1])[:5]
+                    for d in out[0].prompt_logprobs[1:]]
     else:
         from benchmarks import llamacpp_baseline
         lc, version = llamacpp_baseline.load(args.path, threads)
         run = lambda p, n: llamacpp_baseline.greedy(lc, p, n)  # noqa: E731
+
+        def top5(ids: list[int]) -> list[list[tuple[int, float]]]:
+            import llama_cpp
+            import numpy as np
+            lc.reset()
+            out = []
+            for tok in ids[:-1]:  # one token at a time: without logits_all only the last row is computed
+                lc.eval([tok])
+                row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(lc.ctx, -1), shape=(lc.n_vocab(),))
+                row = row.astype(np.float64)
+                lp = row - row.max() - np.log(np.exp(row - row.max()).sum())
+                best = np.argsort(-lp)[:5]
+                out.append([(int(t), float(lp[t])) for t in best])
+            return out
         name = f"llama.cpp (llama-cpp-python {version})"
     r = {"engine": name, "threads": threads, "load_s": time.perf_counter() - t0,
          "rss_after_load_mb": proc_status_mb("VmRSS"), "rss_anon_after_load_mb": proc_status_mb("RssAnon"),
          "rss_file_after_load_mb": proc_status_mb("RssFile")}
-    r["greedy_tokens"] = run(list(range(1000, 1000 + args.prompt_len)), args.new_tokens)[0]  # also the warm-up
+    r["greedy_tokens"] = run(list(range(100, 100 + args.prompt_len)), args.new_tokens)[0]  # also the warm-up
     one, full, prefill = [], [], []
     for _ in range(args.repeat):
         p = fresh(args.prompt_len)
         one.append(run(p, 1)[1])
         full.append(run(p[:-1] + [p[-1] + 1], args.new_tokens)[1])  # fresh, same length
         prefill.append(run(fresh(args.prefill_len), 1)[1])
+    r["teacher_forced_top5"] = top5(make_workload(1, args.agree_len, 1, vocab, 777)[0][0])
     n = args.new_tokens - 1
     r.update(decode_tok_s=[n / (f - o) for f, o in zip(full, one)], prefill_s=prefill, one_s=one, full_s=full,
              vm_hwm_mb=proc_status_mb("VmHWM"), rss_end_mb=proc_status_mb("VmRSS"))
@@ -74,7 +97,7 @@ def run_child(args: argparse.Namespace, engine: str) -> dict:
     out = os.path.join(os.path.dirname(os.path.abspath(args.path)), f"{engine}.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", engine, "--result", out,
            *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-             if k in ("path", "prompt_len", "new_tokens", "prefill_len", "repeat")]]
+             if k in ("path", "prompt_len", "new_tokens", "prefill_len", "repeat", "agree_len", "shape")]]
     proc = subprocess.Popen(cmd)
     peak, killed = 0.0, False
     while proc.poll() is None:
@@ -102,6 +125,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=17, help="tokens generated in a decode run")
     ap.add_argument("--prefill-len", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--agree-len", type=int, default=48, help="teacher-forced positions compared between engines")
     ap.add_argument("--rss-limit-gb", type=float, default=20.0)
     ap.add_argument("--delete", action="store_true", help="remove the GGUF file at the end")
     ap.add_argument("--json", default=None)
@@ -160,6 +184,19 @@ def report(r: dict, args: argparse.Namespace) -> None:
         a, b = (r[e]["greedy_tokens"] for e in engines)
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
         print(f"greedy tokens on one prompt: the engines agree on the first {same} of {len(a)}")
+        r["agreement"] = agreement(*(r[e]["teacher_forced_top5"] for e in engines))
+        print("teacher-forced on one {n}-token sequence: top-1 equal at {top1}/{n} positions, each engine's top-1 "
+              "in the other's top-5 at {in5}/{n}; where the top-1 agree, |logprob difference| mean {dlp:.3f}, "
+              "max {dlp_max:.3f}".format(**r["agreement"]))
+
+
+def agreement(a: list, b: list) -> dict:
+    """How two engines' next-token predictions on the same teacher-forced sequence agree."""
+    top1 = [x[0][0] == y[0][0] for x, y in zip(a, b)]
+    in5 = [x[0][0] in {t for t, _ in y} and y[0][0] in {t for t, _ in x} for x, y in zip(a, b)]
+    dlp = [abs(x[0][1] - y[0][1]) for x, y, same in zip(a, b, top1) if same]
+    return {"n": len(top1), "top1": sum(top1), "in5": sum(in5), "dlp": sum(dlp) / max(1, len(dlp)),
+            "dlp_max": max(dlp, default=0.0)}
 
 
 if __name__ == "__main__":

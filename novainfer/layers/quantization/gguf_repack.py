@@ -55,11 +55,16 @@ def _f16(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
 
 
-def _pack_nibbles(vals: np.ndarray) -> np.ndarray:
-    """[N, K] values 0..15 -> [N, K/2] bytes: per group of 32, element j low nibble, j+16 high."""
-    n, k = vals.shape
-    v = vals.reshape(n, k // 32, 2, 16).astype(np.uint8)
-    return (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, k // 2)
+def _q4_k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K's 32 bytes per 64 elements (element j low nibble of byte j, j+32 high) -> two groups of 32 in
+    the q4 layout, byte to byte (no unpack to values and pack again)."""
+    a, c = qs[..., 0, :16], qs[..., 0, 16:]
+    out = np.empty(qs.shape[:-2] + (2, 16), np.uint8)
+    np.left_shift(c, 4, out=out[..., 0, :])  # the first group: element i | element i+16 << 4
+    out[..., 0, :] |= a & 0xF
+    np.right_shift(a, 4, out=out[..., 1, :])  # the second group: the high nibbles
+    out[..., 1, :] |= c & 0xF0
+    return out
 
 
 def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -123,9 +128,9 @@ def _repack_blocks(b: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray, np.
         sc, mn = _k_scales(b[..., 4:16])
         scales, zeros = (d * sc).reshape(n, -1), (-dmin * mn).reshape(n, -1)
         qs = b[..., -128:].reshape(n, -1, 4, 1, 32)  # 4 chunks of 64 elements: low nibbles, then high
-        vals = np.concatenate([qs & 0xF, qs >> 4], axis=3)  # [n, blocks, 4, 2, 32]
         if qtype == T.Q4_K:
-            return _pack_nibbles(vals.reshape(n, k)), scales, zeros
+            return _q4_k_nibbles(qs).reshape(n, k // 2), scales, zeros
+        vals = np.concatenate([qs & 0xF, qs >> 4], axis=3)  # [n, blocks, 4, 2, 32]
         qh = b[..., 16:48].reshape(n, -1, 1, 1, 32)
         bit = np.arange(8, dtype=np.uint8).reshape(1, 1, 4, 2, 1)
         vals = vals | (((qh >> bit) & 1) << 4)
