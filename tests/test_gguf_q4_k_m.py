@@ -91,3 +91,25 @@ def test_loader_repacks_each_layer_as_its_shards_arrive(tiny_gguf, monkeypatch):
     assert layers[0].self_attn.qkv_proj.weight.packed.kind == "q4"
     assert layers[1].self_attn.qkv_proj.weight.packed.kind == "q8"  # Q4_K q/k with a Q6_K v: groups of 16
     assert model.lm_head.weight.packed.group == 16
+
+
+def test_gguf_7b_benchmark_runs_on_the_tiny_shape(tmp_path):
+    """benchmarks/gguf_7b.py end to end on the tiny shape: both engines load the file and agree on it."""
+    import json
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("llama_cpp")  # the comparison engine; not a dependency of the tests
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path, out = tmp_path / "tiny.gguf", tmp_path / "r.json"
+    cmd = [sys.executable, os.path.join(root, "benchmarks", "gguf_7b.py"), "--shape", "tiny", "--path", str(path),
+           "--repeat", "1", "--prompt-len", "8", "--new-tokens", "4", "--prefill-len", "32", "--agree-len", "16",
+           "--delete", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert not path.exists()  # --delete
+    for engine in ("novainfer", "llamacpp"):
+        assert "error" not in r[engine], r[engine]
+        assert min(r[engine]["decode_tok_s"]) > 0 and r[engine]["peak_rss_polled_mb"] > 0
+    assert r["agreement"]["n"] == 15 and r["agreement"]["top1"] >= 12 and r["agreement"]["in5"] >= 14
