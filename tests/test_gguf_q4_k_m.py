@@ -113,3 +113,23 @@ def test_gguf_7b_benchmark_runs_on_the_tiny_shape(tmp_path):
         assert "error" not in r[engine], r[engine]
         assert min(r[engine]["decode_tok_s"]) > 0 and r[engine]["peak_rss_polled_mb"] > 0
     assert r["agreement"]["n"] == 15 and r["agreement"]["top1"] >= 12 and r["agreement"]["in5"] >= 14
+
+
+def test_prefill_path_dequantizes_large_weights_in_row_chunks(monkeypatch):
+    from torch import nn
+
+    from novainfer.layers.quantization import gguf_cpu
+    from tests.test_quantized_cpu import random_blocks as format_blocks
+    n, k = 300, 512
+    layer = nn.Module()
+    layer.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+    layer.weight.packed = gguf_repack.repack(format_blocks(T.Q6_K, n, k), T.Q6_K, (n, k))
+    x, bias = torch.randn(gguf_cpu.PREFILL_ROWS + 3, k), torch.randn(n)
+    want = x.double() @ layer.weight.packed.dequantize().double().T + bias.double()
+    monkeypatch.setattr(gguf_cpu, "DEQUANT_CHUNK_BYTES", 4 * k * 128)  # 128 rows a chunk: 3 chunks, the last short
+    calls, real = [], gguf_cpu.dequantize
+    monkeypatch.setattr(gguf_cpu, "dequantize", lambda w: calls.append(w.shape[0]) or real(w))
+    y = gguf_cpu.GGUFCPULinearMethod().apply(layer, x, bias)
+    assert y.shape == (x.shape[0], n)
+    assert (y.double() - want).norm() < 1e-5 * want.norm()  # float32 GEMM rounding only
+    assert calls == [128, 128, 44]

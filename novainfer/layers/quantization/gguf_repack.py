@@ -35,6 +35,13 @@ class PackedWeight:
         """The float32 [N, K] weight (fallback paths, prefill and the tests' reference)."""
         return dequantize_rows(self, slice(None))
 
+    def row_slice(self, start: int, end: int) -> "PackedWeight":
+        """Output rows start:end as views (contiguous: every tensor is row-major over N)."""
+        end = min(end, self.shape[0])
+        return PackedWeight(self.kind, self.qweight[start:end], self.scales[start:end],
+                            None if self.zeros is None else self.zeros[start:end], self.group,
+                            (end - start, self.shape[1]))
+
 
 def dequantize_rows(w: PackedWeight, rows) -> torch.Tensor:
     """Float32 rows of the weight: an index tensor or a slice (the embedding lookup)."""
