@@ -168,7 +168,7 @@ def engine_list(args: argparse.Namespace) -> list[str]:
 def report(r: dict, args: argparse.Namespace) -> None:
     print(f"\n{r['path']}: {r['file_gb']:.2f} GB; {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
           f"{args.prefill_len}-token prefill, greedy, fresh prompt per timed run, {args.repeat} rounds\n"
-          "| engine | load (s) | peak RSS (GB) | batch-1 decode tok/s | prefill of 128 tokens (s) |\n"
+          f"| engine | load (s) | peak RSS (GiB) | batch-1 decode tok/s | prefill of {args.prefill_len} tokens (s) |\n"
           "|---|---|---|---|---|")
     engines = [e for e in engine_list(args) if "error" not in r[e]]
     for e in engine_list(args):
