@@ -106,6 +106,17 @@ def unpermute_rotary_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _read_bytes(path: str, tensor) -> np.ndarray:
+    """A tensor's raw bytes in memory of our own, freed once repacked: a view of the file's memory map would
+    keep the map, and the pages read through it, resident (counted in RSS) until the layer repacks."""
+    buf = np.empty(tensor.nbytes, np.uint8)
+    with open(path, "rb") as f:
+        f.seek(tensor.offset)
+        if f.readinto(memoryview(buf)) != tensor.nbytes:
+            raise ValueError(f"GGUF file {path} is corrupt or truncated: tensor {tensor.name} is cut short")
+    return buf
+
+
 def count_gguf_weights(path: str) -> int:
     """How many tensors iter_gguf_weights yields (for the progress bar)."""
     return sum(1 for t in _reader(path).tensors if hf_name(t.name) is not None)
@@ -113,7 +124,8 @@ def count_gguf_weights(path: str) -> int:
 
 def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor in HF shape) for every GGUF tensor that has an HF counterpart: float32 tensors, or
-    with keep_quantized, 2-D weights of a repackable type as GGUFQuantTensor (raw blocks, memory-mapped)."""
+    with keep_quantized, 2-D weights of a repackable type as GGUFQuantTensor (raw blocks, read one tensor at a
+    time; the layer repacks them as soon as all its shards are in)."""
     from novainfer.layers.quantization.gguf_cpu import GGUFQuantTensor
     from novainfer.layers.quantization.gguf_repack import SUPPORTED
 
@@ -131,7 +143,7 @@ def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple
         qtype = GGMLQuantizationType(tensor.tensor_type)
         quantized = qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
         if keep_quantized and quantized and len(shape) == 2 and qtype in SUPPORTED:
-            data = reader.tensor_data(file_map, tensor).reshape(shape[0], -1)  # one row of blocks per output row
+            data = _read_bytes(path, tensor).reshape(shape[0], -1)  # one row of blocks per output row
         else:
             if keep_quantized and quantized and qtype.name not in logged:
                 logged.add(qtype.name)

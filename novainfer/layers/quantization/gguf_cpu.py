@@ -18,6 +18,7 @@ from novainfer.layers.quantization.gguf_repack import PackedWeight, dequantize_r
 
 
 PREFILL_ROWS = 64  # from this many rows on, dequantize-then-GEMM beats the GEMV-style kernel
+DEQUANT_CHUNK_BYTES = 1 << 27  # float32 weight dequantized at a time there (a 7B lm_head would be 2.2 GB)
 
 
 class GGUFQuantTensor:
@@ -48,6 +49,8 @@ class GGUFCPULinearMethod(QuantizeMethodBase):
                    dense_loader) -> None:
         param.shards[shard_id] = loaded
         param.dense_loader = dense_loader
+        if set(getattr(layer, "shard_order", [None])) <= param.shards.keys():
+            self.process_weights_after_loading(layer)  # repack now: one layer's raw blocks alive at a time
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         param = layer.weight
@@ -73,7 +76,7 @@ class GGUFCPULinearMethod(QuantizeMethodBase):
             return F.linear(x, layer.weight, bias)
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if x2.shape[0] >= PREFILL_ROWS:  # a prefill: the weight read once, then the BLAS GEMM (see the docs)
-            return F.linear(x, dequantize(packed).to(x.dtype), bias)
+            return _dequantize_linear(x, packed, bias)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
         y = quant_gemm(x2, packed)
@@ -89,6 +92,17 @@ class GGUFCPULinearMethod(QuantizeMethodBase):
             return F.embedding(input_ids, layer.weight)
         rows = dequantize_rows(packed, input_ids.reshape(-1)).to(layer.weight.act_dtype)
         return rows.view(*input_ids.shape, -1)
+
+
+def _dequantize_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ bias) through float32 weight rows dequantized DEQUANT_CHUNK_BYTES at a time."""
+    n, k = packed.shape
+    step = max(1, DEQUANT_CHUNK_BYTES // (4 * k))
+    if n <= step:
+        return F.linear(x, dequantize(packed).to(x.dtype), bias)
+    y = torch.cat([F.linear(x, dequantize(packed.row_slice(r, r + step)).to(x.dtype)) for r in range(0, n, step)],
+                  dim=-1)
+    return y if bias is None else y.add_(bias)
 
 
 class GGUFCPUConfig(QuantizationConfig):

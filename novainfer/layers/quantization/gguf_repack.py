@@ -35,6 +35,13 @@ class PackedWeight:
         """The float32 [N, K] weight (fallback paths, prefill and the tests' reference)."""
         return dequantize_rows(self, slice(None))
 
+    def row_slice(self, start: int, end: int) -> "PackedWeight":
+        """Output rows start:end as views (contiguous: every tensor is row-major over N)."""
+        end = min(end, self.shape[0])
+        return PackedWeight(self.kind, self.qweight[start:end], self.scales[start:end],
+                            None if self.zeros is None else self.zeros[start:end], self.group,
+                            (end - start, self.shape[1]))
+
 
 def dequantize_rows(w: PackedWeight, rows) -> torch.Tensor:
     """Float32 rows of the weight: an index tensor or a slice (the embedding lookup)."""
@@ -55,11 +62,16 @@ def _f16(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
 
 
-def _pack_nibbles(vals: np.ndarray) -> np.ndarray:
-    """[N, K] values 0..15 -> [N, K/2] bytes: per group of 32, element j low nibble, j+16 high."""
-    n, k = vals.shape
-    v = vals.reshape(n, k // 32, 2, 16).astype(np.uint8)
-    return (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, k // 2)
+def _q4_k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K's 32 bytes per 64 elements (element j low nibble of byte j, j+32 high) -> two groups of 32 in
+    the q4 layout, byte to byte (no unpack to values and pack again)."""
+    a, c = qs[..., 0, :16], qs[..., 0, 16:]
+    out = np.empty(qs.shape[:-2] + (2, 16), np.uint8)
+    np.left_shift(c, 4, out=out[..., 0, :])  # the first group: element i | element i+16 << 4
+    out[..., 0, :] |= a & 0xF
+    np.right_shift(a, 4, out=out[..., 1, :])  # the second group: the high nibbles
+    out[..., 1, :] |= c & 0xF0
+    return out
 
 
 def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -73,47 +85,70 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
+# type -> (kind, group, has zero points) of the layout it repacks into
+LAYOUT = {T.Q4_0: ("q4", 32, True), T.Q4_1: ("q4", 32, True), T.Q8_0: ("q8", 32, False),
+          T.Q4_K: ("q4", 32, True), T.Q5_K: ("q8", 32, True), T.Q6_K: ("q8", 16, False)}
+CHUNK_BYTES = 1 << 22  # GGUF bytes repacked at a time: the numpy temporaries stay a few times this, not the tensor
+
+
 def repack(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> PackedWeight:
-    """GGUF blocks of a [N, K] weight (uint8 [N, bytes per row]) -> PackedWeight, exactly."""
+    """GGUF blocks of a [N, K] weight (uint8 [N, bytes per row]) -> PackedWeight, exactly.
+
+    Rows go CHUNK_BYTES at a time into the preallocated layout (a 152k-row lm_head would otherwise take
+    several GB of int16 temporaries)."""
     n, k = shape
+    if qtype not in BLOCK:
+        raise ValueError(f"no repack for GGUF type {qtype.name}")
     per, nbytes = BLOCK[qtype]
     if k % per:
         raise ValueError(f"row length {k} is not a multiple of {qtype.name}'s block of {per}")
     b = np.asarray(data, dtype=np.uint8).reshape(n, k // per, nbytes)
+    kind, group, has_zero = LAYOUT[qtype]
+    qweight = np.empty((n, k // 2), np.uint8) if kind == "q4" else np.empty((n, k), np.int8)
+    scales = np.empty((n, k // group), np.float32)
+    zeros = np.empty((n, k // group), np.float32) if has_zero else None
+    step = max(1, CHUNK_BYTES // (k // per * nbytes))
+    for r in range(0, n, step):
+        q, sc, zero = _repack_blocks(b[r:r + step], qtype)
+        qweight[r:r + step], scales[r:r + step] = q, sc
+        if zeros is not None:
+            zeros[r:r + step] = zero
     t = torch.from_numpy
+    return PackedWeight(kind, t(qweight), t(scales), None if zeros is None else t(zeros), group, shape)
+
+
+def _repack_blocks(b: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """uint8 [n, blocks, bytes per block] -> (quants, scales, zeros or None) of the type's LAYOUT."""
+    n = b.shape[0]
+    k = b.shape[1] * BLOCK[qtype][0]
     if qtype in (T.Q4_0, T.Q4_1):
         d = _f16(b[..., 0:2]).reshape(n, -1)
         if qtype == T.Q4_0:
             zero, qs = -8 * d, b[..., 2:18]
         else:
             zero, qs = _f16(b[..., 2:4]).reshape(n, -1), b[..., 4:20]
-        return PackedWeight("q4", t(np.ascontiguousarray(qs).reshape(n, k // 2)), t(d), t(zero), 32, shape)
+        return qs.reshape(n, k // 2), d, zero
     if qtype == T.Q8_0:
-        d = _f16(b[..., 0:2]).reshape(n, -1)
-        q = np.ascontiguousarray(b[..., 2:34]).view(np.int8).reshape(n, k)
-        return PackedWeight("q8", t(q), t(d), None, 32, shape)
+        return b[..., 2:34].view(np.int8).reshape(n, k), _f16(b[..., 0:2]).reshape(n, -1), None
     if qtype in (T.Q4_K, T.Q5_K):
         d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # [n, blocks, 1]
         sc, mn = _k_scales(b[..., 4:16])
         scales, zeros = (d * sc).reshape(n, -1), (-dmin * mn).reshape(n, -1)
         qs = b[..., -128:].reshape(n, -1, 4, 1, 32)  # 4 chunks of 64 elements: low nibbles, then high
-        vals = np.concatenate([qs & 0xF, qs >> 4], axis=3)  # [n, blocks, 4, 2, 32]
         if qtype == T.Q4_K:
-            return PackedWeight("q4", t(_pack_nibbles(vals.reshape(n, k))), t(scales), t(zeros), 32, shape)
+            return _q4_k_nibbles(qs).reshape(n, k // 2), scales, zeros
+        vals = np.concatenate([qs & 0xF, qs >> 4], axis=3)  # [n, blocks, 4, 2, 32]
         qh = b[..., 16:48].reshape(n, -1, 1, 1, 32)
         bit = np.arange(8, dtype=np.uint8).reshape(1, 1, 4, 2, 1)
         vals = vals | (((qh >> bit) & 1) << 4)
-        return PackedWeight("q8", t(vals.reshape(n, k).astype(np.int8)), t(scales), t(zeros), 32, shape)
-    if qtype == T.Q6_K:
-        ql, qh = b[..., 0:128].reshape(n, -1, 2, 64), b[..., 128:192].reshape(n, -1, 2, 1, 32)
-        sc = b[..., 192:208].view(np.int8).astype(np.float32)  # [n, blocks, 16]
-        d = _f16(b[..., 208:210])
-        low = np.stack([ql[..., :32] & 0xF, ql[..., 32:] & 0xF, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=3)
-        high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3  # [n, blocks, 2, 4, 32]
-        vals = (low.astype(np.int16) | (high.astype(np.int16) << 4)) - 32
-        return PackedWeight("q8", t(vals.reshape(n, k).astype(np.int8)), t((d * sc).reshape(n, -1)), None, 16,
-                            shape)
-    raise ValueError(f"no repack for GGUF type {qtype.name}")
+        return vals.reshape(n, k).view(np.int8), scales, zeros  # values 0..31
+    ql, qh = b[..., 0:128].reshape(n, -1, 2, 64), b[..., 128:192].reshape(n, -1, 2, 1, 32)  # Q6_K
+    sc = b[..., 192:208].view(np.int8).astype(np.float32)  # [n, blocks, 16]
+    d = _f16(b[..., 208:210])
+    low = np.stack([ql[..., :32] & 0xF, ql[..., 32:] & 0xF, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=3)
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3  # [n, blocks, 2, 4, 32]
+    vals = (low.astype(np.int16) | (high.astype(np.int16) << 4)) - 32
+    return vals.reshape(n, k).astype(np.int8), (d * sc).reshape(n, -1), None
 
 
 def merge_rows(parts: list[PackedWeight]) -> PackedWeight:
