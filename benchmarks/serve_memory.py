@@ -42,6 +42,18 @@ def tree_pids(pid: int) -> list[int]:
     return out
 
 
+def tree_rss_mb(pid: int) -> float:
+    """VmRSS of pid and its descendants in MB: cheap enough to poll for a peak (process_memory reads smaps)."""
+    total = 0
+    for p in tree_pids(pid):
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+        except (OSError, StopIteration):
+            continue
+    return total / 1024
+
+
 def _category(path: str) -> str:
     if not path or path.startswith("[") or path.startswith("/memfd:") or path.startswith("/dev/zero"):
         return "anon"
