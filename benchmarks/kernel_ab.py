@@ -6,9 +6,9 @@ same process and interleaved request by request, so drifting load from other pro
 
 spec: benchmarks/speculation.py's prompts and settings (greedy, 128 tokens, batch 1, prefix caching off); per
 round the speed-up of speculation over none with each kernel. streams: benchmarks/throughput.py --cpu-streams'
-workload (128-token random prompts, 128 greedy tokens each, ignore_eos), with llama.cpp's single stream run
-between. Only the C library changes between "new" and "old" (cpu_kernels.build_library of --base's sources);
-the Python engine is this tree's, so engine-side changes are in both.
+workload (128-token random prompts, 128 greedy tokens each, ignore_eos), then llama.cpp's single stream after
+the engine is shut down (its threads would compete). Only the C library changes between "new" and "old"
+(cpu_kernels.build_library of --base's sources); the Python engine is this tree's, in both.
 """
 from __future__ import annotations
 
@@ -77,9 +77,7 @@ def streams(args, libs) -> dict:
     prompts, _ = make_workload(args.streams * args.rounds * len(libs) + 1, 128, 128, vocab, 0)
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     timed(llm, [prompts[-1][:16]], SamplingParams(max_tokens=4))
-    lc, _ = llamacpp_baseline.load(resolve_model_path(None), cpu_kernels.num_threads())
-    llamacpp_baseline.greedy(lc, prompts[-1][:16], 4)
-    res = {k: [] for k in [*libs, "llama.cpp 1 stream"]}
+    res = {k: [] for k in libs}
     batches = iter(range(0, len(prompts) - 1, args.streams))
     for r in range(args.rounds):
         for kernel in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
@@ -87,10 +85,18 @@ def streams(args, libs) -> dict:
             b = next(batches)  # fresh prompts every run: no prefix-cache help
             t, toks = timed(llm, prompts[b:b + args.streams], params)
             res[kernel].append(sum(map(len, toks)) / t)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in res.items()), flush=True)
+    llm.llm_engine.shutdown()  # its threads would compete with llama.cpp's
+    del llm
+    lc, _ = llamacpp_baseline.load(resolve_model_path(None), cpu_kernels.num_threads())
+    llamacpp_baseline.greedy(lc, prompts[-1][:16], 4)
+    res["llama.cpp 1 stream"] = []
+    for r in range(args.rounds):
         toks, t = llamacpp_baseline.greedy(lc, prompts[r], 128)
         res["llama.cpp 1 stream"].append(len(toks) / t)
-        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in res.items())
-              + f" | new/llama.cpp {res['new'][-1] / res['llama.cpp 1 stream'][-1]:.2f}x", flush=True)
+    best = max(res["llama.cpp 1 stream"])
+    print(f"llama.cpp single stream {res['llama.cpp 1 stream']} tok/s; new / best llama.cpp "
+          f"{statistics.median(res['new']) / best:.2f}x (median), old {statistics.median(res['old']) / best:.2f}x")
     return {"streams": args.streams, "tok_s": res}
 
 
