@@ -64,6 +64,10 @@ def test_ngram_lookup_takes_the_latest_longest_match():
     assert propose_ngram(np.array([7, 1, 8, 2, 1]), 1, 3, 2) == [8, 2]  # only a 1-gram matches
     assert propose_ngram(np.array([5, 6, 7]), 1, 3, 3) == []
     assert propose_ngram(np.array([1, 2, 9, 1, 2, 8, 1, 2]), 2, 2, 1) == [8]  # the latest of two matches
+    # scaled to the match (the CPU's default): 1 token for a 1-gram, 2 for a 2-gram, 4 for a 3-gram
+    assert propose_ngram(np.array([7, 1, 8, 2, 1]), 1, 3, 2, scale_by_match=True) == [8]
+    assert propose_ngram(np.array([1, 2, 3, 4, 5, 9, 8, 1, 2, 3]), 1, 3, 6, scale_by_match=True) == [4, 5, 9, 8]
+    assert propose_ngram(np.array([4, 1, 2, 3, 4, 5, 1, 2]), 1, 3, 6, scale_by_match=True) == [3, 4]
 
 
 def test_ngram_lookup_equals_a_brute_force_search():
@@ -73,12 +77,18 @@ def test_ngram_lookup_equals_a_brute_force_search():
                 if t[end - n + 1:end + 1] == t[len(t) - n:]:
                     return t[end + 1:end + 1 + k]
         return []
+    def brute_scaled(t: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+        for n in range(max_n, min_n - 1, -1):  # as above, at most 2^(n-1) tokens for a match of n
+            if (out := brute(t, n, n, k)):
+                return out[:2 ** (n - 1)]
+        return []
     rng = np.random.default_rng(0)
     for _ in range(3000):
         t = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 30))).tolist()
         lo = int(rng.integers(1, 4))
         hi, k = int(rng.integers(lo, 6)), int(rng.integers(1, 6))
         assert propose_ngram(np.array(t), lo, hi, k) == brute(t, lo, hi, k), (t, lo, hi, k)
+        assert propose_ngram(np.array(t), lo, hi, k, scale_by_match=True) == brute_scaled(t, lo, hi, k), (t, lo, hi, k)
 
 
 def test_greedy_equals_no_speculation_and_transformers(tiny_qwen2, plain, any_spec):

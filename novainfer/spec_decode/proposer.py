@@ -27,6 +27,7 @@ def make_proposer(config: "SpeculativeConfig", executor: Any) -> Proposer:
     """The proposer for config.method; the draft model lives with the workers, reached through the executor."""
     if config.method == "ngram":
         from novainfer.spec_decode.ngram_proposer import NgramProposer
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        verify_is_cheap = executor.config.resolve_device().type == "cuda"  # a verify step costs about a decode step
+        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, scale_by_match=not verify_is_cheap)
     from novainfer.spec_decode.draft_model_proposer import DraftModelProposer
     return DraftModelProposer(executor)

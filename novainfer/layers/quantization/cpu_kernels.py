@@ -44,12 +44,18 @@ def _library() -> ctypes.CDLL | None:
     if not {"avx2", "fma"} <= cpu_flags():
         logger.info("quantized CPU kernels need AVX2 and FMA; GGUF weights load dequantized")
         return None
+    return build_library(_SOURCES, [_HEADER])
+
+
+def build_library(sources: list[str], headers: list[str]) -> ctypes.CDLL | None:
+    """Compiles C sources (once; cached by their hash) into a library with the kernels' signatures bound; None
+    when no compiler is found or the build fails. benchmarks/qgemm_rows.py builds an older commit's with it."""
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         logger.info("no C compiler (gcc) found for the quantized CPU kernels; GGUF weights load dequantized")
         return None
     sha = hashlib.sha256()
-    for source in [*_SOURCES, _HEADER]:
+    for source in [*sources, *headers]:
         with open(source, "rb") as f:
             sha.update(f.read())
     digest = sha.hexdigest()[:16]
@@ -59,7 +65,7 @@ def _library() -> ctypes.CDLL | None:
         os.makedirs(cache, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
-        cmd = [cc, "-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC", "-o", tmp, *_SOURCES, "-lm"]
+        cmd = [cc, "-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC", "-o", tmp, *sources, "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             os.unlink(tmp)
@@ -110,9 +116,10 @@ def available() -> bool:
     return _library() is not None
 
 
-def quant_gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    """x [M, K] float32 contiguous @ dequant(w)^T -> [M, N] float32 (x rounded to int16 per block of 32)."""
-    lib = _library()
+def quant_gemm(x: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """x [M, K] float32 contiguous @ dequant(w)^T -> [M, N] float32 (x rounded to int16 per block of 32); lib:
+    another build of the kernels (benchmarks), else this one."""
+    lib = lib or _library()
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)

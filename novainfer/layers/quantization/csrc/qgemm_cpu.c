@@ -10,10 +10,13 @@
  * still but raised the default model's mean KL to the float32 reference from 0.0001 to 0.0048, above
  * llama.cpp's own 0.0047 (benchmarks/quant_accuracy.py); int16 keeps it at the float path's level.
  * The zero point's term uses the group's sum of the rounded x (its error cancels against the q term's).
- * A group's unpacked weights serve up to TILE_M rows of x.
+ * Tiles of 4 weight rows x 3 activation rows are register-blocked (see tile()): the kernel is compute-bound past
+ * one row, so a speculative verify step (k + 1 rows) or a batch of streams costs far less than that many
+ * one-row steps (benchmarks/qgemm_rows.py).
  * Output rows are split over the worker pool of cpu_pool.c. Built at first use by cpu_kernels.py.
  */
 #include <immintrin.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <stddef.h>
@@ -29,8 +32,10 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* x [M, K] -> xq int16 [M, K], dx [M, K/32] (xq * dx ~ x), xsum [M, K/G] (sums of xq * dx per group of G). */
-static void quantize_rows(const float *x, int M, int K, int G, int16_t *xq, float *dx, float *xsum) {
+/* x [M, K] -> xq int16 [M, K], dxT [K/32, mp] (xq * dx ~ x, transposed so one load serves a tile's rows),
+ * xsum [M, ngp] (sums of xq * dx per group of G, zero past K/G). */
+static void quantize_rows(const float *x, int M, int K, int G, int mp, int ngp, int16_t *xq, float *dxT,
+                          float *xsum, int xsum_needed) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int m = 0; m < M; m++) {
         const float *xr = x + (size_t)m * K;
@@ -50,50 +55,163 @@ static void quantize_rows(const float *x, int M, int K, int G, int16_t *xq, floa
             int16_t *q = xq + (size_t)m * K + b * 32;  /* packs works per 128-bit lane: restore the order */
             _mm256_storeu_si256((__m256i *)q, _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8));
             _mm256_storeu_si256((__m256i *)(q + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8));
-            dx[(size_t)m * (K / 32) + b] = amax / 32767.f;
+            dxT[(size_t)b * mp + m] = amax / 32767.f;
         }
-        if (xsum)  /* sums of the rounded x, so the zero point multiplies the same x as the q term */
-            for (int g = 0; g < K / G; g++) {
-                const int16_t *q = xq + (size_t)m * K + g * G;
-                int s = 0;
-                for (int j = 0; j < G; j++) s += q[j];
-                xsum[(size_t)m * (K / G) + g] = (float)s * dx[(size_t)m * (K / 32) + g * G / 32];
-            }
+        if (!xsum_needed) continue;
+        float *xs = xsum + (size_t)m * ngp;
+        for (int g = 0; g < ngp; g++) {  /* sums of the rounded x, so the zero point multiplies the same x as the q term */
+            int s = 0;
+            for (int i = 0; i < G && g < K / G; i++) s += xq[(size_t)m * K + g * G + i];
+            xs[g] = (float)s * dxT[(size_t)(g < K / G ? g * G / 32 : 0) * mp + m];
+        }
     }
 }
 
-static inline float zero_term(const float *z, const float *xs, int ng) {
-    float t = 0.f;
-    for (int g = 0; g < ng; g++) t += z[g] * xs[g];
-    return t;
+/* Register blocking: a tile of NB weight rows x MB activation rows keeps NB * MB float accumulators, so one load
+ * of a row's activations serves NB weight rows and one unpack of a weight row serves every activation row. */
+#define NB 4
+#define MB 3  /* 12 accumulators; 4x3 measured at least as fast as 4x2, 3x3, 2x4 and 4x4 on the AVX2 machine */
+
+typedef struct {
+    const int16_t *xq; const float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
+    const void *w; const float *scales, *zeros; int has_zeros, q4, nchunks;
+    _Atomic int failed;
+    float *y;
+} gemm_job;
+
+/* Weight rows n0..n0+nr unpacked to int16 [nr, K]. 4-bit: w[N, K/2] bytes; group g of 32 is bytes [16g, 16g+16):
+ * low nibble = element j, high = j+16 (GGML's Q4_0/Q4_1 order). 8-bit: w[N, K] int8. */
+static void unpack_rows(const gemm_job *j, int n0, int nr, int16_t *wb) {
+    const int K = j->K;
+    const __m256i mask = _mm256_set1_epi16(0x0f);
+    for (int r = 0; r < nr; r++) {
+        int16_t *o = wb + (size_t)r * K;
+        if (j->q4) {
+            const uint8_t *wr = (const uint8_t *)j->w + (size_t)(n0 + r) * (K / 2);
+            for (int g = 0; g < K / 32; g++) {
+                __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wr + g * 16)));
+                _mm256_storeu_si256((__m256i *)(o + g * 32), _mm256_and_si256(b, mask));
+                _mm256_storeu_si256((__m256i *)(o + g * 32 + 16), _mm256_srli_epi16(b, 4));
+            }
+        } else {
+            const int8_t *wr = (const int8_t *)j->w + (size_t)(n0 + r) * K;
+            for (int c = 0; c < K; c += 16)
+                _mm256_storeu_si256((__m256i *)(o + c), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + c))));
+        }
+    }
 }
 
-/* float sums of adjacent int16 products (madd): 16 weights against 16 activations, in 8 lanes. */
-static inline __m256i dot16(__m256i w, const int16_t *x) {
-    return _mm256_madd_epi16(w, _mm256_loadu_si256((const __m256i *)x));
+/* y[m0.., n0..] for nr weight rows (unpacked in wb) and mr activation rows: per block of 32, two madds of int16
+ * pairs give the integer dot product, scaled in float by (weight scale * activation step); the zero points'
+ * term sum_g zero * xsum is added at the end. The same float operations for a row whatever M or its tile. */
+static inline __attribute__((always_inline)) void tile(const gemm_job *j, const int16_t *wb, float *pt, int n0,
+                                                       const int nr, int m0, const int mr, const int G) {
+    const int K = j->K, ng = j->ng, mp = j->mp, H = 32 / G;
+    const float *sr = j->scales + (size_t)n0 * ng;
+    /* pt[b][h][n][m] = weight scale * activation step, one store of 4 per (b, h, n): the inner loop then broadcasts
+     * its factor straight from memory. A store's 4th lane past mr lands in the next entry, written after it. */
+    for (int b = 0; b < K / 32; b++) {
+        const __m128 d4 = _mm_loadu_ps(j->dxT + (size_t)b * mp + m0);
+        for (int h = 0; h < H; h++)
+            for (int n = 0; n < nr; n++)
+                _mm_storeu_ps(pt + ((size_t)(b * H + h) * nr + n) * mr,
+                              _mm_mul_ps(_mm_set1_ps(sr[(size_t)n * ng + b * H + h]), d4));
+    }
+    __m256 acc[NB][MB];
+    for (int n = 0; n < nr; n++)
+        for (int m = 0; m < mr; m++) acc[n][m] = _mm256_setzero_ps();
+    for (int b = 0; b < K / 32; b++) {
+        const float *pb = pt + (size_t)b * H * nr * mr;
+        __m256i x0[MB], x1[MB];
+        for (int m = 0; m < mr; m++) {
+            const int16_t *xg = j->xq + (size_t)(m0 + m) * K + b * 32;
+            x0[m] = _mm256_loadu_si256((const __m256i *)xg);
+            x1[m] = _mm256_loadu_si256((const __m256i *)(xg + 16));
+        }
+        for (int n = 0; n < nr; n++) {
+            const int16_t *wg = wb + (size_t)n * K + b * 32;
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)wg);
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wg + 16));
+            for (int m = 0; m < mr; m++) {
+                const __m256i p0 = _mm256_madd_epi16(w0, x0[m]), p1 = _mm256_madd_epi16(w1, x1[m]);
+                if (G == 32) {
+                    acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
+                                                _mm256_broadcast_ss(pb + n * mr + m), acc[n][m]);
+                } else {
+                    acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(pb + n * mr + m), acc[n][m]);
+                    acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_broadcast_ss(pb + (nr + n) * mr + m),
+                                                acc[n][m]);
+                }
+            }
+        }
+    }
+    float out[NB][MB];  /* the sums leave the registers here, so acc stays in registers through the loop */
+    for (int n = 0; n < nr; n++)
+        for (int m = 0; m < mr; m++) out[n][m] = hsum(acc[n][m]);
+    const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(ng % 8), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int n = 0; n < nr; n++)
+        for (int m = 0; m < mr; m++) {
+            float t = out[n][m];
+            if (j->has_zeros) {  /* sum_g zero[n, g] * xsum[m, g] */
+                const float *z = j->zeros + (size_t)(n0 + n) * ng, *xs = j->xsum + (size_t)(m0 + m) * j->ngp;
+                __m256 a = _mm256_setzero_ps();
+                int g = 0;
+                for (; g + 8 <= ng; g += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(z + g), _mm256_loadu_ps(xs + g), a);
+                if (g < ng) a = _mm256_fmadd_ps(_mm256_maskload_ps(z + g, tail), _mm256_loadu_ps(xs + g), a);
+                t += hsum(a);
+            }
+            j->y[(size_t)(m0 + m) * j->N + n0 + n] = t;
+        }
 }
 
-static int scratch(int M, int K, int G, int16_t **xq, float **dx, float **xsum) {
-    *xq = malloc(sizeof(int16_t) * (size_t)M * K);
-    *dx = malloc(sizeof(float) * (size_t)M * (K / 32));
-    *xsum = malloc(sizeof(float) * (size_t)M * (K / G));
-    return *xq && *dx && *xsum;
+/* Every activation row against nr (NB or 1) unpacked weight rows, one specialised tile per shape. */
+static void rows_block(const gemm_job *j, const int16_t *wb, float *pt, int n0, int nr) {
+    for (int m0 = 0; m0 < j->M; m0 += MB) {
+        const int mr = j->M - m0 < MB ? j->M - m0 : MB;
+#define TILE(NR, MR) do { if (j->G == 32) tile(j, wb, pt, n0, NR, m0, MR, 32); else tile(j, wb, pt, n0, NR, m0, MR, 16); } while (0)
+        switch ((nr == NB) * 4 + mr) {  /* mr <= MB = 3 */
+        case 4 + 3: TILE(NB, 3); break;
+        case 4 + 2: TILE(NB, 2); break;
+        case 4 + 1: TILE(NB, 1); break;
+        case 3: TILE(1, 3); break;
+        case 2: TILE(1, 2); break;
+        default: TILE(1, 1);
+        }
+#undef TILE
+    }
+}
+
+static __thread void *scratch;  /* per thread: NB weight rows as int16, then a tile's scale products */
+static __thread size_t scratch_cap;
+
+static void gemm_chunk(void *arg, int chunk) {
+    gemm_job *j = arg;
+    const size_t wbytes = (sizeof(int16_t) * NB * j->K + 63) / 64 * 64;
+    const size_t need = wbytes + sizeof(float) * ((size_t)(j->K / 16) * NB * MB + 4);
+    if (need > scratch_cap) {
+        free(scratch);
+        scratch = aligned_alloc(64, (need + 63) / 64 * 64);
+        scratch_cap = scratch ? need : 0;
+        if (!scratch) { atomic_store(&j->failed, 1); return; }
+    }
+    int16_t *wb = scratch;
+    float *pt = (float *)((char *)scratch + wbytes);
+    int per = (j->N + j->nchunks - 1) / j->nchunks;
+    per = (per + NB - 1) / NB * NB;
+    const int n0 = chunk * per, n1 = n0 + per < j->N ? n0 + per : j->N;
+    int n = n0;
+    for (; n + NB <= n1; n += NB) {
+        unpack_rows(j, n, NB, wb);
+        rows_block(j, wb, pt, n, NB);
+    }
+    for (; n < n1; n++) {
+        unpack_rows(j, n, 1, wb);
+        rows_block(j, wb, pt, n, 1);
+    }
 }
 
 /* Output rows are split into chunks of at least this many for the worker pool (cpu_pool.c). */
 #define ROWS_PER_CHUNK 32
-
-typedef struct {
-    const int16_t *xq; const float *dx, *xsum; int M, K, G, N;
-    const void *w; const float *scales, *zeros; int has_zeros, nchunks;
-    float *y;
-} gemm_job;
-
-static void chunk_range(const gemm_job *j, int chunk, int *n0, int *n1) {
-    const int per = (j->N + j->nchunks - 1) / j->nchunks;
-    *n0 = chunk * per;
-    *n1 = *n0 + per < j->N ? *n0 + per : j->N;
-}
 
 static int num_chunks(int N, int nthreads) {
     int c = N / ROWS_PER_CHUNK;
@@ -101,105 +219,39 @@ static int num_chunks(int N, int nthreads) {
     return c < 1 ? 1 : c;
 }
 
-/* 4-bit: w[N, K/2] bytes; group g of 32 is bytes [16g, 16g+16): low nibble = element j, high = j+16
- * (GGML's Q4_0/Q4_1 order). scales/zeros: [N, K/32]. */
-static void q4_chunk(void *arg, int chunk) {
-    const gemm_job *j = arg;
-    const int M = j->M, K = j->K, N = j->N, ng = K / 32;
-    const int16_t *xq = j->xq;
-    const float *dx = j->dx, *xsum = j->xsum;
-    const __m256i mask = _mm256_set1_epi16(0x0f);
-    int n0, n1;
-    chunk_range(j, chunk, &n0, &n1);
-    for (int n = n0; n < n1; n++) {
-        const uint8_t *wr = (const uint8_t *)j->w + (size_t)n * (K / 2);
-        const float *sr = j->scales + (size_t)n * ng, *zr = j->zeros + (size_t)n * ng;
-        for (int m0 = 0; m0 < M; m0 += TILE_M) {
-            const int mt = M - m0 < TILE_M ? M - m0 : TILE_M;
-            __m256 acc[TILE_M];
-            for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
-            for (int g = 0; g < ng; g++) {
-                __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wr + g * 16)));
-                __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_srli_epi16(b, 4);  /* elements 0-15, 16-31 */
-                for (int i = 0; i < mt; i++) {
-                    const size_t row = (size_t)(m0 + i);
-                    const int16_t *xg = xq + row * K + g * 32;
-                    __m256i d = _mm256_add_epi32(dot16(lo, xg), dot16(hi, xg + 16));
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_set1_ps(sr[g] * dx[row * ng + g]), acc[i]);
-                }
-            }
-            for (int i = 0; i < mt; i++)
-                j->y[(size_t)(m0 + i) * N + n] = hsum(acc[i]) + zero_term(zr, xsum + (size_t)(m0 + i) * ng, ng);
-        }
-    }
-}
-
-/* 8-bit: w[N, K] int8, groups of G (16 or 32) elements; scales/zeros: [N, K/G]. */
-static void q8_chunk(void *arg, int chunk) {
-    const gemm_job *j = arg;
-    const int M = j->M, K = j->K, N = j->N, G = j->G, ng = K / G, nb = K / 32;
-    const int16_t *xq = j->xq;
-    const float *dx = j->dx, *xsum = j->xsum;
-    int n0, n1;
-    chunk_range(j, chunk, &n0, &n1);
-    for (int n = n0; n < n1; n++) {
-        const int8_t *wr = (const int8_t *)j->w + (size_t)n * K;
-        const float *sr = j->scales + (size_t)n * ng, *zr = j->zeros + (size_t)n * ng;
-        for (int m0 = 0; m0 < M; m0 += TILE_M) {
-            const int mt = M - m0 < TILE_M ? M - m0 : TILE_M;
-            __m256 acc[TILE_M];
-            for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
-            for (int b = 0; b < nb; b++) {
-                __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + b * 32)));
-                __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + b * 32 + 16)));
-                /* one weight scale for the 32, or one per 16 (groups of 16) */
-                const float s0 = G == 32 ? sr[b] : sr[2 * b], s1 = G == 32 ? sr[b] : sr[2 * b + 1];
-                for (int i = 0; i < mt; i++) {
-                    const size_t row = (size_t)(m0 + i);
-                    const int16_t *xg = xq + row * K + b * 32;
-                    const float d = dx[row * nb + b];
-                    if (G == 32) {
-                        __m256i p = _mm256_add_epi32(dot16(w0, xg), dot16(w1, xg + 16));
-                        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s0 * d), acc[i]);
-                    } else {
-                        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(w0, xg)), _mm256_set1_ps(s0 * d), acc[i]);
-                        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot16(w1, xg + 16)), _mm256_set1_ps(s1 * d), acc[i]);
-                    }
-                }
-            }
-            for (int i = 0; i < mt; i++) {
-                float t = hsum(acc[i]);
-                if (j->has_zeros) t += zero_term(zr, xsum + (size_t)(m0 + i) * ng, ng);
-                j->y[(size_t)(m0 + i) * N + n] = t;
-            }
-        }
-    }
-}
-
 /* Quantizes x, then runs the chunks on the pool. Returns 0, or -1 when scratch memory ran out. */
-static int run_gemm(gemm_job *j, const float *x, pool_chunk_fn fn, int nthreads) {
-    int16_t *xq; float *dx, *xsum;
-    if (!scratch(j->M, j->K, j->G, &xq, &dx, &xsum)) { free(xq); free(dx); free(xsum); return -1; }
-    quantize_rows(x, j->M, j->K, j->G, xq, dx, j->has_zeros ? xsum : NULL);
-    j->xq = xq; j->dx = dx; j->xsum = xsum;
-    j->nchunks = num_chunks(j->N, nthreads);
-    pool_run(fn, j, j->nchunks, nthreads);
-    free(xq); free(dx); free(xsum);
-    return 0;
+static int run_gemm(gemm_job *j, const float *x, int nthreads) {
+    j->ng = j->K / j->G;
+    j->ngp = (j->ng + 7) / 8 * 8;
+    j->mp = j->M + 4;  /* a tile reads 4 steps from its first row on */
+    int16_t *xq = malloc(sizeof(int16_t) * (size_t)j->M * j->K);
+    float *dxT = calloc((size_t)(j->K / 32) * j->mp, sizeof(float));
+    float *xsum = malloc(sizeof(float) * (size_t)j->M * j->ngp);
+    int rc = -1;
+    if (xq && dxT && xsum) {
+        quantize_rows(x, j->M, j->K, j->G, j->mp, j->ngp, xq, dxT, xsum, j->has_zeros);
+        j->xq = xq; j->dxT = dxT; j->xsum = xsum;
+        j->nchunks = (j->N + NB - 1) / NB < num_chunks(j->N, nthreads) ? (j->N + NB - 1) / NB : num_chunks(j->N, nthreads);
+        atomic_store(&j->failed, 0);
+        pool_run(gemm_chunk, j, j->nchunks, nthreads);
+        rc = atomic_load(&j->failed) ? -1 : 0;
+    }
+    free(xq); free(dxT); free(xsum);
+    return rc;
 }
 
 int q4_gemm(const float *x, int M, int K, const uint8_t *w, const float *scales, const float *zeros,
             int N, float *y, int nthreads) {
     gemm_job j = {.M = M, .K = K, .G = 32, .N = N, .w = w, .scales = scales, .zeros = zeros, .has_zeros = 1,
-                  .y = y};
-    return run_gemm(&j, x, q4_chunk, nthreads);
+                  .q4 = 1, .y = y};
+    return run_gemm(&j, x, nthreads);
 }
 
 int q8_gemm(const float *x, int M, int K, const int8_t *w, int G, const float *scales, const float *zeros,
             int has_zeros, int N, float *y, int nthreads) {
     gemm_job j = {.M = M, .K = K, .G = G, .N = N, .w = w, .scales = scales, .zeros = zeros,
-                  .has_zeros = has_zeros, .y = y};
-    return run_gemm(&j, x, q8_chunk, nthreads);
+                  .has_zeros = has_zeros, .q4 = 0, .y = y};
+    return run_gemm(&j, x, nthreads);
 }
 
 /* Dequantization to float32 rows (the prefill path's BLAS GEMM input): out [N, K] = q * scale + zero. */

@@ -1,0 +1,123 @@
+"""End to end on a noisy shared CPU: this tree's quantized kernels against an older commit's build, swapped in the
+same process and interleaved request by request, so drifting load from other processes hits both alike.
+
+    python benchmarks/kernel_ab.py spec --rounds 3         # n-gram speculation on/off x kernel new/old, 8 prompts
+    python benchmarks/kernel_ab.py streams --rounds 3      # 16 streams x kernel new/old, llama.cpp's single stream
+
+spec: benchmarks/speculation.py's prompts and settings (greedy, 128 tokens, batch 1, prefix caching off); per
+round the speed-up of speculation over none with each kernel. streams: benchmarks/throughput.py --cpu-streams'
+workload (128-token random prompts, 128 greedy tokens each, ignore_eos), then llama.cpp's single stream after
+the engine is shut down (its threads would compete). Only the C library changes between "new" and "old"
+(cpu_kernels.build_library of --base's sources); the Python engine is this tree's, in both.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.qgemm_rows import build_at  # noqa: E402
+from novainfer.layers.quantization import cpu_kernels  # noqa: E402
+
+
+def use(lib) -> None:
+    """Every later kernel call (GEMMs and the decode-step ops) goes to lib."""
+    cpu_kernels._library = lambda: lib
+
+
+def timed(llm, prompts: list[list[int]], params) -> tuple[float, list[list[int]]]:
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - t, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def spec(args, libs) -> dict:
+    from benchmarks.speculation import PROMPTS, chat_ids
+    from novainfer import LLM, SamplingParams
+    cfg = json.loads(args.speculative_config)
+    engines = {"off": LLM(enable_prefix_caching=False),
+               "on": LLM(enable_prefix_caching=False, speculative_config=cfg)}
+    prompts = [chat_ids(engines["off"].get_tokenizer(), p) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    for llm in engines.values():
+        timed(llm, prompts[:1], SamplingParams(temperature=0, max_tokens=16))  # warm-up
+    runs = {(k, e): [] for k in libs for e in engines}
+    tokens = {}
+    for r in range(args.rounds):
+        wall = {key: 0.0 for key in runs}
+        for i, p in enumerate(prompts):
+            order = [(k, e) for k in libs for e in engines]
+            for kernel, eng in (order if (r + i) % 2 == 0 else order[::-1]):
+                use(libs[kernel])
+                t, toks = timed(engines[eng], [p], params)
+                wall[kernel, eng] += t
+                tokens.setdefault((kernel, eng, i), toks[0])
+        n = sum(len(tokens["new", "off", i]) for i in range(len(prompts)))
+        for key in runs:
+            runs[key].append(n / wall[key])
+        print(f"round {r + 1}: " + ", ".join(f"{k}/{e} {runs[k, e][-1]:.1f} tok/s" for k, e in runs) + " | speed-up "
+              + ", ".join(f"{k} {runs[k, 'on'][-1] / runs[k, 'off'][-1]:.2f}x" for k in libs), flush=True)
+    equal = all(tokens[k, e, i] == tokens["new", "off", i] for k, e in runs for i in range(len(prompts)))
+    return {"spec": cfg, "tok_s": {f"{k}/{e}": v for (k, e), v in runs.items()}, "greedy_equal": equal,
+            "speedup": {k: [on / off for on, off in zip(runs[k, "on"], runs[k, "off"])] for k in libs}}
+
+
+def streams(args, libs) -> dict:
+    from benchmarks import llamacpp_baseline
+    from benchmarks.throughput import make_workload
+    from novainfer import LLM, SamplingParams
+    from novainfer.loader.model_loader import resolve_model_path
+    llm = LLM()
+    vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
+    prompts, _ = make_workload(args.streams * args.rounds * len(libs) + 1, 128, 128, vocab, 0)
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    timed(llm, [prompts[-1][:16]], SamplingParams(max_tokens=4))
+    res = {k: [] for k in libs}
+    batches = iter(range(0, len(prompts) - 1, args.streams))
+    for r in range(args.rounds):
+        for kernel in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
+            use(libs[kernel])
+            b = next(batches)  # fresh prompts every run: no prefix-cache help
+            t, toks = timed(llm, prompts[b:b + args.streams], params)
+            res[kernel].append(sum(map(len, toks)) / t)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in res.items()), flush=True)
+    llm.llm_engine.shutdown()  # its threads would compete with llama.cpp's
+    del llm
+    lc, _ = llamacpp_baseline.load(resolve_model_path(None), cpu_kernels.num_threads())
+    llamacpp_baseline.greedy(lc, prompts[-1][:16], 4)
+    res["llama.cpp 1 stream"] = []
+    for r in range(args.rounds):
+        toks, t = llamacpp_baseline.greedy(lc, prompts[r], 128)
+        res["llama.cpp 1 stream"].append(len(toks) / t)
+    best = max(res["llama.cpp 1 stream"])
+    print(f"llama.cpp single stream {res['llama.cpp 1 stream']} tok/s; new / best llama.cpp "
+          f"{statistics.median(res['new']) / best:.2f}x (median), old {statistics.median(res['old']) / best:.2f}x")
+    return {"streams": args.streams, "tok_s": res}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["spec", "streams"])
+    ap.add_argument("--base", default="6404181", help="commit whose C kernels are 'old'")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    libs = {"new": cpu_kernels.library(), "old": build_at(args.base)}
+    out = spec(args, libs) if args.mode == "spec" else streams(args, libs)
+    for k, v in out.get("speedup", out["tok_s"]).items():
+        print(f"{k}: median {statistics.median(v):.2f}, range {min(v):.2f}-{max(v):.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

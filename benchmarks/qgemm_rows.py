@@ -1,0 +1,120 @@
+"""The quantized CPU GEMM at few rows: the default model's real layers (its GGUF weights, kept quantized) at
+M = 1, 2, 4, 5, 8, 16 activation rows, this tree's kernel against an older commit's built from its sources, in
+the same process, interleaved, at 1 and 2 threads.
+
+    python benchmarks/qgemm_rows.py                   # against 6404181 (before the register-blocked kernel)
+    python benchmarks/qgemm_rows.py --base HEAD~3 --rows 1 5 16 --threads 2 --repeats 9
+
+Prints per layer and row count the median microseconds of each build and new/old, and a whole-model estimate
+(every decoder layer's GEMMs plus the lm_head, per step). The GEMM is compute-bound past one row, so the row
+counts of a speculative verify step (k + 1) and of 16 streams are what this measures.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from novainfer.layers.quantization import cpu_kernels  # noqa: E402
+
+CSRC = "novainfer/layers/quantization/csrc"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def build_at(commit: str):
+    """The kernels' library built from `commit`'s C sources (git show), with this tree's bindings."""
+    tmp = tempfile.mkdtemp(prefix="qgemm-base-")
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{commit}:{CSRC}"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in names:
+        with open(os.path.join(tmp, name), "wb") as f:
+            f.write(subprocess.run(["git", "show", f"{commit}:{CSRC}/{name}"], cwd=ROOT, check=True,
+                                   capture_output=True).stdout)
+    paths = [os.path.join(tmp, n) for n in names]
+    lib = cpu_kernels.build_library([p for p in paths if p.endswith(".c")], [p for p in paths if p.endswith(".h")])
+    if lib is None:
+        raise SystemExit(f"could not build the kernels of {commit}")
+    return lib
+
+
+def model_layers() -> dict[str, tuple]:
+    """One packed weight of each kind in the default model (layer 0's, the lm_head), with how many per step."""
+    from novainfer.layers.quantization.gguf_cpu import GGUFCPUConfig
+    from novainfer.loader.default_model import default_model_path
+    from novainfer.loader.model_loader import load_hf_config, load_model
+    path = default_model_path()
+    cfg = load_hf_config(path)
+    model = load_model(path, cfg, torch.float32, torch.device("cpu"), quant_config=GGUFCPUConfig())
+    layers, counts = {}, {}
+    for name, module in model.named_modules():
+        packed = getattr(getattr(module, "weight", None), "packed", None)
+        if packed is None or name.endswith("embed_tokens"):
+            continue
+        key = name.split(".")[-1] if "layers." in name else "lm_head"
+        counts[key] = counts.get(key, 0) + 1
+        layers.setdefault(key, packed)
+    if "lm_head" not in layers:  # tied: the embedding's packed weight serves as the lm_head
+        layers["lm_head"], counts["lm_head"] = model.model.embed_tokens.weight.packed, 1
+    return {k: (w, counts[k]) for k, w in layers.items()}
+
+
+def time_us(fn, repeats: int, inner: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        out.append((time.perf_counter() - t) / inner * 1e6)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", default="6404181", help="commit whose kernel is the baseline")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 5, 8, 16])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds; the median is reported")
+    args = ap.parse_args()
+    if not cpu_kernels.available():
+        raise SystemExit("the quantized CPU kernels are not available on this machine")
+    libs = {"old": build_at(args.base), "new": cpu_kernels.library()}
+    layers = model_layers()
+    print(f"base {args.base}; layers: " + ", ".join(f"{k} {w.kind} {w.shape[0]}x{w.shape[1]} (x{c})"
+                                                    for k, (w, c) in layers.items()))
+    for threads in args.threads:
+        cpu_kernels.set_num_threads(threads)
+        print(f"\nthreads {threads}: median us old / new (new/old)")
+        print(f"{'layer':>10} " + " ".join(f"{'M=' + str(m):>22}" for m in args.rows))
+        step = {m: {"old": 0.0, "new": 0.0} for m in args.rows}
+        for key, (w, count) in layers.items():
+            cells = []
+            for m in args.rows:
+                x = torch.randn(m, w.shape[1])
+                inner = max(3, int(2e7 / (w.shape[0] * w.shape[1] * m)))
+                res = {"old": [], "new": []}
+                for _ in range(args.repeats):  # interleaved, so drifting load hits both alike
+                    for name, lib in libs.items():
+                        res[name] += time_us(lambda: cpu_kernels.quant_gemm(x, w, lib), 1, inner)
+                med = {k: statistics.median(v) for k, v in res.items()}
+                for k in med:
+                    step[m][k] += med[k] * count
+                cells.append(f"{med['old']:8.1f}/{med['new']:8.1f} ({med['new'] / med['old']:.2f})")
+            print(f"{key:>10} " + " ".join(f"{c:>22}" for c in cells))
+        print(f"{'step':>10} " + " ".join(
+            f"{step[m]['old'] / 1e3:7.2f}/{step[m]['new'] / 1e3:7.2f}ms({step[m]['new'] / step[m]['old']:.2f})"
+            for m in args.rows))
+        print(f"{'ms/row':>10} " + " ".join(
+            f"{step[m]['old'] / 1e3 / m:7.2f}/{step[m]['new'] / 1e3 / m:7.2f}ms      " for m in args.rows))
+    cpu_kernels.set_num_threads(None)
+
+
+if __name__ == "__main__":
+    main()
