@@ -20,8 +20,10 @@ import torch
 from novainfer.layers.quantization.gguf_repack import PackedWeight
 
 logger = logging.getLogger(__name__)
-_HEADER = os.path.join(os.path.dirname(__file__), "csrc", "cpu_pool.h")
-_SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name) for name in ("qgemm_cpu.c", "decode_ops_cpu.c", "cpu_pool.c")]
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_pool.h", "cpu_kernels.h")]
+_SOURCES = [os.path.join(_CSRC, name) for name in ("qgemm_cpu.c", "decode_ops_cpu.c", "cpu_pool.c",
+                                                   "decoder_stack_cpu.c")]
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 
@@ -49,7 +51,7 @@ def _library() -> ctypes.CDLL | None:
         logger.info("no C compiler (gcc) found for the quantized CPU kernels; GGUF weights load dequantized")
         return None
     sha = hashlib.sha256()
-    for source in [*_SOURCES, _HEADER]:
+    for source in [*_SOURCES, *_HEADERS]:
         with open(source, "rb") as f:
             sha.update(f.read())
     digest = sha.hexdigest()[:16]
