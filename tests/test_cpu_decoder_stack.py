@@ -209,10 +209,21 @@ def test_steps_and_models_it_does_not_take_run_the_layers(tiny_gguf):
     assert other.cpu_decoder.supported is False
 
 
-def test_a_float32_cache_is_left_to_the_layers(tiny_gguf):
+def test_a_new_kv_cache_is_rebound_the_old_one_freed_a_float32_one_left_to_the_layers(tiny_gguf):
+    import gc
+    import weakref
     from novainfer.layers.attention import Attention
     model = load(tiny_gguf)
+    vocab = model.config.vocab_size
     layers = [m for m in model.modules() if isinstance(m, Attention)]
+    meta, pos = step_meta(TABLES, PROMPT_LENS, [1] * 4)
+    for _ in range(2):  # the second time over a cache the runner bound anew
+        prefill(model, vocab)
+        same_with_stack_on_and_off(model, [1, 2, 3, 4], meta, pos)
+        old = weakref.ref(model.kv)
+        model.kv = allocate_kv_cache(layers, 40, BS, torch.bfloat16, torch.device("cpu"), cpu_backend)
+        gc.collect()
+        assert old() is None  # the stack's descriptors do not keep a released cache alive
     allocate_kv_cache(layers, 8, BS, torch.float32, torch.device("cpu"), cpu_backend)
     meta, pos = step_meta(TABLES[:1], [0], [1])
     with attention_metadata(meta):

@@ -13,6 +13,7 @@ piece the C stack lacks, runs the layers as before. Switched by ModelConfig.cpu_
 from __future__ import annotations
 
 import ctypes
+import weakref
 from typing import Any
 
 import torch
@@ -99,7 +100,8 @@ class CPUDecoderStack:
     def __init__(self) -> None:
         self.supported: bool | None = None  # decided at the first decode step, once the weights are loaded
         self.layers: Any = None
-        self.caches: tuple[torch.Tensor, ...] = ()  # the KV cache views the descriptors point into
+        self.attns: list[nn.Module] | None = None
+        self.caches: tuple[weakref.ref, ...] = ()  # the KV cache views the descriptors point into
         self.workspace = torch.empty(0)
         self.workspace_rows = 0
 
@@ -129,8 +131,10 @@ class CPUDecoderStack:
     def _bind(self, model: nn.Module) -> bool:
         """(Re)fill the descriptors when the runner bound another KV cache; False if it is not the bf16 cache
         the C attention reads."""
-        attns = [layer.self_attn.attn for layer in model.layers]
-        if len(self.caches) == len(attns) and all(a.k_cache is c for a, c in zip(attns, self.caches)):
+        if self.attns is None:
+            self.attns = [layer.self_attn.attn for layer in model.layers]  # (nn.Module attribute reads are slow)
+        attns = self.attns
+        if len(self.caches) == len(attns) and all(a.k_cache is c() for a, c in zip(attns, self.caches)):
             return True
         for a in attns:
             if (a.backend is not cpu_backend or a.k_cache.dtype != torch.bfloat16 or a.k_cache.dim() != 4
@@ -150,7 +154,8 @@ class CPUDecoderStack:
             desc.nh, desc.nkv, desc.D = a.num_heads, a.num_kv_heads, a.head_dim
             desc.block_size, desc.window = a.k_cache.shape[1], a.sliding_window or 0
             desc.scale, desc.soft_cap = a.scale, a.logits_soft_cap or 0.0
-        self.layers, self.caches, self.workspace_rows = layers, tuple(a.k_cache for a in attns), 0
+        # weak: a cache the runner releases must be freed (its views are then re-checked and re-gathered)
+        self.layers, self.caches, self.workspace_rows = layers, tuple(weakref.ref(a.k_cache) for a in attns), 0
         return True
 
     def _run(self, model: nn.Module, embeds: torch.Tensor, positions: torch.Tensor,
