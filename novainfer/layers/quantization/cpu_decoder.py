@@ -22,9 +22,9 @@ from torch import nn
 from novainfer.attention import cpu_backend
 from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
 from novainfer.layers.quantization import cpu_kernels
+from novainfer.layers.quantization.gguf_cpu import PREFILL_ROWS  # from there the linears dequantize + BLAS
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-MAX_ROWS = 64  # gguf_cpu.PREFILL_ROWS: from this many rows the linear layers take the dequantize+BLAS path
 _ERRORS = {1: (MemoryError, "decoder stack: no memory for a kernel's scratch"),
            2: (ValueError, "decoder stack: a position is outside the rotary table")}
 
@@ -116,7 +116,7 @@ class CPUDecoderStack:
             meta = meta.per_token
         elif meta.max_query_len != 1 or meta.num_seqs != m:
             return None
-        if m >= MAX_ROWS or embeds.dtype != torch.float32 or embeds.dim() != 2 or not embeds.is_contiguous():
+        if m >= PREFILL_ROWS or embeds.dtype != torch.float32 or embeds.dim() != 2 or not embeds.is_contiguous():
             return None
         if self.supported is None:
             try:

@@ -1,7 +1,7 @@
 """Builds (once per machine, with the system C compiler) the AVX2 kernels in csrc/ and calls the quantized GEMM.
 
-The library (csrc/qgemm_cpu.c and the decode-step ops of csrc/decode_ops_cpu.c, whose wrappers are in
-cpu_ops.py) is cached under ~/.cache/novainfer keyed by the sources' hash. Where no compiler or no
+The library (csrc/qgemm_cpu.c, the decode-step ops of csrc/decode_ops_cpu.c, whose wrappers are in
+cpu_ops.py, and the one-call decode step of csrc/decoder_stack_cpu.c, wrapped by cpu_decoder.py) is cached under ~/.cache/novainfer keyed by the sources' hash. Where no compiler or no
 AVX2/FMA is found, available() is False and GGUF weights load dequantized (one log line says why).
 """
 from __future__ import annotations
