@@ -51,6 +51,9 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--compare-hf", action="store_true", help="with --compare-llamacpp too: a third row")
     ap.add_argument("--compare-llamacpp", action="store_true", help="llama.cpp on the same GGUF (see module doc)")
+    ap.add_argument("--compare-kwargs", type=json.loads, default=None,
+                    help="with --compare-llamacpp: one more NovaInfer row built with these LLM arguments, taking "
+                         "turns too (an A/B of one setting), e.g. '{\"cpu_decode_stack\": false}'")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -106,16 +109,23 @@ def compare_llamacpp(args: argparse.Namespace) -> None:
     def fresh(n: int) -> list[int]:
         return make_workload(1, n, 1, vocab, next(seeds))[0][0]
 
-    def nova(prompt: list[int], n: int) -> tuple[list[int], float]:
-        t0 = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=n,
-                                                                          ignore_eos=True), use_tqdm=False)
-        return out[0].outputs[0].token_ids, time.perf_counter() - t0
+    def runner(engine: LLM):
+        def nova(prompt: list[int], n: int) -> tuple[list[int], float]:
+            t0 = time.perf_counter()
+            out = engine.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=n,
+                                                                                 ignore_eos=True), use_tqdm=False)
+            return out[0].outputs[0].token_ids, time.perf_counter() - t0
+        return nova
+    nova = runner(llm)
 
     lc, version = llamacpp_baseline.load(path, threads)
+    r = {"model": path, "threads": threads, "llamacpp_version": version}
     engines = {"novainfer": nova, "llamacpp": lambda p, n: llamacpp_baseline.greedy(lc, p, n)}
     names = {"novainfer": "NovaInfer (defaults)", "llamacpp": f"llama.cpp {version}"}
-    r = {"model": path, "threads": threads, "llamacpp_version": version}
+    if args.compare_kwargs:
+        other = LLM(path, **args.compare_kwargs)
+        engines["novainfer_b"], names["novainfer_b"] = runner(other), f"NovaInfer {json.dumps(args.compare_kwargs)}"
+        r["compare_kwargs"] = args.compare_kwargs
     if args.compare_hf:  # transformers' own GGUF loading (dequantized to float32), greedy, the same prompts
         import transformers
         from transformers import AutoModelForCausalLM
@@ -147,6 +157,8 @@ def compare_llamacpp(args: argparse.Namespace) -> None:
     ours, theirs = nova(same, 32)[0], llamacpp_baseline.greedy(lc, same, 32)[0]
     r["greedy_tokens_agree"] = sum(a == b for a, b in zip(ours, theirs))
     llm.llm_engine.shutdown()
+    if args.compare_kwargs:
+        other.llm_engine.shutdown()
     print(f"\n{args.prompt_len}-token prompts, {args.output_len} new tokens, {args.ttft_prompt_len}-token prefill, "
           f"{threads} threads, fresh prompt per run, engines taking turns; ranges over {args.repeat} rounds\n"
           f"| engine | batch-1 decode tok/s (best) | prefill of a {args.ttft_prompt_len}-token prompt (ms) |\n"
@@ -162,6 +174,11 @@ def compare_llamacpp(args: argparse.Namespace) -> None:
           f"{nv['decode_tok_s_best'] / lcr['decode_tok_s_best']:.2f}x); prefill speed-up {min(pre):.2f}-"
           f"{max(pre):.2f}x (best {min(lcr['prefill_ms']) / min(nv['prefill_ms']):.2f}x); "
           f"greedy tokens equal to llama.cpp's: {r['greedy_tokens_agree']}/32")
+    if args.compare_kwargs:
+        b = r["novainfer_b"]["decode_tok_s"]
+        ratio = [x / y for x, y in zip(nv["decode_tok_s"], b)]
+        print(f"per round, NovaInfer defaults / {names['novainfer_b']}: decode {min(ratio):.2f}-{max(ratio):.2f}x "
+              f"(best {nv['decode_tok_s_best'] / r['novainfer_b']['decode_tok_s_best']:.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)

@@ -20,6 +20,8 @@ class ModelConfig:
     dtype: torch.dtype | None = None  # None: bfloat16 on GPU; on CPU bfloat16 with AVX512-BF16/AMX, else float32
     quantization: str | None = None  # None (auto): GGUF blocks stay quantized on the CPU unless dtype=float32
     # is given; "gguf": keep them quantized on the CPU; "none": dequantize (today's exact path)
+    cpu_decode_stack: bool = True  # on the quantized CPU path, a decode step's whole decoder stack runs in one C
+    # call (layers/quantization/cpu_decoder.py; same result to the bit); False: layer by layer from Python
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     tokenizer: str | None = None
     seed: int = 0

@@ -86,3 +86,28 @@ def test_prefill_attention_of_whole_prompts_matches_the_reference():
     want = torch_backend.paged_attention(q, k_cache, v_cache, meta, 0.25)
     torch.testing.assert_close(cpu_backend.paged_attention(q, k_cache, v_cache, meta, 0.25), want,
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d,window,cap", [(64, None, None), (64, 50, None), (136, None, 30.0)])
+def test_decode_attention_over_long_contexts_matches_the_reference(d, window, cap):
+    """Contexts of several blocks and lengths that are not multiples of 8 (the vectorized softmax's tails);
+    head_dim 136: output chunks of 64 values and a tail of 8."""
+    bs, nkv, nh = 16, 3, 9
+    seq_lens = torch.tensor([203, 1, 77], dtype=torch.int32)
+    blocks = int(sum((n + bs - 1) // bs for n in seq_lens.tolist()))
+    order = torch.randperm(blocks, dtype=torch.int32)
+    tables, at = torch.zeros(3, 13, dtype=torch.int32), 0
+    for i, n in enumerate(seq_lens.tolist()):
+        nb = (n + bs - 1) // bs
+        tables[i, :nb] = order[at:at + nb]
+        at += nb
+    k_cache = torch.randn(blocks, bs, nkv, d).to(torch.bfloat16)
+    v_cache = torch.randn(blocks, bs, nkv, d).to(torch.bfloat16)
+    q = torch.randn(3, nh, d) * 0.5
+    meta = AttentionMetadata(query_start_loc=torch.arange(4, dtype=torch.int32), seq_lens=seq_lens,
+                             slot_mapping=torch.zeros(3, dtype=torch.long), block_tables=tables, max_query_len=1,
+                             max_seq_len=203, query_start_loc_cpu=[0, 1, 2, 3], seq_lens_cpu=seq_lens.tolist())
+    extra = {k: v for k, v in (("sliding_window", window), ("logits_soft_cap", cap)) if v is not None}
+    want = torch_backend.paged_attention(q, k_cache.float(), v_cache.float(), meta, d ** -0.5, **extra)
+    got = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, tables, seq_lens, d ** -0.5, window, cap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -17,6 +17,8 @@ from novainfer.layers.attention import Attention
 from novainfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from novainfer.layers.layernorm import RMSNorm
 from novainfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from novainfer.layers.quantization import current_quant_config
+from novainfer.layers.quantization.cpu_decoder import CPUDecoderStack
 from novainfer.layers.rotary import get_rope
 
 
@@ -115,11 +117,16 @@ class LlamaModel(nn.Module):
         # rounded to the model's dtype as transformers rounds it (Gemma: sqrt(hidden_size))
         self.register_buffer("embed_scale", None if embed_scale is None else torch.tensor(embed_scale),
                              persistent=False)
+        self.cpu_decoder = CPUDecoderStack() if getattr(current_quant_config(), "fused_decoder_stack", False) else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
         if self.embed_scale is not None:
             hidden_states = hidden_states * self.embed_scale
+        if self.cpu_decoder is not None:  # a decode step in one C call, where it can take this one
+            out = self.cpu_decoder.forward(self, hidden_states, positions)
+            if out is not None:
+                return out
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)

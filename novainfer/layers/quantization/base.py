@@ -43,9 +43,12 @@ class QuantizationConfig:
 
     fused_cpu_ops: the model's norms, activation and rotary run the C ops of cpu_ops.py on float32 CPU
     tensors (the quantized CPU path; the float32 exact path keeps torch's ops).
+    fused_decoder_stack: a llama-family model runs a decode step's decoder stack in one C call
+    (cpu_decoder.py), where every piece of it is one the C stack implements.
     """
 
     fused_cpu_ops = False
+    fused_decoder_stack = False
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
         raise NotImplementedError

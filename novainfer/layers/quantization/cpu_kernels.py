@@ -1,8 +1,8 @@
 """Builds (once per machine, with the system C compiler) the AVX2 kernels in csrc/ and calls the quantized GEMM.
 
-The library (csrc/qgemm_cpu.c and the decode-step ops of csrc/decode_ops_cpu.c, whose wrappers are in
-cpu_ops.py) is cached under ~/.cache/novainfer keyed by the sources' hash. Where no compiler or no
-AVX2/FMA is found, available() is False and GGUF weights load dequantized (one log line says why).
+The library (csrc/qgemm_cpu.c, the decode-step ops of csrc/decode_ops_cpu.c, whose wrappers are in
+cpu_ops.py, and the one-call decode step of csrc/decoder_stack_cpu.c, wrapped by cpu_decoder.py) is cached
+under ~/.cache/novainfer keyed by the sources' hash. Where no compiler or no AVX2/FMA is found, available() is False and GGUF weights load dequantized (one log line says why).
 """
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ import torch
 from novainfer.layers.quantization.gguf_repack import PackedWeight
 
 logger = logging.getLogger(__name__)
-_HEADER = os.path.join(os.path.dirname(__file__), "csrc", "cpu_pool.h")
-_SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", name) for name in ("qgemm_cpu.c", "decode_ops_cpu.c", "cpu_pool.c")]
+_CSRC = os.path.join(os.path.dirname(__file__), "csrc")
+_HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_pool.h", "cpu_kernels.h")]
+_SOURCES = [os.path.join(_CSRC, name) for name in ("qgemm_cpu.c", "decode_ops_cpu.c", "cpu_pool.c",
+                                                   "decoder_stack_cpu.c")]
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 
@@ -44,7 +46,7 @@ def _library() -> ctypes.CDLL | None:
     if not {"avx2", "fma"} <= cpu_flags():
         logger.info("quantized CPU kernels need AVX2 and FMA; GGUF weights load dequantized")
         return None
-    return build_library(_SOURCES, [_HEADER])
+    return build_library(_SOURCES, _HEADERS)
 
 
 def build_library(sources: list[str], headers: list[str]) -> ctypes.CDLL | None:

@@ -110,6 +110,9 @@ class GGUFCPUConfig(QuantizationConfig):
 
     fused_cpu_ops = True
 
+    def __init__(self, decoder_stack: bool = True):
+        self.fused_decoder_stack = decoder_stack  # ModelConfig.cpu_decode_stack
+
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
         if getattr(layer, "tp_size", 1) != 1:
             return None

@@ -21,4 +21,4 @@ def get_quant_config(mc: ModelConfig, device: torch.device, tp_size: int = 1) ->
     if not cpu_kernels.available():
         return None  # the reason was logged by cpu_kernels
     from novainfer.layers.quantization.gguf_cpu import GGUFCPUConfig
-    return GGUFCPUConfig()
+    return GGUFCPUConfig(decoder_stack=mc.cpu_decode_stack)

@@ -119,37 +119,76 @@ typedef struct {
     float *scores, *out;
 } attn_job;
 
-/* Sequence s = sk / nkv, kv head g = sk % nkv: the group of query heads that share it. */
+/* Sequence s = sk / nkv, kv head g = sk % nkv: the group of query heads that share it. Each cached K row is
+ * widened from bf16 once for the whole group; positions are walked block by block (no division per position);
+ * the softmax exponentials are vectorized; each head's output is accumulated in registers, 64 values at a time. */
 static void attend(void *arg, int sk) {
     const attn_job *j = arg;
     const int nkv = j->nkv, D = j->D, bs = j->block_size, group = j->nh / nkv, nvec = D / 8, max_len = j->max_len;
     const int s = sk / nkv, g = sk % nkv, len = j->seq_lens[s];
     const int start = j->window > 0 && len > j->window ? len - j->window : 0;
     const int32_t *bt = j->block_tables + (size_t)s * j->bt_stride;
+    const size_t row_stride = (size_t)nkv * D;  /* between positions of one block */
+    const float *q0 = j->q + (size_t)s * j->q_stride + (size_t)g * group * D;
     float *sc = j->scores + (size_t)sk * group * max_len;
-    for (int p = start; p < len; p++) {
-        const uint16_t *kp = j->k_cache + (((size_t)bt[p / bs] * bs + p % bs) * nkv + g) * D;
-        for (int i = 0; i < group; i++) {
-            const float *qh = j->q + (size_t)s * j->q_stride + (size_t)(g * group + i) * D;
-            __m256 acc = _mm256_setzero_ps();
-            for (int c = 0; c < nvec; c++) acc = _mm256_fmadd_ps(load_bf16(kp + 8 * c), _mm256_loadu_ps(qh + 8 * c), acc);
-            float v = hsum8(acc) * j->scale;
-            if (j->soft_cap > 0.f) v = j->soft_cap * tanhf(v / j->soft_cap);
-            sc[(size_t)i * max_len + p] = v;
+    float kf[D];
+    for (int p = start; p < len;) {
+        const int blk = p / bs, end = (blk + 1) * bs < len ? (blk + 1) * bs : len;
+        const uint16_t *kp = j->k_cache + ((size_t)bt[blk] * bs + (p - blk * bs)) * row_stride + (size_t)g * D;
+        for (; p < end; p++, kp += row_stride) {
+            for (int c = 0; c < nvec; c++) _mm256_storeu_ps(kf + 8 * c, load_bf16(kp + 8 * c));
+            for (int i = 0; i < group; i++) {
+                const float *qh = q0 + (size_t)i * D;
+                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+                int c = 0;
+                for (; c + 2 <= nvec; c += 2) {
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(kf + 8 * c), _mm256_loadu_ps(qh + 8 * c), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(kf + 8 * c + 8), _mm256_loadu_ps(qh + 8 * c + 8), a1);
+                }
+                if (c < nvec) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(kf + 8 * c), _mm256_loadu_ps(qh + 8 * c), a0);
+                float v = hsum8(_mm256_add_ps(a0, a1)) * j->scale;
+                if (j->soft_cap > 0.f) v = j->soft_cap * tanhf(v / j->soft_cap);
+                sc[(size_t)i * max_len + p] = v;
+            }
         }
     }
     for (int i = 0; i < group; i++) {
         float *row = sc + (size_t)i * max_len, mx = -INFINITY, sum = 0.f;
-        for (int p = start; p < len; p++) mx = row[p] > mx ? row[p] : mx;
-        for (int p = start; p < len; p++) { row[p] = expf(row[p] - mx); sum += row[p]; }
-        const float inv = 1.0f / sum;
+        int p = start;
+        __m256 vmx = _mm256_set1_ps(-INFINITY);
+        for (; p + 8 <= len; p += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(row + p));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+        for (; p < len; p++) mx = row[p] > mx ? row[p] : mx;
+        const __m256 vm = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        for (p = start; p + 8 <= len; p += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + p), vm));
+            _mm256_storeu_ps(row + p, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        sum = hsum8(vsum);
+        for (; p < len; p++) { row[p] = expf(row[p] - mx); sum += row[p]; }
+        const __m256 inv = _mm256_set1_ps(1.0f / sum);
         float *o = j->out + ((size_t)s * j->nh + g * group + i) * D;
-        memset(o, 0, sizeof(float) * D);
-        for (int p = start; p < len; p++) {
-            const uint16_t *vp = j->v_cache + (((size_t)bt[p / bs] * bs + p % bs) * nkv + g) * D;
-            const __m256 w = _mm256_set1_ps(row[p] * inv);
-            for (int c = 0; c < nvec; c++)
-                _mm256_storeu_ps(o + 8 * c, _mm256_fmadd_ps(w, load_bf16(vp + 8 * c), _mm256_loadu_ps(o + 8 * c)));
+        for (int c0 = 0; c0 < D; c0 += 64) {
+            const int nv = nvec - c0 / 8 < 8 ? nvec - c0 / 8 : 8;
+            __m256 acc[8];
+            for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+            for (p = start; p < len;) {
+                const int blk = p / bs, end = (blk + 1) * bs < len ? (blk + 1) * bs : len;
+                const uint16_t *vp = j->v_cache + ((size_t)bt[blk] * bs + (p - blk * bs)) * row_stride + (size_t)g * D + c0;
+                for (; p < end; p++, vp += row_stride) {
+                    const __m256 w = _mm256_set1_ps(row[p]);
+                    if (nv == 8) {
+                        for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(w, load_bf16(vp + 8 * k), acc[k]);
+                    } else {
+                        for (int k = 0; k < nv; k++) acc[k] = _mm256_fmadd_ps(w, load_bf16(vp + 8 * k), acc[k]);
+                    }
+                }
+            }
+            for (int k = 0; k < nv; k++) _mm256_storeu_ps(o + c0 + 8 * k, _mm256_mul_ps(acc[k], inv));
         }
     }
 }
