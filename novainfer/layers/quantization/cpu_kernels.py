@@ -2,7 +2,8 @@
 
 The library (csrc/qgemm_cpu.c, the decode-step ops of csrc/decode_ops_cpu.c, whose wrappers are in
 cpu_ops.py, and the one-call decode step of csrc/decoder_stack_cpu.c, wrapped by cpu_decoder.py) is cached
-under ~/.cache/novainfer keyed by the sources' hash. Where no compiler or no AVX2/FMA is found, available() is False and GGUF weights load dequantized (one log line says why).
+under ~/.cache/novainfer keyed by the sources' hash. Where no compiler or no AVX2/FMA is found, available()
+is False and GGUF weights load dequantized (one log line says why).
 """
 from __future__ import annotations
 
