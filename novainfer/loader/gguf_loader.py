@@ -42,46 +42,42 @@ def _reader(path: str) -> GGUFFile:
     return GGUFFile(path)
 
 
-def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
-    return reader.field(key, default)
-
-
 def load_gguf_config(path: str) -> Any:
     """Build the transformers config the GGUF metadata describes."""
     import transformers
 
     reader = _reader(path)
-    arch = _field(reader, "general.architecture")
+    arch = reader.field("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
     hf_arch, config_cls = ARCHITECTURES[arch]
     tensor_names = {t.name for t in reader.tensors}
     embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    num_heads = int(reader.field(f"{arch}.attention.head_count"))
+    hidden = int(reader.field(f"{arch}.embedding_length"))
     kwargs = dict(
         architectures=[hf_arch],
-        vocab_size=int(_field(reader, f"{arch}.vocab_size", int(embed.shape[1]))),
+        vocab_size=int(reader.field(f"{arch}.vocab_size", int(embed.shape[1]))),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, f"{arch}.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, f"{arch}.block_count")),
+        intermediate_size=int(reader.field(f"{arch}.feed_forward_length")),
+        num_hidden_layers=int(reader.field(f"{arch}.block_count")),
         num_attention_heads=num_heads,
-        num_key_value_heads=int(_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(_field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
-        rms_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
+        num_key_value_heads=int(reader.field(f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(reader.field(f"{arch}.attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(reader.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(reader.field(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(reader.field(f"{arch}.context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        bos_token_id=reader.field("tokenizer.ggml.bos_token_id"),
+        eos_token_id=reader.field("tokenizer.ggml.eos_token_id"),
+        pad_token_id=reader.field("tokenizer.ggml.padding_token_id"),
     )
     return getattr(transformers, config_cls)(**kwargs)
 
 
 def load_gguf_vocab(path: str) -> dict[str, int]:
     """Token -> id as the file's tokenizer.ggml.tokens lists them (no tokenizer conversion, which is slow)."""
-    return {token: i for i, token in enumerate(_field(_reader(path), "tokenizer.ggml.tokens", []))}
+    return {token: i for i, token in enumerate(_reader(path).field("tokenizer.ggml.tokens", []))}
 
 
 def load_gguf_tokenizer(path: str) -> Any:
@@ -130,9 +126,9 @@ def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple
     from novainfer.layers.quantization.gguf_repack import SUPPORTED
 
     reader = _reader(path)
-    arch = _field(reader, "general.architecture")
-    num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    num_kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv", num_heads))
+    arch = reader.field("general.architecture")
+    num_heads = int(reader.field(f"{arch}.attention.head_count"))
+    num_kv_heads = int(reader.field(f"{arch}.attention.head_count_kv", num_heads))
     logged: set[str] = set()
     file_map = reader.open_map()  # unmapped once the last tensor view is gone: no file pages stay resident
     for tensor in reader.tensors:

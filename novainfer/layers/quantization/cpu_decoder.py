@@ -150,7 +150,8 @@ class CPUDecoderStack:
             desc.qkv, desc.o = _qlinear(sa.qkv_proj), _qlinear(sa.o_proj)
             desc.gate_up, desc.down = _qlinear(mlp.gate_up_proj), _qlinear(mlp.down_proj)
             desc.k_cache, desc.v_cache = a.k_cache.data_ptr(), a.v_cache.data_ptr()
-            desc.cos, desc.sin, desc.max_pos = rope.cos_cache.data_ptr(), rope.sin_cache.data_ptr(), rope.cos_cache.shape[0]
+            desc.cos, desc.sin = rope.cos_cache.data_ptr(), rope.sin_cache.data_ptr()
+            desc.max_pos = rope.cos_cache.shape[0]
             desc.nh, desc.nkv, desc.D = a.num_heads, a.num_kv_heads, a.head_dim
             desc.block_size, desc.window = a.k_cache.shape[1], a.sliding_window or 0
             desc.scale, desc.soft_cap = a.scale, a.logits_soft_cap or 0.0
