@@ -54,7 +54,7 @@ def write_gguf(path, arch: str, vocab: int, seed: int = 0) -> str:
         for norm in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
         for name, (n, k) in shapes.items():
-            w.add_tensor(f"blk.{i}.{name}.weight", random_blocks(types[name], n, k), raw_dtype=types[name])
+            w.add_tensor(f"blk.{i}.{name}.weight", random_blocks(types[name], n, k, rng), raw_dtype=types[name])
         if arch == "qwen2":
             for name in ("attn_q", "attn_k", "attn_v"):
                 w.add_tensor(f"blk.{i}.{name}.bias", (0.5 * rng.standard_normal(shapes[name][0])).astype(np.float32))

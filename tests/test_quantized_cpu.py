@@ -18,14 +18,16 @@ FORMATS = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 D_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}  # fp16 super-block scales, set to sane values
 
 
-def random_blocks(qtype: T, n: int, k: int) -> np.ndarray:
-    """GGUF blocks for an [n, k] weight: quantized by gguf where it can, else random bytes with sane scales."""
+def random_blocks(qtype: T, n: int, k: int, rng: np.random.Generator = RNG) -> np.ndarray:
+    """GGUF blocks for an [n, k] weight: quantized by gguf where it can, else random bytes with sane scales.
+    A file whose test bounds depend on its values passes its own rng (the shared one's state depends on which
+    tests ran before)."""
     if qtype not in D_OFFSETS:
-        return quantize(RNG.standard_normal((n, k)).astype(np.float32), qtype)
+        return quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
     per, nbytes = BLOCK[qtype]
-    b = RNG.integers(0, 256, (n, k // per, nbytes), dtype=np.uint8)
+    b = rng.integers(0, 256, (n, k // per, nbytes), dtype=np.uint8)
     for off in D_OFFSETS[qtype]:
-        b[..., off:off + 2] = np.float16(RNG.uniform(1e-3, 1e-2, (n, k // per))).view(np.uint8).reshape(
+        b[..., off:off + 2] = np.float16(rng.uniform(1e-3, 1e-2, (n, k // per))).view(np.uint8).reshape(
             n, k // per, 2)
     return b.reshape(n, -1)
 
