@@ -10,36 +10,16 @@ import torch
 
 from novainfer import LLM, SamplingParams
 from novainfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
-from novainfer.layers.quantization import building_with
-from novainfer.layers.quantization.fp8 import FP8_DTYPE, Fp8Config, check_device_support, quantize_rows
+from novainfer.layers.quantization.fp8 import FP8_DTYPE, check_device_support, quantize_rows
+from tests.gpu.fp8_checks import fp8_linear_layer, fp8_reference as reference, rel
 from tests.tiny_models import make_tiny_model
 
 CPU = torch.device("cpu")
 LOOSE = 0.06  # fp8 e4m3 keeps 3 mantissa bits: ~2-4% relative error per product, measured 0.03-0.04 below
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """float64 product of the per-token / per-channel quantized operands, quantized here independently."""
-    def q(t: torch.Tensor) -> torch.Tensor:
-        t = t.double()
-        s = (t.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1.0 / (448.0 * 512.0))
-        return (t / s).clamp(-448, 448).to(FP8_DTYPE).double() * s
-    y = q(x) @ q(w).T
-    return y if bias is None else y + bias.double()
-
-
 def fp8_layer(cls, *args, dtype=torch.float32, **kw):
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with building_with(Fp8Config(CPU)):
-            return cls(*args, **kw)
-    finally:
-        torch.set_default_dtype(prev)
+    return fp8_linear_layer(CPU, dtype, cls, *args, **kw)
 
 
 @pytest.mark.parametrize("dtype,tight", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
