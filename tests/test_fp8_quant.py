@@ -142,3 +142,40 @@ def test_cli_accepts_fp8():
     from novainfer.entrypoints.cli import build_parser
     args = build_parser().parse_args(["serve", "some-model", "--quantization", "fp8"])
     assert args.quantization == "fp8"
+
+
+@pytest.mark.parametrize("m,k", [(5, 100), (3, 3000)])
+def test_triton_per_token_kernel_matches_torch(m, k):
+    """Under TRITON_INTERPRET (conftest): the kernel's scales and clamped quotients, cast by torch, give the
+    torch path's float8 bytes; a strided view and a zero row included. (The interpreter's own float8 cast does
+    not round to nearest even, so the cast itself is checked on the GPU.)"""
+    pytest.importorskip("triton")
+    from novainfer.kernels.fp8_quant import per_token_quant_fp8
+    from novainfer.layers.quantization.fp8 import FP8_MAX, MIN_SCALE
+    g = torch.Generator().manual_seed(k)
+    wide = (torch.randn(m, k + 24, generator=g) * torch.logspace(-3, 2, k + 24)).to(torch.bfloat16)
+    x = wide[:, 8:8 + k]
+    x[1] = 0
+    want_q, want_s = quantize_rows(x)
+    quotients, scale = per_token_quant_fp8(x, FP8_MAX, MIN_SCALE, out_dtype=torch.float32)
+    assert torch.equal(scale, want_s)
+    assert torch.equal(quotients.to(FP8_DTYPE).view(torch.uint8), want_q.view(torch.uint8))
+    assert per_token_quant_fp8(x[:0], FP8_MAX, MIN_SCALE)[0].shape == (0, k)
+
+
+def test_cuda_quantizer_falls_back_to_torch_ops(monkeypatch, caplog):
+    """A Triton kernel that fails or disagrees on the start-up probe is replaced by the torch ops, with a warning."""
+    from novainfer.layers.quantization import fp8
+    monkeypatch.setattr(fp8, "quantize_rows_triton", fp8.quantize_rows)
+    assert fp8.cuda_quantizer(CPU) is fp8.quantize_rows_triton  # agrees: the kernel is used
+
+    def broken(x):
+        raise RuntimeError("no kernel image")
+    monkeypatch.setattr(fp8, "quantize_rows_triton", broken)
+    assert fp8.cuda_quantizer(CPU) is fp8.quantize_rows
+    monkeypatch.setattr(fp8, "quantize_rows_triton", lambda x: (fp8.quantize_rows(x)[0], fp8.quantize_rows(x)[1] * 2))
+    assert fp8.cuda_quantizer(CPU) is fp8.quantize_rows
+    assert [r.message for r in caplog.records if "torch ops instead" in r.message][-2:] == [
+        "fp8: the Triton per-token quantization kernel is not used (RuntimeError: no kernel image); torch ops instead",
+        "fp8: the Triton per-token quantization kernel is not used (its result differs from the torch ops'); torch "
+        "ops instead"]

@@ -3,7 +3,8 @@ its device, so tests/test_gpu_check_cpu.py runs the same code on tiny shapes on 
 
 1. The fp8 linear method on Qwen2.5-7B's layer shapes (qkv with its bias, o_proj, gate_up, down) in bf16 against
    a float64 product of its dequantized operands (rel err <= 1e-2: bf16 output rounding) and against the bf16
-   linear (<= 6e-2: fp8 keeps 3 mantissa bits).
+   linear (<= 6e-2: fp8 keeps 3 mantissa bits); on CUDA, its Triton per-token quantization against the torch
+   ops (equal scales, float8 bytes equal but for at most 1e-4 of them).
 2. A checkpoint's prompt logits (a batch, teacher-forced) with fp8 against the same checkpoint in bf16: relative
    error and top-1 agreement.
 (The CUDA-graph replay of an fp8 model against eager is gpu_check.graph_vs_eager(quantization="fp8").)
@@ -73,7 +74,19 @@ def fp8_layer_checks(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, 
         check(f"fp8 linear {name} [{n}x{k}] {str(dtype).split('.')[-1]}",
               f"M={list(rows)}: rel err vs dequantized ref {max(errs):.1e}, vs {str(dtype).split('.')[-1]} linear "
               f"{max(dense_errs):.1e}", ok)
+        if dev.type == "cuda":
+            kernel_vs_torch(x, k)
         del layer
+
+
+def kernel_vs_torch(x: torch.Tensor, k: int) -> None:
+    """The Triton per-token quantization (what CUDA runs) against the torch ops: same scales, same float8 bytes."""
+    from novainfer.layers.quantization.fp8 import quantize_rows, quantize_rows_triton
+    q, s = quantize_rows_triton(x)
+    want_q, want_s = quantize_rows(x)
+    differ = (q.view(torch.uint8) != want_q.view(torch.uint8)).sum().item()
+    check(f"fp8 per-token quant kernel K={k}", f"{x.shape[0]} rows: scales equal {torch.equal(s, want_s)}, "
+          f"{differ} of {q.numel()} float8 values differ", torch.equal(s, want_s) and differ <= q.numel() * 1e-4)
 
 
 def prompt_logits(model, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -32,16 +32,22 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xf.div_(scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
+def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows in one Triton kernel (kernels/fp8_quant.py): what CUDA tensors use."""
+    from novainfer.kernels.fp8_quant import per_token_quant_fp8
+    return per_token_quant_fp8(x, FP8_MAX, MIN_SCALE)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-               fuse_bias: bool) -> torch.Tensor:
-    """y = x W^T (+ bias) with W float8 [N, K] and its scales [1, N]; x quantized per token here.
+               fuse_bias: bool, quantize=quantize_rows) -> torch.Tensor:
+    """y = x W^T (+ bias) with W float8 [N, K] and its scales [1, N]; x quantized per token here by quantize.
 
     Shapes depend only on x's shape (no host sync), so the call is captured by CUDA graphs."""
     k, n = weight.shape[1], weight.shape[0]
     x2 = x.reshape(-1, k)
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], n)
-    x_fp8, x_scale = quantize_rows(x2)
+    x_fp8, x_scale = quantize(x2)
     # row-wise scaling outputs bf16 on CUDA; a float32/float16 model casts back
     out_dtype = x.dtype if x.device.type == "cpu" or x.dtype == torch.bfloat16 else torch.bfloat16
     fused = bias is not None and fuse_bias and bias.dtype == out_dtype == torch.bfloat16
@@ -57,8 +63,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 class Fp8LinearMethod(QuantizeMethodBase):
     """A dense linear layer whose weight becomes float8_e4m3fn [N, K] plus float32 scales [1, N] after loading."""
 
-    def __init__(self, fuse_bias: bool):
-        self.fuse_bias = fuse_bias
+    def __init__(self, fuse_bias: bool, quantize=quantize_rows):
+        self.fuse_bias, self.quantize = fuse_bias, quantize
 
     def create_weights(self, layer: nn.Module, output_size: int, input_size: int) -> nn.Parameter:
         return nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
@@ -78,7 +84,7 @@ class Fp8LinearMethod(QuantizeMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if layer.weight.dtype != FP8_DTYPE:
             raise RuntimeError("fp8 layer used before process_weights_after_loading quantized its weight")
-        return fp8_linear(x, layer.weight, layer.weight_scale, bias, self.fuse_bias)
+        return fp8_linear(x, layer.weight, layer.weight_scale, bias, self.fuse_bias, self.quantize)
 
 
 class Fp8Config(QuantizationConfig):
@@ -89,6 +95,7 @@ class Fp8Config(QuantizationConfig):
     def __init__(self, device: torch.device):
         self.device = device
         self.fuse_bias = check_device_support(device)
+        self.quantize = cuda_quantizer(device) if device.type == "cuda" else quantize_rows
         self._skipped: set[tuple[int, int]] = set()
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
@@ -96,7 +103,7 @@ class Fp8Config(QuantizationConfig):
             return None  # VocabParallelEmbedding / ParallelLMHead stay in the model's dtype
         if self.keeps_dense(layer.output_size, layer.input_size):
             return None
-        return Fp8LinearMethod(self.fuse_bias)
+        return Fp8LinearMethod(self.fuse_bias, self.quantize)
 
     def keeps_dense(self, output_size: int, input_size: int) -> bool:
         """A layer whose N or K is not a multiple of 16 stays dense (one log line per shape)."""
@@ -107,6 +114,22 @@ class Fp8Config(QuantizationConfig):
             logger.info("fp8: a linear layer of shape [%d, %d] stays dense (_scaled_mm needs multiples of %d)",
                         output_size, input_size, ALIGN)
         return True
+
+
+def cuda_quantizer(device: torch.device):
+    """The Triton per-token kernel where it gives the torch ops' scales and bytes on a probe, else the torch ops
+    (one warning)."""
+    x = torch.randn(5, 3 * ALIGN, device=device, dtype=torch.bfloat16) * torch.logspace(-2, 2, 3 * ALIGN, device=device)
+    try:
+        (q, s), (want_q, want_s) = quantize_rows_triton(x), quantize_rows(x)
+        same = torch.equal(s, want_s) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+        reason = "" if same else "its result differs from the torch ops'"
+    except Exception as exc:  # a Triton/driver failure of any kind: the torch ops still work
+        reason = f"{type(exc).__name__}: {exc}"
+    if not reason:
+        return quantize_rows_triton
+    logger.warning("fp8: the Triton per-token quantization kernel is not used (%s); torch ops instead", reason)
+    return quantize_rows
 
 
 def check_device_support(device: torch.device) -> bool:
