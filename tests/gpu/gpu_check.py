@@ -15,7 +15,8 @@
    in bf16 against the float64 product of its dequantized operands (<= 1e-2) and the bf16 linear (<= 6e-2); an
    fp8 model's CUDA-graph replay == eager; the random Qwen2.5-0.5B-shape checkpoint's prompt logits with fp8
    against bf16 (relative error and top-1 agreement; bf16 against float32 printed beside them).
-`--only speculation|fp8` runs that group alone, `--skip speculation|fp8` all but it. Prints a table; exits non-zero if any check fails.
+`--only speculation|fp8` runs that group alone, `--skip speculation|fp8` all but it. Prints a table; exits
+non-zero if any check fails.
 """
 from __future__ import annotations
 

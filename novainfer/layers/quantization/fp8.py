@@ -9,7 +9,8 @@ own rows and columns. The embedding and lm_head stay dense, as in vLLM; MoE expe
 from __future__ import annotations
 
 import logging
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -38,21 +39,30 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return per_token_quant_fp8(x, FP8_MAX, MIN_SCALE)
 
 
+@dataclass(frozen=True)
+class Fp8Options:
+    """How a device runs the fp8 product (probed at start-up: check_device_support, cuda_quantizer)."""
+
+    fuse_bias: bool = False  # _scaled_mm adds a bf16 bias itself
+    fast_accum: bool = False  # Hopper's fast float8 accumulation (vLLM's CUTLASS kernels use it too)
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = quantize_rows
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-               fuse_bias: bool, quantize=quantize_rows) -> torch.Tensor:
-    """y = x W^T (+ bias) with W float8 [N, K] and its scales [1, N]; x quantized per token here by quantize.
+               opts: Fp8Options = Fp8Options()) -> torch.Tensor:
+    """y = x W^T (+ bias) with W float8 [N, K] and its scales [1, N]; x quantized per token by opts.quantize.
 
     Shapes depend only on x's shape (no host sync), so the call is captured by CUDA graphs."""
     k, n = weight.shape[1], weight.shape[0]
     x2 = x.reshape(-1, k)
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], n)
-    x_fp8, x_scale = quantize(x2)
+    x_fp8, x_scale = opts.quantize(x2)
     # row-wise scaling outputs bf16 on CUDA; a float32/float16 model casts back
     out_dtype = x.dtype if x.device.type == "cpu" or x.dtype == torch.bfloat16 else torch.bfloat16
-    fused = bias is not None and fuse_bias and bias.dtype == out_dtype == torch.bfloat16
+    fused = bias is not None and opts.fuse_bias and bias.dtype == out_dtype == torch.bfloat16
     y = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=out_dtype,
-                         bias=bias if fused else None)
+                         bias=bias if fused else None, use_fast_accum=opts.fast_accum)
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
     if bias is not None and not fused:
@@ -63,8 +73,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 class Fp8LinearMethod(QuantizeMethodBase):
     """A dense linear layer whose weight becomes float8_e4m3fn [N, K] plus float32 scales [1, N] after loading."""
 
-    def __init__(self, fuse_bias: bool, quantize=quantize_rows):
-        self.fuse_bias, self.quantize = fuse_bias, quantize
+    def __init__(self, opts: Fp8Options = Fp8Options()):
+        self.opts = opts
 
     def create_weights(self, layer: nn.Module, output_size: int, input_size: int) -> nn.Parameter:
         return nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
@@ -84,7 +94,7 @@ class Fp8LinearMethod(QuantizeMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if layer.weight.dtype != FP8_DTYPE:
             raise RuntimeError("fp8 layer used before process_weights_after_loading quantized its weight")
-        return fp8_linear(x, layer.weight, layer.weight_scale, bias, self.fuse_bias, self.quantize)
+        return fp8_linear(x, layer.weight, layer.weight_scale, bias, self.opts)
 
 
 class Fp8Config(QuantizationConfig):
@@ -94,8 +104,9 @@ class Fp8Config(QuantizationConfig):
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.fuse_bias = check_device_support(device)
-        self.quantize = cuda_quantizer(device) if device.type == "cuda" else quantize_rows
+        fuse_bias, fast_accum = check_device_support(device)
+        quantize = cuda_quantizer(device) if device.type == "cuda" else quantize_rows
+        self.opts = Fp8Options(fuse_bias, fast_accum, quantize)
         self._skipped: set[tuple[int, int]] = set()
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
@@ -103,7 +114,7 @@ class Fp8Config(QuantizationConfig):
             return None  # VocabParallelEmbedding / ParallelLMHead stay in the model's dtype
         if self.keeps_dense(layer.output_size, layer.input_size):
             return None
-        return Fp8LinearMethod(self.fuse_bias, self.quantize)
+        return Fp8LinearMethod(self.opts)
 
     def keeps_dense(self, output_size: int, input_size: int) -> bool:
         """A layer whose N or K is not a multiple of 16 stays dense (one log line per shape)."""
@@ -132,9 +143,9 @@ def cuda_quantizer(device: torch.device):
     return quantize_rows
 
 
-def check_device_support(device: torch.device) -> bool:
+def check_device_support(device: torch.device) -> tuple[bool, bool]:
     """Raise ValueError naming why float8 row-wise _scaled_mm cannot run on device; return whether it fuses
-    a bf16 bias."""
+    a bf16 bias and whether it takes fast accumulation (CUDA only)."""
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)
         if cap < (8, 9):
@@ -153,9 +164,15 @@ def check_device_support(device: torch.device) -> bool:
                          f"with row-wise scales on {device}: {exc}") from None
     if not torch.allclose(y.float(), torch.full_like(y.float(), 2 * ALIGN)):
         raise ValueError(f"quantization='fp8': float8 _scaled_mm on {device} gives wrong results")
+    bias = torch.zeros(ALIGN, device=device, dtype=torch.bfloat16)
+    return (_runs(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16, bias=bias),
+            device.type == "cuda" and _runs(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16,
+                                            use_fast_accum=True))
+
+
+def _runs(*args: Any, **kwargs: Any) -> bool:
     try:
-        torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16,
-                         bias=torch.zeros(ALIGN, device=device, dtype=torch.bfloat16))
+        torch._scaled_mm(*args, **kwargs)
         return True
     except (RuntimeError, NotImplementedError):
         return False
