@@ -30,7 +30,7 @@ def fp8_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -
     def q(t: torch.Tensor) -> torch.Tensor:
         t = t.double()
         s = (t.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1.0 / (FP8_MAX * 512.0))
-        return (t / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).double() * s
+        return (t / s).clamp(-FP8_MAX, FP8_MAX).float().to(torch.float8_e4m3fn).double() * s  # cast as torch does
     y = q(x) @ q(w).T
     return y if bias is None else y + bias.double()
 
