@@ -62,6 +62,7 @@ PARTS = {
     # rest of gpu_check last
     "fp8": [
         ("gpu_check fp8", ["tests/gpu/gpu_check.py", "--only", "fp8"]),
+        ("fp8 gemm 7b shapes", ["benchmarks/fp8_gemm.py"]),
         ("tput 7b bf16", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--async-scheduling"]),
         ("tput 7b fp8", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--async-scheduling",
                          "--quantization", "fp8"]),
@@ -82,7 +83,8 @@ DRY_MODELS = {"random:qwen2.5-7b": "random:tiny", "random:qwen2.5-0.5b": "random
 DRY_ARGS = {"benchmarks/throughput.py": ["--device", "cpu", "--num-prompts", "4", "--input-len", "16",
                                          "--output-len", "8"],
             "benchmarks/latency.py": ["--device", "cpu", "--prompt-len", "16", "--output-len", "8",
-                                      "--ttft-prompt-len", "32", "--repeat", "1"]}
+                                      "--ttft-prompt-len", "32", "--repeat", "1"],
+            "benchmarks/fp8_gemm.py": ["--device", "cpu", "--shapes", "tiny", "--rows", "1", "33", "--iters", "5"]}
 DRY_CHECK = {"--only": ["-m", "pytest", "-q", "tests/test_gpu_check_cpu.py", "tests/test_fp8_quant.py"],
              "--skip": ["-m", "pytest", "-q", "tests/test_gpu_check_cpu.py", "-k", "not fp8"]}
 
@@ -132,9 +134,10 @@ def main() -> None:
         print(f"[{name}] rc={rc} {time.time() - t0:.0f}s {tail[0][:200]}", flush=True)
     print("\n| run | rc | s | result |\n|---|---|---|---|")
     for name, rc, secs, result, tail in rows:
-        if isinstance(result, list):  # speculation.py: one row per engine and setting
-            result = [{k: r.get(k) for k in ("speculative_config", "batch", "tok_s", "acceptance",
-                                              "mean_accepted_length", "greedy_equal")} for r in result]
+        if isinstance(result, list):  # speculation.py: one row per engine and setting; fp8_gemm.py per shape
+            keys = ("speculative_config", "batch", "tok_s", "acceptance", "mean_accepted_length", "greedy_equal") \
+                if result and "speculative_config" in result[0] else ("shape", "M", "speedup_fp8_layer")
+            result = [{k: r.get(k) for k in keys} for r in result]
         summary = json.dumps(result, separators=(",", ":"))[:600] if result else tail[:200]
         print(f"| {name} | {rc} | {secs:.0f} | {summary} |")
 
