@@ -61,6 +61,8 @@ def measure(device: torch.device, name: str, k: int, n: int, m: int, iters: int,
         "quantize": lambda: opts.quantize(x),
         "rowwise_gemm": lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16,
                                                  use_fast_accum=opts.fast_accum),
+        "rowwise_gemm_exact_accum": lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws,
+                                                             out_dtype=torch.bfloat16),
         "tensorwise_gemm": lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
                                                     use_fast_accum=opts.fast_accum),
     }
@@ -93,12 +95,14 @@ def main() -> None:
     rows = [measure(device, name, k, n, m, args.iters, opts) for name, k, n in SHAPES[args.shapes] for m in args.rows]
     print(f"\n{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
           f"fast_accum={opts.fast_accum}, quantize={opts.quantize.__name__}; microseconds per call (median)")
-    print("| shape | M | bf16 linear | fp8 layer | quantize | row-wise GEMM | tensor-wise GEMM | bf16 / fp8 layer |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| shape | M | bf16 linear | fp8 layer | quantize | row-wise GEMM | same, exact accumulation | "
+          "tensor-wise GEMM | bf16 / fp8 layer |")
+    print("|---|---|---|---|---|---|---|---|---|")
     fmt = lambda v: "-" if v is None else f"{v:,.1f}"  # noqa: E731
     for r in rows:
         print(f"| {r['shape']} | {r['M']} | {fmt(r['bf16_linear_us'])} | {fmt(r['fp8_layer_us'])} | "
-              f"{fmt(r['quantize_us'])} | {fmt(r['rowwise_gemm_us'])} | {fmt(r['tensorwise_gemm_us'])} | "
+              f"{fmt(r['quantize_us'])} | {fmt(r['rowwise_gemm_us'])} | {fmt(r['rowwise_gemm_exact_accum_us'])} | "
+              f"{fmt(r['tensorwise_gemm_us'])} | "
               f"{r.get('speedup_fp8_layer', 0):.2f}x |")
     if args.json:
         with open(args.json, "w") as f:

@@ -129,6 +129,7 @@ def test_refused_configurations(tmp_path):
         LLM(moe, quantization="fp8", device="cpu")
     with pytest.raises(ValueError, match="CUDA .sm_89.. or the CPU"):
         check_device_support(torch.device("meta"))
+    assert check_device_support(CPU) == (True, False)  # torch 2.13's CPU _scaled_mm adds a bias; no fast accum
 
 
 def test_old_gpu_is_refused(monkeypatch):

@@ -164,10 +164,10 @@ def check_device_support(device: torch.device) -> tuple[bool, bool]:
                          f"with row-wise scales on {device}: {exc}") from None
     if not torch.allclose(y.float(), torch.full_like(y.float(), 2 * ALIGN)):
         raise ValueError(f"quantization='fp8': float8 _scaled_mm on {device} gives wrong results")
+    args = dict(scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16)
+    fast_accum = device.type == "cuda" and _runs(xq, wq.t(), use_fast_accum=True, **args)
     bias = torch.zeros(ALIGN, device=device, dtype=torch.bfloat16)
-    return (_runs(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16, bias=bias),
-            device.type == "cuda" and _runs(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16,
-                                            use_fast_accum=True))
+    return _runs(xq, wq.t(), bias=bias, use_fast_accum=fast_accum, **args), fast_accum
 
 
 def _runs(*args: Any, **kwargs: Any) -> bool:
