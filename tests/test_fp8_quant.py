@@ -139,6 +139,10 @@ def test_refused_configurations(tmp_path):
         LLM(str(tmp_path / "model.gguf"), quantization="fp8", device="cpu")
     with pytest.raises(ValueError, match="quantization must be gguf, fp8 or none"):
         LLM(str(tmp_path), quantization="fp4", device="cpu")
+    from novainfer.config import ModelConfig
+    from novainfer.layers.quantization.selector import get_quant_config
+    with pytest.raises(ValueError, match="is a GGUF file, quantized already"):  # a draft model's config
+        get_quant_config(ModelConfig(model=str(tmp_path / "draft.gguf"), quantization="fp8"), CPU)
     moe = make_tiny_model(str(tmp_path / "moe"), "qwen3_moe", seed=5)
     with pytest.raises(ValueError, match="does not cover MoE experts"):
         LLM(moe, quantization="fp8", device="cpu")

@@ -29,6 +29,9 @@ def get_quant_config(mc: ModelConfig, device: torch.device, tp_size: int = 1) ->
 
 def _fp8_config(mc: ModelConfig, device: torch.device) -> QuantizationConfig:
     """vLLM's dynamic FP8 for the dense linear layers; refused (ValueError) where it would not cover the model."""
+    if mc.is_gguf:  # config validation refuses this for the target; a draft model is checked here
+        raise ValueError(f"quantization='fp8' quantizes a bf16/fp16 checkpoint at load; {mc.model} is a GGUF file, "
+                         "quantized already")
     experts = getattr(mc.hf_config, "num_experts", None) or getattr(mc.hf_config, "num_local_experts", None)
     if experts:
         raise ValueError(f"quantization='fp8' does not cover MoE experts yet ({mc.model} has {experts} experts "
