@@ -3,7 +3,7 @@ off (and HF transformers in the same run), printing one table. Raw JSON goes to 
 
     python3 benchmarks/gpu_round.py --part checks-0.5b --out $OUT
     python3 benchmarks/gpu_round.py --part 7b-moe --out $OUT
-    python3 benchmarks/gpu_round.py --part fp8 --out $OUT --budget 540
+    python3 benchmarks/gpu_round.py --part fp8 --out $OUT          # --budget 540 by default
 
 --budget: seconds for the whole part; a run starts only inside it and gets at most what is left (the table is
 printed either way). --dry-run: the same steps on the CPU with the tiny random shape and small workloads (the GPU
@@ -78,6 +78,7 @@ PARTS = {
         ("gpu_check rest", ["tests/gpu/gpu_check.py", "--skip", "fp8"]),
     ],
 }
+BUDGETS = {"fp8": 540}  # a part's default --budget: it must end inside one 600 s device call
 # --dry-run: CPU stand-ins (tiny shapes, small workloads; the GPU check's CPU halves)
 DRY_MODELS = {"random:qwen2.5-7b": "random:tiny", "random:qwen2.5-0.5b": "random:tiny"}
 DRY_ARGS = {"benchmarks/throughput.py": ["--device", "cpu", "--num-prompts", "4", "--input-len", "16",
@@ -102,9 +103,12 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/gpu_round")
     ap.add_argument("--gguf", default="/tmp/smol.gguf", help="the default model's GGUF file on this machine")
     ap.add_argument("--timeout", type=float, default=300, help="seconds each run may take")
-    ap.add_argument("--budget", type=float, default=None, help="seconds for the whole part (see above)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help=f"seconds for the whole part (see above); default {BUDGETS} for those parts, else none")
     ap.add_argument("--dry-run", action="store_true", help="CPU stand-ins of the steps (see above)")
     args = ap.parse_args()
+    if args.budget is None:
+        args.budget = BUDGETS.get(args.part)
     os.makedirs(args.out, exist_ok=True)
     rows = []
     start = time.time()
