@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--speculative-config", type=json.loads, default=None,
                     help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--quantization", default=None, choices=["fp8", "gguf", "none"],
+                    help="fp8: the linear weights to float8 at load (vLLM's dynamic FP8); default: none for HF folders")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--compare-hf", action="store_true", help="with --compare-llamacpp too: a third row")
     ap.add_argument("--compare-llamacpp", action="store_true", help="llama.cpp on the same GGUF (see module doc)")
@@ -63,7 +65,8 @@ def main() -> None:
     path = resolve_model(args.model)
     llm = LLM(path, enforce_eager=args.enforce_eager, device=args.device, enable_prefix_caching=False,
               gpu_memory_utilization=args.gpu_memory_utilization, load_format=load_format(args.model),
-              async_scheduling=args.async_scheduling, speculative_config=args.speculative_config)
+              async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
+              quantization=args.quantization)
     vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
     (prompt,), _ = make_workload(1, args.prompt_len, 1, vocab, 0)
     (long_prompt,), _ = make_workload(1, args.ttft_prompt_len, 1, vocab, 1)
@@ -75,7 +78,7 @@ def main() -> None:
     t_one = timed(gen(prompt, 1), args.repeat)
     ttft = timed(gen(long_prompt, 1), args.repeat)
     r = {"model": args.model, "device": device_name(), "decode_tok_s": (args.output_len - 1) / (t_full - t_one),
-         "ttft_ms": ttft * 1e3, "enforce_eager": args.enforce_eager}
+         "ttft_ms": ttft * 1e3, "enforce_eager": args.enforce_eager, "quantization": args.quantization}
     if args.compare_hf:
         del llm
         r.update(hf_latency(path, prompt, long_prompt, args.output_len, args.repeat))
@@ -85,7 +88,7 @@ def main() -> None:
     if args.compare_hf:
         print(f"| HF transformers | {r['hf_decode_tok_s']:,.0f} | {r['hf_ttft_ms']:.1f} |")
         print(f"decode ratio NovaInfer / HF: {r['decode_ratio']:.1f}x")
-    print(f"device: {r['device']}")
+    print(f"device: {r['device']}; quantization: {r['quantization'] or 'none'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)

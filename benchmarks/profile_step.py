@@ -14,7 +14,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.checkpoints import resolve_model  # noqa: E402
+from benchmarks.checkpoints import load_format, resolve_model  # noqa: E402
 from benchmarks.throughput import make_workload, sync  # noqa: E402
 
 
@@ -27,9 +27,11 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--torch-profiler", action="store_true", help="torch.profiler (host + device) instead of cProfile")
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="fp8: vLLM's dynamic FP8 linear layers")
     args = ap.parse_args()
     from novainfer import LLM, SamplingParams
-    llm = LLM(resolve_model(args.model), device=args.device)
+    llm = LLM(resolve_model(args.model), device=args.device, load_format=load_format(args.model),
+              quantization=args.quantization)
     vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
     prompts, outs = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, 0)
     inputs = [{"prompt_token_ids": p} for p in prompts]

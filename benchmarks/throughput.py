@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--speculative-config", type=json.loads, default=None,
                     help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--quantization", default=None, choices=["fp8", "gguf", "none"],
+                    help="fp8: the linear weights to float8 at load (vLLM's dynamic FP8); default: none for HF folders")
     ap.add_argument("--compare-hf", action="store_true", help="also run transformers on the same prompts")
     ap.add_argument("--hf-num-prompts", type=int, default=None, help="HF on the first N prompts only")
     ap.add_argument("--hf-batch-size", type=int, default=64)
@@ -69,7 +71,8 @@ def main() -> None:
               device=args.device, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
               distributed_executor_backend=args.distributed_executor_backend, master_port=0,
               load_format=load_format(args.model),
-              async_scheduling=args.async_scheduling, speculative_config=args.speculative_config)
+              async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
+              quantization=args.quantization)
     engine = llm.llm_engine
     vocab = engine.config.model_config.hf_config.vocab_size
     prompts, out_lens = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
@@ -88,6 +91,7 @@ def main() -> None:
               "output_tokens": gen, "novainfer_s": elapsed, "novainfer_tok_s": gen / elapsed,
               "kv_cache_tokens": engine.block_manager.num_blocks * engine.config.cache_config.block_size,
               "device": device_name(), "tensor_parallel_size": args.tensor_parallel_size,
+              "quantization": args.quantization,
               "distributed_executor_backend": args.distributed_executor_backend}
     engine.shutdown()
     if args.compare_hf:
@@ -159,7 +163,7 @@ def print_table(r: dict) -> None:
               f"{r['hf_tok_s']:,.0f} |")
         print(f"ratio NovaInfer / HF: {r['ratio']:.1f}x")
     print(f"device: {r['device']}; tp={r['tensor_parallel_size']} ({r['distributed_executor_backend']}); "
-          f"KV cache per rank: {r['kv_cache_tokens']:,} tokens")
+          f"quantization: {r['quantization'] or 'none'}; KV cache per rank: {r['kv_cache_tokens']:,} tokens")
 
 
 if __name__ == "__main__":

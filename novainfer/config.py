@@ -19,7 +19,8 @@ class ModelConfig:
     hf_config: Any = None  # transformers.PretrainedConfig, filled by the loader
     dtype: torch.dtype | None = None  # None: bfloat16 on GPU; on CPU bfloat16 with AVX512-BF16/AMX, else float32
     quantization: str | None = None  # None (auto): GGUF blocks stay quantized on the CPU unless dtype=float32
-    # is given; "gguf": keep them quantized on the CPU; "none": dequantize (today's exact path)
+    # is given; "gguf": keep them quantized on the CPU; "none": dequantize (today's exact path); "fp8" (vLLM's
+    # dynamic FP8): dense linear weights quantized to float8 at load (layers/quantization/fp8.py)
     cpu_decode_stack: bool = True  # on the quantized CPU path, a decode step's whole decoder stack runs in one C
     # call (layers/quantization/cpu_decoder.py; same result to the bit); False: layer by layer from Python
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -240,8 +241,11 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {c.block_size}")
         if c.cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"cache_dtype must be auto, float32, bfloat16 or float16, got {c.cache_dtype!r}")
-        if self.model_config.quantization not in (None, "gguf", "none"):
-            raise ValueError(f"quantization must be gguf or none, got {self.model_config.quantization!r}")
+        if self.model_config.quantization not in (None, "gguf", "fp8", "none"):
+            raise ValueError(f"quantization must be gguf, fp8 or none, got {self.model_config.quantization!r}")
+        if self.model_config.quantization == "fp8" and self.model_config.is_gguf:
+            raise ValueError("quantization='fp8' quantizes a bf16/fp16 checkpoint at load; a GGUF file is quantized "
+                             "already (use quantization='gguf' or 'none')")
         if c.cpu_kv_cache_tokens < 1:
             raise ValueError(f"cpu_kv_cache_tokens must be >= 1, got {c.cpu_kv_cache_tokens}")
         if s.max_num_seqs < 1:

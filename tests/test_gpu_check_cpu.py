@@ -22,3 +22,15 @@ def test_moe_and_window_checks_run_on_the_cpu(ledger):
     window_kernel_checks("cpu", torch.float32, shapes=[("tiny", 4, 2, 16, 6, 2.0), ("tiny-full", 4, 2, 16, 64, None)],
                          contexts=[0, 5, 13], block_size=4, tol=1e-5)
     assert len(ledger) == 2 + 2 * 3 and all(ok for *_, ok in ledger), ledger
+
+
+def test_fp8_checks_run_on_the_cpu(ledger, tmp_path):
+    """The fp8 group's layer check (bf16 and float32) and logits check on tiny shapes; every row must pass."""
+    from tests.gpu.fp8_checks import fp8_layer_checks, fp8_logits_check
+    from tests.tiny_models import make_tiny_model
+    shapes = [("tiny-qkv", 64, 128, True), ("tiny-down", 128, 64, False)]
+    fp8_layer_checks("cpu", torch.bfloat16, shapes=shapes, rows=(1, 7, 33))
+    fp8_layer_checks("cpu", torch.float32, shapes=shapes, rows=(1, 7, 33), tight=1e-5)
+    path = make_tiny_model(str(tmp_path / "qwen2"), "qwen2", seed=3)
+    fp8_logits_check(path, "tiny qwen2", device="cpu", dtype=torch.float32, prompts=4, length=24, min_top1=0.75)
+    assert len(ledger) == 2 * 2 + 1 and all(ok for *_, ok in ledger), ledger

@@ -40,8 +40,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: a config-only folder, weights drawn at random in place (benchmarks)")
-    p.add_argument("--quantization", default=None, choices=["gguf", "none"],
-                   help="GGUF on the CPU: keep blocks quantized (default unless --dtype float32) or dequantize")
+    p.add_argument("--quantization", default=None, choices=["gguf", "fp8", "none"],
+                   help="GGUF on the CPU: keep blocks quantized (default unless --dtype float32) or dequantize; "
+                        "fp8: a bf16/fp16 checkpoint's linear weights to float8 at load (CUDA sm_89+, or the CPU)")
     p.add_argument("--cpu-kv-cache-tokens", type=int, default=32768, help="KV cache capacity on the CPU, in tokens")
     p.add_argument("--trim-heap-when-idle", action=argparse.BooleanOptionalAction, default=True,
                    help="the engine core process gives its freed step workspaces back to the system when it goes "

@@ -34,6 +34,7 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp_group = get_tp_group()
         self.tp_rank, self.tp_size = self.tp_group.rank, self.tp_group.size
+        self.input_size, self.output_size = input_size, output_size  # this rank's (what a quant method sees)
         config = current_quant_config()
         self.quant_method = config.get_quant_method(self) if config is not None else None
         if self.quant_method is None:

@@ -72,8 +72,8 @@ def _iter_weights(model: str, keep_quantized: bool = False):
 def load_model(model: str, hf_config: Any, dtype: torch.dtype, device: torch.device,
                load_format: str = "auto", quant_config: QuantizationConfig | None = None) -> nn.Module:
     """Build the model on device and fill every parameter through its weight_loader (load_format "dummy":
-    random values in place, nothing read); with a quant_config (GGUF on the CPU) its layers keep the
-    checkpoint's blocks quantized.
+    random values in place, nothing read); with a quant_config its layers keep the checkpoint's GGUF blocks
+    quantized (on the CPU) or quantize the weights once loaded or drawn (fp8).
 
     A weight the model needs but the checkpoint lacks fails here, naming it (design doc 002 §4.2.10); so
     does one that cannot be sharded for this rank (seed 000 §7.1.3).
@@ -88,7 +88,7 @@ def load_model(model: str, hf_config: Any, dtype: torch.dtype, device: torch.dev
         finally:
             torch.set_default_dtype(prev_dtype)
     if load_format == "dummy":
-        return initialize_dummy_weights(net).eval()
+        return process_weights_after_loading(initialize_dummy_weights(net)).eval()
     weights, total = _iter_weights(model, keep_quantized=quant_config is not None)
     bar = tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False)
     current = [""]
@@ -103,11 +103,16 @@ def load_model(model: str, hf_config: Any, dtype: torch.dtype, device: torch.dev
         raise exc.with_name(current[0]) from None
     if missing:
         raise ValueError(f"checkpoint {model} lacks weights the model needs: {', '.join(sorted(missing))}")
+    return process_weights_after_loading(net).eval()
+
+
+def process_weights_after_loading(net: nn.Module) -> nn.Module:
+    """Every quantized layer turns its loaded (or dummy-drawn) weight into its stored form (e.g. fp8)."""
     for module in net.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
-    return net.eval()
+    return net
 
 
 @torch.no_grad()

@@ -11,7 +11,12 @@
 6. Issue 15: speculative decoding (n-gram and a draft model) gives the greedy tokens of decoding without it
    (float32) and transformers'; verify steps replayed from CUDA graphs give the tokens of eager verify steps
    (bf16), and the graphs are really replayed.
-Prints a table; exits non-zero if any check fails.
+7. Issue 19, quantization="fp8" (tests/gpu/fp8_checks.py): the fp8 linear method on Qwen2.5-7B's layer shapes
+   in bf16 against the float64 product of its dequantized operands (<= 1e-2) and the bf16 linear (<= 6e-2); an
+   fp8 model's CUDA-graph replay == eager; the random Qwen2.5-0.5B-shape checkpoint's prompt logits with fp8
+   against bf16 (relative error and top-1 agreement; bf16 against float32 printed beside them).
+`--only speculation|fp8` runs that group alone, `--skip speculation|fp8` all but it. Prints a table; exits
+non-zero if any check fails.
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from novainfer.kernels.paged_attention import decode_attention, prefill_attentio
 from tests.tiny_models import hf_greedy_with, make_tiny_model  # noqa: E402
 from tests.gpu.checks import check, paged_case, rows  # noqa: E402
 from tests.gpu.family_checks import families_vs_hf, moe_kernel_checks, window_kernel_checks  # noqa: E402
+from tests.gpu.fp8_checks import fp8_layer_checks, fp8_logits_check  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -119,21 +125,36 @@ def engine_vs_hf(tmp: str) -> None:
         torch.cuda.empty_cache()
 
 
-def graph_vs_eager(tmp: str) -> None:
+def graph_vs_eager(tmp: str, quantization: str | None = None) -> None:
     path = make_tiny_model(os.path.join(tmp, "qwen2_graph"), "qwen2", seed=9, layers=4)
     # 32 sequences of different lengths: a captured batch size, so eager and replay run the same GEMM shapes
     prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 7 * i))} for i in range(32)]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     results = {}
+    quantized = True
     for eager in (True, False):
-        llm = LLM(path, dtype="bfloat16", enforce_eager=eager, gpu_memory_utilization=0.3, max_num_seqs=64)
+        llm = LLM(path, dtype="bfloat16", enforce_eager=eager, gpu_memory_utilization=0.3, max_num_seqs=64,
+                  quantization=quantization)
+        runner = llm.llm_engine.executor.workers[0].model_runner
+        quantized &= quantization is None or any(p.dtype == torch.float8_e4m3fn for p in runner.model.parameters())
+        quantized &= eager or runner.graphs is not None
         results[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        del llm
+        del llm, runner
         gc.collect()
         torch.cuda.empty_cache()
     same = sum(a == b for a, b in zip(results[True], results[False]))
-    check("CUDA-graph replay == eager", f"{same}/{len(prompts)} sequences identical (bf16, 48 tokens)",
-          same == len(prompts))
+    check("CUDA-graph replay == eager" + (f", quantization={quantization}" if quantization else ""),
+          f"{same}/{len(prompts)} sequences identical (bf16, 48 tokens)", same == len(prompts) and quantized)
+
+
+def fp8_group(tmp: str) -> None:
+    """Issue 19's quantization="fp8": the layer on 7B shapes, graphs with fp8 layers, 0.5B logits vs bf16."""
+    from benchmarks.checkpoints import resolve_model
+    fp8_layer_checks()
+    graph_vs_eager(tmp, quantization="fp8")
+    fp8_logits_check(resolve_model("random:qwen2.5-0.5b"), "random Qwen2.5-0.5B shape")
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def overlap_vs_sync(tmp: str) -> None:
@@ -203,9 +224,13 @@ def speculation_checks(tmp: str) -> None:
 def main() -> None:
     t0 = time.time()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    if sys.argv[1:] == ["--only", "speculation"]:  # just that group (a re-run after a fix)
+    groups = {"speculation": speculation_checks, "fp8": fp8_group}  # the groups --only / --skip may name
+    flag, name = (sys.argv[1:] + [None, None])[:2]
+    if len(sys.argv) not in (1, 3) or (flag is not None and (flag not in ("--only", "--skip") or name not in groups)):
+        sys.exit(f"usage: gpu_check.py [--only|--skip {'|'.join(groups)}]")
+    if flag == "--only":  # one group (a re-run after a fix)
         with tempfile.TemporaryDirectory() as tmp:
-            speculation_checks(tmp)
+            groups[name](tmp)
         return report(t0)
     kernel_checks()
     fused_op_checks()
@@ -216,7 +241,9 @@ def main() -> None:
         families_vs_hf(tmp)
         graph_vs_eager(tmp)
         overlap_vs_sync(tmp)
-        speculation_checks(tmp)
+        for group, run in groups.items():
+            if name != group:  # --skip GROUP: it ran apart (gpu_round's fp8 part runs it first)
+                run(tmp)
     report(t0)
 
 

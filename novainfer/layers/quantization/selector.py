@@ -12,7 +12,10 @@ logger = logging.getLogger(__name__)
 
 
 def get_quant_config(mc: ModelConfig, device: torch.device, tp_size: int = 1) -> QuantizationConfig | None:
-    """GGUFCPUConfig for a GGUF model on one CPU rank (unless dequantizing was asked for), else None."""
+    """Fp8Config for quantization="fp8"; GGUFCPUConfig for a GGUF model on one CPU rank (unless dequantizing
+    was asked for); else None."""
+    if mc.quantization == "fp8":
+        return _fp8_config(mc, device)
     if not mc.is_gguf or device.type != "cpu" or tp_size != 1 or mc.quantization == "none":
         return None
     if mc.quantization is None and mc.dtype == torch.float32:
@@ -22,3 +25,16 @@ def get_quant_config(mc: ModelConfig, device: torch.device, tp_size: int = 1) ->
         return None  # the reason was logged by cpu_kernels
     from novainfer.layers.quantization.gguf_cpu import GGUFCPUConfig
     return GGUFCPUConfig(decoder_stack=mc.cpu_decode_stack)
+
+
+def _fp8_config(mc: ModelConfig, device: torch.device) -> QuantizationConfig:
+    """vLLM's dynamic FP8 for the dense linear layers; refused (ValueError) where it would not cover the model."""
+    if mc.is_gguf:  # config validation refuses this for the target; a draft model is checked here
+        raise ValueError(f"quantization='fp8' quantizes a bf16/fp16 checkpoint at load; {mc.model} is a GGUF file, "
+                         "quantized already")
+    experts = getattr(mc.hf_config, "num_experts", None) or getattr(mc.hf_config, "num_local_experts", None)
+    if experts:
+        raise ValueError(f"quantization='fp8' does not cover MoE experts yet ({mc.model} has {experts} experts "
+                         "per layer, which would stay unquantized); leave quantization unset")
+    from novainfer.layers.quantization.fp8 import Fp8Config
+    return Fp8Config(device)
