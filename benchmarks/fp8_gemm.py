@@ -4,7 +4,7 @@ default dynamic FP8 on cuBLASLt) would cost instead.
 
     python3 benchmarks/fp8_gemm.py --json out.json                 # CUDA: CUDA-event timing, 7B shapes
     python3 benchmarks/fp8_gemm.py --device cpu --shapes tiny      # a CPU dry run
-Times are medians of --iters calls after a warm-up, each variant timed alone.
+Times: on CUDA the mean of --iters calls queued back to back after a warm-up, each variant timed alone.
 """
 from __future__ import annotations
 
@@ -28,22 +28,24 @@ SHAPES = {"7b": [("qkv_proj", 3584, 4608), ("o_proj", 3584, 3584), ("gate_up_pro
 
 
 def timed(fn, device: torch.device, iters: int) -> float:
-    """Median microseconds of one call."""
+    """Microseconds of one call: on CUDA the mean of `iters` calls queued back to back between two events (a
+    sync per call would time the launch and let the clocks drop between calls), else the median wall time."""
     for _ in range(3):
         fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3 / iters
     times = []
     for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
 
 
