@@ -204,6 +204,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+# the prefill kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages) by head_dim bound; short queries take BLOCK_M 16
+# (benchmarks/prefill_tiles.py sweeps them on a GPU)
+PREFILL_TILES: dict[int, tuple[int, int, int, int]] = {64: (64, 64, 4, 2), 1 << 30: (64, 32, 4, 3)}
+
+
+def prefill_tiles(head_dim: int, max_query_len: int) -> tuple[int, int, int, int]:
+    """The tile shape and launch settings of the prefill kernel for this head size and longest query."""
+    block_m, block_n, warps, stages = next(t for hd, t in sorted(PREFILL_TILES.items()) if head_dim <= hd)
+    return (block_m if max_query_len > 32 else 16), block_n, warps, stages
+
+
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
                       out: torch.Tensor | None = None, sliding_window: int | None = None,
@@ -215,13 +226,13 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     num_seqs = seq_lens.shape[0]
     if q.shape[0] == 0 or num_seqs == 0:
         return out
-    block_m = 64 if max_query_len > 32 else 16
-    block_n = 64 if head_dim <= 64 else 32
+    block_m, block_n, num_warps, num_stages = prefill_tiles(head_dim, max_query_len)
     grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, sliding_window or 0,
         logits_soft_cap or 1.0, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None,
-        HAS_SOFT_CAP=logits_soft_cap is not None, PRECISION=_precision(q.dtype), num_warps=4)
+        HAS_SOFT_CAP=logits_soft_cap is not None, PRECISION=_precision(q.dtype), num_warps=num_warps,
+        num_stages=num_stages)
     return out
