@@ -57,6 +57,8 @@ class AsyncMPClient:
         self._finalizer = weakref.finalize(self, _stop, self.proc, self._ctx, self._dir, 5.0)
         logger.info("engine core process pid=%d started (input %s, output %s)", self.proc.pid, self.input_address,
                     self.output_address)
+        # the tokenizer's pickle needs transformers' tokenizer classes: import them while the core loads (~1 s)
+        import transformers.tokenization_utils_tokenizers  # noqa: F401
         self.ready = self._wait_ready(startup_timeout)
         self.tokenizer = pickle.loads(self.ready.tokenizer)  # our own child's, over our private directory
         self.ready.tokenizer = b""
