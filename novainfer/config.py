@@ -21,8 +21,7 @@ class ModelConfig:
 
     model: str
     hf_config: Any = None  # transformers.PretrainedConfig, filled by the loader
-    dtype: torch.dtype | str | None = None  # None: bfloat16 on GPU; on CPU bfloat16 with AVX512-BF16/AMX, else
-    # float32. from_kwargs keeps a name ("float32"): read it through torch_dtype, which imports torch only then
+    dtype: torch.dtype | None = None  # None: bfloat16 on GPU; on CPU bfloat16 with AVX512-BF16/AMX, else float32
     quantization: str | None = None  # None (auto): GGUF blocks stay quantized on the CPU unless dtype=float32
     # is given; "gguf": keep them quantized on the CPU; "none": dequantize (today's exact path)
     cpu_decode_stack: bool = True  # on the quantized CPU path, a decode step's whole decoder stack runs in one C
@@ -40,7 +39,8 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype | None:
-        """dtype as a torch.dtype (None: the device's default, chosen by the model runner)."""
+        """dtype as a torch.dtype: from_kwargs keeps dtype as a checked name ("float32"), so that building a
+        config never imports torch (the server's front-end); read dtype through this (None: the default)."""
         return to_torch_dtype(self.dtype)
 
 

@@ -23,9 +23,9 @@ from novainfer.config import EngineConfig
 from novainfer.engine.core import EngineCore
 from novainfer.engine.gc_heap import freeze_startup_heap
 from novainfer.engine.malloc_heap import trim_malloc_heap
-from novainfer.loader.model_info import load_model_info
 from novainfer.engine.messages import (CoreInput, EngineCoreAbort, EngineCoreAdd, EngineCoreDead, EngineCoreOutput,
                                        EngineCoreOutputs, EngineCoreReady, MessageCodec, request_id_of)
+from novainfer.loader.model_info import load_model_info
 
 logger = logging.getLogger(__name__)
 PARENT_POLL_S = 0.5

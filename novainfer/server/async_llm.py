@@ -5,6 +5,7 @@ This process (the front-end) tokenizes and checks requests (Processor), sends th
 (OutputProcessor) on the event loop. The core runs the scheduler and the model without sharing this
 interpreter's lock, so the API answers while the model runs. The core's death is seen at once (its process
 sentinel is watched by the event loop): live requests fail with EngineDeadError and new ones get 503.
+This process never imports torch: the core loads the model's config and tokenizer and sends the tokenizer.
 """
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import logging
 
 from novainfer.config import EngineConfig
 from novainfer.engine.core_client import AsyncMPClient
-from novainfer.loader.model_info import resolve_model_path
 from novainfer.engine.messages import AbortTarget, EngineCoreDead, EngineCoreOutputs
 from novainfer.engine.output_processor import OutputProcessor
 from novainfer.engine.processor import Processor
+from novainfer.loader.model_info import resolve_model_path
 from novainfer.structured_output import StructuredOutputManager
 from novainfer.sampling_params import SamplingParams
 from novainfer.server.async_engine import AsyncEngineBase, FinishedHook, StatsHook
