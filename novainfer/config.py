@@ -301,20 +301,21 @@ class EngineConfig:
         """Whether resolve_device() can give CUDA, answered without importing torch (the server's front-end,
         which never imports it, picks the engine core's start method by it). A named device answers; for
         'auto', torch's own answer where torch is loaded already, else whether the installed torch is a CUDA
-        (or ROCm) build and the CUDA driver library loads: at worst a yes where torch would find no GPU."""
+        build and the CUDA driver library loads: at worst a yes where torch would find no GPU (the core is then
+        spawned, which works everywhere, only slower to start)."""
         name = self._device_name()
         if name != "auto":
             return name.split(":")[0] == "cuda"
         if "torch" in sys.modules:
             return sys.modules["torch"].cuda.is_available()
-        return _torch_has_gpu_build() and _cuda_driver_loads()
+        return _torch_has_cuda_build() and _cuda_driver_loads()
 
     def _device_name(self) -> str:
         return os.environ.get("NOVAINFER_DEVICE", self.device)
 
 
-def _torch_has_gpu_build() -> bool:
-    """torch/version.py's `cuda` or `hip` is set (read as text: importing torch is what this avoids)."""
+def _torch_has_cuda_build() -> bool:
+    """torch/version.py's `cuda` is set (read as text: importing torch is what this avoids)."""
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
         return False
@@ -323,7 +324,7 @@ def _torch_has_gpu_build() -> bool:
             text = f.read()
     except OSError:
         return True  # unknown: say yes (the core is then spawned, which works on every device)
-    values = re.findall(r"^(?:cuda|hip)\s*(?::[^=]*)?=\s*(.+?)\s*$", text, re.M)
+    values = re.findall(r"^cuda\s*(?::[^=]*)?=\s*(.+?)\s*$", text, re.M)
     return any(v != "None" for v in values)
 
 

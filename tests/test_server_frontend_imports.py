@@ -58,6 +58,7 @@ def test_frontend_maps_no_torch_while_serving(default_server):
     core = psutil.Process(srv.proc.pid).children()
     assert len(core) == 1
     assert _mapped_libs(srv.proc.pid) == set(), "the front-end process maps torch/triton libraries"
+    assert psutil.Process(srv.proc.pid).memory_info().rss < 250 * 2**20  # ~120-160 MiB; 460 with torch
     assert any(lib.startswith("libtorch") for lib in _mapped_libs(core[0].pid))  # the check sees them where they are
 
 
@@ -112,3 +113,17 @@ def test_dtype_names_resolve_in_the_core():
     assert json.loads(_python("import json\nfrom novainfer.config import EngineConfig\n"
                               "print(json.dumps(EngineConfig.from_kwargs('m', dtype='half').model_config.dtype))")) \
         == "float16"
+
+
+@pytest.mark.parametrize("line, want", [("cuda: Optional[str] = '12.8'", True), ("cuda: Optional[str] = None", False),
+                                        ("cuda = '11.8'", True)])
+def test_cuda_build_read_from_torch_version_file(tmp_path, monkeypatch, line, want):
+    """A CUDA build of torch is told from torch/version.py's text, as the wheels write it."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from novainfer import config
+    (tmp_path / "version.py").write_text(f"__version__ = '2.13.0'\n{line}\nhip: Optional[str] = None\n")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(
+        submodule_search_locations=[str(tmp_path)]))
+    assert config._torch_has_cuda_build() is want
