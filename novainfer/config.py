@@ -1,14 +1,18 @@
 """Engine configuration: every knob the engine reads comes from these dataclasses (vLLM's names)."""
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import re
+import sys
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from novainfer.engine.faults import FaultInjector
+
+if TYPE_CHECKING:  # torch is imported where tensors are made (the engine core), never by the server's front-end
+    import torch
 
 
 @dataclass
@@ -33,6 +37,12 @@ class ModelConfig:
     @property
     def is_gguf(self) -> bool:
         return self.model.endswith(".gguf")
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """dtype as a torch.dtype: from_kwargs keeps dtype as a checked name ("float32"), so that building a
+        config never imports torch (the server's front-end); read dtype through this (None: the default)."""
+        return to_torch_dtype(self.dtype)
 
 
 @dataclass
@@ -284,35 +294,91 @@ class EngineConfig:
 
     def resolve_device(self) -> torch.device:
         """'auto' picks CUDA when present; NOVAINFER_DEVICE overrides (documented in the README)."""
-        name = os.environ.get("NOVAINFER_DEVICE", self.device)
+        import torch
+        name = self._device_name()
         if name == "auto":
             name = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(name)
         return torch.device("cuda", 0) if device.type == "cuda" and device.index is None else device
 
+    def may_use_cuda(self) -> bool:
+        """Whether resolve_device() can give CUDA, answered without importing torch (the server's front-end,
+        which never imports it, picks the engine core's start method by it). A named device answers; for
+        'auto', torch's own answer where torch is loaded already, else whether the installed torch is a CUDA
+        build and the CUDA driver library loads: at worst a yes where torch would find no GPU (the core is then
+        spawned, which works everywhere, only slower to start)."""
+        name = self._device_name()
+        if name != "auto":
+            return name.split(":")[0] == "cuda"
+        if "torch" in sys.modules:
+            return sys.modules["torch"].cuda.is_available()
+        return _torch_has_cuda_build() and _cuda_driver_loads()
+
+    def _device_name(self) -> str:
+        return os.environ.get("NOVAINFER_DEVICE", self.device)
+
+
+def _torch_has_cuda_build() -> bool:
+    """torch/version.py's `cuda` is set (read as text: importing torch is what this avoids)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    try:
+        with open(os.path.join(list(spec.submodule_search_locations)[0], "version.py"), encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return True  # unknown: say yes (the core is then spawned, which works on every device)
+    values = re.findall(r"^cuda\s*(?::[^=]*)?=\s*(.+?)\s*$", text, re.M)
+    return any(v != "None" for v in values)
+
+
+def _cuda_driver_loads() -> bool:
+    import ctypes
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
 
 def default_cpu_dtype() -> torch.dtype:
     """bfloat16 where the CPU multiplies it natively (AVX512-BF16 or AMX), float32 elsewhere."""
+    import torch
     from novainfer.layers.quantization.cpu_kernels import cpu_flags
     return torch.bfloat16 if cpu_flags() & {"avx512_bf16", "amx_bf16"} else torch.float32
 
 
 def resolve_cache_dtype(cfg: EngineConfig, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV cache's dtype: as asked, else the model's; bfloat16 on the CPU unless float32 was asked for."""
+    import torch
     name = cfg.cache_config.cache_dtype
     if name != "auto":
-        return _parse_dtype(name)
+        return to_torch_dtype(name)
     if device.type == "cpu" and cfg.model_config.dtype is None:
         return torch.bfloat16
     return model_dtype
 
 
-def _parse_dtype(name: str) -> torch.dtype | None:
-    table = {"auto": None, "float32": torch.float32, "float": torch.float32, "float16": torch.float16,
-             "half": torch.float16, "bfloat16": torch.bfloat16}
-    if name not in table:
-        raise ValueError(f"dtype must be one of {sorted(table)}, got {name!r}")
-    return table[name]
+_DTYPE_NAMES = {"auto": None, "float32": "float32", "float": "float32", "float16": "float16", "half": "float16",
+                "bfloat16": "bfloat16"}
+
+
+def _parse_dtype(name: str) -> str | None:
+    """A dtype name checked and made canonical ("half" -> "float16"; "auto" -> None), without torch."""
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPE_NAMES)}, got {name!r}")
+    return _DTYPE_NAMES[name]
+
+
+def to_torch_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A dtype name (or a torch.dtype, returned as is) as a torch.dtype; None stays None."""
+    if not isinstance(dtype, str):
+        return dtype
+    name = _parse_dtype(dtype)
+    if name is None:
+        return None
+    import torch
+    return getattr(torch, name)
 
 
 @dataclass

@@ -36,7 +36,7 @@ class Context:
         self.model_path = resolve_model_path(model_path)
         cfg = EngineConfig.from_kwargs(self.model_path, dtype=dtype, device=device)
         self.device = cfg.resolve_device()
-        self.dtype = cfg.model_config.dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.dtype = cfg.model_config.torch_dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.hf_config = load_hf_config(self.model_path)
         self.model = load_model(self.model_path, self.hf_config, self.dtype, self.device)
         self.vocab_size = int(self.hf_config.vocab_size)

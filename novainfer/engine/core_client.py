@@ -3,14 +3,17 @@ for its ready message, sends requests and aborts, and yields the core's step out
 
 The in-process alternative is LLMEngine, which holds an EngineCore directly (offline LLM, CLI generate/chat).
 The core gets its EngineConfig once, as the new process's arguments; every message after that is msgspec.
-On the CPU the process is forked (the front-end has imported torch already: it starts in a fraction of a
-second); with CUDA it is spawned, since a CUDA context does not survive a fork.
+The front-end never imports torch (nor transformers' config and model modules, which import it): the core
+loads the model's config and tokenizer and sends the tokenizer back with its ready message. On the CPU the
+process is forked (from a process without torch: the child imports what it needs); where CUDA may be used
+it is spawned, as before (config.may_use_cuda decides without torch).
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -21,7 +24,6 @@ import zmq
 import zmq.asyncio
 
 from novainfer.config import EngineConfig
-from novainfer.engine.core_proc import run_engine_core
 from novainfer.engine.messages import (AbortTarget, CoreOutput, EngineCoreAbort, EngineCoreAdd, EngineCoreDead,
                                        EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, MessageCodec,
                                        request_id_of)
@@ -36,14 +38,14 @@ class EngineCoreStartError(RuntimeError):
 class AsyncMPClient:
     """One engine core process and the two sockets to it."""
 
-    def __init__(self, config: EngineConfig, eos_token_ids: set[int], startup_timeout: float = 1800.0):
+    def __init__(self, config: EngineConfig, startup_timeout: float = 1800.0):
         self._dir = tempfile.mkdtemp(prefix="novainfer-core-")
         self.input_address = f"ipc://{self._dir}/input"
         self.output_address = f"ipc://{self._dir}/output"
-        start_method = "spawn" if config.resolve_device().type == "cuda" else "fork"
+        start_method = "spawn" if config.may_use_cuda() else "fork"
         self.proc = multiprocessing.get_context(start_method).Process(
-            target=run_engine_core, name="novainfer-engine-core", daemon=False,  # its TP workers are its children
-            args=(config, set(eos_token_ids), self.input_address, self.output_address, os.getpid(),
+            target=_run_engine_core, name="novainfer-engine-core", daemon=False,  # its TP workers are its children
+            args=(config, self.input_address, self.output_address, os.getpid(),
                   logging.getLogger().getEffectiveLevel()))
         self.proc.start()  # before this process has a ZMQ context, which a fork must not inherit
         self._ctx = zmq.Context()
@@ -55,7 +57,11 @@ class AsyncMPClient:
         self._finalizer = weakref.finalize(self, _stop, self.proc, self._ctx, self._dir, 5.0)
         logger.info("engine core process pid=%d started (input %s, output %s)", self.proc.pid, self.input_address,
                     self.output_address)
+        # the tokenizer's pickle needs transformers' tokenizer classes: import them while the core loads (~1 s)
+        import transformers.tokenization_utils_tokenizers  # noqa: F401
         self.ready = self._wait_ready(startup_timeout)
+        self.tokenizer = pickle.loads(self.ready.tokenizer)  # our own child's, over our private directory
+        self.ready.tokenizer = b""
         self._input = self._ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.connect(self.input_address)
@@ -110,6 +116,12 @@ class AsyncMPClient:
         """Stop the core process (SIGTERM, then SIGKILL after `timeout`) and close the sockets; idempotent."""
         self._finalizer.detach()
         _stop(self.proc, self._ctx, self._dir, timeout)
+
+
+def _run_engine_core(*args: object) -> None:
+    """The core process's target: imports the core (and with it torch) in the child only."""
+    from novainfer.engine.core_proc import run_engine_core
+    run_engine_core(*args)
 
 
 def _stop(proc: multiprocessing.Process, ctx: zmq.Context, directory: str, timeout: float) -> None:

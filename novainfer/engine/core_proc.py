@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -24,6 +25,7 @@ from novainfer.engine.gc_heap import freeze_startup_heap
 from novainfer.engine.malloc_heap import trim_malloc_heap
 from novainfer.engine.messages import (CoreInput, EngineCoreAbort, EngineCoreAdd, EngineCoreDead, EngineCoreOutput,
                                        EngineCoreOutputs, EngineCoreReady, MessageCodec, request_id_of)
+from novainfer.loader.model_info import load_model_info
 
 logger = logging.getLogger(__name__)
 PARENT_POLL_S = 0.5
@@ -125,9 +127,11 @@ def _on_sigterm(*_: object) -> None:
     raise SystemExit(0)
 
 
-def run_engine_core(config: EngineConfig, eos_token_ids: set[int], input_address: str, output_address: str,
-                    parent_pid: int, log_level: int) -> None:
-    """The core process's entry point (spawned by engine/core_client.py)."""
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int,
+                    log_level: int) -> None:
+    """The core process's entry point (started by engine/core_client.py). It loads the model's config and
+    tokenizer itself (the front-end never imports torch, which transformers' loaders do) and sends the
+    tokenizer back, pickled, in its ready message."""
     logging.basicConfig(level=log_level, stream=sys.stderr, force=True,  # not the front-end's handlers (fork)
                         format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -145,12 +149,16 @@ def run_engine_core(config: EngineConfig, eos_token_ids: set[int], input_address
     encoder = MessageCodec(EngineCoreOutputs)
     core = None
     try:
+        tokenizer, eos_token_ids = load_model_info(config)
         core = EngineCore(config, eos_token_ids)
+        ready = EngineCoreReady(os.getpid(), core.max_model_len, core.num_blocks, core.vocab_size,
+                                sorted(eos_token_ids), pickle.dumps(tokenizer))
+        del tokenizer  # structured outputs load their own when the first constrained request comes (as before)
         freeze_startup_heap()
         in_socket = ctx.socket(zmq.PULL)
         in_socket.setsockopt(zmq.RCVHWM, 0)
         in_socket.bind(input_address)
-        out_socket.send(encoder.encode(EngineCoreReady(os.getpid(), core.max_model_len, core.num_blocks)))
+        out_socket.send(encoder.encode(ready))
         EngineCoreProc(core, in_socket, out_socket).run_busy_loop()
     except SystemExit:
         logger.info("engine core stopping")

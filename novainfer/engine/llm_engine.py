@@ -6,27 +6,16 @@ stop-string hit aborts the sample in the core right away, as the server's front-
 """
 from __future__ import annotations
 
-from typing import Any
-
 from novainfer.config import EngineConfig
 from novainfer.engine.core import EngineCore, Request
 from novainfer.engine.messages import AbortTarget, EngineCoreOutputs
 from novainfer.engine.output_processor import OutputProcessor, RequestStatus
 from novainfer.engine.processor import Processor, PromptType
-from novainfer.loader.model_loader import eos_token_ids, load_hf_config, load_tokenizer, resolve_model_path
+from novainfer.loader.model_info import load_model_info
 from novainfer.outputs import RequestOutput
 from novainfer.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine", "RequestStatus", "load_model_info"]
-
-
-def load_model_info(config: EngineConfig) -> tuple[Any, set[int]]:
-    """Resolve the model path and its HF config (in place), load the tokenizer; (tokenizer, eos ids)."""
-    mc = config.model_config
-    mc.model = resolve_model_path(mc.model)
-    mc.hf_config = load_hf_config(mc.model)
-    tokenizer = load_tokenizer(mc.tokenizer or mc.model)
-    return tokenizer, eos_token_ids(mc.model, mc.hf_config, tokenizer)
 
 
 class LLMEngine:

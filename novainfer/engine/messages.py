@@ -1,8 +1,11 @@
 """The messages between the front-end and the engine core, as msgspec structs encoded with msgpack.
 
-Nothing is pickled across the boundary: each message is a tagged struct, token ids travel as msgpack
-arrays of ints, and SamplingParams travels as its dataclass fields (msgspec encodes dataclasses and enums),
-so a field added to it crosses without edits here. A step's outputs for every request are one message.
+Each message is a tagged struct, token ids travel as msgpack arrays of ints, and SamplingParams travels as
+its dataclass fields (msgspec encodes dataclasses and enums), so a field added to it crosses without edits
+here. A step's outputs for every request are one message. The one pickle is the tokenizer in the ready
+message, sent once by the core the front-end started, over its private socket directory: transformers
+cannot load a tokenizer without importing torch, which the front-end never does, and a pickle gives the
+front-end the very object the core loaded (class, special tokens, chat template).
 
     front-end -> core   EngineCoreAdd (one request, tokenized), EngineCoreAbort (requests or single samples)
     core -> front-end   EngineCoreReady (once, after loading), EngineCoreOutputs (per step, with stats),
@@ -87,6 +90,9 @@ class EngineCoreReady(msgspec.Struct, tag="ready", array_like=True):
     pid: int
     max_model_len: int
     num_blocks: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    tokenizer: bytes  # the HF tokenizer, pickled (see the module docstring)
 
 
 class EngineCoreDead(msgspec.Struct, tag="dead", array_like=True):

@@ -157,7 +157,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Load every model, then serve them over HTTP until interrupted."""
     from novainfer.config import EngineConfig
-    from novainfer.engine.llm_engine import LLMEngine
     from novainfer.loader.default_model import DEFAULT_MODEL_NAME
     from novainfer.server.api_server import RequestIdFilter, build_app
     from novainfer.server.async_llm import AsyncLLM
@@ -177,7 +176,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_sessions=args.max_sessions, session_ttl=args.session_ttl,
                           max_request_body_bytes=args.max_request_body_bytes, allowed_origins=args.allowed_origins,
                           shutdown_timeout=args.shutdown_timeout)
-    engine_class = AsyncLLM if args.engine_core == "process" else LLMEngine
+    if args.engine_core == "process":  # this process never imports torch: the engine cores do
+        engine_class = AsyncLLM
+    else:
+        from novainfer.engine.llm_engine import LLMEngine
+        engine_class = LLMEngine
     engines = [(name, engine_class(EngineConfig.from_kwargs(path, **engine_kwargs(args))))
                for name, path in zip(names, paths)]
     app = build_app(engines, config)

@@ -1,8 +1,8 @@
-"""Turns a model path (HF folder or .gguf file) into a config, a tokenizer and a loaded model."""
+"""Turns a model path (HF folder or .gguf file) into a loaded model; the path, config, tokenizer and eos ids
+come from loader/model_info.py (re-exported here for the callers that load a model too)."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from typing import Any
 
@@ -12,53 +12,11 @@ from tqdm import tqdm
 
 from novainfer.distributed import ShardError
 from novainfer.layers.quantization import QuantizationConfig, building_with
+from novainfer.loader.model_info import eos_token_ids, load_hf_config, load_tokenizer, resolve_model_path  # noqa: F401
 from novainfer.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 _build_lock = threading.Lock()  # the default dtype and device are process state; uni ranks build one at a time
-
-
-def resolve_model_path(model: str | None) -> str:
-    """None means the default model shipped with the install."""
-    if model is None:
-        from novainfer.loader.default_model import default_model_path
-        return default_model_path()
-    if not os.path.exists(model):
-        raise FileNotFoundError(f"model path {model!r} does not exist (give an HF folder or a .gguf file; "
-                                "no model hub is used)")
-    return model
-
-
-def load_hf_config(model: str) -> Any:
-    if model.endswith(".gguf"):
-        from novainfer.loader.gguf_loader import load_gguf_config
-        return load_gguf_config(model)
-    from transformers import AutoConfig
-    return AutoConfig.from_pretrained(model)
-
-
-def load_tokenizer(model: str) -> Any:
-    if model.endswith(".gguf"):
-        from novainfer.loader.gguf_loader import load_gguf_tokenizer
-        return load_gguf_tokenizer(model)
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model)
-
-
-def eos_token_ids(model: str, hf_config: Any, tokenizer: Any) -> set[int]:
-    """Every id that ends generation: the tokenizer's eos plus generation_config's (may be a list)."""
-    ids: set[int] = set()
-    sources = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
-    gen_path = os.path.join(model, "generation_config.json")
-    if os.path.isdir(model) and os.path.exists(gen_path):
-        from transformers import GenerationConfig
-        sources.append(GenerationConfig.from_pretrained(model).eos_token_id)
-    for src in sources:
-        if isinstance(src, int):
-            ids.add(src)
-        elif src:
-            ids.update(int(i) for i in src)
-    return ids
 
 
 def _iter_weights(model: str, keep_quantized: bool = False):

@@ -10,7 +10,7 @@ import re
 import secrets
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,10 +22,8 @@ from starlette.staticfiles import StaticFiles
 
 import novainfer
 from novainfer.config import ServerConfig
-from novainfer.engine.llm_engine import LLMEngine
 from novainfer.entrypoints.chat_utils import apply_chat_template
 from novainfer.server.async_engine import AsyncEngineBase, TrackedRequest
-from novainfer.server.engine_thread import AsyncLLMEngine
 from novainfer.server.errors import APIError, error_body, error_response
 from novainfer.server.limits import AdmissionLimiter
 from novainfer.server.metrics import ServerMetrics
@@ -36,6 +34,9 @@ from novainfer.server.serving import OpenAIServing, ServedModel
 from novainfer.server.serving_completions import CompletionHandler
 from novainfer.server.sessions import SessionStore
 from novainfer.server.tool_calling import ToolConfig
+
+if TYPE_CHECKING:  # the in-process engine brings torch, which the front-end of `novainfer serve` never imports
+    from novainfer.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
@@ -153,7 +154,8 @@ def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: Se
             REQUEST_ID.reset(token)
     served = []
     for name, engine in engines:
-        if isinstance(engine, LLMEngine):
+        if not isinstance(engine, AsyncEngineBase):  # an LLMEngine (--engine-core thread)
+            from novainfer.server.engine_thread import AsyncLLMEngine
             engine = AsyncLLMEngine(engine)
         engine.on_stats = lambda stats, n=name: metrics.observe_stats(n, stats)
         engine.on_finished = lambda t, r, n=name: record_finished(n, t, r)

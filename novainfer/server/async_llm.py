@@ -5,6 +5,7 @@ This process (the front-end) tokenizes and checks requests (Processor), sends th
 (OutputProcessor) on the event loop. The core runs the scheduler and the model without sharing this
 interpreter's lock, so the API answers while the model runs. The core's death is seen at once (its process
 sentinel is watched by the event loop): live requests fail with EngineDeadError and new ones get 503.
+This process never imports torch: the core loads the model's config and tokenizer and sends the tokenizer.
 """
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import logging
 
 from novainfer.config import EngineConfig
 from novainfer.engine.core_client import AsyncMPClient
-from novainfer.engine.llm_engine import load_model_info
 from novainfer.engine.messages import AbortTarget, EngineCoreDead, EngineCoreOutputs
 from novainfer.engine.output_processor import OutputProcessor
 from novainfer.engine.processor import Processor
+from novainfer.loader.model_info import resolve_model_path
 from novainfer.structured_output import StructuredOutputManager
 from novainfer.sampling_params import SamplingParams
 from novainfer.server.async_engine import AsyncEngineBase, FinishedHook, StatsHook
@@ -31,13 +32,14 @@ class AsyncLLM(AsyncEngineBase):
     def __init__(self, config: EngineConfig, on_stats: StatsHook | None = None,
                  on_finished: FinishedHook | None = None):
         super().__init__(on_stats, on_finished)
-        self.tokenizer, eos_token_ids = load_model_info(config)
+        config.model_config.model = resolve_model_path(config.model_config.model)  # a bad path fails here
         self.model_path = config.model_config.model
-        self.core = AsyncMPClient(config, eos_token_ids)
-        self.max_model_len = self.core.ready.max_model_len
-        vocab_size = config.model_config.hf_config.vocab_size
-        self.processor = Processor(self.tokenizer, self.max_model_len, vocab_size,
-                                   StructuredOutputManager(self.tokenizer, vocab_size, eos_token_ids))
+        self.core = AsyncMPClient(config)  # loads the model's config and tokenizer in the core (torch is there)
+        self.tokenizer = self.core.tokenizer
+        ready = self.core.ready
+        self.max_model_len = ready.max_model_len
+        self.processor = Processor(self.tokenizer, self.max_model_len, ready.vocab_size,
+                                   StructuredOutputManager(self.tokenizer, ready.vocab_size, set(ready.eos_token_ids)))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._output_task: asyncio.Task | None = None
         self._stopping = False

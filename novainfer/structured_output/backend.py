@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-
-import torch
+from typing import TYPE_CHECKING
 
 from novainfer.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:  # grammars compile in the server's front-end, which never imports torch; bitmasks are the core's
+    import torch
 
 
 class GrammarMatcher(ABC):

@@ -7,15 +7,16 @@ GBNF is converted.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
-import torch
 
 from novainfer.sampling_params import StructuredOutputsParams
 from novainfer.structured_output.backend import CompiledGrammar, GrammarMatcher, StructuredOutputBackend
+
+if TYPE_CHECKING:  # compiling needs no torch (the server's front-end compiles); filling bitmasks (the core) does
+    import torch
 
 # bounded whitespace: exactly one space after "," and ":", none elsewhere
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -29,6 +30,7 @@ class GuidanceMatcher(GrammarMatcher):
         return self.m.consume_token(token_id)
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        import llguidance.torch
         llguidance.torch.fill_next_token_bitmask(self.m, bitmask, row)
 
     def is_terminated(self) -> bool:

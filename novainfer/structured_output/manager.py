@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from novainfer.sampling_params import StructuredOutputsParams
 from novainfer.structured_output.backend import CompiledGrammar, GrammarMatcher, bitmask_words
+
+if TYPE_CHECKING:  # the front-end only compiles (no torch there); bitmasks are built in the engine core
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class StructuredOutputManager:
         constrained = [s for s in seqs if s.grammar is not None]
         if not constrained:
             return None
+        import torch
         bitmask = torch.full((len(constrained), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
         for row, seq in enumerate(constrained):
             state = seq.grammar

@@ -58,7 +58,7 @@ class ModelRunner:
         self.hf_config = hf_config
         self.device = device
         mc = config.model_config
-        self.dtype = mc.dtype or (torch.bfloat16 if device.type == "cuda" else default_cpu_dtype())
+        self.dtype = mc.torch_dtype or (torch.bfloat16 if device.type == "cuda" else default_cpu_dtype())
         self.kv_dtype = resolve_cache_dtype(config, self.dtype, device)
         self.block_size = config.cache_config.block_size
         spec = config.speculative_config

@@ -18,7 +18,7 @@ def get_quant_config(mc: ModelConfig, device: torch.device, tp_size: int = 1) ->
         return _fp8_config(mc, device)
     if not mc.is_gguf or device.type != "cpu" or tp_size != 1 or mc.quantization == "none":
         return None
-    if mc.quantization is None and mc.dtype == torch.float32:
+    if mc.quantization is None and mc.torch_dtype == torch.float32:
         return None  # dtype="float32" keeps the exact dequantized path
     from novainfer.layers.quantization import cpu_kernels
     if not cpu_kernels.available():

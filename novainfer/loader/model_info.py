@@ -1,0 +1,62 @@
+"""What a model path says without building the model: the path itself, the HF config, the tokenizer, the eos
+ids. Nothing here imports torch at import time, so the server's front-end can resolve the path with it; the
+config and the tokenizer are loaded by the engine core (transformers' config module imports torch)."""
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from novainfer.config import EngineConfig
+
+
+def resolve_model_path(model: str | None) -> str:
+    """None means the default model shipped with the install."""
+    if model is None:
+        from novainfer.loader.default_model import default_model_path
+        return default_model_path()
+    if not os.path.exists(model):
+        raise FileNotFoundError(f"model path {model!r} does not exist (give an HF folder or a .gguf file; "
+                                "no model hub is used)")
+    return model
+
+
+def load_hf_config(model: str) -> Any:
+    if model.endswith(".gguf"):
+        from novainfer.loader.gguf_loader import load_gguf_config
+        return load_gguf_config(model)
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model)
+
+
+def load_tokenizer(model: str) -> Any:
+    if model.endswith(".gguf"):
+        from novainfer.loader.gguf_loader import load_gguf_tokenizer
+        return load_gguf_tokenizer(model)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model)
+
+
+def eos_token_ids(model: str, hf_config: Any, tokenizer: Any) -> set[int]:
+    """Every id that ends generation: the tokenizer's eos plus generation_config's (may be a list)."""
+    ids: set[int] = set()
+    sources = [getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    gen_path = os.path.join(model, "generation_config.json")
+    if os.path.isdir(model) and os.path.exists(gen_path):
+        from transformers import GenerationConfig
+        sources.append(GenerationConfig.from_pretrained(model).eos_token_id)
+    for src in sources:
+        if isinstance(src, int):
+            ids.add(src)
+        elif src:
+            ids.update(int(i) for i in src)
+    return ids
+
+
+def load_model_info(config: EngineConfig) -> tuple[Any, set[int]]:
+    """Resolve the model path and its HF config (in place), load the tokenizer; (tokenizer, eos ids)."""
+    mc = config.model_config
+    mc.model = resolve_model_path(mc.model)
+    mc.hf_config = load_hf_config(mc.model)
+    tokenizer = load_tokenizer(mc.tokenizer or mc.model)
+    return tokenizer, eos_token_ids(mc.model, mc.hf_config, tokenizer)
