@@ -15,6 +15,9 @@ from novainfer.attention.metadata import AttentionMetadata
 from novainfer.layers.quantization import cpu_kernels, cpu_ops
 
 
+PREFILL_KERNEL = False  # placeholder until the C prefill attention lands
+
+
 def _c_path(x: torch.Tensor, cache: torch.Tensor) -> bool:
     """The C ops take float32 activations over a bfloat16 cache (the default CPU path)."""
     return (cache.dtype == torch.bfloat16 and cache.is_contiguous() and cpu_ops.usable(x)
