@@ -1,7 +1,7 @@
 """Builds (once per machine, with the system C compiler) the AVX2 kernels in csrc/ and calls the quantized GEMM.
 
-The library (csrc/qgemm_cpu.c and its many-row form csrc/qgemm_panel_cpu.c, the decode-step ops of csrc/decode_ops_cpu.c, whose wrappers are in
-cpu_ops.py, and the one-call decode step of csrc/decoder_stack_cpu.c, wrapped by cpu_decoder.py) is cached
+The library (csrc/qgemm_cpu.c and its many-row form csrc/qgemm_panel_cpu.c, the decode-step ops of csrc/decode_ops_cpu.c and the prefill attention of
+csrc/prefill_attention_cpu.c, whose wrappers are in cpu_ops.py, and the one-call decode step of csrc/decoder_stack_cpu.c, wrapped by cpu_decoder.py) is cached
 under ~/.cache/novainfer keyed by the sources' hash. Where no compiler or no AVX2/FMA is found, available()
 is False and GGUF weights load dequantized (one log line says why).
 """
@@ -22,9 +22,9 @@ from novainfer.layers.quantization.gguf_repack import PackedWeight
 
 logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_pool.h", "cpu_kernels.h")]
+_HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_pool.h", "cpu_kernels.h", "simd_cpu.h")]
 _SOURCES = [os.path.join(_CSRC, name) for name in ("qgemm_cpu.c", "qgemm_panel_cpu.c", "decode_ops_cpu.c",
-                                                   "cpu_pool.c", "decoder_stack_cpu.c")]
+                                                   "prefill_attention_cpu.c", "cpu_pool.c", "decoder_stack_cpu.c")]
 PANEL_MIN_ROWS = 8  # from this many activation rows on, q4_gemm/q8_gemm run the panel kernel (measured faster)
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -92,6 +92,8 @@ def build_library(sources: list[str], headers: list[str]) -> ctypes.CDLL | None:
     lib.rotary_neox.argtypes = [_P, _I, _I, _P, _I, _I, _P, _I, _P, _P, _I, _I]
     lib.store_kv_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I]
     lib.decode_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I]
+    if hasattr(lib, "prefill_attention_bf16"):
+        lib.prefill_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I]
     return lib
 
 

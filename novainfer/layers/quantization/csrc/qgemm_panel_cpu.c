@@ -19,6 +19,7 @@
 
 #include "cpu_kernels.h"
 #include "cpu_pool.h"
+#include "simd_cpu.h"
 
 #define PNR 16
 #ifndef PMR
@@ -31,24 +32,6 @@ typedef struct {
     _Atomic int failed;
     float *y;
 } panel_job;
-
-/* 8 vectors of 8 int32 (rows) -> their transpose, in place. */
-static inline void transpose8(__m256i r[8]) {
-    __m256i t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4)
-        for (int h = 0; h < 2; h++) {
-            u[i + 2 * h] = _mm256_unpacklo_epi64(t[i + h], t[i + h + 2]);
-            u[i + 2 * h + 1] = _mm256_unpackhi_epi64(t[i + h], t[i + h + 2]);
-        }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
-        r[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
-    }
-}
 
 /* Weight rows n0.. (16, zero past N) -> wp int16 [K/2][16][2], sp/zp float [ng][16]; rows: int16 [16, K] scratch. */
 static void unpack_panel(const panel_job *j, int n0, int16_t *rows, int16_t *wp, float *sp, float *zp) {
