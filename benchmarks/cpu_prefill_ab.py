@@ -1,7 +1,7 @@
 """The default model's 512-token prefill through LLM() (defaults, fresh prompt per run): this tree's CPU prefill
 path against the one before issue 18's round 5 (dequantize + BLAS sgemm, torch SDPA attention), switched by
 module flags in one process and interleaved run by run; optionally llama.cpp's prefill in the same rounds, and
-a torch.profiler table of one prefill per path.
+a cProfile table (own time per function) of one prefill per path.
 
     python benchmarks/cpu_prefill_ab.py --rounds 7 --llamacpp --profile
 """
@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--llamacpp", action="store_true", help="llama.cpp's prefill of the same file in each round")
-    ap.add_argument("--profile", action="store_true", help="torch.profiler's top ops of one prefill per path")
+    ap.add_argument("--profile", action="store_true", help="cProfile's top functions of one prefill per path")
     args = ap.parse_args()
     import torch
 
@@ -81,12 +81,15 @@ def main() -> None:
             ratio = [b / a for a, b in zip(times[key], times[lc_key])]
             print(f"{key}: speed-up over llama.cpp per round {min(ratio):.2f}-{max(ratio):.2f}x, "
                   f"best vs best {min(times[lc_key]) / min(times[key]):.2f}x")
-    if args.profile:
-        from torch.profiler import ProfilerActivity, profile
+    if args.profile:  # cProfile: the C kernels' ctypes calls show as their Python wrappers' own time
+        import cProfile
+        import pstats
         for key, ctx in paths.items():
-            with ctx(), profile(activities=[ProfilerActivity.CPU]) as prof:
-                nova(fresh())
-            print(f"\n{key}:\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+            prof = cProfile.Profile()
+            with ctx():
+                prof.runcall(nova, fresh())
+            print(f"\n{key}:")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(14)
     llm.llm_engine.shutdown()
 
 

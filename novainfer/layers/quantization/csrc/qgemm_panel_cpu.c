@@ -27,7 +27,7 @@
 #endif
 
 typedef struct {
-    const int32_t *xt; const float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
+    const float *x; int16_t *xq; int32_t *xt; float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
     const void *w; const float *scales, *zeros; int has_zeros, q4, npanels, nchunks;
     _Atomic int failed;
     float *y;
@@ -141,15 +141,23 @@ static void panel_chunk(void *arg, int chunk) {
     }
 }
 
-/* xq int16 [M, K] -> xt int32 [ceil(M/PMR)][K/2][PMR]: a tile's k-pair p of its rows m at p * PMR + m, zero
- * past M, so the micro-kernel broadcasts them at constant offsets from one pointer. */
-static void interleave_tiles(const int16_t *xq, int M, int K, int32_t *xt) {
-    const int32_t *x32 = (const int32_t *)xq;
-    for (int t = 0; t < (M + PMR - 1) / PMR; t++)
+/* Rows of tiles c*per.. of x rounded (quantize_rows: xq, dxT, xsum) and their k-pairs interleaved into xt int32
+ * [ceil(M/PMR)][K/2][PMR] (a tile's k-pair p of row m at p * PMR + m, zero past M), so the micro-kernel broadcasts
+ * them at constant offsets from one pointer. */
+static void prepare_rows(void *arg, int c) {
+    panel_job *j = arg;
+    const int K = j->K, ntiles = (j->M + PMR - 1) / PMR, per = (ntiles + j->nchunks - 1) / j->nchunks;
+    const int t1 = (c + 1) * per < ntiles ? (c + 1) * per : ntiles;
+    if (c * per >= t1) return;
+    const int m0 = c * per * PMR, m1 = t1 * PMR < j->M ? t1 * PMR : j->M;
+    quantize_rows(j->x + (size_t)m0 * K, m1 - m0, K, j->G, j->mp, j->ngp, j->xq + (size_t)m0 * K,
+                  j->dxT + m0, j->xsum + (size_t)m0 * j->ngp, j->has_zeros);
+    const int32_t *x32 = (const int32_t *)j->xq;
+    for (int t = c * per; t < t1; t++)
         for (int m = 0; m < PMR; m++) {
             const int row = t * PMR + m;
-            int32_t *o = xt + (size_t)t * (K / 2) * PMR + m;
-            for (int p = 0; p < K / 2; p++) o[(size_t)p * PMR] = row < M ? x32[(size_t)row * (K / 2) + p] : 0;
+            int32_t *o = j->xt + (size_t)t * (K / 2) * PMR + m;
+            for (int p = 0; p < K / 2; p++) o[(size_t)p * PMR] = row < j->M ? x32[(size_t)row * (K / 2) + p] : 0;
         }
 }
 
@@ -163,9 +171,9 @@ static int run_panel(panel_job *j, const float *x, int nthreads) {
     int32_t *xt = malloc(sizeof(int16_t) * (size_t)(j->M + PMR - 1) / PMR * PMR * j->K);
     int rc = -1;
     if (xq && dxT && xsum && xt) {
-        quantize_rows(x, j->M, j->K, j->G, j->mp, j->ngp, xq, dxT, xsum, j->has_zeros);
-        interleave_tiles(xq, j->M, j->K, xt);
-        j->xt = xt; j->dxT = dxT; j->xsum = xsum;
+        j->x = x; j->xq = xq; j->xt = xt; j->dxT = dxT; j->xsum = xsum;
+        j->nchunks = j->M >= 64 ? 2 * nthreads : 1;  /* a few rows: not worth waking a worker */
+        pool_run(prepare_rows, j, j->nchunks, nthreads);
         j->npanels = (j->N + PNR - 1) / PNR;
         j->nchunks = j->npanels < 4 * nthreads ? j->npanels : 4 * nthreads;
         atomic_store(&j->failed, 0);
