@@ -22,12 +22,16 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.qgemm_rows import build_at  # noqa: E402
-from novainfer.layers.quantization import cpu_kernels  # noqa: E402
+from novainfer.attention import cpu_backend  # noqa: E402
+from novainfer.layers.quantization import cpu_kernels, gguf_cpu  # noqa: E402
 
 
 def use(lib) -> None:
-    """Every later kernel call (GEMMs and the decode-step ops) goes to lib."""
+    """Every later kernel call (GEMMs and the decode-step ops) goes to lib; an older build without the panel GEMM
+    or the C prefill attention gets the Python paths it had (dequantize + sgemm, torch attention)."""
     cpu_kernels._library = lambda: lib
+    cpu_backend.PREFILL_KERNEL = hasattr(lib, "prefill_attention_bf16")
+    gguf_cpu.PREFILL_DEQUANT = not hasattr(lib, "q4_gemm_panel")
 
 
 def timed(llm, prompts: list[list[int]], params) -> tuple[float, list[list[int]]]:

@@ -1,7 +1,7 @@
 """CPU attention over the paged cache: a decode step is one batched gather + matmul for all sequences
 (no per-sequence Python loop), a prefill step (whole prompts, chunks, tokens after a cached prefix) one C call
-over a bfloat16 cache (csrc/prefill_attention_cpu.c); other steps use the torch reference. The cache may be stored narrower than
-the activations (bfloat16 K/V under float32 activations): K/V are widened after the gather.
+over a bfloat16 cache (csrc/prefill_attention_cpu.c); other steps use the torch reference. The cache may be
+stored narrower than the activations (bfloat16 K/V under float32 activations): K/V are widened after the gather.
 
 Honours sliding_window (a query at p sees key k iff p - k < window) and logits_soft_cap
 (cap * tanh(score / cap)), the interface agreed with layers/attention.py.

@@ -1,7 +1,8 @@
 """Builds (once per machine, with the system C compiler) the AVX2 kernels in csrc/ and calls the quantized GEMM.
 
-The library (csrc/qgemm_cpu.c and its many-row form csrc/qgemm_panel_cpu.c, the decode-step ops of csrc/decode_ops_cpu.c and the prefill attention of
-csrc/prefill_attention_cpu.c, whose wrappers are in cpu_ops.py, and the one-call decode step of csrc/decoder_stack_cpu.c, wrapped by cpu_decoder.py) is cached
+The library (csrc/qgemm_cpu.c and its many-row form csrc/qgemm_panel_cpu.c; the decode-step ops of
+csrc/decode_ops_cpu.c and the prefill attention of csrc/prefill_attention_cpu.c, whose wrappers are in
+cpu_ops.py; the one-call decode step of csrc/decoder_stack_cpu.c, wrapped by cpu_decoder.py) is cached
 under ~/.cache/novainfer keyed by the sources' hash. Where no compiler or no AVX2/FMA is found, available()
 is False and GGUF weights load dequantized (one log line says why).
 """
