@@ -102,8 +102,8 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=2048)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--decode-step", type=int, default=4,
-                    help="tokens per step for the decode-path row (below the panel kernel's 8 rows)")
+    ap.add_argument("--decode-step", type=int, default=32,
+                    help="tokens per step for the decode-path row (below cpu_kernels.PANEL_MIN_ROWS)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp's figures out")
     args = ap.parse_args()

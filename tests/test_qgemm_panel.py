@@ -39,17 +39,18 @@ def test_panel_matches_dequantize_then_matmul_and_the_few_row_kernel(qtype, few_
 
 def test_panel_rows_do_not_depend_on_the_batch_or_threads():
     w = repack(random_blocks(T.Q4_1, 100, 256), T.Q4_1, (100, 256))
-    x = torch.randn(70, 256)
+    m = cpu_kernels.PANEL_MIN_ROWS + 6
+    x = torch.randn(m, 256)
     prev = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         batch = cpu_kernels.quant_gemm(x, w, panel=True)
         torch.set_num_threads(1)
         assert torch.equal(cpu_kernels.quant_gemm(x, w, panel=True), batch)
-        for r in (0, 3, 69):  # a row alone, as the first row of a tile, as the last
+        for r in (0, 3, m - 1):  # a row alone, as the first row of a tile, as the last
             assert torch.equal(cpu_kernels.quant_gemm(x[r:r + 1], w, panel=True)[0], batch[r])
-            s = min(r, 70 - 9)  # in 9 rows, which the entry point hands to the panel kernel
-            assert torch.equal(cpu_kernels.quant_gemm(x[s:s + 9], w)[r - s], batch[r])
+            s = min(r, 6)  # in PANEL_MIN_ROWS rows, which the entry point hands to the panel kernel
+            assert torch.equal(cpu_kernels.quant_gemm(x[s:s + cpu_kernels.PANEL_MIN_ROWS], w)[r - s], batch[r])
     finally:
         torch.set_num_threads(prev)
 

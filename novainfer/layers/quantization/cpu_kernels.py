@@ -26,7 +26,10 @@ _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_pool.h", "cpu_kernels.h", "simd_cpu.h")]
 _SOURCES = [os.path.join(_CSRC, name) for name in ("qgemm_cpu.c", "qgemm_panel_cpu.c", "decode_ops_cpu.c",
                                                    "prefill_attention_cpu.c", "cpu_pool.c", "decoder_stack_cpu.c")]
-PANEL_MIN_ROWS = 8  # from this many activation rows on, q4_gemm/q8_gemm run the panel kernel (measured faster)
+# From this many activation rows on, q4_gemm/q8_gemm run the panel kernel. It is faster from 8 rows on, but a
+# row's bits differ between the kernels, and decode steps below 64 rows keep a row's bits whatever its batch
+# (tests/test_qgemm_rows.py): greedy identity under batching and speculation rests on that.
+PANEL_MIN_ROWS = 64
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 

@@ -10,9 +10,9 @@
  * still but raised the default model's mean KL to the float32 reference from 0.0001 to 0.0048, above
  * llama.cpp's own 0.0047 (benchmarks/quant_accuracy.py); int16 keeps it at the float path's level.
  * The zero point's term uses the group's sum of the rounded x (its error cancels against the q term's).
- * Tiles of 4 weight rows x 3 activation rows are register-blocked (see tile()). From 8 rows on (a batch of
- * streams, a verify step, a prefill) the panel kernel of qgemm_panel_cpu.c takes over: the same int16 products,
- * laid out as a BLAS GEMM, 1.2x faster at 8 rows and 2x at 64 (benchmarks/qgemm_rows.py).
+ * Tiles of 4 weight rows x 3 activation rows are register-blocked (see tile()); a row's bits do not depend on
+ * the batch. From 64 rows on (a prefill) the panel kernel of qgemm_panel_cpu.c takes over: the same int16
+ * products laid out as a BLAS GEMM, 1.2x faster at 8 rows and 2x at 64, but summed in another float order.
  * Output rows are split over the worker pool of cpu_pool.c. Built at first use by cpu_kernels.py.
  */
 #include <immintrin.h>
@@ -242,7 +242,7 @@ static int run_gemm(gemm_job *j, const float *x, int nthreads) {
 
 /* From this many activation rows on, q4_gemm/q8_gemm hand over to the panel kernel (qgemm_panel_cpu.c); its
  * per-row arithmetic differs from this kernel's only in float summation order. */
-static int panel_min_rows = 8;
+static int panel_min_rows = 64;  /* cpu_kernels.PANEL_MIN_ROWS sets it */
 
 void set_panel_min_rows(int rows) { panel_min_rows = rows; }
 
