@@ -14,7 +14,7 @@ from torch import nn
 
 from novainfer.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 from novainfer.layers.quantization.cpu_kernels import dequantize, quant_gemm
-from novainfer.layers.quantization.gguf_repack import PackedWeight, dequantize_rows, merge_rows, repack
+from novainfer.layers.quantization.gguf_repack import PackedWeight, merge_rows, repack
 
 
 PREFILL_ROWS = 64  # the rows from which PREFILL_DEQUANT applies
@@ -91,7 +91,11 @@ class GGUFCPULinearMethod(QuantizeMethodBase):
         packed = layer.weight.packed
         if packed is None:
             return F.embedding(input_ids, layer.weight)
-        rows = dequantize_rows(packed, input_ids.reshape(-1)).to(layer.weight.act_dtype)
+        ids = input_ids.reshape(-1)
+        picked = PackedWeight(packed.kind, packed.qweight[ids], packed.scales[ids],
+                              None if packed.zeros is None else packed.zeros[ids], packed.group,
+                              (ids.numel(), packed.shape[1]))
+        rows = dequantize(picked).to(layer.weight.act_dtype)  # in C: the torch version took 30 ms for 512 tokens
         return rows.view(*input_ids.shape, -1)
 
 
