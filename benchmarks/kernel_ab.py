@@ -3,6 +3,7 @@ same process and interleaved request by request, so drifting load from other pro
 
     python benchmarks/kernel_ab.py spec --rounds 3         # n-gram speculation on/off x kernel new/old, 8 prompts
     python benchmarks/kernel_ab.py streams --rounds 3      # 16 streams x kernel new/old, llama.cpp's single stream
+    python benchmarks/kernel_ab.py streams --base b44f9c3 --panel-rows 8   # and new with the panel GEMM from 8 rows
 
 spec: benchmarks/speculation.py's prompts and settings (greedy, 128 tokens, batch 1, prefix caching off); per
 round the speed-up of speculation over none with each kernel. streams: benchmarks/throughput.py --cpu-streams'
@@ -22,12 +23,19 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.qgemm_rows import build_at  # noqa: E402
-from novainfer.layers.quantization import cpu_kernels  # noqa: E402
+from novainfer.attention import cpu_backend  # noqa: E402
+from novainfer.layers.quantization import cpu_kernels, gguf_cpu  # noqa: E402
 
 
-def use(lib) -> None:
-    """Every later kernel call (GEMMs and the decode-step ops) goes to lib."""
+def use(lib, panel_rows: int | None = None) -> None:
+    """Every later kernel call (GEMMs and the decode-step ops) goes to lib, whose GEMMs hand over to the panel
+    kernel from panel_rows rows (None: the default); an older build without the panel GEMM or the C prefill
+    attention gets the Python paths it had (dequantize + sgemm, torch attention)."""
     cpu_kernels._library = lambda: lib
+    if hasattr(lib, "set_panel_min_rows"):
+        lib.set_panel_min_rows(panel_rows or cpu_kernels.PANEL_MIN_ROWS)
+    cpu_backend.PREFILL_KERNEL = hasattr(lib, "prefill_attention_bf16")
+    gguf_cpu.PREFILL_DEQUANT = not hasattr(lib, "q4_gemm_panel")
 
 
 def timed(llm, prompts: list[list[int]], params) -> tuple[float, list[list[int]]]:
@@ -53,7 +61,7 @@ def spec(args, libs) -> dict:
         for i, p in enumerate(prompts):
             order = [(k, e) for k in libs for e in engines]
             for kernel, eng in (order if (r + i) % 2 == 0 else order[::-1]):
-                use(libs[kernel])
+                use(*libs[kernel])
                 t, toks = timed(engines[eng], [p], params)
                 wall[kernel, eng] += t
                 tokens.setdefault((kernel, eng, i), toks[0])
@@ -81,7 +89,7 @@ def streams(args, libs) -> dict:
     batches = iter(range(0, len(prompts) - 1, args.streams))
     for r in range(args.rounds):
         for kernel in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
-            use(libs[kernel])
+            use(*libs[kernel])
             b = next(batches)  # fresh prompts every run: no prefix-cache help
             t, toks = timed(llm, prompts[b:b + args.streams], params)
             res[kernel].append(sum(map(len, toks)) / t)
@@ -108,9 +116,13 @@ def main() -> None:
     ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--panel-rows", type=int, default=None,
+                    help="a third variant: this tree's kernels handing over to the panel GEMM from this many rows")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    libs = {"new": cpu_kernels.library(), "old": build_at(args.base)}
+    libs = {"new": (cpu_kernels.library(),), "old": (build_at(args.base),)}
+    if args.panel_rows:
+        libs[f"new, panel from {args.panel_rows} rows"] = (cpu_kernels.library(), args.panel_rows)
     out = spec(args, libs) if args.mode == "spec" else streams(args, libs)
     for k, v in out.get("speedup", out["tok_s"]).items():
         print(f"{k}: median {statistics.median(v):.2f}, range {min(v):.2f}-{max(v):.2f}")

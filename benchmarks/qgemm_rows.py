@@ -8,6 +8,11 @@ the same process, interleaved, at 1 and 2 threads.
 Prints per layer and row count the median microseconds of each build and new/old, and a whole-model estimate
 (every decoder layer's GEMMs plus the lm_head, per step). The GEMM is compute-bound past one row, so the row
 counts of a speculative verify step (k + 1) and of 16 streams are what this measures.
+
+    python benchmarks/qgemm_rows.py --prefill --rows 64 512 2048   # panel GEMM vs dequantize + BLAS sgemm
+
+--prefill times, per decoder layer shape, this tree's panel GEMM (csrc/qgemm_panel_cpu.c) against the path it
+replaced for prefills (the weight dequantized to float32 in C, then torch's sgemm), interleaved, in GFLOPS.
 """
 from __future__ import annotations
 
@@ -82,9 +87,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 5, 8, 16])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds; the median is reported")
+    ap.add_argument("--prefill", action="store_true", help="panel GEMM vs dequantize + sgemm (see above)")
     args = ap.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("the quantized CPU kernels are not available on this machine")
+    if args.prefill:
+        return prefill(args)
     libs = {"old": build_at(args.base), "new": cpu_kernels.library()}
     layers = model_layers()
     print(f"base {args.base}; layers: " + ", ".join(f"{k} {w.kind} {w.shape[0]}x{w.shape[1]} (x{c})"
@@ -114,6 +122,39 @@ def main() -> None:
         print(f"{'ms/row':>10} " + " ".join(
             f"{step[m]['old'] / 1e3 / m:7.2f}/{step[m]['new'] / 1e3 / m:7.2f}ms      " for m in args.rows))
     cpu_kernels.set_num_threads(None)
+
+
+def prefill(args: argparse.Namespace) -> None:
+    """Each decoder layer shape at each row count: the panel GEMM against dequantize + torch sgemm."""
+    import torch.nn.functional as F
+    layers = {k: v for k, v in model_layers().items() if k != "lm_head"}  # a prefill's lm_head sees one row
+    torch_threads = torch.get_num_threads()
+    for threads in args.threads:
+        cpu_kernels.set_num_threads(threads)
+        torch.set_num_threads(threads)
+        print(f"\nthreads {threads}: median ms, dequantize + sgemm / panel GEMM (GFLOPS), speed-up")
+        for m in args.rows:
+            total = {"sgemm": 0.0, "panel": 0.0}
+            for key, (w, count) in layers.items():
+                x = torch.randn(m, w.shape[1])
+                fns = {"sgemm": lambda: F.linear(x, cpu_kernels.dequantize(w)),
+                       "panel": lambda: cpu_kernels.quant_gemm(x, w, panel=True)}
+                inner = max(1, int(5e8 / (w.shape[0] * w.shape[1] * m)))
+                res = {k: [] for k in fns}
+                for _ in range(args.repeats):
+                    for name, fn in fns.items():
+                        res[name] += time_us(fn, 1, inner)
+                med = {k: statistics.median(v) / 1e3 for k, v in res.items()}
+                flop = 2 * m * w.shape[0] * w.shape[1]
+                for k in total:
+                    total[k] += med[k] * count
+                gf = {k: flop / v / 1e6 for k, v in med.items()}
+                print(f"M={m:5} {key:>8} {w.shape[0]}x{w.shape[1]}: {med['sgemm']:7.2f} ({gf['sgemm']:4.0f}) / "
+                      f"{med['panel']:7.2f} ({gf['panel']:4.0f})  {med['sgemm'] / med['panel']:.2f}x")
+            print(f"M={m:5} all layers: {total['sgemm']:.1f} / {total['panel']:.1f} ms "
+                  f"({total['sgemm'] / total['panel']:.2f}x)")
+    cpu_kernels.set_num_threads(None)
+    torch.set_num_threads(torch_threads)
 
 
 if __name__ == "__main__":

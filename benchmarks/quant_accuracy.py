@@ -31,8 +31,9 @@ def english_text() -> str:
 def novainfer_logits(path: str, chunks: list[list[int]], quantized: bool, step: int | None = None) -> torch.Tensor:
     """Float32 logits of every position of every chunk: GGUF kept quantized (the default CPU path: float32
     activations here, bfloat16 KV) or the float32 dequantized reference with a float32 cache. A chunk goes in
-    as one prefill, or with `step`, in steps of that many tokens over the cache (below gguf_cpu.PREFILL_ROWS
-    they take the decode kernel, int16-rounded activations, as generated tokens do)."""
+    as one prefill (the panel GEMM), or with `step`, in steps of that many tokens over the cache (below
+    cpu_kernels.PANEL_MIN_ROWS they take the few-row kernel, as a decode step of a few streams does; both round
+    activations to int16)."""
     from novainfer.attention import cpu_backend
     from novainfer.attention.metadata import AttentionMetadata, attention_metadata
     from novainfer.layers.attention import Attention
@@ -102,7 +103,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--decode-step", type=int, default=32,
-                    help="tokens per step for the decode-path row (below the prefill threshold of 64 rows)")
+                    help="tokens per step for the decode-path row (below cpu_kernels.PANEL_MIN_ROWS)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp's figures out")
     args = ap.parse_args()
@@ -127,9 +128,9 @@ def main() -> None:
     r["seconds"] = time.perf_counter() - t0
     print(f"\nreference: float32 dequantized weights, float32 KV; {r['positions']} teacher-forced positions of "
           f"the Apache-2.0 text in chunks of {args.ctx}\n| engine | mean KL | top-1 agreement |\n|---|---|---|")
-    print(f"| NovaInfer, prefill path (quantized weights dequantized per layer, bf16 KV) | {kl:.5f} | {top1:.2%} |")
-    print(f"| NovaInfer, decode path (steps of {args.decode_step}: int16-rounded activations, bf16 KV) | {dkl:.5f} "
-          f"| {dtop1:.2%} |")
+    print(f"| NovaInfer, prefill path (panel GEMM: int16-rounded activations, bf16 KV) | {kl:.5f} | {top1:.2%} |")
+    print(f"| NovaInfer, decode path (steps of {args.decode_step}: few-row GEMM, int16-rounded activations, bf16 KV) "
+          f"| {dkl:.5f} | {dtop1:.2%} |")
     if "llamacpp_kl" in r:
         print(f"| llama.cpp {r['llamacpp_version']} | {r['llamacpp_kl']:.5f} | {r['llamacpp_top1']:.2%} |")
     if args.json:

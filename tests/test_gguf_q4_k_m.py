@@ -127,6 +127,7 @@ def test_prefill_path_dequantizes_large_weights_in_row_chunks(monkeypatch):
     layer.weight.packed = gguf_repack.repack(format_blocks(T.Q6_K, n, k), T.Q6_K, (n, k))
     x, bias = torch.randn(gguf_cpu.PREFILL_ROWS + 3, k), torch.randn(n)
     want = x.double() @ layer.weight.packed.dequantize().double().T + bias.double()
+    monkeypatch.setattr(gguf_cpu, "PREFILL_DEQUANT", True)  # the path before the panel GEMM, kept for A/B runs
     monkeypatch.setattr(gguf_cpu, "DEQUANT_CHUNK_BYTES", 4 * k * 128)  # 128 rows a chunk: 3 chunks, the last short
     calls, real = [], gguf_cpu.dequantize
     monkeypatch.setattr(gguf_cpu, "dequantize", lambda w: calls.append(w.shape[0]) or real(w))

@@ -53,6 +53,19 @@ def test_repack_is_exact_and_kernel_matches_dequantize_then_matmul(qtype, n, k):
         assert (y.double() - ref).norm() < 1e-4 * ref.norm()  # and typically far inside the bound
 
 
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.Q6_K], ids=lambda t: t.name)
+def test_embedding_lookup_equals_the_dequantized_rows(qtype):
+    from novainfer.layers.quantization.gguf_cpu import GGUFCPULinearMethod
+    blocks = random_blocks(qtype, 300, 256)
+    layer = torch.nn.Module()
+    method = GGUFCPULinearMethod()
+    layer.weight = method.create_weights(layer, 300, 256)
+    layer.weight.packed = repack(blocks, qtype, (300, 256))
+    ids = torch.tensor([[0, 299, 7], [7, 150, 1]])
+    ref = torch.from_numpy(dequantize(blocks, qtype).reshape(300, 256).astype(np.float32))[ids]
+    torch.testing.assert_close(method.embedding(layer, ids), ref, rtol=1e-6, atol=1e-7)
+
+
 def test_kernel_gives_the_same_bits_on_one_thread_or_many():
     w = repack(random_blocks(T.Q4_1, 1000, 512), T.Q4_1, (1000, 512))
     x = torch.randn(5, 512)

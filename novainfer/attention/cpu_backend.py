@@ -1,6 +1,7 @@
 """CPU attention over the paged cache: a decode step is one batched gather + matmul for all sequences
-(no per-sequence Python loop); other steps use the torch reference. The cache may be stored narrower than
-the activations (bfloat16 K/V under float32 activations): K/V are widened after the gather.
+(no per-sequence Python loop), a prefill step (whole prompts, chunks, tokens after a cached prefix) one C call
+over a bfloat16 cache (csrc/prefill_attention_cpu.c); other steps use the torch reference. The cache may be
+stored narrower than the activations (bfloat16 K/V under float32 activations): K/V are widened after the gather.
 
 Honours sliding_window (a query at p sees key k iff p - k < window) and logits_soft_cap
 (cap * tanh(score / cap)), the interface agreed with layers/attention.py.
@@ -13,6 +14,9 @@ import torch.nn.functional as F
 from novainfer.attention import torch_backend
 from novainfer.attention.metadata import AttentionMetadata
 from novainfer.layers.quantization import cpu_kernels, cpu_ops
+
+
+PREFILL_KERNEL = True  # steps with more than one new token: the C kernel (False: torch SDPA or the reference; A/B)
 
 
 def _c_path(x: torch.Tensor, cache: torch.Tensor) -> bool:
@@ -39,6 +43,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
     if meta.per_token is not None:  # a verify step: every token as a decode step computes it
         return decode_attention(query, k_cache, v_cache, meta.per_token, scale, sliding_window, logits_soft_cap)
+    if PREFILL_KERNEL and _c_path(query, k_cache) and query.stride(1) == query.shape[2] and query.shape[2] % 16 == 0:
+        return cpu_ops.prefill_attention_bf16(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
+                                              meta.seq_lens, scale, sliding_window, logits_soft_cap)
     if sliding_window is None and logits_soft_cap is None and _fresh_prompts_only(meta):
         return prefill_attention(query, k_cache, v_cache, meta, scale)
     extra = {k: v for k, v in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap))

@@ -1,7 +1,8 @@
 """Builds (once per machine, with the system C compiler) the AVX2 kernels in csrc/ and calls the quantized GEMM.
 
-The library (csrc/qgemm_cpu.c, the decode-step ops of csrc/decode_ops_cpu.c, whose wrappers are in
-cpu_ops.py, and the one-call decode step of csrc/decoder_stack_cpu.c, wrapped by cpu_decoder.py) is cached
+The library (csrc/qgemm_cpu.c and its many-row form csrc/qgemm_panel_cpu.c; the decode-step ops of
+csrc/decode_ops_cpu.c and the prefill attention of csrc/prefill_attention_cpu.c, whose wrappers are in
+cpu_ops.py; the one-call decode step of csrc/decoder_stack_cpu.c, wrapped by cpu_decoder.py) is cached
 under ~/.cache/novainfer keyed by the sources' hash. Where no compiler or no AVX2/FMA is found, available()
 is False and GGUF weights load dequantized (one log line says why).
 """
@@ -22,9 +23,13 @@ from novainfer.layers.quantization.gguf_repack import PackedWeight
 
 logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_pool.h", "cpu_kernels.h")]
-_SOURCES = [os.path.join(_CSRC, name) for name in ("qgemm_cpu.c", "decode_ops_cpu.c", "cpu_pool.c",
-                                                   "decoder_stack_cpu.c")]
+_HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_pool.h", "cpu_kernels.h", "simd_cpu.h")]
+_SOURCES = [os.path.join(_CSRC, name) for name in ("qgemm_cpu.c", "qgemm_panel_cpu.c", "decode_ops_cpu.c",
+                                                   "prefill_attention_cpu.c", "cpu_pool.c", "decoder_stack_cpu.c")]
+# From this many activation rows on, q4_gemm/q8_gemm run the panel kernel. It is faster from 8 rows on, but a
+# row's bits differ between the kernels, and decode steps below 64 rows keep a row's bits whatever its batch
+# (tests/test_qgemm_rows.py): greedy identity under batching and speculation rests on that.
+PANEL_MIN_ROWS = 64
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 
@@ -79,6 +84,11 @@ def build_library(sources: list[str], headers: list[str]) -> ctypes.CDLL | None:
     lib = ctypes.CDLL(target)
     lib.q4_gemm.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P, _I]
     lib.q8_gemm.argtypes = [_P, _I, _I, _P, _I, _P, _P, _I, _I, _P, _I]
+    if hasattr(lib, "q4_gemm_panel"):  # absent from an older commit's build (benchmarks)
+        lib.q4_gemm_panel.argtypes = lib.q4_gemm.argtypes
+        lib.q8_gemm_panel.argtypes = lib.q8_gemm.argtypes
+        lib.set_panel_min_rows.argtypes = [_I]
+        lib.set_panel_min_rows(PANEL_MIN_ROWS)
     _F = ctypes.c_float
     lib.dequantize.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P, _I]
     lib.add_rms_norm.argtypes = [_P, _P, _P, _P, _F, _P, _I, _I]
@@ -86,6 +96,8 @@ def build_library(sources: list[str], headers: list[str]) -> ctypes.CDLL | None:
     lib.rotary_neox.argtypes = [_P, _I, _I, _P, _I, _I, _P, _I, _P, _P, _I, _I]
     lib.store_kv_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I]
     lib.decode_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I]
+    if hasattr(lib, "prefill_attention_bf16"):
+        lib.prefill_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I]
     return lib
 
 
@@ -114,25 +126,34 @@ def num_threads() -> int:
     return _kernel_threads or torch.get_num_threads()
 
 
+def set_panel_min_rows(rows: int) -> None:
+    """Rows from which the GEMM entry points run the panel kernel (a huge number: never; benchmarks' A/B)."""
+    if rows < 1:
+        raise ValueError(f"panel rows must be >= 1, got {rows}")
+    library().set_panel_min_rows(min(rows, 2**31 - 1))
+
+
 def available() -> bool:
     """True when the kernels can run on this machine (building them on first call)."""
     return _library() is not None
 
 
-def quant_gemm(x: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+def quant_gemm(x: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL | None = None, panel: bool = False) -> torch.Tensor:
     """x [M, K] float32 contiguous @ dequant(w)^T -> [M, N] float32 (x rounded to int16 per block of 32); lib:
-    another build of the kernels (benchmarks), else this one."""
+    another build of the kernels (benchmarks), else this one; panel: the many-row kernel of csrc/qgemm_panel_cpu.c
+    at any row count (by default the library picks it from PANEL_MIN_ROWS rows on)."""
     lib = lib or _library()
+    q4_gemm, q8_gemm = (lib.q4_gemm_panel, lib.q8_gemm_panel) if panel else (lib.q4_gemm, lib.q8_gemm)
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     threads = _kernel_threads or torch.get_num_threads()
     if w.kind == "q4":
-        rc = lib.q4_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(), n,
+        rc = q4_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(), n,
                          y.data_ptr(), threads)
     else:
         zeros = w.zeros if w.zeros is not None else w.scales  # never read without has_zeros
-        rc = lib.q8_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), w.group, w.scales.data_ptr(), zeros.data_ptr(),
+        rc = q8_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), w.group, w.scales.data_ptr(), zeros.data_ptr(),
                          int(w.zeros is not None), n, y.data_ptr(), threads)
     if rc:
         raise MemoryError(f"quantized CPU GEMM: no memory for a [{m}, {k}] activation's scratch")

@@ -1,5 +1,6 @@
 """The float32 ops of a CPU decode step in C (csrc/decode_ops_cpu.c): each replaces 5-10 small torch ops,
-whose per-op cost dominated a 30-layer decode step of the default model once the weights were quantized.
+whose per-op cost dominated a 30-layer decode step of the default model once the weights were quantized;
+and the prefill attention over the bf16 cache (csrc/prefill_attention_cpu.c).
 
 Used by the layers of a model built for the quantized CPU path (QuantizationConfig.fused_cpu_ops); the
 float32 exact path (dtype="float32") keeps the torch ops. Each wrapper checks what the C code assumes.
@@ -78,4 +79,25 @@ def decode_attention_bf16(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         logits_soft_cap or 0.0, out.data_ptr(), num_threads())
     if rc:
         raise MemoryError("decode attention: no memory for the scores")
+    return out
+
+
+def prefill_attention_bf16(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float, sliding_window: int | None,
+                           logits_soft_cap: float | None) -> torch.Tensor:
+    """Each sequence's new tokens, query [T, heads, D] (the i-th of q at position seq_len - q + i), causal over
+    the bf16 paged cache (which already holds them) -> [T, heads, D] float32."""
+    t, nh, d = query.shape
+    block_size, nkv = k_cache.shape[1], k_cache.shape[2]
+    tables = block_tables.to(torch.int32).contiguous()
+    starts = query_start_loc.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty(t, nh, d, dtype=torch.float32)
+    rc = library().prefill_attention_bf16(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+        tables.shape[1], starts.data_ptr(), lens.data_ptr(), lens.shape[0], nh, nkv, d, block_size, scale,
+        sliding_window or 0, logits_soft_cap or 0.0, out.data_ptr(), num_threads())
+    if rc:
+        raise MemoryError("prefill attention: no memory for the widened K/V or the scores")
     return out

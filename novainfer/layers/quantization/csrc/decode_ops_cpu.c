@@ -9,13 +9,7 @@
 #include <string.h>
 
 #include "cpu_pool.h"
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(s);
-}
+#include "simd_cpu.h"
 
 /* out = w * h / sqrt(mean(h^2) + eps) per row, where h = x + res (stored into res_out) or x alone. */
 void add_rms_norm(const float *x, const float *res, float *res_out, const float *w, float eps, float *out,
@@ -33,23 +27,6 @@ void add_rms_norm(const float *x, const float *res, float *res_out, const float 
         float *o = out + (size_t)m * H;
         for (int j = 0; j < H; j++) o[j] = w[j] * (h[j] * r);
     }
-}
-
-/* exp(x) for 8 floats (Cephes' polynomial, relative error ~1e-7 on [-87, 88]). */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 /* out[m, j] = silu(x[m, j]) * x[m, D + j] for x [M, 2D]. */
@@ -107,10 +84,6 @@ void store_kv_bf16(const float *k, int k_stride, const float *v, int v_stride, u
             vc[j] = to_bf16(v[(size_t)t * v_stride + j]);
         }
     }
-}
-
-static inline __m256 load_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
 typedef struct {

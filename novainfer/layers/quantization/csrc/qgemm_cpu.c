@@ -10,9 +10,9 @@
  * still but raised the default model's mean KL to the float32 reference from 0.0001 to 0.0048, above
  * llama.cpp's own 0.0047 (benchmarks/quant_accuracy.py); int16 keeps it at the float path's level.
  * The zero point's term uses the group's sum of the rounded x (its error cancels against the q term's).
- * Tiles of 4 weight rows x 3 activation rows are register-blocked (see tile()): the kernel is compute-bound past
- * one row, so a speculative verify step (k + 1 rows) or a batch of streams costs far less than that many
- * one-row steps (benchmarks/qgemm_rows.py).
+ * Tiles of 4 weight rows x 3 activation rows are register-blocked (see tile()); a row's bits do not depend on
+ * the batch. From 64 rows on (a prefill) the panel kernel of qgemm_panel_cpu.c takes over: the same int16
+ * products laid out as a BLAS GEMM, 1.2x faster at 8 rows and 2x at 64, but summed in another float order.
  * Output rows are split over the worker pool of cpu_pool.c. Built at first use by cpu_kernels.py.
  */
 #include <immintrin.h>
@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <stddef.h>
 
+#include "cpu_kernels.h"
 #include "cpu_pool.h"
 
 #define TILE_M 4
@@ -34,7 +35,7 @@ static inline float hsum(__m256 v) {
 
 /* x [M, K] -> xq int16 [M, K], dxT [K/32, mp] (xq * dx ~ x, transposed so one load serves a tile's rows),
  * xsum [M, ngp] (sums of xq * dx per group of G, zero past K/G). */
-static void quantize_rows(const float *x, int M, int K, int G, int mp, int ngp, int16_t *xq, float *dxT,
+void quantize_rows(const float *x, int M, int K, int G, int mp, int ngp, int16_t *xq, float *dxT,
                           float *xsum, int xsum_needed) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int m = 0; m < M; m++) {
@@ -81,20 +82,19 @@ typedef struct {
 
 /* Weight rows n0..n0+nr unpacked to int16 [nr, K]. 4-bit: w[N, K/2] bytes; group g of 32 is bytes [16g, 16g+16):
  * low nibble = element j, high = j+16 (GGML's Q4_0/Q4_1 order). 8-bit: w[N, K] int8. */
-static void unpack_rows(const gemm_job *j, int n0, int nr, int16_t *wb) {
-    const int K = j->K;
+void unpack_weight_rows(const void *w, int q4, int K, int n0, int nr, int16_t *wb) {
     const __m256i mask = _mm256_set1_epi16(0x0f);
     for (int r = 0; r < nr; r++) {
         int16_t *o = wb + (size_t)r * K;
-        if (j->q4) {
-            const uint8_t *wr = (const uint8_t *)j->w + (size_t)(n0 + r) * (K / 2);
+        if (q4) {
+            const uint8_t *wr = (const uint8_t *)w + (size_t)(n0 + r) * (K / 2);
             for (int g = 0; g < K / 32; g++) {
                 __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wr + g * 16)));
                 _mm256_storeu_si256((__m256i *)(o + g * 32), _mm256_and_si256(b, mask));
                 _mm256_storeu_si256((__m256i *)(o + g * 32 + 16), _mm256_srli_epi16(b, 4));
             }
         } else {
-            const int8_t *wr = (const int8_t *)j->w + (size_t)(n0 + r) * K;
+            const int8_t *wr = (const int8_t *)w + (size_t)(n0 + r) * K;
             for (int c = 0; c < K; c += 16)
                 _mm256_storeu_si256((__m256i *)(o + c), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + c))));
         }
@@ -201,11 +201,11 @@ static void gemm_chunk(void *arg, int chunk) {
     const int n0 = chunk * per, n1 = n0 + per < j->N ? n0 + per : j->N;
     int n = n0;
     for (; n + NB <= n1; n += NB) {
-        unpack_rows(j, n, NB, wb);
+        unpack_weight_rows(j->w, j->q4, j->K, n, NB, wb);
         rows_block(j, wb, pt, n, NB);
     }
     for (; n < n1; n++) {
-        unpack_rows(j, n, 1, wb);
+        unpack_weight_rows(j->w, j->q4, j->K, n, 1, wb);
         rows_block(j, wb, pt, n, 1);
     }
 }
@@ -240,8 +240,15 @@ static int run_gemm(gemm_job *j, const float *x, int nthreads) {
     return rc;
 }
 
+/* From this many activation rows on, q4_gemm/q8_gemm hand over to the panel kernel (qgemm_panel_cpu.c); its
+ * per-row arithmetic differs from this kernel's only in float summation order. */
+static int panel_min_rows = 64;  /* cpu_kernels.PANEL_MIN_ROWS sets it */
+
+void set_panel_min_rows(int rows) { panel_min_rows = rows; }
+
 int q4_gemm(const float *x, int M, int K, const uint8_t *w, const float *scales, const float *zeros,
             int N, float *y, int nthreads) {
+    if (M >= panel_min_rows) return q4_gemm_panel(x, M, K, w, scales, zeros, N, y, nthreads);
     gemm_job j = {.M = M, .K = K, .G = 32, .N = N, .w = w, .scales = scales, .zeros = zeros, .has_zeros = 1,
                   .q4 = 1, .y = y};
     return run_gemm(&j, x, nthreads);
@@ -249,6 +256,7 @@ int q4_gemm(const float *x, int M, int K, const uint8_t *w, const float *scales,
 
 int q8_gemm(const float *x, int M, int K, const int8_t *w, int G, const float *scales, const float *zeros,
             int has_zeros, int N, float *y, int nthreads) {
+    if (M >= panel_min_rows) return q8_gemm_panel(x, M, K, w, G, scales, zeros, has_zeros, N, y, nthreads);
     gemm_job j = {.M = M, .K = K, .G = G, .N = N, .w = w, .scales = scales, .zeros = zeros,
                   .has_zeros = has_zeros, .q4 = 0, .y = y};
     return run_gemm(&j, x, nthreads);

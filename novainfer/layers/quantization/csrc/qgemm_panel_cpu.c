@@ -1,0 +1,199 @@
+/* Many-row (prefill) quantized GEMM for AVX2: y[M,N] = x[M,K] @ dequant(W)[N,K]^T with the same int16
+ * activations as qgemm_cpu.c (quantize_rows: per row, blocks of 32, step max|x| / 32767), so the model's
+ * accuracy is that of the few-row kernel.
+ *
+ * Where qgemm_cpu.c dots one weight row with one activation row (a horizontal sum per group), this kernel is
+ * laid out as a BLAS GEMM: a panel of PNR = 16 weight rows is unpacked once to int16 [K/2][16][2] (a k-pair of
+ * 16 outputs per two vectors), and each activation row's k-pair is broadcast against it, so one madd gives
+ * 8 outputs' partial sums and the int32 accumulators need no reduction. Per group of G weights the integer
+ * sums are scaled in float (weight scale * activation step) and the zero-point term (zero * the group's sum of
+ * the rounded x) is added. Tiles of PMR activation rows x 16 outputs keep 2 * PMR int32 accumulators in
+ * registers. Panels are split over the worker pool (cpu_pool.c). Past about 64 rows it beats dequantizing
+ * the weight to float32 for BLAS sgemm (benchmarks/qgemm_rows.py --prefill).
+ */
+#include <immintrin.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+#include "cpu_pool.h"
+#include "simd_cpu.h"
+
+#define PNR 16
+#ifndef PMR
+#define PMR 4
+#endif
+
+typedef struct {
+    const float *x; int16_t *xq; int32_t *xt; float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
+    const void *w; const float *scales, *zeros; int has_zeros, q4, npanels, nchunks;
+    _Atomic int failed;
+    float *y;
+} panel_job;
+
+/* Weight rows n0.. (16, zero past N) -> wp int16 [K/2][16][2], sp/zp float [ng][16]; rows: int16 [16, K] scratch. */
+static void unpack_panel(const panel_job *j, int n0, int16_t *rows, int16_t *wp, float *sp, float *zp) {
+    const int K = j->K, ng = j->ng, nr = j->N - n0 < PNR ? j->N - n0 : PNR;
+    unpack_weight_rows(j->w, j->q4, K, n0, nr, rows);
+    memset(rows + (size_t)nr * K, 0, sizeof(int16_t) * (size_t)(PNR - nr) * K);
+    for (int g = 0; g < ng; g++)
+        for (int n = 0; n < PNR; n++) {
+            sp[g * PNR + n] = n < nr ? j->scales[(size_t)(n0 + n) * ng + g] : 0.f;
+            zp[g * PNR + n] = n < nr && j->has_zeros ? j->zeros[(size_t)(n0 + n) * ng + g] : 0.f;
+        }
+    /* row n's k-pair p (one int32) goes to wp32[p * 16 + n]: 8x8 transposes of int32 */
+    const int32_t *r32 = (const int32_t *)rows;
+    int32_t *w32 = (int32_t *)wp;
+    for (int p = 0; p < K / 2; p += 8)
+        for (int h = 0; h < PNR; h += 8) {
+            __m256i r[8];
+            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(r32 + (size_t)(h + i) * (K / 2) + p));
+            transpose8(r);
+            for (int i = 0; i < 8; i++) _mm256_storeu_si256((__m256i *)(w32 + (size_t)(p + i) * PNR + h), r[i]);
+        }
+}
+
+/* a[m][h] += the int32 dot products of n k-pairs: panel vectors w (2 per k-pair) times row m's k-pair broadcast.
+ * In assembly: gcc spilled accumulators of the intrinsics version (1.3-1.6x slower). */
+#define ROW(m) "vpbroadcastd " #m "*4(%[x]), %%ymm13\n\t" \
+               "vpmaddwd %%ymm13, %%ymm14, %%ymm12\n\tvpaddd %%ymm12, %[a" #m "0], %[a" #m "0]\n\t" \
+               "vpmaddwd %%ymm13, %%ymm15, %%ymm12\n\tvpaddd %%ymm12, %[a" #m "1], %[a" #m "1]\n\t"
+#define ACC(m) [a##m##0] "+x"(r##m##0), [a##m##1] "+x"(r##m##1)
+static inline __attribute__((always_inline)) void kpairs(const __m256i *w, const int32_t *x, int n, __m256i a[PMR][2]) {
+    __m256i r00 = _mm256_setzero_si256(), r01 = r00, r10 = r00, r11 = r00, r20 = r00, r21 = r00, r30 = r00, r31 = r00;
+#if PMR == 6
+    __m256i r40 = r00, r41 = r00, r50 = r00, r51 = r00;
+#endif
+    for (int p = 0; p < n; p++, w += 2, x += PMR) {
+#if PMR == 4
+        __asm__("vmovdqa (%[w]), %%ymm14\n\tvmovdqa 32(%[w]), %%ymm15\n\t" ROW(0) ROW(1) ROW(2) ROW(3)
+                : ACC(0), ACC(1), ACC(2), ACC(3) : [w] "r"(w), [x] "r"(x) : "xmm12", "xmm13", "xmm14", "xmm15");
+#elif PMR == 6
+        __asm__("vmovdqa (%[w]), %%ymm14\n\tvmovdqa 32(%[w]), %%ymm15\n\t" ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+                : ACC(0), ACC(1), ACC(2), ACC(3), ACC(4), ACC(5) : [w] "r"(w), [x] "r"(x)
+                : "xmm12", "xmm13", "xmm14", "xmm15");
+#else
+#error "PMR must be 4 or 6"
+#endif
+    }
+    a[0][0] = r00; a[0][1] = r01; a[1][0] = r10; a[1][1] = r11; a[2][0] = r20; a[2][1] = r21; a[3][0] = r30; a[3][1] = r31;
+#if PMR == 6
+    a[4][0] = r40; a[4][1] = r41; a[5][0] = r50; a[5][1] = r51;
+#endif
+}
+#undef ROW
+#undef ACC
+
+/* y[m0..m0+mr, n0..] from the unpacked panel; the tile's activations are xt's [K/2][PMR] k-pairs. */
+static inline __attribute__((always_inline)) void panel_tile(const panel_job *j, const int16_t *wp, const float *sp,
+                                                             const float *zp, int n0, int m0, const int mr, const int G) {
+    const int K = j->K, mp = j->mp;
+    const int32_t *xt = j->xt + (size_t)(m0 / PMR) * (K / 2) * PMR;
+    float f[PMR][PNR] __attribute__((aligned(32))) = {{0}};  /* float sums: touched once per group */
+    const __m256i *wv = (const __m256i *)wp;
+    for (int g = 0; g < K / G; g++) {
+        __m256i a[PMR][2];
+        const int p0 = g * G / 2;
+        kpairs(wv + 2 * p0, xt + (size_t)p0 * PMR, G / 2, a);
+        const float *dx = j->dxT + (size_t)(g * G / 32) * mp + m0;
+        for (int h = 0; h < 2; h++) {
+            const __m256 s = _mm256_load_ps(sp + g * PNR + 8 * h), z = _mm256_load_ps(zp + g * PNR + 8 * h);
+            for (int m = 0; m < mr; m++) {
+                __m256 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[m][h]), _mm256_mul_ps(s, _mm256_set1_ps(dx[m])),
+                                             _mm256_load_ps(f[m] + 8 * h));
+                if (j->has_zeros)
+                    acc = _mm256_fmadd_ps(z, _mm256_set1_ps(j->xsum[(size_t)(m0 + m) * j->ngp + g]), acc);
+                _mm256_store_ps(f[m] + 8 * h, acc);
+            }
+        }
+    }
+    const int nr = j->N - n0 < PNR ? j->N - n0 : PNR;
+    for (int m = 0; m < mr; m++) memcpy(j->y + (size_t)(m0 + m) * j->N + n0, f[m], sizeof(float) * nr);
+}
+
+static __thread void *pscratch;
+static __thread size_t pscratch_cap;
+
+static void panel_chunk(void *arg, int chunk) {
+    panel_job *j = arg;
+    const size_t wbytes = sizeof(int16_t) * PNR * (size_t)j->K, fbytes = sizeof(float) * PNR * (size_t)j->ng;
+    const size_t need = 2 * wbytes + 2 * fbytes + 256;
+    if (need > pscratch_cap) {
+        free(pscratch);
+        pscratch = aligned_alloc(64, (need + 63) / 64 * 64);
+        pscratch_cap = pscratch ? need : 0;
+        if (!pscratch) { atomic_store(&j->failed, 1); return; }
+    }
+    int16_t *rows = pscratch, *wp = (int16_t *)((char *)pscratch + (wbytes + 63) / 64 * 64);
+    float *sp = (float *)((char *)wp + (wbytes + 63) / 64 * 64), *zp = sp + (size_t)PNR * j->ng;
+    const int per = (j->npanels + j->nchunks - 1) / j->nchunks;
+    for (int pnl = chunk * per; pnl < (chunk + 1) * per && pnl < j->npanels; pnl++) {
+        const int n0 = pnl * PNR;
+        unpack_panel(j, n0, rows, wp, sp, zp);
+        for (int m0 = 0; m0 < j->M; m0 += PMR) {
+            const int mr = j->M - m0 < PMR ? j->M - m0 : PMR;
+#define PT(MR) do { if (j->G == 32) panel_tile(j, wp, sp, zp, n0, m0, MR, 32); else panel_tile(j, wp, sp, zp, n0, m0, MR, 16); } while (0)
+            if (mr == PMR) PT(PMR); else PT(mr);
+#undef PT
+        }
+    }
+}
+
+/* Rows of tiles c*per.. of x rounded (quantize_rows: xq, dxT, xsum) and their k-pairs interleaved into xt int32
+ * [ceil(M/PMR)][K/2][PMR] (a tile's k-pair p of row m at p * PMR + m, zero past M), so the micro-kernel broadcasts
+ * them at constant offsets from one pointer. */
+static void prepare_rows(void *arg, int c) {
+    panel_job *j = arg;
+    const int K = j->K, ntiles = (j->M + PMR - 1) / PMR, per = (ntiles + j->nchunks - 1) / j->nchunks;
+    const int t1 = (c + 1) * per < ntiles ? (c + 1) * per : ntiles;
+    if (c * per >= t1) return;
+    const int m0 = c * per * PMR, m1 = t1 * PMR < j->M ? t1 * PMR : j->M;
+    quantize_rows(j->x + (size_t)m0 * K, m1 - m0, K, j->G, j->mp, j->ngp, j->xq + (size_t)m0 * K,
+                  j->dxT + m0, j->xsum + (size_t)m0 * j->ngp, j->has_zeros);
+    const int32_t *x32 = (const int32_t *)j->xq;
+    for (int t = c * per; t < t1; t++)
+        for (int m = 0; m < PMR; m++) {
+            const int row = t * PMR + m;
+            int32_t *o = j->xt + (size_t)t * (K / 2) * PMR + m;
+            for (int p = 0; p < K / 2; p++) o[(size_t)p * PMR] = row < j->M ? x32[(size_t)row * (K / 2) + p] : 0;
+        }
+}
+
+static int run_panel(panel_job *j, const float *x, int nthreads) {
+    j->ng = j->K / j->G;
+    j->ngp = (j->ng + 7) / 8 * 8;
+    j->mp = j->M + 4;
+    int16_t *xq = malloc(sizeof(int16_t) * (size_t)j->M * j->K);
+    float *dxT = calloc((size_t)(j->K / 32) * j->mp, sizeof(float));
+    float *xsum = malloc(sizeof(float) * (size_t)j->M * j->ngp);
+    int32_t *xt = malloc(sizeof(int16_t) * (size_t)(j->M + PMR - 1) / PMR * PMR * j->K);
+    int rc = -1;
+    if (xq && dxT && xsum && xt) {
+        j->x = x; j->xq = xq; j->xt = xt; j->dxT = dxT; j->xsum = xsum;
+        j->nchunks = j->M >= 64 ? 2 * nthreads : 1;  /* a few rows: not worth waking a worker */
+        pool_run(prepare_rows, j, j->nchunks, nthreads);
+        j->npanels = (j->N + PNR - 1) / PNR;
+        j->nchunks = j->npanels < 4 * nthreads ? j->npanels : 4 * nthreads;
+        atomic_store(&j->failed, 0);
+        pool_run(panel_chunk, j, j->nchunks, nthreads);
+        rc = atomic_load(&j->failed) ? -1 : 0;
+    }
+    free(xq); free(dxT); free(xsum); free(xt);
+    return rc;
+}
+
+int q4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const float *scales, const float *zeros, int N,
+                  float *y, int nthreads) {
+    panel_job j = {.M = M, .K = K, .G = 32, .N = N, .w = w, .scales = scales, .zeros = zeros, .has_zeros = 1,
+                   .q4 = 1, .y = y};
+    return run_panel(&j, x, nthreads);
+}
+
+int q8_gemm_panel(const float *x, int M, int K, const int8_t *w, int G, const float *scales, const float *zeros,
+                  int has_zeros, int N, float *y, int nthreads) {
+    panel_job j = {.M = M, .K = K, .G = G, .N = N, .w = w, .scales = scales, .zeros = zeros,
+                   .has_zeros = has_zeros, .q4 = 0, .y = y};
+    return run_panel(&j, x, nthreads);
+}
