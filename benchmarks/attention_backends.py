@@ -17,8 +17,8 @@ from novainfer.attention import torch_backend, triton_backend  # noqa: E402
 from novainfer.attention.metadata import AttentionMetadata  # noqa: E402
 
 
-def make(ctx: list[int], q_lens: list[int], heads: int = 14, kv_heads: int = 2, hd: int = 64, bs: int = 16):
-    dev = "cuda"
+def make(ctx: list[int], q_lens: list[int], heads: int = 14, kv_heads: int = 2, hd: int = 64, bs: int = 16,
+         dev: str = "cuda"):
     seq_lens = [c + q for c, q in zip(ctx, q_lens)]
     nb = [(s + bs - 1) // bs for s in seq_lens]
     perm = torch.randperm(sum(nb), device=dev).to(torch.int32)

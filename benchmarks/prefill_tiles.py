@@ -16,41 +16,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.attention_backends import make  # noqa: E402
+from benchmarks.fp8_gemm import timed  # noqa: E402
 from novainfer.kernels import paged_attention  # noqa: E402
 
 HEADS = {"7b": (28, 4, 128), "0.5b": (14, 2, 64)}
 SETTINGS = [(64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2),
             (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 4, 2)]
-
-
-def workload(heads: int, kv_heads: int, hd: int, lens: list[int], device: str, bs: int = 16):
-    """Fresh prompts of the given lengths in a paged cache with shuffled blocks (as the engine's first step)."""
-    nb = [(n + bs - 1) // bs for n in lens]
-    perm = torch.randperm(sum(nb), device=device).to(torch.int32)
-    width, tables, used = max(nb), [], 0
-    for n in nb:
-        tables.append(torch.cat([perm[used:used + n], perm.new_zeros(width - n)]))
-        used += n
-    kc = torch.randn(sum(nb), bs, kv_heads, hd, device=device, dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    q = torch.randn(sum(lens), heads, hd, device=device, dtype=torch.bfloat16)
-    qsl = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device=device)
-    return q, kc, vc, torch.stack(tables), qsl, torch.tensor(lens, dtype=torch.int32, device=device)
-
-
-def time_us(fn, device: str, iters: int) -> float:
-    """Mean microseconds of a call, iters calls queued back to back (CUDA events); one call on the CPU."""
-    fn()
-    if device != "cuda":
-        return float("nan")
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / iters
 
 
 def main() -> None:
@@ -69,17 +41,19 @@ def main() -> None:
     for name, (heads, kv_heads, hd) in HEADS.items():
         if args.dry_run:
             heads, kv_heads, hd = heads // 2, kv_heads // 2, 16
-        q, kc, vc, bt, qsl, sl = workload(heads, kv_heads, hd, lens, args.device)
-        run = lambda: paged_attention.prefill_attention(q, kc, vc, bt, qsl, sl, max(lens), hd ** -0.5)
+        q, kc, vc, meta = make([0] * len(lens), lens, heads, kv_heads, hd, dev=args.device)  # fresh prompts
+        run = lambda: paged_attention.prefill_attention(q, kc, vc, meta.block_tables, meta.query_start_loc,
+                                                        meta.seq_lens, max(lens), hd ** -0.5)
         current = paged_attention.prefill_tiles(hd, max(lens))
-        ref, base = run().float(), time_us(run, args.device, args.iters)
+        time_us = lambda: timed(run, torch.device(args.device), args.iters) if args.device == "cuda" else float("nan")
+        ref, base = run().float(), time_us()
         for setting in settings:
             paged_attention.PREFILL_TILES.clear()
             paged_attention.PREFILL_TILES[1 << 30] = setting
             try:
                 out = run().float()
                 diff = (out - ref).abs().max().item()
-                us = time_us(run, args.device, args.iters)
+                us = time_us()
             except Exception as exc:  # a setting that does not fit the GPU's shared memory: skipped, named
                 diff, us = float("nan"), float("nan")
                 print(f"  {setting}: {type(exc).__name__}: {str(exc)[:120]}")
