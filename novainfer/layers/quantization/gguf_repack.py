@@ -37,24 +37,28 @@ class PackedWeight:
 
     def row_slice(self, start: int, end: int) -> "PackedWeight":
         """Output rows start:end as views (contiguous: every tensor is row-major over N)."""
-        end = min(end, self.shape[0])
-        return PackedWeight(self.kind, self.qweight[start:end], self.scales[start:end],
-                            None if self.zeros is None else self.zeros[start:end], self.group,
-                            (end - start, self.shape[1]))
+        return self.select_rows(slice(start, min(end, self.shape[0])))
+
+    def select_rows(self, rows: slice | torch.Tensor) -> "PackedWeight":
+        """The given output rows: a slice gives views, an index tensor copies (the embedding lookup)."""
+        q = self.qweight[rows]
+        return PackedWeight(self.kind, q, self.scales[rows], None if self.zeros is None else self.zeros[rows],
+                            self.group, (q.shape[0], self.shape[1]))
 
 
 def dequantize_rows(w: PackedWeight, rows) -> torch.Tensor:
-    """Float32 rows of the weight: an index tensor or a slice (the embedding lookup)."""
-    q = w.qweight[rows]
+    """Float32 rows of the weight in torch (the C dequantize's reference): an index tensor or a slice."""
+    w = w.select_rows(rows)
+    q = w.qweight
     n, k = q.shape[0], w.shape[1]
     if w.kind == "q4":
         g = q.view(n, k // 32, 16)
         vals = torch.stack([g & 15, g >> 4], dim=-2).view(n, k // 32, 32).float()  # [lo16, hi16] per group
     else:
         vals = q.float().view(n, k // w.group, w.group)
-    out = vals * w.scales[rows].unsqueeze(-1)
+    out = vals * w.scales.unsqueeze(-1)
     if w.zeros is not None:
-        out += w.zeros[rows].unsqueeze(-1)
+        out += w.zeros.unsqueeze(-1)
     return out.view(n, k)
 
 
