@@ -93,9 +93,9 @@ def test_fault_in_a_batch_fails_that_request_alone(faulty_server):
                 started[i].set()
             finished_at[i] = time.monotonic()
             return text
-        tasks = [asyncio.create_task(good(i)) for i in range(3)]
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
-        async with httpx.AsyncClient(timeout=30) as http:  # joins the three running sequences' batch
+        async with httpx.AsyncClient(timeout=30) as http:  # made first: the bad request goes out the moment
+            tasks = [asyncio.create_task(good(i)) for i in range(3)]  # all three are streaming
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
             bad = await http.post(url + "/v1/completions", headers={"X-Request-Id": "fault-1"},
                                   json={"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 8})
             failed_at = time.monotonic()

@@ -134,7 +134,9 @@ def test_disconnect_storm_leaves_no_blocks_in_use(server, alone):
     assert asyncio.run(main()) == [2] * 100
     assert server.wait_idle() == 0.0
     assert server.metric("novainfer:request_success_total", finished_reason="abort") == aborts + 100
-    assert server.metric("novainfer:generation_tokens_total") - tokens < 100 * 400 / 4  # none ran to its end
+    # none ran to its end (the abort count above says so); the bound says the aborts landed early: a quiet machine
+    # after round 5's CPU speed-ups decodes ~116 tokens a request before its disconnect arrives
+    assert server.metric("novainfer:generation_tokens_total") - tokens < 100 * 400 / 2
     # and the server still answers, with the right text
     assert [o.text for o in burst(server, PROMPTS[:4])] == [alone[p] for p in PROMPTS[:4]]
     assert server.wait_idle() == 0.0
