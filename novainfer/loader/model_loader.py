@@ -46,7 +46,7 @@ def load_model(model: str, hf_config: Any, dtype: torch.dtype, device: torch.dev
         finally:
             torch.set_default_dtype(prev_dtype)
     if load_format == "dummy":
-        return process_weights_after_loading(initialize_dummy_weights(net)).eval()
+        return process_weights_after_loading(initialize_dummy_weights(net), quant_config).eval()
     weights, total = _iter_weights(model, keep_quantized=quant_config is not None)
     bar = tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False)
     current = [""]
@@ -61,15 +61,18 @@ def load_model(model: str, hf_config: Any, dtype: torch.dtype, device: torch.dev
         raise exc.with_name(current[0]) from None
     if missing:
         raise ValueError(f"checkpoint {model} lacks weights the model needs: {', '.join(sorted(missing))}")
-    return process_weights_after_loading(net).eval()
+    return process_weights_after_loading(net, quant_config).eval()
 
 
-def process_weights_after_loading(net: nn.Module) -> nn.Module:
-    """Every quantized layer turns its loaded (or dummy-drawn) weight into its stored form (e.g. fp8)."""
+def process_weights_after_loading(net: nn.Module, quant_config: QuantizationConfig | None = None) -> nn.Module:
+    """Every quantized layer turns its loaded (or dummy-drawn) weight into its stored form (e.g. fp8), then the
+    config places the model's stored weights as a whole."""
     for module in net.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+    if quant_config is not None:
+        quant_config.process_model_after_loading(net)
     return net
 
 

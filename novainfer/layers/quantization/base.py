@@ -53,6 +53,9 @@ class QuantizationConfig:
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
         raise NotImplementedError
 
+    def process_model_after_loading(self, net: nn.Module) -> None:
+        """Once every layer holds its stored weight: whole-model placement (e.g. the CPU weight arena)."""
+
 
 _state = threading.local()
 

@@ -15,6 +15,7 @@ from torch import nn
 from novainfer.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 from novainfer.layers.quantization.cpu_kernels import dequantize, quant_gemm
 from novainfer.layers.quantization.gguf_repack import PackedWeight, merge_rows, repack
+from novainfer.layers.quantization.weight_arena import move_to_arena
 
 
 PREFILL_ROWS = 64  # the rows from which PREFILL_DEQUANT applies
@@ -119,3 +120,9 @@ class GGUFCPUConfig(QuantizationConfig):
         if getattr(layer, "tp_size", 1) != 1:
             return None
         return GGUFCPULinearMethod()
+
+    def process_model_after_loading(self, net: nn.Module) -> None:
+        """The packed weights into one huge-page arena, in the order a step reads them (weight_arena.py)."""
+        packs = [m.weight.packed for m in net.modules()
+                 if isinstance(getattr(m, "quant_method", None), GGUFCPULinearMethod) and m.weight.packed is not None]
+        move_to_arena(packs)
