@@ -60,3 +60,65 @@ def per_token_quant_fp8(x: torch.Tensor, fp8_max: float, min_scale: float,
                                     MIN_SCALE=min_scale, BLOCK=block, ONE_PASS=one_pass,
                                     num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
     return out, scale
+
+
+@triton.jit
+def _silu_mul_block(row_ptr, offs, n):
+    """silu(gate) * up for one block of a row, rounded as fused_ops.silu_and_mul rounds (to the input's dtype)."""
+    mask = offs < n
+    gate = tl.load(row_ptr + offs, mask=mask, other=0.0)
+    up = tl.load(row_ptr + n + offs, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype).to(tl.float32)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(x_ptr, out_ptr, scale_ptr, x_stride, out_stride, n, FP8_MAX: tl.constexpr,
+                             MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    if ONE_PASS:  # the whole product row stays in registers: gate and up are read once
+        y = _silu_mul_block(x_ptr + row * x_stride, offs, n)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), 0), FP8_MAX), MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX), FP8_MAX)
+        tl.store(out_ptr + row * out_stride + offs, q.to(out_ptr.dtype.element_ty), mask=offs < n)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n, BLOCK):
+            y = _silu_mul_block(x_ptr + row * x_stride, start + offs, n)
+            amax = tl.maximum(amax, tl.abs(y))
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), FP8_MAX), MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+        for start in range(0, n, BLOCK):  # recomputed from gate/up read again (from L2 at best)
+            y = _silu_mul_block(x_ptr + row * x_stride, start + offs, n)
+            q = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -FP8_MAX), FP8_MAX)
+            tl.store(out_ptr + row * out_stride + start + offs, q.to(out_ptr.dtype.element_ty),
+                     mask=start + offs < n)
+
+
+FUSED_ONE_PASS_MAX = 32768  # product rows up to this long stay in registers (a 7B MLP's 18,944)
+
+
+def silu_and_mul_quant_fp8(x: torch.Tensor, fp8_max: float, min_scale: float,
+                           out_dtype: torch.dtype = torch.float8_e4m3fn, num_warps: int | None = None,
+                           one_pass: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x = concat(gate, up) [M, 2d] -> silu(gate) * up quantized per token: ([M, d] in out_dtype, scales [M, 1]).
+
+    Equal to per_token_quant_fp8(silu_and_mul(x)) without writing and re-reading the bf16 product (the down
+    projection's input, the widest activation of a step). num_warps / one_pass: overrides for the sweep in
+    benchmarks/fp8_gemm.py."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, n = x.shape[0], x.shape[1] // 2
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        one_pass = n <= FUSED_ONE_PASS_MAX if one_pass is None else one_pass
+        block = triton.next_power_of_2(n) if one_pass else min(triton.next_power_of_2(n), 4096)
+        if num_warps is None:
+            num_warps = 4 if block <= 1024 else 8 if block <= 4096 else 16
+        _silu_and_mul_fp8_kernel[(m,)](x, out, scale, x.stride(0), out.stride(0), n, FP8_MAX=fp8_max,
+                                       MIN_SCALE=min_scale, BLOCK=block, ONE_PASS=one_pass, num_warps=num_warps)
+    return out, scale
