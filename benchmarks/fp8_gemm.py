@@ -4,8 +4,6 @@ default dynamic FP8 on cuBLASLt) would cost instead.
 
     python3 benchmarks/fp8_gemm.py --json out.json                 # CUDA: CUDA-event timing, 7B shapes
     python3 benchmarks/fp8_gemm.py --device cpu --shapes tiny      # a CPU dry run
-    python3 benchmarks/fp8_gemm.py --activation                    # the down projection's input: SiLU-and-mul
-                                                                   # then quantize, against the fused kernel
 Times: on CUDA the mean of --iters calls queued back to back after a warm-up, each variant timed alone.
 """
 from __future__ import annotations
@@ -86,34 +84,6 @@ def measure(device: torch.device, name: str, k: int, n: int, m: int, iters: int,
     return row
 
 
-def activation_rows(device: torch.device, width: int, rows: list[int], iters: int) -> list[dict]:
-    """The down projection's input from concat(gate, up) [M, 2 x width]: the activation kernel then the
-    per-token quantizer, against the fused kernel (one pass in registers at several warp counts, two passes);
-    each fused variant's result checked against the unfused one (same_quantization)."""
-    from novainfer.kernels.fp8_quant import silu_and_mul_quant_fp8
-    from novainfer.kernels.fused_ops import silu_and_mul
-    from novainfer.layers.quantization.fp8 import FP8_MAX, MIN_SCALE, quantize_rows_triton, same_quantization
-    out = []
-    for m in rows:
-        g = torch.Generator(device=device).manual_seed(m)
-        x = (torch.randn(m, 2 * width, device=device, generator=g) * 3).to(torch.bfloat16)
-        want = quantize_rows_triton(silu_and_mul(x))
-        row = {"shape": f"silu_and_mul+quant {width}", "M": m,
-               "unfused_us": timed(lambda: quantize_rows_triton(silu_and_mul(x)), device, iters)}
-        variants = {f"one_pass_w{w}": dict(one_pass=True, num_warps=w) for w in (8, 16, 32)}
-        variants["two_pass_w8"] = dict(one_pass=False, num_warps=8)
-        for key, kw in variants.items():
-            fn = lambda: silu_and_mul_quant_fp8(x, FP8_MAX, MIN_SCALE, **kw)  # noqa: E731
-            row[key + "_us"] = timed(fn, device, iters)
-            row[key + "_same"] = same_quantization(*fn(), *want)
-        out.append(row)
-    print(f"\n| M | unfused | {' | '.join(variants)} |\n|{'---|' * (len(variants) + 2)}")
-    for r in out:
-        print(f"| {r['M']} | {r['unfused_us']:,.1f} | " + " | ".join(
-            f"{r[k + '_us']:,.1f}{'' if r[k + '_same'] else ' (DIFFERS)'}" for k in variants) + " |")
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -121,16 +91,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 256, 2048, 8192], help="M: tokens in the step")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--activation", type=int, nargs="?", const=18944, default=None,
-                    help="time the down projection's input preparation instead, at this width (7B: 18,944)")
     args = ap.parse_args()
     device = torch.device(args.device)
-    if args.activation:
-        rows = activation_rows(device, args.activation, args.rows, args.iters)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=2)
-        return
     opts = Fp8Config(device).opts
     rows = [measure(device, name, k, n, m, args.iters, opts) for name, k, n in SHAPES[args.shapes] for m in args.rows]
     print(f"\n{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "

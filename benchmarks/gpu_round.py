@@ -20,7 +20,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-UNFUSED = "novainfer.layers.quantization.fp8.FUSE_SILU_AND_MUL=False"
 PARTS = {
     "checks-0.5b": [
         ("gpu_check", ["tests/gpu/gpu_check.py"]),
@@ -78,24 +77,8 @@ PARTS = {
                           "--quantization", "fp8"]),
         ("gpu_check rest", ["tests/gpu/gpu_check.py", "--skip", "fp8"]),
     ],
-    # round 6: the MLP's SiLU-and-mul fused with the down projection's quantization, one pass in registers
-    # (A/B by its module flag, interleaved twice), and torch's cuBLASLt back-end for the batch-1 GEMVs
-    "round6": [
-        ("gpu_check fp8", ["tests/gpu/gpu_check.py", "--only", "fp8"]),
-        ("fp8 activation sweep", ["benchmarks/fp8_gemm.py", "--activation", "--rows", "1", "256", "2048", "8192"]),
-        ("tput 7b fp8 fused 1", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--quantization", "fp8"]),
-        ("tput 7b fp8 unfused 1", ["benchmarks/ab_flags.py", "--set", UNFUSED, "--", "benchmarks/throughput.py",
-                                   "--model", "random:qwen2.5-7b", "--quantization", "fp8"]),
-        ("tput 7b bf16", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b"]),
-        ("tput 7b fp8 fused 2", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--quantization", "fp8"]),
-        ("tput 7b fp8 unfused 2", ["benchmarks/ab_flags.py", "--set", UNFUSED, "--", "benchmarks/throughput.py",
-                                   "--model", "random:qwen2.5-7b", "--quantization", "fp8"]),
-        ("lat 0.5b bf16", ["benchmarks/latency.py", "--model", "random:qwen2.5-0.5b"]),
-        ("lat 0.5b bf16 cublaslt", ["benchmarks/ab_flags.py", "--blas", "cublaslt", "--", "benchmarks/latency.py",
-                                    "--model", "random:qwen2.5-0.5b"]),
-    ],
 }
-BUDGETS = {"fp8": 540, "round6": 560}  # a part's default --budget: it must end inside one 600 s device call
+BUDGETS = {"fp8": 540}  # a part's default --budget: it must end inside one 600 s device call
 # --dry-run: CPU stand-ins (tiny shapes, small workloads; the GPU check's CPU halves)
 DRY_MODELS = {"random:qwen2.5-7b": "random:tiny", "random:qwen2.5-0.5b": "random:tiny"}
 DRY_ARGS = {"benchmarks/throughput.py": ["--device", "cpu", "--num-prompts", "4", "--input-len", "16",
@@ -111,8 +94,7 @@ def dry_run_command(cmd: list[str]) -> list[str]:
     """The CPU stand-in of one step of a part."""
     if cmd[0] == "tests/gpu/gpu_check.py":
         return DRY_CHECK[cmd[1]] if len(cmd) > 1 else DRY_CHECK["--skip"]
-    script = next((c for c in cmd if c in DRY_ARGS), cmd[0])  # through benchmarks/ab_flags.py too
-    return [DRY_MODELS.get(c, c) for c in cmd] + DRY_ARGS.get(script, [])
+    return [DRY_MODELS.get(c, c) for c in cmd] + DRY_ARGS.get(cmd[0], [])
 
 
 def main() -> None:

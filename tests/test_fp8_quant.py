@@ -183,49 +183,6 @@ def test_triton_per_token_kernel_matches_torch(m, k):
     assert per_token_quant_fp8(x[:0], FP8_MAX, MIN_SCALE)[0].shape == (0, k)
 
 
-@pytest.mark.parametrize("m,d,one_pass", [(3, 100, None), (2, 4200, None), (2, 4200, False)])  # in registers; two passes
-def test_triton_silu_and_mul_quant_matches_activation_then_quantize(m, d, one_pass):
-    """Under TRITON_INTERPRET: the fused kernel's scales and quotients against silu(gate) * up quantized per token
-    by the torch ops, up to two bf16 ulps of the product (the interpreter's bf16 casts do not round to nearest
-    like the GPU's; gpu_check compares the float8 bytes on the device)."""
-    pytest.importorskip("triton")
-    import torch.nn.functional as F
-    from novainfer.kernels.fp8_quant import silu_and_mul_quant_fp8
-    from novainfer.layers.quantization.fp8 import FP8_MAX, MIN_SCALE
-    g = torch.Generator().manual_seed(d)
-    x = (torch.randn(m, 2 * d, generator=g) * 3).to(torch.bfloat16)
-    x[1] = 0
-    gate, up = x.chunk(2, dim=-1)
-    want_q, want_s = quantize_rows(F.silu(gate) * up)
-    quotients, scale = silu_and_mul_quant_fp8(x, FP8_MAX, MIN_SCALE, out_dtype=torch.float32, one_pass=one_pass)
-    assert torch.allclose(scale, want_s, rtol=2 ** -6, atol=0)
-    got, want = quotients.to(FP8_DTYPE).float() * scale, want_q.float() * want_s
-    assert ((got - want).abs() <= want.abs() * (2 ** -3 + 2 ** -6) + scale * 2 ** -9).all()
-    assert quotients[1].eq(0).all() and scale[1] == want_s[1]  # a zero row: zeros, the floored scale
-
-
-def test_mlp_down_projection_takes_the_fused_activation(monkeypatch):
-    """An fp8 MLP hands concat(gate, up) to its down projection, which applies SiLU-and-mul itself: the same
-    output as the activation then the layer, with the fused quantizer (here the composition) or without one."""
-    from novainfer.layers.quantization import fp8
-    from novainfer.layers.quantization.base import building_with
-    from novainfer.models.llama import LlamaMLP
-    torch.manual_seed(0)
-    with building_with(fp8.Fp8Config(CPU)):
-        mlp = LlamaMLP(64, 96)
-    for layer in (mlp.gate_up_proj, mlp.down_proj):
-        layer.weight.data.normal_(0, 0.1)
-        layer.quant_method.process_weights_after_loading(layer)
-    assert mlp.fused_act and mlp.down_proj.fuses_silu_and_mul
-    x = torch.randn(5, 64)
-    want = mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(x)))
-    assert torch.equal(mlp(x), want)
-    gate_up = mlp.gate_up_proj(x)
-    composed = lambda t: quantize_rows(mlp.act_fn(t))
-    mlp.down_proj.quant_method.opts = fp8.Fp8Options(silu_and_mul_quantize=composed)
-    assert torch.equal(mlp(x), want) and torch.equal(mlp.down_proj.forward_silu_and_mul(gate_up), want)
-
-
 def test_cuda_quantizer_falls_back_to_torch_ops(monkeypatch, caplog):
     """A Triton kernel that fails or disagrees on the start-up probe is replaced by the torch ops, with a warning."""
     from novainfer.layers.quantization import fp8

@@ -132,18 +132,6 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the bias is added once, after the reduction
         y = F.linear(x, self.weight) if self.quant_method is None else self.quant_method.apply(self, x)
-        return self._reduce_and_bias(y)
-
-    @property
-    def fuses_silu_and_mul(self) -> bool:
-        """Whether this layer's method takes concat(gate, up) and applies silu(gate) * up itself (fp8)."""
-        return hasattr(self.quant_method, "apply_silu_and_mul")
-
-    def forward_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """forward(silu(gate) * up) with the activation fused into the method's input (see fuses_silu_and_mul)."""
-        return self._reduce_and_bias(self.quant_method.apply_silu_and_mul(self, gate_up))
-
-    def _reduce_and_bias(self, y: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1 and self.reduce_results:
             y = self.tp_group.all_reduce(y)
         return y if self.bias is None else y + self.bias

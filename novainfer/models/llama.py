@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from novainfer.layers.activation import SiluAndMul, get_act_and_mul
+from novainfer.layers.activation import get_act_and_mul
 from novainfer.layers.attention import Attention
 from novainfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from novainfer.layers.layernorm import RMSNorm
@@ -79,11 +79,8 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce_results=reduce_results)
         self.act_fn = get_act_and_mul(hidden_act)
-        self.fused_act = isinstance(self.act_fn, SiluAndMul) and self.down_proj.fuses_silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_act:  # fp8: the activation writes the down projection's quantized input directly
-            return self.down_proj.forward_silu_and_mul(self.gate_up_proj(x))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 

@@ -88,29 +88,7 @@ def fp8_layer_checks(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, 
               f"{max(dense_errs):.1e}", ok)
         if dev.type == "cuda":
             kernel_vs_torch(x, k)
-            if name == "down_proj":
-                fused_silu_and_mul_check(layer, x)
         del layer
-
-
-def fused_silu_and_mul_check(layer, x: torch.Tensor) -> None:
-    """The down projection's fused path (SiLU-and-mul and quantization in one kernel) against the activation
-    kernel, then the per-token quantizer, then the same GEMM."""
-    from novainfer.kernels.fused_ops import silu_and_mul
-    from novainfer.layers.quantization.fp8 import quantize_rows, same_quantization, silu_and_mul_quantize_triton
-    g = torch.Generator(device=x.device).manual_seed(7)
-    gate_up = torch.randn(x.shape[0], 2 * x.shape[1], device=x.device, generator=g).to(x.dtype) * 3
-    q, s = silu_and_mul_quantize_triton(gate_up)
-    want_q, want_s = quantize_rows(silu_and_mul(gate_up))
-    differ = (q.view(torch.uint8) != want_q.view(torch.uint8)).sum().item()
-    y = layer.forward_silu_and_mul(gate_up)
-    want = layer(silu_and_mul(gate_up))
-    err = rel(y, want)
-    check(f"fp8 fused SiLU-and-mul + quantization K={x.shape[1]}",
-          f"{x.shape[0]} rows: {differ} of {q.numel()} float8 values differ (rounding at most); down_proj output "
-          f"rel diff {err:.1e} against activation, quantize, GEMM",
-          layer.fuses_silu_and_mul and same_quantization(q, s, want_q, want_s) and differ <= q.numel() * 1e-3
-          and err <= 1e-2)
 
 
 def kernel_vs_torch(x: torch.Tensor, k: int) -> None:

@@ -39,15 +39,6 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return per_token_quant_fp8(x, FP8_MAX, MIN_SCALE)
 
 
-def silu_and_mul_quantize_triton(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rows(silu_and_mul(gate_up)) in one Triton kernel, without the bf16 product in memory."""
-    from novainfer.kernels.fp8_quant import silu_and_mul_quant_fp8
-    return silu_and_mul_quant_fp8(gate_up, FP8_MAX, MIN_SCALE)
-
-
-FUSE_SILU_AND_MUL = True  # an MLP's down projection quantizes silu(gate) * up in the activation's kernel (CUDA)
-
-
 @dataclass(frozen=True)
 class Fp8Options:
     """How a device runs the fp8 product (probed at start-up: check_device_support, cuda_quantizer)."""
@@ -55,8 +46,6 @@ class Fp8Options:
     fuse_bias: bool = False  # _scaled_mm adds a bf16 bias itself
     fast_accum: bool = False  # Hopper's fast float8 accumulation (vLLM's CUTLASS kernels use it too)
     quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = quantize_rows
-    # concat(gate, up) -> silu(gate) * up quantized, for apply_silu_and_mul; None: the activation, then quantize
-    silu_and_mul_quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
@@ -68,22 +57,17 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     x2 = x.reshape(-1, k)
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], n)
-    return scaled_product(*opts.quantize(x2), x.dtype, weight, weight_scale, bias, opts).view(*x.shape[:-1], n)
-
-
-def scaled_product(x_fp8: torch.Tensor, x_scale: torch.Tensor, x_dtype: torch.dtype, weight: torch.Tensor,
-                   weight_scale: torch.Tensor, bias: torch.Tensor | None, opts: Fp8Options) -> torch.Tensor:
-    """(x_fp8 * x_scale) (weight * weight_scale)^T (+ bias) in x_dtype: [M, N]."""
+    x_fp8, x_scale = opts.quantize(x2)
     # row-wise scaling outputs bf16 on CUDA; a float32/float16 model casts back
-    out_dtype = x_dtype if x_fp8.device.type == "cpu" or x_dtype == torch.bfloat16 else torch.bfloat16
+    out_dtype = x.dtype if x.device.type == "cpu" or x.dtype == torch.bfloat16 else torch.bfloat16
     fused = bias is not None and opts.fuse_bias and bias.dtype == out_dtype == torch.bfloat16
     y = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=out_dtype,
                          bias=bias if fused else None, use_fast_accum=opts.fast_accum)
-    if y.dtype != x_dtype:
-        y = y.to(x_dtype)
+    if y.dtype != x.dtype:
+        y = y.to(x.dtype)
     if bias is not None and not fused:
         y = y + bias
-    return y
+    return y.view(*x.shape[:-1], n)
 
 
 class Fp8LinearMethod(QuantizeMethodBase):
@@ -112,15 +96,6 @@ class Fp8LinearMethod(QuantizeMethodBase):
             raise RuntimeError("fp8 layer used before process_weights_after_loading quantized its weight")
         return fp8_linear(x, layer.weight, layer.weight_scale, bias, self.opts)
 
-    def apply_silu_and_mul(self, layer: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
-        """down(silu(gate) * up) for gate_up [M, 2K]: the activation and its quantization in one kernel where
-        the device has it (the same float8 input as silu_and_mul, then apply)."""
-        if self.opts.silu_and_mul_quantize is None or gate_up.dim() != 2 or gate_up.shape[0] == 0:
-            from novainfer.layers.activation import SiluAndMul
-            return self.apply(layer, SiluAndMul()(gate_up))
-        x_fp8, x_scale = self.opts.silu_and_mul_quantize(gate_up)
-        return scaled_product(x_fp8, x_scale, gate_up.dtype, layer.weight, layer.weight_scale, None, self.opts)
-
 
 class Fp8Config(QuantizationConfig):
     """Dense linear layers (qkv, o_proj, gate_up, down, ...) get Fp8LinearMethod; embeddings and lm_head none.
@@ -131,8 +106,7 @@ class Fp8Config(QuantizationConfig):
         self.device = device
         fuse_bias, fast_accum = check_device_support(device)
         quantize = cuda_quantizer(device) if device.type == "cuda" else quantize_rows
-        fused_act = silu_and_mul_quantize_triton if quantize is quantize_rows_triton and FUSE_SILU_AND_MUL else None
-        self.opts = Fp8Options(fuse_bias, fast_accum, quantize, fused_act)
+        self.opts = Fp8Options(fuse_bias, fast_accum, quantize)
         self._skipped: set[tuple[int, int]] = set()
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
