@@ -79,6 +79,19 @@ def test_prefill_with_cached_prefix_matches_reference(num_heads, num_kv_heads):
     assert rel_err(out.cpu(), reference(q, kc, vc, meta, 0.3)) < 1e-5
 
 
+@pytest.mark.parametrize("cap", [None, 30.0])
+def test_prefill_long_contexts_match_reference(cap):
+    """Contexts of several key tiles before a query block's first row (a fresh 70-token prompt's second block of
+    64 rows, prompts after a 37- and a 64-token prefix), with and without a soft cap."""
+    ctx, qlen = [0, 37, 64], [70, 45, 3]
+    q, kc, vc, bt, qsl, sl, meta = make_case(5, ctx, qlen, 4, 2)
+    out = torch.full_like(q, float("nan"))
+    kernels.prefill_attention(q, kc, vc, bt, qsl, sl, max(qlen), 0.3, out=out, logits_soft_cap=cap)
+    assert not out.isnan().any()
+    ref = torch_backend.paged_attention(q.cpu(), kc.cpu(), vc.cpu(), meta, 0.3, None, cap)
+    assert rel_err(out.cpu(), ref) < 1e-5
+
+
 def test_prefill_kernel_equals_decode_kernel_on_single_tokens():
     q, kc, vc, bt, qsl, sl, meta = make_case(3, [6, 1, 11], [1, 1, 1], 4, 2)
     a = kernels.prefill_attention(q, kc, vc, bt, qsl, sl, 1, 0.25)
