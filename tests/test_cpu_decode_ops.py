@@ -88,11 +88,13 @@ def test_prefill_attention_of_whole_prompts_matches_the_reference():
                                rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("d,window,cap", [(64, None, None), (64, 50, None), (136, None, 30.0)])
-def test_decode_attention_over_long_contexts_matches_the_reference(d, window, cap):
-    """Contexts of several blocks and lengths that are not multiples of 8 (the vectorized softmax's tails);
-    head_dim 136: output chunks of 64 values and a tail of 8."""
-    bs, nkv, nh = 16, 3, 9
+@pytest.mark.parametrize("d,window,cap,nh,nkv", [(64, None, None, 9, 3), (64, 50, None, 9, 3), (136, None, 30.0, 9, 3),
+                                                (64, None, None, 14, 2), (32, 20, None, 8, 2)])
+def test_decode_attention_over_long_contexts_matches_the_reference(d, window, cap, nh, nkv):
+    """Contexts of several blocks and lengths that are not multiples of 8 (the key tiles' and the softmax's
+    tails); head_dim 136: output chunks of 32 values and a tail of 8; groups of 3, 7 and 4 query heads (the
+    output accumulates 3 heads at a time, then the rest)."""
+    bs = 16
     seq_lens = torch.tensor([203, 1, 77], dtype=torch.int32)
     blocks = int(sum((n + bs - 1) // bs for n in seq_lens.tolist()))
     order = torch.randperm(blocks, dtype=torch.int32)

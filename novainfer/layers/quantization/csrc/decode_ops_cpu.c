@@ -92,39 +92,91 @@ typedef struct {
     float *scores, *out;
 } attn_job;
 
-/* Sequence s = sk / nkv, kv head g = sk % nkv: the group of query heads that share it. Each cached K row is
- * widened from bf16 once for the whole group; positions are walked block by block (no division per position);
- * the softmax exponentials are vectorized; each head's output is accumulated in registers, 64 values at a time. */
+/* The 8 sums of 8 vectors, in order: lane t = the sum of v[t]'s lanes. */
+static inline __m256 hsum8x8(const __m256 v[8]) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* Scores of one query head against 8 widened keys kf [8][D]: sc[0..n) = scale * q . k_t (soft-capped). */
+static inline void scores8(const float *qh, const float *kf, int D, int n, float scale, float soft_cap, float *sc) {
+    __m256 acc[8];
+    for (int t = 0; t < 8; t++) acc[t] = _mm256_setzero_ps();
+    for (int c = 0; c < D; c += 8) {
+        const __m256 qv = _mm256_loadu_ps(qh + c);
+        for (int t = 0; t < 8; t++) acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(kf + (size_t)t * D + c), qv, acc[t]);
+    }
+    float out[8];
+    _mm256_storeu_ps(out, _mm256_mul_ps(hsum8x8(acc), _mm256_set1_ps(scale)));
+    for (int t = 0; t < n; t++) sc[t] = soft_cap > 0.f ? soft_cap * tanhf(out[t] / soft_cap) : out[t];
+}
+
+#define PREFETCH_AHEAD 16  /* positions of keys requested ahead of their use */
+
+/* Requests the D bfloat16 values at p into the cache (one prefetch per 64-byte line). */
+static inline void prefetch_row(const uint16_t *p, int D) {
+    for (int c = 0; c < D; c += 32) _mm_prefetch((const char *)(p + c), _MM_HINT_T0);
+}
+
+#define PV_HEADS 3  /* heads sharing one widened V vector: 3 x 4 accumulators + V + 3 weights fill the 16 ymm */
+
+/* o_i[c0..c0 + 8 nv) += sum_p w_i[p] v_p for hb (<= PV_HEADS) heads, positions start..len through the table. */
+static inline __attribute__((always_inline)) void weigh_heads(const attn_job *j, const int32_t *bt, int g, int start,
+                                                             int len, int c0, int nv, const float *const *w, int hb,
+                                                             __m256 acc[PV_HEADS][4]) {
+    const int bs = j->block_size;
+    const size_t row_stride = (size_t)j->nkv * j->D;
+    for (int i = 0; i < hb; i++)
+        for (int k = 0; k < 4; k++) acc[i][k] = _mm256_setzero_ps();
+    for (int p = start; p < len;) {
+        const int blk = p / bs, end = (blk + 1) * bs < len ? (blk + 1) * bs : len;
+        const uint16_t *vp = j->v_cache + ((size_t)bt[blk] * bs + (p - blk * bs)) * row_stride + (size_t)g * j->D + c0;
+        for (; p < end; p++, vp += row_stride)
+            for (int k = 0; k < nv; k++) {
+                const __m256 v = load_bf16(vp + 8 * k);
+                for (int i = 0; i < hb; i++) acc[i][k] = _mm256_fmadd_ps(_mm256_set1_ps(w[i][p]), v, acc[i][k]);
+            }
+    }
+}
+
+/* Sequence s = sk / nkv, kv head g = sk % nkv: the group of query heads that share it. Keys are widened from
+ * bf16 8 positions at a time and serve every head of the group, each head's 8 scores reduced together (no
+ * horizontal sum per score); the softmax exponentials are vectorized; each widened V vector serves up to
+ * PV_HEADS heads, accumulated in registers 32 values at a time. */
 static void attend(void *arg, int sk) {
     const attn_job *j = arg;
-    const int nkv = j->nkv, D = j->D, bs = j->block_size, group = j->nh / nkv, nvec = D / 8, max_len = j->max_len;
+    const int nkv = j->nkv, D = j->D, bs = j->block_size, group = j->nh / nkv, max_len = j->max_len;
     const int s = sk / nkv, g = sk % nkv, len = j->seq_lens[s];
     const int start = j->window > 0 && len > j->window ? len - j->window : 0;
     const int32_t *bt = j->block_tables + (size_t)s * j->bt_stride;
     const size_t row_stride = (size_t)nkv * D;  /* between positions of one block */
     const float *q0 = j->q + (size_t)s * j->q_stride + (size_t)g * group * D;
     float *sc = j->scores + (size_t)sk * group * max_len;
-    float kf[D];
-    for (int p = start; p < len;) {
-        const int blk = p / bs, end = (blk + 1) * bs < len ? (blk + 1) * bs : len;
-        const uint16_t *kp = j->k_cache + ((size_t)bt[blk] * bs + (p - blk * bs)) * row_stride + (size_t)g * D;
-        for (; p < end; p++, kp += row_stride) {
-            for (int c = 0; c < nvec; c++) _mm256_storeu_ps(kf + 8 * c, load_bf16(kp + 8 * c));
-            for (int i = 0; i < group; i++) {
-                const float *qh = q0 + (size_t)i * D;
-                __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-                int c = 0;
-                for (; c + 2 <= nvec; c += 2) {
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(kf + 8 * c), _mm256_loadu_ps(qh + 8 * c), a0);
-                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(kf + 8 * c + 8), _mm256_loadu_ps(qh + 8 * c + 8), a1);
-                }
-                if (c < nvec) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(kf + 8 * c), _mm256_loadu_ps(qh + 8 * c), a0);
-                float v = hsum8(_mm256_add_ps(a0, a1)) * j->scale;
-                if (j->soft_cap > 0.f) v = j->soft_cap * tanhf(v / j->soft_cap);
-                sc[(size_t)i * max_len + p] = v;
+    float kf[8 * D];
+    for (int p = start; p < start + PREFETCH_AHEAD && p < len; p++)
+        prefetch_row(j->k_cache + ((size_t)bt[p / bs] * bs + p % bs) * row_stride + (size_t)g * D, D);
+    for (int p0 = start; p0 < len; p0 += 8) {
+        const int n = len - p0 < 8 ? len - p0 : 8;
+        for (int t = 0; t < 8; t++) {
+            const int p = p0 + t;
+            if (t >= n) {
+                for (int c = 0; c < D; c += 8) _mm256_storeu_ps(kf + (size_t)t * D + c, _mm256_setzero_ps());
+                continue;
             }
+            const size_t row = ((size_t)bt[p / bs] * bs + p % bs) * row_stride + (size_t)g * D;
+            const uint16_t *kp = j->k_cache + row;
+            /* the cache is cold after a step's weights streamed through: fetch keys ahead, and the values the
+             * weighted sum will read once the softmax is done */
+            const int pa = p + PREFETCH_AHEAD;
+            if (pa < len) prefetch_row(j->k_cache + ((size_t)bt[pa / bs] * bs + pa % bs) * row_stride + (size_t)g * D, D);
+            prefetch_row(j->v_cache + row, D);
+            for (int c = 0; c < D; c += 8) _mm256_storeu_ps(kf + (size_t)t * D + c, load_bf16(kp + c));
         }
+        for (int i = 0; i < group; i++)
+            scores8(q0 + (size_t)i * D, kf, D, n, j->scale, j->soft_cap, sc + (size_t)i * max_len + p0);
     }
+    float inv[group];
     for (int i = 0; i < group; i++) {
         float *row = sc + (size_t)i * max_len, mx = -INFINITY, sum = 0.f;
         int p = start;
@@ -143,25 +195,22 @@ static void attend(void *arg, int sk) {
         }
         sum = hsum8(vsum);
         for (; p < len; p++) { row[p] = expf(row[p] - mx); sum += row[p]; }
-        const __m256 inv = _mm256_set1_ps(1.0f / sum);
-        float *o = j->out + ((size_t)s * j->nh + g * group + i) * D;
-        for (int c0 = 0; c0 < D; c0 += 64) {
-            const int nv = nvec - c0 / 8 < 8 ? nvec - c0 / 8 : 8;
-            __m256 acc[8];
-            for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
-            for (p = start; p < len;) {
-                const int blk = p / bs, end = (blk + 1) * bs < len ? (blk + 1) * bs : len;
-                const uint16_t *vp = j->v_cache + ((size_t)bt[blk] * bs + (p - blk * bs)) * row_stride + (size_t)g * D + c0;
-                for (; p < end; p++, vp += row_stride) {
-                    const __m256 w = _mm256_set1_ps(row[p]);
-                    if (nv == 8) {
-                        for (int k = 0; k < 8; k++) acc[k] = _mm256_fmadd_ps(w, load_bf16(vp + 8 * k), acc[k]);
-                    } else {
-                        for (int k = 0; k < nv; k++) acc[k] = _mm256_fmadd_ps(w, load_bf16(vp + 8 * k), acc[k]);
-                    }
-                }
+        inv[i] = 1.0f / sum;
+    }
+    for (int i0 = 0; i0 < group; i0 += PV_HEADS) {
+        const int hb = group - i0 < PV_HEADS ? group - i0 : PV_HEADS;
+        const float *w[PV_HEADS];
+        for (int i = 0; i < hb; i++) w[i] = sc + (size_t)(i0 + i) * max_len;
+        for (int c0 = 0; c0 < D; c0 += 32) {
+            const int nv = (D - c0) / 8 < 4 ? (D - c0) / 8 : 4;
+            __m256 acc[PV_HEADS][4];
+            if (hb == PV_HEADS && nv == 4) weigh_heads(j, bt, g, start, len, c0, 4, w, PV_HEADS, acc);
+            else weigh_heads(j, bt, g, start, len, c0, nv, w, hb, acc);
+            for (int i = 0; i < hb; i++) {
+                float *o = j->out + ((size_t)s * j->nh + g * group + i0 + i) * D + c0;
+                const __m256 sv = _mm256_set1_ps(inv[i0 + i]);
+                for (int k = 0; k < nv; k++) _mm256_storeu_ps(o + 8 * k, _mm256_mul_ps(acc[i][k], sv));
             }
-            for (int k = 0; k < nv; k++) _mm256_storeu_ps(o + c0 + 8 * k, _mm256_mul_ps(acc[k], inv));
         }
     }
 }
@@ -180,7 +229,7 @@ int decode_attention_bf16(const float *q, int q_stride, const uint16_t *k_cache,
     j.scores = malloc(sizeof(float) * (size_t)S * nh * max_len);
     if (!j.scores) return -1;
     const size_t work = (size_t)S * nh * max_len * D;
-    pool_run(attend, &j, S * nkv, work > (1 << 18) ? nthreads : 1);  /* small steps: not worth waking a worker */
+    pool_run(attend, &j, S * nkv, work > (1 << 14) ? nthreads : 1);  /* small steps: not worth waking a worker */
     free(j.scores);
     return 0;
 }
