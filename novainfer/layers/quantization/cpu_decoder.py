@@ -30,8 +30,9 @@ _ERRORS = {1: (MemoryError, "decoder stack: no memory for a kernel's scratch"),
 
 
 class QLinearDesc(ctypes.Structure):
+    """qlinear of decoder_stack_cpu.c, field for field (scale_f16: float16 scales and zeros)."""
     _fields_ = [("w", _P), ("scales", _P), ("zeros", _P), ("bias", _P), ("q4", _I), ("group", _I),
-                ("has_zeros", _I), ("N", _I), ("K", _I)]
+                ("has_zeros", _I), ("scale_f16", _I), ("N", _I), ("K", _I)]
 
 
 class DecoderLayerDesc(ctypes.Structure):
@@ -59,7 +60,7 @@ def _qlinear(layer: nn.Module) -> QLinearDesc:
         raise _Unsupported("a bias that is not a contiguous float32 vector")
     return QLinearDesc(w.qweight.data_ptr(), w.scales.data_ptr(), 0 if w.zeros is None else w.zeros.data_ptr(),
                        0 if bias is None else bias.data_ptr(), int(w.kind == "q4"), w.group,
-                       int(w.zeros is not None), w.shape[0], w.shape[1])
+                       int(w.zeros is not None), int(w.scale_f16), w.shape[0], w.shape[1])
 
 
 class _Unsupported(Exception):
@@ -72,6 +73,8 @@ def _check_model(model: nn.Module) -> None:
     from novainfer.layers.layernorm import RMSNorm
     from novainfer.layers.rotary import RotaryEmbedding
     from novainfer.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+    if not cpu_kernels.library().scale_f16:
+        raise _Unsupported("an older build of the kernels (another qlinear layout)")
     if model.embed_scale is not None or type(model.norm) is not RMSNorm or not model.norm.fused_cpu:
         raise _Unsupported("an embedding scale or another final norm")
     if not len(model.layers):
