@@ -74,13 +74,17 @@ def test_every_kernel_gives_the_float32_scales_bits(kind, group, zeros):
     assert torch.equal(cpu_kernels.dequantize(w16), w32.dequantize())
     picked = torch.tensor([36, 0, 5, 5])  # the embedding lookup's row selection
     assert torch.equal(cpu_kernels.dequantize(w16.select_rows(picked)), w32.dequantize()[picked])
-    for m in (1, 2, 3, 5, 64, 70):  # few-row kernel below PANEL_MIN_ROWS, panel kernel from there
-        x = torch.from_numpy(RNG.standard_normal((m, 288)).astype(np.float32))
-        y = cpu_kernels.quant_gemm(x, w16)
+    xs = torch.from_numpy(RNG.standard_normal((70, 288)).astype(np.float32))
+    ys = {}
+    for m in (1, 2, 3, 5, 64, 70):  # few-row kernel (weights unpacked in registers up to 3 rows) and panel kernel
+        x = xs[:m]
+        ys[m] = y = cpu_kernels.quant_gemm(x, w16)
         assert torch.equal(y, cpu_kernels.quant_gemm(x, w32)), f"M={m}"
         assert torch.equal(cpu_kernels.quant_gemm(x, w16, panel=True), cpu_kernels.quant_gemm(x, w32, panel=True))
         ref = x.double() @ w32.dequantize().double().T
         assert (y.double() - ref).norm() <= 1e-3 * ref.norm()  # a GEMM, not just two equal wrong answers
+    for m in (1, 2, 3):  # the in-register tiles give the unpacked tiles' bits
+        assert torch.equal(ys[m], ys[5][:m]), f"M={m}"
 
 
 def test_decoder_stack_gives_the_float32_scales_bits(tmp_path, monkeypatch):

@@ -12,8 +12,10 @@
  * llama.cpp's own 0.0047 (benchmarks/quant_accuracy.py); int16 keeps it at the float path's level.
  * The zero point's term uses the group's sum of the rounded x (its error cancels against the q term's).
  * Tiles of 4 weight rows x 3 activation rows are register-blocked (see tile()); a row's bits do not depend on
- * the batch. From 64 rows on (a prefill) the panel kernel of qgemm_panel_cpu.c takes over: the same int16
- * products laid out as a BLAS GEMM, 1.2x faster at 8 rows and 2x at 64, but summed in another float order.
+ * the batch. Up to 3 rows (a decode step) the weights are unpacked in registers and prefetched two tiles ahead:
+ * at one row the kernel waits on memory, and that made a batch-1 step's GEMMs 1.2-1.5x faster. From 64 rows on
+ * (a prefill) the panel kernel of qgemm_panel_cpu.c takes over: the same int16 products laid out as a BLAS GEMM,
+ * 1.2x faster at 8 rows and 2x at 64, but summed in another float order.
  * Output rows are split over the worker pool of cpu_pool.c. Built at first use by cpu_kernels.py.
  */
 #include <immintrin.h>
@@ -67,6 +69,7 @@ void quantize_rows(const float *x, int M, int K, int G, int mp, int ngp, int16_t
  * of a row's activations serves NB weight rows and one unpack of a weight row serves every activation row. */
 #define NB 4
 #define MB 3  /* 12 accumulators; 4x3 measured at least as fast as 4x2, 3x3, 2x4 and 4x4 on the AVX2 machine */
+#define PF_TILES 2  /* direct tiles prefetch the weight rows this many tiles ahead (1, 2, 4, 8 measured alike) */
 
 typedef struct {
     const int16_t *xq; const float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
@@ -99,14 +102,17 @@ void unpack_weight_rows(const void *w, int q4, int K, int n0, int nr, int16_t *w
 /* y[m0.., n0..] for nr weight rows (unpacked in wb; their float32 scales sr and zeros zr [nr, ng]) and mr
  * activation rows: per block of 32, two madds of int16 pairs give the integer dot product, scaled in float by
  * (weight scale * activation step); the zero points' term sum_g zero * xsum is added at the end. The same float
- * operations for a row whatever M or its tile. */
+ * operations for a row whatever M or its tile.
+ * direct (the only tile of an M <= MB call, e.g. a batch-1 decode step): the weights are unpacked in registers
+ * from j->w (q4 or int8) and the scale products formed in place, not stored to wb and pt and loaded again; the
+ * same integers and float operations, so the same bits. */
 static inline __attribute__((always_inline)) void tile(const gemm_job *j, const int16_t *wb, float *pt,
                                                        const float *sr, const float *zr, int n0, const int nr, int m0,
-                                                       const int mr, const int G) {
+                                                       const int mr, const int G, const int direct, const int q4) {
     const int K = j->K, ng = j->ng, mp = j->mp, H = 32 / G;
     /* pt[b][h][n][m] = weight scale * activation step, one store of 4 per (b, h, n): the inner loop then broadcasts
      * its factor straight from memory. A store's 4th lane past mr lands in the next entry, written after it. */
-    for (int b = 0; b < K / 32; b++) {
+    for (int b = 0; b < K / 32 && !direct; b++) {
         const __m128 d4 = _mm_loadu_ps(j->dxT + (size_t)b * mp + m0);
         for (int h = 0; h < H; h++)
             for (int n = 0; n < nr; n++)
@@ -116,27 +122,51 @@ static inline __attribute__((always_inline)) void tile(const gemm_job *j, const 
     __m256 acc[NB][MB];
     for (int n = 0; n < nr; n++)
         for (int m = 0; m < mr; m++) acc[n][m] = _mm256_setzero_ps();
+    /* direct: the rows PF_TILES tiles on, one cache line per block (NB q4 rows are 64 bytes a block, int8 128): the
+     * hardware prefetcher does not follow NB rows read side by side, and a decode step waits on memory. */
+    const char *pf = (const char *)j->w + ((size_t)n0 + PF_TILES * NB) * (q4 ? K / 2 : K);
+    const int pf_ok = direct && nr == NB && n0 + (PF_TILES + 1) * NB <= j->N;
     for (int b = 0; b < K / 32; b++) {
         const float *pb = pt + (size_t)b * H * nr * mr;
+        if (pf_ok) {
+            _mm_prefetch(pf + (size_t)b * NB * (q4 ? 16 : 32), _MM_HINT_T0);
+            if (!q4) _mm_prefetch(pf + (size_t)b * NB * 32 + 64, _MM_HINT_T0);
+        }
         __m256i x0[MB], x1[MB];
         for (int m = 0; m < mr; m++) {
             const int16_t *xg = j->xq + (size_t)(m0 + m) * K + b * 32;
             x0[m] = _mm256_loadu_si256((const __m256i *)xg);
             x1[m] = _mm256_loadu_si256((const __m256i *)(xg + 16));
         }
+        const float *dx = j->dxT + (size_t)b * mp + m0;
         for (int n = 0; n < nr; n++) {
-            const int16_t *wg = wb + (size_t)n * K + b * 32;
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)wg);
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wg + 16));
+            __m256i w0, w1;
+            if (!direct) {
+                const int16_t *wg = wb + (size_t)n * K + b * 32;
+                w0 = _mm256_loadu_si256((const __m256i *)wg);
+                w1 = _mm256_loadu_si256((const __m256i *)(wg + 16));
+            } else if (q4) {  /* unpack_weight_rows' layout: low nibbles elements 0-15, high nibbles 16-31 */
+                const __m256i v = _mm256_cvtepu8_epi16(
+                    _mm_loadu_si128((const __m128i *)((const uint8_t *)j->w + (size_t)(n0 + n) * (K / 2) + b * 16)));
+                w0 = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
+                w1 = _mm256_srli_epi16(v, 4);
+            } else {
+                const int8_t *wr = (const int8_t *)j->w + (size_t)(n0 + n) * K + b * 32;
+                w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wr));
+                w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 16)));
+            }
             for (int m = 0; m < mr; m++) {
                 const __m256i p0 = _mm256_madd_epi16(w0, x0[m]), p1 = _mm256_madd_epi16(w1, x1[m]);
+                const float *s = sr + (size_t)n * ng + b * H;
                 if (G == 32) {
-                    acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
-                                                _mm256_broadcast_ss(pb + n * mr + m), acc[n][m]);
+                    const __m256 f = direct ? _mm256_set1_ps(s[0] * dx[m]) : _mm256_broadcast_ss(pb + n * mr + m);
+                    acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), f, acc[n][m]);
                 } else {
-                    acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(pb + n * mr + m), acc[n][m]);
-                    acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_broadcast_ss(pb + (nr + n) * mr + m),
-                                                acc[n][m]);
+                    const __m256 f0 = direct ? _mm256_set1_ps(s[0] * dx[m]) : _mm256_broadcast_ss(pb + n * mr + m);
+                    const __m256 f1 = direct ? _mm256_set1_ps(s[1] * dx[m])
+                                             : _mm256_broadcast_ss(pb + (nr + n) * mr + m);
+                    acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), f0, acc[n][m]);
+                    acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), f1, acc[n][m]);
                 }
             }
         }
@@ -160,12 +190,19 @@ static inline __attribute__((always_inline)) void tile(const gemm_job *j, const 
         }
 }
 
-/* Every activation row against nr (NB or 1) unpacked weight rows, one specialised tile per shape. */
+/* Every activation row against nr (NB or 1) weight rows, one specialised tile per shape: the rows unpacked in wb,
+ * or (direct, for M <= MB) read from j->w in the tile. */
 static void rows_block(const gemm_job *j, const int16_t *wb, float *pt, const float *sr, const float *zr, int n0,
-                       int nr) {
+                       int nr, const int direct) {
     for (int m0 = 0; m0 < j->M; m0 += MB) {
         const int mr = j->M - m0 < MB ? j->M - m0 : MB;
-#define TILE(NR, MR) do { if (j->G == 32) tile(j, wb, pt, sr, zr, n0, NR, m0, MR, 32); else tile(j, wb, pt, sr, zr, n0, NR, m0, MR, 16); } while (0)
+#define TILE(NR, MR) do {                                                                                       \
+            if (!direct && j->G == 32) tile(j, wb, pt, sr, zr, n0, NR, m0, MR, 32, 0, 0);                       \
+            else if (!direct) tile(j, wb, pt, sr, zr, n0, NR, m0, MR, 16, 0, 0);                                \
+            else if (j->q4) tile(j, wb, pt, sr, zr, n0, NR, m0, MR, 32, 1, 1);                                  \
+            else if (j->G == 32) tile(j, wb, pt, sr, zr, n0, NR, m0, MR, 32, 1, 0);                             \
+            else tile(j, wb, pt, sr, zr, n0, NR, m0, MR, 16, 1, 0);                                             \
+        } while (0)
         switch ((nr == NB) * 4 + mr) {  /* mr <= MB = 3 */
         case 4 + 3: TILE(NB, 3); break;
         case 4 + 2: TILE(NB, 2); break;
@@ -216,16 +253,17 @@ static void gemm_chunk(void *arg, int chunk) {
     int per = (j->N + j->nchunks - 1) / j->nchunks;
     per = (per + NB - 1) / NB * NB;
     const int n0 = chunk * per, n1 = n0 + per < j->N ? n0 + per : j->N;
+    const int direct = j->M <= MB;  /* one tile per weight rows: unpacking to wb would serve no other */
     int n = n0;
     for (; n + NB <= n1; n += NB) {
-        unpack_weight_rows(j->w, j->q4, j->K, n, NB, wb);
+        if (!direct) unpack_weight_rows(j->w, j->q4, j->K, n, NB, wb);
         row_scales(j, n, NB, sbuf, &sr, &zr);
-        rows_block(j, wb, pt, sr, zr, n, NB);
+        rows_block(j, wb, pt, sr, zr, n, NB, direct);
     }
     for (; n < n1; n++) {
-        unpack_weight_rows(j->w, j->q4, j->K, n, 1, wb);
+        if (!direct) unpack_weight_rows(j->w, j->q4, j->K, n, 1, wb);
         row_scales(j, n, 1, sbuf, &sr, &zr);
-        rows_block(j, wb, pt, sr, zr, n, 1);
+        rows_block(j, wb, pt, sr, zr, n, 1, direct);
     }
 }
 
