@@ -19,7 +19,8 @@ replaced for prefills (the weight dequantized to float32 in C, then torch's sgem
 --step times a decode step's GEMMs as the model runs them: every packed weight once, in layer order, then the
 lm_head (~100 MB streamed from memory, where the per-layer timings above find the weight in cache), both
 builds interleaved; it checks that both give the same bits and prints the packed bytes a step reads. A base
-before float16 scales gets the same values as float32 (its layout).
+before float16 scales gets the same values as float32 (its layout). --f32-scales: this build against itself
+with the weights' scales and zeros as float32 (what float16 scales alone change).
 """
 from __future__ import annotations
 
@@ -96,6 +97,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds; the median is reported")
     ap.add_argument("--prefill", action="store_true", help="panel GEMM vs dequantize + sgemm (see above)")
     ap.add_argument("--step", action="store_true", help="a whole decode step's GEMMs, weights streamed (see above)")
+    ap.add_argument("--f32-scales", action="store_true", help="with --step: old = this build with float32 scales")
     args = ap.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("the quantized CPU kernels are not available on this machine")
@@ -152,10 +154,11 @@ def step_weights() -> list:
 
 def decode_step(args: argparse.Namespace) -> None:
     """A decode step's GEMMs with the weights streamed, this build against --base's, interleaved."""
-    libs = {"old": build_at(args.base), "new": cpu_kernels.library()}
+    libs = {"old": cpu_kernels.library() if args.f32_scales else build_at(args.base), "new": cpu_kernels.library()}
     weights = step_weights()
-    sets = {k: [w if lib.scale_f16 else w.float32_scales() for w in weights] for k, lib in libs.items()}
-    print(f"base {args.base}; packed bytes a step reads: old {sum(w.nbytes() for w in sets['old']) / 1e6:.1f} MB, "
+    sets = {k: [w if lib.scale_f16 and not (k == "old" and args.f32_scales) else w.float32_scales() for w in weights]
+            for k, lib in libs.items()}
+    print(f"base {'this build, float32 scales' if args.f32_scales else args.base}; packed bytes a step reads: old {sum(w.nbytes() for w in sets['old']) / 1e6:.1f} MB, "
           f"new {sum(w.nbytes() for w in sets['new']) / 1e6:.1f} MB")
     for m in args.rows:
         xs = [torch.randn(m, w.shape[1]) for w in weights]
