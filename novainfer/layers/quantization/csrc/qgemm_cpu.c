@@ -1,4 +1,4 @@
-/* Weight-only quantized GEMM for x86 CPUs with AVX2+FMA: y[M,N] = x[M,K] @ dequant(W)[N,K]^T.
+/* Weight-only quantized GEMM for x86 CPUs with AVX2+FMA+F16C: y[M,N] = x[M,K] @ dequant(W)[N,K]^T.
  *
  * Weights stay quantized in memory; each group of weights dequantizes as q * scale + zero with a scale/zero
  * per group, which holds GGUF's Q4_0/Q4_1/Q4_K (4-bit, groups of 32) and Q8_0/Q5_K/Q6_K (8-bit container,
