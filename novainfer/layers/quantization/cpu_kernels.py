@@ -1,11 +1,12 @@
 """Builds (once per machine, with the system C compiler) the AVX2 kernels in csrc/ and calls the quantized GEMM.
 
-The library (csrc/qgemm_cpu.c and its many-row form csrc/qgemm_panel_cpu.c; the decode-step ops of
-csrc/decode_ops_cpu.c and the prefill attention of csrc/prefill_attention_cpu.c, whose wrappers are in
-cpu_ops.py; the one-call decode step of csrc/decoder_stack_cpu.c, wrapped by cpu_decoder.py) is cached
-under ~/.cache/novainfer keyed by the sources' and flags' hash. Where no compiler or no AVX2/FMA/F16C is found,
-available() is False and GGUF weights load dequantized (one log line says why). The GEMMs and the dequantizer
-read a PackedWeight's scales and zeros as float16 or float32 (its scale_f16, passed to C as a flag).
+The library (csrc/qgemm_cpu.c and its many-row form csrc/qgemm_panel_cpu.c; the dequantizer of
+csrc/dequantize_cpu.c; the decode-step ops of csrc/decode_ops_cpu.c and the prefill attention of
+csrc/prefill_attention_cpu.c, whose wrappers are in cpu_ops.py; the one-call decode step of
+csrc/decoder_stack_cpu.c, wrapped by cpu_decoder.py) is cached under ~/.cache/novainfer keyed by the sources'
+and flags' hash. Where no compiler or no AVX2/FMA/F16C is found, available() is False and GGUF weights load
+dequantized (one log line says why). The GEMMs and the dequantizer read a PackedWeight's scales and zeros as
+float16 or float32 (its scale_f16, passed to C as a flag).
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ from novainfer.layers.quantization.gguf_repack import PackedWeight
 logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_pool.h", "cpu_kernels.h", "simd_cpu.h")]
-_SOURCES = [os.path.join(_CSRC, name) for name in ("qgemm_cpu.c", "qgemm_panel_cpu.c", "decode_ops_cpu.c",
-                                                   "prefill_attention_cpu.c", "cpu_pool.c", "decoder_stack_cpu.c")]
+_SOURCES = [os.path.join(_CSRC, name) for name in ("qgemm_cpu.c", "qgemm_panel_cpu.c", "dequantize_cpu.c",
+                                                   "decode_ops_cpu.c", "prefill_attention_cpu.c", "cpu_pool.c",
+                                                   "decoder_stack_cpu.c")]
 # From this many activation rows on, q4_gemm/q8_gemm run the panel kernel. It is faster from 8 rows on, but a
 # row's bits differ between the kernels, and decode steps below 64 rows keep a row's bits whatever its batch
 # (tests/test_qgemm_rows.py): greedy identity under batching and speculation rests on that.

@@ -270,7 +270,7 @@ static void gemm_chunk(void *arg, int chunk) {
 /* Output rows are split into chunks of at least this many for the worker pool (cpu_pool.c). */
 #define ROWS_PER_CHUNK 32
 
-static int num_chunks(int N, int nthreads) {
+int num_chunks(int N, int nthreads) {
     int c = N / ROWS_PER_CHUNK;
     if (c > 8 * nthreads) c = 8 * nthreads;  /* enough for a late worker to find work, few enough to be cheap */
     return c < 1 ? 1 : c;
@@ -320,46 +320,4 @@ int q8_gemm(const float *x, int M, int K, const int8_t *w, int G, const void *sc
     gemm_job j = {.M = M, .K = K, .G = G, .N = N, .w = w, .scales = scales, .zeros = zeros,
                   .has_zeros = has_zeros, .q4 = 0, .scale_f16 = scale_f16, .y = y};
     return run_gemm(&j, x, nthreads);
-}
-
-/* Dequantization to float32 rows (the prefill path's BLAS GEMM input): out [N, K] = q * scale + zero. */
-typedef struct {
-    const void *w; const void *scales, *zeros; int K, G, N, q4, scale_f16, nchunks;
-    float *out;
-} dequant_job;
-
-static void dequant_chunk(void *arg, int chunk) {
-    const dequant_job *j = arg;
-    const int K = j->K, G = j->G, ng = K / G, per = (j->N + j->nchunks - 1) / j->nchunks;
-    const int n0 = chunk * per, n1 = n0 + per < j->N ? n0 + per : j->N;
-    const __m256i mask = _mm256_set1_epi32(0x0f);
-    for (int n = n0; n < n1; n++) {
-        const size_t r = (size_t)n * ng;
-        float *o = j->out + (size_t)n * K;
-        for (int g = 0; g < ng; g++) {
-            const __m256 s = _mm256_set1_ps(load_scale(j->scales, r + g, j->scale_f16));
-            const __m256 z = _mm256_set1_ps(j->zeros ? load_scale(j->zeros, r + g, j->scale_f16) : 0.f);
-            for (int c = 0; c < G; c += 8) {
-                __m256i q;
-                if (j->q4) {  /* element c of group g: low nibbles hold 0-15, high nibbles 16-31 */
-                    const uint8_t *b = (const uint8_t *)j->w + (size_t)n * (K / 2) + g * 16 + (c & 15);
-                    q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
-                    q = c < 16 ? _mm256_and_si256(q, mask) : _mm256_srli_epi32(q, 4);
-                } else {
-                    q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)j->w + (size_t)n * K + g * G + c)));
-                }
-                _mm256_storeu_ps(o + g * G + c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, z));
-            }
-        }
-    }
-}
-
-/* q4 (q4=1, G=32) or int8 (q4=0, G 16 or 32; zeros may be NULL) weights [N, K] -> out float32 [N, K]; scales
- * and zeros float16 when scale_f16, else float32. */
-void dequantize(const void *w, int q4, int G, const void *scales, const void *zeros, int scale_f16, int N, int K,
-                float *out, int nthreads) {
-    dequant_job j = {.w = w, .scales = scales, .zeros = zeros, .K = K, .G = G, .N = N, .q4 = q4,
-                     .scale_f16 = scale_f16, .out = out};
-    j.nchunks = num_chunks(N, nthreads);
-    pool_run(dequant_chunk, &j, j.nchunks, nthreads);
 }
