@@ -13,6 +13,14 @@ counts of a speculative verify step (k + 1) and of 16 streams are what this meas
 
 --prefill times, per decoder layer shape, this tree's panel GEMM (csrc/qgemm_panel_cpu.c) against the path it
 replaced for prefills (the weight dequantized to float32 in C, then torch's sgemm), interleaved, in GFLOPS.
+
+    python benchmarks/qgemm_rows.py --step --base bf56a01 --rows 1 --repeats 15
+
+--step times a decode step's GEMMs as the model runs them: every packed weight once, in layer order, then the
+lm_head (~100 MB streamed from memory, where the per-layer timings above find the weight in cache), both
+builds interleaved; it checks that both give the same bits and prints the packed bytes a step reads. A base
+before float16 scales gets the same values as float32 (its layout). --f32-scales: this build against itself
+with the weights' scales and zeros as float32 (what float16 scales alone change).
 """
 from __future__ import annotations
 
@@ -88,11 +96,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds; the median is reported")
     ap.add_argument("--prefill", action="store_true", help="panel GEMM vs dequantize + sgemm (see above)")
+    ap.add_argument("--step", action="store_true", help="a whole decode step's GEMMs, weights streamed (see above)")
+    ap.add_argument("--f32-scales", action="store_true", help="with --step: old = this build with float32 scales")
     args = ap.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("the quantized CPU kernels are not available on this machine")
     if args.prefill:
         return prefill(args)
+    if args.step:
+        return decode_step(args)
     libs = {"old": build_at(args.base), "new": cpu_kernels.library()}
     layers = model_layers()
     print(f"base {args.base}; layers: " + ", ".join(f"{k} {w.kind} {w.shape[0]}x{w.shape[1]} (x{c})"
@@ -108,9 +120,11 @@ def main() -> None:
                 x = torch.randn(m, w.shape[1])
                 inner = max(3, int(2e7 / (w.shape[0] * w.shape[1] * m)))
                 res = {"old": [], "new": []}
+                # a base before float16 scales reads the same values as float32 (its layout then)
+                ws = {name: w if lib.scale_f16 else w.float32_scales() for name, lib in libs.items()}
                 for _ in range(args.repeats):  # interleaved, so drifting load hits both alike
                     for name, lib in libs.items():
-                        res[name] += time_us(lambda: cpu_kernels.quant_gemm(x, w, lib), 1, inner)
+                        res[name] += time_us(lambda: cpu_kernels.quant_gemm(x, ws[name], lib), 1, inner)
                 med = {k: statistics.median(v) for k, v in res.items()}
                 for k in med:
                     step[m][k] += med[k] * count
@@ -121,6 +135,49 @@ def main() -> None:
             for m in args.rows))
         print(f"{'ms/row':>10} " + " ".join(
             f"{step[m]['old'] / 1e3 / m:7.2f}/{step[m]['new'] / 1e3 / m:7.2f}ms      " for m in args.rows))
+    cpu_kernels.set_num_threads(None)
+
+
+def step_weights() -> list:
+    """Every packed weight of the default model in the order a decode step reads it (the tied lm_head last)."""
+    from novainfer.layers.quantization.gguf_cpu import GGUFCPUConfig
+    from novainfer.loader.default_model import default_model_path
+    from novainfer.loader.model_loader import load_hf_config, load_model
+    path = default_model_path()
+    model = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"), quant_config=GGUFCPUConfig())
+    out = []
+    for layer in model.model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            out.append(lin.weight.packed)
+    return out + [model.lm_head.weight.packed]
+
+
+def decode_step(args: argparse.Namespace) -> None:
+    """A decode step's GEMMs with the weights streamed, this build against --base's, interleaved."""
+    libs = {"old": cpu_kernels.library() if args.f32_scales else build_at(args.base), "new": cpu_kernels.library()}
+    weights = step_weights()
+    sets = {k: [w if lib.scale_f16 and not (k == "old" and args.f32_scales) else w.float32_scales() for w in weights]
+            for k, lib in libs.items()}
+    print(f"base {'this build, float32 scales' if args.f32_scales else args.base}; packed bytes a step reads: old {sum(w.nbytes() for w in sets['old']) / 1e6:.1f} MB, "
+          f"new {sum(w.nbytes() for w in sets['new']) / 1e6:.1f} MB")
+    for m in args.rows:
+        xs = [torch.randn(m, w.shape[1]) for w in weights]
+        outs = {k: [cpu_kernels.quant_gemm(x, w, libs[k]) for x, w in zip(xs, ws)] for k, ws in sets.items()}
+        same = all(torch.equal(a, b) for a, b in zip(outs["old"], outs["new"]))
+        for threads in args.threads:
+            cpu_kernels.set_num_threads(threads)
+            res = {k: [] for k in libs}
+            for _ in range(args.repeats):
+                for k, lib in libs.items():
+                    t = time.perf_counter()
+                    for x, w in zip(xs, sets[k]):
+                        cpu_kernels.quant_gemm(x, w, lib)
+                    res[k].append((time.perf_counter() - t) * 1e3)
+            ratio = sorted(b / a for a, b in zip(res["old"], res["new"]))
+            print(f"M={m} threads {threads}: ms a step, median (min) old {statistics.median(res['old']):.2f} "
+                  f"({min(res['old']):.2f}), new {statistics.median(res['new']):.2f} ({min(res['new']):.2f}); "
+                  f"new/old per round {ratio[0]:.2f}-{ratio[-1]:.2f} (median {statistics.median(ratio):.2f}); "
+                  f"same bits: {same}")
     cpu_kernels.set_num_threads(None)
 
 

@@ -30,8 +30,9 @@ _ERRORS = {1: (MemoryError, "decoder stack: no memory for a kernel's scratch"),
 
 
 class QLinearDesc(ctypes.Structure):
+    """qlinear of decoder_stack_cpu.c, field for field (scale_f16: float16 scales and zeros)."""
     _fields_ = [("w", _P), ("scales", _P), ("zeros", _P), ("bias", _P), ("q4", _I), ("group", _I),
-                ("has_zeros", _I), ("N", _I), ("K", _I)]
+                ("has_zeros", _I), ("scale_f16", _I), ("N", _I), ("K", _I)]
 
 
 class DecoderLayerDesc(ctypes.Structure):
@@ -44,7 +45,7 @@ class DecoderLayerDesc(ctypes.Structure):
 
 def _library() -> ctypes.CDLL:
     lib = cpu_kernels.library()
-    if not getattr(lib, "_decoder_stack_typed", False):
+    if lib.scale_f16 and not getattr(lib, "_decoder_stack_typed", False):  # (an older build: never called)
         lib.decoder_stack_workspace.argtypes = [_P, _I, _I, _I]
         lib.decoder_stack_workspace.restype = ctypes.c_size_t
         lib.decoder_stack_decode.argtypes = [_P, _I, _P, _F, _P, _P, _I, _I, _P, _P, _P, _I, _P, _P, _I]
@@ -59,7 +60,7 @@ def _qlinear(layer: nn.Module) -> QLinearDesc:
         raise _Unsupported("a bias that is not a contiguous float32 vector")
     return QLinearDesc(w.qweight.data_ptr(), w.scales.data_ptr(), 0 if w.zeros is None else w.zeros.data_ptr(),
                        0 if bias is None else bias.data_ptr(), int(w.kind == "q4"), w.group,
-                       int(w.zeros is not None), w.shape[0], w.shape[1])
+                       int(w.zeros is not None), int(w.scale_f16), w.shape[0], w.shape[1])
 
 
 class _Unsupported(Exception):
@@ -160,8 +161,10 @@ class CPUDecoderStack:
         return True
 
     def _run(self, model: nn.Module, embeds: torch.Tensor, positions: torch.Tensor,
-             meta: AttentionMetadata) -> torch.Tensor:
+             meta: AttentionMetadata) -> torch.Tensor | None:
         lib = _library()
+        if not lib.scale_f16:
+            return None  # an older build swapped in by benchmarks/kernel_ab.py: its qlinear lacks scale_f16
         m, h = embeds.shape
         if m > self.workspace_rows:
             rows = max(m, 2 * self.workspace_rows, 1)

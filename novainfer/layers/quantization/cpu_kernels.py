@@ -1,10 +1,12 @@
 """Builds (once per machine, with the system C compiler) the AVX2 kernels in csrc/ and calls the quantized GEMM.
 
-The library (csrc/qgemm_cpu.c and its many-row form csrc/qgemm_panel_cpu.c; the decode-step ops of
-csrc/decode_ops_cpu.c and the prefill attention of csrc/prefill_attention_cpu.c, whose wrappers are in
-cpu_ops.py; the one-call decode step of csrc/decoder_stack_cpu.c, wrapped by cpu_decoder.py) is cached
-under ~/.cache/novainfer keyed by the sources' hash. Where no compiler or no AVX2/FMA is found, available()
-is False and GGUF weights load dequantized (one log line says why).
+The library (csrc/qgemm_cpu.c and its many-row form csrc/qgemm_panel_cpu.c; the dequantizer of
+csrc/dequantize_cpu.c; the decode-step ops of csrc/decode_ops_cpu.c and the prefill attention of
+csrc/prefill_attention_cpu.c, whose wrappers are in cpu_ops.py; the one-call decode step of
+csrc/decoder_stack_cpu.c, wrapped by cpu_decoder.py) is cached under ~/.cache/novainfer keyed by the sources'
+and flags' hash. Where no compiler or no AVX2/FMA/F16C is found, available() is False and GGUF weights load
+dequantized (one log line says why). The GEMMs and the dequantizer read a PackedWeight's scales and zeros as
+float16 or float32 (its scale_f16, passed to C as a flag).
 """
 from __future__ import annotations
 
@@ -24,14 +26,16 @@ from novainfer.layers.quantization.gguf_repack import PackedWeight
 logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_pool.h", "cpu_kernels.h", "simd_cpu.h")]
-_SOURCES = [os.path.join(_CSRC, name) for name in ("qgemm_cpu.c", "qgemm_panel_cpu.c", "decode_ops_cpu.c",
-                                                   "prefill_attention_cpu.c", "cpu_pool.c", "decoder_stack_cpu.c")]
+_SOURCES = [os.path.join(_CSRC, name) for name in ("qgemm_cpu.c", "qgemm_panel_cpu.c", "dequantize_cpu.c",
+                                                   "decode_ops_cpu.c", "prefill_attention_cpu.c", "cpu_pool.c",
+                                                   "decoder_stack_cpu.c")]
 # From this many activation rows on, q4_gemm/q8_gemm run the panel kernel. It is faster from 8 rows on, but a
 # row's bits differ between the kernels, and decode steps below 64 rows keep a row's bits whatever its batch
 # (tests/test_qgemm_rows.py): greedy identity under batching and speculation rests on that.
 PANEL_MIN_ROWS = 64
 _P = ctypes.c_void_p
 _I = ctypes.c_int
+_CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC"]
 
 
 @lru_cache(maxsize=1)
@@ -49,8 +53,8 @@ def cpu_flags() -> frozenset[str]:
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    if not {"avx2", "fma"} <= cpu_flags():
-        logger.info("quantized CPU kernels need AVX2 and FMA; GGUF weights load dequantized")
+    if not {"avx2", "fma", "f16c"} <= cpu_flags():
+        logger.info("quantized CPU kernels need AVX2, FMA and F16C; GGUF weights load dequantized")
         return None
     return build_library(_SOURCES, _HEADERS)
 
@@ -62,7 +66,7 @@ def build_library(sources: list[str], headers: list[str]) -> ctypes.CDLL | None:
     if cc is None:
         logger.info("no C compiler (gcc) found for the quantized CPU kernels; GGUF weights load dequantized")
         return None
-    sha = hashlib.sha256()
+    sha = hashlib.sha256(" ".join(_CFLAGS).encode())
     for source in [*sources, *headers]:
         with open(source, "rb") as f:
             sha.update(f.read())
@@ -73,7 +77,7 @@ def build_library(sources: list[str], headers: list[str]) -> ctypes.CDLL | None:
         os.makedirs(cache, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
-        cmd = [cc, "-O3", "-mavx2", "-mfma", "-pthread", "-shared", "-fPIC", "-o", tmp, *sources, "-lm"]
+        cmd = [cc, *_CFLAGS, "-o", tmp, *sources, "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             os.unlink(tmp)
@@ -82,15 +86,18 @@ def build_library(sources: list[str], headers: list[str]) -> ctypes.CDLL | None:
             return None
         os.replace(tmp, target)  # atomic: concurrent builders each write their own temporary file
     lib = ctypes.CDLL(target)
-    lib.q4_gemm.argtypes = [_P, _I, _I, _P, _P, _P, _I, _P, _I]
-    lib.q8_gemm.argtypes = [_P, _I, _I, _P, _I, _P, _P, _I, _I, _P, _I]
+    # an older commit's build (benchmarks) lacks the scale_f16 argument and reads float32 scales only
+    lib.scale_f16 = hasattr(lib, "packed_scales_f16")
+    f16 = [_I] if lib.scale_f16 else []
+    lib.q4_gemm.argtypes = [_P, _I, _I, _P, _P, _P, *f16, _I, _P, _I]
+    lib.q8_gemm.argtypes = [_P, _I, _I, _P, _I, _P, _P, _I, *f16, _I, _P, _I]
     if hasattr(lib, "q4_gemm_panel"):  # absent from an older commit's build (benchmarks)
         lib.q4_gemm_panel.argtypes = lib.q4_gemm.argtypes
         lib.q8_gemm_panel.argtypes = lib.q8_gemm.argtypes
         lib.set_panel_min_rows.argtypes = [_I]
         lib.set_panel_min_rows(PANEL_MIN_ROWS)
     _F = ctypes.c_float
-    lib.dequantize.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P, _I]
+    lib.dequantize.argtypes = [_P, _I, _I, _P, _P, *f16, _I, _I, _P, _I]
     lib.add_rms_norm.argtypes = [_P, _P, _P, _P, _F, _P, _I, _I]
     lib.silu_and_mul.argtypes = [_P, _P, _I, _I]
     lib.rotary_neox.argtypes = [_P, _I, _I, _P, _I, _I, _P, _I, _P, _P, _I, _I]
@@ -148,16 +155,26 @@ def quant_gemm(x: torch.Tensor, w: PackedWeight, lib: ctypes.CDLL | None = None,
     n = w.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     threads = _kernel_threads or torch.get_num_threads()
+    f16 = _scale_flag(lib, w)
     if w.kind == "q4":
-        rc = q4_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(), n,
-                         y.data_ptr(), threads)
+        rc = q4_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(), *f16, n,
+                     y.data_ptr(), threads)
     else:
         zeros = w.zeros if w.zeros is not None else w.scales  # never read without has_zeros
         rc = q8_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), w.group, w.scales.data_ptr(), zeros.data_ptr(),
-                         int(w.zeros is not None), n, y.data_ptr(), threads)
+                     int(w.zeros is not None), *f16, n, y.data_ptr(), threads)
     if rc:
         raise MemoryError(f"quantized CPU GEMM: no memory for a [{m}, {k}] activation's scratch")
     return y
+
+
+def _scale_flag(lib: ctypes.CDLL, w: PackedWeight) -> list[int]:
+    """The scale_f16 argument for lib's entry points: [flag], or [] for an older build (float32 scales only)."""
+    if lib.scale_f16:
+        return [int(w.scale_f16)]
+    if w.scale_f16:
+        raise ValueError("this build of the CPU kernels reads float32 scales only: pass w.float32_scales()")
+    return []
 
 
 def dequantize(w: PackedWeight) -> torch.Tensor:
@@ -166,6 +183,7 @@ def dequantize(w: PackedWeight) -> torch.Tensor:
     n, k = w.shape
     out = torch.empty(n, k, dtype=torch.float32)
     zeros = None if w.zeros is None else w.zeros.data_ptr()
-    _library().dequantize(w.qweight.data_ptr(), int(w.kind == "q4"), w.group, w.scales.data_ptr(), zeros, n, k,
-                          out.data_ptr(), _kernel_threads or torch.get_num_threads())
+    lib = _library()
+    lib.dequantize(w.qweight.data_ptr(), int(w.kind == "q4"), w.group, w.scales.data_ptr(), zeros,
+                   *_scale_flag(lib, w), n, k, out.data_ptr(), _kernel_threads or torch.get_num_threads())
     return out

@@ -1,9 +1,13 @@
 """Repacks GGUF quantized blocks, without re-quantizing, into the two layouts the CPU kernels read.
 
-Every supported type dequantizes per group as q * scale + zero, so the repack is exact (the float32
-scale and zero are products of GGUF's float16 factors and small integers):
+Every supported type dequantizes per group as q * scale + zero, so the repack is exact (scale and zero are
+products of GGUF's float16 factors and small integers, formed in float32):
   q4 (4-bit, groups of 32): Q4_0 (scale d, zero -8d), Q4_1 (d, m), Q4_K (d*sc, -dmin*m per 32-sub-block);
   q8 (int8 container): Q8_0 (groups of 32), Q5_K (groups of 32, with zero), Q6_K (groups of 16).
+Scales and zeros are stored as float16 where every value of the tensor survives float32 -> float16 -> float32
+(Q4_0, Q4_1, Q8_0: the file's own float16 values, so Q4_1 is 5 bits a weight and Q8_0 8.5, as in the file),
+else float32 (the K-quants' d*sc products usually need more than float16's 11 bits). The kernels widen float16
+exactly, so both give the same results to the bit; the decode step reads fewer bytes.
 Q5_K and Q6_K cost 8 bits a weight in memory instead of 5.5 / 6.6, and nothing in accuracy.
 """
 from __future__ import annotations
@@ -26,10 +30,31 @@ class PackedWeight:
 
     kind: str  # "q4" or "q8"
     qweight: torch.Tensor  # q4: uint8 [N, K/2]; q8: int8 [N, K]
-    scales: torch.Tensor  # float32 [N, K/group]
-    zeros: torch.Tensor | None  # float32 [N, K/group]; None: all zero
+    scales: torch.Tensor  # float16 or float32 [N, K/group]
+    zeros: torch.Tensor | None  # [N, K/group], the scales' dtype; None: all zero
     group: int
     shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        if self.scales.dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"PackedWeight scales must be float16 or float32, not {self.scales.dtype}")
+        if self.zeros is not None and self.zeros.dtype != self.scales.dtype:
+            raise ValueError(f"PackedWeight zeros ({self.zeros.dtype}) and scales ({self.scales.dtype}) differ in dtype")
+
+    @property
+    def scale_f16(self) -> bool:
+        """True when scales and zeros are float16 (the kernels' scale_f16 flag)."""
+        return self.scales.dtype == torch.float16
+
+    def float32_scales(self) -> "PackedWeight":
+        """The same weight with float32 scales and zeros (the tests' reference; older builds of the kernels)."""
+        z = None if self.zeros is None else self.zeros.float()
+        return PackedWeight(self.kind, self.qweight, self.scales.float(), z, self.group, self.shape)
+
+    def nbytes(self) -> int:
+        """Bytes of quants, scales and zeros: what one pass over the weight reads."""
+        z = 0 if self.zeros is None else self.zeros.nbytes
+        return self.qweight.nbytes + self.scales.nbytes + z
 
     def dequantize(self) -> torch.Tensor:
         """The float32 [N, K] weight (fallback paths, prefill and the tests' reference)."""
@@ -56,9 +81,9 @@ def dequantize_rows(w: PackedWeight, rows) -> torch.Tensor:
         vals = torch.stack([g & 15, g >> 4], dim=-2).view(n, k // 32, 32).float()  # [lo16, hi16] per group
     else:
         vals = q.float().view(n, k // w.group, w.group)
-    out = vals * w.scales.unsqueeze(-1)
+    out = vals * w.scales.float().unsqueeze(-1)
     if w.zeros is not None:
-        out += w.zeros.unsqueeze(-1)
+        out += w.zeros.float().unsqueeze(-1)
     return out.view(n, k)
 
 
@@ -93,6 +118,7 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 LAYOUT = {T.Q4_0: ("q4", 32, True), T.Q4_1: ("q4", 32, True), T.Q8_0: ("q8", 32, False),
           T.Q4_K: ("q4", 32, True), T.Q5_K: ("q8", 32, True), T.Q6_K: ("q8", 16, False)}
 CHUNK_BYTES = 1 << 22  # GGUF bytes repacked at a time: the numpy temporaries stay a few times this, not the tensor
+FP16_SCALES = True  # False: float32 scales and zeros always (A/B against builds of the kernels without float16)
 
 
 def repack(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> PackedWeight:
@@ -117,8 +143,21 @@ def repack(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> PackedWeight:
         qweight[r:r + step], scales[r:r + step] = q, sc
         if zeros is not None:
             zeros[r:r + step] = zero
+    scales, zeros = _narrow(scales, zeros)
     t = torch.from_numpy
     return PackedWeight(kind, t(qweight), t(scales), None if zeros is None else t(zeros), group, shape)
+
+
+def _narrow(scales: np.ndarray, zeros: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Both as float16 when every value round-trips through float16 exactly (and is finite), else as they are."""
+    if not FP16_SCALES:
+        return scales, zeros
+    with np.errstate(over="ignore"):  # an overflow gives inf, which keeps the tensor float32
+        halves = [None if a is None else a.astype(np.float16) for a in (scales, zeros)]
+    for a, h in zip((scales, zeros), halves):
+        if a is not None and not (np.isfinite(h).all() and np.array_equal(h.astype(np.float32), a)):
+            return scales, zeros
+    return halves[0], halves[1]
 
 
 def _repack_blocks(b: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -161,6 +200,8 @@ def merge_rows(parts: list[PackedWeight]) -> PackedWeight:
     if len({(p.kind, p.group) for p in parts}) > 1:
         group = min(p.group for p in parts)
         parts = [_as_q8(p, group) for p in parts]
+    if len({p.scales.dtype for p in parts}) > 1:
+        parts = [p.float32_scales() for p in parts]
     first = parts[0]
     zeros = None
     if any(p.zeros is not None for p in parts):

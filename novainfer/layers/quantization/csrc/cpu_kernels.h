@@ -1,22 +1,25 @@
-/* The entry points of qgemm_cpu.c and decode_ops_cpu.c, for C callers (decoder_stack_cpu.c); see those
- * files for what each computes. Python calls them through ctypes (cpu_kernels.py, cpu_ops.py). */
+/* The entry points of qgemm_cpu.c and decode_ops_cpu.c (and the helpers the kernels share), for C callers
+ * (decoder_stack_cpu.c, dequantize_cpu.c); see those files for what each computes. Python calls them through
+ * ctypes (cpu_kernels.py, cpu_ops.py). */
 #ifndef NOVAINFER_CPU_KERNELS_H
 #define NOVAINFER_CPU_KERNELS_H
 
 #include <stdint.h>
 
-int q4_gemm(const float *x, int M, int K, const uint8_t *w, const float *scales, const float *zeros, int N, float *y,
-            int nthreads);
-int q8_gemm(const float *x, int M, int K, const int8_t *w, int G, const float *scales, const float *zeros,
-            int has_zeros, int N, float *y, int nthreads);
+/* scales/zeros: float16 when scale_f16 is 1, else float32 (a PackedWeight's two dtypes). */
+int q4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros, int scale_f16,
+            int N, float *y, int nthreads);
+int q8_gemm(const float *x, int M, int K, const int8_t *w, int G, const void *scales, const void *zeros,
+            int has_zeros, int scale_f16, int N, float *y, int nthreads);
 void quantize_rows(const float *x, int M, int K, int G, int mp, int ngp, int16_t *xq, float *dxT, float *xsum,
                    int xsum_needed);
 void unpack_weight_rows(const void *w, int q4, int K, int n0, int nr, int16_t *wb);
 void set_panel_min_rows(int rows);
-int q4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const float *scales, const float *zeros, int N,
-                  float *y, int nthreads);
-int q8_gemm_panel(const float *x, int M, int K, const int8_t *w, int G, const float *scales, const float *zeros,
-                  int has_zeros, int N, float *y, int nthreads);
+int num_chunks(int N, int nthreads);  /* chunks of output rows a kernel splits N rows into for the pool */
+int q4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros,
+                  int scale_f16, int N, float *y, int nthreads);
+int q8_gemm_panel(const float *x, int M, int K, const int8_t *w, int G, const void *scales, const void *zeros,
+                  int has_zeros, int scale_f16, int N, float *y, int nthreads);
 void add_rms_norm(const float *x, const float *res, float *res_out, const float *w, float eps, float *out, int M,
                   int H);
 void silu_and_mul(const float *x, float *out, int M, int D);

@@ -13,8 +13,9 @@
 /* One quantized linear layer (a PackedWeight): y[M, N] = x[M, K] W^T (+ bias). */
 typedef struct {
     const void *w;
-    const float *scales, *zeros, *bias;  /* zeros: NULL when has_zeros is 0; bias may be NULL */
-    int q4, group, has_zeros, N, K;
+    const void *scales, *zeros;  /* float16 when scale_f16, else float32; zeros: NULL when has_zeros is 0 */
+    const float *bias;           /* may be NULL */
+    int q4, group, has_zeros, scale_f16, N, K;
 } qlinear;
 
 /* Everything one decoder layer reads; the layout matches DecoderLayerDesc in cpu_decoder.py. */
@@ -32,8 +33,9 @@ typedef struct {
 enum { STACK_OK = 0, STACK_NO_MEMORY = 1, STACK_BAD_POSITION = 2 };
 
 static int linear(const qlinear *l, const float *x, int M, float *y, int nthreads) {
-    const int rc = l->q4 ? q4_gemm(x, M, l->K, l->w, l->scales, l->zeros, l->N, y, nthreads)
-                         : q8_gemm(x, M, l->K, l->w, l->group, l->scales, l->zeros, l->has_zeros, l->N, y, nthreads);
+    const int rc = l->q4 ? q4_gemm(x, M, l->K, l->w, l->scales, l->zeros, l->scale_f16, l->N, y, nthreads)
+                         : q8_gemm(x, M, l->K, l->w, l->group, l->scales, l->zeros, l->has_zeros, l->scale_f16, l->N,
+                                   y, nthreads);
     if (rc) return STACK_NO_MEMORY;
     if (l->bias)
         for (int m = 0; m < M; m++)

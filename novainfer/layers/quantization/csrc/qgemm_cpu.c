@@ -1,8 +1,9 @@
-/* Weight-only quantized GEMM for x86 CPUs with AVX2+FMA: y[M,N] = x[M,K] @ dequant(W)[N,K]^T.
+/* Weight-only quantized GEMM for x86 CPUs with AVX2+FMA+F16C: y[M,N] = x[M,K] @ dequant(W)[N,K]^T.
  *
- * Weights stay quantized in memory; each group of weights dequantizes as q * scale + zero with float32
- * scale/zero per group, which holds GGUF's Q4_0/Q4_1/Q4_K (4-bit, groups of 32) and Q8_0/Q5_K/Q6_K
- * (8-bit container, groups of 32 or 16) exactly.
+ * Weights stay quantized in memory; each group of weights dequantizes as q * scale + zero with a scale/zero
+ * per group, which holds GGUF's Q4_0/Q4_1/Q4_K (4-bit, groups of 32) and Q8_0/Q5_K/Q6_K (8-bit container,
+ * groups of 32 or 16) exactly. Scales and zeros are float16 (scale_f16) or float32; float16 ones are widened
+ * (exactly) for 4 weight rows at a time, so both give the same bits and the float16 layout reads fewer bytes.
  *
  * Activations are rounded per row to int16 in blocks of 32 (step max|x| / 32767), so a group's dot product
  * is integer (madd of int16 pairs) and only its sum is scaled in float: fewer instructions per weight than
@@ -11,8 +12,10 @@
  * llama.cpp's own 0.0047 (benchmarks/quant_accuracy.py); int16 keeps it at the float path's level.
  * The zero point's term uses the group's sum of the rounded x (its error cancels against the q term's).
  * Tiles of 4 weight rows x 3 activation rows are register-blocked (see tile()); a row's bits do not depend on
- * the batch. From 64 rows on (a prefill) the panel kernel of qgemm_panel_cpu.c takes over: the same int16
- * products laid out as a BLAS GEMM, 1.2x faster at 8 rows and 2x at 64, but summed in another float order.
+ * the batch. Up to 3 rows (a decode step) the weights are unpacked in registers and prefetched two tiles ahead:
+ * at one row the kernel waits on memory, and that made a batch-1 step's GEMMs 1.2-1.5x faster. From 64 rows on
+ * (a prefill) the panel kernel of qgemm_panel_cpu.c takes over: the same int16 products laid out as a BLAS GEMM,
+ * 1.2x faster at 8 rows and 2x at 64, but summed in another float order.
  * Output rows are split over the worker pool of cpu_pool.c. Built at first use by cpu_kernels.py.
  */
 #include <immintrin.h>
@@ -23,15 +26,9 @@
 
 #include "cpu_kernels.h"
 #include "cpu_pool.h"
+#include "simd_cpu.h"
 
 #define TILE_M 4
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_hadd_ps(s, s);
-    s = _mm_hadd_ps(s, s);
-    return _mm_cvtss_f32(s);
-}
 
 /* x [M, K] -> xq int16 [M, K], dxT [K/32, mp] (xq * dx ~ x, transposed so one load serves a tile's rows),
  * xsum [M, ngp] (sums of xq * dx per group of G, zero past K/G). */
@@ -72,10 +69,11 @@ void quantize_rows(const float *x, int M, int K, int G, int mp, int ngp, int16_t
  * of a row's activations serves NB weight rows and one unpack of a weight row serves every activation row. */
 #define NB 4
 #define MB 3  /* 12 accumulators; 4x3 measured at least as fast as 4x2, 3x3, 2x4 and 4x4 on the AVX2 machine */
+#define PF_TILES 2  /* direct tiles prefetch the weight rows this many tiles ahead (1, 2, 4, 8 measured alike) */
 
 typedef struct {
     const int16_t *xq; const float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
-    const void *w; const float *scales, *zeros; int has_zeros, q4, nchunks;
+    const void *w; const void *scales, *zeros; int has_zeros, q4, scale_f16, nchunks;
     _Atomic int failed;
     float *y;
 } gemm_job;
@@ -101,16 +99,20 @@ void unpack_weight_rows(const void *w, int q4, int K, int n0, int nr, int16_t *w
     }
 }
 
-/* y[m0.., n0..] for nr weight rows (unpacked in wb) and mr activation rows: per block of 32, two madds of int16
- * pairs give the integer dot product, scaled in float by (weight scale * activation step); the zero points'
- * term sum_g zero * xsum is added at the end. The same float operations for a row whatever M or its tile. */
-static inline __attribute__((always_inline)) void tile(const gemm_job *j, const int16_t *wb, float *pt, int n0,
-                                                       const int nr, int m0, const int mr, const int G) {
+/* y[m0.., n0..] for nr weight rows (unpacked in wb; their float32 scales sr and zeros zr [nr, ng]) and mr
+ * activation rows: per block of 32, two madds of int16 pairs give the integer dot product, scaled in float by
+ * (weight scale * activation step); the zero points' term sum_g zero * xsum is added at the end. The same float
+ * operations for a row whatever M or its tile.
+ * direct (the only tile of an M <= MB call, e.g. a batch-1 decode step): the weights are unpacked in registers
+ * from j->w (q4 or int8) and the scale products formed in place, not stored to wb and pt and loaded again; the
+ * same integers and float operations, so the same bits. */
+static inline __attribute__((always_inline)) void tile(const gemm_job *j, const int16_t *wb, float *pt,
+                                                       const float *sr, const float *zr, int n0, const int nr, int m0,
+                                                       const int mr, const int G, const int direct, const int q4) {
     const int K = j->K, ng = j->ng, mp = j->mp, H = 32 / G;
-    const float *sr = j->scales + (size_t)n0 * ng;
     /* pt[b][h][n][m] = weight scale * activation step, one store of 4 per (b, h, n): the inner loop then broadcasts
      * its factor straight from memory. A store's 4th lane past mr lands in the next entry, written after it. */
-    for (int b = 0; b < K / 32; b++) {
+    for (int b = 0; b < K / 32 && !direct; b++) {
         const __m128 d4 = _mm_loadu_ps(j->dxT + (size_t)b * mp + m0);
         for (int h = 0; h < H; h++)
             for (int n = 0; n < nr; n++)
@@ -120,55 +122,87 @@ static inline __attribute__((always_inline)) void tile(const gemm_job *j, const 
     __m256 acc[NB][MB];
     for (int n = 0; n < nr; n++)
         for (int m = 0; m < mr; m++) acc[n][m] = _mm256_setzero_ps();
+    /* direct: the rows PF_TILES tiles on, one cache line per block (NB q4 rows are 64 bytes a block, int8 128): the
+     * hardware prefetcher does not follow NB rows read side by side, and a decode step waits on memory. */
+    const char *pf = (const char *)j->w + ((size_t)n0 + PF_TILES * NB) * (q4 ? K / 2 : K);
+    const int pf_ok = direct && nr == NB && n0 + (PF_TILES + 1) * NB <= j->N;
     for (int b = 0; b < K / 32; b++) {
         const float *pb = pt + (size_t)b * H * nr * mr;
+        if (pf_ok) {
+            _mm_prefetch(pf + (size_t)b * NB * (q4 ? 16 : 32), _MM_HINT_T0);
+            if (!q4) _mm_prefetch(pf + (size_t)b * NB * 32 + 64, _MM_HINT_T0);
+        }
         __m256i x0[MB], x1[MB];
         for (int m = 0; m < mr; m++) {
             const int16_t *xg = j->xq + (size_t)(m0 + m) * K + b * 32;
             x0[m] = _mm256_loadu_si256((const __m256i *)xg);
             x1[m] = _mm256_loadu_si256((const __m256i *)(xg + 16));
         }
+        const float *dx = j->dxT + (size_t)b * mp + m0;
         for (int n = 0; n < nr; n++) {
-            const int16_t *wg = wb + (size_t)n * K + b * 32;
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)wg);
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wg + 16));
+            __m256i w0, w1;
+            if (!direct) {
+                const int16_t *wg = wb + (size_t)n * K + b * 32;
+                w0 = _mm256_loadu_si256((const __m256i *)wg);
+                w1 = _mm256_loadu_si256((const __m256i *)(wg + 16));
+            } else if (q4) {  /* unpack_weight_rows' layout: low nibbles elements 0-15, high nibbles 16-31 */
+                const __m256i v = _mm256_cvtepu8_epi16(
+                    _mm_loadu_si128((const __m128i *)((const uint8_t *)j->w + (size_t)(n0 + n) * (K / 2) + b * 16)));
+                w0 = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
+                w1 = _mm256_srli_epi16(v, 4);
+            } else {
+                const int8_t *wr = (const int8_t *)j->w + (size_t)(n0 + n) * K + b * 32;
+                w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wr));
+                w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 16)));
+            }
             for (int m = 0; m < mr; m++) {
                 const __m256i p0 = _mm256_madd_epi16(w0, x0[m]), p1 = _mm256_madd_epi16(w1, x1[m]);
+                const float *s = sr + (size_t)n * ng + b * H;
                 if (G == 32) {
-                    acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
-                                                _mm256_broadcast_ss(pb + n * mr + m), acc[n][m]);
+                    const __m256 f = direct ? _mm256_set1_ps(s[0] * dx[m]) : _mm256_broadcast_ss(pb + n * mr + m);
+                    acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), f, acc[n][m]);
                 } else {
-                    acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(pb + n * mr + m), acc[n][m]);
-                    acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_broadcast_ss(pb + (nr + n) * mr + m),
-                                                acc[n][m]);
+                    const __m256 f0 = direct ? _mm256_set1_ps(s[0] * dx[m]) : _mm256_broadcast_ss(pb + n * mr + m);
+                    const __m256 f1 = direct ? _mm256_set1_ps(s[1] * dx[m])
+                                             : _mm256_broadcast_ss(pb + (nr + n) * mr + m);
+                    acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), f0, acc[n][m]);
+                    acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), f1, acc[n][m]);
                 }
             }
         }
     }
     float out[NB][MB];  /* the sums leave the registers here, so acc stays in registers through the loop */
     for (int n = 0; n < nr; n++)
-        for (int m = 0; m < mr; m++) out[n][m] = hsum(acc[n][m]);
+        for (int m = 0; m < mr; m++) out[n][m] = hsum8(acc[n][m]);
     const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(ng % 8), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
     for (int n = 0; n < nr; n++)
         for (int m = 0; m < mr; m++) {
             float t = out[n][m];
             if (j->has_zeros) {  /* sum_g zero[n, g] * xsum[m, g] */
-                const float *z = j->zeros + (size_t)(n0 + n) * ng, *xs = j->xsum + (size_t)(m0 + m) * j->ngp;
+                const float *z = zr + (size_t)n * ng, *xs = j->xsum + (size_t)(m0 + m) * j->ngp;
                 __m256 a = _mm256_setzero_ps();
                 int g = 0;
                 for (; g + 8 <= ng; g += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(z + g), _mm256_loadu_ps(xs + g), a);
                 if (g < ng) a = _mm256_fmadd_ps(_mm256_maskload_ps(z + g, tail), _mm256_loadu_ps(xs + g), a);
-                t += hsum(a);
+                t += hsum8(a);
             }
             j->y[(size_t)(m0 + m) * j->N + n0 + n] = t;
         }
 }
 
-/* Every activation row against nr (NB or 1) unpacked weight rows, one specialised tile per shape. */
-static void rows_block(const gemm_job *j, const int16_t *wb, float *pt, int n0, int nr) {
+/* Every activation row against nr (NB or 1) weight rows, one specialised tile per shape: the rows unpacked in wb,
+ * or (direct, for M <= MB) read from j->w in the tile. */
+static void rows_block(const gemm_job *j, const int16_t *wb, float *pt, const float *sr, const float *zr, int n0,
+                       int nr, const int direct) {
     for (int m0 = 0; m0 < j->M; m0 += MB) {
         const int mr = j->M - m0 < MB ? j->M - m0 : MB;
-#define TILE(NR, MR) do { if (j->G == 32) tile(j, wb, pt, n0, NR, m0, MR, 32); else tile(j, wb, pt, n0, NR, m0, MR, 16); } while (0)
+#define TILE(NR, MR) do {                                                                                       \
+            if (!direct && j->G == 32) tile(j, wb, pt, sr, zr, n0, NR, m0, MR, 32, 0, 0);                       \
+            else if (!direct) tile(j, wb, pt, sr, zr, n0, NR, m0, MR, 16, 0, 0);                                \
+            else if (j->q4) tile(j, wb, pt, sr, zr, n0, NR, m0, MR, 32, 1, 1);                                  \
+            else if (j->G == 32) tile(j, wb, pt, sr, zr, n0, NR, m0, MR, 32, 1, 0);                             \
+            else tile(j, wb, pt, sr, zr, n0, NR, m0, MR, 16, 1, 0);                                             \
+        } while (0)
         switch ((nr == NB) * 4 + mr) {  /* mr <= MB = 3 */
         case 4 + 3: TILE(NB, 3); break;
         case 4 + 2: TILE(NB, 2); break;
@@ -181,13 +215,32 @@ static void rows_block(const gemm_job *j, const int16_t *wb, float *pt, int n0, 
     }
 }
 
-static __thread void *scratch;  /* per thread: NB weight rows as int16, then a tile's scale products */
+static __thread void *scratch;  /* per thread: NB weight rows as int16, a tile's scale products, their scales/zeros */
 static __thread size_t scratch_cap;
+
+/* Weight rows n0..n0+nr's scales and zeros as float32 [nr, ng]: pointers into the weight's own float32 ones, or
+ * float16 ones widened into buf (2 * NB * ng floats). */
+static void row_scales(const gemm_job *j, int n0, int nr, float *buf, const float **sr, const float **zr) {
+    const size_t off = (size_t)n0 * j->ng, n = (size_t)nr * j->ng;
+    if (!j->scale_f16) {
+        *sr = (const float *)j->scales + off;
+        *zr = j->has_zeros ? (const float *)j->zeros + off : NULL;
+        return;
+    }
+    f16_to_f32((const uint16_t *)j->scales + off, n, buf);
+    *sr = buf;
+    *zr = NULL;
+    if (j->has_zeros) {
+        f16_to_f32((const uint16_t *)j->zeros + off, n, buf + n);
+        *zr = buf + n;
+    }
+}
 
 static void gemm_chunk(void *arg, int chunk) {
     gemm_job *j = arg;
     const size_t wbytes = (sizeof(int16_t) * NB * j->K + 63) / 64 * 64;
-    const size_t need = wbytes + sizeof(float) * ((size_t)(j->K / 16) * NB * MB + 4);
+    const size_t pbytes = (sizeof(float) * ((size_t)(j->K / 16) * NB * MB + 4) + 63) / 64 * 64;
+    const size_t need = wbytes + pbytes + sizeof(float) * 2 * NB * (size_t)j->ng;
     if (need > scratch_cap) {
         free(scratch);
         scratch = aligned_alloc(64, (need + 63) / 64 * 64);
@@ -195,25 +248,29 @@ static void gemm_chunk(void *arg, int chunk) {
         if (!scratch) { atomic_store(&j->failed, 1); return; }
     }
     int16_t *wb = scratch;
-    float *pt = (float *)((char *)scratch + wbytes);
+    float *pt = (float *)((char *)scratch + wbytes), *sbuf = (float *)((char *)scratch + wbytes + pbytes);
+    const float *sr, *zr;
     int per = (j->N + j->nchunks - 1) / j->nchunks;
     per = (per + NB - 1) / NB * NB;
     const int n0 = chunk * per, n1 = n0 + per < j->N ? n0 + per : j->N;
+    const int direct = j->M <= MB;  /* one tile per weight rows: unpacking to wb would serve no other */
     int n = n0;
     for (; n + NB <= n1; n += NB) {
-        unpack_weight_rows(j->w, j->q4, j->K, n, NB, wb);
-        rows_block(j, wb, pt, n, NB);
+        if (!direct) unpack_weight_rows(j->w, j->q4, j->K, n, NB, wb);
+        row_scales(j, n, NB, sbuf, &sr, &zr);
+        rows_block(j, wb, pt, sr, zr, n, NB, direct);
     }
     for (; n < n1; n++) {
-        unpack_weight_rows(j->w, j->q4, j->K, n, 1, wb);
-        rows_block(j, wb, pt, n, 1);
+        if (!direct) unpack_weight_rows(j->w, j->q4, j->K, n, 1, wb);
+        row_scales(j, n, 1, sbuf, &sr, &zr);
+        rows_block(j, wb, pt, sr, zr, n, 1, direct);
     }
 }
 
 /* Output rows are split into chunks of at least this many for the worker pool (cpu_pool.c). */
 #define ROWS_PER_CHUNK 32
 
-static int num_chunks(int N, int nthreads) {
+int num_chunks(int N, int nthreads) {
     int c = N / ROWS_PER_CHUNK;
     if (c > 8 * nthreads) c = 8 * nthreads;  /* enough for a late worker to find work, few enough to be cheap */
     return c < 1 ? 1 : c;
@@ -246,57 +303,21 @@ static int panel_min_rows = 64;  /* cpu_kernels.PANEL_MIN_ROWS sets it */
 
 void set_panel_min_rows(int rows) { panel_min_rows = rows; }
 
-int q4_gemm(const float *x, int M, int K, const uint8_t *w, const float *scales, const float *zeros,
+/* Present in builds whose GEMM/dequantize entry points take scale_f16 (cpu_kernels.py binds them by it). */
+int packed_scales_f16(void) { return 1; }
+
+int q4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros, int scale_f16,
             int N, float *y, int nthreads) {
-    if (M >= panel_min_rows) return q4_gemm_panel(x, M, K, w, scales, zeros, N, y, nthreads);
+    if (M >= panel_min_rows) return q4_gemm_panel(x, M, K, w, scales, zeros, scale_f16, N, y, nthreads);
     gemm_job j = {.M = M, .K = K, .G = 32, .N = N, .w = w, .scales = scales, .zeros = zeros, .has_zeros = 1,
-                  .q4 = 1, .y = y};
+                  .q4 = 1, .scale_f16 = scale_f16, .y = y};
     return run_gemm(&j, x, nthreads);
 }
 
-int q8_gemm(const float *x, int M, int K, const int8_t *w, int G, const float *scales, const float *zeros,
-            int has_zeros, int N, float *y, int nthreads) {
-    if (M >= panel_min_rows) return q8_gemm_panel(x, M, K, w, G, scales, zeros, has_zeros, N, y, nthreads);
+int q8_gemm(const float *x, int M, int K, const int8_t *w, int G, const void *scales, const void *zeros,
+            int has_zeros, int scale_f16, int N, float *y, int nthreads) {
+    if (M >= panel_min_rows) return q8_gemm_panel(x, M, K, w, G, scales, zeros, has_zeros, scale_f16, N, y, nthreads);
     gemm_job j = {.M = M, .K = K, .G = G, .N = N, .w = w, .scales = scales, .zeros = zeros,
-                  .has_zeros = has_zeros, .q4 = 0, .y = y};
+                  .has_zeros = has_zeros, .q4 = 0, .scale_f16 = scale_f16, .y = y};
     return run_gemm(&j, x, nthreads);
-}
-
-/* Dequantization to float32 rows (the prefill path's BLAS GEMM input): out [N, K] = q * scale + zero. */
-typedef struct {
-    const void *w; const float *scales, *zeros; int K, G, N, q4, nchunks;
-    float *out;
-} dequant_job;
-
-static void dequant_chunk(void *arg, int chunk) {
-    const dequant_job *j = arg;
-    const int K = j->K, G = j->G, ng = K / G, per = (j->N + j->nchunks - 1) / j->nchunks;
-    const int n0 = chunk * per, n1 = n0 + per < j->N ? n0 + per : j->N;
-    const __m256i mask = _mm256_set1_epi32(0x0f);
-    for (int n = n0; n < n1; n++) {
-        const float *sr = j->scales + (size_t)n * ng, *zr = j->zeros ? j->zeros + (size_t)n * ng : NULL;
-        float *o = j->out + (size_t)n * K;
-        for (int g = 0; g < ng; g++) {
-            const __m256 s = _mm256_set1_ps(sr[g]), z = _mm256_set1_ps(zr ? zr[g] : 0.f);
-            for (int c = 0; c < G; c += 8) {
-                __m256i q;
-                if (j->q4) {  /* element c of group g: low nibbles hold 0-15, high nibbles 16-31 */
-                    const uint8_t *b = (const uint8_t *)j->w + (size_t)n * (K / 2) + g * 16 + (c & 15);
-                    q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)b));
-                    q = c < 16 ? _mm256_and_si256(q, mask) : _mm256_srli_epi32(q, 4);
-                } else {
-                    q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)j->w + (size_t)n * K + g * G + c)));
-                }
-                _mm256_storeu_ps(o + g * G + c, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, z));
-            }
-        }
-    }
-}
-
-/* q4 (q4=1, G=32) or int8 (q4=0, G 16 or 32; zeros may be NULL) weights [N, K] -> out float32 [N, K]. */
-void dequantize(const void *w, int q4, int G, const float *scales, const float *zeros, int N, int K, float *out,
-                int nthreads) {
-    dequant_job j = {.w = w, .scales = scales, .zeros = zeros, .K = K, .G = G, .N = N, .q4 = q4, .out = out};
-    j.nchunks = num_chunks(N, nthreads);
-    pool_run(dequant_chunk, &j, j.nchunks, nthreads);
 }

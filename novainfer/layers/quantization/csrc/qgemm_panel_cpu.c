@@ -6,10 +6,10 @@
  * laid out as a BLAS GEMM: a panel of PNR = 16 weight rows is unpacked once to int16 [K/2][16][2] (a k-pair of
  * 16 outputs per two vectors), and each activation row's k-pair is broadcast against it, so one madd gives
  * 8 outputs' partial sums and the int32 accumulators need no reduction. Per group of G weights the integer
- * sums are scaled in float (weight scale * activation step) and the zero-point term (zero * the group's sum of
- * the rounded x) is added. Tiles of PMR activation rows x 16 outputs keep 2 * PMR int32 accumulators in
- * registers. Panels are split over the worker pool (cpu_pool.c). Past about 64 rows it beats dequantizing
- * the weight to float32 for BLAS sgemm (benchmarks/qgemm_rows.py --prefill).
+ * sums are scaled in float (weight scale * activation step; float16 scales are widened once per panel) and the
+ * zero-point term (zero * the group's sum of the rounded x) is added. Tiles of PMR activation rows x 16 outputs
+ * keep 2 * PMR int32 accumulators in registers. Panels are split over the worker pool (cpu_pool.c). Past about
+ * 64 rows it beats dequantizing the weight to float32 for BLAS sgemm (benchmarks/qgemm_rows.py --prefill).
  */
 #include <immintrin.h>
 #include <stdatomic.h>
@@ -28,7 +28,7 @@
 
 typedef struct {
     const float *x; int16_t *xq; int32_t *xt; float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
-    const void *w; const float *scales, *zeros; int has_zeros, q4, npanels, nchunks;
+    const void *w; const void *scales, *zeros; int has_zeros, q4, scale_f16, npanels, nchunks;
     _Atomic int failed;
     float *y;
 } panel_job;
@@ -40,8 +40,9 @@ static void unpack_panel(const panel_job *j, int n0, int16_t *rows, int16_t *wp,
     memset(rows + (size_t)nr * K, 0, sizeof(int16_t) * (size_t)(PNR - nr) * K);
     for (int g = 0; g < ng; g++)
         for (int n = 0; n < PNR; n++) {
-            sp[g * PNR + n] = n < nr ? j->scales[(size_t)(n0 + n) * ng + g] : 0.f;
-            zp[g * PNR + n] = n < nr && j->has_zeros ? j->zeros[(size_t)(n0 + n) * ng + g] : 0.f;
+            sp[g * PNR + n] = n < nr ? load_scale(j->scales, (size_t)(n0 + n) * ng + g, j->scale_f16) : 0.f;
+            zp[g * PNR + n] = n < nr && j->has_zeros ? load_scale(j->zeros, (size_t)(n0 + n) * ng + g, j->scale_f16)
+                                                     : 0.f;
         }
     /* row n's k-pair p (one int32) goes to wp32[p * 16 + n]: 8x8 transposes of int32 */
     const int32_t *r32 = (const int32_t *)rows;
@@ -184,16 +185,16 @@ static int run_panel(panel_job *j, const float *x, int nthreads) {
     return rc;
 }
 
-int q4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const float *scales, const float *zeros, int N,
-                  float *y, int nthreads) {
+int q4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros,
+                  int scale_f16, int N, float *y, int nthreads) {
     panel_job j = {.M = M, .K = K, .G = 32, .N = N, .w = w, .scales = scales, .zeros = zeros, .has_zeros = 1,
-                   .q4 = 1, .y = y};
+                   .q4 = 1, .scale_f16 = scale_f16, .y = y};
     return run_panel(&j, x, nthreads);
 }
 
-int q8_gemm_panel(const float *x, int M, int K, const int8_t *w, int G, const float *scales, const float *zeros,
-                  int has_zeros, int N, float *y, int nthreads) {
+int q8_gemm_panel(const float *x, int M, int K, const int8_t *w, int G, const void *scales, const void *zeros,
+                  int has_zeros, int scale_f16, int N, float *y, int nthreads) {
     panel_job j = {.M = M, .K = K, .G = G, .N = N, .w = w, .scales = scales, .zeros = zeros,
-                   .has_zeros = has_zeros, .q4 = 0, .y = y};
+                   .has_zeros = has_zeros, .q4 = 0, .scale_f16 = scale_f16, .y = y};
     return run_panel(&j, x, nthreads);
 }

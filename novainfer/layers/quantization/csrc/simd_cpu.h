@@ -3,6 +3,7 @@
 #define NOVAINFER_SIMD_CPU_H
 
 #include <immintrin.h>
+#include <stddef.h>
 #include <stdint.h>
 
 /* The sum of 8 floats. */
@@ -33,6 +34,18 @@ static inline __m256 exp8(__m256 x) {
 /* 8 bfloat16 -> 8 float32. */
 static inline __m256 load_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* Element i of a PackedWeight's scales or zeros, float16 (f16 = 1, widened exactly by F16C) or float32. */
+static inline float load_scale(const void *p, size_t i, int f16) {
+    return f16 ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* n float16 values -> float32 (exact). */
+static inline void f16_to_f32(const uint16_t *p, size_t n, float *out) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + i))));
+    for (; i < n; i++) out[i] = _cvtsh_ss(p[i]);
 }
 
 /* 8 vectors of 8 int32 (rows) -> their transpose, in place. */

@@ -1,0 +1,102 @@
+"""float16 scales and zeros in PackedWeight (layers/quantization/gguf_repack.py): chosen per tensor only where every
+value round-trips exactly, and every C kernel that reads them (few-row GEMM, panel GEMM, dequantize, the decoder
+stack) gives the same bits as with the same values in float32."""
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from novainfer.layers.quantization import cpu_kernels, gguf_repack
+from novainfer.layers.quantization.gguf_repack import PackedWeight, merge_rows, repack
+from tests.test_quantized_cpu import random_blocks
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX2+FMA+F16C and a C compiler")
+RNG = np.random.default_rng(7)
+
+
+def random_packed(kind: str, group: int, zeros: bool, n: int, k: int) -> PackedWeight:
+    """Random quants with float16 scales/zeros of mixed magnitudes (subnormals included)."""
+    q = (torch.from_numpy(RNG.integers(0, 256, (n, k // 2), dtype=np.uint8)) if kind == "q4"
+         else torch.from_numpy(RNG.integers(-128, 128, (n, k), dtype=np.int8)))
+
+    def f16() -> torch.Tensor:
+        v = RNG.standard_normal((n, k // group)) * 10.0 ** RNG.integers(-7, 3, (n, k // group))
+        return torch.from_numpy(v.astype(np.float16))
+    return PackedWeight(kind, q, f16(), f16() if zeros else None, group, (n, k))
+
+
+@pytest.mark.parametrize("qtype, f16", [(T.Q4_0, True), (T.Q4_1, True), (T.Q8_0, True), (T.Q4_K, None),
+                                        (T.Q5_K, None), (T.Q6_K, None)], ids=lambda v: getattr(v, "name", str(v)))
+def test_repack_keeps_float16_only_where_exact(qtype, f16, monkeypatch):
+    blocks = random_blocks(qtype, 9, 256)
+    w = repack(blocks, qtype, (9, 256))
+    monkeypatch.setattr(gguf_repack, "FP16_SCALES", False)
+    w32 = repack(blocks, qtype, (9, 256))
+    assert w32.scales.dtype == torch.float32
+    exact = all(t is None or torch.equal(t.half().float(), t) for t in (w32.scales, w32.zeros))
+    assert w.scale_f16 == (exact if f16 is None else f16)
+    assert w.zeros is None or w.zeros.dtype == w.scales.dtype
+    ref = torch.from_numpy(dequantize(blocks, qtype).reshape(9, 256).astype(np.float32))
+    assert torch.equal(w.dequantize(), ref) and torch.equal(cpu_kernels.dequantize(w), w32.dequantize())
+    if w.scale_f16:
+        assert w.nbytes() < w32.nbytes()
+
+
+def test_values_float16_cannot_hold_stay_float32():
+    blocks = random_blocks(T.Q4_0, 4, 64).reshape(4, 2, 18).copy()
+    blocks[1, 0, 0:2] = np.array([40000.0], np.float16).view(np.uint8)  # -8d = -320000: past float16's range
+    w = repack(blocks.reshape(4, -1), T.Q4_0, (4, 64))
+    assert w.scales.dtype == w.zeros.dtype == torch.float32
+    assert w.zeros[1, 0] == -320000.0
+
+
+def test_merge_rows_promotes_mixed_dtypes_exactly():
+    a, b = random_packed("q4", 32, True, 5, 64), random_packed("q4", 32, True, 3, 64).float32_scales()
+    merged = merge_rows([a, b])
+    assert merged.scales.dtype == merged.zeros.dtype == torch.float32
+    assert torch.equal(merged.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    mixed = merge_rows([a, random_packed("q8", 16, False, 4, 64)])  # kinds differ: the int8 container, float16 kept
+    assert mixed.scale_f16 and torch.equal(mixed.dequantize()[:5], a.dequantize())
+    with pytest.raises(ValueError, match="dtype"):
+        PackedWeight("q4", a.qweight, a.scales, a.zeros.float(), 32, a.shape)
+
+
+# q4 with zeros; int8 groups of 32 without / with zeros; int8 groups of 16. K = 288: 9 groups of 32 (a tail past 8)
+LAYOUTS = [("q4", 32, True), ("q8", 32, False), ("q8", 32, True), ("q8", 16, False)]
+
+
+@pytest.mark.parametrize("kind, group, zeros", LAYOUTS, ids=lambda v: str(v))
+def test_every_kernel_gives_the_float32_scales_bits(kind, group, zeros):
+    w16 = random_packed(kind, group, zeros, 37, 288)  # 37 rows: tails past the 4-row tiles and 16-row panels
+    w32 = w16.float32_scales()
+    assert torch.equal(cpu_kernels.dequantize(w16), cpu_kernels.dequantize(w32))
+    assert torch.equal(cpu_kernels.dequantize(w16), w32.dequantize())
+    picked = torch.tensor([36, 0, 5, 5])  # the embedding lookup's row selection
+    assert torch.equal(cpu_kernels.dequantize(w16.select_rows(picked)), w32.dequantize()[picked])
+    xs = torch.from_numpy(RNG.standard_normal((70, 288)).astype(np.float32))
+    ys = {}
+    for m in (1, 2, 3, 5, 64, 70):  # few-row kernel (weights unpacked in registers up to 3 rows) and panel kernel
+        x = xs[:m]
+        ys[m] = y = cpu_kernels.quant_gemm(x, w16)
+        assert torch.equal(y, cpu_kernels.quant_gemm(x, w32)), f"M={m}"
+        assert torch.equal(cpu_kernels.quant_gemm(x, w16, panel=True), cpu_kernels.quant_gemm(x, w32, panel=True))
+        ref = x.double() @ w32.dequantize().double().T
+        assert (y.double() - ref).norm() <= 1e-3 * ref.norm()  # a GEMM, not just two equal wrong answers
+    for m in (1, 2, 3):  # the in-register tiles give the unpacked tiles' bits
+        assert torch.equal(ys[m], ys[5][:m]), f"M={m}"
+
+
+def test_decoder_stack_gives_the_float32_scales_bits(tmp_path, monkeypatch):
+    from tests.test_cpu_decoder_stack import TABLES, PROMPT_LENS, forward, load, prefill, step_meta, write_gguf
+    path = write_gguf(tmp_path / "tiny.gguf", "llama", 300)
+    outs = []
+    for f16 in (True, False):
+        monkeypatch.setattr(gguf_repack, "FP16_SCALES", f16)
+        model = load(path)
+        packed = [m.weight.packed for m in model.modules() if getattr(getattr(m, "weight", None), "packed", None)]
+        assert any(p.scale_f16 for p in packed) == f16
+        prefill(model, 300)
+        meta, pos = step_meta(TABLES, PROMPT_LENS, [1] * len(PROMPT_LENS))
+        outs.append(forward(model, [3, 1, 4, 1], pos, meta, stack=True))
+    assert torch.equal(outs[0], outs[1])
