@@ -113,3 +113,40 @@ def test_decode_attention_over_long_contexts_matches_the_reference(d, window, ca
     want = torch_backend.paged_attention(q, k_cache.float(), v_cache.float(), meta, d ** -0.5, **extra)
     got = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, tables, seq_lens, d ** -0.5, window, cap)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_elementwise_ops_split_over_threads_give_each_row_its_single_row_result():
+    """Prefill-sized inputs run their rows on the worker pool: every row equals the op run on that row alone
+    (the batch-invariance greedy identity needs), and the torch ops within rounding; widths with tails."""
+    from novainfer.layers.rotary import RotaryEmbedding
+    m, h = 600, 100  # 60k elements: past the pool's threshold
+    w, x, res = torch.randn(h), torch.randn(m, h), torch.randn(m, h)
+    out, new_res = cpu_ops.add_rms_norm(x, res, w, 1e-6)
+    one, _ = cpu_ops.add_rms_norm(x[7:8], res[7:8], w, 1e-6)
+    assert torch.equal(out[7:8], one) and torch.equal(new_res, x + res)
+    hr = x + res
+    torch.testing.assert_close(out, w * hr * torch.rsqrt(hr.pow(2).mean(-1, keepdim=True) + 1e-6), rtol=1e-5,
+                               atol=1e-5)
+    g = torch.randn(m, 2 * h) * 4
+    act = cpu_ops.silu_and_mul(g)
+    assert torch.equal(act[599:600], cpu_ops.silu_and_mul(g[599:600]))
+    torch.testing.assert_close(act, F.silu(g[:, :h]) * g[:, h:], rtol=1e-5, atol=1e-5)
+    cfg = types.SimpleNamespace(rope_theta=10000.0, rope_scaling=None)
+    rope = RotaryEmbedding(32, 1024, cfg)
+    t = 400
+    qkv = torch.randn(t, 8 * 32)
+    q, k = qkv[:, :128].view(t, 4, 32), qkv[:, 128:192].view(t, 2, 32)
+    pos = torch.randint(0, 1024, (t,))
+    want_q, want_k = rope(pos, q.clone(), k.clone())
+    cpu_ops.rotary_neox_(pos, q, k, rope.cos_cache, rope.sin_cache)
+    torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, want_k, rtol=1e-5, atol=1e-5)
+    kv = torch.randn(t, 2, 2, 32)
+    k_cache = torch.zeros(64, 16, 2, 32, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(64 * 16)[:t]
+    slots[5] = -1  # a padding token: not written
+    cpu_ops.store_kv_bf16(kv[:, 0], kv[:, 1], k_cache, v_cache, slots)
+    ref_k, ref_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    torch_backend.store_kv(kv[:, 0].to(torch.bfloat16), kv[:, 1].to(torch.bfloat16), ref_k, ref_v, slots)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)

@@ -98,10 +98,11 @@ def build_library(sources: list[str], headers: list[str]) -> ctypes.CDLL | None:
         lib.set_panel_min_rows(PANEL_MIN_ROWS)
     _F = ctypes.c_float
     lib.dequantize.argtypes = [_P, _I, _I, _P, _P, *f16, _I, _I, _P, _I]
-    lib.add_rms_norm.argtypes = [_P, _P, _P, _P, _F, _P, _I, _I]
-    lib.silu_and_mul.argtypes = [_P, _P, _I, _I]
-    lib.rotary_neox.argtypes = [_P, _I, _I, _P, _I, _I, _P, _I, _P, _P, _I, _I]
-    lib.store_kv_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I]
+    # the last int: threads (an older build's ops ignore it)
+    lib.add_rms_norm.argtypes = [_P, _P, _P, _P, _F, _P, _I, _I, _I]
+    lib.silu_and_mul.argtypes = [_P, _P, _I, _I, _I]
+    lib.rotary_neox.argtypes = [_P, _I, _I, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I]
+    lib.store_kv_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I]
     lib.decode_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I]
     if hasattr(lib, "prefill_attention_bf16"):
         lib.prefill_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I]

@@ -24,12 +24,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     m, h = x.numel() // x.shape[-1], x.shape[-1]
     out = torch.empty_like(x)
     if residual is None:
-        library().add_rms_norm(x.data_ptr(), None, None, weight.data_ptr(), eps, out.data_ptr(), m, h)
+        library().add_rms_norm(x.data_ptr(), None, None, weight.data_ptr(), eps, out.data_ptr(), m, h, num_threads())
         return out, x
     residual = residual.contiguous()
     new_res = torch.empty_like(x)
     library().add_rms_norm(x.data_ptr(), residual.data_ptr(), new_res.data_ptr(), weight.data_ptr(), eps,
-                           out.data_ptr(), m, h)
+                           out.data_ptr(), m, h, num_threads())
     return out, new_res
 
 
@@ -38,7 +38,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     d = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
-    library().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], d)
+    library().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], d, num_threads())
     return out
 
 
@@ -50,7 +50,7 @@ def rotary_neox_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos:
         raise ValueError("rotary_neox_: each head's values must be contiguous")
     pos = positions.to(torch.int64).contiguous()
     rc = library().rotary_neox(q.data_ptr(), q.stride(0), nq, k.data_ptr(), k.stride(0), k.shape[1],
-                               pos.data_ptr(), t, cos.data_ptr(), sin.data_ptr(), cos.shape[0], d)
+                               pos.data_ptr(), t, cos.data_ptr(), sin.data_ptr(), cos.shape[0], d, num_threads())
     if rc:
         raise ValueError(f"a position is outside the rotary table of {cos.shape[0]} positions")
 
@@ -61,7 +61,7 @@ def store_kv_bf16(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     slots = slot_mapping.to(torch.int64).contiguous()
     width = key.shape[1] * key.shape[2]
     library().store_kv_bf16(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
-                            v_cache.data_ptr(), slots.data_ptr(), key.shape[0], width)
+                            v_cache.data_ptr(), slots.data_ptr(), key.shape[0], width, num_threads())
 
 
 def decode_attention_bf16(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -20,13 +20,14 @@ int q4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *sc
                   int scale_f16, int N, float *y, int nthreads);
 int q8_gemm_panel(const float *x, int M, int K, const int8_t *w, int G, const void *scales, const void *zeros,
                   int has_zeros, int scale_f16, int N, float *y, int nthreads);
+/* the elementwise ops split their rows over the pool from ~32k elements (a prefill), else run on the caller */
 void add_rms_norm(const float *x, const float *res, float *res_out, const float *w, float eps, float *out, int M,
-                  int H);
-void silu_and_mul(const float *x, float *out, int M, int D);
+                  int H, int nthreads);
+void silu_and_mul(const float *x, float *out, int M, int D, int nthreads);
 int rotary_neox(float *q, int q_stride, int nq, float *k, int k_stride, int nk, const int64_t *pos, int T,
-                const float *cos_t, const float *sin_t, int max_pos, int D);
+                const float *cos_t, const float *sin_t, int max_pos, int D, int nthreads);
 void store_kv_bf16(const float *k, int k_stride, const float *v, int v_stride, uint16_t *k_cache, uint16_t *v_cache,
-                   const int64_t *slots, int T, int width);
+                   const int64_t *slots, int T, int width, int nthreads);
 int decode_attention_bf16(const float *q, int q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                           const int32_t *block_tables, int bt_stride, const int32_t *seq_lens, int S, int nh, int nkv,
                           int D, int block_size, float scale, int window, float soft_cap, float *out, int nthreads);

@@ -11,58 +11,128 @@
 #include "cpu_pool.h"
 #include "simd_cpu.h"
 
-/* out = w * h / sqrt(mean(h^2) + eps) per row, where h = x + res (stored into res_out) or x alone. */
-void add_rms_norm(const float *x, const float *res, float *res_out, const float *w, float eps, float *out,
-                  int M, int H) {
-    for (int m = 0; m < M; m++) {
-        const float *xr = x + (size_t)m * H;
-        float *h = res ? res_out + (size_t)m * H : (float *)xr;
-        double ss = 0.0;
-        for (int j = 0; j < H; j++) {
-            float v = res ? xr[j] + res[(size_t)m * H + j] : xr[j];
-            if (res) h[j] = v;
+/* Row-parallel runs of the elementwise ops: a prefill's 512 rows take several ms each on one core, a decode
+ * step's few rows microseconds (those stay on the calling thread). */
+typedef void (*rows_fn)(const void *ctx, int r0, int r1);
+typedef struct { rows_fn fn; const void *ctx; int M, per; } rows_job;
+
+static void rows_chunk(void *arg, int c) {
+    const rows_job *j = arg;
+    const int r0 = c * j->per, r1 = r0 + j->per < j->M ? r0 + j->per : j->M;
+    if (r0 < r1) j->fn(j->ctx, r0, r1);
+}
+
+#define ROWS_PARALLEL_MIN (1 << 15)  /* elements from which a worker joins */
+
+static void run_rows(rows_fn fn, const void *ctx, int M, size_t elements, int nthreads) {
+    if (nthreads <= 1 || M < 2 || elements < ROWS_PARALLEL_MIN) {
+        fn(ctx, 0, M);
+        return;
+    }
+    const int nchunks = M < 4 * nthreads ? M : 4 * nthreads;
+    rows_job j = {fn, ctx, M, (M + nchunks - 1) / nchunks};
+    pool_run(rows_chunk, &j, nchunks, nthreads);
+}
+
+typedef struct { const float *x, *res; float *res_out; const float *w; float eps; float *out; int H; } norm_job;
+
+static void norm_rows(const void *arg, int r0, int r1) {
+    const norm_job *j = arg;
+    const int H = j->H;
+    for (int m = r0; m < r1; m++) {
+        const float *xr = j->x + (size_t)m * H, *rr = j->res ? j->res + (size_t)m * H : NULL;
+        float *h = j->res ? j->res_out + (size_t)m * H : (float *)xr;
+        __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+        int k = 0;
+        for (; k + 8 <= H; k += 8) {
+            __m256 v = _mm256_loadu_ps(xr + k);
+            if (rr) {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(rr + k));
+                _mm256_storeu_ps(h + k, v);
+            }
+            const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+            s0 = _mm256_fmadd_pd(lo, lo, s0);
+            s1 = _mm256_fmadd_pd(hi, hi, s1);
+        }
+        double lanes[4];
+        _mm256_storeu_pd(lanes, _mm256_add_pd(s0, s1));
+        double ss = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+        for (; k < H; k++) {
+            const float v = rr ? xr[k] + rr[k] : xr[k];
+            if (rr) h[k] = v;
             ss += (double)v * v;
         }
-        const float r = 1.0f / sqrtf((float)(ss / H) + eps);
-        float *o = out + (size_t)m * H;
-        for (int j = 0; j < H; j++) o[j] = w[j] * (h[j] * r);
+        const float r = 1.0f / sqrtf((float)(ss / H) + j->eps);
+        const __m256 rv = _mm256_set1_ps(r);
+        float *o = j->out + (size_t)m * H;
+        for (k = 0; k + 8 <= H; k += 8)
+            _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_loadu_ps(j->w + k), _mm256_mul_ps(_mm256_loadu_ps(h + k), rv)));
+        for (; k < H; k++) o[k] = j->w[k] * (h[k] * r);
+    }
+}
+
+/* out = w * h / sqrt(mean(h^2) + eps) per row, where h = x + res (stored into res_out) or x alone; the sum of
+ * squares in double. */
+void add_rms_norm(const float *x, const float *res, float *res_out, const float *w, float eps, float *out,
+                  int M, int H, int nthreads) {
+    const norm_job j = {x, res, res_out, w, eps, out, H};
+    run_rows(norm_rows, &j, M, (size_t)M * H, nthreads);
+}
+
+typedef struct { const float *x; float *out; int D; } silu_job;
+
+static void silu_rows(const void *arg, int r0, int r1) {
+    const silu_job *j = arg;
+    const int D = j->D;
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (int m = r0; m < r1; m++) {
+        const float *g = j->x + (size_t)m * 2 * D, *u = g + D;
+        float *o = j->out + (size_t)m * D;
+        int k = 0;
+        for (; k + 8 <= D; k += 8) {
+            __m256 gv = _mm256_loadu_ps(g + k);
+            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
+            _mm256_storeu_ps(o + k, _mm256_mul_ps(s, _mm256_loadu_ps(u + k)));
+        }
+        for (; k < D; k++) o[k] = g[k] / (1.0f + expf(-g[k])) * u[k];
     }
 }
 
 /* out[m, j] = silu(x[m, j]) * x[m, D + j] for x [M, 2D]. */
-void silu_and_mul(const float *x, float *out, int M, int D) {
-    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-    for (int m = 0; m < M; m++) {
-        const float *g = x + (size_t)m * 2 * D, *u = g + D;
-        float *o = out + (size_t)m * D;
-        int j = 0;
-        for (; j + 8 <= D; j += 8) {
-            __m256 gv = _mm256_loadu_ps(g + j);
-            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
-            _mm256_storeu_ps(o + j, _mm256_mul_ps(s, _mm256_loadu_ps(u + j)));
+void silu_and_mul(const float *x, float *out, int M, int D, int nthreads) {
+    const silu_job j = {x, out, D};
+    run_rows(silu_rows, &j, M, (size_t)M * D, nthreads);
+}
+
+typedef struct {
+    float *q; int q_stride, nq; float *k; int k_stride, nk; const int64_t *pos; const float *cos_t, *sin_t; int D;
+} rope_job;
+
+static void rope_rows(const void *arg, int t0, int t1) {
+    const rope_job *j = arg;
+    const int D = j->D, half = D / 2;
+    for (int t = t0; t < t1; t++) {
+        const float *c = j->cos_t + (size_t)j->pos[t] * D, *s = j->sin_t + (size_t)j->pos[t] * D;
+        for (int h = 0; h < j->nq + j->nk; h++) {
+            float *x = h < j->nq ? j->q + (size_t)t * j->q_stride + (size_t)h * D
+                                 : j->k + (size_t)t * j->k_stride + (size_t)(h - j->nq) * D;
+            for (int i = 0; i < half; i++) {
+                const float x1 = x[i], x2 = x[i + half];
+                x[i] = x1 * c[i] - x2 * s[i];
+                x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+            }
         }
-        for (; j < D; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
     }
 }
 
 /* Rotates the first halves against the second halves of every head (GPT-NeoX layout), in place: q and k
  * are [T, heads, D] with row strides; cos/sin tables [max_pos, D]. Returns -1 for a position out of range. */
 int rotary_neox(float *q, int q_stride, int nq, float *k, int k_stride, int nk, const int64_t *pos, int T,
-                const float *cos_t, const float *sin_t, int max_pos, int D) {
-    const int half = D / 2;
+                const float *cos_t, const float *sin_t, int max_pos, int D, int nthreads) {
     for (int t = 0; t < T; t++)
         if (pos[t] < 0 || pos[t] >= max_pos) return -1;
-    for (int t = 0; t < T; t++) {
-        const float *c = cos_t + (size_t)pos[t] * D, *s = sin_t + (size_t)pos[t] * D;
-        for (int h = 0; h < nq + nk; h++) {
-            float *x = h < nq ? q + (size_t)t * q_stride + (size_t)h * D : k + (size_t)t * k_stride + (size_t)(h - nq) * D;
-            for (int j = 0; j < half; j++) {
-                const float x1 = x[j], x2 = x[j + half];
-                x[j] = x1 * c[j] - x2 * s[j];
-                x[j + half] = x2 * c[j + half] + x1 * s[j + half];
-            }
-        }
-    }
+    const rope_job j = {q, q_stride, nq, k, k_stride, nk, pos, cos_t, sin_t, D};
+    run_rows(rope_rows, &j, T, (size_t)T * (nq + nk) * D, nthreads);
     return 0;
 }
 
@@ -73,17 +143,28 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's 
     return (uint16_t)((b + 0x7fff + ((b >> 16) & 1)) >> 16);
 }
 
-/* k/v rows [T, kv_heads * D] (row strides given) -> bf16 cache [blocks, block_size, kv_heads, D] at slots. */
-void store_kv_bf16(const float *k, int k_stride, const float *v, int v_stride, uint16_t *k_cache,
-                   uint16_t *v_cache, const int64_t *slots, int T, int width) {
-    for (int t = 0; t < T; t++) {
-        if (slots[t] < 0) continue;  /* a padding token */
-        uint16_t *kc = k_cache + (size_t)slots[t] * width, *vc = v_cache + (size_t)slots[t] * width;
-        for (int j = 0; j < width; j++) {
-            kc[j] = to_bf16(k[(size_t)t * k_stride + j]);
-            vc[j] = to_bf16(v[(size_t)t * v_stride + j]);
+typedef struct {
+    const float *k; int k_stride; const float *v; int v_stride; uint16_t *k_cache, *v_cache; const int64_t *slots;
+    int width;
+} store_job;
+
+static void store_rows(const void *arg, int t0, int t1) {
+    const store_job *j = arg;
+    for (int t = t0; t < t1; t++) {
+        if (j->slots[t] < 0) continue;  /* a padding token */
+        uint16_t *kc = j->k_cache + (size_t)j->slots[t] * j->width, *vc = j->v_cache + (size_t)j->slots[t] * j->width;
+        for (int i = 0; i < j->width; i++) {
+            kc[i] = to_bf16(j->k[(size_t)t * j->k_stride + i]);
+            vc[i] = to_bf16(j->v[(size_t)t * j->v_stride + i]);
         }
     }
+}
+
+/* k/v rows [T, kv_heads * D] (row strides given) -> bf16 cache [blocks, block_size, kv_heads, D] at slots. */
+void store_kv_bf16(const float *k, int k_stride, const float *v, int v_stride, uint16_t *k_cache,
+                   uint16_t *v_cache, const int64_t *slots, int T, int width, int nthreads) {
+    const store_job j = {k, k_stride, v, v_stride, k_cache, v_cache, slots, width};
+    run_rows(store_rows, &j, T, (size_t)T * width, nthreads);
 }
 
 typedef struct {

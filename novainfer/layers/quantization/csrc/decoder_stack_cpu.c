@@ -69,25 +69,27 @@ int decoder_stack_decode(const decoder_layer *layers, int L, const float *final_
         const decoder_layer *d = layers + l;
         const int qkv_w = d->qkv.N, q_size = d->nh * d->D, kv_size = d->nkv * d->D;
         float *qkv = scratch, *attn = scratch + (size_t)M * qkv_w;
-        if (l == 0) add_rms_norm(embeds, NULL, NULL, d->input_norm, d->input_eps, normed, M, H);
-        else add_rms_norm(hidden, residual, res, d->input_norm, d->input_eps, normed, M, H);
+        if (l == 0) add_rms_norm(embeds, NULL, NULL, d->input_norm, d->input_eps, normed, M, H, nthreads);
+        else add_rms_norm(hidden, residual, res, d->input_norm, d->input_eps, normed, M, H, nthreads);
         if (l > 0) residual = res;
         int rc = linear(&d->qkv, normed, M, qkv, nthreads);
         if (rc) return rc;
-        if (rotary_neox(qkv, qkv_w, d->nh, qkv + q_size, qkv_w, d->nkv, pos, M, d->cos, d->sin, d->max_pos, d->D))
+        if (rotary_neox(qkv, qkv_w, d->nh, qkv + q_size, qkv_w, d->nkv, pos, M, d->cos, d->sin, d->max_pos, d->D,
+                        nthreads))
             return STACK_BAD_POSITION;
-        store_kv_bf16(qkv + q_size, qkv_w, qkv + q_size + kv_size, qkv_w, d->k_cache, d->v_cache, slots, M, kv_size);
+        store_kv_bf16(qkv + q_size, qkv_w, qkv + q_size + kv_size, qkv_w, d->k_cache, d->v_cache, slots, M, kv_size,
+                      nthreads);
         if (decode_attention_bf16(qkv, qkv_w, d->k_cache, d->v_cache, block_tables, bt_stride, seq_lens, M, d->nh,
                                   d->nkv, d->D, d->block_size, d->scale, d->window, d->soft_cap, attn, nthreads))
             return STACK_NO_MEMORY;
         if ((rc = linear(&d->o, attn, M, hidden, nthreads))) return rc;
-        add_rms_norm(hidden, residual, res, d->post_norm, d->post_eps, normed, M, H);
+        add_rms_norm(hidden, residual, res, d->post_norm, d->post_eps, normed, M, H, nthreads);
         residual = res;
         float *gate_up = scratch, *act = scratch + (size_t)M * d->gate_up.N;
         if ((rc = linear(&d->gate_up, normed, M, gate_up, nthreads))) return rc;
-        silu_and_mul(gate_up, act, M, d->gate_up.N / 2);
+        silu_and_mul(gate_up, act, M, d->gate_up.N / 2, nthreads);
         if ((rc = linear(&d->down, act, M, hidden, nthreads))) return rc;
     }
-    add_rms_norm(hidden, residual, res, final_norm, final_eps, out, M, H);
+    add_rms_norm(hidden, residual, res, final_norm, final_eps, out, M, H, nthreads);
     return STACK_OK;
 }
