@@ -258,26 +258,8 @@ static void attend(void *arg, int sk) {
             scores8(q0 + (size_t)i * D, kf, D, n, j->scale, j->soft_cap, sc + (size_t)i * max_len + p0);
     }
     float inv[group];
-    for (int i = 0; i < group; i++) {
-        float *row = sc + (size_t)i * max_len, mx = -INFINITY, sum = 0.f;
-        int p = start;
-        __m256 vmx = _mm256_set1_ps(-INFINITY);
-        for (; p + 8 <= len; p += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(row + p));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
-        for (; p < len; p++) mx = row[p] > mx ? row[p] : mx;
-        const __m256 vm = _mm256_set1_ps(mx);
-        __m256 vsum = _mm256_setzero_ps();
-        for (p = start; p + 8 <= len; p += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + p), vm));
-            _mm256_storeu_ps(row + p, e);
-            vsum = _mm256_add_ps(vsum, e);
-        }
-        sum = hsum8(vsum);
-        for (; p < len; p++) { row[p] = expf(row[p] - mx); sum += row[p]; }
-        inv[i] = 1.0f / sum;
-    }
+    for (int i = 0; i < group; i++)  /* the soft cap was applied with the scores */
+        inv[i] = softmax_row(sc + (size_t)i * max_len + start, len - start, 0, len - start - 1, 0.f);
     for (int i0 = 0; i0 < group; i0 += PV_HEADS) {
         const int hb = group - i0 < PV_HEADS ? group - i0 : PV_HEADS;
         const float *w[PV_HEADS];

@@ -99,27 +99,6 @@ static inline __attribute__((always_inline)) void weigh(const float *p, int W, c
     }
 }
 
-/* Row's scores -> exp(score - max) over its visible keys lo..hi (inclusive), zero elsewhere in 0..W; 1 / sum. */
-static float softmax_row(float *row, int W, int lo, int hi, float soft_cap) {
-    if (soft_cap > 0.f)
-        for (int c = lo; c <= hi; c++) row[c] = soft_cap * tanhf(row[c] / soft_cap);
-    float mx = -INFINITY, sum = 0.f;
-    for (int c = lo; c <= hi; c++) mx = row[c] > mx ? row[c] : mx;
-    for (int c = 0; c < lo; c++) row[c] = 0.f;
-    for (int c = hi + 1; c < W; c++) row[c] = 0.f;
-    const __m256 vm = _mm256_set1_ps(mx);
-    __m256 vs = _mm256_setzero_ps();
-    int c = lo;
-    for (; c + 8 <= hi + 1; c += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + c), vm));
-        _mm256_storeu_ps(row + c, e);
-        vs = _mm256_add_ps(vs, e);
-    }
-    sum = hsum8(vs);
-    for (; c <= hi; c++) { row[c] = expf(row[c] - mx); sum += row[c]; }
-    return 1.0f / sum;
-}
-
 static __thread float *sc_buf;
 static __thread size_t sc_cap;
 

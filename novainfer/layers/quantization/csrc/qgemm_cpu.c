@@ -28,8 +28,6 @@
 #include "cpu_pool.h"
 #include "simd_cpu.h"
 
-#define TILE_M 4
-
 /* x [M, K] -> xq int16 [M, K], dxT [K/32, mp] (xq * dx ~ x, transposed so one load serves a tile's rows),
  * xsum [M, ngp] (sums of xq * dx per group of G, zero past K/G). */
 void quantize_rows(const float *x, int M, int K, int G, int mp, int ngp, int16_t *xq, float *dxT,

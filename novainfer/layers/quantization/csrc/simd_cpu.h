@@ -3,6 +3,7 @@
 #define NOVAINFER_SIMD_CPU_H
 
 #include <immintrin.h>
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -29,6 +30,33 @@ static inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* A row of attention scores -> exp(score - max) over its visible keys lo..hi (inclusive), zero elsewhere in
+ * 0..W (scores soft-capped first as cap * tanh(x / cap) when soft_cap > 0); returns 1 / the sum. Shared by the
+ * decode and prefill attention kernels. */
+static inline float softmax_row(float *row, int W, int lo, int hi, float soft_cap) {
+    if (soft_cap > 0.f)
+        for (int c = lo; c <= hi; c++) row[c] = soft_cap * tanhf(row[c] / soft_cap);
+    __m256 vmx = _mm256_set1_ps(-INFINITY);
+    int c = lo;
+    for (; c + 8 <= hi + 1; c += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(row + c));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    for (; c <= hi; c++) mx = row[c] > mx ? row[c] : mx;
+    for (c = 0; c < lo; c++) row[c] = 0.f;
+    for (c = hi + 1; c < W; c++) row[c] = 0.f;
+    const __m256 vm = _mm256_set1_ps(mx);
+    __m256 vs = _mm256_setzero_ps();
+    for (c = lo; c + 8 <= hi + 1; c += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + c), vm));
+        _mm256_storeu_ps(row + c, e);
+        vs = _mm256_add_ps(vs, e);
+    }
+    float sum = hsum8(vs);
+    for (; c <= hi; c++) { row[c] = expf(row[c] - mx); sum += row[c]; }
+    return 1.0f / sum;
 }
 
 /* 8 bfloat16 -> 8 float32. */
