@@ -118,9 +118,11 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--panel-rows", type=int, default=None,
                     help="a third variant: this tree's kernels handing over to the panel GEMM from this many rows")
+    ap.add_argument("--base-panel-rows", type=int, default=64,
+                    help="the row count from which the base's GEMMs hand over to its panel kernel (its default)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    libs = {"new": (cpu_kernels.library(),), "old": (build_at(args.base),)}
+    libs = {"new": (cpu_kernels.library(),), "old": (build_at(args.base), args.base_panel_rows)}
     if args.panel_rows:
         libs[f"new, panel from {args.panel_rows} rows"] = (cpu_kernels.library(), args.panel_rows)
     if not libs["old"][0].scale_f16:  # a base before float16 scales: both load float32 ones (one set of weights)

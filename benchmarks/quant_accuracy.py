@@ -31,9 +31,8 @@ def english_text() -> str:
 def novainfer_logits(path: str, chunks: list[list[int]], quantized: bool, step: int | None = None) -> torch.Tensor:
     """Float32 logits of every position of every chunk: GGUF kept quantized (the default CPU path: float32
     activations here, bfloat16 KV) or the float32 dequantized reference with a float32 cache. A chunk goes in
-    as one prefill (the panel GEMM), or with `step`, in steps of that many tokens over the cache (below
-    cpu_kernels.PANEL_MIN_ROWS they take the few-row kernel, as a decode step of a few streams does; both round
-    activations to int16)."""
+    as one prefill, or with `step`, in steps of that many tokens over the cache, as decode and verify steps go
+    (the GEMMs give a row the same bits in either kernel; what differs is the attention path over the cache)."""
     from novainfer.attention import cpu_backend
     from novainfer.attention.metadata import AttentionMetadata, attention_metadata
     from novainfer.layers.attention import Attention
@@ -103,7 +102,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--decode-step", type=int, default=32,
-                    help="tokens per step for the decode-path row (below cpu_kernels.PANEL_MIN_ROWS)")
+                    help="tokens per step for the decode-path row")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp's figures out")
     args = ap.parse_args()

@@ -11,7 +11,7 @@ from gguf.quants import quantize
 
 from novainfer.attention import cpu_backend
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata, get_attention_metadata
-from novainfer.layers.quantization import cpu_kernels
+from novainfer.layers.quantization import cpu_kernels, gguf_cpu
 from novainfer.spec_decode.verify_inputs import per_token_metadata
 from novainfer.worker.kv_cache import allocate_kv_cache
 from tests.test_quantized_cpu import random_blocks
@@ -186,7 +186,7 @@ def test_a_verify_steps_per_token_rows_equal_the_layer_path(tiny_gguf):
     same_with_stack_on_and_off(model, [5, 6, 7, 8, 9, 10, 11, 12], meta, pos)
 
 
-def test_steps_and_models_it_does_not_take_run_the_layers(tiny_gguf):
+def test_steps_and_models_it_does_not_take_run_the_layers(tiny_gguf, monkeypatch):
     from novainfer.layers.activation import GeluAndMul
     model = load(tiny_gguf, num_blocks=80)
     stack, inner = model.model.cpu_decoder, model.model
@@ -194,10 +194,14 @@ def test_steps_and_models_it_does_not_take_run_the_layers(tiny_gguf):
     meta, pos = step_meta(TABLES[:1], [0], [2])  # a prefill
     with attention_metadata(meta):
         assert stack.forward(inner, embeds, pos) is None
-    many = [[i] for i in range(64)]  # 64 rows: the linear layers take the dequantize + BLAS path there
+    many = [[i] for i in range(64)]  # 64 rows with the A/B setting: the linear layers dequantize + BLAS there
     meta, pos = step_meta(many, [1] * 64, [1] * 64)
+    monkeypatch.setattr(gguf_cpu, "PREFILL_DEQUANT", True)
     with attention_metadata(meta):
         assert stack.forward(inner, torch.randn(64, HIDDEN), pos) is None
+    monkeypatch.setattr(gguf_cpu, "PREFILL_DEQUANT", False)
+    with attention_metadata(meta):  # the default: any number of decode rows
+        assert stack.forward(inner, torch.randn(64, HIDDEN), pos) is not None
     meta, _ = step_meta(TABLES[:1], [3], [1])  # a position past the rotary table: the layers' own error
     with attention_metadata(meta), pytest.raises(ValueError, match="outside the rotary table"):
         stack.forward(inner, embeds[:1], torch.tensor([300]))

@@ -1,5 +1,6 @@
-"""The many-row (panel) quantized GEMM of csrc/qgemm_panel_cpu.c: against dequantize-then-matmul and the
-few-row kernel (the same int16 activations), row results independent of the batch and the thread count, and
+"""The many-row (panel) quantized GEMM of csrc/qgemm_panel_cpu.c: against dequantize-then-matmul, bit-identical
+to the few-row kernel (the same int16 activations and the same float operations per output, so a row's bits do
+not depend on which kernel its batch picks), row results independent of the batch and the thread count, and
 the row count from which the GEMM entry points switch to it. Each GGUF format's accuracy bound at 9 and 17
 rows (through this kernel) is in test_quantized_cpu.py."""
 import numpy as np
@@ -22,19 +23,19 @@ def few_row_kernel():
     cpu_kernels.set_panel_min_rows(cpu_kernels.PANEL_MIN_ROWS)
 
 
-@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q4_0, T.Q8_0, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
-def test_panel_matches_dequantize_then_matmul_and_the_few_row_kernel(qtype, few_row_kernel):
-    n, k = 37, 512  # a partial panel of 16 outputs; several groups (Q6_K: groups of 16)
+# K = 576: 18 groups, past the last multiple of 8 (the scale transposes' tail); K-quants come in 256s
+@pytest.mark.parametrize("qtype,k", [(T.Q4_1, 512), (T.Q4_1, 576), (T.Q4_0, 576), (T.Q8_0, 512), (T.Q8_0, 576),
+                                     (T.Q5_K, 512), (T.Q6_K, 512)], ids=lambda v: getattr(v, "name", str(v)))
+def test_panel_matches_dequantize_then_matmul_and_the_few_row_kernel_bit_for_bit(qtype, k, few_row_kernel):
+    n = 37  # a partial panel of 16 outputs and a partial few-row tile of 8; several groups (Q6_K: groups of 16)
     w = repack(random_blocks(qtype, n, k), qtype, (n, k))
     ref_w = w.dequantize().double()
-    for m in (1, 5, 70):  # below, at and past a tile of 4 rows
-        x = torch.randn(m, k)
+    for m in (1, 2, 3, 5, 8, 13, 70):  # the few-row tiles' edges (3 rows), the panel's (4 rows) and past them
+        x = torch.randn(m, k) * torch.linspace(0.1, 3, k)
         ref = x.double() @ ref_w.T
-        panel = cpu_kernels.quant_gemm(x, w, panel=True).double()
-        few = cpu_kernels.quant_gemm(x, w).double()
-        assert (panel - ref).norm() < 1e-4 * ref.norm()  # int16 activations: ~1e-5 measured
-        # the same integer products, summed in float in another order: far closer to each other than to ref
-        assert (panel - few).abs().max() < 1e-5 * ref.abs().max()
+        panel = cpu_kernels.quant_gemm(x, w, panel=True)
+        assert (panel.double() - ref).norm() < 1e-4 * ref.norm()  # int16 activations: ~1e-5 measured
+        assert torch.equal(cpu_kernels.quant_gemm(x, w), panel), f"M={m}"
 
 
 def test_panel_rows_do_not_depend_on_the_batch_or_threads():
@@ -58,9 +59,12 @@ def test_panel_rows_do_not_depend_on_the_batch_or_threads():
 def test_panel_min_rows_switches_the_kernel_and_rejects_nonsense(few_row_kernel):
     w = repack(random_blocks(T.Q4_1, 48, 256), T.Q4_1, (48, 256))
     x = torch.from_numpy(np.random.default_rng(1).standard_normal((8, 256)).astype(np.float32))
+    lib = cpu_kernels.library()
+    calls = lib.panel_gemm_calls()
     few = cpu_kernels.quant_gemm(x, w)
+    assert lib.panel_gemm_calls() == calls
     cpu_kernels.set_panel_min_rows(8)
-    assert torch.equal(cpu_kernels.quant_gemm(x, w), cpu_kernels.quant_gemm(x, w, panel=True))
-    assert not torch.equal(cpu_kernels.quant_gemm(x, w), few)  # float sums in another order
+    assert torch.equal(cpu_kernels.quant_gemm(x, w), few)  # the other kernel, the same bits
+    assert lib.panel_gemm_calls() == calls + 1
     with pytest.raises(ValueError, match="panel rows"):
         cpu_kernels.set_panel_min_rows(0)

@@ -22,7 +22,7 @@ from torch import nn
 from novainfer.attention import cpu_backend
 from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
 from novainfer.layers.quantization import cpu_kernels
-from novainfer.layers.quantization.gguf_cpu import PREFILL_ROWS  # from there the linears dequantize + BLAS
+from novainfer.layers.quantization import gguf_cpu
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _ERRORS = {1: (MemoryError, "decoder stack: no memory for a kernel's scratch"),
@@ -117,7 +117,9 @@ class CPUDecoderStack:
             meta = meta.per_token
         elif meta.max_query_len != 1 or meta.num_seqs != m:
             return None
-        if m >= PREFILL_ROWS or embeds.dtype != torch.float32 or embeds.dim() != 2 or not embeds.is_contiguous():
+        if gguf_cpu.PREFILL_DEQUANT and m >= gguf_cpu.PREFILL_ROWS:
+            return None  # the A/B setting where the linears dequantize + BLAS from there
+        if embeds.dtype != torch.float32 or embeds.dim() != 2 or not embeds.is_contiguous():
             return None
         if self.supported is None:
             try:

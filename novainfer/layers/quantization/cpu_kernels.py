@@ -29,10 +29,9 @@ _HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_pool.h", "cpu_kernels.h"
 _SOURCES = [os.path.join(_CSRC, name) for name in ("qgemm_cpu.c", "qgemm_panel_cpu.c", "dequantize_cpu.c",
                                                    "decode_ops_cpu.c", "prefill_attention_cpu.c", "cpu_pool.c",
                                                    "decoder_stack_cpu.c")]
-# From this many activation rows on, q4_gemm/q8_gemm run the panel kernel. It is faster from 8 rows on, but a
-# row's bits differ between the kernels, and decode steps below 64 rows keep a row's bits whatever its batch
-# (tests/test_qgemm_rows.py): greedy identity under batching and speculation rests on that.
-PANEL_MIN_ROWS = 64
+# From this many activation rows on, q4_gemm/q8_gemm run the panel kernel (faster from about 12 rows on:
+# benchmarks/qgemm_rows.py --step). Both kernels give a row the same bits, so the switch does not change results.
+PANEL_MIN_ROWS = 12
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC"]

@@ -13,7 +13,6 @@ int q8_gemm(const float *x, int M, int K, const int8_t *w, int G, const void *sc
             int has_zeros, int scale_f16, int N, float *y, int nthreads);
 void quantize_rows(const float *x, int M, int K, int G, int mp, int ngp, int16_t *xq, float *dxT, float *xsum,
                    int xsum_needed);
-void unpack_weight_rows(const void *w, int q4, int K, int n0, int nr, int16_t *wb);
 void set_panel_min_rows(int rows);
 int num_chunks(int N, int nthreads);  /* chunks of output rows a kernel splits N rows into for the pool */
 int q4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros,

@@ -3,7 +3,7 @@
  * Weights stay quantized in memory; each group of weights dequantizes as q * scale + zero with a scale/zero
  * per group, which holds GGUF's Q4_0/Q4_1/Q4_K (4-bit, groups of 32) and Q8_0/Q5_K/Q6_K (8-bit container,
  * groups of 32 or 16) exactly. Scales and zeros are float16 (scale_f16) or float32; float16 ones are widened
- * (exactly) for 4 weight rows at a time, so both give the same bits and the float16 layout reads fewer bytes.
+ * (exactly) and transposed for 8 weight rows at a time, so both give the same bits and the float16 layout reads fewer bytes.
  *
  * Activations are rounded per row to int16 in blocks of 32 (step max|x| / 32767), so a group's dot product
  * is integer (madd of int16 pairs) and only its sum is scaled in float: fewer instructions per weight than
@@ -11,11 +11,13 @@
  * still but raised the default model's mean KL to the float32 reference from 0.0001 to 0.0048, above
  * llama.cpp's own 0.0047 (benchmarks/quant_accuracy.py); int16 keeps it at the float path's level.
  * The zero point's term uses the group's sum of the rounded x (its error cancels against the q term's).
- * Tiles of 4 weight rows x 3 activation rows are register-blocked (see tile()); a row's bits do not depend on
- * the batch. Up to 3 rows (a decode step) the weights are unpacked in registers and prefetched two tiles ahead:
- * at one row the kernel waits on memory, and that made a batch-1 step's GEMMs 1.2-1.5x faster. From 64 rows on
- * (a prefill) the panel kernel of qgemm_panel_cpu.c takes over: the same int16 products laid out as a BLAS GEMM,
- * 1.2x faster at 8 rows and 2x at 64, but summed in another float order.
+ * A tile is 8 weight rows x up to 3 activation rows (see tile()): per group, each output's integer dot product is
+ * summed exactly, then scaled and added in float group after group, one output per lane. That is the panel
+ * kernel's order (qgemm_panel_cpu.c), so a row's bits are the same whatever M, its tile, or which of the two
+ * kernels its row count picks (from cpu_kernels.PANEL_MIN_ROWS rows on: the panel one, faster there); a decode
+ * row and a prefill row of the same values agree. Weights are unpacked in registers and the next tiles' rows
+ * prefetched: at one row the kernel waits on memory (the hardware prefetcher does not follow 8 rows read side
+ * by side).
  * Output rows are split over the worker pool of cpu_pool.c. Built at first use by cpu_kernels.py.
  */
 #include <immintrin.h>
@@ -63,14 +65,12 @@ void quantize_rows(const float *x, int M, int K, int G, int mp, int ngp, int16_t
     }
 }
 
-/* Register blocking: a tile of NB weight rows x MB activation rows keeps NB * MB float accumulators, so one load
- * of a row's activations serves NB weight rows and one unpack of a weight row serves every activation row. */
-#define NB 4
-#define MB 3  /* 12 accumulators; 4x3 measured at least as fast as 4x2, 3x3, 2x4 and 4x4 on the AVX2 machine */
-/* Up to this many activation rows every tile unpacks its weights in registers again, rather than once into wb:
- * 4-8 rows measured 4-12% faster that way (the weights are in L1 for the tiles after the first), the same bits. */
-#define DIRECT_MAX_ROWS 8
-#define PF_TILES 2  /* direct tiles prefetch the weight rows this many tiles ahead (1, 2, 4, 8 measured alike) */
+/* A tile is NB = 8 weight rows (one output per float lane) x up to MB activation rows. */
+#define NB 8
+#define MB 3
+#ifndef PF_ROWS
+#define PF_ROWS 8  /* tiles prefetch the weight rows this many rows ahead */
+#endif
 
 typedef struct {
     const int16_t *xq; const float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
@@ -79,192 +79,143 @@ typedef struct {
     float *y;
 } gemm_job;
 
-/* Weight rows n0..n0+nr unpacked to int16 [nr, K]. 4-bit: w[N, K/2] bytes; group g of 32 is bytes [16g, 16g+16):
- * low nibble = element j, high = j+16 (GGML's Q4_0/Q4_1 order). 8-bit: w[N, K] int8. */
-void unpack_weight_rows(const void *w, int q4, int K, int n0, int nr, int16_t *wb) {
-    const __m256i mask = _mm256_set1_epi16(0x0f);
-    for (int r = 0; r < nr; r++) {
-        int16_t *o = wb + (size_t)r * K;
-        if (q4) {
-            const uint8_t *wr = (const uint8_t *)w + (size_t)(n0 + r) * (K / 2);
-            for (int g = 0; g < K / 32; g++) {
-                __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wr + g * 16)));
-                _mm256_storeu_si256((__m256i *)(o + g * 32), _mm256_and_si256(b, mask));
-                _mm256_storeu_si256((__m256i *)(o + g * 32 + 16), _mm256_srli_epi16(b, 4));
-            }
-        } else {
-            const int8_t *wr = (const int8_t *)w + (size_t)(n0 + r) * K;
-            for (int c = 0; c < K; c += 16)
-                _mm256_storeu_si256((__m256i *)(o + c), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + c))));
+/* Weight rows n0..n0+nr's scales (or zeros) at every group, transposed to [ng][NB] floats (zero past nr), so a
+ * group's 8 scales are one vector: 8x8 transposes of 8 groups at a time (dst holds ngp groups). A last partial block of groups reads
+ * past its row into the next one (unused), except at the end of the array, where it goes one by one. */
+static void transpose_scales(const gemm_job *j, const void *src, int n0, int nr, float *dst) {
+    const int ng = j->ng;
+    const size_t end = (size_t)j->N * ng;
+    for (int g = 0; g < ng; g += 8) {
+        const int gn = ng - g < 8 ? ng - g : 8;
+        if ((size_t)(n0 + nr - 1) * ng + g + 8 > end) {
+            for (int i = 0; i < gn; i++)
+                for (int n = 0; n < NB; n++)
+                    dst[(g + i) * NB + n] = n < nr ? load_scale(src, (size_t)(n0 + n) * ng + g + i, j->scale_f16) : 0.f;
+            continue;
         }
+        __m256i r[NB];
+        for (int n = 0; n < NB; n++)
+            r[n] = n < nr ? _mm256_castps_si256(load8_scales(src, (size_t)(n0 + n) * ng + g, j->scale_f16))
+                          : _mm256_setzero_si256();
+        transpose8(r);  /* all 8 stored: dst has room for ngp groups */
+        for (int i = 0; i < 8; i++) _mm256_store_si256((__m256i *)(dst + (size_t)(g + i) * NB), r[i]);
     }
 }
 
-/* y[m0.., n0..] for nr weight rows (unpacked in wb; their float32 scales sr and zeros zr [nr, ng]) and mr
- * activation rows: per block of 32, two madds of int16 pairs give the integer dot product, scaled in float by
- * (weight scale * activation step); the zero points' term sum_g zero * xsum is added at the end. The same float
- * operations for a row whatever M or its tile.
- * direct (M <= DIRECT_MAX_ROWS, e.g. a batch-1 decode step or a verify step): the weights are unpacked in registers
- * from j->w (q4 or int8) and the scale products formed in place, not stored to wb and pt and loaded again; the
- * same integers and float operations, so the same bits. */
-static inline __attribute__((always_inline)) void tile(const gemm_job *j, const int16_t *wb, float *pt,
-                                                       const float *sr, const float *zr, int n0, const int nr, int m0,
-                                                       const int mr, const int G, const int direct, const int q4) {
-    const int K = j->K, ng = j->ng, mp = j->mp, H = 32 / G;
-    /* pt[b][h][n][m] = weight scale * activation step, one store of 4 per (b, h, n): the inner loop then broadcasts
-     * its factor straight from memory. A store's 4th lane past mr lands in the next entry, written after it. */
-    for (int b = 0; b < K / 32 && !direct; b++) {
-        const __m128 d4 = _mm_loadu_ps(j->dxT + (size_t)b * mp + m0);
-        for (int h = 0; h < H; h++)
-            for (int n = 0; n < nr; n++)
-                _mm_storeu_ps(pt + ((size_t)(b * H + h) * nr + n) * mr,
-                              _mm_mul_ps(_mm_set1_ps(sr[(size_t)n * ng + b * H + h]), d4));
-    }
-    __m256 acc[NB][MB];
-    for (int n = 0; n < nr; n++)
-        for (int m = 0; m < mr; m++) acc[n][m] = _mm256_setzero_ps();
-    /* direct: the rows PF_TILES tiles on, one cache line per block (NB q4 rows are 64 bytes a block, int8 128): the
-     * hardware prefetcher does not follow NB rows read side by side, and a decode step waits on memory. */
-    const char *pf = (const char *)j->w + ((size_t)n0 + PF_TILES * NB) * (q4 ? K / 2 : K);
-    const int pf_ok = direct && nr == NB && n0 + (PF_TILES + 1) * NB <= j->N;
-    for (int b = 0; b < K / 32; b++) {
-        const float *pb = pt + (size_t)b * H * nr * mr;
-        if (pf_ok) {
-            _mm_prefetch(pf + (size_t)b * NB * (q4 ? 16 : 32), _MM_HINT_T0);
-            if (!q4) _mm_prefetch(pf + (size_t)b * NB * 32 + 64, _MM_HINT_T0);
-        }
-        __m256i x0[MB], x1[MB];
-        for (int m = 0; m < mr; m++) {
-            const int16_t *xg = j->xq + (size_t)(m0 + m) * K + b * 32;
-            x0[m] = _mm256_loadu_si256((const __m256i *)xg);
-            x1[m] = _mm256_loadu_si256((const __m256i *)(xg + 16));
-        }
-        const float *dx = j->dxT + (size_t)b * mp + m0;
-        for (int n = 0; n < nr; n++) {
-            __m256i w0, w1;
-            if (!direct) {
-                const int16_t *wg = wb + (size_t)n * K + b * 32;
-                w0 = _mm256_loadu_si256((const __m256i *)wg);
-                w1 = _mm256_loadu_si256((const __m256i *)(wg + 16));
-            } else if (q4) {  /* unpack_weight_rows' layout: low nibbles elements 0-15, high nibbles 16-31 */
-                const __m256i v = _mm256_cvtepu8_epi16(
-                    _mm_loadu_si128((const __m128i *)((const uint8_t *)j->w + (size_t)(n0 + n) * (K / 2) + b * 16)));
-                w0 = _mm256_and_si256(v, _mm256_set1_epi16(0x0f));
-                w1 = _mm256_srli_epi16(v, 4);
+/* Lane n of the result = the sum of v[n]'s 8 int32 lanes (exact: integer adds). */
+static inline __attribute__((always_inline)) __m256i sum_lanes8(const __m256i v[8]) {
+    const __m256i k0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i k1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(k0, k1, 0x20), _mm256_permute2x128_si256(k0, k1, 0x31));
+}
+
+/* y[m0..m0+mr, n0..n0+nr]: per group of G weights, each output's exact integer dot product S (int16 madds,
+ * summed over the group's lanes), then acc = fma(S, weight scale * activation step, acc) and, with zero points,
+ * acc = fma(zero, the group's sum of the rounded x, acc): group after group in order, one output per lane.
+ * That is the panel kernel's order (qgemm_panel_cpu.c) operation for operation, so a row's bits do not depend on
+ * M, its tile or which kernel the row count picks. Weights are unpacked in registers from j->w (q4 nibbles or
+ * int8) and the next tiles' rows prefetched: at one row the kernel waits on memory. */
+static inline __attribute__((always_inline)) void tile(const gemm_job *j, const float *st, const float *zt, int n0,
+                                                       const int nr, int m0, const int mr, const int G, const int q4) {
+    const int K = j->K, ng = j->ng, mp = j->mp;
+    const size_t rb = q4 ? K / 2 : K;  /* bytes a weight row */
+    const int bpg = q4 ? G / 2 : G;    /* bytes a group of a weight row */
+    __m256 acc[MB];
+    for (int m = 0; m < mr; m++) acc[m] = _mm256_setzero_ps();
+    const char *pf = (const char *)j->w + ((size_t)n0 + PF_ROWS) * rb;
+    const int pf_ok = nr == NB && n0 + PF_ROWS + NB <= j->N;
+    for (int g = 0; g < ng; g++) {
+        if (pf_ok)  /* a linear sweep of the NB rows PF_ROWS on: NB rows x bpg bytes per group */
+            for (int c = 0; c < NB * bpg; c += 64) _mm_prefetch(pf + (size_t)g * NB * bpg + c, _MM_HINT_T0);
+        __m256i v[MB][NB];
+        for (int n = 0; n < NB; n++) {
+            if (n >= nr) {
+                for (int m = 0; m < mr; m++) v[m][n] = _mm256_setzero_si256();
+                continue;
+            }
+            const char *wr = (const char *)j->w + (size_t)(n0 + n) * rb + (size_t)g * bpg;
+            __m256i w0, w1 = _mm256_setzero_si256();
+            if (q4) {  /* GGML's Q4 order: low nibbles elements 0-15, high nibbles 16-31 */
+                const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)wr));
+                w0 = _mm256_and_si256(b, _mm256_set1_epi16(0x0f));
+                w1 = _mm256_srli_epi16(b, 4);
             } else {
-                const int8_t *wr = (const int8_t *)j->w + (size_t)(n0 + n) * K + b * 32;
                 w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wr));
-                w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 16)));
+                if (G == 32) w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 16)));
             }
             for (int m = 0; m < mr; m++) {
-                const __m256i p0 = _mm256_madd_epi16(w0, x0[m]), p1 = _mm256_madd_epi16(w1, x1[m]);
-                const float *s = sr + (size_t)n * ng + b * H;
-                if (G == 32) {
-                    const __m256 f = direct ? _mm256_set1_ps(s[0] * dx[m]) : _mm256_broadcast_ss(pb + n * mr + m);
-                    acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), f, acc[n][m]);
-                } else {
-                    const __m256 f0 = direct ? _mm256_set1_ps(s[0] * dx[m]) : _mm256_broadcast_ss(pb + n * mr + m);
-                    const __m256 f1 = direct ? _mm256_set1_ps(s[1] * dx[m])
-                                             : _mm256_broadcast_ss(pb + (nr + n) * mr + m);
-                    acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), f0, acc[n][m]);
-                    acc[n][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), f1, acc[n][m]);
-                }
+                const int16_t *xg = j->xq + (size_t)(m0 + m) * K + (size_t)g * G;
+                __m256i p = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xg));
+                if (G == 32) p = _mm256_add_epi32(p, _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xg + 16))));
+                v[m][n] = p;
             }
+        }
+        const __m256 s = _mm256_load_ps(st + (size_t)g * NB), z = _mm256_load_ps(zt + (size_t)g * NB);
+        const float *dx = j->dxT + (size_t)(g * G / 32) * mp + m0;
+        for (int m = 0; m < mr; m++) {
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(v[m])), _mm256_mul_ps(s, _mm256_set1_ps(dx[m])),
+                                     acc[m]);
+            if (j->has_zeros)
+                acc[m] = _mm256_fmadd_ps(z, _mm256_set1_ps(j->xsum[(size_t)(m0 + m) * j->ngp + g]), acc[m]);
         }
     }
-    float out[NB][MB];  /* the sums leave the registers here, so acc stays in registers through the loop */
-    for (int n = 0; n < nr; n++)
-        for (int m = 0; m < mr; m++) out[n][m] = hsum8(acc[n][m]);
-    const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(ng % 8), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    for (int n = 0; n < nr; n++)
-        for (int m = 0; m < mr; m++) {
-            float t = out[n][m];
-            if (j->has_zeros) {  /* sum_g zero[n, g] * xsum[m, g] */
-                const float *z = zr + (size_t)n * ng, *xs = j->xsum + (size_t)(m0 + m) * j->ngp;
-                __m256 a = _mm256_setzero_ps();
-                int g = 0;
-                for (; g + 8 <= ng; g += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(z + g), _mm256_loadu_ps(xs + g), a);
-                if (g < ng) a = _mm256_fmadd_ps(_mm256_maskload_ps(z + g, tail), _mm256_loadu_ps(xs + g), a);
-                t += hsum8(a);
-            }
-            j->y[(size_t)(m0 + m) * j->N + n0 + n] = t;
+    for (int m = 0; m < mr; m++) {
+        float *y = j->y + (size_t)(m0 + m) * j->N + n0;
+        if (nr == NB) _mm256_storeu_ps(y, acc[m]);
+        else {
+            float out[NB] __attribute__((aligned(32)));
+            _mm256_store_ps(out, acc[m]);
+            for (int n = 0; n < nr; n++) y[n] = out[n];
         }
+    }
 }
 
-/* Every activation row against nr (NB or 1) weight rows, one specialised tile per shape: the rows unpacked in wb,
- * or (direct, for M <= DIRECT_MAX_ROWS) read from j->w in each tile. */
-static void rows_block(const gemm_job *j, const int16_t *wb, float *pt, const float *sr, const float *zr, int n0,
-                       int nr, const int direct) {
+/* Every activation row against weight rows n0..n0+nr, one specialised tile per shape. */
+static void rows_block(const gemm_job *j, const float *st, const float *zt, int n0, int nr) {
     for (int m0 = 0; m0 < j->M; m0 += MB) {
         const int mr = j->M - m0 < MB ? j->M - m0 : MB;
-#define TILE(NR, MR) do {                                                                                       \
-            if (!direct && j->G == 32) tile(j, wb, pt, sr, zr, n0, NR, m0, MR, 32, 0, 0);                       \
-            else if (!direct) tile(j, wb, pt, sr, zr, n0, NR, m0, MR, 16, 0, 0);                                \
-            else if (j->q4) tile(j, wb, pt, sr, zr, n0, NR, m0, MR, 32, 1, 1);                                  \
-            else if (j->G == 32) tile(j, wb, pt, sr, zr, n0, NR, m0, MR, 32, 1, 0);                             \
-            else tile(j, wb, pt, sr, zr, n0, NR, m0, MR, 16, 1, 0);                                             \
+#define TILE(NR, MR) do {                                                          \
+            if (j->q4) tile(j, st, zt, n0, NR, m0, MR, 32, 1);                     \
+            else if (j->G == 32) tile(j, st, zt, n0, NR, m0, MR, 32, 0);           \
+            else tile(j, st, zt, n0, NR, m0, MR, 16, 0);                           \
         } while (0)
-        switch ((nr == NB) * 4 + mr) {  /* mr <= MB = 3 */
-        case 4 + 3: TILE(NB, 3); break;
-        case 4 + 2: TILE(NB, 2); break;
-        case 4 + 1: TILE(NB, 1); break;
-        case 3: TILE(1, 3); break;
-        case 2: TILE(1, 2); break;
-        default: TILE(1, 1);
+        if (nr == NB) {
+            if (mr == 3) TILE(NB, 3); else if (mr == 2) TILE(NB, 2); else TILE(NB, 1);
+        } else {
+            if (mr == 3) TILE(nr, 3); else if (mr == 2) TILE(nr, 2); else TILE(nr, 1);
         }
 #undef TILE
     }
 }
 
-static __thread void *scratch;  /* per thread: NB weight rows as int16, a tile's scale products, their scales/zeros */
+static __thread float *scratch;  /* per thread: a tile's transposed scales and zeros */
 static __thread size_t scratch_cap;
-
-/* Weight rows n0..n0+nr's scales and zeros as float32 [nr, ng]: pointers into the weight's own float32 ones, or
- * float16 ones widened into buf (2 * NB * ng floats). */
-static void row_scales(const gemm_job *j, int n0, int nr, float *buf, const float **sr, const float **zr) {
-    const size_t off = (size_t)n0 * j->ng, n = (size_t)nr * j->ng;
-    if (!j->scale_f16) {
-        *sr = (const float *)j->scales + off;
-        *zr = j->has_zeros ? (const float *)j->zeros + off : NULL;
-        return;
-    }
-    f16_to_f32((const uint16_t *)j->scales + off, n, buf);
-    *sr = buf;
-    *zr = NULL;
-    if (j->has_zeros) {
-        f16_to_f32((const uint16_t *)j->zeros + off, n, buf + n);
-        *zr = buf + n;
-    }
-}
 
 static void gemm_chunk(void *arg, int chunk) {
     gemm_job *j = arg;
-    const size_t wbytes = (sizeof(int16_t) * NB * j->K + 63) / 64 * 64;
-    const size_t pbytes = (sizeof(float) * ((size_t)(j->K / 16) * NB * MB + 4) + 63) / 64 * 64;
-    const size_t need = wbytes + pbytes + sizeof(float) * 2 * NB * (size_t)j->ng;
-    if (need > scratch_cap) {
+    const size_t need = 2 * (size_t)NB * j->ngp;
+    if (need > scratch_cap) {  /* 16 floats a group: a few KB, allocated once per thread and shape */
         free(scratch);
-        scratch = aligned_alloc(64, (need + 63) / 64 * 64);
+        scratch = aligned_alloc(32, (need * sizeof(float) + 31) / 32 * 32);
         scratch_cap = scratch ? need : 0;
         if (!scratch) { atomic_store(&j->failed, 1); return; }
     }
-    int16_t *wb = scratch;
-    float *pt = (float *)((char *)scratch + wbytes), *sbuf = (float *)((char *)scratch + wbytes + pbytes);
-    const float *sr, *zr;
-    int per = (j->N + j->nchunks - 1) / j->nchunks;
-    per = (per + NB - 1) / NB * NB;
-    const int n0 = chunk * per, n1 = n0 + per < j->N ? n0 + per : j->N;
-    const int direct = j->M <= DIRECT_MAX_ROWS;  /* else unpacked once into wb for the M / MB tiles */
-    int n = n0;
-    for (; n + NB <= n1; n += NB) {
-        if (!direct) unpack_weight_rows(j->w, j->q4, j->K, n, NB, wb);
-        row_scales(j, n, NB, sbuf, &sr, &zr);
-        rows_block(j, wb, pt, sr, zr, n, NB, direct);
-    }
-    for (; n < n1; n++) {
-        if (!direct) unpack_weight_rows(j->w, j->q4, j->K, n, 1, wb);
-        row_scales(j, n, 1, sbuf, &sr, &zr);
-        rows_block(j, wb, pt, sr, zr, n, 1, direct);
+    float *st = scratch, *zt = scratch + (size_t)NB * j->ngp;
+    const long tiles = (j->N + NB - 1) / NB;  /* chunk c: tiles [c * tiles / nchunks, (c + 1) * tiles / nchunks) */
+    const int n0 = (int)(chunk * tiles / j->nchunks) * NB, n1e = (int)((chunk + 1) * tiles / j->nchunks) * NB;
+    const int n1 = n1e < j->N ? n1e : j->N;
+    const size_t sb = (j->scale_f16 ? 2 : 4) * (size_t)NB * j->ng;  /* bytes of a tile's scales (and of its zeros) */
+    for (int n = n0; n < n1; n += NB) {
+        const int nr = n1 - n < NB ? n1 - n : NB;
+        if (n + PF_ROWS + NB <= j->N)  /* the scales and zeros PF_ROWS rows on, as the weights */
+            for (size_t c = 0; c < sb; c += 64) {
+                const size_t off = (size_t)(n + PF_ROWS) * j->ng * (j->scale_f16 ? 2 : 4) + c;
+                _mm_prefetch((const char *)j->scales + off, _MM_HINT_T0);
+                if (j->has_zeros) _mm_prefetch((const char *)j->zeros + off, _MM_HINT_T0);
+            }
+        transpose_scales(j, j->scales, n, nr, st);
+        if (j->has_zeros) transpose_scales(j, j->zeros, n, nr, zt);
+        rows_block(j, st, zt, n, nr);
     }
 }
 
@@ -298,9 +249,9 @@ static int run_gemm(gemm_job *j, const float *x, int nthreads) {
     return rc;
 }
 
-/* From this many activation rows on, q4_gemm/q8_gemm hand over to the panel kernel (qgemm_panel_cpu.c); its
- * per-row arithmetic differs from this kernel's only in float summation order. */
-static int panel_min_rows = 64;  /* cpu_kernels.PANEL_MIN_ROWS sets it */
+/* From this many activation rows on, q4_gemm/q8_gemm hand over to the panel kernel (qgemm_panel_cpu.c): the
+ * same bits, faster past about 12 rows. */
+static int panel_min_rows = 12;  /* cpu_kernels.PANEL_MIN_ROWS sets it */
 
 void set_panel_min_rows(int rows) { panel_min_rows = rows; }
 

@@ -9,7 +9,8 @@
  * sums are scaled in float (weight scale * activation step; float16 scales are widened once per panel) and the
  * zero-point term (zero * the group's sum of the rounded x) is added. Tiles of PMR activation rows x 16 outputs
  * keep 2 * PMR int32 accumulators in registers. Panels are split over the worker pool (cpu_pool.c). Past about
- * 64 rows it beats dequantizing the weight to float32 for BLAS sgemm (benchmarks/qgemm_rows.py --prefill).
+ * 64 rows it beats dequantizing the weight to float32 for BLAS sgemm (benchmarks/qgemm_rows.py --prefill), and
+ * past about 12 the few-row kernel, whose float operations per output are this kernel's (the same bits).
  */
 #include <immintrin.h>
 #include <stdatomic.h>
@@ -32,6 +33,27 @@ typedef struct {
     _Atomic int failed;
     float *y;
 } panel_job;
+
+/* Weight rows n0..n0+nr unpacked to int16 [nr, K]. 4-bit: w[N, K/2] bytes; group g of 32 is bytes [16g, 16g+16):
+ * low nibble = element j, high = j+16 (GGML's Q4_0/Q4_1 order). 8-bit: w[N, K] int8. */
+static void unpack_weight_rows(const void *w, int q4, int K, int n0, int nr, int16_t *wb) {
+    const __m256i mask = _mm256_set1_epi16(0x0f);
+    for (int r = 0; r < nr; r++) {
+        int16_t *o = wb + (size_t)r * K;
+        if (q4) {
+            const uint8_t *wr = (const uint8_t *)w + (size_t)(n0 + r) * (K / 2);
+            for (int g = 0; g < K / 32; g++) {
+                __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wr + g * 16)));
+                _mm256_storeu_si256((__m256i *)(o + g * 32), _mm256_and_si256(b, mask));
+                _mm256_storeu_si256((__m256i *)(o + g * 32 + 16), _mm256_srli_epi16(b, 4));
+            }
+        } else {
+            const int8_t *wr = (const int8_t *)w + (size_t)(n0 + r) * K;
+            for (int c = 0; c < K; c += 16)
+                _mm256_storeu_si256((__m256i *)(o + c), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + c))));
+        }
+    }
+}
 
 /* Weight rows n0.. (16, zero past N) -> wp int16 [K/2][16][2], sp/zp float [ng][16]; rows: int16 [16, K] scratch. */
 static void unpack_panel(const panel_job *j, int n0, int16_t *rows, int16_t *wp, float *sp, float *zp) {
@@ -162,7 +184,13 @@ static void prepare_rows(void *arg, int c) {
         }
 }
 
+static _Atomic int panel_calls;
+
+/* How many GEMMs this kernel has run (tests check which kernel a row count picks: both give the same bits). */
+int panel_gemm_calls(void) { return atomic_load(&panel_calls); }
+
 static int run_panel(panel_job *j, const float *x, int nthreads) {
+    atomic_fetch_add(&panel_calls, 1);
     j->ng = j->K / j->G;
     j->ngp = (j->ng + 7) / 8 * 8;
     j->mp = j->M + 4;
