@@ -14,6 +14,10 @@ from novainfer.engine.faults import FaultInjector
 if TYPE_CHECKING:  # torch is imported where tensors are made (the engine core), never by the server's front-end
     import torch
 
+# Files the engine builds once and reuses across runs: the CPU kernels' shared library (keyed by its sources'
+# hash) and tokenizers converted from GGUF files (keyed by the file and the transformers version).
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "novainfer")
+
 
 @dataclass
 class ModelConfig:

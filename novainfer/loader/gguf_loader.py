@@ -2,9 +2,12 @@
 tensors dequantised with the gguf package and renamed to Hugging Face parameter names."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
+import shutil
+import tempfile
 from functools import lru_cache
 from typing import Any, Iterator
 
@@ -80,10 +83,46 @@ def load_gguf_vocab(path: str) -> dict[str, int]:
     return {token: i for i, token in enumerate(_reader(path).field("tokenizer.ggml.tokens", []))}
 
 
+TOKENIZER_CACHE_ENTRIES = 16  # converted tokenizers kept under CACHE_DIR, the most recently used
+
+
 def load_gguf_tokenizer(path: str) -> Any:
-    """The tokenizer and chat template stored in the GGUF, converted by transformers."""
+    """The tokenizer and chat template stored in the GGUF, converted by transformers. The conversion takes
+    seconds (9 s for the default model on the 2-core machine), so the result is saved under CACHE_DIR, keyed by
+    the file (path, size, modification time) and the transformers version; later loads read it in ~0.2 s."""
+    import transformers
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+
+    from novainfer.config import CACHE_DIR
+    path = os.path.abspath(path)
+    st = os.stat(path)
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()[:16]
+    cached = os.path.join(CACHE_DIR, "tokenizers", key)
+    if os.path.isfile(os.path.join(cached, "tokenizer.json")):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cached)
+            os.utime(cached)  # most recently used: kept longest
+            return tokenizer
+        except Exception as e:  # a damaged cache entry: convert again and overwrite it
+            logger.warning("cached tokenizer of %s at %s does not load (%s); converting the GGUF's again", path,
+                           cached, e)
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    try:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix="tmp-", dir=os.path.dirname(cached))
+        try:
+            tokenizer.save_pretrained(tmp)
+            shutil.rmtree(cached, ignore_errors=True)  # a damaged entry
+            os.replace(tmp, cached)  # whole or not at all: a concurrent loader sees no entry or a complete one
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # left only when another loader's entry got there first
+        entries = sorted((e for e in os.scandir(os.path.dirname(cached)) if not e.name.startswith("tmp-")),
+                         key=lambda e: e.stat().st_mtime, reverse=True)
+        for old in entries[TOKENIZER_CACHE_ENTRIES:]:  # bounded: tests convert many small temporary files
+            shutil.rmtree(old.path, ignore_errors=True)
+    except OSError as e:  # a read-only home, or that race: this process keeps its conversion
+        logger.info("did not cache the tokenizer converted from %s (%s)", path, e)
+    return tokenizer
 
 
 def hf_name(gguf_name: str) -> str | None:

@@ -21,6 +21,7 @@ from functools import lru_cache
 
 import torch
 
+from novainfer.config import CACHE_DIR
 from novainfer.layers.quantization.gguf_repack import PackedWeight
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ def build_library(sources: list[str], headers: list[str]) -> ctypes.CDLL | None:
         with open(source, "rb") as f:
             sha.update(f.read())
     digest = sha.hexdigest()[:16]
-    cache = os.path.join(os.path.expanduser("~"), ".cache", "novainfer")
+    cache = CACHE_DIR
     target = os.path.join(cache, f"qgemm_cpu-{digest}.so")
     if not os.path.exists(target):
         os.makedirs(cache, exist_ok=True)
