@@ -4,6 +4,7 @@ off (and HF transformers in the same run), printing one table. Raw JSON goes to 
     python3 benchmarks/gpu_round.py --part checks-0.5b --out $OUT
     python3 benchmarks/gpu_round.py --part 7b-moe --out $OUT
     python3 benchmarks/gpu_round.py --part fp8 --out $OUT          # --budget 540 by default
+    python3 benchmarks/gpu_round.py --part round7 --out $OUT       # max_num_batched_tokens 8192 vs 16384 (7B)
 
 --budget: seconds for the whole part; a run starts only inside it and gets at most what is left (the table is
 printed either way). --dry-run: the same steps on the CPU with the tiny random shape and small workloads (the GPU
@@ -77,8 +78,24 @@ PARTS = {
                           "--quantization", "fp8"]),
         ("gpu_check rest", ["tests/gpu/gpu_check.py", "--skip", "fp8"]),
     ],
+    # round 7: nano-vllm's bench runs with max_num_batched_tokens=16384 (its default); ours with 8192. The 7B in
+    # fp8 and bf16 at both, taking turns (the lent machine moves figures by several percent from run to run)
+    "round7": [
+        ("tput 7b fp8 8192", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--async-scheduling",
+                              "--quantization", "fp8"]),
+        ("tput 7b fp8 16384", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--async-scheduling",
+                               "--quantization", "fp8", "--max-num-batched-tokens", "16384"]),
+        ("tput 7b bf16 16384", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--async-scheduling",
+                                "--max-num-batched-tokens", "16384"]),
+        ("tput 7b fp8 8192 again", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--async-scheduling",
+                                  "--quantization", "fp8"]),
+        ("tput 7b fp8 16384 again", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b",
+                                   "--async-scheduling", "--quantization", "fp8", "--max-num-batched-tokens",
+                                   "16384"]),
+        ("tput 7b bf16 8192", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--async-scheduling"]),
+    ],
 }
-BUDGETS = {"fp8": 540}  # a part's default --budget: it must end inside one 600 s device call
+BUDGETS = {"fp8": 540, "round7": 540}  # a part's default --budget: it must end inside one 600 s device call
 # --dry-run: CPU stand-ins (tiny shapes, small workloads; the GPU check's CPU halves)
 DRY_MODELS = {"random:qwen2.5-7b": "random:tiny", "random:qwen2.5-0.5b": "random:tiny"}
 DRY_ARGS = {"benchmarks/throughput.py": ["--device", "cpu", "--num-prompts", "4", "--input-len", "16",
