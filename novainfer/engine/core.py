@@ -51,6 +51,7 @@ class EngineCore:
         self.config = config
         self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = mc.hf_config.vocab_size
+        config.resolve_token_budget()
         self.executor = Executor.get_class(config)(config, mc.hf_config)
         self.num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
         self.executor.collective_rpc("initialize_cache", self.num_blocks)
