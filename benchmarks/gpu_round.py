@@ -5,6 +5,7 @@ off (and HF transformers in the same run), printing one table. Raw JSON goes to 
     python3 benchmarks/gpu_round.py --part 7b-moe --out $OUT
     python3 benchmarks/gpu_round.py --part fp8 --out $OUT          # --budget 540 by default
     python3 benchmarks/gpu_round.py --part round7 --out $OUT       # max_num_batched_tokens 8192 vs 16384 (7B)
+    python3 benchmarks/gpu_round.py --part round7-final --out $OUT # checks, then the default token budget
 
 --budget: seconds for the whole part; a run starts only inside it and gets at most what is left (the table is
 printed either way). --dry-run: the same steps on the CPU with the tiny random shape and small workloads (the GPU
@@ -94,8 +95,17 @@ PARTS = {
                                    "16384"]),
         ("tput 7b bf16 8192", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--async-scheduling"]),
     ],
+    # round 7, the merged tree: the checks, then the bench shapes with the engine's default token budget
+    "round7-final": [
+        ("gpu_check", ["tests/gpu/gpu_check.py"]),
+        ("tput 7b fp8", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--async-scheduling",
+                         "--quantization", "fp8"]),
+        ("tput 7b bf16", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--async-scheduling"]),
+        ("tput 0.5b bf16", ["benchmarks/throughput.py", "--model", "random:qwen2.5-0.5b", "--async-scheduling"]),
+        ("lat 0.5b bf16", ["benchmarks/latency.py", "--model", "random:qwen2.5-0.5b", "--async-scheduling"]),
+    ],
 }
-BUDGETS = {"fp8": 540, "round7": 540}  # a part's default --budget: it must end inside one 600 s device call
+BUDGETS = {"fp8": 540, "round7": 540, "round7-final": 570}  # a part's default --budget: it must end inside one 600 s device call
 # --dry-run: CPU stand-ins (tiny shapes, small workloads; the GPU check's CPU halves)
 DRY_MODELS = {"random:qwen2.5-7b": "random:tiny", "random:qwen2.5-0.5b": "random:tiny"}
 DRY_ARGS = {"benchmarks/throughput.py": ["--device", "cpu", "--num-prompts", "4", "--input-len", "16",
