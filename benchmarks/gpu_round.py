@@ -6,6 +6,7 @@ off (and HF transformers in the same run), printing one table. Raw JSON goes to 
     python3 benchmarks/gpu_round.py --part fp8 --out $OUT          # --budget 540 by default
     python3 benchmarks/gpu_round.py --part round7 --out $OUT       # max_num_batched_tokens 8192 vs 16384 (7B)
     python3 benchmarks/gpu_round.py --part round7-final --out $OUT # checks, then the default token budget
+    python3 benchmarks/gpu_round.py --part round7-sampler --out $OUT   # the same after the one-pass sampler
 
 --budget: seconds for the whole part; a run starts only inside it and gets at most what is left (the table is
 printed either way). --dry-run: the same steps on the CPU with the tiny random shape and small workloads (the GPU
@@ -104,8 +105,18 @@ PARTS = {
         ("tput 0.5b bf16", ["benchmarks/throughput.py", "--model", "random:qwen2.5-0.5b", "--async-scheduling"]),
         ("lat 0.5b bf16", ["benchmarks/latency.py", "--model", "random:qwen2.5-0.5b", "--async-scheduling"]),
     ],
+    # round 7, after the one-pass sampling kernel: the checks (its group among them) and the bench shapes
+    "round7-sampler": [
+        ("gpu_check", ["tests/gpu/gpu_check.py"]),
+        ("tput 7b fp8", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--async-scheduling",
+                         "--quantization", "fp8"]),
+        ("tput 7b bf16", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--async-scheduling"]),
+        ("tput 0.5b bf16", ["benchmarks/throughput.py", "--model", "random:qwen2.5-0.5b", "--async-scheduling"]),
+        ("tput 7b fp8 again", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--async-scheduling",
+                               "--quantization", "fp8"]),
+    ],
 }
-BUDGETS = {"fp8": 540, "round7": 540, "round7-final": 570}  # a part's default --budget: it must end inside one 600 s device call
+BUDGETS = {"fp8": 540, "round7": 540, "round7-final": 570, "round7-sampler": 570}  # a part's default --budget: it must end inside one 600 s device call
 # --dry-run: CPU stand-ins (tiny shapes, small workloads; the GPU check's CPU halves)
 DRY_MODELS = {"random:qwen2.5-7b": "random:tiny", "random:qwen2.5-0.5b": "random:tiny"}
 DRY_ARGS = {"benchmarks/throughput.py": ["--device", "cpu", "--num-prompts", "4", "--input-len", "16",

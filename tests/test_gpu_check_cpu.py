@@ -34,3 +34,11 @@ def test_fp8_checks_run_on_the_cpu(ledger, tmp_path):
     path = make_tiny_model(str(tmp_path / "qwen2"), "qwen2", seed=3)
     fp8_logits_check(path, "tiny qwen2", device="cpu", dtype=torch.float32, prompts=4, length=24, min_top1=0.75)
     assert len(ledger) == 2 * 2 + 1 and all(ok for *_, ok in ledger), ledger
+
+
+def test_sampling_kernel_checks_run_on_the_cpu(ledger):
+    """The one-pass Gumbel-max sampler (kernels/sampling.py), interpreted: greedy rows equal torch.argmax (ties
+    within and across blocks), random rows' draws follow softmax(logits / T); every row must pass."""
+    from tests.gpu.sampling_checks import sampling_kernel_checks
+    sampling_kernel_checks("cpu")
+    assert len(ledger) == 4 and all(ok for *_, ok in ledger), ledger

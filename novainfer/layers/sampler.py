@@ -4,7 +4,9 @@ Order (vLLM's): logit_bias, min_tokens blocking, repetition / frequency / presen
 token bitmask (structured outputs; constrained and free rows mix in one batch), then greedy rows take
 the argmax; the rest are divided by temperature, filtered by top-k, top-p and min-p, and sampled with
 the exponential race argmax(p / q), q ~ Exp(1). A seeded row draws q from its own generator, so its
-tokens depend only on its seed, never on what else is in the batch. Logprobs are the raw model's.
+tokens depend only on its seed, never on what else is in the batch. Logprobs are the raw model's. On CUDA,
+when no row uses top-k, top-p, min-p or a seed, one Triton pass samples every row (the same distribution by
+the Gumbel-max trick: kernels/sampling.py) instead of ~7 passes over the [rows, vocab] logits.
 """
 from __future__ import annotations
 
@@ -112,10 +114,13 @@ class Sampler(nn.Module):
                 token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplerOutput:
         """token_bitmask: (row indices, int32 bitmask rows on the logits' device) of the grammar-constrained rows."""
         logits, raw_logprobs = self.process_logits(logits, meta, token_bitmask)
-        sampled = logits.argmax(dim=-1)
-        if not meta.all_greedy:
-            random = self.sample_random(logits, meta)
-            sampled = torch.where(meta.is_greedy, sampled, random)
+        if meta.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        elif logits.is_cuda and self.plain_temperature(meta):
+            from novainfer.kernels.sampling import gumbel_sample  # Triton: imported where CUDA runs it
+            sampled = gumbel_sample(logits, meta.temperature, meta.is_greedy)
+        else:
+            sampled = torch.where(meta.is_greedy, logits.argmax(dim=-1), self.sample_random(logits, meta))
         out = SamplerOutput(sampled_token_ids=sampled)
         if raw_logprobs is not None:
             self.gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs, out)
@@ -134,6 +139,12 @@ class Sampler(nn.Module):
         if token_bitmask is not None:
             logits = apply_token_bitmask(logits, *token_bitmask)
         return logits, raw_logprobs
+
+    @staticmethod
+    def plain_temperature(meta: SamplingMetadata) -> bool:
+        """No row filters its distribution (top-k, top-p, min-p) or draws from its own seeded generator."""
+        return meta.top_k is None and meta.top_p is None and meta.min_p is None and \
+            all(g is None for g in meta.generators)
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

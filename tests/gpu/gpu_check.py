@@ -15,6 +15,9 @@
    in bf16 against the float64 product of its dequantized operands (<= 1e-2) and the bf16 linear (<= 6e-2); an
    fp8 model's CUDA-graph replay == eager; the random Qwen2.5-0.5B-shape checkpoint's prompt logits with fp8
    against bf16 (relative error and top-1 agreement; bf16 against float32 printed beside them).
+8. Round 7 (tests/gpu/sampling_checks.py): the one-pass Gumbel-max sampling kernel on Qwen2.5's vocabulary: greedy
+   rows == torch.argmax (ties to the first index), random rows' draws follow softmax(logits / T), and its time
+   per call against the Sampler's torch path (256 rows).
 `--only speculation|fp8` runs that group alone, `--skip speculation|fp8` all but it. Prints a table; exits
 non-zero if any check fails.
 """
@@ -39,6 +42,7 @@ from tests.tiny_models import hf_greedy_with, make_tiny_model  # noqa: E402
 from tests.gpu.checks import check, paged_case, rows  # noqa: E402
 from tests.gpu.family_checks import families_vs_hf, moe_kernel_checks, window_kernel_checks  # noqa: E402
 from tests.gpu.fp8_checks import fp8_layer_checks, fp8_logits_check  # noqa: E402
+from tests.gpu.sampling_checks import sampling_kernel_checks  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -234,6 +238,7 @@ def main() -> None:
         return report(t0)
     kernel_checks()
     fused_op_checks()
+    sampling_kernel_checks()
     moe_kernel_checks()
     window_kernel_checks()
     with tempfile.TemporaryDirectory() as tmp:
