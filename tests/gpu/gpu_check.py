@@ -18,7 +18,7 @@
 8. Round 7 (tests/gpu/sampling_checks.py): the one-pass Gumbel-max sampling kernel on Qwen2.5's vocabulary: greedy
    rows == torch.argmax (ties to the first index), random rows' draws follow softmax(logits / T), and its time
    per call against the Sampler's torch path (256 rows).
-`--only speculation|fp8` runs that group alone, `--skip speculation|fp8` all but it. Prints a table; exits
+`--only speculation|fp8|sampling` runs that group alone, `--skip ...` all but it. Prints a table; exits
 non-zero if any check fails.
 """
 from __future__ import annotations
@@ -228,7 +228,8 @@ def speculation_checks(tmp: str) -> None:
 def main() -> None:
     t0 = time.time()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    groups = {"speculation": speculation_checks, "fp8": fp8_group}  # the groups --only / --skip may name
+    groups = {"speculation": speculation_checks, "fp8": fp8_group,  # the groups --only / --skip may name
+              "sampling": lambda tmp: sampling_kernel_checks()}
     flag, name = (sys.argv[1:] + [None, None])[:2]
     if len(sys.argv) not in (1, 3) or (flag is not None and (flag not in ("--only", "--skip") or name not in groups)):
         sys.exit(f"usage: gpu_check.py [--only|--skip {'|'.join(groups)}]")
@@ -238,7 +239,6 @@ def main() -> None:
         return report(t0)
     kernel_checks()
     fused_op_checks()
-    sampling_kernel_checks()
     moe_kernel_checks()
     window_kernel_checks()
     with tempfile.TemporaryDirectory() as tmp:
