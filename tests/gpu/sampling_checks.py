@@ -8,20 +8,22 @@ from novainfer.kernels.sampling import gumbel_sample
 from tests.gpu.checks import check
 
 
-def greedy_rows_are_argmax(device: str, rows: int, vocab: int) -> None:
-    """Greedy rows: torch.argmax exactly, ties (within and across the kernel's blocks) to the first index."""
+def greedy_rows_are_argmax(device: str, rows: int, vocab: int, chunk: int = 8192, block: int = 512) -> None:
+    """Greedy rows: torch.argmax exactly, ties (within and across the kernel's blocks and chunks) to the first
+    index."""
     g = torch.Generator(device=device).manual_seed(0)
     logits = torch.randn(rows, vocab, generator=g, device=device)
-    logits[1, [3, vocab - 1]] = 50.0  # a tie across blocks
+    logits[1, [3, vocab - 1]] = 50.0  # a tie across chunks
+    logits[4, [chunk - 1, chunk]] = 50.0  # a tie across the boundary of two chunks
     logits[2, [vocab // 2, vocab // 2 + 1]] = 50.0  # a tie inside a block
     logits[3, : vocab - 1] = float("-inf")  # one token left
     greedy = torch.ones(rows, dtype=torch.bool, device=device)
-    got = gumbel_sample(logits, torch.ones(rows, device=device), greedy)
-    check(f"gumbel sampler greedy rows == argmax, vocab {vocab}", f"{rows} rows with ties",
+    got = gumbel_sample(logits, torch.ones(rows, device=device), greedy, chunk=chunk, block=block)
+    check(f"gumbel sampler greedy rows == argmax, vocab {vocab}, chunks of {chunk}", f"{rows} rows with ties",
           torch.equal(got, logits.argmax(dim=-1)))
 
 
-def draws_follow_softmax(device: str, rows: int, calls: int) -> None:
+def draws_follow_softmax(device: str, rows: int, calls: int, chunk: int = 8192, block: int = 512) -> None:
     """Random rows: each token's frequency over rows x calls draws within 4.5 sigma of softmax(logits / T);
     tokens at -inf never drawn; greedy rows mixed in keep their argmax."""
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf"), 1.5], device=device)
@@ -33,7 +35,7 @@ def draws_follow_softmax(device: str, rows: int, calls: int) -> None:
         counts = torch.zeros(logits.numel(), device=device)
         argmax_ok = True
         for c in range(calls):
-            out = gumbel_sample(batch, temp, greedy, seed=1000 * c + int(10 * t))
+            out = gumbel_sample(batch, temp, greedy, seed=1000 * c + int(10 * t), chunk=chunk, block=block)
             argmax_ok &= bool((out[greedy] == 0).all())
             counts += torch.bincount(out[~greedy], minlength=logits.numel()).float()
         n = counts.sum().item()
@@ -75,6 +77,6 @@ def sampling_kernel_checks(device: str = "cuda") -> None:
         greedy_rows_are_argmax(device, 64, 151936)
         draws_follow_softmax(device, 4096, 25)
         speed_against_the_torch_path(256, 151936)
-    else:  # Triton's interpreter: small shapes (a vocabulary of two blocks for the cross-block tie)
-        greedy_rows_are_argmax(device, 5, 4096 + 37)
-        draws_follow_softmax(device, 64, 6)
+    else:  # Triton's interpreter: small shapes; several chunks a row, several blocks a chunk
+        greedy_rows_are_argmax(device, 5, 4096 + 37, chunk=1000, block=128)
+        draws_follow_softmax(device, 64, 6, chunk=7, block=2)  # the 7 tokens: 4 blocks of 2, the last one masked
