@@ -219,3 +219,26 @@ def test_a_seq_len_outside_the_block_table_raises(length):
         cpu_ops.decode_attention_bf16(q, k_cache, v_cache, tables, seq_lens, 0.25, None, None)
     with pytest.raises(ValueError, match="decode attention of 3 sequences"):  # a table with too few rows
         cpu_ops.decode_attention_bf16(q, k_cache, v_cache, tables[:2], seq_lens, 0.25, None, None)
+
+
+@pytest.mark.parametrize("field,index,value,message", [
+    ("tables", (1, 2), 10, r"block id 10 \(sequence 1, block table entry 2\) is outside the cache of 10 blocks"),
+    ("tables", (0, 0), -3, r"block id -3 \(sequence 0, block table entry 0\) is outside the cache of 10 blocks"),
+    ("lens", 1, 13, r"sequence 1's length 13 is outside \[1, 12\]"),
+    ("lens", 0, 0, r"sequence 0's length 0 is outside \[1, 12\]"),
+    ("starts", 1, 8, r"sequence 0's new tokens 0\.\.8 are .* more than its length 7"),
+    ("starts", 1, -1, r"sequence 0's new tokens 0\.\.-1 are out of order"),
+    ("rows", None, 16, r"sequence 1's new tokens 7\.\.17 are out of order, past the step's tokens"),
+])
+def test_prefill_attention_refuses_a_bad_block_id_length_or_query_range(field, index, value, message):
+    blocks, bs, nkv, nh, d = 10, 4, 2, 6, 16
+    k_cache = torch.randn(blocks, bs, nkv, d).to(torch.bfloat16)
+    v_cache = torch.randn(blocks, bs, nkv, d).to(torch.bfloat16)
+    args = {"tables": torch.tensor([[3, 8, 0], [1, 6, 2]], dtype=torch.int32),
+            "starts": torch.tensor([0, 7, 17], dtype=torch.int32), "lens": torch.tensor([7, 10], dtype=torch.int32)}
+    rows = value if field == "rows" else 17  # query rows of the step
+    if field != "rows":
+        args[field][index] = value
+    with pytest.raises(ValueError, match=message):
+        cpu_ops.prefill_attention_bf16(torch.randn(rows, nh, d), k_cache, v_cache, args["tables"], args["starts"],
+                                       args["lens"], 0.25, None, None)

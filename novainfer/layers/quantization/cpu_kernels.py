@@ -108,7 +108,8 @@ def build_library(sources: list[str], headers: list[str]) -> ctypes.CDLL | None:
     lib.store_kv_bf16.restype = _I if hasattr(lib, "check_kv_slots") else None
     lib.decode_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I, _I, _P]
     if hasattr(lib, "prefill_attention_bf16"):
-        lib.prefill_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I]
+        lib.prefill_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I,
+                                               _I, _I, _P]  # the last three: tokens, blocks, where (as above)
     return lib
 
 
