@@ -67,12 +67,12 @@ int decoder_stack_decode(const decoder_layer *layers, int L, const float *final_
                          const float *embeds, float *out, int M, int H, const int64_t *pos, const int64_t *slots,
                          const int32_t *block_tables, int bt_stride, const int32_t *seq_lens, float *ws,
                          int nthreads, int num_blocks, int *where) {
-    for (int l = 0, rc; l < L; l++)
-        if (l == 0 || layers[l].block_size != layers[l - 1].block_size)
-            if ((rc = check_kv_slots(slots, M, (int64_t)num_blocks * layers[l].block_size, where)) ||
-                (rc = check_block_tables(block_tables, bt_stride, seq_lens, M, layers[l].block_size, num_blocks,
-                                         where)))
-                return kv_error(rc);
+    for (int l = 0; l < L; l++) {  /* every KV index, before the first layer writes (once per block size) */
+        if (l > 0 && layers[l].block_size == layers[l - 1].block_size) continue;
+        int rc = check_kv_slots(slots, M, (int64_t)num_blocks * layers[l].block_size, where);
+        if (!rc) rc = check_block_tables(block_tables, bt_stride, seq_lens, M, layers[l].block_size, num_blocks, where);
+        if (rc) return kv_error(rc);
+    }
     float *res = ws, *normed = res + (size_t)M * H, *hidden = normed + (size_t)M * H, *scratch = hidden + (size_t)M * H;
     const float *residual = embeds;  /* the first layer's residual is the embedding itself */
     for (int l = 0; l < L; l++) {
