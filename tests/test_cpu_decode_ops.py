@@ -150,3 +150,95 @@ def test_elementwise_ops_split_over_threads_give_each_row_its_single_row_result(
     ref_k, ref_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     torch_backend.store_kv(kv[:, 0].to(torch.bfloat16), kv[:, 1].to(torch.bfloat16), ref_k, ref_v, slots)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+def _bad_index_case():
+    """A valid decode step (3 sequences over a 12-block cache of 4 positions), for the bounds tests to break."""
+    blocks, bs, nkv, nh, d = 12, 4, 2, 6, 16
+    k_cache = torch.randn(blocks, bs, nkv, d).to(torch.bfloat16)
+    v_cache = torch.randn(blocks, bs, nkv, d).to(torch.bfloat16)
+    tables = torch.tensor([[5, 0, 0], [2, 7, 11], [9, 1, 3]], dtype=torch.int32)
+    seq_lens = torch.tensor([1, 9, 12], dtype=torch.int32)
+    slots = torch.tensor([5 * bs, 11 * bs, 3 * bs + 3])
+    return k_cache, v_cache, tables, seq_lens, slots, torch.randn(3, nkv, d), torch.randn(3, nh, d)
+
+
+@pytest.mark.parametrize("slot", [12 * 4, 10**12])
+def test_a_slot_outside_the_cache_raises_and_writes_nothing(slot):
+    k_cache, v_cache, _, _, slots, kv, _ = _bad_index_case()
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    slots[1] = slot  # the other two tokens are valid: none of them may be written either
+    with pytest.raises(ValueError, match=rf"KV slot {slot} \(token 1\) is outside the cache of 48 slots"):
+        cpu_ops.store_kv_bf16(kv, kv, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
+    with pytest.raises(IndexError):  # the torch reference refuses it too
+        torch_backend.store_kv(kv.to(torch.bfloat16), kv.to(torch.bfloat16), k_cache, v_cache, slots)
+    slots[1] = -1  # padding: skipped, the others written as the reference writes them
+    cpu_ops.store_kv_bf16(kv, kv, k_cache, v_cache, slots)
+    torch_backend.store_kv(kv.to(torch.bfloat16), kv.to(torch.bfloat16), before_k, before_v, slots)
+    assert torch.equal(k_cache, before_k) and torch.equal(v_cache, before_v)
+    with pytest.raises(ValueError, match="do not fit caches"):  # rows wider than the cache's
+        cpu_ops.store_kv_bf16(torch.randn(3, 4, 16), torch.randn(3, 4, 16), k_cache, v_cache, slots)
+
+
+@pytest.mark.parametrize("row,entry,block,message", [
+    (1, 2, -1, r"block id -1 \(sequence 1, block table entry 2\) is outside the cache of 12 blocks"),
+    (2, 0, 12, r"block id 12 \(sequence 2, block table entry 0\) is outside the cache of 12 blocks"),
+    (0, 0, 2**31 - 1, r"block id 2147483647 \(sequence 0, block table entry 0\) is outside the cache of 12"),
+])
+def test_a_block_id_outside_the_cache_raises(row, entry, block, message):
+    k_cache, v_cache, tables, seq_lens, _, _, q = _bad_index_case()
+    before_k = k_cache.clone()
+    tables[row, entry] = block
+    with pytest.raises(ValueError, match=message):
+        cpu_ops.decode_attention_bf16(q, k_cache, v_cache, tables, seq_lens, 0.25, None, None)
+    with pytest.raises(ValueError, match=message):  # with a window that starts past it too: the reference's rule
+        cpu_ops.decode_attention_bf16(q, k_cache, v_cache, tables, seq_lens, 0.25, 1, None)
+    assert torch.equal(k_cache, before_k)
+
+
+def test_entries_past_a_sequences_length_are_not_checked_and_valid_steps_still_match():
+    k_cache, v_cache, tables, seq_lens, _, _, q = _bad_index_case()
+    tables[0, 1:] = -7  # sequence 0 has one position: entries 1.. are never read ("may hold anything")
+    tables[1, 2] = 99  # sequence 1: 9 positions, entry 2 is its third block...
+    seq_lens[1] = 8  # ...which a length of 8 does not reach
+    meta = AttentionMetadata(query_start_loc=torch.arange(4, dtype=torch.int32), seq_lens=seq_lens,
+                             slot_mapping=torch.zeros(3, dtype=torch.long), block_tables=tables, max_query_len=1,
+                             max_seq_len=12, query_start_loc_cpu=[0, 1, 2, 3], seq_lens_cpu=seq_lens.tolist())
+    want = torch_backend.paged_attention(q, k_cache.float(), v_cache.float(), meta, 0.25)
+    got = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, tables, seq_lens, 0.25, None, None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("length", [13, 0, -5, 2**31 - 1])
+def test_a_seq_len_outside_the_block_table_raises(length):
+    k_cache, v_cache, tables, seq_lens, _, _, q = _bad_index_case()
+    seq_lens[2] = length  # the table holds 3 blocks of 4: lengths 1..12
+    with pytest.raises(ValueError, match=rf"sequence 2's length {length} is outside \[1, 12\] \(its block table "
+                                         r"holds 3 blocks of 4 tokens\)"):
+        cpu_ops.decode_attention_bf16(q, k_cache, v_cache, tables, seq_lens, 0.25, None, None)
+    with pytest.raises(ValueError, match="decode attention of 3 sequences"):  # a table with too few rows
+        cpu_ops.decode_attention_bf16(q, k_cache, v_cache, tables[:2], seq_lens, 0.25, None, None)
+
+
+@pytest.mark.parametrize("field,index,value,message", [
+    ("tables", (1, 2), 10, r"block id 10 \(sequence 1, block table entry 2\) is outside the cache of 10 blocks"),
+    ("tables", (0, 0), -3, r"block id -3 \(sequence 0, block table entry 0\) is outside the cache of 10 blocks"),
+    ("lens", 1, 13, r"sequence 1's length 13 is outside \[1, 12\]"),
+    ("lens", 0, 0, r"sequence 0's length 0 is outside \[1, 12\]"),
+    ("starts", 1, 8, r"sequence 0's new tokens 0\.\.8 are .* more than its length 7"),
+    ("starts", 1, -1, r"sequence 0's new tokens 0\.\.-1 are out of order"),
+    ("rows", None, 16, r"sequence 1's new tokens 7\.\.17 are out of order, past the step's tokens"),
+])
+def test_prefill_attention_refuses_a_bad_block_id_length_or_query_range(field, index, value, message):
+    blocks, bs, nkv, nh, d = 10, 4, 2, 6, 16
+    k_cache = torch.randn(blocks, bs, nkv, d).to(torch.bfloat16)
+    v_cache = torch.randn(blocks, bs, nkv, d).to(torch.bfloat16)
+    args = {"tables": torch.tensor([[3, 8, 0], [1, 6, 2]], dtype=torch.int32),
+            "starts": torch.tensor([0, 7, 17], dtype=torch.int32), "lens": torch.tensor([7, 10], dtype=torch.int32)}
+    rows = value if field == "rows" else 17  # query rows of the step
+    if field != "rows":
+        args[field][index] = value
+    with pytest.raises(ValueError, match=message):
+        cpu_ops.prefill_attention_bf16(torch.randn(rows, nh, d), k_cache, v_cache, args["tables"], args["starts"],
+                                       args["lens"], 0.25, None, None)

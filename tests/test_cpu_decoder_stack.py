@@ -234,6 +234,34 @@ def test_a_new_kv_cache_is_rebound_the_old_one_freed_a_float32_one_left_to_the_l
         assert model.model.cpu_decoder.forward(model.model, torch.randn(1, HIDDEN), pos) is None
 
 
+BAD_INDICES = [  # (what to break in a 4-sequence decode step over 40 blocks of 4, the error it must name)
+    (lambda m: m.slot_mapping.__setitem__(1, 40 * BS), r"KV slot 160 \(token 1\) is outside the cache of 160 slots"),
+    (lambda m: m.block_tables.__setitem__((2, 0), -1),
+     r"block id -1 \(sequence 2, block table entry 0\) is outside the cache of 40 blocks"),
+    (lambda m: m.block_tables.__setitem__((3, 2), 40),
+     r"block id 40 \(sequence 3, block table entry 2\) is outside the cache of 40 blocks"),
+    (lambda m: m.seq_lens.__setitem__(0, 8 * BS + 1),
+     r"sequence 0's length 33 is outside \[1, 32\] \(its block table holds 8 blocks of 4 tokens\)"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(BAD_INDICES)))
+def test_a_bad_kv_index_raises_before_the_stack_writes_any_layer(tiny_gguf, i):
+    """A slot past the cache, a negative block id, one past the cache, a length past the table: ValueError
+    naming it, every layer's cache as it was; the layer-by-layer path refuses the step with the same message."""
+    break_it, message = BAD_INDICES[i]
+    model = load(tiny_gguf)
+    prefill(model, model.config.vocab_size)
+    meta, pos = step_meta(TABLES, PROMPT_LENS, [1] * 4)
+    break_it(meta)
+    before = model.kv.clone()
+    with pytest.raises(ValueError, match=message):
+        forward(model, [1, 2, 3, 4], pos, meta, stack=True)
+    assert torch.equal(model.kv, before)
+    with pytest.raises(ValueError, match=message):
+        forward(model, [1, 2, 3, 4], pos, meta, stack=False)
+
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [40, 41, 42]]
 

@@ -21,12 +21,13 @@ from torch import nn
 
 from novainfer.attention import cpu_backend
 from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
-from novainfer.layers.quantization import cpu_kernels
+from novainfer.layers.quantization import cpu_kernels, cpu_ops
 from novainfer.layers.quantization import gguf_cpu
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _ERRORS = {1: (MemoryError, "decoder stack: no memory for a kernel's scratch"),
            2: (ValueError, "decoder stack: a position is outside the rotary table")}
+_BAD_KV = 2  # error codes from 3 on: 2 + a bad KV index's code (cpu_ops.kv_index_error)
 
 
 class QLinearDesc(ctypes.Structure):
@@ -48,7 +49,8 @@ def _library() -> ctypes.CDLL:
     if lib.scale_f16 and not getattr(lib, "_decoder_stack_typed", False):  # (an older build: never called)
         lib.decoder_stack_workspace.argtypes = [_P, _I, _I, _I]
         lib.decoder_stack_workspace.restype = ctypes.c_size_t
-        lib.decoder_stack_decode.argtypes = [_P, _I, _P, _F, _P, _P, _I, _I, _P, _P, _P, _I, _P, _P, _I]
+        # the last two: the caches' blocks and where a KV index is bad (an older build ignores them)
+        lib.decoder_stack_decode.argtypes = [_P, _I, _P, _F, _P, _P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _P]
         lib._decoder_stack_typed = True
     return lib
 
@@ -103,6 +105,7 @@ class CPUDecoderStack:
         self.layers: Any = None
         self.attns: list[nn.Module] | None = None
         self.caches: tuple[weakref.ref, ...] = ()  # the KV cache views the descriptors point into
+        self.num_blocks = 0  # of the smallest of them: the bound every block id and slot is checked against
         self.workspace = torch.empty(0)
         self.workspace_rows = 0
 
@@ -160,6 +163,7 @@ class CPUDecoderStack:
             desc.scale, desc.soft_cap = a.scale, a.logits_soft_cap or 0.0
         # weak: a cache the runner releases must be freed (its views are then re-checked and re-gathered)
         self.layers, self.caches, self.workspace_rows = layers, tuple(weakref.ref(a.k_cache) for a in attns), 0
+        self.num_blocks = min(min(a.k_cache.shape[0], a.v_cache.shape[0]) for a in attns)
         return True
 
     def _run(self, model: nn.Module, embeds: torch.Tensor, positions: torch.Tensor,
@@ -174,15 +178,17 @@ class CPUDecoderStack:
             self.workspace_rows = rows
         pos = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
-        tables = meta.block_tables.to(torch.int32)
-        if tables.stride(-1) != 1:
-            tables = tables.contiguous()
+        tables = meta.block_tables.to(torch.int32).contiguous()  # (its row stride is the width checked)
         lens = meta.seq_lens.to(torch.int32).contiguous()
         out = torch.empty_like(embeds)
+        where = cpu_ops.KVWhere()
         rc = lib.decoder_stack_decode(self.layers, len(self.layers), model.norm.weight.data_ptr(), model.norm.eps,
                                       embeds.data_ptr(), out.data_ptr(), m, h, pos.data_ptr(), slots.data_ptr(),
                                       tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-                                      self.workspace.data_ptr(), cpu_kernels.num_threads())
+                                      self.workspace.data_ptr(), cpu_kernels.num_threads(), self.num_blocks, where)
+        if rc > _BAD_KV:
+            raise cpu_ops.kv_index_error(rc - _BAD_KV, where, self.num_blocks, self.layers[0].block_size,
+                                         slots=slots, tables=tables, seq_lens=lens)
         if rc:
             cls, msg = _ERRORS.get(rc, (RuntimeError, f"decoder stack: error {rc}"))
             raise cls(msg)

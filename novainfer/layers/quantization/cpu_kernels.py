@@ -102,10 +102,14 @@ def build_library(sources: list[str], headers: list[str]) -> ctypes.CDLL | None:
     lib.add_rms_norm.argtypes = [_P, _P, _P, _P, _F, _P, _I, _I, _I]
     lib.silu_and_mul.argtypes = [_P, _P, _I, _I, _I]
     lib.rotary_neox.argtypes = [_P, _I, _I, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I]
-    lib.store_kv_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I]
-    lib.decode_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I]
+    # the last two: the cache's size and where an index is bad (bounds checks; an older build ignores them and
+    # its store returns nothing)
+    lib.store_kv_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int64, _P]
+    lib.store_kv_bf16.restype = _I if hasattr(lib, "check_kv_slots") else None
+    lib.decode_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I, _I, _P]
     if hasattr(lib, "prefill_attention_bf16"):
-        lib.prefill_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I]
+        lib.prefill_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I,
+                                               _I, _I, _P]  # the last three: tokens, blocks, where (as above)
     return lib
 
 

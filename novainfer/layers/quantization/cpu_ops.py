@@ -7,6 +7,8 @@ float32 exact path (dtype="float32") keeps the torch ops. Each wrapper checks wh
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from novainfer.layers.quantization.cpu_kernels import library, num_threads
@@ -57,29 +59,73 @@ def rotary_neox_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos:
 
 def store_kv_bf16(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
-    """key/value [T, kv_heads, D] (rows may be strided) -> bf16 caches [blocks, block_size, kv_heads, D]."""
+    """key/value [T, kv_heads, D] (rows may be strided) -> bf16 caches [blocks, block_size, kv_heads, D]; a slot
+    outside the cache raises ValueError before anything is written."""
     slots = slot_mapping.to(torch.int64).contiguous()
     width = key.shape[1] * key.shape[2]
-    library().store_kv_bf16(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), k_cache.data_ptr(),
-                            v_cache.data_ptr(), slots.data_ptr(), key.shape[0], width, num_threads())
+    if v_cache.shape != k_cache.shape or k_cache.shape[2] * k_cache.shape[3] != width:
+        raise ValueError(f"store_kv_bf16: K/V rows of {width} values do not fit caches of shapes "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    where = KVWhere()
+    rc = library().store_kv_bf16(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                 k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), key.shape[0], width,
+                                 num_threads(), k_cache.shape[0] * k_cache.shape[1], where)
+    if rc:
+        raise kv_index_error(rc, where, k_cache.shape[0], k_cache.shape[1], slots=slots)
 
 
 def decode_attention_bf16(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                           sliding_window: int | None, logits_soft_cap: float | None) -> torch.Tensor:
-    """One query per sequence, query [S, heads, D], over the bf16 paged cache -> [S, heads, D] float32."""
+    """One query per sequence, query [S, heads, D], over the bf16 paged cache -> [S, heads, D] float32; a block
+    id outside the cache or a length past the block table raises ValueError before anything is read."""
     s, nh, d = query.shape
     block_size, nkv = k_cache.shape[1], k_cache.shape[2]
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
+    if tables.dim() != 2 or tables.shape[0] < s or lens.shape != (s,):
+        raise ValueError(f"decode attention of {s} sequences: block tables {tuple(tables.shape)}, "
+                         f"seq_lens {tuple(lens.shape)}")
+    num_blocks = min(k_cache.shape[0], v_cache.shape[0])
     out = torch.empty(s, nh, d, dtype=torch.float32)
+    where = KVWhere()
     rc = library().decode_attention_bf16(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), s, nh, nkv, d, block_size, scale, sliding_window or 0,
-        logits_soft_cap or 0.0, out.data_ptr(), num_threads())
-    if rc:
+        logits_soft_cap or 0.0, out.data_ptr(), num_threads(), num_blocks, where)
+    if rc == KV_NO_MEMORY:
         raise MemoryError("decode attention: no memory for the scores")
+    if rc:
+        raise kv_index_error(rc, where, num_blocks, block_size, tables=tables, seq_lens=lens)
     return out
+
+
+KVWhere = ctypes.c_int * 2  # the offending token, or sequence and block-table entry, of a failed KV op
+KV_NO_MEMORY, KV_BAD_SLOT, KV_BAD_SEQ_LEN, KV_BAD_BLOCK, KV_BAD_QUERIES = -1, 1, 2, 3, 4  # csrc/cpu_kernels.h
+
+
+def kv_index_error(rc: int, where: ctypes.Array, num_blocks: int, block_size: int, slots: torch.Tensor | None = None,
+                   tables: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
+                   starts: torch.Tensor | None = None) -> Exception:
+    """The exception for a KV op's bad-index code rc (also the C decoder stack's, cpu_decoder.py), naming the
+    index it found (where) in the step's slots [T], block tables [S, width], seq_lens [S] or query starts [S + 1]."""
+    if rc == KV_BAD_SLOT:
+        t = where[0]
+        return ValueError(f"KV slot {int(slots[t])} (token {t}) is outside the cache of "
+                          f"{num_blocks * block_size} slots")
+    if rc == KV_BAD_SEQ_LEN:
+        s, width = where[0], tables.shape[1]
+        return ValueError(f"sequence {s}'s length {int(seq_lens[s])} is outside [1, {width * block_size}] "
+                          f"(its block table holds {width} blocks of {block_size} tokens)")
+    if rc == KV_BAD_BLOCK:
+        s, b = where[0], where[1]
+        return ValueError(f"block id {int(tables[s, b])} (sequence {s}, block table entry {b}) is outside the "
+                          f"cache of {num_blocks} blocks")
+    if rc == KV_BAD_QUERIES:
+        s = where[0]
+        return ValueError(f"sequence {s}'s new tokens {int(starts[s])}..{int(starts[s + 1])} are out of order, past "
+                          f"the step's tokens or more than its length {int(seq_lens[s])}")
+    return RuntimeError(f"KV op: error {rc}")
 
 
 def prefill_attention_bf16(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -87,17 +133,26 @@ def prefill_attention_bf16(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            scale: float, sliding_window: int | None,
                            logits_soft_cap: float | None) -> torch.Tensor:
     """Each sequence's new tokens, query [T, heads, D] (the i-th of q at position seq_len - q + i), causal over
-    the bf16 paged cache (which already holds them) -> [T, heads, D] float32."""
+    the bf16 paged cache (which already holds them) -> [T, heads, D] float32; a bad block id, length or query
+    range raises ValueError before anything is read."""
     t, nh, d = query.shape
     block_size, nkv = k_cache.shape[1], k_cache.shape[2]
     tables = block_tables.to(torch.int32).contiguous()
     starts = query_start_loc.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
+    s = lens.shape[0]
+    if lens.dim() != 1 or tables.dim() != 2 or tables.shape[0] < s or starts.shape != (s + 1,):
+        raise ValueError(f"prefill attention: block tables {tuple(tables.shape)}, query starts "
+                         f"{tuple(starts.shape)} and seq_lens {tuple(lens.shape)} do not describe one set of sequences")
+    num_blocks = min(k_cache.shape[0], v_cache.shape[0])
     out = torch.empty(t, nh, d, dtype=torch.float32)
+    where = KVWhere()
     rc = library().prefill_attention_bf16(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-        tables.shape[1], starts.data_ptr(), lens.data_ptr(), lens.shape[0], nh, nkv, d, block_size, scale,
-        sliding_window or 0, logits_soft_cap or 0.0, out.data_ptr(), num_threads())
-    if rc:
+        tables.shape[1], starts.data_ptr(), lens.data_ptr(), s, nh, nkv, d, block_size, scale,
+        sliding_window or 0, logits_soft_cap or 0.0, out.data_ptr(), num_threads(), t, num_blocks, where)
+    if rc == KV_NO_MEMORY:
         raise MemoryError("prefill attention: no memory for the widened K/V or the scores")
+    if rc:
+        raise kv_index_error(rc, where, num_blocks, block_size, tables=tables, seq_lens=lens, starts=starts)
     return out

@@ -25,10 +25,19 @@ void add_rms_norm(const float *x, const float *res, float *res_out, const float 
 void silu_and_mul(const float *x, float *out, int M, int D, int nthreads);
 int rotary_neox(float *q, int q_stride, int nq, float *k, int k_stride, int nk, const int64_t *pos, int T,
                 const float *cos_t, const float *sin_t, int max_pos, int D, int nthreads);
-void store_kv_bf16(const float *k, int k_stride, const float *v, int v_stride, uint16_t *k_cache, uint16_t *v_cache,
-                   const int64_t *slots, int T, int width, int nthreads);
+/* The KV ops (and prefill_attention_bf16 of prefill_attention_cpu.c) check a step's indices before touching
+ * memory: what they return, with the offending token, or sequence and block-table entry, in where[0..1].
+ * num_blocks / num_slots (the cache's size) and where come last: an older build, swapped in by benchmarks,
+ * ignores them. */
+enum { KV_OK = 0, KV_NO_MEMORY = -1, KV_BAD_SLOT = 1, KV_BAD_SEQ_LEN = 2, KV_BAD_BLOCK = 3, KV_BAD_QUERIES = 4 };
+int check_kv_slots(const int64_t *slots, int T, int64_t num_slots, int *where);
+int check_block_tables(const int32_t *block_tables, int bt_stride, const int32_t *seq_lens, int S, int block_size,
+                       int num_blocks, int *where);
+int store_kv_bf16(const float *k, int k_stride, const float *v, int v_stride, uint16_t *k_cache, uint16_t *v_cache,
+                  const int64_t *slots, int T, int width, int nthreads, int64_t num_slots, int *where);
 int decode_attention_bf16(const float *q, int q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                           const int32_t *block_tables, int bt_stride, const int32_t *seq_lens, int S, int nh, int nkv,
-                          int D, int block_size, float scale, int window, float soft_cap, float *out, int nthreads);
+                          int D, int block_size, float scale, int window, float soft_cap, float *out, int nthreads,
+                          int num_blocks, int *where);
 
 #endif

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
 #include "cpu_pool.h"
 #include "simd_cpu.h"
 
@@ -136,6 +137,39 @@ int rotary_neox(float *q, int q_stride, int nq, float *k, int k_stride, int nk, 
     return 0;
 }
 
+/* The indices of a step, checked before a KV op writes or reads anything, so a scheduler or runner bug is a
+ * clear error rather than memory corruption. *where (if not NULL) gets the offending token, or sequence and
+ * table entry. */
+int check_kv_slots(const int64_t *slots, int T, int64_t num_slots, int *where) {
+    for (int t = 0; t < T; t++)
+        if (slots[t] >= num_slots) {
+            if (where) where[0] = t;
+            return KV_BAD_SLOT;
+        }
+    return KV_OK;
+}
+
+/* Every sequence's length in [1, bt_stride * block_size] and each block id its length covers (from position
+ * 0, window or not, as the torch reference reads them) in [0, num_blocks). */
+int check_block_tables(const int32_t *block_tables, int bt_stride, const int32_t *seq_lens, int S, int block_size,
+                       int num_blocks, int *where) {
+    const int64_t cap = (int64_t)bt_stride * block_size;
+    for (int s = 0; s < S; s++) {
+        if (seq_lens[s] < 1 || seq_lens[s] > cap) {
+            if (where) where[0] = s;
+            return KV_BAD_SEQ_LEN;
+        }
+        const int32_t *bt = block_tables + (size_t)s * bt_stride;
+        const int used = (seq_lens[s] - 1) / block_size + 1;
+        for (int b = 0; b < used; b++)
+            if (bt[b] < 0 || bt[b] >= num_blocks) {
+                if (where) where[0] = s, where[1] = b;
+                return KV_BAD_BLOCK;
+            }
+    }
+    return KV_OK;
+}
+
 static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's .to(torch.bfloat16) */
     uint32_t b;
     memcpy(&b, &f, 4);
@@ -160,11 +194,15 @@ static void store_rows(const void *arg, int t0, int t1) {
     }
 }
 
-/* k/v rows [T, kv_heads * D] (row strides given) -> bf16 cache [blocks, block_size, kv_heads, D] at slots. */
-void store_kv_bf16(const float *k, int k_stride, const float *v, int v_stride, uint16_t *k_cache,
-                   uint16_t *v_cache, const int64_t *slots, int T, int width, int nthreads) {
+/* k/v rows [T, kv_heads * D] (row strides given) -> bf16 cache [blocks, block_size, kv_heads, D] at slots
+ * (negative: padding, skipped). A slot >= num_slots writes nothing at all: KV_BAD_SLOT, *where = its token. */
+int store_kv_bf16(const float *k, int k_stride, const float *v, int v_stride, uint16_t *k_cache, uint16_t *v_cache,
+                  const int64_t *slots, int T, int width, int nthreads, int64_t num_slots, int *where) {
+    const int rc = check_kv_slots(slots, T, num_slots, where);
+    if (rc) return rc;
     const store_job j = {k, k_stride, v, v_stride, k_cache, v_cache, slots, width};
     run_rows(store_rows, &j, T, (size_t)T * width, nthreads);
+    return KV_OK;
 }
 
 typedef struct {
@@ -280,19 +318,22 @@ static void attend(void *arg, int sk) {
 
 /* One query per sequence: q [S, nh, D] (row stride q_stride) against the bf16 cache through block tables
  * [S, bt_stride]; out [S, nh, D]. A query at seq_len - 1 sees positions >= seq_len - window (window 0: all);
- * soft_cap > 0 caps scores as cap * tanh(s / cap). D must be a multiple of 8. Returns -1 without memory. */
+ * soft_cap > 0 caps scores as cap * tanh(s / cap). D must be a multiple of 8. Returns KV_OK, KV_NO_MEMORY, or
+ * (reading nothing) check_block_tables' error for a cache of num_blocks blocks. */
 int decode_attention_bf16(const float *q, int q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                           const int32_t *block_tables, int bt_stride, const int32_t *seq_lens, int S, int nh,
                           int nkv, int D, int block_size, float scale, int window, float soft_cap, float *out,
-                          int nthreads) {
+                          int nthreads, int num_blocks, int *where) {
+    const int rc = check_block_tables(block_tables, bt_stride, seq_lens, S, block_size, num_blocks, where);
+    if (rc) return rc;
     int max_len = 1;
     for (int s = 0; s < S; s++) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
     attn_job j = {q, q_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens, nh, nkv, D, block_size,
                   window, max_len, scale, soft_cap, NULL, out};
     j.scores = malloc(sizeof(float) * (size_t)S * nh * max_len);
-    if (!j.scores) return -1;
+    if (!j.scores) return KV_NO_MEMORY;
     const size_t work = (size_t)S * nh * max_len * D;
     pool_run(attend, &j, S * nkv, work > (1 << 14) ? nthreads : 1);  /* small steps: not worth waking a worker */
     free(j.scores);
-    return 0;
+    return KV_OK;
 }

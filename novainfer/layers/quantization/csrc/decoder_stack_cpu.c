@@ -29,8 +29,10 @@ typedef struct {
     float scale, soft_cap;
 } decoder_layer;
 
-/* Error codes (the wrapper turns them into exceptions). */
-enum { STACK_OK = 0, STACK_NO_MEMORY = 1, STACK_BAD_POSITION = 2 };
+/* Error codes (the wrapper turns them into exceptions); a bad KV index is STACK_BAD_KV + its KV_BAD_* code. */
+enum { STACK_OK = 0, STACK_NO_MEMORY = 1, STACK_BAD_POSITION = 2, STACK_BAD_KV = 2 };
+
+static int kv_error(int rc) { return rc == KV_NO_MEMORY ? STACK_NO_MEMORY : STACK_BAD_KV + rc; }
 
 static int linear(const qlinear *l, const float *x, int M, float *y, int nthreads) {
     const int rc = l->q4 ? q4_gemm(x, M, l->K, l->w, l->scales, l->zeros, l->scale_f16, l->N, y, nthreads)
@@ -58,11 +60,19 @@ size_t decoder_stack_workspace(const decoder_layer *layers, int L, int M, int H)
 
 /* embeds [M, H]: the step's token embeddings (one decode row each); out [M, H]: final_norm(h + residual).
  * pos/slots [M] int64, block_tables [M, bt_stride] and seq_lens [M] int32 describe each row as a one-query
- * sequence. ws: decoder_stack_workspace(...) floats. Returns STACK_OK or an error code. */
+ * sequence over caches of num_blocks blocks. ws: decoder_stack_workspace(...) floats. Returns STACK_OK or an
+ * error code; the KV indices are checked before the first layer writes, so a bad one changes no cache (where:
+ * the offending token, or sequence and table entry). */
 int decoder_stack_decode(const decoder_layer *layers, int L, const float *final_norm, float final_eps,
                          const float *embeds, float *out, int M, int H, const int64_t *pos, const int64_t *slots,
                          const int32_t *block_tables, int bt_stride, const int32_t *seq_lens, float *ws,
-                         int nthreads) {
+                         int nthreads, int num_blocks, int *where) {
+    for (int l = 0; l < L; l++) {  /* every KV index, before the first layer writes (once per block size) */
+        if (l > 0 && layers[l].block_size == layers[l - 1].block_size) continue;
+        int rc = check_kv_slots(slots, M, (int64_t)num_blocks * layers[l].block_size, where);
+        if (!rc) rc = check_block_tables(block_tables, bt_stride, seq_lens, M, layers[l].block_size, num_blocks, where);
+        if (rc) return kv_error(rc);
+    }
     float *res = ws, *normed = res + (size_t)M * H, *hidden = normed + (size_t)M * H, *scratch = hidden + (size_t)M * H;
     const float *residual = embeds;  /* the first layer's residual is the embedding itself */
     for (int l = 0; l < L; l++) {
@@ -77,11 +87,13 @@ int decoder_stack_decode(const decoder_layer *layers, int L, const float *final_
         if (rotary_neox(qkv, qkv_w, d->nh, qkv + q_size, qkv_w, d->nkv, pos, M, d->cos, d->sin, d->max_pos, d->D,
                         nthreads))
             return STACK_BAD_POSITION;
-        store_kv_bf16(qkv + q_size, qkv_w, qkv + q_size + kv_size, qkv_w, d->k_cache, d->v_cache, slots, M, kv_size,
-                      nthreads);
-        if (decode_attention_bf16(qkv, qkv_w, d->k_cache, d->v_cache, block_tables, bt_stride, seq_lens, M, d->nh,
-                                  d->nkv, d->D, d->block_size, d->scale, d->window, d->soft_cap, attn, nthreads))
-            return STACK_NO_MEMORY;
+        if ((rc = store_kv_bf16(qkv + q_size, qkv_w, qkv + q_size + kv_size, qkv_w, d->k_cache, d->v_cache, slots, M,
+                                kv_size, nthreads, (int64_t)num_blocks * d->block_size, where)))
+            return kv_error(rc);
+        if ((rc = decode_attention_bf16(qkv, qkv_w, d->k_cache, d->v_cache, block_tables, bt_stride, seq_lens, M,
+                                        d->nh, d->nkv, d->D, d->block_size, d->scale, d->window, d->soft_cap, attn,
+                                        nthreads, num_blocks, where)))
+            return kv_error(rc);
         if ((rc = linear(&d->o, attn, M, hidden, nthreads))) return rc;
         add_rms_norm(hidden, residual, res, d->post_norm, d->post_eps, normed, M, H, nthreads);
         residual = res;

@@ -14,6 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "cpu_kernels.h"
 #include "cpu_pool.h"
 #include "simd_cpu.h"
 
@@ -148,16 +149,26 @@ static void attend_tile(void *arg, int c) {
 
 /* q [T, nh, D] (row stride q_stride; sequence s's tokens q_start[s]..q_start[s+1]) against the bf16 cache through
  * block tables [S, bt_stride]; out [T, nh, D]. window > 0: a query at p sees keys > p - window; soft_cap > 0: scores
- * capped as cap * tanh(x / cap). D must be a multiple of 16. Returns -1 without memory. */
+ * capped as cap * tanh(x / cap). D must be a multiple of 16. Returns KV_OK, KV_NO_MEMORY, or (reading nothing) the
+ * error of a bad index: check_block_tables' for a cache of num_blocks blocks, KV_BAD_QUERIES for a sequence whose
+ * new tokens are not within 0..T, in order, and at most its length. */
 int prefill_attention_bf16(const float *q, int q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int32_t *block_tables, int bt_stride, const int32_t *q_start, const int32_t *seq_lens,
                            int S, int nh, int nkv, int D, int block_size, float scale, int window, float soft_cap,
-                           float *out, int nthreads) {
+                           float *out, int nthreads, int T, int num_blocks, int *where) {
+    int rc = check_block_tables(block_tables, bt_stride, seq_lens, S, block_size, num_blocks, where);
+    if (rc) return rc;
+    for (int s = 0; s < S; s++)
+        if (q_start[s] < 0 || q_start[s + 1] < q_start[s] || q_start[s + 1] > T ||
+            q_start[s + 1] - q_start[s] > seq_lens[s]) {
+            if (where) where[0] = s;
+            return KV_BAD_QUERIES;
+        }
     pattn_job j = {q, q_stride, k_cache, v_cache, block_tables, bt_stride, q_start, seq_lens, S, nh, nkv, D, block_size,
                    window, scale, soft_cap, NULL, NULL, NULL, 0, 0, out};
     size_t *off = malloc(sizeof(size_t) * (S + 1));
     int ntiles = 0;
-    if (!off) return -1;
+    if (!off) return KV_NO_MEMORY;
     off[0] = 0;
     for (int s = 0; s < S; s++) {
         off[s + 1] = off[s] + (size_t)nkv * 2 * lp_of(seq_lens[s]) * D;
@@ -165,7 +176,7 @@ int prefill_attention_bf16(const float *q, int q_stride, const uint16_t *k_cache
     }
     int *tiles = malloc(sizeof(int) * 2 * (ntiles + 1));
     j.kv = malloc(sizeof(float) * (off[S] + 1));
-    int rc = -1;
+    rc = KV_NO_MEMORY;
     if (tiles && j.kv) {
         int n = 0;
         for (int s = 0; s < S; s++)
@@ -174,7 +185,7 @@ int prefill_attention_bf16(const float *q, int q_stride, const uint16_t *k_cache
         pool_run(widen_kv, &j, S * nkv, nthreads);
         atomic_store(&j.failed, 0);
         pool_run(attend_tile, &j, ntiles * nkv, nthreads);
-        rc = atomic_load(&j.failed) ? -1 : 0;
+        rc = atomic_load(&j.failed) ? KV_NO_MEMORY : KV_OK;
     }
     free(off); free(tiles); free(j.kv);
     return rc;
