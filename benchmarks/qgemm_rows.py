@@ -16,6 +16,12 @@ replaced for prefills (the weight dequantized to float32 in C, then torch's sgem
 
     python benchmarks/qgemm_rows.py --step --base bf56a01 --rows 1 --repeats 15
 
+    python benchmarks/qgemm_rows.py --crossover --rows 4 8 12 16 24 32
+
+--crossover times a decode step's GEMMs (every packed weight once, then the lm_head) at each row count with the
+few-row kernel and with the panel kernel, interleaved, and checks they give the same bits: where the panel one
+wins is cpu_kernels.PANEL_MIN_ROWS.
+
 --step times a decode step's GEMMs as the model runs them: every packed weight once, in layer order, then the
 lm_head (~100 MB streamed from memory, where the per-layer timings above find the weight in cache), both
 builds interleaved; it checks that both give the same bits and prints the packed bytes a step reads. A base
@@ -98,6 +104,7 @@ def main() -> None:
     ap.add_argument("--prefill", action="store_true", help="panel GEMM vs dequantize + sgemm (see above)")
     ap.add_argument("--step", action="store_true", help="a whole decode step's GEMMs, weights streamed (see above)")
     ap.add_argument("--f32-scales", action="store_true", help="with --step: old = this build with float32 scales")
+    ap.add_argument("--crossover", action="store_true", help="few-row vs panel kernel per row count (see above)")
     args = ap.parse_args()
     if not cpu_kernels.available():
         raise SystemExit("the quantized CPU kernels are not available on this machine")
@@ -105,6 +112,8 @@ def main() -> None:
         return prefill(args)
     if args.step:
         return decode_step(args)
+    if args.crossover:
+        return crossover(args)
     libs = {"old": build_at(args.base), "new": cpu_kernels.library()}
     layers = model_layers()
     print(f"base {args.base}; layers: " + ", ".join(f"{k} {w.kind} {w.shape[0]}x{w.shape[1]} (x{c})"
@@ -179,6 +188,30 @@ def decode_step(args: argparse.Namespace) -> None:
                   f"new/old per round {ratio[0]:.2f}-{ratio[-1]:.2f} (median {statistics.median(ratio):.2f}); "
                   f"same bits: {same}")
     cpu_kernels.set_num_threads(None)
+
+
+def crossover(args: argparse.Namespace) -> None:
+    """A decode step's GEMMs at each row count: the few-row kernel against the panel kernel, interleaved."""
+    weights = step_weights()
+    cpu_kernels.set_panel_min_rows(2**31 - 1)  # panel=False: the few-row kernel at any row count
+    for threads in args.threads:
+        cpu_kernels.set_num_threads(threads)
+        for m in args.rows:
+            xs = [torch.randn(m, w.shape[1]) for w in weights]
+            same = all(torch.equal(cpu_kernels.quant_gemm(x, w, panel=False), cpu_kernels.quant_gemm(x, w, panel=True))
+                       for x, w in zip(xs, weights))
+            res = {False: [], True: []}
+            for _ in range(args.repeats):
+                for panel in res:
+                    t = time.perf_counter()
+                    for x, w in zip(xs, weights):
+                        cpu_kernels.quant_gemm(x, w, panel=panel)
+                    res[panel].append((time.perf_counter() - t) * 1e3)
+            few, pan = statistics.median(res[False]), statistics.median(res[True])
+            print(f"M={m} threads {threads}: ms a step, median few-row {few:.2f}, panel {pan:.2f} "
+                  f"(panel/few {pan / few:.2f}); same bits: {same}")
+    cpu_kernels.set_num_threads(None)
+    cpu_kernels.set_panel_min_rows(cpu_kernels.PANEL_MIN_ROWS)
 
 
 def prefill(args: argparse.Namespace) -> None:
