@@ -4,6 +4,7 @@ same process and interleaved request by request, so drifting load from other pro
     python benchmarks/kernel_ab.py spec --rounds 3         # n-gram speculation on/off x kernel new/old, 8 prompts
     python benchmarks/kernel_ab.py streams --rounds 3      # 16 streams x kernel new/old, llama.cpp's single stream
     python benchmarks/kernel_ab.py streams --base b44f9c3 --panel-rows 8   # and new with the panel GEMM from 8 rows
+    python benchmarks/kernel_ab.py prefill --base 75d6e81 --rounds 6      # 512-token prefills, 2 per kernel a round
 
 spec: benchmarks/speculation.py's prompts and settings (greedy, 128 tokens, batch 1, prefix caching off); per
 round the speed-up of speculation over none with each kernel. streams: benchmarks/throughput.py --cpu-streams'
@@ -108,9 +109,30 @@ def streams(args, libs) -> dict:
     return {"streams": args.streams, "tok_s": res}
 
 
+def prefill(args, libs) -> dict:
+    """Fresh 512-token prompts (one output token, greedy), two per kernel each round, kernels taking turns."""
+    import numpy as np
+
+    from novainfer import LLM, SamplingParams
+    llm = LLM()
+    rng = np.random.default_rng(0)
+    vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=1)
+    timed(llm, [rng.integers(100, vocab, 16).tolist()], params)
+    res = {k: [] for k in libs}
+    for r in range(args.rounds):
+        for kernel in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
+            use(*libs[kernel])
+            for _ in range(2):
+                res[kernel].append(timed(llm, [rng.integers(100, vocab, 512).tolist()], params)[0] * 1e3)
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-2]:.0f}/{v[-1]:.0f} ms" for k, v in res.items()), flush=True)
+    llm.llm_engine.shutdown()
+    return {"prefill_ms": res}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["spec", "streams"])
+    ap.add_argument("mode", choices=["spec", "streams", "prefill"])
     ap.add_argument("--base", default="6404181", help="commit whose C kernels are 'old'")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
@@ -127,8 +149,8 @@ def main() -> None:
         libs[f"new, panel from {args.panel_rows} rows"] = (cpu_kernels.library(), args.panel_rows)
     if not libs["old"][0].scale_f16:  # a base before float16 scales: both load float32 ones (one set of weights)
         gguf_repack.FP16_SCALES = False
-    out = spec(args, libs) if args.mode == "spec" else streams(args, libs)
-    for k, v in out.get("speedup", out["tok_s"]).items():
+    out = {"spec": spec, "streams": streams, "prefill": prefill}[args.mode](args, libs)
+    for k, v in out.get("speedup", out.get("tok_s", out.get("prefill_ms"))).items():
         print(f"{k}: median {statistics.median(v):.2f}, range {min(v):.2f}-{max(v):.2f}")
     if args.json:
         with open(args.json, "w") as f:
