@@ -21,8 +21,7 @@ from torch import nn
 
 from novainfer.attention import cpu_backend
 from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
-from novainfer.layers.quantization import cpu_kernels, cpu_ops
-from novainfer.layers.quantization import gguf_cpu
+from novainfer.layers.quantization import cpu_kernels, cpu_ops, gguf_cpu
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _ERRORS = {1: (MemoryError, "decoder stack: no memory for a kernel's scratch"),

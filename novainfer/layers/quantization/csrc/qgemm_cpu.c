@@ -30,7 +30,7 @@
 #include "cpu_pool.h"
 #include "simd_cpu.h"
 
-/* x [M, K] -> xq int16 [M, K], dxT [K/32, mp] (xq * dx ~ x, transposed so one load serves a tile's rows),
+/* x [M, K] -> xq int16 [M, K], dxT [K/32, mp] (xq * dx ~ x; a block's rows side by side, mp apart),
  * xsum [M, ngp] (sums of xq * dx per group of G, zero past K/G). */
 void quantize_rows(const float *x, int M, int K, int G, int mp, int ngp, int16_t *xq, float *dxT,
                           float *xsum, int xsum_needed) {
@@ -68,9 +68,7 @@ void quantize_rows(const float *x, int M, int K, int G, int mp, int ngp, int16_t
 /* A tile is NB = 8 weight rows (one output per float lane) x up to MB activation rows. */
 #define NB 8
 #define MB 3
-#ifndef PF_ROWS
-#define PF_ROWS 8  /* tiles prefetch the weight rows this many rows ahead */
-#endif
+#define PF_ROWS 8  /* tiles prefetch the weight rows (and their scales) this many rows ahead */
 
 typedef struct {
     const int16_t *xq; const float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
@@ -204,12 +202,12 @@ static void gemm_chunk(void *arg, int chunk) {
     const long tiles = (j->N + NB - 1) / NB;  /* chunk c: tiles [c * tiles / nchunks, (c + 1) * tiles / nchunks) */
     const int n0 = (int)(chunk * tiles / j->nchunks) * NB, n1e = (int)((chunk + 1) * tiles / j->nchunks) * NB;
     const int n1 = n1e < j->N ? n1e : j->N;
-    const size_t sb = (j->scale_f16 ? 2 : 4) * (size_t)NB * j->ng;  /* bytes of a tile's scales (and of its zeros) */
+    const size_t row_bytes = (j->scale_f16 ? 2 : 4) * (size_t)j->ng;  /* a weight row's scales (or zeros) */
     for (int n = n0; n < n1; n += NB) {
         const int nr = n1 - n < NB ? n1 - n : NB;
         if (n + PF_ROWS + NB <= j->N)  /* the scales and zeros PF_ROWS rows on, as the weights */
-            for (size_t c = 0; c < sb; c += 64) {
-                const size_t off = (size_t)(n + PF_ROWS) * j->ng * (j->scale_f16 ? 2 : 4) + c;
+            for (size_t c = 0; c < NB * row_bytes; c += 64) {
+                const size_t off = (n + PF_ROWS) * row_bytes + c;
                 _mm_prefetch((const char *)j->scales + off, _MM_HINT_T0);
                 if (j->has_zeros) _mm_prefetch((const char *)j->zeros + off, _MM_HINT_T0);
             }
@@ -232,7 +230,7 @@ int num_chunks(int N, int nthreads) {
 static int run_gemm(gemm_job *j, const float *x, int nthreads) {
     j->ng = j->K / j->G;
     j->ngp = (j->ng + 7) / 8 * 8;
-    j->mp = j->M + 4;  /* a tile reads 4 steps from its first row on */
+    j->mp = j->M;
     int16_t *xq = malloc(sizeof(int16_t) * (size_t)j->M * j->K);
     float *dxT = calloc((size_t)(j->K / 32) * j->mp, sizeof(float));
     float *xsum = malloc(sizeof(float) * (size_t)j->M * j->ngp);

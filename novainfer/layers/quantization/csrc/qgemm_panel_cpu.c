@@ -193,7 +193,7 @@ static int run_panel(panel_job *j, const float *x, int nthreads) {
     atomic_fetch_add(&panel_calls, 1);
     j->ng = j->K / j->G;
     j->ngp = (j->ng + 7) / 8 * 8;
-    j->mp = j->M + 4;
+    j->mp = j->M;
     int16_t *xq = malloc(sizeof(int16_t) * (size_t)j->M * j->K);
     float *dxT = calloc((size_t)(j->K / 32) * j->mp, sizeof(float));
     float *xsum = malloc(sizeof(float) * (size_t)j->M * j->ngp);
