@@ -92,6 +92,48 @@ def test_prefill_long_contexts_match_reference(cap):
     assert rel_err(out.cpu(), ref) < 1e-5
 
 
+def test_decode_split_merge_matches_reference_twice():
+    """Contexts long enough to be split: the last split to finish merges, and leaves its counter at zero
+    for the next launch (the second call must give the same result)."""
+    ctx = [0, 15, 40, 77]
+    q, kc, vc, bt, qsl, sl, meta = make_case(6, ctx, [1] * len(ctx), 6, 2)
+    ref = reference(q, kc, vc, meta, 0.25)
+    for _ in range(2):
+        out = kernels.decode_attention(q, kc, vc, bt, sl, 0.25, num_splits=4, min_split_keys=16)
+        assert rel_err(out.cpu(), ref) < 1e-5
+    assert not kernels._split_counters(q.device, 8)[:8].any()
+
+
+def test_decode_with_rope_equals_rotary_store_then_decode():
+    """decode_attention(rope=...) rotates q and the new key and stores key/value itself: the same output and
+    the same cache as the rotary kernel, store_kv and plain decode one after the other (padding row: slot -1)."""
+    from types import SimpleNamespace
+
+    from novainfer.kernels import fused_ops
+    from novainfer.layers.rotary import RotaryEmbedding
+
+    ctx = [5, 0, 30, 2]
+    q, kc, vc, bt, qsl, sl, meta = make_case(7, ctx, [1] * len(ctx), 6, 2)
+    g = torch.Generator().manual_seed(8)
+    qkv = torch.randn(4, (6 + 2 * 2) * 16, generator=g).to(DEVICE)  # strided q/k/v views, as in the model
+    q, k, v = qkv[:, :96].view(4, 6, 16), qkv[:, 96:128].view(4, 2, 16), qkv[:, 128:].view(4, 2, 16)
+    positions = sl.long() - 1
+    slots = torch.tensor([bt[i, c // BLOCK_SIZE].item() * BLOCK_SIZE + c % BLOCK_SIZE for i, c in enumerate(ctx)])
+    slots[3] = -1
+    rope = RotaryEmbedding(16, 64, SimpleNamespace(rope_theta=10000.0))
+    cos, sin = rope.cos_cache.to(DEVICE), rope.sin_cache.to(DEVICE)
+    kc2, vc2 = kc.clone(), vc.clone()
+    rq, rk = fused_ops.rotary_embedding(positions, q, k, cos, sin)
+    store_kv(rk, v, kc, vc, slots.to(DEVICE))
+    for splits in (1, 4):
+        kc2.copy_(kc), vc2.copy_(vc)
+        ref = kernels.decode_attention(rq, kc, vc, bt, sl, 0.25, num_splits=splits, min_split_keys=16)
+        out = kernels.decode_attention(q, kc2, vc2, bt, sl, 0.25, num_splits=splits, min_split_keys=16,
+                                       rope=kernels.DecodeRope(positions, cos, sin, k, v, slots.to(DEVICE)))
+        assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
+        assert rel_err(out[:3].cpu(), ref[:3].cpu()) < 1e-6
+
+
 def test_prefill_kernel_equals_decode_kernel_on_single_tokens():
     q, kc, vc, bt, qsl, sl, meta = make_case(3, [6, 1, 11], [1, 1, 1], 4, 2)
     a = kernels.prefill_attention(q, kc, vc, bt, qsl, sl, 1, 0.25)

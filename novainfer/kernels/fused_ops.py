@@ -24,9 +24,15 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, x_stride, res_
         tl.store(res_out_ptr + row * res_out_stride + offs, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 0) / n + eps)
-    y = (xf * rstd).to(x.dtype)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * out_stride + offs, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=mask)
+    tl.store(out_ptr + row * out_stride + offs, rms_scale(x, w, rstd), mask=mask)
+
+
+@triton.jit
+def rms_scale(x, w, rstd):
+    """weight * norm(x) given x's rstd, rounded as torch's RMSNorm: (x * rstd) to x's dtype, then times w."""
+    y = (x.to(tl.float32) * rstd).to(x.dtype)
+    return (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -63,17 +69,18 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr
         base = token * stride + h[:, None] * (2 * HALF) + d[None, :]
         x1 = tl.load(src + base, mask=hmask, other=0.0)
         x2 = tl.load(src + base + HALF, mask=hmask, other=0.0)
-        dt = x1.dtype
-        # as torch: cos/sin cast to the activation dtype, x*cos + rotate_half(x)*sin, each product rounded
-        c1, s1 = cos1.to(dt).to(tl.float32)[None, :], sin1.to(dt).to(tl.float32)[None, :]
-        c2, s2 = cos2.to(dt).to(tl.float32)[None, :], sin2.to(dt).to(tl.float32)[None, :]
-        a1 = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
-        b1 = (-x2.to(tl.float32) * s1).to(dt).to(tl.float32)
-        a2 = (x2.to(tl.float32) * c2).to(dt).to(tl.float32)
-        b2 = (x1.to(tl.float32) * s2).to(dt).to(tl.float32)
         out_base = token * heads * 2 * HALF + h[:, None] * (2 * HALF) + d[None, :]
-        tl.store(dst + out_base, (a1 + b1).to(dt), mask=hmask)
-        tl.store(dst + out_base + HALF, (a2 + b2).to(dt), mask=hmask)
+        tl.store(dst + out_base, rope_mix(x1, cos1[None, :], -x2, sin1[None, :]), mask=hmask)
+        tl.store(dst + out_base + HALF, rope_mix(x2, cos2[None, :], x1, sin2[None, :]), mask=hmask)
+
+
+@triton.jit
+def rope_mix(x, cos, x_rot, sin):
+    """x * cos + rotate_half(x) * sin as torch rounds it: cos/sin cast to x's dtype, each product rounded."""
+    dt = x.dtype
+    a = (x.to(tl.float32) * cos.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    b = (x_rot.to(tl.float32) * sin.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    return (a + b).to(dt)
 
 
 def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
@@ -99,9 +106,15 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, n, BLOCK: tl.cons
     mask = offs < n
     gate = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
     up = tl.load(x_ptr + row * x_stride + n + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * out_stride + offs, silu_mul(gate, up), mask=mask)
+
+
+@triton.jit
+def silu_mul(gate, up):
+    """silu(gate) * up, rounded as torch: silu's result to gate's dtype before the multiply."""
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # torch's silu rounds its result before the multiply
-    tl.store(out_ptr + row * out_stride + offs, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

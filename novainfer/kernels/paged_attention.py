@@ -16,9 +16,13 @@ start at the window's first tile, so a long context costs only the window) and l
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+
+from novainfer.kernels.fused_ops import rope_mix
 
 
 @triton.jit
@@ -52,65 +56,109 @@ def _attend_tile(q, k, v, valid, m, l, acc, scale, soft_cap, HAS_SOFT_CAP: tl.co
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr,
-                   part_ml_ptr, scale, window, soft_cap, q_stride_t, q_stride_h, bt_stride, o_stride_t, o_stride_h,
+                   part_ml_ptr, counter_ptr, pos_ptr, cos_ptr, sin_ptr, k_new_ptr, v_new_ptr, slot_ptr,
+                   scale, window, soft_cap, q_stride_t, q_stride_h, kv_new_stride, bt_stride, o_stride_t, o_stride_h,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr,
-                   PRECISION: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   HAS_SOFT_CAP: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    g = tl.arange(0, GROUP_PAD)
-    gmask = g < GROUP
-    heads = kvh * GROUP + g
-    d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + d[None, :], mask=gmask[:, None], other=0.0)
-
     kv_start = tl.maximum(seq_len - window, 0) if HAS_WINDOW else 0  # the query sits at seq_len - 1
     first_tile = kv_start // BLOCK_N
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.cdiv(num_tiles - first_tile, NUM_SPLITS)
-    tile_start = first_tile + split * tiles_per_split
-    tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    n = tl.arange(0, BLOCK_N)
-    for t in range(tile_start, tile_end):
-        pos = t * BLOCK_N + n
-        pmask = (pos < seq_len) & (pos >= kv_start)
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, bt_stride, seq, kvh, pos, pmask, d,
-                             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-        m, l, acc = _attend_tile(q, k, v, pmask[None, :], m, l, acc, scale, soft_cap, HAS_SOFT_CAP, PRECISION)
+    # this context's splits: at most NUM_SPLITS, each at least SPLIT_TILES tiles; the programs past them idle
+    tiles = tl.maximum(num_tiles - first_tile, 1)
+    tiles_per_split = tl.cdiv(tiles, tl.minimum(tl.cdiv(tiles, SPLIT_TILES), NUM_SPLITS))
+    used = tl.cdiv(tiles, tiles_per_split)
+    if split < used:
+        g = tl.arange(0, GROUP_PAD)
+        gmask = g < GROUP
+        heads = kvh * GROUP + g
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + d[None, :], mask=gmask[:, None],
+                    other=0.0)
+        if ROPE:  # rotate q here; the split holding the newest key rotates it and stores it and its value
+            q = _rope_rows(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h, q, gmask[:, None], pos_ptr + seq,
+                           cos_ptr, sin_ptr, d[None, :], HEAD_DIM)
+            if split == used - 1:
+                kv_off = seq * kv_new_stride + kvh * HEAD_DIM + d
+                k_new = tl.load(k_new_ptr + kv_off)
+                k_new = _rope_rows(k_new_ptr + seq * kv_new_stride + kvh * HEAD_DIM, k_new, d >= 0, pos_ptr + seq,
+                                   cos_ptr, sin_ptr, d, HEAD_DIM)
+                slot = tl.load(slot_ptr + seq).to(tl.int64)
+                cache_off = (slot * NUM_KV_HEADS + kvh) * HEAD_DIM + d
+                smask = d < tl.where(slot >= 0, HEAD_DIM, 0)  # a padding row (slot -1) writes nothing
+                tl.store(k_cache_ptr + cache_off, k_new, mask=smask)
+                tl.store(v_cache_ptr + cache_off, tl.load(v_new_ptr + kv_off), mask=smask)
+                tl.debug_barrier()  # the stores are seen by this program's threads reading the last tile
 
-    if NUM_SPLITS == 1:
-        out = acc / l[:, None]
-        tl.store(out_ptr + seq * o_stride_t + heads[:, None] * o_stride_h + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
-    else:
-        num_heads = NUM_KV_HEADS * GROUP
-        row = (seq * num_heads + heads) * NUM_SPLITS + split  # [GROUP_PAD] rows of the partial buffers
-        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
-        tl.store(part_ml_ptr + row * 2, m, mask=gmask)
-        tl.store(part_ml_ptr + row * 2 + 1, l, mask=gmask)
+        tile_start = first_tile + split * tiles_per_split
+        tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+        n = tl.arange(0, BLOCK_N)
+        for t in range(tile_start, tile_end):
+            pos = t * BLOCK_N + n
+            pmask = (pos < seq_len) & (pos >= kv_start)
+            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, bt_stride, seq, kvh, pos, pmask, d,
+                                 NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+            m, l, acc = _attend_tile(q, k, v, pmask[None, :], m, l, acc, scale, soft_cap, HAS_SOFT_CAP, PRECISION)
+
+        o_ptrs = out_ptr + seq * o_stride_t + heads[:, None] * o_stride_h + d[None, :]
+        if used == 1:
+            tl.store(o_ptrs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+        else:  # write this split's partial result; the last split of (seq, kvh) to finish merges them all
+            row = (seq * NUM_KV_HEADS * GROUP + heads) * NUM_SPLITS  # [GROUP_PAD] first partial row of each head
+            tl.store(part_acc_ptr + (row + split)[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
+            tl.store(part_ml_ptr + (row + split) * 2, m, mask=gmask)
+            tl.store(part_ml_ptr + (row + split) * 2 + 1, l, mask=gmask)
+            tl.debug_barrier()
+            done = tl.atomic_add(counter_ptr + seq * NUM_KV_HEADS + kvh, 1, sem="acq_rel", scope="gpu")
+            if done == used - 1:
+                tl.store(counter_ptr + seq * NUM_KV_HEADS + kvh, 0)  # ready for the next layer's launch
+                out = _merge_splits(part_acc_ptr, part_ml_ptr, row, gmask, used, d, NUM_SPLITS, HEAD_DIM)
+                tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
 @triton.jit
-def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, o_stride_t, o_stride_h,
-                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
+def _rope_rows(x_ptr, x, mask, pos_ptr, cos_ptr, sin_ptr, d, HEAD_DIM: tl.constexpr):
+    """Neox rotary of rows x (loaded from x_ptr + d under mask) at the position pos_ptr holds, rounded as
+    fused_ops' rotary kernel rounds it."""
+    half: tl.constexpr = HEAD_DIM // 2
+    pos = tl.load(pos_ptr).to(tl.int64)
+    partner = tl.load(x_ptr + (d + half) % HEAD_DIM, mask=mask, other=0.0)  # rotate_half: (-x2, x1)
+    x_rot = tl.where(d < half, -partner, partner)
+    return rope_mix(x, tl.load(cos_ptr + pos * HEAD_DIM + d), x_rot, tl.load(sin_ptr + pos * HEAD_DIM + d))
+
+
+@triton.jit
+def _merge_splits(part_acc_ptr, part_ml_ptr, row, gmask, used, d, NUM_SPLITS: tl.constexpr,
+                  HEAD_DIM: tl.constexpr):
+    """The softmax-weighted sum of the used splits' partial results for each head's rows (loads bypass L1:
+    other programs wrote them)."""
     s = tl.arange(0, NUM_SPLITS)
-    d = tl.arange(0, HEAD_DIM)
-    row = (seq * NUM_HEADS + head) * NUM_SPLITS + s
-    m = tl.load(part_ml_ptr + row * 2)
-    l = tl.load(part_ml_ptr + row * 2 + 1)
-    m_max = tl.max(m, 0)
-    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
-    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :])
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
-    tl.store(out_ptr + seq * o_stride_t + head * o_stride_h + d, out.to(out_ptr.dtype.element_ty))
+    ml = part_ml_ptr + (row[:, None] + s[None, :]) * 2
+    smask = gmask[:, None] & (s[None, :] < used)
+    m = tl.load(ml, mask=smask, other=float("-inf"), cache_modifier=".cg")
+    l = tl.load(ml + 1, mask=smask, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m, 1)
+    m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
+    denom = tl.sum(l * tl.where(m > float("-inf"), tl.exp(m - m_ref[:, None]), 0.0), 1)
+    c = tl.arange(0, 4)
+    out = tl.zeros([row.shape[0], HEAD_DIM], tl.float32)
+    for s0 in range(0, used, 4):  # four splits' rows at a time keep the registers in bounds
+        cmask = gmask[:, None] & (s0 + c[None, :] < used)
+        rows = row[:, None] + s0 + c[None, :]
+        mc = tl.load(part_ml_ptr + rows * 2, mask=cmask, other=float("-inf"), cache_modifier=".cg")
+        wc = tl.where(mc > float("-inf"), tl.exp(mc - m_ref[:, None]), 0.0)
+        a = tl.load(part_acc_ptr + (rows * HEAD_DIM)[:, :, None] + d[None, None, :], mask=cmask[:, :, None],
+                    other=0.0, cache_modifier=".cg")
+        out += tl.sum(a * wc[:, :, None], 1)
+    return out / denom[:, None]
 
 
 @triton.jit
@@ -172,11 +220,14 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int, int]:
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int = 1,
                      out: torch.Tensor | None = None, sliding_window: int | None = None,
-                     logits_soft_cap: float | None = None) -> torch.Tensor:
-    """q: [num_seqs, heads, head_dim], one new token per sequence (already in the cache); returns the same shape.
+                     logits_soft_cap: float | None = None, rope: DecodeRope | None = None,
+                     min_split_keys: int = 256) -> torch.Tensor:
+    """q: [num_seqs, heads, head_dim], one new token per sequence; returns the same shape.
 
-    num_splits (a power of two) divides each context (the window's part of it) into that many parts
-    computed in parallel.
+    The new token's K/V are already in the cache, or, with rope, are rotated (q too) and stored here.
+    num_splits (a power of two) bounds the parts each context (the window's part of it) is divided into,
+    computed in parallel; a part spans at least min_split_keys keys (rounded to tiles), so a short context
+    takes one program per KV head and no merge.
     """
     num_heads, head_dim, block_size, num_kv_heads = _check(q, k_cache)
     num_seqs = q.shape[0]
@@ -188,20 +239,49 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits > 1:
         part_acc = torch.empty(num_seqs * num_heads * num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(num_seqs * num_heads * num_splits, 2, dtype=torch.float32, device=q.device)
+        counters = _split_counters(q.device, num_seqs * num_kv_heads)
     else:
-        part_acc = part_ml = out  # unused
+        part_acc = part_ml = counters = out  # unused
+    if rope is not None:
+        assert rope.key.stride(1) == head_dim and rope.value.stride(0) == rope.key.stride(0)
+        r = (rope.positions, rope.cos, rope.sin, rope.key, rope.value, rope.slot_mapping)
+    else:
+        r = (seq_lens,) * 6  # unused
+    block_n = max(16, min(64, 4 * block_size))
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, scale, sliding_window or 0,
-        logits_soft_cap or 1.0, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, counters, *r, scale,
+        sliding_window or 0, logits_soft_cap or 1.0, q.stride(0), q.stride(1),
+        rope.key.stride(0) if rope is not None else 0, block_tables.stride(0), out.stride(0), out.stride(1),
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=max(16, min(64, 4 * block_size)),
-        NUM_SPLITS=num_splits, HAS_WINDOW=sliding_window is not None, HAS_SOFT_CAP=logits_soft_cap is not None,
-        PRECISION=_precision(q.dtype), num_warps=4)
-    if num_splits > 1:
-        _merge_splits_kernel[(num_seqs, num_heads)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits)
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        SPLIT_TILES=max(1, min_split_keys // block_n), HAS_WINDOW=sliding_window is not None,
+        HAS_SOFT_CAP=logits_soft_cap is not None, ROPE=rope is not None, PRECISION=_precision(q.dtype),
+        num_warps=4)
     return out
+
+
+class DecodeRope(NamedTuple):
+    """What decode_attention needs to rotate q and the new key and store the new key/value itself:
+    positions [num_seqs], the rotary cos/sin tables [max_pos, head_dim] (float32), key/value
+    [num_seqs, kv_heads, head_dim] as the projection wrote them (rows may be strided), slot_mapping [num_seqs]."""
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}  # a device's buffers, the newest last (graphs keep the old)
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, KV head), that the split programs count their arrivals in;
+    the merging program zeroes its counter again, so one buffer serves every launch on the stream."""
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        bufs.append(torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 # the prefill kernel's (BLOCK_M, BLOCK_N, num_warps, num_stages) by head_dim bound; short queries take BLOCK_M 16

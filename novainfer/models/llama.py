@@ -118,13 +118,14 @@ class LlamaModel(nn.Module):
         self.register_buffer("embed_scale", None if embed_scale is None else torch.tensor(embed_scale),
                              persistent=False)
         self.cpu_decoder = CPUDecoderStack() if getattr(current_quant_config(), "fused_decoder_stack", False) else None
+        self.gpu_decoder = None  # the runner sets a GPUDecodeStack where the layers allow it (layers/gpu_decoder.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
         if self.embed_scale is not None:
             hidden_states = hidden_states * self.embed_scale
-        if self.cpu_decoder is not None:  # a decode step in one C call, where it can take this one
-            out = self.cpu_decoder.forward(self, hidden_states, positions)
+        for stack in (self.cpu_decoder, self.gpu_decoder):  # a decode step's fused stack, where it takes this one
+            out = stack.forward(self, hidden_states, positions) if stack is not None else None
             if out is not None:
                 return out
         for layer in self.layers:

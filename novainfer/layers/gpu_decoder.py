@@ -1,0 +1,95 @@
+"""A batch-1 decode step on CUDA: each llama-family decoder layer as five fused kernels instead of thirteen.
+
+At one token a step, the GPU time goes to kernel count rather than bytes (docs/BENCHMARKS.md, round 4:
+306 kernels a step for Qwen2.5-0.5B, the small ones 1-3 us each). Here a layer is
+1. residual add + input RMSNorm + qkv projection (+ bias): one GEMV with a norm prologue;
+2. rotary on q and the new key, the K/V store and split-K attention with its merge: one decode kernel;
+3. o_proj: one GEMV;
+4. residual add + post-attention RMSNorm + gate_up projection: one GEMV with a norm prologue;
+5. SiLU-and-multiply + down projection: one GEMV with a SiLU prologue.
+The elementwise steps round as the layer-by-layer kernels do; the projections sum in float32 in their own
+order (as cuBLAS's kernels differ between batch sizes). Taken for a one-token decode step of a model whose
+layers are plain llama pieces on one rank with unquantized weights (Llama, Qwen2, Mistral); every other
+step and model runs the layers as before. Switched by ModelConfig.gpu_decode_stack.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from novainfer.attention import triton_backend
+from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
+from novainfer.kernels.gemv import NORM, SILU, gemv
+from novainfer.kernels.paged_attention import DecodeRope, decode_attention
+
+
+class GPUDecodeStack:
+    """Runs LlamaModel's decoder layers for a one-token decode step; forward returns None for other steps."""
+
+    def forward(self, model: nn.Module, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        meta = get_attention_metadata()
+        if hidden_states.shape[0] != 1 or not isinstance(meta, AttentionMetadata) or meta.max_query_len != 1:
+            return None
+        residual = None
+        for layer in model.layers:
+            hidden_states, residual = self._layer(layer, meta, positions, hidden_states, residual)
+        out, _ = model.norm(hidden_states, residual)
+        return out
+
+    @staticmethod
+    def _layer(layer: nn.Module, meta: AttentionMetadata, positions: torch.Tensor, h: torch.Tensor,
+               residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
+        qkv = gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, prologue=NORM, residual=residual,
+                   norm_weight=norm.weight, eps=norm.eps)
+        qkv, residual = qkv if residual is not None else (qkv, h)
+        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        a, rope = attn.attn, attn.rotary_emb
+        o = decode_attention(q.view(1, a.num_heads, a.head_dim), a.k_cache, a.v_cache, meta.block_tables,
+                             meta.seq_lens, a.scale, meta.num_splits, sliding_window=a.sliding_window,
+                             logits_soft_cap=a.logits_soft_cap,
+                             rope=DecodeRope(positions, rope.cos_cache, rope.sin_cache,
+                                             k.view(1, a.num_kv_heads, a.head_dim),
+                                             v.view(1, a.num_kv_heads, a.head_dim), meta.slot_mapping))
+        h = gemv(o.view(1, -1), attn.o_proj.weight, attn.o_proj.bias)
+        norm = layer.post_attention_layernorm
+        gate_up, residual = gemv(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, prologue=NORM,
+                                 residual=residual, norm_weight=norm.weight, eps=norm.eps)
+        return gemv(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, prologue=SILU), residual
+
+
+def supports(model: nn.Module) -> bool:
+    """Whether every layer of a LlamaModel is made of the pieces the stack fuses (exact classes: a family
+    that overrides one, e.g. Gemma's norms or Qwen3's q/k norms, keeps the layer-by-layer path)."""
+    from novainfer.layers.activation import SiluAndMul
+    from novainfer.layers.layernorm import RMSNorm
+    from novainfer.layers.rotary import RotaryEmbedding
+    from novainfer.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+    if type(model.norm) is not RMSNorm or getattr(model, "embed_scale", None) is not None:
+        return False
+    for layer in model.layers:
+        if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention \
+                or type(layer.mlp) is not LlamaMLP:
+            return False
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if any(lin.quant_method is not None or lin.tp_size != 1 for lin in linears) or attn.qk_norm:
+            return False
+        if type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm:
+            return False
+        if type(attn.rotary_emb) is not RotaryEmbedding or type(mlp.act_fn) is not SiluAndMul:
+            return False
+        if attn.attn.backend is not triton_backend or attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
+            return False
+    return True
+
+
+def enable_gpu_decode_stack(model: nn.Module) -> int:
+    """Give every LlamaModel inside model whose layers the stack supports a GPUDecodeStack; returns how many."""
+    from novainfer.models.llama import LlamaModel
+    count = 0
+    for module in model.modules():
+        if isinstance(module, LlamaModel) and supports(module):
+            module.gpu_decoder = GPUDecodeStack()
+            count += 1
+    return count

@@ -1,0 +1,72 @@
+"""The batch-1 fused decode stack (layers/gpu_decoder.py) on the CPU, its Triton kernels interpreted
+(TRITON_INTERPRET=1, set in conftest.py): the GEMVs with their prologues against torch, and the whole
+engine's greedy tokens with the stack against transformers'."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("novainfer.kernels.paged_attention")
+from novainfer.kernels import fused_ops  # noqa: E402
+from novainfer.kernels.gemv import NORM, SILU, gemv  # noqa: E402
+from novainfer.layers.gpu_decoder import GPUDecodeStack, enable_gpu_decode_stack, supports  # noqa: E402
+
+
+@pytest.mark.parametrize("n,k", [(37, 50), (130, 300)])
+def test_gemv_prologues_match_torch(n, k):
+    """Plain (+ bias), residual add + RMSNorm and SiLU-and-mul prologues; odd sizes, several K tiles.
+    float16: the interpreter has no bfloat16 arithmetic (bf16 is checked on the GPU by gpu_check.py)."""
+    g = torch.Generator().manual_seed(n)
+    dt = torch.float16
+    w, b = torch.randn(n, k, generator=g).to(dt), torch.randn(n, generator=g).to(dt)
+    x, r, nw = (torch.randn(1, k, generator=g).to(dt) for _ in range(3))
+    gate_up = torch.randn(1, 2 * k, generator=g).to(dt)
+
+    def close(y, ref):
+        assert (y.float() - ref).abs().max() <= 2e-3 * ref.abs().max() + 1e-3
+
+    close(gemv(x, w, b, tiles=(8, 64, 4)), F.linear(x.float(), w.float(), b.float()))
+    y, new_res = gemv(x, w, prologue=NORM, residual=r, norm_weight=nw[0], eps=1e-6, tiles=(4, 32, 4))
+    ref_x, ref_res = fused_ops.rms_norm(x, nw[0], 1e-6, r)
+    assert torch.equal(new_res, ref_res)
+    close(y, F.linear(ref_x.float(), w.float()))
+    close(gemv(x, w, prologue=NORM, norm_weight=nw[0], eps=1e-6), F.linear(fused_ops.rms_norm(x, nw[0], 1e-6).float(),
+                                                                           w.float()))
+    close(gemv(gate_up, w, prologue=SILU, tiles=(16, 128, 2)), F.linear(fused_ops.silu_and_mul(gate_up).float(),
+                                                                          w.float()))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen2", "tiny_llama"])
+def test_engine_with_stack_matches_transformers(fixture, request, monkeypatch):
+    """One sequence at a time (so every decode step takes the stack), prompts that cross KV blocks, greedy
+    tokens equal to transformers'; the stack ran every decode step."""
+    from novainfer import LLM, SamplingParams
+    from tests.tiny_models import hf_greedy
+
+    path = request.getfixturevalue(fixture)
+    llm = LLM(path, dtype="float32", attention_backend="triton", block_size=4, enforce_eager=True)
+    model = llm.llm_engine.executor.workers[0].model_runner.model
+    assert supports(model.model) and enable_gpu_decode_stack(model) == 1  # the runner does this on CUDA only
+    calls = []
+    original = GPUDecodeStack.forward
+
+    def counted(self, *args):
+        out = original(self, *args)
+        calls.append(out is not None)
+        return out
+    monkeypatch.setattr(GPUDecodeStack, "forward", counted)
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for prompt in ["Hello", "The quick brown fox jumps over the lazy dog"]:
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == hf_greedy(path, tok.encode(prompt), 8), prompt
+    assert calls.count(True) == 2 * 7 and calls.count(False) == 2  # each prompt: 7 decode steps, one prefill
+
+
+def test_stack_refuses_layers_it_does_not_fuse(tiny_qwen3):
+    """Qwen3 normalises q and k per head: not a piece the stack fuses, so its model keeps the layer path."""
+    from novainfer import LLM
+    llm = LLM(tiny_qwen3, dtype="float32", attention_backend="triton", block_size=4, enforce_eager=True)
+    model = llm.llm_engine.executor.workers[0].model_runner.model
+    assert not supports(model.model) and enable_gpu_decode_stack(model) == 0
