@@ -45,7 +45,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="random:qwen2.5-0.5b")
     ap.add_argument("--output-len", type=int, default=512)
-    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    ap.add_argument("--out", "--json", dest="out", default=None, help="write the figures as JSON here")
+    ap.add_argument("--kwargs", type=json.loads, default={},
+                    help="engine settings for every run, e.g. '{\"gpu_decode_stack\": false}'")
     args = ap.parse_args()
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -55,7 +57,7 @@ def main() -> None:
     prompt = list(range(100, 132))
     res: dict[str, float] = {}
     for overlap in (True, False):
-        llm = LLM(path, device="cuda", async_scheduling=overlap)
+        llm = LLM(path, device="cuda", async_scheduling=overlap, **args.kwargs)
         res[f"engine_tok_s_overlap_{'on' if overlap else 'off'}"] = _engine_tok_s(llm, prompt, args.output_len)
         if overlap:
             runner = llm.llm_engine.executor.workers[0].model_runner
@@ -90,7 +92,7 @@ def main() -> None:
         print(f"| {k} | {v:.3f} |")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"model": args.model, **res}, f, indent=1)
+            json.dump({"model": args.model, "kwargs": args.kwargs, **res}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -127,8 +127,20 @@ PARTS = {
         ("tput 7b fp8 third", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--async-scheduling",
                                "--quantization", "fp8"]),
     ],
+    # round 8: the batch-1 decode stack (fused GEMVs and attention): its checks, the tile sweep, then batch 1
+    "round8-stack": [
+        ("gpu_check decode_stack", ["tests/gpu/gpu_check.py", "--only", "decode_stack"]),
+        ("gemv tiles 0.5b", ["benchmarks/gemv_tiles.py", "--models", "0.5b"]),
+        ("anatomy 0.5b stack on", ["benchmarks/batch1_anatomy.py", "--model", "random:qwen2.5-0.5b"]),
+        ("anatomy 0.5b stack off", ["benchmarks/batch1_anatomy.py", "--model", "random:qwen2.5-0.5b",
+                                    "--kwargs", '{"gpu_decode_stack": false}']),
+        ("lat 0.5b", ["benchmarks/latency.py", "--model", "random:qwen2.5-0.5b"]),
+        ("gemv tiles 7b", ["benchmarks/gemv_tiles.py", "--models", "7b"]),
+    ],
 }
-BUDGETS = {"fp8": 540, "round7": 540, "round7-final": 570, "round7-sampler": 570, "round7-sampler2": 570}  # a part's default --budget: it must end inside one 600 s device call
+# a part's default --budget: it must end inside one 600 s device call
+BUDGETS = {"fp8": 540, "round7": 540, "round7-final": 570, "round7-sampler": 570, "round7-sampler2": 570,
+           "round8-stack": 570}
 # --dry-run: CPU stand-ins (tiny shapes, small workloads; the GPU check's CPU halves)
 DRY_MODELS = {"random:qwen2.5-7b": "random:tiny", "random:qwen2.5-0.5b": "random:tiny"}
 DRY_ARGS = {"benchmarks/throughput.py": ["--device", "cpu", "--num-prompts", "4", "--input-len", "16",

@@ -69,12 +69,11 @@ GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
 
 
 def gemv_tiles(n: int, k: int) -> tuple[int, int, int]:
-    """Tile shape for an [n, k] weight: about two programs per SM's worth of rows, 16 KB of weight a load."""
+    """Tile shape for an [n, k] weight: up to 1024 columns, and rows for 4096 elements a tile."""
     if (n, k) in GEMV_TILES:
         return GEMV_TILES[(n, k)]
     block_k = min(triton.next_power_of_2(k), 1024)
-    block_n = max(1, min(16, triton.next_power_of_2(max(1, n // 512))))
-    return block_n, block_k, 4
+    return min(4096 // block_k, triton.next_power_of_2(n)), block_k, 4
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, prologue: int = NONE,

@@ -18,7 +18,10 @@
 8. Round 7 (tests/gpu/sampling_checks.py): the one-pass Gumbel-max sampling kernel on Qwen2.5's vocabulary: greedy
    rows == torch.argmax (ties to the first index), random rows' draws follow softmax(logits / T), and its time
    per call against the Sampler's torch path (256 rows).
-`--only speculation|fp8|sampling` runs that group alone, `--skip ...` all but it. Prints a table; exits
+9. Round 8 (tests/gpu/decode_stack_checks.py): the batch-1 decode stack's GEMVs and fused rotary + KV store +
+   decode kernel in bf16 on Qwen2.5 shapes against the layer-by-layer kernels; one-sequence greedy decoding with
+   the stack (graphs on) == transformers in float32.
+`--only speculation|fp8|sampling|decode_stack` runs that group alone, `--skip ...` all but it. Prints a table; exits
 non-zero if any check fails.
 """
 from __future__ import annotations
@@ -43,6 +46,7 @@ from tests.gpu.checks import check, paged_case, rows  # noqa: E402
 from tests.gpu.family_checks import families_vs_hf, moe_kernel_checks, window_kernel_checks  # noqa: E402
 from tests.gpu.fp8_checks import fp8_layer_checks, fp8_logits_check  # noqa: E402
 from tests.gpu.sampling_checks import sampling_kernel_checks  # noqa: E402
+from tests.gpu.decode_stack_checks import decode_stack_checks  # noqa: E402
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -229,7 +233,7 @@ def main() -> None:
     t0 = time.time()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     groups = {"speculation": speculation_checks, "fp8": fp8_group,  # the groups --only / --skip may name
-              "sampling": lambda tmp: sampling_kernel_checks()}
+              "sampling": lambda tmp: sampling_kernel_checks(), "decode_stack": decode_stack_checks}
     flag, name = (sys.argv[1:] + [None, None])[:2]
     if len(sys.argv) not in (1, 3) or (flag is not None and (flag not in ("--only", "--skip") or name not in groups)):
         sys.exit(f"usage: gpu_check.py [--only|--skip {'|'.join(groups)}]")

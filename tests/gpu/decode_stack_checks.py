@@ -1,0 +1,112 @@
+"""Checks of the batch-1 decode stack (novainfer/layers/gpu_decoder.py) on a GPU, for gpu_check.py's
+"decode_stack" group: its GEMVs and its fused decode kernel in bf16 on Qwen2.5 shapes against the
+layer-by-layer kernels, and one-sequence greedy decoding with the stack (CUDA graphs on) against
+transformers in float32."""
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+import torch.nn.functional as F
+
+from tests.gpu.checks import check, paged_case
+
+
+def gemv_checks() -> None:
+    from novainfer.kernels.fused_ops import rms_norm, silu_and_mul
+    from novainfer.kernels.gemv import NONE, NORM, SILU, gemv
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for hidden, q_out, inter in [(896, 1152, 4864), (3584, 4608, 18944)]:
+        errs = []
+        for n, k, prologue in [(q_out, hidden, NORM), (hidden, hidden, NONE), (2 * inter, hidden, NORM),
+                               (hidden, inter, SILU)]:
+            w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+            x = torch.randn(1, 2 * k if prologue == SILU else k, device="cuda", generator=g).bfloat16()
+            r = torch.randn(1, k, device="cuda", generator=g).bfloat16()
+            nw = (torch.rand(k, device="cuda", generator=g) + 0.5).bfloat16()
+            if prologue == NORM:
+                (y, res), (ref_x, ref_res) = gemv(x, w, prologue=NORM, residual=r, norm_weight=nw, eps=1e-6), \
+                    rms_norm(x, nw, 1e-6, r)
+                errs.append(0.0 if torch.equal(res, ref_res) else 1.0)
+            else:
+                y, ref_x = gemv(x, w, prologue=prologue), silu_and_mul(x) if prologue == SILU else x
+            ref = F.linear(ref_x.float(), w.float())
+            errs.append(((y.float() - ref).norm() / ref.norm()).item())
+        check(f"GEMV + prologues == norm/silu + linear, hidden {hidden}, bf16", f"max rel err {max(errs):.1e}",
+              max(errs) <= 1e-2)
+
+
+def fused_attention_checks() -> None:
+    from novainfer.kernels.fused_ops import rotary_embedding
+    from novainfer.kernels.kv_store import store_kv
+    from novainfer.kernels.paged_attention import DecodeRope, decode_attention
+    for heads, kv_heads, hd in [(14, 2, 64), (28, 4, 128)]:
+        g = torch.Generator(device="cuda").manual_seed(heads)
+        ctx = [0, 15, 16, 500, 3000]
+        _, kc, vc, bt, meta = paged_case("cuda", g, ctx, [1] * len(ctx), 16, heads, kv_heads, hd, torch.bfloat16)
+        qkv = torch.randn(len(ctx), (heads + 2 * kv_heads) * hd, device="cuda", generator=g).bfloat16()
+        q = qkv[:, :heads * hd].view(-1, heads, hd)
+        k = qkv[:, heads * hd:(heads + kv_heads) * hd].view(-1, kv_heads, hd)
+        v = qkv[:, (heads + kv_heads) * hd:].view(-1, kv_heads, hd)
+        pos = meta.seq_lens.long() - 1
+        slots = torch.stack([bt[i, c // 16].long() * 16 + c % 16 for i, c in enumerate(ctx)])
+        slots[2] = -1  # a padding row writes nothing
+        ang = torch.arange(4096, device="cuda").float()[:, None] / (1e6 ** (torch.arange(0, hd, 2, device="cuda") / hd))
+        cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+        kc2, vc2 = kc.clone(), vc.clone()
+        rq, rk = rotary_embedding(pos, q, k, cos, sin)
+        store_kv(rk, v, kc, vc, slots)
+        worst, same_cache = 0.0, True
+        for splits in (1, 8, 32):
+            kc3, vc3 = kc2.clone(), vc2.clone()
+            ref = decode_attention(rq, kc, vc, bt, meta.seq_lens, hd ** -0.5, splits)
+            out = decode_attention(q, kc3, vc3, bt, meta.seq_lens, hd ** -0.5, splits,
+                                   rope=DecodeRope(pos, cos, sin, k, v, slots))
+            same_cache &= torch.equal(kc3, kc) and torch.equal(vc3, vc)
+            keep = [0, 1, 3, 4]
+            worst = max(worst, ((out[keep].float() - ref[keep].float()).norm() / ref[keep].float().norm()).item())
+        check(f"fused rotary + KV store + decode == the three kernels, heads {heads}/{kv_heads}x{hd}, bf16",
+              f"contexts {ctx}, splits 1/8/32: max rel err {worst:.1e}, caches equal {same_cache}",
+              worst <= 1e-2 and same_cache)
+
+
+def stack_vs_hf(tmp: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from novainfer import LLM, SamplingParams
+    from novainfer.layers.gpu_decoder import GPUDecodeStack
+    from tests.tiny_models import hf_greedy_with, make_tiny_model
+    calls = []
+    original = GPUDecodeStack.forward
+
+    def counted(self, *args):
+        out = original(self, *args)
+        calls.append(out is not None)
+        return out
+    GPUDecodeStack.forward = counted
+    try:
+        for arch in ("qwen2", "llama"):
+            path = make_tiny_model(os.path.join(tmp, f"stack_{arch}"), arch, seed=13)
+            llm = LLM(path, dtype="float32", gpu_memory_utilization=0.3)
+            tok = llm.get_tokenizer()
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+            ok = True
+            for p in ["Hello, my name is", "def add(a, b):"]:  # one sequence at a time: batch-1 decode steps
+                out = llm.generate([p], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+                ok &= out[0].outputs[0].token_ids == hf_greedy_with(hf, tok.encode(p), 32)
+            runner = llm.llm_engine.executor.workers[0].model_runner
+            used = runner.model.model.gpu_decoder is not None and any(calls)
+            check(f"decode stack: batch-1 greedy == HF, {arch}, fp32, GPU", f"32 tokens x 2 prompts, graphs="
+                  f"{runner.graphs is not None}, stack used={used}", ok and used)
+            del llm, hf, runner
+            gc.collect()
+            torch.cuda.empty_cache()
+    finally:
+        GPUDecodeStack.forward = original
+
+
+def decode_stack_checks(tmp: str) -> None:
+    gemv_checks()
+    fused_attention_checks()
+    stack_vs_hf(tmp)
