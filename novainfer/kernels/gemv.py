@@ -64,16 +64,23 @@ def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_p
     tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rmask)
 
 
-# (N, K) of the weight -> (BLOCK_N, BLOCK_K, num_warps); other shapes take gemv_tiles()'s rule
-GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
+# (N, K) of the weight -> (BLOCK_N, BLOCK_K, num_warps), the fastest of benchmarks/gemv_tiles.py's sweep on an
+# H200 (2026-11-24) for Qwen2.5-0.5B and -7B's projections; other shapes take gemv_tiles()'s rule
+GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
+    (1152, 896): (2, 1024, 4), (896, 896): (2, 1024, 4), (9728, 896): (16, 512, 4), (896, 4864): (1, 1024, 4),
+    (4608, 3584): (4, 512, 4), (3584, 3584): (2, 1024, 4), (37888, 3584): (8, 512, 4), (3584, 18944): (8, 1024, 8),
+}
 
 
 def gemv_tiles(n: int, k: int) -> tuple[int, int, int]:
-    """Tile shape for an [n, k] weight: up to 1024 columns, and rows for 4096 elements a tile."""
+    """Tile shape for an [n, k] weight: the sweep's where measured; else up to 1024 columns a tile and, as the
+    sweep's winners mostly have, 2 rows for narrow outputs and 8 (of 512 columns) for wide ones."""
     if (n, k) in GEMV_TILES:
         return GEMV_TILES[(n, k)]
     block_k = min(triton.next_power_of_2(k), 1024)
-    return min(4096 // block_k, triton.next_power_of_2(n)), block_k, 4
+    if n >= 8192:
+        return 8, min(block_k, 512), 4
+    return min(2, triton.next_power_of_2(n)), block_k, 4
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, prologue: int = NONE,

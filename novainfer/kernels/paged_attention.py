@@ -221,7 +221,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_lens: torch.Tensor, scale: float, num_splits: int = 1,
                      out: torch.Tensor | None = None, sliding_window: int | None = None,
                      logits_soft_cap: float | None = None, rope: DecodeRope | None = None,
-                     min_split_keys: int = 256) -> torch.Tensor:
+                     min_split_keys: int = 64) -> torch.Tensor:
     """q: [num_seqs, heads, head_dim], one new token per sequence; returns the same shape.
 
     The new token's K/V are already in the cache, or, with rope, are rotated (q too) and stored here.
