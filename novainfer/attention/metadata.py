@@ -33,6 +33,7 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int] | None = None  # host copies, for the torch backend's loop
     seq_lens_cpu: list[int] | None = None
     num_splits: int = 1  # decode kernel: parts each context is split into (split-K), a power of two
+    cuda_graph: bool = False  # the forward of a decode graph (its warm-up or capture), not an eager step
     # a verify step (speculative decoding) on the CPU: each token as a one-token sequence over its causal prefix,
     # so the backend's decode path computes it as a decode step would
     per_token: "AttentionMetadata | None" = None

@@ -8,9 +8,9 @@ At one token a step, the GPU time goes to kernel count rather than bytes (docs/B
 4. residual add + post-attention RMSNorm + gate_up projection: one GEMV with a norm prologue;
 5. SiLU-and-multiply + down projection: one GEMV with a SiLU prologue.
 The elementwise steps round as the layer-by-layer kernels do; the projections sum in float32 in their own
-order (as cuBLAS's kernels differ between batch sizes). Taken for a one-token decode step of a model whose
-layers are plain llama pieces on one rank with unquantized weights (Llama, Qwen2, Mistral); every other
-step and model runs the layers as before. Switched by ModelConfig.gpu_decode_stack.
+order (as cuBLAS's kernels differ between batch sizes). Taken for the batch-1 decode CUDA graph of a model
+whose layers are plain llama pieces on one rank with unquantized weights (Llama, Qwen2, Mistral); every
+other step and model runs the layers as before. Switched by ModelConfig.gpu_decode_stack.
 """
 from __future__ import annotations
 
@@ -24,11 +24,18 @@ from novainfer.kernels.paged_attention import DecodeRope, decode_attention
 
 
 class GPUDecodeStack:
-    """Runs LlamaModel's decoder layers for a one-token decode step; forward returns None for other steps."""
+    """Runs LlamaModel's decoder layers for a one-token decode step; forward returns None for other steps.
+
+    graphs_only: only in a decode CUDA graph. Launched one by one, a Triton kernel costs more host time than
+    the cuBLAS and torch kernels it replaces, so an eager one-token step keeps the layer-by-layer path."""
+
+    def __init__(self, graphs_only: bool = True):
+        self.graphs_only = graphs_only
 
     def forward(self, model: nn.Module, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         meta = get_attention_metadata()
-        if hidden_states.shape[0] != 1 or not isinstance(meta, AttentionMetadata) or meta.max_query_len != 1:
+        if hidden_states.shape[0] != 1 or not isinstance(meta, AttentionMetadata) or meta.max_query_len != 1 \
+                or (self.graphs_only and not meta.cuda_graph):
             return None
         residual = None
         for layer in model.layers:
@@ -84,12 +91,12 @@ def supports(model: nn.Module) -> bool:
     return True
 
 
-def enable_gpu_decode_stack(model: nn.Module) -> int:
+def enable_gpu_decode_stack(model: nn.Module, graphs_only: bool = True) -> int:
     """Give every LlamaModel inside model whose layers the stack supports a GPUDecodeStack; returns how many."""
     from novainfer.models.llama import LlamaModel
     count = 0
     for module in model.modules():
         if isinstance(module, LlamaModel) and supports(module):
-            module.gpu_decoder = GPUDecodeStack()
+            module.gpu_decoder = GPUDecodeStack(graphs_only)
             count += 1
     return count

@@ -54,7 +54,7 @@ class DecodeGraphs:
             query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
             slot_mapping=self.slot_mapping[:bs * q], block_tables=self.block_tables[:bs],
             max_query_len=q, max_seq_len=self.block_tables.shape[1],
-            num_splits=self.num_splits(bs) if q == 1 else 1)
+            num_splits=self.num_splits(bs) if q == 1 else 1, cuda_graph=True)
 
     @torch.inference_mode()
     def capture(self) -> None:

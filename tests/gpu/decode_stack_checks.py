@@ -57,17 +57,21 @@ def fused_attention_checks() -> None:
         kc2, vc2 = kc.clone(), vc.clone()
         rq, rk = rotary_embedding(pos, q, k, cos, sin)
         store_kv(rk, v, kc, vc, slots)
-        worst, same_cache = 0.0, True
+        worst, same_cache, diffs = 0.0, True, []
         for splits in (1, 8, 32):
             kc3, vc3 = kc2.clone(), vc2.clone()
             ref = decode_attention(rq, kc, vc, bt, meta.seq_lens, hd ** -0.5, splits)
             out = decode_attention(q, kc3, vc3, bt, meta.seq_lens, hd ** -0.5, splits,
                                    rope=DecodeRope(pos, cos, sin, k, v, slots))
             same_cache &= torch.equal(kc3, kc) and torch.equal(vc3, vc)
+            if not same_cache:
+                bad = (kc3 != kc).nonzero()
+                diffs.append(f"splits {splits}: k differs at {(kc3 != kc).sum().item()} ({bad[:3].tolist()}, "
+                             f"max {(kc3.float() - kc.float()).abs().max().item():.2e}), v at {(vc3 != vc).sum().item()}")
             keep = [0, 1, 3, 4]
             worst = max(worst, ((out[keep].float() - ref[keep].float()).norm() / ref[keep].float().norm()).item())
         check(f"fused rotary + KV store + decode == the three kernels, heads {heads}/{kv_heads}x{hd}, bf16",
-              f"contexts {ctx}, splits 1/8/32: max rel err {worst:.1e}, caches equal {same_cache}",
+              f"contexts {ctx}, splits 1/8/32: max rel err {worst:.1e}, caches equal {same_cache} {diffs[:1]}",
               worst <= 1e-2 and same_cache)
 
 
