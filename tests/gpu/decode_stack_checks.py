@@ -57,22 +57,31 @@ def fused_attention_checks() -> None:
         kc2, vc2 = kc.clone(), vc.clone()
         rq, rk = rotary_embedding(pos, q, k, cos, sin)
         store_kv(rk, v, kc, vc, slots)
-        worst, same_cache, diffs = 0.0, True, []
+        # torch's bf16 rotary (each product rounded, as transformers computes it) for the keys that get stored
+        c, s_ = cos[pos].bfloat16()[:, None], sin[pos].bfloat16()[:, None]
+        torch_k = k * c + torch.cat([-k[..., hd // 2:], k[..., :hd // 2]], -1) * s_
+        rows = [0, 1, 3, 4]  # row 2 is padding
+        slot_rows = slots[rows]
+        off_torch_rotary = (rk[rows] != torch_k[rows]).sum().item()
+        worst, stored_ok, off_torch = 0.0, True, 0
         for splits in (1, 8, 32):
             kc3, vc3 = kc2.clone(), vc2.clone()
             ref = decode_attention(rq, kc, vc, bt, meta.seq_lens, hd ** -0.5, splits)
             out = decode_attention(q, kc3, vc3, bt, meta.seq_lens, hd ** -0.5, splits,
                                    rope=DecodeRope(pos, cos, sin, k, v, slots))
-            same_cache &= torch.equal(kc3, kc) and torch.equal(vc3, vc)
-            if not same_cache:
-                bad = (kc3 != kc).nonzero()
-                diffs.append(f"splits {splits}: k differs at {(kc3 != kc).sum().item()} ({bad[:3].tolist()}, "
-                             f"max {(kc3.float() - kc.float()).abs().max().item():.2e}), v at {(vc3 != vc).sum().item()}")
-            keep = [0, 1, 3, 4]
-            worst = max(worst, ((out[keep].float() - ref[keep].float()).norm() / ref[keep].float().norm()).item())
+            flat_k, flat_ref = kc3.view(-1, kv_heads, hd), kc.view(-1, kv_heads, hd)
+            others = torch.ones(flat_k.shape[0], dtype=torch.bool, device="cuda")
+            others[slot_rows] = False
+            stored_ok &= torch.equal(vc3, vc) and torch.equal(flat_k[others], flat_ref[others])
+            stored = flat_k[slot_rows]
+            off_torch = max(off_torch, (stored != torch_k[rows]).sum().item())
+            stored_ok &= ((stored.float() - torch_k[rows].float()).abs() <= 1e-2 * torch_k[rows].float().abs()
+                          + 1e-6).all().item()
+            worst = max(worst, ((out[rows].float() - ref[rows].float()).norm() / ref[rows].float().norm()).item())
         check(f"fused rotary + KV store + decode == the three kernels, heads {heads}/{kv_heads}x{hd}, bf16",
-              f"contexts {ctx}, splits 1/8/32: max rel err {worst:.1e}, caches equal {same_cache} {diffs[:1]}",
-              worst <= 1e-2 and same_cache)
+              f"contexts {ctx}, splits 1/8/32: max rel err {worst:.1e}; values, untouched slots ok {stored_ok}; "
+              f"new keys off torch's bf16 rotary: fused {off_torch}, rotary kernel {off_torch_rotary} of "
+              f"{torch_k[rows].numel()}", worst <= 1e-2 and stored_ok and off_torch <= off_torch_rotary)
 
 
 def stack_vs_hf(tmp: str) -> None:
