@@ -172,3 +172,16 @@ def test_a_worker_killed_mid_generation_is_named(mp_overlap):
         for _ in range(40):
             engine.step()
     assert not any(p.is_alive() for p in engine.executor.procs)
+
+
+@pytest.mark.parametrize("kwargs, want", [
+    (dict(distributed_executor_backend="mp", tensor_parallel_size=2, device="cuda"), True),  # the tp=2 bench line
+    (dict(distributed_executor_backend="mp", tensor_parallel_size=2, nnodes=2, device="cuda"), True),
+    (dict(distributed_executor_backend="mp", tensor_parallel_size=2, device="cpu"), False),  # off on the CPU...
+    (dict(distributed_executor_backend="mp", tensor_parallel_size=2, device="cpu", async_scheduling=True), True),
+    (dict(distributed_executor_backend="uni", tensor_parallel_size=1, device="cuda"), True),
+    (dict(distributed_executor_backend="uni", tensor_parallel_size=2, device="cuda"), False),  # threads: no overlap
+    (dict(distributed_executor_backend="uni", tensor_parallel_size=2, device="cpu", async_scheduling=True), False),
+])
+def test_which_executors_overlap_by_default(kwargs, want):
+    assert EngineConfig.from_kwargs("unused", **kwargs).use_async_scheduling() is want
