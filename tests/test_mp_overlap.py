@@ -90,9 +90,16 @@ def test_overlapped_mp_matches_tp1_and_the_sync_loop(tp1, mp_overlap):
     assert ref["3"][1:] == ("stop", stop_token) and [len(ref[k][0]) for k in "12"] == MAX_TOKENS[1:3]
     assert scenario(mp_overlap.llm_engine, stop_token, check_health_between_steps) == ref
     assert [[r["rank"] for r in p] for p in profiles] == [[0, 1], [0, 1]]
+    # seeded sampling: each rank samples for itself and feeds its own token to the next step, so the overlapped
+    # loop matches the synchronous one (where every rank gets rank 0's tokens) only if the ranks agree
+    sampled = [SamplingParams(temperature=1.0, top_p=0.9, seed=7 + i, max_tokens=n, ignore_eos=True)
+               for i, n in enumerate(MAX_TOKENS)]
+    sampled[2] = SamplingParams(temperature=0.8, seed=3, max_tokens=13, presence_penalty=0.5, ignore_eos=True)
+    overlapped = [o.outputs[0].token_ids for o in mp_overlap.generate(PROMPTS, sampled, use_tqdm=False)]
     core.async_scheduling = False  # the same workers, the synchronous loop (execute_model)
     try:
         assert scenario(mp_overlap.llm_engine, stop_token) == ref
+        assert [o.outputs[0].token_ids for o in mp_overlap.generate(PROMPTS, sampled, use_tqdm=False)] == overlapped
     finally:
         core.async_scheduling = True
 
