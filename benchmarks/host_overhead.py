@@ -18,7 +18,8 @@ through collective_rpc); the host is then the engine's process, and the time it 
 waits for the workers' replies (their step inputs, the simulated device, the pipe), so host ms covers the
 engine's process only:
 
-    python benchmarks/host_overhead.py --model random:tiny -tp 2 --distributed-executor-backend mp --num-seqs 1 64
+    python -c "from tests.tiny_models import make_tiny_model as m; m('/tmp/tiny-tp2', 'qwen2', num_heads=8, num_kv_heads=4, head_dim=8)"
+    python benchmarks/host_overhead.py --model /tmp/tiny-tp2 -tp 2 --distributed-executor-backend mp --num-seqs 1 64
 """
 from __future__ import annotations
 
@@ -168,8 +169,8 @@ def run(num_seqs: int, args, llm, device: SimulatedDevice, spent: dict[str, floa
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="a model path or random:<config> (default: the default model); "
-                                                   "only its tokenizer and shapes matter (-tp 2: random:tiny)")
+    ap.add_argument("--model", default=None, help="a model path (default: the default model); only its "
+                                                   "tokenizer and shapes matter")
     ap.add_argument("--num-seqs", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--simulated-device-ms", type=float, default=2.0)
     ap.add_argument("--input-len", type=int, default=32)
@@ -193,10 +194,7 @@ def main() -> None:
         ap.error("tensor_parallel_size > 1 needs --distributed-executor-backend mp here (uni runs its ranks "
                  "in this process, each step to the end)")
 
-    from benchmarks.checkpoints import resolve_model
     from novainfer import LLM
-    if args.model is not None:
-        args.model = resolve_model(args.model)
     rows = []
     for overlap in args.overlap:
         extra = {"async_scheduling": True} if overlap == "on" else {}  # off: also runs on commits before it
@@ -207,6 +205,9 @@ def main() -> None:
         llm = LLM(args.model, max_num_seqs=max(args.num_seqs), device="cpu",
                   cpu_kv_cache_tokens=max(args.num_seqs) * (args.input_len + args.output_len + 32), **extra)
         tokens = llm.get_tokenizer().encode(TEXT, add_special_tokens=False)
+        if not tokens:
+            raise SystemExit(f"{args.model}'s tokenizer encodes the benchmark text to no tokens (random:<config> "
+                             "folders have a word-level one): give a model with a byte-level BPE tokenizer")
         device = SimulatedDevice(args.simulated_device_ms, tokens)
         executor = llm.llm_engine.executor
         if mp:
