@@ -18,7 +18,8 @@ from tests.tiny_models import make_tiny_model
 PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. The capital of France is",
            "def add(a, b):", "Paged attention stores keys and values in fixed-size blocks"]
 MAX_TOKENS = [20, 7, 13, 16]
-ENGINE = dict(block_size=4, max_num_batched_tokens=16, dtype="float32")  # chunked prefill, mixed steps
+# chunked prefill, mixed prefill/decode steps, and a KV cache small enough that sequences are preempted
+ENGINE = dict(block_size=4, max_num_batched_tokens=16, dtype="float32", cpu_kv_cache_tokens=96)
 MP = dict(tensor_parallel_size=2, distributed_executor_backend="mp", master_port=0)
 
 
@@ -75,6 +76,7 @@ def test_overlapped_mp_matches_tp1_and_the_sync_loop(tp1, mp_overlap):
     want = [o.outputs[0].token_ids for o in tp1.generate(PROMPTS, params, use_tqdm=False)]
     assert [len(t) for t in want] == MAX_TOKENS
     assert [o.outputs[0].token_ids for o in mp_overlap.generate(PROMPTS, params, use_tqdm=False)] == want
+    assert core.scheduler.num_preemptions > 0
 
     stop_token = want[3][4]  # the stop token ends request 3 at or before its 5th token
     executor = mp_overlap.llm_engine.executor
