@@ -166,6 +166,14 @@ def test_a_failing_step_stops_the_workers_and_names_the_rank(tp_model, monkeypat
     assert not any(p.is_alive() for p in executor.procs)
 
 
+def test_collective_rpc_takes_a_function(tp1, mp_overlap):
+    """fn(worker, *args) on every rank (vLLM's form); with mp it is pickled by name (a builtin here, so the
+    workers import nothing)."""
+    assert tp1.llm_engine.executor.collective_rpc(getattr, "rank") == [0]
+    assert mp_overlap.llm_engine.executor.collective_rpc(getattr, "rank") == [0, 1]
+    assert mp_overlap.llm_engine.executor.collective_rpc(getattr, "is_driver_worker") == [True, False]
+
+
 @pytest.mark.timeout(120)
 def test_a_worker_killed_mid_generation_is_named(mp_overlap):
     """Last in the module: it stops mp_overlap's workers."""
