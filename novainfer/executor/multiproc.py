@@ -125,14 +125,10 @@ class MultiprocExecutor(Executor):
     def _read_pending_steps(self, until: "RemoteStep | None" = None) -> None:
         """Read the replies of launched steps, oldest first, up to `until` (all of them when None)."""
         while self._pending and (until is None or not until.done):
-            pending = list(self._pending)
             try:
                 output = self._receive("execute_step", gathered=False)[0]
-            except BaseException as exc:  # the workers were stopped (or the caller was interrupted)
-                for step in pending:
-                    if not step.done:
-                        step.finish(error=exc)
-                self._pending.clear()
+            except Exception as exc:  # pending steps fail with it; a reply that could not be read leaves the
+                self.shutdown(timeout=1.0, cause=exc)  # replies out of step, so the workers are stopped then too
                 raise
             self._pending.popleft().finish(output)
 
@@ -148,16 +144,16 @@ class MultiprocExecutor(Executor):
                 break
             self._raise_dead(self._first_dead(0.0) or sentinels[ready[0]])
         for rank, ok, payload in replies:
-            if not ok:
-                if not gathered:  # the other ranks' replies were not collected: they may be stuck in a collective
-                    dead = self._first_dead(0.5)  # a peer that died makes the others fail: name the peer
-                    if dead is not None:
-                        self._raise_dead(dead)
-                name = getattr(method, "__name__", method)
-                exc = RuntimeError(f"tensor-parallel worker rank={rank} failed in {name}:\n{payload}")
-                if not gathered:
-                    self.shutdown(timeout=1.0, cause=exc)
-                raise exc
+            if ok:
+                continue
+            exc = RuntimeError(f"tensor-parallel worker rank={rank} failed in {getattr(method, '__name__', method)}"
+                               f":\n{payload}")
+            if not gathered:  # the other ranks' replies were not collected: they may be stuck in a collective
+                dead = self._first_dead(0.5)  # a peer that died makes the others fail: name the peer
+                if dead is not None:
+                    self._raise_dead(dead)
+                self.shutdown(timeout=1.0, cause=exc)
+            raise exc
         return [payload for _, _, payload in replies]
 
     def _first_dead(self, grace: float):

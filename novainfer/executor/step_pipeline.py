@@ -87,7 +87,7 @@ class StepPipeline:
             try:
                 reply = (self.rank, True, handle.get())
             except Exception:  # noqa: BLE001 - the driver raises it, naming this rank
-                reply = (self.rank, False, getattr(handle, "trace", None) or traceback.format_exc())
+                reply = (self.rank, False, handle.trace if isinstance(handle, FailedLaunch) else traceback.format_exc())
             if self.send is not None:
                 try:
                     self.send([reply])
