@@ -4,6 +4,7 @@ ending at different steps (max_tokens, a stop token, an abort); a dead worker or
 and no process is left."""
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -13,6 +14,7 @@ from novainfer.config import EngineConfig
 from novainfer.engine.faults import FaultInjector
 from novainfer.engine.llm_engine import LLMEngine
 from novainfer.executor.multiproc import RemoteStep
+from novainfer.executor.step_pipeline import StepPipeline
 from tests.tiny_models import make_tiny_model
 
 PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. The capital of France is",
@@ -189,6 +191,48 @@ def test_a_worker_killed_mid_generation_is_named(mp_overlap):
         for _ in range(40):
             engine.step()
     assert not any(p.is_alive() for p in engine.executor.procs)
+
+
+class HeldStep:
+    """A launched step whose read-back waits for its gate."""
+
+    def __init__(self, i: int, gate: threading.Event):
+        self.i, self.gate = i, gate
+
+    def get(self) -> str:
+        assert self.gate.wait(10)
+        return f"output {self.i}"
+
+
+def test_step_pipeline_answers_in_order_and_keeps_two_steps_in_flight():
+    """The worker side alone: replies in launch order, a failed launch answered in its turn, and a third
+    launch waits until the first step is read back (its host buffers are the third's)."""
+    sent: list = []
+    pipeline = StepPipeline(0, sent.append)
+    gates = [threading.Event() for _ in range(3)]
+    try:
+        pipeline.launch(lambda: HeldStep(0, gates[0]))
+        pipeline.launch(lambda: HeldStep(1, gates[1]))
+        third = threading.Thread(target=pipeline.launch, args=(lambda: HeldStep(2, gates[2]),))
+        third.start()
+        third.join(0.3)
+        assert third.is_alive() and sent == []  # two in flight, nothing read back yet
+        gates[1].set()
+        third.join(0.3)
+        assert third.is_alive() and sent == []  # step 1 is done, but replies go in order: 0 first
+        gates[0].set()
+        third.join(10)
+        assert not third.is_alive()
+        gates[2].set()
+        pipeline.launch(lambda: 1 / 0)  # a launch that raises: its reply says so, in its turn
+        pipeline.drain()
+        assert [r[0][:2] for r in sent] == [(0, True)] * 3 + [(0, False)]
+        assert [r[0][2] for r in sent[:3]] == ["output 0", "output 1", "output 2"]
+        assert "ZeroDivisionError" in sent[3][0][2]
+    finally:
+        for g in gates:
+            g.set()
+        pipeline.close()
 
 
 @pytest.mark.parametrize("kwargs, want", [
