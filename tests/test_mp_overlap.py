@@ -178,7 +178,7 @@ def test_collective_rpc_takes_a_function(tp1, mp_overlap):
 
 @pytest.mark.timeout(120)
 def test_a_worker_killed_mid_generation_is_named(mp_overlap):
-    """Last in the module: it stops mp_overlap's workers."""
+    """The last test that uses mp_overlap: it stops its workers."""
     engine = mp_overlap.llm_engine
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"kill-{i}", prompt, greedy(40))
