@@ -176,21 +176,39 @@ def test_collective_rpc_takes_a_function(tp1, mp_overlap):
     assert mp_overlap.llm_engine.executor.collective_rpc(getattr, "is_driver_worker") == [True, False]
 
 
-@pytest.mark.timeout(120)
-def test_a_worker_killed_mid_generation_is_named(mp_overlap):
-    """The last test that uses mp_overlap: it stops its workers."""
-    engine = mp_overlap.llm_engine
+def kill_mid_generation(engine: LLMEngine, rank: int) -> None:
+    """SIGKILL one rank while a step is in flight: the next steps raise naming it, and no process is left."""
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"kill-{i}", prompt, greedy(40))
     for _ in range(5):
         engine.step()
     assert engine.engine_core._inflight is not None  # a step is running on the workers
-    victim = engine.executor.procs[1]
-    os.kill(victim.pid, signal.SIGKILL)
-    with pytest.raises(RuntimeError, match=rf"worker rank=1 \(pid {victim.pid}\) died"):
+    victim = engine.executor.procs[rank]
+    if rank == 0:  # stopped first, so a step the driver sends lies unread in its pipe: the kill resets it
+        os.kill(victim.pid, signal.SIGSTOP)
+        threading.Timer(1.0, os.kill, (victim.pid, signal.SIGKILL)).start()
+    else:
+        os.kill(victim.pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=rf"worker rank={rank} \(pid {victim.pid}\) died"):
         for _ in range(40):
             engine.step()
     assert not any(p.is_alive() for p in engine.executor.procs)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_killed_mid_generation_is_named(mp_overlap):
+    """The last test that uses mp_overlap: it stops its workers."""
+    kill_mid_generation(mp_overlap.llm_engine, 1)
+
+
+@pytest.mark.timeout(120)
+def test_rank0_killed_mid_generation_is_named(tp_model):
+    """Rank 0 holds the driver's pipe: its death reads as EOF or a reset connection, and is named too."""
+    engine = LLMEngine(EngineConfig.from_kwargs(tp_model, async_scheduling=True, **MP, **ENGINE))
+    try:
+        kill_mid_generation(engine, 0)
+    finally:
+        engine.shutdown()
 
 
 class HeldStep:

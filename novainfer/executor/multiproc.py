@@ -139,7 +139,7 @@ class MultiprocExecutor(Executor):
             if self.conn in ready:
                 try:
                     replies = self.conn.recv()
-                except EOFError:
+                except (EOFError, OSError):  # rank 0 closed the pipe (or died: a reset)
                     self._raise_dead(self._first_dead(1.0) or self.procs[0])
                 break
             self._raise_dead(self._first_dead(0.0) or sentinels[ready[0]])
