@@ -12,6 +12,14 @@ fixed tokens. The host waits for the device only where it reads the sampled ids 
 
 With overlap on, the host plans and launches step N+1 before it reads step N back, so a step should take
 about max(host, device) instead of host + device.
+
+With `-tp 2 --distributed-executor-backend mp` every rank's process gets its own simulated device (installed
+through collective_rpc); the host is then the engine's process, and the time it is blocked is the time it
+waits for the workers' replies (their step inputs, the simulated device, the pipe), so host ms covers the
+engine's process only:
+
+    python -c "from tests.tiny_models import make_tiny_model as m; m('/tmp/tiny-tp2', 'qwen2', num_heads=8, num_kv_heads=4, head_dim=8)"
+    python benchmarks/host_overhead.py --model /tmp/tiny-tp2 -tp 2 --distributed-executor-backend mp --num-seqs 1 64
 """
 from __future__ import annotations
 
@@ -81,6 +89,24 @@ class SimulatedDevice:
 
         runner.run_model_forward = run_model_forward
         runner.sample = sample
+
+
+def install_simulated_device(worker, ms: float, tokens: list[int]) -> None:
+    """collective_rpc target: a simulated device in this mp worker's runner (the device time is not reported)."""
+    SimulatedDevice(ms, tokens).install(worker.model_runner)
+
+
+def time_replies(executor, device: SimulatedDevice) -> None:
+    """mp: count the engine's waits for the workers' replies as its time blocked on the device."""
+    receive = executor._receive
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return receive(*a, **kw)
+        finally:
+            device.blocked_s += time.perf_counter() - t0
+    executor._receive = timed
 
 
 PHASES = {"schedule": ("engine_core", "schedule"), "step_inputs": ("runner", "prepare_step_inputs"),
@@ -158,17 +184,37 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile the largest batch's run (host functions)")
     ap.add_argument("--overlap", nargs="+", choices=["off", "on"], default=["off", "on"],
                     help="async scheduling: plan step N+1 while the device runs step N")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp"])
     args = ap.parse_args()
+    mp = args.distributed_executor_backend == "mp"
+    if mp and args.split:
+        ap.error("--split times the runner's stages in the engine's process: uni only")
+    if not mp and args.tensor_parallel_size > 1:
+        ap.error("tensor_parallel_size > 1 needs --distributed-executor-backend mp here (uni runs its ranks "
+                 "in this process, each step to the end)")
 
     from novainfer import LLM
     rows = []
     for overlap in args.overlap:
         extra = {"async_scheduling": True} if overlap == "on" else {}  # off: also runs on commits before it
+        if mp:
+            extra.update(tensor_parallel_size=args.tensor_parallel_size, master_port=0,
+                         distributed_executor_backend=args.distributed_executor_backend,
+                         async_scheduling=overlap == "on")
         llm = LLM(args.model, max_num_seqs=max(args.num_seqs), device="cpu",
                   cpu_kv_cache_tokens=max(args.num_seqs) * (args.input_len + args.output_len + 32), **extra)
         tokens = llm.get_tokenizer().encode(TEXT, add_special_tokens=False)
+        if not tokens:
+            raise SystemExit(f"{args.model}'s tokenizer encodes the benchmark text to no tokens (random:<config> "
+                             "folders have a word-level one): give a model with a byte-level BPE tokenizer")
         device = SimulatedDevice(args.simulated_device_ms, tokens)
-        device.install(llm.llm_engine.executor.workers[0].model_runner)
+        executor = llm.llm_engine.executor
+        if mp:
+            executor.collective_rpc(install_simulated_device, args.simulated_device_ms, tokens)
+            time_replies(executor, device)
+        else:
+            device.install(executor.workers[0].model_runner)
         spent = time_phases(llm) if args.split else None
         gc.freeze()  # as the server's core process and LLM.generate do: no 0.3-0.5 s full collections in a window
         rows += [dict(overlap=overlap, **run(n, args, llm, device, spent)) for n in args.num_seqs]

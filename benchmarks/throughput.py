@@ -92,7 +92,8 @@ def main() -> None:
               "kv_cache_tokens": engine.block_manager.num_blocks * engine.config.cache_config.block_size,
               "device": device_name(), "tensor_parallel_size": args.tensor_parallel_size,
               "quantization": args.quantization,
-              "distributed_executor_backend": args.distributed_executor_backend}
+              "distributed_executor_backend": args.distributed_executor_backend,
+              "async_scheduling": engine.engine_core.async_scheduling}
     engine.shutdown()
     if args.compare_hf:
         del llm, engine, outs
@@ -163,7 +164,8 @@ def print_table(r: dict) -> None:
               f"{r['hf_tok_s']:,.0f} |")
         print(f"ratio NovaInfer / HF: {r['ratio']:.1f}x")
     print(f"device: {r['device']}; tp={r['tensor_parallel_size']} ({r['distributed_executor_backend']}); "
-          f"quantization: {r['quantization'] or 'none'}; KV cache per rank: {r['kv_cache_tokens']:,} tokens")
+          f"quantization: {r['quantization'] or 'none'}; KV cache per rank: {r['kv_cache_tokens']:,} tokens; "
+          f"async scheduling: {'on' if r.get('async_scheduling') else 'off'}")
 
 
 if __name__ == "__main__":

@@ -282,8 +282,9 @@ class EngineConfig:
                 raise ValueError("speculative_config.method 'draft_model' needs tensor_parallel_size=1")
 
     def use_async_scheduling(self) -> bool:
-        """Overlap on by default on CUDA, off on the CPU (measured: benchmarks/host_overhead.py); only with one
-        rank in the engine's process, whose executor returns a step before it finishes."""
+        """Overlap on by default on CUDA, off on the CPU (measured: benchmarks/host_overhead.py). Executors that
+        return a step before it finishes: uni with one rank, and mp with any number of ranks and nodes (its
+        workers pipeline steps, executor/step_pipeline.py). uni with tp_size > 1 runs each step to the end."""
         pc = self.parallel_config
         wanted = self.scheduler_config.async_scheduling
         if self.speculative_config is not None:  # proposals need the step's tokens first (spec_decode/)
@@ -292,10 +293,11 @@ class EngineConfig:
             return False
         if wanted is None:
             wanted = self.resolve_device().type == "cuda"
-        if wanted and (pc.tensor_parallel_size > 1 or pc.distributed_executor_backend != "uni"):
+        if wanted and pc.tensor_parallel_size > 1 and pc.distributed_executor_backend == "uni":
             if self.scheduler_config.async_scheduling:
                 logging.getLogger(__name__).warning(
-                    "async_scheduling needs tensor_parallel_size=1 with the uni backend; it is off")
+                    "async_scheduling is off with the uni backend and tensor_parallel_size > 1 (its ranks are "
+                    "threads that run each step to the end); distributed_executor_backend='mp' overlaps")
             return False
         return wanted
 

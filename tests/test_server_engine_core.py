@@ -139,14 +139,15 @@ def test_core_leaves_when_the_server_dies(tiny_qwen2, tmp_path_factory):
 
 
 def test_tp_workers_are_the_cores_children_and_sigterm_stops_them(tmp_path_factory):
-    """mp backend, tp 2: the ranks are the core's children; SIGTERM stops the server, its core and the ranks."""
+    """mp backend, tp 2, with the overlapped loop (the default on CUDA): the ranks are the core's children;
+    SIGTERM stops the server, its core and the ranks."""
     model = make_tiny_model(str(tmp_path_factory.mktemp("qwen2_tp")), "qwen2", seed=5, num_heads=8, num_kv_heads=4,
                             head_dim=8)
     srv = _server(tmp_path_factory, model, "--served-model-name", "tiny", "--tensor-parallel-size", "2",
-                  "--distributed-executor-backend", "mp", "--master-port", "0")
+                  "--distributed-executor-backend", "mp", "--master-port", "0", "--async-scheduling")
     (pid, _, _), = _cores(srv)
     try:
-        assert _complete(srv, "tiny").status_code == 200
+        assert _complete(srv, "tiny").status_code == 200 and "async_scheduling=True" in srv.log()
         ranks = [p for p in psutil.Process(pid).children() if "resource_tracker" not in " ".join(p.cmdline())]
         assert len(ranks) == 2  # the two ranks (spawning also starts a resource tracker, not counted)
     finally:

@@ -233,7 +233,8 @@ def test_mp_matches_tp1(tp_model, reference, tp):
 
 @pytest.mark.timeout(120)
 def test_mp_two_nodes_on_loopback(tp_model, reference, tmp_path):
-    """node_rank 1 is a second launch (its own process tree) joining node 0's engine over TCP."""
+    """node_rank 1 is a second launch (its own process tree) joining node 0's engine over TCP; it takes the
+    engine's settings (async scheduling here) from node 0."""
     port = free_port()
     log = open(tmp_path / "node1.log", "w+")  # a file, not a pipe: a full pipe would block the node
     node1 = subprocess.Popen([sys.executable, "-m", "novainfer.executor.node_worker", tp_model, "-tp", "2",
@@ -242,7 +243,9 @@ def test_mp_two_nodes_on_loopback(tp_model, reference, tmp_path):
     llm = None
     try:
         llm = LLM(tp_model, tensor_parallel_size=2, distributed_executor_backend="mp", nnodes=2, master_port=port,
-                  **ENGINE)
+                  async_scheduling=True, **ENGINE)
+        assert generate(llm) == reference  # the overlapped loop: node 1's rank pipelines steps too
+        llm.llm_engine.engine_core.async_scheduling = False  # the same ranks, the synchronous loop
         assert generate(llm) == reference
         ranks = llm.llm_engine.executor.collective_rpc("profile")
         assert [r["rank"] for r in ranks] == [0, 1] and ranks[1]["pid"] != ranks[0]["pid"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Callable
 
 from novainfer.config import EngineConfig
 from novainfer.distributed import check_tp_divisibility
@@ -43,8 +43,10 @@ class Executor(ABC):
         raise ValueError(f"distributed_executor_backend must be one of uni, mp, ray; got {backend!r}")
 
     @abstractmethod
-    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        """Call method on every worker (all ranks together) and return each rank's result, in rank order."""
+    def collective_rpc(self, method: str | Callable, *args: Any) -> list[Any]:
+        """Call method on every worker (all ranks together) and return each rank's result, in rank order.
+        method: a Worker method's name, or a function called as method(worker, *args) (vLLM's form; with mp
+        it is pickled by name, so it must be importable in the workers)."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every rank; rank 0's output is the canonical one."""

@@ -86,3 +86,7 @@ class StepReceiver:
 
     def execute_step(self, msg: StepMessage):
         return self.worker.execute_model(self.unpack(msg))
+
+    def launch_step(self, msg: StepMessage):
+        """Launch the step on the runner's async path; the handle's get() reads it back (step_pipeline.py)."""
+        return self.worker.execute_model_async(self.unpack(msg))

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 from novainfer.config import EngineConfig
 from novainfer.distributed.parallel_state import InProcessReducer, ThreadGroup
@@ -40,12 +41,14 @@ class UniProcExecutor(Executor):
         self.collective_rpc("init_device")
         self.collective_rpc("load_model")
 
-    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+    def collective_rpc(self, method: str | Callable, *args: Any) -> list[Any]:
+        def call(w: Worker) -> Callable:
+            return getattr(w, method) if isinstance(method, str) else partial(method, w)
         if len(self.workers) == 1:
-            return [getattr(self.workers[0], method)(*args)]
+            return [call(self.workers[0])(*args)]
         if not self.threads:
             raise RuntimeError("the uni executor is shut down")
-        futures: list[Future] = [t.submit(getattr(w, method), *args) for t, w in zip(self.threads, self.workers)]
+        futures: list[Future] = [t.submit(call(w), *args) for t, w in zip(self.threads, self.workers)]
         _, pending = wait(futures, return_when=FIRST_EXCEPTION)
         if pending:  # a rank failed: wake the ranks waiting for it at the all-reduce barrier
             self.reducer.barrier.abort()

@@ -5,6 +5,10 @@ Rank 0 reads each call (method, args, gather) from the driver's pipe and broadca
 results travel to rank 0, which answers the driver with [(rank, ok, result or traceback), ...].
 A rank that fails outside a gathered call exits non-zero: its peers' collectives then fail and the
 driver, watching every local process, names the rank that died.
+
+With async scheduling the driver sends "launch_step": every rank launches the step and reads for the next
+call at once; the step is read back, and answered by rank 0, on the StepPipeline's thread
+(executor/step_pipeline.py). Any other call first waits for the launched steps.
 """
 from __future__ import annotations
 
@@ -53,14 +57,22 @@ def run_worker(conn: multiprocessing.connection.Connection | None, config: Engin
 
 
 def _object_group() -> Any:
-    """The group calls are broadcast over: gloo (CPU objects), the default group when that is already gloo."""
+    """The group calls are broadcast over: a gloo group (CPU objects) of its own, never the model's, since the
+    main thread broadcasts the next call while a launched step's all-reduces run on the runner's step thread."""
     import torch.distributed as dist
-    if dist.get_backend() == "gloo":
-        return dist.group.WORLD
     return dist.new_group(backend="gloo")
 
 
 def _serve(conn, worker, objects) -> None:
+    from novainfer.executor.step_pipeline import StepPipeline
+    pipeline = StepPipeline(worker.rank, conn.send if worker.rank == 0 else None, worker.device)
+    try:
+        _serve_calls(conn, worker, objects, pipeline)
+    finally:
+        pipeline.close()  # the steps in flight are read back (rank 0 answers them if the driver still listens)
+
+
+def _serve_calls(conn, worker, objects, pipeline) -> None:
     import torch.distributed as dist
 
     from novainfer.executor.step_wire import StepReceiver
@@ -75,9 +87,16 @@ def _serve(conn, worker, objects) -> None:
         if call is None:
             return
         method, args, gather = call
+        if method == "launch_step":  # answered by the pipeline's thread once the step is read back
+            pipeline.launch(lambda: steps.launch_step(*args))  # noqa: B023 - called before the loop goes on
+            continue
+        pipeline.drain()
         try:
-            target = steps if method == "execute_step" else worker
-            reply: Reply = (worker.rank, True, getattr(target, method)(*args))
+            if callable(method):  # collective_rpc(fn): fn(worker, *args), as vLLM's collective_rpc allows
+                result = method(worker, *args)
+            else:
+                result = getattr(steps if method == "execute_step" else worker, method)(*args)
+            reply: Reply = (worker.rank, True, result)
         except Exception:
             reply = (worker.rank, False, traceback.format_exc())
             if not gather:  # nobody collects this rank's reply: fail loudly so the peers notice

@@ -12,7 +12,7 @@ from novainfer.config import EngineConfig
 from novainfer.distributed import TPGroup, check_tp_divisibility, set_tp_group
 from novainfer.engine.scheduler import SchedulerOutput
 from novainfer.spec_decode.draft_model_proposer import DraftRequest
-from novainfer.worker.model_runner import ModelRunner, ModelRunnerOutput
+from novainfer.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,10 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Launch one step; the handle's get() waits for it and returns its output (async scheduling)."""
+        return self.model_runner.execute_model_async(scheduler_output)
 
     def propose_draft_tokens(self, requests: list[DraftRequest]) -> list[list[int]]:
         """The draft model's greedy guesses for each request (speculative_config method draft_model)."""
