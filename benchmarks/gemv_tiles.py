@@ -2,8 +2,8 @@
 
     python3 benchmarks/gemv_tiles.py [--models 0.5b 7b] [--out tiles.json]
 
-For each projection of Qwen2.5-0.5B / -7B at one row: the unfused path (Triton RMSNorm / SiLU-and-mul kernel,
-then cuBLAS through F.linear) against novainfer.kernels.gemv with each tile shape of the sweep; and the
+For each projection of Qwen2.5-0.5B / -7B at one row: the unfused path (Triton RMSNorm kernel, cuBLAS through
+F.linear, Triton SiLU-and-mul kernel) against novainfer.kernels.gemv with each tile shape of the sweep; and the
 attention (rotary + K/V store + split decode + merge) against the one fused decode kernel at several context
 lengths. Each variant is captured as a CUDA graph of one call per layer over as many copies of the weights
 as the model has layers (so the L2 cache holds no weight from the call before, as in a real step), replayed
@@ -51,31 +51,30 @@ def projections(model: str, dev: str) -> dict:
     import torch.nn.functional as F
 
     from novainfer.kernels.fused_ops import rms_norm, silu_and_mul
-    from novainfer.kernels.gemv import NONE, NORM, SILU, gemv
+    from novainfer.kernels.gemv import gemv
     layers, hidden, heads, kv_heads, hd, inter = SHAPES[model]
     dt = torch.bfloat16
-    shapes = {"qkv": ((heads + 2 * kv_heads) * hd, hidden, NORM), "o_proj": (hidden, heads * hd, NONE),
-              "gate_up": (2 * inter, hidden, NORM), "down": (hidden, inter, SILU)}
+    # name -> (N, K, norm prologue, SiLU-and-mul epilogue)
+    shapes = {"qkv": ((heads + 2 * kv_heads) * hd, hidden, True, False), "o_proj": (hidden, heads * hd, False, False),
+              "gate_up": (2 * inter, hidden, True, True), "down": (hidden, inter, False, False)}
     out = {}
-    for name, (n, k, prologue) in shapes.items():
+    for name, (n, k, norm, act) in shapes.items():
         ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(layers)]
         nw = torch.rand(k, device=dev, dtype=dt) + 0.5
-        x = torch.randn(1, 2 * k if prologue == SILU else k, device=dev, dtype=dt)
+        x = torch.randn(1, k, device=dev, dtype=dt)
         r = torch.randn(1, k, device=dev, dtype=dt)
-        if prologue == NORM:
-            ref_x = rms_norm(x, nw, 1e-6, r)[0]
-            unfused = [lambda w=w: F.linear(rms_norm(x, nw, 1e-6, r)[0], w) for w in ws]
-            fused = lambda w, t: gemv(x, w, prologue=NORM, residual=r, norm_weight=nw, eps=1e-6, tiles=t)[0]
-        elif prologue == SILU:
-            ref_x = silu_and_mul(x)
-            unfused = [lambda w=w: F.linear(silu_and_mul(x), w) for w in ws]
-            fused = lambda w, t: gemv(x, w, prologue=SILU, tiles=t)
-        else:
-            ref_x = x
-            unfused = [lambda w=w: F.linear(x, w) for w in ws]
-            fused = lambda w, t: gemv(x, w, tiles=t)
-        ref = F.linear(ref_x.float(), ws[0].float())
-        row = {"n": n, "k": k, "unfused_us": graph_us(unfused), "tiles": {}}
+
+        def unfused(w):
+            y = F.linear(rms_norm(x, nw, 1e-6, r)[0] if norm else x, w)
+            return silu_and_mul(y) if act else y
+
+        def fused(w, t):
+            if norm:
+                return gemv(x, w, norm_weight=nw, eps=1e-6, residual=r, silu_and_mul=act, tiles=t)[0]
+            return gemv(x, w, tiles=t)
+        ref = unfused(ws[0]).float()
+        row = {"n": n, "k": k, "silu_and_mul": act, "unfused_us": graph_us([lambda w=w: unfused(w) for w in ws]),
+               "tiles": {}}
         for bn, bk, warps in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8)):
             if bn * bk > 16384 or bk > 2 * triton_pow2(k):
                 continue
@@ -151,7 +150,8 @@ def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__)
     print("| kernel | layer-by-layer (us) | fused stack (us, best tile) |\n| --- | --- | --- |")
     res = {m: {"projections": projections(m, "cuda"), "attention": attention(m, "cuda")} for m in args.models}
-    tiles = {(r["n"], r["k"]): eval(r["best"]) for m in res.values() for r in m["projections"].values()}
+    tiles = {(r["n"], r["k"], r["silu_and_mul"]): eval(r["best"]) for m in res.values()
+             for r in m["projections"].values()}
     print("GEMV_TILES =", tiles)
     if args.out:
         with open(args.out, "w") as f:

@@ -1,5 +1,5 @@
 """The batch-1 fused decode stack (layers/gpu_decoder.py) on the CPU, its Triton kernels interpreted
-(TRITON_INTERPRET=1, set in conftest.py): the GEMVs with their prologues against torch, and the whole
+(TRITON_INTERPRET=1, set in conftest.py): the GEMVs with their fused ops against torch, and the whole
 engine's greedy tokens with the stack against transformers'."""
 from __future__ import annotations
 
@@ -9,32 +9,32 @@ import torch.nn.functional as F
 
 pytest.importorskip("novainfer.kernels.paged_attention")
 from novainfer.kernels import fused_ops  # noqa: E402
-from novainfer.kernels.gemv import NORM, SILU, gemv  # noqa: E402
+from novainfer.kernels.gemv import gemv  # noqa: E402
 from novainfer.layers.gpu_decoder import GPUDecodeStack, enable_gpu_decode_stack, supports  # noqa: E402
 
 
 @pytest.mark.parametrize("n,k", [(37, 50), (130, 300)])
-def test_gemv_prologues_match_torch(n, k):
-    """Plain (+ bias), residual add + RMSNorm and SiLU-and-mul prologues; odd sizes, several K tiles.
-    float16: the interpreter has no bfloat16 arithmetic (bf16 is checked on the GPU by gpu_check.py)."""
+def test_gemv_prologue_and_epilogue_match_torch(n, k):
+    """Plain (+ bias), the residual add + RMSNorm prologue, and the SiLU-and-mul epilogue over stacked gate/up rows
+    (+ bias); odd sizes, several K tiles. float16: the interpreter has no bfloat16 arithmetic (bf16 is checked on
+    the GPU by gpu_check.py)."""
     g = torch.Generator().manual_seed(n)
     dt = torch.float16
     w, b = torch.randn(n, k, generator=g).to(dt), torch.randn(n, generator=g).to(dt)
     x, r, nw = (torch.randn(1, k, generator=g).to(dt) for _ in range(3))
-    gate_up = torch.randn(1, 2 * k, generator=g).to(dt)
+    gate_up, gate_up_b = torch.randn(2 * n, k, generator=g).to(dt), torch.randn(2 * n, generator=g).to(dt)
 
     def close(y, ref):
-        assert (y.float() - ref).abs().max() <= 2e-3 * ref.abs().max() + 1e-3
+        assert (y.float() - ref.float()).abs().max() <= 2e-3 * ref.float().abs().max() + 1e-3
 
     close(gemv(x, w, b, tiles=(8, 64, 4)), F.linear(x.float(), w.float(), b.float()))
-    y, new_res = gemv(x, w, prologue=NORM, residual=r, norm_weight=nw[0], eps=1e-6, tiles=(4, 32, 4))
+    y, new_res = gemv(x, w, norm_weight=nw[0], eps=1e-6, residual=r, tiles=(4, 32, 4))
     ref_x, ref_res = fused_ops.rms_norm(x, nw[0], 1e-6, r)
     assert torch.equal(new_res, ref_res)
     close(y, F.linear(ref_x.float(), w.float()))
-    close(gemv(x, w, prologue=NORM, norm_weight=nw[0], eps=1e-6), F.linear(fused_ops.rms_norm(x, nw[0], 1e-6).float(),
-                                                                           w.float()))
-    close(gemv(gate_up, w, prologue=SILU, tiles=(16, 128, 2)), F.linear(fused_ops.silu_and_mul(gate_up).float(),
-                                                                          w.float()))
+    close(gemv(x, w, norm_weight=nw[0], eps=1e-6), F.linear(fused_ops.rms_norm(x, nw[0], 1e-6).float(), w.float()))
+    ref = fused_ops.silu_and_mul(F.linear(x.float(), gate_up.float(), gate_up_b.float()).to(dt))
+    close(gemv(x, gate_up, gate_up_b, silu_and_mul=True, tiles=(16, 128, 2)), ref)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen2", "tiny_llama"])

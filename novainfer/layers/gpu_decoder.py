@@ -5,8 +5,9 @@ At one token a step, the GPU time goes to kernel count rather than bytes (docs/B
 1. residual add + input RMSNorm + qkv projection (+ bias): one GEMV with a norm prologue;
 2. rotary on q and the new key, the K/V store and split-K attention with its merge: one decode kernel;
 3. o_proj: one GEMV;
-4. residual add + post-attention RMSNorm + gate_up projection: one GEMV with a norm prologue;
-5. SiLU-and-multiply + down projection: one GEMV with a SiLU prologue.
+4. residual add + post-attention RMSNorm + gate_up projection + SiLU-and-multiply: one GEMV with a norm
+   prologue and a SiLU epilogue;
+5. down projection: one GEMV.
 The elementwise steps round as the layer-by-layer kernels do; the projections sum in float32 in their own
 order (as cuBLAS's kernels differ between batch sizes). Taken for the batch-1 decode CUDA graph of a model
 whose layers are plain llama pieces on one rank with unquantized weights (Llama, Qwen2, Mistral); every
@@ -19,7 +20,7 @@ from torch import nn
 
 from novainfer.attention import triton_backend
 from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
-from novainfer.kernels.gemv import NORM, SILU, gemv
+from novainfer.kernels.gemv import gemv
 from novainfer.kernels.paged_attention import DecodeRope, decode_attention
 
 
@@ -47,8 +48,8 @@ class GPUDecodeStack:
     def _layer(layer: nn.Module, meta: AttentionMetadata, positions: torch.Tensor, h: torch.Tensor,
                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
-        qkv = gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, prologue=NORM, residual=residual,
-                   norm_weight=norm.weight, eps=norm.eps)
+        qkv = gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps,
+                   residual=residual)
         qkv, residual = qkv if residual is not None else (qkv, h)
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         a, rope = attn.attn, attn.rotary_emb
@@ -60,9 +61,9 @@ class GPUDecodeStack:
                                              v.view(1, a.num_kv_heads, a.head_dim), meta.slot_mapping))
         h = gemv(o.view(1, -1), attn.o_proj.weight, attn.o_proj.bias)
         norm = layer.post_attention_layernorm
-        gate_up, residual = gemv(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, prologue=NORM,
-                                 residual=residual, norm_weight=norm.weight, eps=norm.eps)
-        return gemv(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, prologue=SILU), residual
+        act, residual = gemv(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=norm.weight,
+                             eps=norm.eps, residual=residual, silu_and_mul=True)
+        return gemv(act, mlp.down_proj.weight), residual
 
 
 def supports(model: nn.Module) -> bool:
