@@ -74,10 +74,9 @@ def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_p
 # (N, K, silu_and_mul) of the weight -> (BLOCK_N, BLOCK_K, num_warps), the fastest of benchmarks/gemv_tiles.py's
 # sweep on an H200 (2026-11-24) for Qwen2.5-0.5B's and -7B's projections; other shapes take gemv_tiles()'s rule
 GEMV_TILES: dict[tuple[int, int, bool], tuple[int, int, int]] = {
-    (1152, 896, False): (2, 1024, 4), (896, 896, False): (2, 1024, 4), (9728, 896, True): (8, 512, 4),
-    (896, 4864, False): (2, 1024, 4),
-    (4608, 3584, False): (4, 512, 4), (3584, 3584, False): (2, 1024, 4), (37888, 3584, True): (4, 512, 4),
-    (3584, 18944, False): (8, 1024, 8),
+    (1152, 896, False): (2, 1024, 4), (896, 896, False): (2, 1024, 4), (9728, 896, True): (4, 1024, 4),
+    (896, 4864, False): (1, 2048, 8), (4608, 3584, False): (4, 512, 4),
+    (3584, 3584, False): (1, 2048, 2), (37888, 3584, True): (4, 512, 2), (3584, 18944, False): (2, 1024, 4),
 }
 
 
