@@ -10,7 +10,8 @@ import torch.nn.functional as F
 pytest.importorskip("novainfer.kernels.paged_attention")
 from novainfer.kernels import fused_ops  # noqa: E402
 from novainfer.kernels.gemv import gemv  # noqa: E402
-from novainfer.layers.gpu_decoder import GPUDecodeStack, enable_gpu_decode_stack, supports  # noqa: E402
+from novainfer.layers.gpu_decoder import enable_gpu_decode_stack, supports  # noqa: E402
+from tests.gpu.decode_stack_checks import counting_stack_calls  # noqa: E402
 
 
 @pytest.mark.parametrize("n,k", [(37, 50), (130, 300)])
@@ -38,7 +39,7 @@ def test_gemv_prologue_and_epilogue_match_torch(n, k):
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen2", "tiny_llama"])
-def test_engine_with_stack_matches_transformers(fixture, request, monkeypatch):
+def test_engine_with_stack_matches_transformers(fixture, request):
     """One sequence at a time (so every decode step takes the stack), prompts that cross KV blocks, greedy
     tokens equal to transformers'; the stack ran every decode step."""
     from novainfer import LLM, SamplingParams
@@ -49,19 +50,12 @@ def test_engine_with_stack_matches_transformers(fixture, request, monkeypatch):
     model = llm.llm_engine.executor.workers[0].model_runner.model
     # the runner does this on CUDA only, for its decode graphs; here the eager steps take the stack too
     assert supports(model.model) and enable_gpu_decode_stack(model, graphs_only=False) == 1
-    calls = []
-    original = GPUDecodeStack.forward
-
-    def counted(self, *args):
-        out = original(self, *args)
-        calls.append(out is not None)
-        return out
-    monkeypatch.setattr(GPUDecodeStack, "forward", counted)
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    for prompt in ["Hello", "The quick brown fox jumps over the lazy dog"]:
-        out = llm.generate([prompt], params, use_tqdm=False)[0]
-        assert out.outputs[0].token_ids == hf_greedy(path, tok.encode(prompt), 8), prompt
+    with counting_stack_calls() as calls:
+        for prompt in ["Hello", "The quick brown fox jumps over the lazy dog"]:
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            assert out.outputs[0].token_ids == hf_greedy(path, tok.encode(prompt), 8), prompt
     assert calls.count(True) == 2 * 7 and calls.count(False) == 2  # each prompt: 7 decode steps, one prefill
 
 
@@ -71,3 +65,14 @@ def test_stack_refuses_layers_it_does_not_fuse(tiny_qwen3):
     llm = LLM(tiny_qwen3, dtype="float32", attention_backend="triton", block_size=4, enforce_eager=True)
     model = llm.llm_engine.executor.workers[0].model_runner.model
     assert not supports(model.model) and enable_gpu_decode_stack(model) == 0
+
+
+def test_stack_waits_for_a_graph_by_default(tiny_qwen2):
+    """As the runner enables it (graphs_only): eager one-token steps keep the layer-by-layer kernels, since a
+    Triton launch from Python costs more host time than the kernels it replaces; only a graph capture takes it."""
+    from novainfer import LLM, SamplingParams
+    llm = LLM(tiny_qwen2, dtype="float32", attention_backend="triton", block_size=4, enforce_eager=True)
+    assert enable_gpu_decode_stack(llm.llm_engine.executor.workers[0].model_runner.model) == 1
+    with counting_stack_calls() as calls:
+        llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(calls) == 3 and not any(calls)

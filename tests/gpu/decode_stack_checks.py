@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import gc
 import os
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -86,13 +88,11 @@ def fused_attention_checks() -> None:
               and key_err <= 1e-2)
 
 
-def stack_vs_hf(tmp: str) -> None:
-    from transformers import AutoModelForCausalLM
-
-    from novainfer import LLM, SamplingParams
+@contextmanager
+def counting_stack_calls() -> Iterator[list[bool]]:
+    """While open, GPUDecodeStack.forward records in the yielded list whether each call ran the stack."""
     from novainfer.layers.gpu_decoder import GPUDecodeStack
-    from tests.tiny_models import hf_greedy_with, make_tiny_model
-    calls = []
+    calls: list[bool] = []
     original = GPUDecodeStack.forward
 
     def counted(self, *args):
@@ -101,7 +101,19 @@ def stack_vs_hf(tmp: str) -> None:
         return out
     GPUDecodeStack.forward = counted
     try:
+        yield calls
+    finally:
+        GPUDecodeStack.forward = original
+
+
+def stack_vs_hf(tmp: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from novainfer import LLM, SamplingParams
+    from tests.tiny_models import hf_greedy_with, make_tiny_model
+    with counting_stack_calls() as calls:
         for arch in ("qwen2", "llama"):
+            calls.clear()
             path = make_tiny_model(os.path.join(tmp, f"stack_{arch}"), arch, seed=13)
             llm = LLM(path, dtype="float32", gpu_memory_utilization=0.3)
             tok = llm.get_tokenizer()
@@ -117,8 +129,6 @@ def stack_vs_hf(tmp: str) -> None:
             del llm, hf, runner
             gc.collect()
             torch.cuda.empty_cache()
-    finally:
-        GPUDecodeStack.forward = original
 
 
 def decode_stack_checks(tmp: str) -> None:
