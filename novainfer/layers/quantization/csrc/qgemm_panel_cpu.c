@@ -186,12 +186,24 @@ static void prepare_rows(void *arg, int c) {
     quantize_rows(j->x + (size_t)m0 * K, m1 - m0, K, j->G, j->mp, j->ngp, j->xq + (size_t)m0 * K,
                   j->dxT + m0, j->xsum + (size_t)m0 * j->ngp, j->has_zeros);
     const int32_t *x32 = (const int32_t *)j->xq;
-    for (int t = c * per; t < t1; t++)
-        for (int m = 0; m < PMR; m++) {
-            const int row = t * PMR + m;
-            int32_t *o = j->xt + (size_t)t * (K / 2) * PMR + m;
-            for (int p = 0; p < K / 2; p++) o[(size_t)p * PMR] = row < j->M ? x32[(size_t)row * (K / 2) + p] : 0;
+    for (int t = c * per; t < t1; t++) {
+        const int32_t *r[PMR];
+        for (int m = 0; m < PMR; m++) r[m] = t * PMR + m < j->M ? x32 + (size_t)(t * PMR + m) * (K / 2) : NULL;
+        int32_t *o = j->xt + (size_t)t * (K / 2) * PMR;
+        for (int p = 0; p < K / 2; p += 8) {  /* 4 rows x 8 k-pairs -> 8 k-pairs x 4 rows (K / 2 is a multiple of 16) */
+            __m256i v[PMR];
+            for (int m = 0; m < PMR; m++) v[m] = r[m] ? _mm256_loadu_si256((const __m256i *)(r[m] + p)) : _mm256_setzero_si256();
+            const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+            const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+            const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);  /* k-pairs 0, 4 | 1, 5 */
+            const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);  /* 2, 6 | 3, 7 */
+            __m256i *op = (__m256i *)(o + (size_t)p * PMR);
+            _mm256_storeu_si256(op, _mm256_permute2x128_si256(u0, u1, 0x20));
+            _mm256_storeu_si256(op + 1, _mm256_permute2x128_si256(u2, u3, 0x20));
+            _mm256_storeu_si256(op + 2, _mm256_permute2x128_si256(u0, u1, 0x31));
+            _mm256_storeu_si256(op + 3, _mm256_permute2x128_si256(u2, u3, 0x31));
         }
+    }
 }
 
 static _Atomic int panel_calls;
