@@ -19,7 +19,7 @@
 #include "simd_cpu.h"
 
 #define BQ 16  /* query tokens per tile */
-#define RB 4   /* rows (token, head) per register tile */
+#define RB 6   /* rows (token, head) per register tile: 12 accumulators (8 left the FMAs waiting on each other) */
 
 typedef struct {
     const float *q; int q_stride; const uint16_t *k_cache, *v_cache; const int32_t *block_tables; int bt_stride;
