@@ -24,7 +24,7 @@
 typedef struct {
     const float *q; int q_stride; const uint16_t *k_cache, *v_cache; const int32_t *block_tables; int bt_stride;
     const int32_t *q_start, *seq_lens; int S, nh, nkv, D, block_size, window; float scale, soft_cap;
-    float *kv; const size_t *kv_off;  /* per sequence: nkv x (Kt [D][ldk], V [Lp][D]) at kv + kv_off[s] */
+    float *kv; const size_t *kv_off;  /* per sequence: nkv x (Kt [D][ldk], V [D/16][Lp][16]) at kv + kv_off[s] */
     const int *tiles; int ntiles;     /* tile i: sequence tiles[2i], first query tiles[2i + 1] */
     _Atomic int failed;
     float *out;
@@ -54,7 +54,8 @@ static void widen_kv(void *arg, int c) {
             __m256i r[8];
             for (int i = 0; i < 8; i++) {
                 r[i] = kr[i] ? _mm256_castps_si256(load_bf16(kr[i] + d0)) : _mm256_setzero_si256();
-                _mm256_storeu_ps(v + (size_t)(p0 + i) * D + d0, vr[i] ? load_bf16(vr[i] + d0) : _mm256_setzero_ps());
+                _mm256_storeu_ps(v + ((size_t)(d0 / 16) * Lp + p0 + i) * 16 + d0 % 16,
+                                 vr[i] ? load_bf16(vr[i] + d0) : _mm256_setzero_ps());
             }
             transpose8(r);
             for (int i = 0; i < 8; i++) _mm256_storeu_ps(kt + (size_t)(d0 + i) * ldk + p0, _mm256_castsi256_ps(r[i]));
@@ -85,12 +86,13 @@ static inline __attribute__((always_inline)) void scores(const float *const *qr,
 }
 
 /* o_r[d0..d0+16] = sum_c p[r][c] v_c / norm_r for mr rows, keys c0..c1. */
-static inline __attribute__((always_inline)) void weigh(const float *p, int W, const int mr, const float *v, int D,
+static inline __attribute__((always_inline)) void weigh(const float *p, int W, const int mr, const float *v, int Lp,
                                                         int c0, int c1, int d0, const float *inv, float *const *orow) {
     __m256 a[RB][2];
     for (int m = 0; m < mr; m++) a[m][0] = a[m][1] = _mm256_setzero_ps();
     for (int c = c0; c < c1; c++) {
-        const __m256 v0 = _mm256_loadu_ps(v + (size_t)c * D + d0), v1 = _mm256_loadu_ps(v + (size_t)c * D + d0 + 8);
+        const float *vc = v + ((size_t)(d0 / 16) * Lp + c) * 16;  /* 16 dims of key c: one line, keys in a row */
+        const __m256 v0 = _mm256_loadu_ps(vc), v1 = _mm256_loadu_ps(vc + 8);
         for (int m = 0; m < mr; m++) {
             const __m256 pb = _mm256_broadcast_ss(p + (size_t)m * W + c - c0);
             a[m][0] = _mm256_fmadd_ps(pb, v0, a[m][0]);
@@ -144,8 +146,8 @@ static void attend_tile(void *arg, int c) {
         const int mr = R - r0 < RB ? R - r0 : RB;
         ROW_PTRS(r0, mr)
         for (int d0 = 0; d0 < D; d0 += 16) {
-            if (mr == RB) weigh(sc + (size_t)r0 * W, W, RB, v, D, c0, c1, d0, inv + r0, orow);
-            else for (int m = 0; m < mr; m++) weigh(sc + (size_t)(r0 + m) * W, W, 1, v, D, c0, c1, d0, inv + r0 + m, orow + m);
+            if (mr == RB) weigh(sc + (size_t)r0 * W, W, RB, v, Lp, c0, c1, d0, inv + r0, orow);
+            else for (int m = 0; m < mr; m++) weigh(sc + (size_t)(r0 + m) * W, W, 1, v, Lp, c0, c1, d0, inv + r0 + m, orow + m);
         }
     }
 #undef ROW_PTRS
