@@ -5,11 +5,17 @@ same process and interleaved request by request, so drifting load from other pro
     python benchmarks/kernel_ab.py streams --rounds 3      # 16 streams x kernel new/old, llama.cpp's single stream
     python benchmarks/kernel_ab.py streams --base b44f9c3 --panel-rows 8   # and new with the panel GEMM from 8 rows
     python benchmarks/kernel_ab.py prefill --base 75d6e81 --rounds 6      # 512-token prefills, 2 per kernel a round
+    python benchmarks/kernel_ab.py prefill --base ab590c3 --one-thread    # the same at 1 thread, in CPU time
+    python benchmarks/kernel_ab.py gemm --base ab590c3 --rounds 9         # a 512-token prefill's 120 GEMMs
+    python benchmarks/kernel_ab.py attention --base ab590c3 --rounds 9    # its 30 layers of prefill attention
 
 spec: benchmarks/speculation.py's prompts and settings (greedy, 128 tokens, batch 1, prefix caching off); per
 round the speed-up of speculation over none with each kernel. streams: benchmarks/throughput.py --cpu-streams'
 workload (128-token random prompts, 128 greedy tokens each, ignore_eos), then llama.cpp's single stream after
-the engine is shut down (its threads would compete). Only the C library changes between "new" and "old"
+the engine is shut down (its threads would compete). gemm / attention: the kernels alone, without the engine:
+every decoder GEMM of the default model (its real weights, in layer order, so each is cold as in a prefill) at
+--prompt-len rows, or the prefill attention of 30 layers' bf16 caches; one thread in this thread's CPU time,
+then two in wall time, both builds taking turns, and whether they give the same bits. Only the C library changes between "new" and "old"
 (cpu_kernels.build_library of --base's sources); the Python engine is this tree's, in both.
 """
 from __future__ import annotations
@@ -39,10 +45,13 @@ def use(lib, panel_rows: int | None = None) -> None:
     gguf_cpu.PREFILL_DEQUANT = not hasattr(lib, "q4_gemm_panel")
 
 
-def timed(llm, prompts: list[list[int]], params) -> tuple[float, list[list[int]]]:
-    t = time.perf_counter()
+def timed(llm, prompts: list[list[int]], params, cpu: bool = False) -> tuple[float, list[list[int]]]:
+    """Wall seconds of one generate call (cpu: this thread's CPU seconds, where the model runs at one thread:
+    blind to the time other processes take the core, not to what they do to its caches)."""
+    clock = time.thread_time if cpu else time.perf_counter
+    t = clock()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return time.perf_counter() - t, [list(o.outputs[0].token_ids) for o in outs]
+    return clock() - t, [list(o.outputs[0].token_ids) for o in outs]
 
 
 def spec(args, libs) -> dict:
@@ -110,11 +119,16 @@ def streams(args, libs) -> dict:
 
 
 def prefill(args, libs) -> dict:
-    """Fresh 512-token prompts (one output token, greedy), two per kernel each round, kernels taking turns."""
+    """Fresh 512-token prompts (one output token, greedy), two per kernel each round, kernels taking turns; with
+    --one-thread, at one thread and timed in this thread's CPU time (a steadier A/B on a shared machine)."""
     import numpy as np
+    import torch
 
     from novainfer import LLM, SamplingParams
     llm = LLM()
+    if args.one_thread:
+        cpu_kernels.set_num_threads(1)
+        torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=1)
@@ -124,15 +138,83 @@ def prefill(args, libs) -> dict:
         for kernel in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
             use(*libs[kernel])
             for _ in range(2):
-                res[kernel].append(timed(llm, [rng.integers(100, vocab, 512).tolist()], params)[0] * 1e3)
+                prompt = rng.integers(100, vocab, args.prompt_len).tolist()
+                res[kernel].append(timed(llm, [prompt], params, args.one_thread)[0] * 1e3)
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-2]:.0f}/{v[-1]:.0f} ms" for k, v in res.items()), flush=True)
     llm.llm_engine.shutdown()
-    return {"prefill_ms": res}
+    return {"prefill_ms": res, "one_thread_cpu_time": args.one_thread, "prompt_len": args.prompt_len}
+
+
+def _turns(fns: dict, rounds: int, clock) -> dict:
+    """ms of each fn per round, the order alternating round by round."""
+    res = {k: [] for k in fns}
+    for r in range(rounds):
+        for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+            t = clock()
+            fns[k]()
+            res[k].append((clock() - t) * 1e3)
+    return res
+
+
+def _kernel_runs(args, make_fns, same: bool) -> dict:
+    out = {"same_bits": same}
+    for threads, clock, what in ((1, time.thread_time, "1 thread, CPU ms"), (2, time.perf_counter, "2 threads, wall ms")):
+        cpu_kernels.set_num_threads(threads)
+        res = _turns(make_fns(), args.rounds, clock)
+        ratio = sorted(n / o for n, o in zip(res["new"], res["old"]))
+        print(f"{what}: old median {statistics.median(res['old']):.1f} (min {min(res['old']):.1f}), new "
+              f"{statistics.median(res['new']):.1f} (min {min(res['new']):.1f}); new/old per round "
+              f"{ratio[0]:.3f}-{ratio[-1]:.3f} (median {statistics.median(ratio):.3f}); same bits: {same}", flush=True)
+        out[f"{threads}_thread_ms"] = res
+    cpu_kernels.set_num_threads(None)
+    return out
+
+
+def gemm(args, libs) -> dict:
+    """A prefill's decoder GEMMs (the default model's weights in layer order) at --prompt-len rows."""
+    import torch
+
+    from benchmarks.qgemm_rows import step_weights
+    weights = step_weights()[:-1]  # a prefill's lm_head sees one row
+    xs = [torch.randn(args.prompt_len, w.shape[1]) for w in weights]
+    same = all(torch.equal(cpu_kernels.quant_gemm(x, w, libs["new"][0]), cpu_kernels.quant_gemm(x, w, libs["old"][0]))
+               for x, w in zip(xs[:4], weights[:4]))
+
+    def run(lib) -> None:
+        for x, w in zip(xs, weights):  # each output freed before the next: no heap growth to page in
+            cpu_kernels.quant_gemm(x, w, lib)
+
+    def make_fns():
+        return {k: (lambda lib=lib[0]: run(lib)) for k, lib in libs.items()}
+    return _kernel_runs(args, make_fns, same)
+
+
+def attention(args, libs) -> dict:
+    """30 layers of the default model's prefill attention (9 heads, 3 KV heads, head_dim 64) over --prompt-len
+    fresh tokens, each layer its own bf16 cache."""
+    import torch
+
+    from novainfer.layers.quantization import cpu_ops
+    n, nh, nkv, d, bs = args.prompt_len, 9, 3, 64, 16
+    nb = (n + bs - 1) // bs
+    caches = [(torch.randn(nb, bs, nkv, d).to(torch.bfloat16), torch.randn(nb, bs, nkv, d).to(torch.bfloat16))
+              for _ in range(30)]
+    q = torch.randn(n, nh, d)
+    tables, starts, lens = torch.randperm(nb).to(torch.int32)[None], torch.tensor([0, n]), torch.tensor([n])
+
+    def run(lib):
+        use(lib)
+        return [cpu_ops.prefill_attention_bf16(q, k, v, tables, starts, lens, 0.125, None, None) for k, v in caches]
+    same = all(torch.equal(a, b) for a, b in zip(run(libs["new"][0])[:2], run(libs["old"][0])[:2]))
+
+    def make_fns():
+        return {k: (lambda lib=lib[0]: run(lib)) for k, lib in libs.items()}
+    return _kernel_runs(args, make_fns, same)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["spec", "streams", "prefill"])
+    ap.add_argument("mode", choices=["spec", "streams", "prefill", "gemm", "attention"])
     ap.add_argument("--base", default="6404181", help="commit whose C kernels are 'old'")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
@@ -142,6 +224,8 @@ def main() -> None:
                     help="a third variant: this tree's kernels handing over to the panel GEMM from this many rows")
     ap.add_argument("--base-panel-rows", type=int, default=64,
                     help="the row count from which the base's GEMMs hand over to its panel kernel (its default)")
+    ap.add_argument("--one-thread", action="store_true", help="prefill: one thread, this thread's CPU time")
+    ap.add_argument("--prompt-len", type=int, default=512, help="prefill: tokens a prompt")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     libs = {"new": (cpu_kernels.library(),), "old": (build_at(args.base), args.base_panel_rows)}
@@ -149,8 +233,8 @@ def main() -> None:
         libs[f"new, panel from {args.panel_rows} rows"] = (cpu_kernels.library(), args.panel_rows)
     if not libs["old"][0].scale_f16:  # a base before float16 scales: both load float32 ones (one set of weights)
         gguf_repack.FP16_SCALES = False
-    out = {"spec": spec, "streams": streams, "prefill": prefill}[args.mode](args, libs)
-    for k, v in out.get("speedup", out.get("tok_s", out.get("prefill_ms"))).items():
+    out = {"spec": spec, "streams": streams, "prefill": prefill, "gemm": gemm, "attention": attention}[args.mode](args, libs)
+    for k, v in out.get("speedup", out.get("tok_s", out.get("prefill_ms", {}))).items():
         print(f"{k}: median {statistics.median(v):.2f}, range {min(v):.2f}-{max(v):.2f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -177,6 +177,17 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's 
     return (uint16_t)((b + 0x7fff + ((b >> 16) & 1)) >> 16);
 }
 
+/* to_bf16 of 8 floats, bit for bit. */
+static inline __m128i to_bf16x8(__m256 f) {
+    const __m256i b = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    const __m256i q = _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40));
+    const __m256i v = _mm256_blendv_epi8(r, q, nan);  /* 0..0xffff each: packus keeps them */
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0xD8));
+}
+
 typedef struct {
     const float *k; int k_stride; const float *v; int v_stride; uint16_t *k_cache, *v_cache; const int64_t *slots;
     int width;
@@ -187,9 +198,15 @@ static void store_rows(const void *arg, int t0, int t1) {
     for (int t = t0; t < t1; t++) {
         if (j->slots[t] < 0) continue;  /* a padding token */
         uint16_t *kc = j->k_cache + (size_t)j->slots[t] * j->width, *vc = j->v_cache + (size_t)j->slots[t] * j->width;
-        for (int i = 0; i < j->width; i++) {
-            kc[i] = to_bf16(j->k[(size_t)t * j->k_stride + i]);
-            vc[i] = to_bf16(j->v[(size_t)t * j->v_stride + i]);
+        const float *k = j->k + (size_t)t * j->k_stride, *v = j->v + (size_t)t * j->v_stride;
+        int i = 0;
+        for (; i + 8 <= j->width; i += 8) {  /* (scalar, a prefill's stores took 6-10 ms of ~750) */
+            _mm_storeu_si128((__m128i *)(kc + i), to_bf16x8(_mm256_loadu_ps(k + i)));
+            _mm_storeu_si128((__m128i *)(vc + i), to_bf16x8(_mm256_loadu_ps(v + i)));
+        }
+        for (; i < j->width; i++) {
+            kc[i] = to_bf16(k[i]);
+            vc[i] = to_bf16(v[i]);
         }
     }
 }

@@ -19,24 +19,28 @@
 #include "simd_cpu.h"
 
 #define BQ 16  /* query tokens per tile */
-#define RB 4   /* rows (token, head) per register tile */
+#define RB 6   /* rows (token, head) per register tile: 12 accumulators (8 left the FMAs waiting on each other) */
 
 typedef struct {
     const float *q; int q_stride; const uint16_t *k_cache, *v_cache; const int32_t *block_tables; int bt_stride;
     const int32_t *q_start, *seq_lens; int S, nh, nkv, D, block_size, window; float scale, soft_cap;
-    float *kv; const size_t *kv_off;  /* per sequence: nkv x (Kt [D][Lp], V [Lp][D]) at kv + kv_off[s] */
+    float *kv; const size_t *kv_off;  /* per sequence: nkv x (Kt [D][ldk], V [D/16][Lp][16]) at kv + kv_off[s] */
     const int *tiles; int ntiles;     /* tile i: sequence tiles[2i], first query tiles[2i + 1] */
     _Atomic int failed;
     float *out;
 } pattn_job;
 
 static inline int lp_of(int len) { return (len + 15) / 16 * 16; }
+/* K^T's row stride: one cache line past Lp, so the D rows a block of keys reads do not fall in the same few L1
+ * sets (at 512 keys a stride of 2 KB put all 64 in 2 sets of 8 ways: every register tile re-read them from L2) */
+static inline int ldk_of(int len) { return lp_of(len) + 16; }
 
 /* Sequence c / nkv, KV head c % nkv: K and V of positions 0..len-1 widened, zero up to Lp. */
 static void widen_kv(void *arg, int c) {
     const pattn_job *j = arg;
     const int s = c / j->nkv, g = c % j->nkv, D = j->D, len = j->seq_lens[s], Lp = lp_of(len), bs = j->block_size;
-    float *kt = j->kv + j->kv_off[s] + (size_t)g * 2 * Lp * D, *v = kt + (size_t)Lp * D;
+    const int ldk = ldk_of(len);
+    float *kt = j->kv + j->kv_off[s] + (size_t)g * (ldk + Lp) * D, *v = kt + (size_t)ldk * D;
     const int32_t *bt = j->block_tables + (size_t)s * j->bt_stride;
     for (int p0 = 0; p0 < Lp; p0 += 8) {
         const uint16_t *kr[8], *vr[8];
@@ -50,22 +54,23 @@ static void widen_kv(void *arg, int c) {
             __m256i r[8];
             for (int i = 0; i < 8; i++) {
                 r[i] = kr[i] ? _mm256_castps_si256(load_bf16(kr[i] + d0)) : _mm256_setzero_si256();
-                _mm256_storeu_ps(v + (size_t)(p0 + i) * D + d0, vr[i] ? load_bf16(vr[i] + d0) : _mm256_setzero_ps());
+                _mm256_storeu_ps(v + ((size_t)(d0 / 16) * Lp + p0 + i) * 16 + d0 % 16,
+                                 vr[i] ? load_bf16(vr[i] + d0) : _mm256_setzero_ps());
             }
             transpose8(r);
-            for (int i = 0; i < 8; i++) _mm256_storeu_ps(kt + (size_t)(d0 + i) * Lp + p0, _mm256_castsi256_ps(r[i]));
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(kt + (size_t)(d0 + i) * ldk + p0, _mm256_castsi256_ps(r[i]));
         }
     }
 }
 
 /* sc[r][c - c0] = scale * q_r . k_c for mr rows and keys c0..c1 (multiples of 16 apart). */
-static inline __attribute__((always_inline)) void scores(const float *const *qr, const int mr, const float *kt, int Lp,
+static inline __attribute__((always_inline)) void scores(const float *const *qr, const int mr, const float *kt, int ldk,
                                                          int D, int c0, int c1, float scale, float *sc, int W) {
     for (int c = c0; c < c1; c += 16) {
         __m256 a[RB][2];
         for (int m = 0; m < mr; m++) a[m][0] = a[m][1] = _mm256_setzero_ps();
         for (int d = 0; d < D; d++) {
-            const __m256 k0 = _mm256_loadu_ps(kt + (size_t)d * Lp + c), k1 = _mm256_loadu_ps(kt + (size_t)d * Lp + c + 8);
+            const __m256 k0 = _mm256_loadu_ps(kt + (size_t)d * ldk + c), k1 = _mm256_loadu_ps(kt + (size_t)d * ldk + c + 8);
             for (int m = 0; m < mr; m++) {
                 const __m256 qb = _mm256_broadcast_ss(qr[m] + d);
                 a[m][0] = _mm256_fmadd_ps(qb, k0, a[m][0]);
@@ -81,12 +86,13 @@ static inline __attribute__((always_inline)) void scores(const float *const *qr,
 }
 
 /* o_r[d0..d0+16] = sum_c p[r][c] v_c / norm_r for mr rows, keys c0..c1. */
-static inline __attribute__((always_inline)) void weigh(const float *p, int W, const int mr, const float *v, int D,
+static inline __attribute__((always_inline)) void weigh(const float *p, int W, const int mr, const float *v, int Lp,
                                                         int c0, int c1, int d0, const float *inv, float *const *orow) {
     __m256 a[RB][2];
     for (int m = 0; m < mr; m++) a[m][0] = a[m][1] = _mm256_setzero_ps();
     for (int c = c0; c < c1; c++) {
-        const __m256 v0 = _mm256_loadu_ps(v + (size_t)c * D + d0), v1 = _mm256_loadu_ps(v + (size_t)c * D + d0 + 8);
+        const float *vc = v + ((size_t)(d0 / 16) * Lp + c) * 16;  /* 16 dims of key c: one line, keys in a row */
+        const __m256 v0 = _mm256_loadu_ps(vc), v1 = _mm256_loadu_ps(vc + 8);
         for (int m = 0; m < mr; m++) {
             const __m256 pb = _mm256_broadcast_ss(p + (size_t)m * W + c - c0);
             a[m][0] = _mm256_fmadd_ps(pb, v0, a[m][0]);
@@ -108,11 +114,11 @@ static void attend_tile(void *arg, int c) {
     pattn_job *j = arg;
     const int ti = j->ntiles - 1 - c / j->nkv, g = c % j->nkv;  /* the longest rows first: better balance */
     const int s = j->tiles[2 * ti], t0 = j->tiles[2 * ti + 1], D = j->D, group = j->nh / j->nkv;
-    const int len = j->seq_lens[s], qlen = j->q_start[s + 1] - j->q_start[s], Lp = lp_of(len);
+    const int len = j->seq_lens[s], qlen = j->q_start[s + 1] - j->q_start[s], Lp = lp_of(len), ldk = ldk_of(len);
     const int nt = qlen - t0 < BQ ? qlen - t0 : BQ, R = nt * group, first = len - qlen + t0, last = first + nt - 1;
     const int lo0 = j->window > 0 && first - j->window + 1 > 0 ? first - j->window + 1 : 0;
     const int c0 = lo0 / 16 * 16, c1 = lp_of(last + 1), W = c1 - c0;
-    const float *kt = j->kv + j->kv_off[s] + (size_t)g * 2 * Lp * D, *v = kt + (size_t)Lp * D;
+    const float *kt = j->kv + j->kv_off[s] + (size_t)g * (ldk + Lp) * D, *v = kt + (size_t)ldk * D;
     const size_t need = (size_t)R * W + R;
     if (need > sc_cap) {
         free(sc_buf);
@@ -129,8 +135,8 @@ static void attend_tile(void *arg, int c) {
     for (int r0 = 0; r0 < R; r0 += RB) {
         const int mr = R - r0 < RB ? R - r0 : RB;
         ROW_PTRS(r0, mr)
-        if (mr == RB) scores(qr, RB, kt, Lp, D, c0, c1, j->scale, sc + (size_t)r0 * W, W);
-        else for (int m = 0; m < mr; m++) scores(qr + m, 1, kt, Lp, D, c0, c1, j->scale, sc + (size_t)(r0 + m) * W, W);
+        if (mr == RB) scores(qr, RB, kt, ldk, D, c0, c1, j->scale, sc + (size_t)r0 * W, W);
+        else for (int m = 0; m < mr; m++) scores(qr + m, 1, kt, ldk, D, c0, c1, j->scale, sc + (size_t)(r0 + m) * W, W);
     }
     for (int r = 0; r < R; r++) {
         const int pos = first + r / group, lo = j->window > 0 && pos - j->window + 1 > lo0 ? pos - j->window + 1 : lo0;
@@ -140,8 +146,8 @@ static void attend_tile(void *arg, int c) {
         const int mr = R - r0 < RB ? R - r0 : RB;
         ROW_PTRS(r0, mr)
         for (int d0 = 0; d0 < D; d0 += 16) {
-            if (mr == RB) weigh(sc + (size_t)r0 * W, W, RB, v, D, c0, c1, d0, inv + r0, orow);
-            else for (int m = 0; m < mr; m++) weigh(sc + (size_t)(r0 + m) * W, W, 1, v, D, c0, c1, d0, inv + r0 + m, orow + m);
+            if (mr == RB) weigh(sc + (size_t)r0 * W, W, RB, v, Lp, c0, c1, d0, inv + r0, orow);
+            else for (int m = 0; m < mr; m++) weigh(sc + (size_t)(r0 + m) * W, W, 1, v, Lp, c0, c1, d0, inv + r0 + m, orow + m);
         }
     }
 #undef ROW_PTRS
@@ -171,7 +177,7 @@ int prefill_attention_bf16(const float *q, int q_stride, const uint16_t *k_cache
     if (!off) return KV_NO_MEMORY;
     off[0] = 0;
     for (int s = 0; s < S; s++) {
-        off[s + 1] = off[s] + (size_t)nkv * 2 * lp_of(seq_lens[s]) * D;
+        off[s + 1] = off[s] + (size_t)nkv * (ldk_of(seq_lens[s]) + lp_of(seq_lens[s])) * D;
         ntiles += (q_start[s + 1] - q_start[s] + BQ - 1) / BQ;
     }
     int *tiles = malloc(sizeof(int) * 2 * (ntiles + 1));

@@ -114,7 +114,9 @@ static inline __attribute__((always_inline)) void panel_tile(const panel_job *j,
                                                              const float *zp, int n0, int m0, const int mr, const int G) {
     const int K = j->K, mp = j->mp;
     const int32_t *xt = j->xt + (size_t)(m0 / PMR) * (K / 2) * PMR;
-    float f[PMR][PNR] __attribute__((aligned(32))) = {{0}};  /* float sums: touched once per group */
+    float f[PMR][PNR] __attribute__((aligned(32)));  /* float sums: touched once per group */
+    for (int m = 0; m < PMR; m++)  /* vector stores: gcc made "= {{0}}" a rep stos, ~10% of the kernel's samples */
+        for (int h = 0; h < PNR; h += 8) _mm256_store_ps(f[m] + h, _mm256_setzero_ps());
     const __m256i *wv = (const __m256i *)wp;
     for (int g = 0; g < K / G; g++) {
         __m256i a[PMR][2];
@@ -133,7 +135,13 @@ static inline __attribute__((always_inline)) void panel_tile(const panel_job *j,
         }
     }
     const int nr = j->N - n0 < PNR ? j->N - n0 : PNR;
-    for (int m = 0; m < mr; m++) memcpy(j->y + (size_t)(m0 + m) * j->N + n0, f[m], sizeof(float) * nr);
+    for (int m = 0; m < mr; m++) {
+        float *y = j->y + (size_t)(m0 + m) * j->N + n0;
+        if (nr == PNR) {  /* (a memcpy call per row cost 2% of the kernel) */
+            _mm256_storeu_ps(y, _mm256_load_ps(f[m]));
+            _mm256_storeu_ps(y + 8, _mm256_load_ps(f[m] + 8));
+        } else memcpy(y, f[m], sizeof(float) * nr);
+    }
 }
 
 static __thread void *pscratch;
@@ -151,8 +159,9 @@ static void panel_chunk(void *arg, int chunk) {
     }
     int16_t *rows = pscratch, *wp = (int16_t *)((char *)pscratch + (wbytes + 63) / 64 * 64);
     float *sp = (float *)((char *)wp + (wbytes + 63) / 64 * 64), *zp = sp + (size_t)PNR * j->ng;
-    const int per = (j->npanels + j->nchunks - 1) / j->nchunks;
-    for (int pnl = chunk * per; pnl < (chunk + 1) * per && pnl < j->npanels; pnl++) {
+    /* chunk c: panels [c * np / nc, (c + 1) * np / nc), sizes within one of each other */
+    const int p0 = (int)((long)chunk * j->npanels / j->nchunks), p1 = (int)((long)(chunk + 1) * j->npanels / j->nchunks);
+    for (int pnl = p0; pnl < p1; pnl++) {
         const int n0 = pnl * PNR;
         unpack_panel(j, n0, rows, wp, sp, zp);
         for (int m0 = 0; m0 < j->M; m0 += PMR) {
@@ -176,12 +185,24 @@ static void prepare_rows(void *arg, int c) {
     quantize_rows(j->x + (size_t)m0 * K, m1 - m0, K, j->G, j->mp, j->ngp, j->xq + (size_t)m0 * K,
                   j->dxT + m0, j->xsum + (size_t)m0 * j->ngp, j->has_zeros);
     const int32_t *x32 = (const int32_t *)j->xq;
-    for (int t = c * per; t < t1; t++)
-        for (int m = 0; m < PMR; m++) {
-            const int row = t * PMR + m;
-            int32_t *o = j->xt + (size_t)t * (K / 2) * PMR + m;
-            for (int p = 0; p < K / 2; p++) o[(size_t)p * PMR] = row < j->M ? x32[(size_t)row * (K / 2) + p] : 0;
+    for (int t = c * per; t < t1; t++) {
+        const int32_t *r[PMR];
+        for (int m = 0; m < PMR; m++) r[m] = t * PMR + m < j->M ? x32 + (size_t)(t * PMR + m) * (K / 2) : NULL;
+        int32_t *o = j->xt + (size_t)t * (K / 2) * PMR;
+        for (int p = 0; p < K / 2; p += 8) {  /* 4 rows x 8 k-pairs -> 8 k-pairs x 4 rows (K / 2 is a multiple of 16) */
+            __m256i v[PMR];
+            for (int m = 0; m < PMR; m++) v[m] = r[m] ? _mm256_loadu_si256((const __m256i *)(r[m] + p)) : _mm256_setzero_si256();
+            const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+            const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+            const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);  /* k-pairs 0, 4 | 1, 5 */
+            const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);  /* 2, 6 | 3, 7 */
+            __m256i *op = (__m256i *)(o + (size_t)p * PMR);
+            _mm256_storeu_si256(op, _mm256_permute2x128_si256(u0, u1, 0x20));
+            _mm256_storeu_si256(op + 1, _mm256_permute2x128_si256(u2, u3, 0x20));
+            _mm256_storeu_si256(op + 2, _mm256_permute2x128_si256(u0, u1, 0x31));
+            _mm256_storeu_si256(op + 3, _mm256_permute2x128_si256(u2, u3, 0x31));
         }
+    }
 }
 
 static _Atomic int panel_calls;
@@ -193,7 +214,9 @@ static int run_panel(panel_job *j, const float *x, int nthreads) {
     atomic_fetch_add(&panel_calls, 1);
     j->ng = j->K / j->G;
     j->ngp = (j->ng + 7) / 8 * 8;
-    j->mp = j->M;
+    /* dxT's row stride: a cache line past M, so the groups' steps a tile reads (one row each) do not share a few
+     * L1 sets (at 512 rows a 2 KB stride put all 18 of K = 576 in 2 sets of 8 ways) */
+    j->mp = j->M + 16;
     int16_t *xq = malloc(sizeof(int16_t) * (size_t)j->M * j->K);
     float *dxT = calloc((size_t)(j->K / 32) * j->mp, sizeof(float));
     float *xsum = malloc(sizeof(float) * (size_t)j->M * j->ngp);
@@ -204,7 +227,11 @@ static int run_panel(panel_job *j, const float *x, int nthreads) {
         j->nchunks = j->M >= 64 ? 2 * nthreads : 1;  /* a few rows: not worth waking a worker */
         pool_run(prepare_rows, j, j->nchunks, nthreads);
         j->npanels = (j->N + PNR - 1) / PNR;
-        j->nchunks = j->npanels < 4 * nthreads ? j->npanels : 4 * nthreads;
+        /* chunks of ~256 rows' work or more (a panel's claim costs an atomic): at 512 rows a panel each, so the
+         * core that finishes first waits at most one panel (~0.1 ms), not a chunk of 24 (2 ms of a gate_up's 9) */
+        int per = j->M >= 256 ? 1 : 256 / j->M;
+        if (j->npanels / per >= 0xffff) per = j->npanels / 0xfffe + 1;  /* the pool takes < 2^16 chunks */
+        j->nchunks = (j->npanels + per - 1) / per;
         atomic_store(&j->failed, 0);
         pool_run(panel_chunk, j, j->nchunks, nthreads);
         rc = atomic_load(&j->failed) ? -1 : 0;
