@@ -59,7 +59,7 @@ class GPUDecodeStack:
                              rope=DecodeRope(positions, rope.cos_cache, rope.sin_cache,
                                              k.view(1, a.num_kv_heads, a.head_dim),
                                              v.view(1, a.num_kv_heads, a.head_dim), meta.slot_mapping))
-        h = gemv(o.view(1, -1), attn.o_proj.weight, attn.o_proj.bias)
+        h = gemv(o.view(1, -1), attn.o_proj.weight)  # (supports() leaves o_proj and down_proj biases out)
         norm = layer.post_attention_layernorm
         act, residual = gemv(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=norm.weight,
                              eps=norm.eps, residual=residual, silu_and_mul=True)
