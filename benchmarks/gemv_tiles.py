@@ -84,9 +84,9 @@ def projections(model: str, dev: str) -> dict:
                 row["tiles"][str(t)] = {"error": err}
                 continue
             row["tiles"][str(t)] = {"us": graph_us([lambda w=w: fused(w, t) for w in ws]), "rel_err": err}
-        best = min((v["us"], k_) for k_, v in row["tiles"].items() if "us" in v)
-        row["best"], row["best_us"] = best[1], best[0]
-        print(f"| {model} {name} [{n}x{k}] | {row['unfused_us']:.2f} | {best[0]:.2f} {best[1]} |", flush=True)
+        best_us, best = min((v["us"], k_) for k_, v in row["tiles"].items() if "us" in v)
+        row["best"], row["best_us"] = [int(t) for t in best.strip("()").split(",")], best_us
+        print(f"| {model} {name} [{n}x{k}] | {row['unfused_us']:.2f} | {best_us:.2f} {best} |", flush=True)
         out[name] = row
         del ws
     return out
@@ -150,7 +150,7 @@ def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__)
     print("| kernel | layer-by-layer (us) | fused stack (us, best tile) |\n| --- | --- | --- |")
     res = {m: {"projections": projections(m, "cuda"), "attention": attention(m, "cuda")} for m in args.models}
-    tiles = {(r["n"], r["k"], r["silu_and_mul"]): eval(r["best"]) for m in res.values()
+    tiles = {(r["n"], r["k"], r["silu_and_mul"]): tuple(r["best"]) for m in res.values()
              for r in m["projections"].values()}
     print("GEMV_TILES =", tiles)
     if args.out:

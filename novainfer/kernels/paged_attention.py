@@ -6,7 +6,9 @@ re-use, and both keep the softmax online in float32 (flash-attention style).
 - decode: one new token per sequence. A program takes one sequence, one KV head and one split of the
   context, and computes all the query heads of that KV head's group at once, so each K/V tile is read
   once per group (GQA). With several splits (split-K, for long contexts and small batches) each writes
-  an unnormalised partial result and a second kernel merges them.
+  an unnormalised partial result, and the last split of a sequence and KV head to finish (counted on an
+  atomic) merges them in the same launch. With rope= it also rotates q and the new key and stores the new
+  key and value itself (the batch-1 decode stack, layers/gpu_decoder.py).
 - prefill: any number of new tokens per sequence, after any number of cached ones (chunked prefill,
   prefix-cache hits). A program takes BLOCK_M query tokens of one head and walks the visible keys.
 
@@ -217,6 +219,18 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int, int]:
     return num_heads, head_dim, block_size, num_kv_heads
 
 
+class DecodeRope(NamedTuple):
+    """What decode_attention needs to rotate q and the new key and store the new key/value itself:
+    positions [num_seqs], the rotary cos/sin tables [max_pos, head_dim] (float32), key/value
+    [num_seqs, kv_heads, head_dim] as the projection wrote them (rows may be strided), slot_mapping [num_seqs]."""
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int = 1,
                      out: torch.Tensor | None = None, sliding_window: int | None = None,
@@ -258,18 +272,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HAS_SOFT_CAP=logits_soft_cap is not None, ROPE=rope is not None, PRECISION=_precision(q.dtype),
         num_warps=4)
     return out
-
-
-class DecodeRope(NamedTuple):
-    """What decode_attention needs to rotate q and the new key and store the new key/value itself:
-    positions [num_seqs], the rotary cos/sin tables [max_pos, head_dim] (float32), key/value
-    [num_seqs, kv_heads, head_dim] as the projection wrote them (rows may be strided), slot_mapping [num_seqs]."""
-    positions: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    key: torch.Tensor
-    value: torch.Tensor
-    slot_mapping: torch.Tensor
 
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}  # a device's buffers, the newest last (graphs keep the old)

@@ -50,7 +50,7 @@ class GPUDecodeStack:
         attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
         qkv = gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps,
                    residual=residual)
-        qkv, residual = qkv if residual is not None else (qkv, h)
+        qkv, residual = qkv if residual is not None else (qkv, h)  # the first layer: its input is the residual
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         a, rope = attn.attn, attn.rotary_emb
         o = decode_attention(q.view(1, a.num_heads, a.head_dim), a.k_cache, a.v_cache, meta.block_tables,
