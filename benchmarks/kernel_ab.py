@@ -231,6 +231,9 @@ def main() -> None:
     libs = {"new": (cpu_kernels.library(),), "old": (build_at(args.base), args.base_panel_rows)}
     if args.panel_rows:
         libs[f"new, panel from {args.panel_rows} rows"] = (cpu_kernels.library(), args.panel_rows)
+    if not libs["old"][0].panel_layout and args.mode != "attention":
+        raise SystemExit(f"{args.base}'s kernels read weights in rows, not this tree's panels: compare whole trees in "
+                         "separate processes instead (benchmarks/tree_ab.py)")
     if not libs["old"][0].scale_f16:  # a base before float16 scales: both load float32 ones (one set of weights)
         gguf_repack.FP16_SCALES = False
     out = {"spec": spec, "streams": streams, "prefill": prefill, "gemm": gemm, "attention": attention}[args.mode](args, libs)

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -62,6 +63,18 @@ def build_at(commit: str):
     if lib is None:
         raise SystemExit(f"could not build the kernels of {commit}")
     return lib
+
+
+def for_build(w, lib, f32_scales: bool = False):
+    """w as `lib` reads it: a build before float16 scales gets float32 ones (the same values), and a build before
+    the panel layout the row layout (PackedWeight.rows(), in an object with the attributes quant_gemm reads)."""
+    if f32_scales or not lib.scale_f16:
+        w = w.float32_scales()
+    if getattr(lib, "panel_layout", False):
+        return w
+    q, scales, zeros = w.rows()
+    return types.SimpleNamespace(kind=w.kind, qweight=q, scales=scales, zeros=zeros, group=w.group, shape=w.shape,
+                                 scale_f16=w.scale_f16)
 
 
 def model_layers() -> dict[str, tuple]:
@@ -129,8 +142,7 @@ def main() -> None:
                 x = torch.randn(m, w.shape[1])
                 inner = max(3, int(2e7 / (w.shape[0] * w.shape[1] * m)))
                 res = {"old": [], "new": []}
-                # a base before float16 scales reads the same values as float32 (its layout then)
-                ws = {name: w if lib.scale_f16 else w.float32_scales() for name, lib in libs.items()}
+                ws = {name: for_build(w, lib) for name, lib in libs.items()}
                 for _ in range(args.repeats):  # interleaved, so drifting load hits both alike
                     for name, lib in libs.items():
                         res[name] += time_us(lambda: cpu_kernels.quant_gemm(x, ws[name], lib), 1, inner)
@@ -165,10 +177,11 @@ def decode_step(args: argparse.Namespace) -> None:
     """A decode step's GEMMs with the weights streamed, this build against --base's, interleaved."""
     libs = {"old": cpu_kernels.library() if args.f32_scales else build_at(args.base), "new": cpu_kernels.library()}
     weights = step_weights()
-    sets = {k: [w if lib.scale_f16 and not (k == "old" and args.f32_scales) else w.float32_scales() for w in weights]
-            for k, lib in libs.items()}
-    print(f"base {'this build, float32 scales' if args.f32_scales else args.base}; packed bytes a step reads: old {sum(w.nbytes() for w in sets['old']) / 1e6:.1f} MB, "
-          f"new {sum(w.nbytes() for w in sets['new']) / 1e6:.1f} MB")
+    sets = {k: [for_build(w, lib, k == "old" and args.f32_scales) for w in weights] for k, lib in libs.items()}
+    nbytes = {k: sum(t.nbytes for w in ws for t in (w.qweight, w.scales, w.zeros) if t is not None) / 1e6
+              for k, ws in sets.items()}
+    print(f"base {'this build, float32 scales' if args.f32_scales else args.base}; packed bytes a step reads: "
+          f"old {nbytes['old']:.1f} MB, new {nbytes['new']:.1f} MB")
     for m in args.rows:
         xs = [torch.randn(m, w.shape[1]) for w in weights]
         outs = {k: [cpu_kernels.quant_gemm(x, w, libs[k]) for x, w in zip(xs, ws)] for k, ws in sets.items()}

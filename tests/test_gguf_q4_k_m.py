@@ -130,7 +130,7 @@ def test_prefill_path_dequantizes_large_weights_in_row_chunks(monkeypatch):
     monkeypatch.setattr(gguf_cpu, "PREFILL_DEQUANT", True)  # the path before the panel GEMM, kept for A/B runs
     monkeypatch.setattr(gguf_cpu, "DEQUANT_CHUNK_BYTES", 4 * k * 128)  # 128 rows a chunk: 3 chunks, the last short
     calls, real = [], gguf_cpu.dequantize
-    monkeypatch.setattr(gguf_cpu, "dequantize", lambda w: calls.append(w.shape[0]) or real(w))
+    monkeypatch.setattr(gguf_cpu, "dequantize", lambda w, rows: calls.append(len(rows)) or real(w, rows))
     y = gguf_cpu.GGUFCPULinearMethod().apply(layer, x, bias)
     assert y.shape == (x.shape[0], n)
     assert (y.double() - want).norm() < 1e-5 * want.norm()  # float32 GEMM rounding only

@@ -23,7 +23,7 @@ def random_packed(kind: str, group: int, zeros: bool, n: int, k: int) -> PackedW
     def f16() -> torch.Tensor:
         v = RNG.standard_normal((n, k // group)) * 10.0 ** RNG.integers(-7, 3, (n, k // group))
         return torch.from_numpy(v.astype(np.float16))
-    return PackedWeight(kind, q, f16(), f16() if zeros else None, group, (n, k))
+    return PackedWeight.from_rows(kind, q, f16(), f16() if zeros else None, group, (n, k))
 
 
 @pytest.mark.parametrize("qtype, f16", [(T.Q4_0, True), (T.Q4_1, True), (T.Q8_0, True), (T.Q4_K, None),
@@ -48,7 +48,7 @@ def test_values_float16_cannot_hold_stay_float32():
     blocks[1, 0, 0:2] = np.array([40000.0], np.float16).view(np.uint8)  # -8d = -320000: past float16's range
     w = repack(blocks.reshape(4, -1), T.Q4_0, (4, 64))
     assert w.scales.dtype == w.zeros.dtype == torch.float32
-    assert w.zeros[1, 0] == -320000.0
+    assert w.rows()[2][1, 0] == -320000.0
 
 
 def test_merge_rows_promotes_mixed_dtypes_exactly():
@@ -73,7 +73,9 @@ def test_every_kernel_gives_the_float32_scales_bits(kind, group, zeros):
     assert torch.equal(cpu_kernels.dequantize(w16), cpu_kernels.dequantize(w32))
     assert torch.equal(cpu_kernels.dequantize(w16), w32.dequantize())
     picked = torch.tensor([36, 0, 5, 5])  # the embedding lookup's row selection
-    assert torch.equal(cpu_kernels.dequantize(w16.select_rows(picked)), w32.dequantize()[picked])
+    assert torch.equal(cpu_kernels.dequantize(w16, picked), w32.dequantize()[picked])
+    with pytest.raises(IndexError, match="row ids"):
+        cpu_kernels.dequantize(w16, torch.tensor([37]))
     xs = torch.from_numpy(RNG.standard_normal((70, 288)).astype(np.float32))
     ys = {}
     for m in (1, 2, 3, 5, 64, 70):  # few-row kernel (weights unpacked in registers up to 3 rows) and panel kernel

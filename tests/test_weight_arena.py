@@ -11,7 +11,7 @@ def _packed(n: int, k: int, zeros: bool, seed: int) -> PackedWeight:
     q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
     s = torch.rand(n, k // 32, generator=g) * 0.01
     z = -torch.rand(n, k // 32, generator=g) * 0.05 if zeros else None
-    return PackedWeight("q4", q, s, z, 32, (n, k))
+    return PackedWeight.from_rows("q4", q, s, z, 32, (n, k))
 
 
 def test_arena_keeps_values_and_results_and_moves_a_tied_weight_once():

@@ -26,13 +26,13 @@ from novainfer.layers.quantization.gguf_repack import PackedWeight
 
 logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_pool.h", "cpu_kernels.h", "simd_cpu.h")]
+_HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_pool.h", "cpu_kernels.h", "simd_cpu.h", "panel_cpu.h")]
 _SOURCES = [os.path.join(_CSRC, name) for name in ("qgemm_cpu.c", "qgemm_panel_cpu.c", "dequantize_cpu.c",
                                                    "decode_ops_cpu.c", "prefill_attention_cpu.c", "cpu_pool.c",
                                                    "decoder_stack_cpu.c")]
 # From this many activation rows on, q4_gemm/q8_gemm run the panel kernel (faster from about 12 rows on:
 # benchmarks/qgemm_rows.py --step). Both kernels give a row the same bits, so the switch does not change results.
-PANEL_MIN_ROWS = 12
+PANEL_MIN_ROWS = 16
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC"]
@@ -97,7 +97,10 @@ def build_library(sources: list[str], headers: list[str]) -> ctypes.CDLL | None:
         lib.set_panel_min_rows.argtypes = [_I]
         lib.set_panel_min_rows(PANEL_MIN_ROWS)
     _F = ctypes.c_float
-    lib.dequantize.argtypes = [_P, _I, _I, _P, _P, *f16, _I, _I, _P, _I]
+    # an older commit's build reads weights in the row layout (benchmarks pass it PackedWeight.rows())
+    lib.panel_layout = hasattr(lib, "weights_in_panels")
+    if lib.panel_layout:
+        lib.dequantize.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P, _I, _P, _I]
     # the last int: threads (an older build's ops ignore it)
     lib.add_rms_norm.argtypes = [_P, _P, _P, _P, _F, _P, _I, _I, _I]
     lib.silu_and_mul.argtypes = [_P, _P, _I, _I, _I]
@@ -182,13 +185,20 @@ def _scale_flag(lib: ctypes.CDLL, w: PackedWeight) -> list[int]:
     return []
 
 
-def dequantize(w: PackedWeight) -> torch.Tensor:
-    """The float32 [N, K] weight, in C (the prefill path's GEMM input; PackedWeight.dequantize in torch is
-    the reference)."""
+def dequantize(w: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 rows of the weight, in C: all [N, K], or the given row ids (the embedding lookup). In torch,
+    PackedWeight.dequantize is the reference."""
     n, k = w.shape
-    out = torch.empty(n, k, dtype=torch.float32)
+    if rows is not None:
+        rows = rows.reshape(-1).to(torch.int64).contiguous()
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
+            raise IndexError(f"row ids must be in [0, {n}), got {int(rows.min())}..{int(rows.max())}")
+    count = n if rows is None else rows.numel()
+    out = torch.empty(count, k, dtype=torch.float32)
+    if count == 0:
+        return out
     zeros = None if w.zeros is None else w.zeros.data_ptr()
-    lib = _library()
-    lib.dequantize(w.qweight.data_ptr(), int(w.kind == "q4"), w.group, w.scales.data_ptr(), zeros,
-                   *_scale_flag(lib, w), n, k, out.data_ptr(), _kernel_threads or torch.get_num_threads())
+    _library().dequantize(w.qweight.data_ptr(), int(w.kind == "q4"), w.group, w.scales.data_ptr(), zeros,
+                          int(w.scale_f16), k, None if rows is None else rows.data_ptr(), count, out.data_ptr(),
+                          _kernel_threads or torch.get_num_threads())
     return out

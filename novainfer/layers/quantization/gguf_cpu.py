@@ -92,8 +92,7 @@ class GGUFCPULinearMethod(QuantizeMethodBase):
         packed = layer.weight.packed
         if packed is None:
             return F.embedding(input_ids, layer.weight)
-        picked = packed.select_rows(input_ids.reshape(-1))
-        rows = dequantize(picked).to(layer.weight.act_dtype)  # in C: the torch version took 30 ms for 512 tokens
+        rows = dequantize(packed, input_ids).to(layer.weight.act_dtype)  # in C: torch took 30 ms for 512 tokens
         return rows.view(*input_ids.shape, -1)
 
 
@@ -103,8 +102,8 @@ def _dequantize_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor
     step = max(1, DEQUANT_CHUNK_BYTES // (4 * k))
     if n <= step:
         return F.linear(x, dequantize(packed).to(x.dtype), bias)
-    y = torch.cat([F.linear(x, dequantize(packed.row_slice(r, r + step)).to(x.dtype)) for r in range(0, n, step)],
-                  dim=-1)
+    y = torch.cat([F.linear(x, dequantize(packed, torch.arange(r, min(r + step, n))).to(x.dtype))
+                   for r in range(0, n, step)], dim=-1)
     return y if bias is None else y.add_(bias)
 
 

@@ -1,4 +1,5 @@
-"""Repacks GGUF quantized blocks, without re-quantizing, into the two layouts the CPU kernels read.
+"""Repacks GGUF quantized blocks, without re-quantizing, into the two layouts the CPU kernels read, with the
+output rows in panels of 16 (panel_layout.py: the order the kernels' madds consume the weights).
 
 Every supported type dequantizes per group as q * scale + zero, so the repack is exact (scale and zero are
 products of GGUF's float16 factors and small integers, formed in float32):
@@ -18,6 +19,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
+from novainfer.layers.quantization import panel_layout
+
 # type -> (elements per block, bytes per block)
 BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q5_K: (256, 176),
          T.Q6_K: (256, 210)}
@@ -26,12 +29,13 @@ SUPPORTED = frozenset(BLOCK)
 
 @dataclass
 class PackedWeight:
-    """A [N, K] weight in one of the kernels' layouts (see module docstring); tensors on the CPU."""
+    """A [N, K] weight in one of the kernels' layouts (see module docstring), output rows in panels of 16
+    (panel_layout.py, csrc/panel_cpu.h); tensors on the CPU."""
 
     kind: str  # "q4" or "q8"
-    qweight: torch.Tensor  # q4: uint8 [N, K/2]; q8: int8 [N, K]
-    scales: torch.Tensor  # float16 or float32 [N, K/group]
-    zeros: torch.Tensor | None  # [N, K/group], the scales' dtype; None: all zero
+    qweight: torch.Tensor  # q4: uint8 [P, 8K]; q8: int8 [P, 16K] (P = ceil(N / 16) panels)
+    scales: torch.Tensor  # float16 or float32 [P, 16 * K/group]
+    zeros: torch.Tensor | None  # the scales' shape and dtype; None: all zero
     group: int
     shape: tuple[int, int]
 
@@ -40,6 +44,23 @@ class PackedWeight:
             raise ValueError(f"PackedWeight scales must be float16 or float32, not {self.scales.dtype}")
         if self.zeros is not None and self.zeros.dtype != self.scales.dtype:
             raise ValueError(f"PackedWeight zeros ({self.zeros.dtype}) and scales ({self.scales.dtype}) differ in dtype")
+
+    @classmethod
+    def from_rows(cls, kind: str, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
+                  shape: tuple[int, int]) -> "PackedWeight":
+        """A weight given in the row layout (q4 uint8 [N, K/2] in GGML's nibble order, q8 int8 [N, K]; scales and
+        zeros [N, K/group])."""
+        t, zp = torch.from_numpy, None if zeros is None else panel_layout.groups_to_panels(zeros.numpy())
+        return cls(kind, t(panel_layout.quants_to_panels(kind, q.numpy())),
+                   t(panel_layout.groups_to_panels(scales.numpy())), None if zp is None else t(zp), group, shape)
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(quants, scales, zeros) in the row layout of from_rows (copies)."""
+        n, k = self.shape
+        t = torch.from_numpy
+        z = None if self.zeros is None else t(panel_layout.groups_to_rows(self.zeros.numpy(), n))
+        return (t(panel_layout.quants_to_rows(self.kind, self.qweight.numpy(), n, k)),
+                t(panel_layout.groups_to_rows(self.scales.numpy(), n)), z)
 
     @property
     def scale_f16(self) -> bool:
@@ -57,34 +78,17 @@ class PackedWeight:
         return self.qweight.nbytes + self.scales.nbytes + z
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 [N, K] weight (fallback paths, prefill and the tests' reference)."""
-        return dequantize_rows(self, slice(None))
-
-    def row_slice(self, start: int, end: int) -> "PackedWeight":
-        """Output rows start:end as views (contiguous: every tensor is row-major over N)."""
-        return self.select_rows(slice(start, min(end, self.shape[0])))
-
-    def select_rows(self, rows: slice | torch.Tensor) -> "PackedWeight":
-        """The given output rows: a slice gives views, an index tensor copies (the embedding lookup)."""
-        q = self.qweight[rows]
-        return PackedWeight(self.kind, q, self.scales[rows], None if self.zeros is None else self.zeros[rows],
-                            self.group, (q.shape[0], self.shape[1]))
-
-
-def dequantize_rows(w: PackedWeight, rows) -> torch.Tensor:
-    """Float32 rows of the weight in torch (the C dequantize's reference): an index tensor or a slice."""
-    w = w.select_rows(rows)
-    q = w.qweight
-    n, k = q.shape[0], w.shape[1]
-    if w.kind == "q4":
-        g = q.view(n, k // 32, 16)
-        vals = torch.stack([g & 15, g >> 4], dim=-2).view(n, k // 32, 32).float()  # [lo16, hi16] per group
-    else:
-        vals = q.float().view(n, k // w.group, w.group)
-    out = vals * w.scales.float().unsqueeze(-1)
-    if w.zeros is not None:
-        out += w.zeros.float().unsqueeze(-1)
-    return out.view(n, k)
+        """The float32 [N, K] weight in torch (fallback paths and the tests' reference for the C kernels)."""
+        n, k = self.shape
+        q, scales, zeros = self.rows()
+        if self.kind == "q4":
+            vals = torch.from_numpy(panel_layout.q4_values(q.numpy())).float().view(n, k // 32, 32)
+        else:
+            vals = q.float().view(n, k // self.group, self.group)
+        out = vals * scales.float().unsqueeze(-1)
+        if zeros is not None:
+            out += zeros.float().unsqueeze(-1)
+        return out.view(n, k)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -134,15 +138,18 @@ def repack(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> PackedWeight:
         raise ValueError(f"row length {k} is not a multiple of {qtype.name}'s block of {per}")
     b = np.asarray(data, dtype=np.uint8).reshape(n, k // per, nbytes)
     kind, group, has_zero = LAYOUT[qtype]
-    qweight = np.empty((n, k // 2), np.uint8) if kind == "q4" else np.empty((n, k), np.int8)
-    scales = np.empty((n, k // group), np.float32)
-    zeros = np.empty((n, k // group), np.float32) if has_zero else None
-    step = max(1, CHUNK_BYTES // (k // per * nbytes))
+    p, pn = panel_layout.num_panels(n), panel_layout.PANEL
+    qweight = np.empty((p, 8 * k), np.uint8) if kind == "q4" else np.empty((p, 16 * k), np.int8)
+    scales = np.empty((p, pn * (k // group)), np.float32)
+    zeros = np.empty_like(scales) if has_zero else None
+    step = max(1, CHUNK_BYTES // (k // per * nbytes) // pn) * pn  # whole panels at a time
     for r in range(0, n, step):
         q, sc, zero = _repack_blocks(b[r:r + step], qtype)
-        qweight[r:r + step], scales[r:r + step] = q, sc
+        at = slice(r // pn, (r + q.shape[0] + pn - 1) // pn)
+        qweight[at] = panel_layout.quants_to_panels(kind, q)
+        scales[at] = panel_layout.groups_to_panels(sc)
         if zeros is not None:
-            zeros[r:r + step] = zero
+            zeros[at] = panel_layout.groups_to_panels(zero)
     scales, zeros = _narrow(scales, zeros)
     t = torch.from_numpy
     return PackedWeight(kind, t(qweight), t(scales), None if zeros is None else t(zeros), group, shape)
@@ -202,22 +209,27 @@ def merge_rows(parts: list[PackedWeight]) -> PackedWeight:
         parts = [_as_q8(p, group) for p in parts]
     if len({p.scales.dtype for p in parts}) > 1:
         parts = [p.float32_scales() for p in parts]
-    first = parts[0]
-    zeros = None
-    if any(p.zeros is not None for p in parts):
-        zeros = torch.cat([p.zeros if p.zeros is not None else torch.zeros_like(p.scales) for p in parts])
-    return PackedWeight(first.kind, torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
-                        zeros, first.group, (sum(p.shape[0] for p in parts), k))
+    first, n = parts[0], sum(p.shape[0] for p in parts)
+    has_zeros = any(p.zeros is not None for p in parts)
+
+    def zeros_of(p: PackedWeight, z: torch.Tensor | None, s: torch.Tensor) -> torch.Tensor:
+        return z if z is not None else torch.zeros_like(s)
+
+    if all(p.shape[0] % panel_layout.PANEL == 0 for p in parts):  # whole panels: they stack as they are
+        zeros = torch.cat([zeros_of(p, p.zeros, p.scales) for p in parts]) if has_zeros else None
+        return PackedWeight(first.kind, torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+                            zeros, first.group, (n, k))
+    rows = [p.rows() for p in parts]
+    zeros = torch.cat([zeros_of(p, z, s) for p, (_, s, z) in zip(parts, rows)]) if has_zeros else None
+    return PackedWeight.from_rows(first.kind, torch.cat([q for q, _, _ in rows]), torch.cat([s for _, s, _ in rows]),
+                                  zeros, first.group, (n, k))
 
 
 def _as_q8(p: PackedWeight, group: int) -> PackedWeight:
     """The same weight in the int8 container with groups of `group` (a divisor of p.group)."""
-    n, k = p.shape
+    q, scales, zeros = p.rows()
     if p.kind == "q4":
-        g = p.qweight.view(n, k // 32, 16)
-        q = torch.stack([g & 15, g >> 4], dim=-2).view(n, k).to(torch.int8)
-    else:
-        q = p.qweight
+        q = torch.from_numpy(panel_layout.q4_values(q.numpy())).to(torch.int8)
     rep = p.group // group
-    zeros = None if p.zeros is None else p.zeros.repeat_interleave(rep, dim=1)
-    return PackedWeight("q8", q, p.scales.repeat_interleave(rep, dim=1), zeros, group, p.shape)
+    zeros = None if zeros is None else zeros.repeat_interleave(rep, dim=1)
+    return PackedWeight.from_rows("q8", q, scales.repeat_interleave(rep, dim=1), zeros, group, p.shape)

@@ -2,8 +2,9 @@
  *
  * Weights stay quantized in memory; each group of weights dequantizes as q * scale + zero with a scale/zero
  * per group, which holds GGUF's Q4_0/Q4_1/Q4_K (4-bit, groups of 32) and Q8_0/Q5_K/Q6_K (8-bit container,
- * groups of 32 or 16) exactly. Scales and zeros are float16 (scale_f16) or float32; float16 ones are widened
- * (exactly) and transposed for 8 weight rows at a time, so both give the same bits and the float16 layout reads fewer bytes.
+ * groups of 32 or 16) exactly. Quants, scales and zeros are in the panel layout of panel_cpu.h: 16 output rows
+ * a panel, in the order the madds consume them, so a panel streams as one run of memory and unpacks in
+ * registers with shifts and masks. Scales and zeros are float16 (scale_f16, widened exactly) or float32.
  *
  * Activations are rounded per row to int16 in blocks of 32 (step max|x| / 32767), so a group's dot product
  * is integer (madd of int16 pairs) and only its sum is scaled in float: fewer instructions per weight than
@@ -11,14 +12,12 @@
  * still but raised the default model's mean KL to the float32 reference from 0.0001 to 0.0048, above
  * llama.cpp's own 0.0047 (benchmarks/quant_accuracy.py); int16 keeps it at the float path's level.
  * The zero point's term uses the group's sum of the rounded x (its error cancels against the q term's).
- * A tile is 8 weight rows x up to 3 activation rows (see tile()): per group, each output's integer dot product is
+ * A tile is one panel x up to 4 activation rows (see tile()): per group, each output's integer dot product is
  * summed exactly, then scaled and added in float group after group, one output per lane. That is the panel
  * kernel's order (qgemm_panel_cpu.c), so a row's bits are the same whatever M, its tile, or which of the two
- * kernels its row count picks (from cpu_kernels.PANEL_MIN_ROWS rows on: the panel one, faster there); a decode
- * row and a prefill row of the same values agree. Weights are unpacked in registers and the next tiles' rows
- * prefetched: at one row the kernel waits on memory (the hardware prefetcher does not follow 8 rows read side
- * by side).
- * Output rows are split over the worker pool of cpu_pool.c. Built at first use by cpu_kernels.py.
+ * kernels its row count picks (from cpu_kernels.PANEL_MIN_ROWS rows on: the panel one, which unpacks each
+ * panel once for all rows); a decode row and a prefill row of the same values agree.
+ * Panels are split over the worker pool of cpu_pool.c. Built at first use by cpu_kernels.py.
  */
 #include <immintrin.h>
 #include <stdatomic.h>
@@ -28,6 +27,7 @@
 
 #include "cpu_kernels.h"
 #include "cpu_pool.h"
+#include "panel_cpu.h"
 #include "simd_cpu.h"
 
 /* x [M, K] -> xq int16 [M, K], dxT [K/32, mp] (xq * dx ~ x; a block's rows side by side, mp apart),
@@ -65,156 +65,104 @@ void quantize_rows(const float *x, int M, int K, int G, int mp, int ngp, int16_t
     }
 }
 
-/* A tile is NB = 8 weight rows (one output per float lane) x up to MB activation rows. */
-#define NB 8
-#define MB 3
-#define PF_ROWS 8  /* tiles prefetch the weight rows (and their scales) this many rows ahead */
+/* A tile is one panel (16 outputs, two int32 accumulators per activation row) x up to MB activation rows. */
+#define MB 4
 
 typedef struct {
     const int16_t *xq; const float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
-    const void *w; const void *scales, *zeros; int has_zeros, q4, scale_f16, nchunks;
+    const void *w; const void *scales, *zeros; int has_zeros, q4, scale_f16, npanels, nchunks;
     _Atomic int failed;
     float *y;
 } gemm_job;
 
-/* Weight rows n0..n0+nr's scales (or zeros) at every group, transposed to [ng][NB] floats (zero past nr), so a
- * group's 8 scales are one vector: 8x8 transposes of 8 groups at a time (dst holds ngp groups). A last partial block of groups reads
- * past its row into the next one (unused), except at the end of the array, where it goes one by one. */
-static void transpose_scales(const gemm_job *j, const void *src, int n0, int nr, float *dst) {
-    const int ng = j->ng;
-    const size_t end = (size_t)j->N * ng;
-    for (int g = 0; g < ng; g += 8) {
-        const int gn = ng - g < 8 ? ng - g : 8;
-        if ((size_t)(n0 + nr - 1) * ng + g + 8 > end) {
-            for (int i = 0; i < gn; i++)
-                for (int n = 0; n < NB; n++)
-                    dst[(g + i) * NB + n] = n < nr ? load_scale(src, (size_t)(n0 + n) * ng + g + i, j->scale_f16) : 0.f;
-            continue;
-        }
-        __m256i r[NB];
-        for (int n = 0; n < NB; n++)
-            r[n] = n < nr ? _mm256_castps_si256(load8_scales(src, (size_t)(n0 + n) * ng + g, j->scale_f16))
-                          : _mm256_setzero_si256();
-        transpose8(r);  /* all 8 stored: dst has room for ngp groups */
-        for (int i = 0; i < 8; i++) _mm256_store_si256((__m256i *)(dst + (size_t)(g + i) * NB), r[i]);
+typedef int32_t __attribute__((may_alias, aligned(2))) i16pair;  /* one k-pair of int16 activations */
+
+/* a[m][h] += the k-pair vectors (w0: panel rows 0-7, w1: rows 8-15) times row m's k-pair p, broadcast. */
+static inline __attribute__((always_inline)) void madd_rows(__m256i w0, __m256i w1, const int16_t *xq, int K, int p,
+                                                            const int mr, __m256i a[MB][2]) {
+    for (int m = 0; m < mr; m++) {
+        const __m256i xb = _mm256_set1_epi32(*(const i16pair *)(xq + (size_t)m * K + 2 * p));
+        a[m][0] = _mm256_add_epi32(a[m][0], _mm256_madd_epi16(w0, xb));
+        a[m][1] = _mm256_add_epi32(a[m][1], _mm256_madd_epi16(w1, xb));
     }
 }
 
-/* Lane n of the result = the sum of v[n]'s 8 int32 lanes (exact: integer adds). */
-static inline __attribute__((always_inline)) __m256i sum_lanes8(const __m256i v[8]) {
-    const __m256i k0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    const __m256i k1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(k0, k1, 0x20), _mm256_permute2x128_si256(k0, k1, 0x31));
-}
-
-/* y[m0..m0+mr, n0..n0+nr]: per group of G weights, each output's exact integer dot product S (int16 madds,
- * summed over the group's lanes), then acc = fma(S, weight scale * activation step, acc) and, with zero points,
- * acc = fma(zero, the group's sum of the rounded x, acc): group after group in order, one output per lane.
- * That is the panel kernel's order (qgemm_panel_cpu.c) operation for operation, so a row's bits do not depend on
- * M, its tile or which kernel the row count picks. Weights are unpacked in registers from j->w (q4 nibbles or
- * int8) and the next tiles' rows prefetched: at one row the kernel waits on memory. */
-static inline __attribute__((always_inline)) void tile(const gemm_job *j, const float *st, const float *zt, int n0,
-                                                       const int nr, int m0, const int mr, const int G, const int q4) {
-    const int K = j->K, ng = j->ng, mp = j->mp;
-    const size_t rb = q4 ? K / 2 : K;  /* bytes a weight row */
-    const int bpg = q4 ? G / 2 : G;    /* bytes a group of a weight row */
-    __m256 acc[MB];
-    for (int m = 0; m < mr; m++) acc[m] = _mm256_setzero_ps();
-    const char *pf = (const char *)j->w + ((size_t)n0 + PF_ROWS) * rb;
-    const int pf_ok = nr == NB && n0 + PF_ROWS + NB <= j->N;
+/* y[m0..m0+mr, the panel's outputs]: per group of G weights, each output's exact integer dot product S (int16
+ * madds of the weights, unpacked in registers from the panel layout of panel_cpu.h), then
+ * acc = fma(S, weight scale * activation step, acc) and, with zero points, acc = fma(zero, the group's sum of
+ * the rounded x, acc): group after group in order, one output per lane. The panel kernel (qgemm_panel_cpu.c)
+ * does the same operations per output, so a row's bits do not depend on M, its tile or the kernel. */
+static inline __attribute__((always_inline)) void tile(const gemm_job *j, int panel, int m0, const int mr,
+                                                       const int G, const int q4) {
+    const int K = j->K, ng = j->ng;
+    const int16_t *xq = j->xq + (size_t)m0 * K;
+    const uint8_t *wb = (const uint8_t *)j->w + (size_t)panel * panel_bytes(q4, K);
+    float f[MB][PANEL] __attribute__((aligned(32)));  /* float sums: touched once per group */
+    for (int m = 0; m < mr; m++) {
+        _mm256_store_ps(f[m], _mm256_setzero_ps());
+        _mm256_store_ps(f[m] + 8, _mm256_setzero_ps());
+    }
     for (int g = 0; g < ng; g++) {
-        if (pf_ok)  /* a linear sweep of the NB rows PF_ROWS on: NB rows x bpg bytes per group */
-            for (int c = 0; c < NB * bpg; c += 64) _mm_prefetch(pf + (size_t)g * NB * bpg + c, _MM_HINT_T0);
-        __m256i v[MB][NB];
-        for (int n = 0; n < NB; n++) {
-            if (n >= nr) {
-                for (int m = 0; m < mr; m++) v[m][n] = _mm256_setzero_si256();
-                continue;
+        __m256i a[MB][2];
+        for (int m = 0; m < mr; m++) a[m][0] = a[m][1] = _mm256_setzero_si256();
+        const int p0 = g * G / 2;
+        if (q4) {
+            const __m256i mask = _mm256_set1_epi16(0x0f);
+            for (int p = p0; p < p0 + G / 2; p += 2) {  /* 4 elements (two k-pairs) per 32 bytes */
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(wb + (size_t)p * 16));
+                madd_rows(_mm256_and_si256(q, mask), _mm256_and_si256(_mm256_srli_epi16(q, 4), mask), xq, K, p, mr, a);
+                madd_rows(_mm256_and_si256(_mm256_srli_epi16(q, 8), mask), _mm256_srli_epi16(q, 12), xq, K, p + 1, mr, a);
             }
-            const char *wr = (const char *)j->w + (size_t)(n0 + n) * rb + (size_t)g * bpg;
-            __m256i w0, w1 = _mm256_setzero_si256();
-            if (q4) {  /* GGML's Q4 order: low nibbles elements 0-15, high nibbles 16-31 */
-                const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)wr));
-                w0 = _mm256_and_si256(b, _mm256_set1_epi16(0x0f));
-                w1 = _mm256_srli_epi16(b, 4);
-            } else {
-                w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wr));
-                if (G == 32) w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + 16)));
-            }
-            for (int m = 0; m < mr; m++) {
-                const int16_t *xg = j->xq + (size_t)(m0 + m) * K + (size_t)g * G;
-                __m256i p = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)xg));
-                if (G == 32) p = _mm256_add_epi32(p, _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(xg + 16))));
-                v[m][n] = p;
+        } else {
+            for (int p = p0; p < p0 + G / 2; p++) {
+                __m256i v[2];
+                q8_vectors((const int8_t *)wb + (size_t)p * 32, v);
+                madd_rows(v[0], v[1], xq, K, p, mr, a);
             }
         }
-        const __m256 s = _mm256_load_ps(st + (size_t)g * NB), z = _mm256_load_ps(zt + (size_t)g * NB);
-        const float *dx = j->dxT + (size_t)(g * G / 32) * mp + m0;
-        for (int m = 0; m < mr; m++) {
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum_lanes8(v[m])), _mm256_mul_ps(s, _mm256_set1_ps(dx[m])),
-                                     acc[m]);
-            if (j->has_zeros)
-                acc[m] = _mm256_fmadd_ps(z, _mm256_set1_ps(j->xsum[(size_t)(m0 + m) * j->ngp + g]), acc[m]);
-        }
+        __m256 s[2], z[2];
+        panel_scales(j->scales, panel, ng, g, j->scale_f16, s);
+        if (j->has_zeros) panel_scales(j->zeros, panel, ng, g, j->scale_f16, z);
+        const float *dx = j->dxT + (size_t)(g * G / 32) * j->mp + m0;
+        for (int m = 0; m < mr; m++)
+            for (int h = 0; h < 2; h++) {
+                __m256 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[m][h]), _mm256_mul_ps(s[h], _mm256_set1_ps(dx[m])),
+                                             _mm256_load_ps(f[m] + 8 * h));
+                if (j->has_zeros)
+                    acc = _mm256_fmadd_ps(z[h], _mm256_set1_ps(j->xsum[(size_t)(m0 + m) * j->ngp + g]), acc);
+                _mm256_store_ps(f[m] + 8 * h, acc);
+            }
     }
+    const int n0 = panel * PANEL, nr = j->N - n0 < PANEL ? j->N - n0 : PANEL;
     for (int m = 0; m < mr; m++) {
         float *y = j->y + (size_t)(m0 + m) * j->N + n0;
-        if (nr == NB) _mm256_storeu_ps(y, acc[m]);
-        else {
-            float out[NB] __attribute__((aligned(32)));
-            _mm256_store_ps(out, acc[m]);
-            for (int n = 0; n < nr; n++) y[n] = out[n];
+        if (nr == PANEL) {
+            _mm256_storeu_ps(y, _mm256_load_ps(f[m]));
+            _mm256_storeu_ps(y + 8, _mm256_load_ps(f[m] + 8));
+        } else {
+            for (int n = 0; n < nr; n++) y[n] = f[m][n];
         }
     }
 }
 
-/* Every activation row against weight rows n0..n0+nr, one specialised tile per shape. */
-static void rows_block(const gemm_job *j, const float *st, const float *zt, int n0, int nr) {
+/* Every activation row against one panel, a specialised tile per row count and format. */
+static void panel_rows(const gemm_job *j, int panel) {
     for (int m0 = 0; m0 < j->M; m0 += MB) {
         const int mr = j->M - m0 < MB ? j->M - m0 : MB;
-#define TILE(NR, MR) do {                                                          \
-            if (j->q4) tile(j, st, zt, n0, NR, m0, MR, 32, 1);                     \
-            else if (j->G == 32) tile(j, st, zt, n0, NR, m0, MR, 32, 0);           \
-            else tile(j, st, zt, n0, NR, m0, MR, 16, 0);                           \
+#define TILE(MR) do {                                                       \
+            if (j->q4) tile(j, panel, m0, MR, 32, 1);                       \
+            else if (j->G == 32) tile(j, panel, m0, MR, 32, 0);             \
+            else tile(j, panel, m0, MR, 16, 0);                             \
         } while (0)
-        if (nr == NB) {
-            if (mr == 3) TILE(NB, 3); else if (mr == 2) TILE(NB, 2); else TILE(NB, 1);
-        } else {
-            if (mr == 3) TILE(nr, 3); else if (mr == 2) TILE(nr, 2); else TILE(nr, 1);
-        }
+        if (mr == 4) TILE(4); else if (mr == 3) TILE(3); else if (mr == 2) TILE(2); else TILE(1);
 #undef TILE
     }
 }
 
-static __thread float *scratch;  /* per thread: a tile's transposed scales and zeros */
-static __thread size_t scratch_cap;
-
 static void gemm_chunk(void *arg, int chunk) {
-    gemm_job *j = arg;
-    const size_t need = 2 * (size_t)NB * j->ngp;
-    if (need > scratch_cap) {  /* 16 floats a group: a few KB, allocated once per thread and shape */
-        free(scratch);
-        scratch = aligned_alloc(32, (need * sizeof(float) + 31) / 32 * 32);
-        scratch_cap = scratch ? need : 0;
-        if (!scratch) { atomic_store(&j->failed, 1); return; }
-    }
-    float *st = scratch, *zt = scratch + (size_t)NB * j->ngp;
-    const long tiles = (j->N + NB - 1) / NB;  /* chunk c: tiles [c * tiles / nchunks, (c + 1) * tiles / nchunks) */
-    const int n0 = (int)(chunk * tiles / j->nchunks) * NB, n1e = (int)((chunk + 1) * tiles / j->nchunks) * NB;
-    const int n1 = n1e < j->N ? n1e : j->N;
-    const size_t row_bytes = (j->scale_f16 ? 2 : 4) * (size_t)j->ng;  /* a weight row's scales (or zeros) */
-    for (int n = n0; n < n1; n += NB) {
-        const int nr = n1 - n < NB ? n1 - n : NB;
-        if (n + PF_ROWS + NB <= j->N)  /* the scales and zeros PF_ROWS rows on, as the weights */
-            for (size_t c = 0; c < NB * row_bytes; c += 64) {
-                const size_t off = (n + PF_ROWS) * row_bytes + c;
-                _mm_prefetch((const char *)j->scales + off, _MM_HINT_T0);
-                if (j->has_zeros) _mm_prefetch((const char *)j->zeros + off, _MM_HINT_T0);
-            }
-        transpose_scales(j, j->scales, n, nr, st);
-        if (j->has_zeros) transpose_scales(j, j->zeros, n, nr, zt);
-        rows_block(j, st, zt, n, nr);
-    }
+    gemm_job *j = arg;  /* chunk c: panels [c * P / nchunks, (c + 1) * P / nchunks) */
+    const int p0 = (int)((long)chunk * j->npanels / j->nchunks), p1 = (int)((long)(chunk + 1) * j->npanels / j->nchunks);
+    for (int p = p0; p < p1; p++) panel_rows(j, p);
 }
 
 /* Output rows are split into chunks of at least this many for the worker pool (cpu_pool.c). */
@@ -238,7 +186,9 @@ static int run_gemm(gemm_job *j, const float *x, int nthreads) {
     if (xq && dxT && xsum) {
         quantize_rows(x, j->M, j->K, j->G, j->mp, j->ngp, xq, dxT, xsum, j->has_zeros);
         j->xq = xq; j->dxT = dxT; j->xsum = xsum;
-        j->nchunks = (j->N + NB - 1) / NB < num_chunks(j->N, nthreads) ? (j->N + NB - 1) / NB : num_chunks(j->N, nthreads);
+        j->npanels = (j->N + PANEL - 1) / PANEL;
+        const int c = num_chunks(j->N, nthreads);
+        j->nchunks = j->npanels < c ? j->npanels : c;
         atomic_store(&j->failed, 0);
         pool_run(gemm_chunk, j, j->nchunks, nthreads);
         rc = atomic_load(&j->failed) ? -1 : 0;
@@ -249,12 +199,15 @@ static int run_gemm(gemm_job *j, const float *x, int nthreads) {
 
 /* From this many activation rows on, q4_gemm/q8_gemm hand over to the panel kernel (qgemm_panel_cpu.c): the
  * same bits, faster past about 12 rows. */
-static int panel_min_rows = 12;  /* cpu_kernels.PANEL_MIN_ROWS sets it */
+static int panel_min_rows = 16;  /* cpu_kernels.PANEL_MIN_ROWS sets it */
 
 void set_panel_min_rows(int rows) { panel_min_rows = rows; }
 
 /* Present in builds whose GEMM/dequantize entry points take scale_f16 (cpu_kernels.py binds them by it). */
 int packed_scales_f16(void) { return 1; }
+
+/* Present in builds that read weights in the panel layout of panel_cpu.h (older ones read rows). */
+int weights_in_panels(void) { return 1; }
 
 int q4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros, int scale_f16,
             int N, float *y, int nthreads) {

@@ -2,15 +2,15 @@
  * activations as qgemm_cpu.c (quantize_rows: per row, blocks of 32, step max|x| / 32767), so the model's
  * accuracy is that of the few-row kernel.
  *
- * Where qgemm_cpu.c dots one weight row with one activation row (a horizontal sum per group), this kernel is
- * laid out as a BLAS GEMM: a panel of PNR = 16 weight rows is unpacked once to int16 [K/2][16][2] (a k-pair of
- * 16 outputs per two vectors), and each activation row's k-pair is broadcast against it, so one madd gives
- * 8 outputs' partial sums and the int32 accumulators need no reduction. Per group of G weights the integer
- * sums are scaled in float (weight scale * activation step; float16 scales are widened once per panel) and the
- * zero-point term (zero * the group's sum of the rounded x) is added. Tiles of PMR activation rows x 16 outputs
- * keep 2 * PMR int32 accumulators in registers. Panels are split over the worker pool (cpu_pool.c). Past about
- * 64 rows it beats dequantizing the weight to float32 for BLAS sgemm (benchmarks/qgemm_rows.py --prefill), and
- * past about 12 the few-row kernel, whose float operations per output are this kernel's (the same bits).
+ * Both kernels read the panel layout of panel_cpu.h and broadcast each activation row's k-pair against a panel's
+ * k-pair vectors (one madd: 8 outputs' partial sums, no reduction). The few-row kernel unpacks the quants in
+ * registers for every tile of rows; this one unpacks a panel once to int16 [K/2][16][2] in scratch and runs
+ * tiles of PMR activation rows x 16 outputs over it, 2 * PMR int32 accumulators in registers, the activations'
+ * k-pairs interleaved per tile so the micro-kernel broadcasts them at constant offsets. Per group of G weights
+ * the integer sums are scaled in float (weight scale * activation step) and the zero-point term (zero * the
+ * group's sum of the rounded x) is added, as in the few-row kernel (the same bits). Panels are split over the
+ * worker pool (cpu_pool.c). It beats dequantizing the weight to float32 for BLAS sgemm past about 64 rows
+ * (benchmarks/qgemm_rows.py --prefill) and the few-row kernel from about 16 (--crossover).
  */
 #include <immintrin.h>
 #include <stdatomic.h>
@@ -20,9 +20,10 @@
 
 #include "cpu_kernels.h"
 #include "cpu_pool.h"
+#include "panel_cpu.h"
 #include "simd_cpu.h"
 
-#define PNR 16
+#define PNR PANEL
 #ifndef PMR
 #define PMR 4
 #endif
@@ -34,48 +35,35 @@ typedef struct {
     float *y;
 } panel_job;
 
-/* Weight rows n0..n0+nr unpacked to int16 [nr, K]. 4-bit: w[N, K/2] bytes; group g of 32 is bytes [16g, 16g+16):
- * low nibble = element j, high = j+16 (GGML's Q4_0/Q4_1 order). 8-bit: w[N, K] int8. */
-static void unpack_weight_rows(const void *w, int q4, int K, int n0, int nr, int16_t *wb) {
-    const __m256i mask = _mm256_set1_epi16(0x0f);
-    for (int r = 0; r < nr; r++) {
-        int16_t *o = wb + (size_t)r * K;
-        if (q4) {
-            const uint8_t *wr = (const uint8_t *)w + (size_t)(n0 + r) * (K / 2);
-            for (int g = 0; g < K / 32; g++) {
-                __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(wr + g * 16)));
-                _mm256_storeu_si256((__m256i *)(o + g * 32), _mm256_and_si256(b, mask));
-                _mm256_storeu_si256((__m256i *)(o + g * 32 + 16), _mm256_srli_epi16(b, 4));
-            }
-        } else {
-            const int8_t *wr = (const int8_t *)w + (size_t)(n0 + r) * K;
-            for (int c = 0; c < K; c += 16)
-                _mm256_storeu_si256((__m256i *)(o + c), _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wr + c))));
+/* Panel pnl's quants unpacked to int16 k-pair vectors wp [K/2][16][2] (panel_cpu.h's order, stored as they come)
+ * and its scales and zeros to float32 sp/zp [ng][16]. */
+static void unpack_panel(const panel_job *j, int pnl, int16_t *wp, float *sp, float *zp) {
+    const int K = j->K, ng = j->ng;
+    const uint8_t *b = (const uint8_t *)j->w + (size_t)pnl * panel_bytes(j->q4, K);
+    __m256i *o = (__m256i *)wp;
+    if (j->q4)
+        for (int c = 0; c < K / 4; c++, o += 4) {
+            __m256i v[4];
+            q4_vectors(b + (size_t)c * 32, v);
+            for (int t = 0; t < 4; t++) _mm256_store_si256(o + t, v[t]);
         }
+    else
+        for (int p = 0; p < K / 2; p++, o += 2) {
+            __m256i v[2];
+            q8_vectors((const int8_t *)b + (size_t)p * 32, v);
+            _mm256_store_si256(o, v[0]);
+            _mm256_store_si256(o + 1, v[1]);
+        }
+    for (int g = 0; g < ng; g++) {
+        __m256 v[2];
+        panel_scales(j->scales, pnl, ng, g, j->scale_f16, v);
+        _mm256_store_ps(sp + g * PNR, v[0]);
+        _mm256_store_ps(sp + g * PNR + 8, v[1]);
+        if (j->has_zeros) panel_scales(j->zeros, pnl, ng, g, j->scale_f16, v);
+        else v[0] = v[1] = _mm256_setzero_ps();
+        _mm256_store_ps(zp + g * PNR, v[0]);
+        _mm256_store_ps(zp + g * PNR + 8, v[1]);
     }
-}
-
-/* Weight rows n0.. (16, zero past N) -> wp int16 [K/2][16][2], sp/zp float [ng][16]; rows: int16 [16, K] scratch. */
-static void unpack_panel(const panel_job *j, int n0, int16_t *rows, int16_t *wp, float *sp, float *zp) {
-    const int K = j->K, ng = j->ng, nr = j->N - n0 < PNR ? j->N - n0 : PNR;
-    unpack_weight_rows(j->w, j->q4, K, n0, nr, rows);
-    memset(rows + (size_t)nr * K, 0, sizeof(int16_t) * (size_t)(PNR - nr) * K);
-    for (int g = 0; g < ng; g++)
-        for (int n = 0; n < PNR; n++) {
-            sp[g * PNR + n] = n < nr ? load_scale(j->scales, (size_t)(n0 + n) * ng + g, j->scale_f16) : 0.f;
-            zp[g * PNR + n] = n < nr && j->has_zeros ? load_scale(j->zeros, (size_t)(n0 + n) * ng + g, j->scale_f16)
-                                                     : 0.f;
-        }
-    /* row n's k-pair p (one int32) goes to wp32[p * 16 + n]: 8x8 transposes of int32 */
-    const int32_t *r32 = (const int32_t *)rows;
-    int32_t *w32 = (int32_t *)wp;
-    for (int p = 0; p < K / 2; p += 8)
-        for (int h = 0; h < PNR; h += 8) {
-            __m256i r[8];
-            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(r32 + (size_t)(h + i) * (K / 2) + p));
-            transpose8(r);
-            for (int i = 0; i < 8; i++) _mm256_storeu_si256((__m256i *)(w32 + (size_t)(p + i) * PNR + h), r[i]);
-        }
 }
 
 /* a[m][h] += the int32 dot products of n k-pairs: panel vectors w (2 per k-pair) times row m's k-pair broadcast.
@@ -150,20 +138,20 @@ static __thread size_t pscratch_cap;
 static void panel_chunk(void *arg, int chunk) {
     panel_job *j = arg;
     const size_t wbytes = sizeof(int16_t) * PNR * (size_t)j->K, fbytes = sizeof(float) * PNR * (size_t)j->ng;
-    const size_t need = 2 * wbytes + 2 * fbytes + 256;
+    const size_t need = wbytes + 2 * fbytes + 128;
     if (need > pscratch_cap) {
         free(pscratch);
         pscratch = aligned_alloc(64, (need + 63) / 64 * 64);
         pscratch_cap = pscratch ? need : 0;
         if (!pscratch) { atomic_store(&j->failed, 1); return; }
     }
-    int16_t *rows = pscratch, *wp = (int16_t *)((char *)pscratch + (wbytes + 63) / 64 * 64);
+    int16_t *wp = pscratch;
     float *sp = (float *)((char *)wp + (wbytes + 63) / 64 * 64), *zp = sp + (size_t)PNR * j->ng;
     /* chunk c: panels [c * np / nc, (c + 1) * np / nc), sizes within one of each other */
     const int p0 = (int)((long)chunk * j->npanels / j->nchunks), p1 = (int)((long)(chunk + 1) * j->npanels / j->nchunks);
     for (int pnl = p0; pnl < p1; pnl++) {
         const int n0 = pnl * PNR;
-        unpack_panel(j, n0, rows, wp, sp, zp);
+        unpack_panel(j, pnl, wp, sp, zp);
         for (int m0 = 0; m0 < j->M; m0 += PMR) {
             const int mr = j->M - m0 < PMR ? j->M - m0 : PMR;
 #define PT(MR) do { if (j->G == 32) panel_tile(j, wp, sp, zp, n0, m0, MR, 32); else panel_tile(j, wp, sp, zp, n0, m0, MR, 16); } while (0)

@@ -1,0 +1,82 @@
+"""Row-major quants and scales <-> the panel layout the CPU kernels read (csrc/panel_cpu.h says byte by byte).
+
+Output rows go in panels of 16, and each panel's weights in the order the GEMM's int16 madds consume them, so a
+kernel unpacks them in registers with shifts and masks (no transposes, no scratch) and streams each panel as one
+contiguous run of memory. The row layout is the one GGUF blocks repack into (gguf_repack.py): q4 uint8 [N, K/2]
+with GGML's nibble order per group of 32 (byte j: element j low, j + 16 high), q8 int8 [N, K]; scales and zeros
+[N, K/G]. Both directions are exact (a permutation of values); padding rows past N are zero.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+PANEL = 16  # output rows a panel (csrc/panel_cpu.h)
+
+
+def num_panels(n: int) -> int:
+    """Panels of an N-row weight."""
+    return -(-n // PANEL)
+
+
+def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
+    if a.shape[0] == rows:
+        return a
+    out = np.zeros((rows,) + a.shape[1:], a.dtype)
+    out[:a.shape[0]] = a
+    return out
+
+
+def q4_values(q: np.ndarray) -> np.ndarray:
+    """Row-layout q4 bytes [N, K/2] -> their 4-bit values, uint8 [N, K] in element order."""
+    n, k = q.shape[0], q.shape[1] * 2
+    g = q.reshape(n, k // 32, 1, 16)
+    return np.concatenate([g & 15, g >> 4], axis=2).reshape(n, k)  # low nibbles: elements 0-15, high: 16-31
+
+
+def q4_rows_bytes(vals: np.ndarray) -> np.ndarray:
+    """uint8 values [N, K] (0..15) -> row-layout q4 bytes [N, K/2] (the inverse of q4_values)."""
+    n, k = vals.shape
+    g = vals.reshape(n, k // 32, 2, 16)
+    return (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def quants_to_panels(kind: str, q: np.ndarray) -> np.ndarray:
+    """Row-layout quants [N, ...] -> the panel layout: q4 uint8 [P, 8K], q8 int8 [P, 16K]."""
+    if kind == "q4":
+        vals = q4_values(q)
+        n, k = vals.shape
+        p = num_panels(n)
+        # [P, half h, row i, quad c, k-pair s, element e]; nibble t = 2s + h of lane (i, e) is bits 4h.. of its byte s
+        v = _pad_rows(vals, p * PANEL).reshape(p, 2, 8, k // 4, 2, 2)
+        b = v[:, 0] | (v[:, 1] << 4)  # [P, i, c, s, e]
+        return np.ascontiguousarray(b.transpose(0, 2, 1, 4, 3)).reshape(p, 8 * k)  # [P, c, lane (i, e), byte s]
+    n, k = q.shape
+    p = num_panels(n)
+    # [P, half h, row i, k-pair, element e] -> [P, k-pair, lane (i, e), byte h]
+    v = _pad_rows(q, p * PANEL).reshape(p, 2, 8, k // 2, 2).transpose(0, 3, 2, 4, 1)
+    return np.ascontiguousarray(v).reshape(p, 16 * k)
+
+
+def quants_to_rows(kind: str, panels: np.ndarray, n: int, k: int) -> np.ndarray:
+    """The inverse of quants_to_panels: row-layout quants of the first n rows."""
+    p = panels.shape[0]
+    if kind == "q4":
+        lanes = np.ascontiguousarray(panels).view(np.uint16).reshape(p, k // 4, 16)
+        v = np.stack([(lanes >> (4 * t)) & 15 for t in range(4)], axis=-1).astype(np.uint8)  # [P, c, lane, t]
+        v = v.reshape(p, k // 4, 8, 2, 2, 2).transpose(0, 5, 2, 1, 4, 3)  # t = 2s + h -> [P, h, i, c, s, e]
+        return q4_rows_bytes(v.reshape(p * PANEL, k)[:n])
+    v = panels.reshape(p, k // 2, 8, 2, 2).transpose(0, 4, 2, 1, 3)  # [P, h, i, k-pair, e]
+    return np.ascontiguousarray(v).reshape(p * PANEL, k)[:n]
+
+
+def groups_to_panels(a: np.ndarray) -> np.ndarray:
+    """Scales or zeros [N, ng] -> [P, 16 * ng] (group g's 16 rows side by side)."""
+    n, ng = a.shape
+    p = num_panels(n)
+    return np.ascontiguousarray(_pad_rows(a, p * PANEL).reshape(p, PANEL, ng).transpose(0, 2, 1)).reshape(p, -1)
+
+
+def groups_to_rows(a: np.ndarray, n: int) -> np.ndarray:
+    """The inverse of groups_to_panels: [n, ng]."""
+    p = a.shape[0]
+    return np.ascontiguousarray(a.reshape(p, -1, PANEL).transpose(0, 2, 1)).reshape(p * PANEL, -1)[:n]
