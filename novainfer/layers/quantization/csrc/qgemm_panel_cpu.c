@@ -215,9 +215,10 @@ static int run_panel(panel_job *j, const float *x, int nthreads) {
         j->nchunks = j->M >= 64 ? 2 * nthreads : 1;  /* a few rows: not worth waking a worker */
         pool_run(prepare_rows, j, j->nchunks, nthreads);
         j->npanels = (j->N + PNR - 1) / PNR;
-        /* chunks of ~256 rows' work or more (a panel's claim costs an atomic): at 512 rows a panel each, so the
-         * core that finishes first waits at most one panel (~0.1 ms), not a chunk of 24 (2 ms of a gate_up's 9) */
-        int per = j->M >= 256 ? 1 : 256 / j->M;
+        /* chunks of ~32 rows' work or more (a panel's claim costs an atomic, ~0.1 us against a 16-row panel's
+         * ~3 us): at 512 rows a panel each, so the core that finishes first waits at most one panel (~0.1 ms);
+         * at 16 rows two (chunks of 16 panels left a 60-panel qkv's cores 16 panels apart: 4-5% of a step) */
+        int per = j->M >= 32 ? 1 : 32 / j->M;
         if (j->npanels / per >= 0xffff) per = j->npanels / 0xfffe + 1;  /* the pool takes < 2^16 chunks */
         j->nchunks = (j->npanels + per - 1) / per;
         atomic_store(&j->failed, 0);
