@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 EVENTS: list[tuple[str, str, str, float]] = []
+KEYS: list[tuple[str, str, str]] = []  # (phase, kernel, specialization key): what made a variant new
 PHASE = ["start-up"]
 
 
@@ -34,6 +35,7 @@ def _wrap_compile() -> None:
         name = getattr(self, "__name__", None) or getattr(getattr(self, "fn", None), "__name__", "?")
         consts = ", ".join(f"{k}={v}" for k, v in (constexprs.items() if isinstance(constexprs, dict) else []))
         EVENTS.append((PHASE[0], name, consts[:120], time.perf_counter() - t))
+        KEYS.append((PHASE[0], name, str(key)))
         return out
 
     JITFunction._do_compile = timed
@@ -65,6 +67,11 @@ def main() -> None:
     print("\n| phase | kernel | constexprs | seconds |\n| --- | --- | --- | --- |")
     for phase, name, consts, s in EVENTS:
         print(f"| {phase} | {name} | {consts} | {s:.3f} |")
+    names = {name for phase, name, _ in KEYS if phase == "generate"}
+    print("\nspecialization keys of the kernels compiled during generate, at every phase:")
+    for phase, name, key in KEYS:
+        if name in names:
+            print(f"{phase} {name}: {key[:700]}")
     for phase in ("start-up", "generate", "between"):
         sel = [s for p, _, _, s in EVENTS if p == phase]
         print(f"{phase}: {len(sel)} compiles or loads, {sum(sel):.2f} s")

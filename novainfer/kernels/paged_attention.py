@@ -56,7 +56,9 @@ def _attend_tile(q, k, v, valid, m, l, acc, scale, soft_cap, HAS_SOFT_CAP: tl.co
     return m_new, l, acc
 
 
-@triton.jit
+# a block table's width changes from step to step: specializing on it (divisible by 16 or not) compiled a second
+# variant of each kernel during a fresh machine's first timed run (benchmarks/triton_compiles.py)
+@triton.jit(do_not_specialize=["bt_stride"])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr,
                    part_ml_ptr, counter_ptr, pos_ptr, cos_ptr, sin_ptr, k_new_ptr, v_new_ptr, slot_ptr,
                    scale, window, soft_cap, q_stride_t, q_stride_h, kv_new_stride, bt_stride, o_stride_t, o_stride_h,
@@ -163,7 +165,7 @@ def _merge_splits(part_acc_ptr, part_ml_ptr, row, gmask, used, d, NUM_SPLITS: tl
     return out / denom[:, None]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_stride"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
                     scale, window, soft_cap, q_stride_t, q_stride_h, bt_stride, o_stride_t, o_stride_h,
                     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,

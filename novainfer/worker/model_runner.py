@@ -29,6 +29,7 @@ from novainfer.spec_decode.draft_model_runner import DraftModelRunner
 from novainfer.spec_decode.rejection_sampler import emitted_rows, rejection_sample
 from novainfer.spec_decode.verify_inputs import per_token_metadata, verify_rows
 from novainfer.worker.input_batch import InputBatch
+from novainfer.worker.kernel_warmup import one_sequence_metadata, warm_up_kernels
 from novainfer.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, release_kv_cache
 from novainfer.worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from novainfer.worker.cuda_graph import DecodeGraphs, batch_size_ladder, bucket
@@ -146,12 +147,7 @@ class ModelRunner:
         scratch cache, to measure the peak memory of a step."""
         n = min(self.config.scheduler_config.max_num_batched_tokens, self.max_model_len)
         self.allocate_kv_cache(self.blocks_for(n))
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            slot_mapping=torch.arange(n, device=self.device),
-            block_tables=torch.arange(self.blocks_for(n), dtype=torch.int32, device=self.device)[None],
-            max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
+        meta = one_sequence_metadata(n, self.block_size, self.device)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
         rows = min(n, self.config.scheduler_config.max_num_seqs)
         if self.drafter is not None:  # its forwards run apart from the target's, so its peak is measured alone
@@ -198,6 +194,11 @@ class ModelRunner:
         release_kv_cache(self.attention_layers())
         if self.drafter is not None:
             self.drafter.release_kv_cache()
+
+    def warm_up_kernels(self) -> None:
+        """Compile the Triton kernels a step may need beyond the profile run's and the graphs' (kernel_warmup.py)."""
+        if self.device.type == "cuda" and self.attn_backend not in (torch_backend, cpu_backend):
+            warm_up_kernels(self.model, self.sampler, self.block_size, self.device)
 
     def capture_cudagraphs(self) -> None:
         """Capture decode graphs (CUDA only; enforce_eager turns them off)."""

@@ -88,6 +88,7 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.model_runner.allocate_kv_cache(num_blocks)
+        self.model_runner.warm_up_kernels()
         pc = self.config.parallel_config
         # uni ranks are threads meeting at a barrier, which a CUDA graph cannot capture: they run eager
         if pc.use_single_process_tp and pc.tensor_parallel_size > 1:

@@ -1,0 +1,40 @@
+"""Compiles, before the first request, the Triton kernels a step may need that neither the profile run nor the
+CUDA graph capture launches: the prefill kernel's tiles for short queries (<= 32 tokens: chunk tails, short
+prompts) and the one-pass temperature sampler. A fresh machine otherwise compiled them (~1.5 s) inside its first
+timed run, 7-10% of the 7B bench shape (benchmarks/triton_compiles.py, issue 19)."""
+from __future__ import annotations
+
+import torch
+
+from novainfer.attention.metadata import AttentionMetadata, attention_metadata
+from novainfer.layers.sampler import SamplingMetadata, SamplingRow
+from novainfer.sampling_params import SamplingParams
+
+SHORT_PREFILL = 16  # tokens: under prefill_tiles' 32-token bound for the small tiles
+
+
+def one_sequence_metadata(n: int, block_size: int, device: torch.device) -> AttentionMetadata:
+    """A step that prefills one n-token sequence into the cache's first blocks."""
+    blocks = (n + block_size - 1) // block_size
+    return AttentionMetadata(
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
+        slot_mapping=torch.arange(n, device=device),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
+        max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
+
+
+@torch.inference_mode()
+def warm_up_kernels(model: torch.nn.Module, sampler: torch.nn.Module, block_size: int,
+                    device: torch.device) -> None:
+    """A short prefill into the (still unused) cache's first block and a temperature-sampling pass. Every
+    rank runs it (the forward's collectives need all of them); what it writes to the cache no sequence owns."""
+    n = SHORT_PREFILL
+    ids = torch.zeros(n, dtype=torch.long, device=device)
+    with attention_metadata(one_sequence_metadata(n, block_size, device)):
+        hidden = model(ids, torch.arange(n, device=device))
+    logits = model.compute_logits(hidden[-1:]).float()
+    rows = [SamplingRow(SamplingParams(temperature=1.0), [0], [0])]
+    sampler(logits, SamplingMetadata.build(rows, logits.shape[-1], device))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
