@@ -73,18 +73,50 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, block_experts, padded.sum().reshape(1).to(torch.int32)
 
 
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the gate/up and the down GEMM, by the pairs an expert gets on
+# average (up to the key): benchmarks/moe_tiles.py's sweep on an H200, Qwen3-30B-A3B's layer shape (0.5B-7B
+# class MoE layers alike); one BLOCK_M for both GEMMs, since one alignment serves them.
+MOE_TILES: dict[int, tuple[tuple[int, int, int, int, int], tuple[int, int, int, int, int]]] = {
+    32: ((32, 128, 128, 4, 3), (32, 64, 128, 4, 3)),
+    96: ((64, 128, 64, 4, 3), (64, 256, 64, 8, 4)),
+    1 << 62: ((128, 256, 64, 8, 4), (128, 256, 64, 8, 4)),
+}
+FALLBACK_TILES = (64, 64, 64, 4, 3)  # what the kernel ran before the sweep: fits any GPU's shared memory
+_too_big: set[tuple[int, int, int, int, int]] = set()  # tiles this GPU could not launch
+
+
+def moe_tiles(num_pairs: int, num_experts: int, n: int, k: int, down: bool) -> tuple[int, int, int, int, int]:
+    """Tiles of one grouped GEMM ([pairs, k] x [n, k]^T per expert), narrowed to a small N or K."""
+    per_expert = num_pairs / num_experts
+    block_m, block_n, block_k, warps, stages = next(
+        t for bound, t in sorted(MOE_TILES.items()) if per_expert <= bound)[int(down)]
+    narrow = min(block_n, max(32, triton.next_power_of_2(n))), min(block_k, max(32, triton.next_power_of_2(k)))
+    tiles = (block_m, *narrow, warps, stages)
+    return (block_m, *FALLBACK_TILES[1:]) if tiles in _too_big else tiles
+
+
 def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_ids, block_experts, num_padded,
-                  num_pairs: int, a_row_div: int, topk_weights: torch.Tensor | None, block_m: int) -> None:
-    n, k = b.shape[1], b.shape[2]
+                  num_pairs: int, a_row_div: int, topk_weights: torch.Tensor | None,
+                  tiles: tuple[int, int, int, int, int]) -> None:
     assert a.stride(1) == 1 and b.stride(2) == 1 and out.stride(1) == 1
-    block_n = 64 if n >= 64 else 32
-    block_k = 64 if k >= 64 else 32
+    args = (a, b, out, sorted_ids, block_experts, num_padded, num_pairs, a_row_div, topk_weights)
+    try:
+        _launch(*args, tiles)
+    except triton.runtime.errors.OutOfResources:  # the shared memory of a smaller GPU than the sweep's
+        _too_big.add(tiles)
+        _launch(*args, (tiles[0], *FALLBACK_TILES[1:]))
+
+
+def _launch(a, b, out, sorted_ids, block_experts, num_padded, num_pairs, a_row_div, topk_weights, tiles) -> None:
+    n, k = b.shape[1], b.shape[2]
+    block_m, block_n, block_k, warps, stages = tiles
     grid = (sorted_ids.numel() // block_m, triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, b, out, topk_weights if topk_weights is not None else out, sorted_ids, block_experts, num_padded,
         n, k, num_pairs, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
         A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=topk_weights is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=4)
+        BLOCK_K=block_k, PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=warps,
+        num_stages=stages)
 
 
 def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -95,13 +127,15 @@ def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     num_pairs = tokens * top_k
     if tokens == 0:
         return torch.zeros_like(hidden_states)
-    block_m = 16 if num_pairs <= 32 * num_experts else 64  # rows per expert, on average
-    sorted_ids, block_experts, num_padded = align_by_expert(topk_ids, num_experts, block_m)
+    up_tiles = moe_tiles(num_pairs, num_experts, w13.shape[1], w13.shape[2], down=False)
+    down_tiles = moe_tiles(num_pairs, num_experts, w2.shape[1], w2.shape[2], down=True)
+    assert up_tiles[0] == down_tiles[0]  # one alignment serves both GEMMs
+    sorted_ids, block_experts, num_padded = align_by_expert(topk_ids, num_experts, up_tiles[0])
     x = hidden_states.contiguous()
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, sorted_ids, block_experts, num_padded, num_pairs, top_k, None, block_m)
+    _grouped_gemm(x, w13, gate_up, sorted_ids, block_experts, num_padded, num_pairs, top_k, None, up_tiles)
     act = act_and_mul(gate_up)
     down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.to(x.dtype).contiguous().flatten()  # rounded as the reference rounds them
-    _grouped_gemm(act, w2, down, sorted_ids, block_experts, num_padded, num_pairs, 1, weights, block_m)
+    _grouped_gemm(act, w2, down, sorted_ids, block_experts, num_padded, num_pairs, 1, weights, down_tiles)
     return down.view(tokens, top_k, hidden).sum(dim=1)
