@@ -107,11 +107,11 @@ static inline __attribute__((always_inline)) void tile(const gemm_job *j, int pa
         for (int m = 0; m < mr; m++) a[m][0] = a[m][1] = _mm256_setzero_si256();
         const int p0 = g * G / 2;
         if (q4) {
-            const __m256i mask = _mm256_set1_epi16(0x0f);
             for (int p = p0; p < p0 + G / 2; p += 2) {  /* 4 elements (two k-pairs) per 32 bytes */
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(wb + (size_t)p * 16));
-                madd_rows(_mm256_and_si256(q, mask), _mm256_and_si256(_mm256_srli_epi16(q, 4), mask), xq, K, p, mr, a);
-                madd_rows(_mm256_and_si256(_mm256_srli_epi16(q, 8), mask), _mm256_srli_epi16(q, 12), xq, K, p + 1, mr, a);
+                __m256i v[4];
+                q4_vectors(wb + (size_t)p * 16, v);
+                madd_rows(v[0], v[1], xq, K, p, mr, a);
+                madd_rows(v[2], v[3], xq, K, p + 1, mr, a);
             }
         } else {
             for (int p = p0; p < p0 + G / 2; p++) {
