@@ -17,12 +17,12 @@ RNG = np.random.default_rng(3)
 def test_round_trips_and_the_documented_byte_order(n):
     k = 96
     q4 = RNG.integers(0, 256, (n, k // 2), dtype=np.uint8)
-    p4 = panel_layout.quants_to_panels("q4", q4)
+    p4 = panel_layout.quants_to_panels("q4", q4, fast=False)
     assert p4.shape == (panel_layout.num_panels(n), 8 * k)
     assert np.array_equal(panel_layout.quants_to_rows("q4", p4, n, k), q4)
     vals = panel_layout.q4_values(q4)
     q8 = RNG.integers(-128, 128, (n, k), dtype=np.int8)
-    p8 = panel_layout.quants_to_panels("q8", q8)
+    p8 = panel_layout.quants_to_panels("q8", q8, fast=False)
     assert np.array_equal(panel_layout.quants_to_rows("q8", p8, n, k), q8)
     for row in range(n):
         panel, r = divmod(row, 16)
@@ -35,6 +35,16 @@ def test_round_trips_and_the_documented_byte_order(n):
             assert p8[panel][(e // 2) * 32 + 2 * lane + h] == q8[row, e]  # q8: byte h of the lane
     s = RNG.standard_normal((n, k // 32)).astype(np.float32)
     assert np.array_equal(panel_layout.groups_to_rows(panel_layout.groups_to_panels(s), n), s)
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX2+FMA and a C compiler")
+@pytest.mark.parametrize("n,k", [(1, 32), (37, 96), (48, 64)])
+def test_c_repack_equals_the_numpy_reference(n, k):
+    q4 = RNG.integers(0, 256, (n, k // 2), dtype=np.uint8)
+    q8 = RNG.integers(-128, 128, (n, k), dtype=np.int8)
+    for kind, q in (("q4", q4), ("q8", q8)):
+        fast, ref = panel_layout.quants_to_panels(kind, q), panel_layout.quants_to_panels(kind, q, fast=False)
+        assert fast.dtype == ref.dtype and np.array_equal(fast, ref), kind
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX2+FMA and a C compiler")

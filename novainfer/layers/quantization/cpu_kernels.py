@@ -3,7 +3,8 @@
 The library (csrc/qgemm_cpu.c and its many-row form csrc/qgemm_panel_cpu.c; the dequantizer of
 csrc/dequantize_cpu.c; the decode-step ops of csrc/decode_ops_cpu.c and the prefill attention of
 csrc/prefill_attention_cpu.c, whose wrappers are in cpu_ops.py; the one-call decode step of
-csrc/decoder_stack_cpu.c, wrapped by cpu_decoder.py) is cached under ~/.cache/novainfer keyed by the sources'
+csrc/decoder_stack_cpu.c, wrapped by cpu_decoder.py; the load-time repack into panels of
+csrc/repack_panels_cpu.c, called by panel_layout.py) is cached under ~/.cache/novainfer keyed by the sources'
 and flags' hash. Where no compiler or no AVX2/FMA/F16C is found, available() is False and GGUF weights load
 dequantized (one log line says why). The GEMMs and the dequantizer read a PackedWeight's scales and zeros as
 float16 or float32 (its scale_f16, passed to C as a flag).
@@ -29,8 +30,8 @@ _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_pool.h", "cpu_kernels.h", "simd_cpu.h", "panel_cpu.h")]
 _SOURCES = [os.path.join(_CSRC, name) for name in ("qgemm_cpu.c", "qgemm_panel_cpu.c", "dequantize_cpu.c",
                                                    "decode_ops_cpu.c", "prefill_attention_cpu.c", "cpu_pool.c",
-                                                   "decoder_stack_cpu.c")]
-# From this many activation rows on, q4_gemm/q8_gemm run the panel kernel (faster from about 12 rows on:
+                                                   "decoder_stack_cpu.c", "repack_panels_cpu.c")]
+# From this many activation rows on, q4_gemm/q8_gemm run the panel kernel (faster from about 16 rows on:
 # benchmarks/qgemm_rows.py --step). Both kernels give a row the same bits, so the switch does not change results.
 PANEL_MIN_ROWS = 16
 _P = ctypes.c_void_p
@@ -101,6 +102,9 @@ def build_library(sources: list[str], headers: list[str]) -> ctypes.CDLL | None:
     lib.panel_layout = hasattr(lib, "weights_in_panels")
     if lib.panel_layout:
         lib.dequantize.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P, _I, _P, _I]
+    if hasattr(lib, "repack_panels"):
+        lib.repack_panels.argtypes = [_P, _I, _I, _I, _P, _I]
+        lib.repack_panels.restype = None
     # the last int: threads (an older build's ops ignore it)
     lib.add_rms_norm.argtypes = [_P, _P, _P, _P, _F, _P, _I, _I, _I]
     lib.silu_and_mul.argtypes = [_P, _P, _I, _I, _I]
