@@ -69,19 +69,6 @@ static inline float load_scale(const void *p, size_t i, int f16) {
     return f16 ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* n float16 values -> float32 (exact). */
-static inline void f16_to_f32(const uint16_t *p, size_t n, float *out) {
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + i))));
-    for (; i < n; i++) out[i] = _cvtsh_ss(p[i]);
-}
-
-/* 8 consecutive float16 (f16) or float32 values from p + i. */
-static inline __m256 load8_scales(const void *p, size_t i, int f16) {
-    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
-               : _mm256_loadu_ps((const float *)p + i);
-}
-
 /* 8 vectors of 8 int32 (rows) -> their transpose, in place. */
 static inline void transpose8(__m256i r[8]) {
     __m256i t[8], u[8];
