@@ -179,10 +179,6 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks, self.attn_backend)
         self.num_blocks = num_blocks
-        if self.device.type == "cuda" and self.config.model_config.gpu_decode_stack:  # needs the bound backend
-            from novainfer.layers.gpu_decoder import enable_gpu_decode_stack
-            logger.info("batch-1 decode stack (fused kernels): %s", "on" if enable_gpu_decode_stack(self.model)
-                        else "off (the model has layers it does not fuse)")
 
     def shutdown(self) -> None:
         """Give the KV caches, graphs and the last step back now, not when the collector finds a dropped engine."""
@@ -204,6 +200,10 @@ class ModelRunner:
         """Capture decode graphs (CUDA only; enforce_eager turns them off)."""
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
+        if self.config.model_config.gpu_decode_stack:  # graphs only: enabled once, with the graphs that take it
+            from novainfer.layers.gpu_decoder import enable_gpu_decode_stack
+            logger.info("batch-1 decode stack (fused kernels): %s", "on" if enable_gpu_decode_stack(self.model)
+                        else "off (the model has layers it does not fuse)")
         sc = self.config.scheduler_config
         self.graphs = DecodeGraphs(self.model, sc.max_num_seqs, self.max_blocks_per_seq,
                                    self.hf_config.hidden_size, self.dtype, self.device, self.num_splits)

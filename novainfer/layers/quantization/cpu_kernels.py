@@ -195,8 +195,9 @@ def dequantize(w: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tenso
     n, k = w.shape
     if rows is not None:
         rows = rows.reshape(-1).to(torch.int64).contiguous()
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= n):
-            raise IndexError(f"row ids must be in [0, {n}), got {int(rows.min())}..{int(rows.max())}")
+        lo, hi = (int(v) for v in torch.aminmax(rows)) if rows.numel() else (0, 0)
+        if lo < 0 or hi >= n:
+            raise IndexError(f"row ids must be in [0, {n}), got {lo}..{hi}")
     count = n if rows is None else rows.numel()
     out = torch.empty(count, k, dtype=torch.float32)
     if count == 0:
