@@ -263,7 +263,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         r = (rope.positions, rope.cos, rope.sin, rope.key, rope.value, rope.slot_mapping)
     else:
         r = (seq_lens,) * 6  # unused
-    block_n = max(16, min(64, 4 * block_size))
+    tile_n, num_warps, num_stages = decode_tiles(head_dim)
+    block_n = max(16, min(tile_n, 8 * block_size))
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, counters, *r, scale,
         sliding_window or 0, logits_soft_cap or 1.0, q.stride(0), q.stride(1),
@@ -272,8 +273,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         SPLIT_TILES=max(1, min_split_keys // block_n), HAS_WINDOW=sliding_window is not None,
         HAS_SOFT_CAP=logits_soft_cap is not None, ROPE=rope is not None, PRECISION=_precision(q.dtype),
-        num_warps=4)
+        num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+# the decode kernel's (largest BLOCK_N, num_warps, num_stages) by head_dim bound (benchmarks/decode_tiles.py)
+DECODE_TILES: dict[int, tuple[int, int, int]] = {1 << 30: (64, 4, 3)}
+
+
+def decode_tiles(head_dim: int) -> tuple[int, int, int]:
+    """The decode kernel's largest key tile and launch settings for this head size."""
+    return next(t for hd, t in sorted(DECODE_TILES.items()) if head_dim <= hd)
 
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}  # a device's buffers, the newest last (graphs keep the old)
