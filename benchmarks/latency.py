@@ -121,7 +121,8 @@ def compare_llamacpp(args: argparse.Namespace) -> None:
         return nova
     nova = runner(llm)
 
-    lc, version = llamacpp_baseline.load(path, threads)
+    n_ctx = max(2048, max(args.prompt_len, args.ttft_prompt_len) + args.output_len + 16)  # long-context runs
+    lc, version = llamacpp_baseline.load(path, threads, n_ctx=n_ctx)
     r = {"model": path, "threads": threads, "llamacpp_version": version}
     engines = {"novainfer": nova, "llamacpp": lambda p, n: llamacpp_baseline.greedy(lc, p, n)}
     names = {"novainfer": "NovaInfer (defaults)", "llamacpp": f"llama.cpp {version}"}
