@@ -89,26 +89,28 @@ def test_prefill_attention_of_whole_prompts_matches_the_reference():
 
 
 @pytest.mark.parametrize("d,window,cap,nh,nkv", [(64, None, None, 9, 3), (64, 50, None, 9, 3), (136, None, 30.0, 9, 3),
-                                                (64, None, None, 14, 2), (32, 20, None, 8, 2)])
+                                                (64, None, None, 14, 2), (32, 20, None, 8, 2), (64, 300, None, 9, 3),
+                                                (64, None, 20.0, 9, 3)])
 def test_decode_attention_over_long_contexts_matches_the_reference(d, window, cap, nh, nkv):
     """Contexts of several blocks and lengths that are not multiples of 8 (the key tiles' and the softmax's
     tails); head_dim 136: output chunks of 32 values and a tail of 8; groups of 3, 7 and 4 query heads (the
-    output accumulates 3 heads at a time, then the rest)."""
+    output accumulates 3 heads at a time, then the rest). Contexts past 256 keys (and a 300-key window) are
+    split into chunks whose partial results are merged."""
     bs = 16
-    seq_lens = torch.tensor([203, 1, 77], dtype=torch.int32)
+    seq_lens = torch.tensor([203, 1, 77, 700], dtype=torch.int32)
     blocks = int(sum((n + bs - 1) // bs for n in seq_lens.tolist()))
     order = torch.randperm(blocks, dtype=torch.int32)
-    tables, at = torch.zeros(3, 13, dtype=torch.int32), 0
+    tables, at = torch.zeros(4, 44, dtype=torch.int32), 0
     for i, n in enumerate(seq_lens.tolist()):
         nb = (n + bs - 1) // bs
         tables[i, :nb] = order[at:at + nb]
         at += nb
     k_cache = torch.randn(blocks, bs, nkv, d).to(torch.bfloat16)
     v_cache = torch.randn(blocks, bs, nkv, d).to(torch.bfloat16)
-    q = torch.randn(3, nh, d) * 0.5
-    meta = AttentionMetadata(query_start_loc=torch.arange(4, dtype=torch.int32), seq_lens=seq_lens,
-                             slot_mapping=torch.zeros(3, dtype=torch.long), block_tables=tables, max_query_len=1,
-                             max_seq_len=203, query_start_loc_cpu=[0, 1, 2, 3], seq_lens_cpu=seq_lens.tolist())
+    q = torch.randn(4, nh, d) * 0.5
+    meta = AttentionMetadata(query_start_loc=torch.arange(5, dtype=torch.int32), seq_lens=seq_lens,
+                             slot_mapping=torch.zeros(4, dtype=torch.long), block_tables=tables, max_query_len=1,
+                             max_seq_len=700, query_start_loc_cpu=[0, 1, 2, 3, 4], seq_lens_cpu=seq_lens.tolist())
     extra = {k: v for k, v in (("sliding_window", window), ("logits_soft_cap", cap)) if v is not None}
     want = torch_backend.paged_attention(q, k_cache.float(), v_cache.float(), meta, d ** -0.5, **extra)
     got = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, tables, seq_lens, d ** -0.5, window, cap)
@@ -150,6 +152,34 @@ def test_elementwise_ops_split_over_threads_give_each_row_its_single_row_result(
     ref_k, ref_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     torch_backend.store_kv(kv[:, 0].to(torch.bfloat16), kv[:, 1].to(torch.bfloat16), ref_k, ref_v, slots)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+def test_a_split_context_gives_the_same_bits_alone_in_a_batch_and_on_one_thread():
+    """A 1,000-key context is split into chunks over the cores; the split depends on its length alone, so its
+    row is bit-identical whatever the batch around it and the thread count (greedy identity across batches)."""
+    from novainfer.layers.quantization import cpu_kernels
+    bs, nkv, nh, d = 16, 3, 9, 64
+    lens = [1000, 300, 5]
+    nb = [(n + bs - 1) // bs for n in lens]
+    order = torch.randperm(sum(nb), dtype=torch.int32)
+    tables = torch.zeros(3, max(nb), dtype=torch.int32)
+    for i, at in enumerate([0, nb[0], nb[0] + nb[1]]):
+        tables[i, :nb[i]] = order[at:at + nb[i]]
+    k_cache = torch.randn(sum(nb), bs, nkv, d).to(torch.bfloat16)
+    v_cache = torch.randn(sum(nb), bs, nkv, d).to(torch.bfloat16)
+    q = torch.randn(3, nh, d)
+    batch = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32),
+                                          0.125, None, None)
+    alone = cpu_ops.decode_attention_bf16(q[:1], k_cache, v_cache, tables[:1],
+                                          torch.tensor(lens[:1], dtype=torch.int32), 0.125, None, None)
+    threads = cpu_kernels.num_threads()
+    cpu_kernels.set_num_threads(1)
+    try:
+        one_thread = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32),
+                                                   0.125, None, None)
+    finally:
+        cpu_kernels.set_num_threads(threads)
+    assert torch.equal(batch[:1], alone) and torch.equal(batch, one_thread)
 
 
 def _bad_index_case():

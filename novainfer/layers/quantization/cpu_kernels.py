@@ -1,8 +1,9 @@
 """Builds (once per machine, with the system C compiler) the AVX2 kernels in csrc/ and calls the quantized GEMM.
 
 The library (csrc/qgemm_cpu.c and its many-row form csrc/qgemm_panel_cpu.c; the dequantizer of
-csrc/dequantize_cpu.c; the decode-step ops of csrc/decode_ops_cpu.c and the prefill attention of
-csrc/prefill_attention_cpu.c, whose wrappers are in cpu_ops.py; the one-call decode step of
+csrc/dequantize_cpu.c; the decode-step ops of csrc/decode_ops_cpu.c, the decode attention of
+csrc/decode_attention_cpu.c and the prefill attention of csrc/prefill_attention_cpu.c, whose wrappers are in
+cpu_ops.py; the one-call decode step of
 csrc/decoder_stack_cpu.c, wrapped by cpu_decoder.py; the load-time repack into panels of
 csrc/repack_panels_cpu.c, called by panel_layout.py) is cached under ~/.cache/novainfer keyed by the sources'
 and flags' hash. Where no compiler or no AVX2/FMA/F16C is found, available() is False and GGUF weights load
@@ -29,8 +30,9 @@ logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_pool.h", "cpu_kernels.h", "simd_cpu.h", "panel_cpu.h")]
 _SOURCES = [os.path.join(_CSRC, name) for name in ("qgemm_cpu.c", "qgemm_panel_cpu.c", "dequantize_cpu.c",
-                                                   "decode_ops_cpu.c", "prefill_attention_cpu.c", "cpu_pool.c",
-                                                   "decoder_stack_cpu.c", "repack_panels_cpu.c")]
+                                                   "decode_ops_cpu.c", "decode_attention_cpu.c",
+                                                   "prefill_attention_cpu.c", "cpu_pool.c", "decoder_stack_cpu.c",
+                                                   "repack_panels_cpu.c")]
 # From this many activation rows on, q4_gemm/q8_gemm run the panel kernel (faster from about 16 rows on:
 # benchmarks/qgemm_rows.py --step). Both kernels give a row the same bits, so the switch does not change results.
 PANEL_MIN_ROWS = 16

@@ -1,6 +1,7 @@
-"""The float32 ops of a CPU decode step in C (csrc/decode_ops_cpu.c): each replaces 5-10 small torch ops,
-whose per-op cost dominated a 30-layer decode step of the default model once the weights were quantized;
-and the prefill attention over the bf16 cache (csrc/prefill_attention_cpu.c).
+"""The float32 ops of a CPU decode step in C (csrc/decode_ops_cpu.c, decode attention in
+csrc/decode_attention_cpu.c): each replaces 5-10 small torch ops, whose per-op cost dominated a 30-layer decode
+step of the default model once the weights were quantized; and the prefill attention over the bf16 cache
+(csrc/prefill_attention_cpu.c).
 
 Used by the layers of a model built for the quantized CPU path (QuantizationConfig.fused_cpu_ops); the
 float32 exact path (dtype="float32") keeps the torch ops. Each wrapper checks what the C code assumes.

@@ -1,6 +1,6 @@
-/* The entry points of qgemm_cpu.c and decode_ops_cpu.c (and the helpers the kernels share), for C callers
- * (decoder_stack_cpu.c, dequantize_cpu.c); see those files for what each computes. Python calls them through
- * ctypes (cpu_kernels.py, cpu_ops.py). */
+/* The entry points of qgemm_cpu.c, decode_ops_cpu.c and decode_attention_cpu.c (and the helpers the kernels
+ * share), for C callers (decoder_stack_cpu.c, dequantize_cpu.c); see those files for what each computes. Python
+ * calls them through ctypes (cpu_kernels.py, cpu_ops.py). */
 #ifndef NOVAINFER_CPU_KERNELS_H
 #define NOVAINFER_CPU_KERNELS_H
 

@@ -140,7 +140,7 @@ static void attend_tile(void *arg, int c) {
     }
     for (int r = 0; r < R; r++) {
         const int pos = first + r / group, lo = j->window > 0 && pos - j->window + 1 > lo0 ? pos - j->window + 1 : lo0;
-        inv[r] = softmax_row(sc + (size_t)r * W, W, lo - c0, pos - c0, j->soft_cap);
+        inv[r] = softmax_row(sc + (size_t)r * W, W, lo - c0, pos - c0, j->soft_cap, NULL);
     }
     for (int r0 = 0; r0 < R; r0 += RB) {
         const int mr = R - r0 < RB ? R - r0 : RB;

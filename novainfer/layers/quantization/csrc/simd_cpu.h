@@ -33,9 +33,9 @@ static inline __m256 exp8(__m256 x) {
 }
 
 /* A row of attention scores -> exp(score - max) over its visible keys lo..hi (inclusive), zero elsewhere in
- * 0..W (scores soft-capped first as cap * tanh(x / cap) when soft_cap > 0); returns 1 / the sum. Shared by the
- * decode and prefill attention kernels. */
-static inline float softmax_row(float *row, int W, int lo, int hi, float soft_cap) {
+ * 0..W (scores soft-capped first as cap * tanh(x / cap) when soft_cap > 0); returns 1 / the sum, and the max in
+ * *max_out unless it is NULL. Shared by the decode and prefill attention kernels. */
+static inline float softmax_row(float *row, int W, int lo, int hi, float soft_cap, float *max_out) {
     if (soft_cap > 0.f)
         for (int c = lo; c <= hi; c++) row[c] = soft_cap * tanhf(row[c] / soft_cap);
     __m256 vmx = _mm256_set1_ps(-INFINITY);
@@ -56,6 +56,7 @@ static inline float softmax_row(float *row, int W, int lo, int hi, float soft_ca
     }
     float sum = hsum8(vs);
     for (; c <= hi; c++) { row[c] = expf(row[c] - mx); sum += row[c]; }
+    if (max_out) *max_out = mx;
     return 1.0f / sum;
 }
 
