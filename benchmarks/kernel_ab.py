@@ -6,6 +6,7 @@ same process and interleaved request by request, so drifting load from other pro
     python benchmarks/kernel_ab.py streams --base b44f9c3 --panel-rows 8   # and new with the panel GEMM from 8 rows
     python benchmarks/kernel_ab.py prefill --base 75d6e81 --rounds 6      # 512-token prefills, 2 per kernel a round
     python benchmarks/kernel_ab.py prefill --base ab590c3 --one-thread    # the same at 1 thread, in CPU time
+    python benchmarks/kernel_ab.py decode --base cfab95b --prompt-len 3000 --max-tokens 64  # batch 1, long context
     python benchmarks/kernel_ab.py gemm --base ab590c3 --rounds 9         # a 512-token prefill's 120 GEMMs
     python benchmarks/kernel_ab.py attention --base ab590c3 --rounds 9    # its 30 layers of prefill attention
 
@@ -145,6 +146,34 @@ def prefill(args, libs) -> dict:
     return {"prefill_ms": res, "one_thread_cpu_time": args.one_thread, "prompt_len": args.prompt_len}
 
 
+def decode(args, libs) -> dict:
+    """Batch-1 greedy decode of --max-tokens tokens after one --prompt-len prompt that sits in the prefix cache
+    (each run's prefill is a one-block hit), kernels taking turns: what the replies of a long conversation cost.
+    tok/s = max_tokens / (time for max_tokens + 1 tokens - time for 1)."""
+    import numpy as np
+
+    from novainfer import LLM, SamplingParams
+    llm = LLM()
+    vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
+    prompt = np.random.default_rng(0).integers(100, vocab, args.prompt_len).tolist()
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    many = SamplingParams(temperature=0, max_tokens=args.max_tokens + 1, ignore_eos=True)
+    timed(llm, [prompt], one)  # fills the prefix cache
+    res, tokens = {k: [] for k in libs}, {}
+    for r in range(args.rounds):
+        for kernel in (list(libs) if r % 2 == 0 else list(libs)[::-1]):
+            use(*libs[kernel])
+            t1 = timed(llm, [prompt], one)[0]
+            tn, toks = timed(llm, [prompt], many)
+            res[kernel].append(args.max_tokens / (tn - t1))
+            tokens.setdefault(kernel, toks[0])
+        print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in res.items()), flush=True)
+    llm.llm_engine.shutdown()
+    greedy_equal = all(t == tokens["new"] for t in tokens.values())
+    print(f"greedy tokens equal across kernels: {greedy_equal}")
+    return {"tok_s": res, "greedy_equal": greedy_equal, "prompt_len": args.prompt_len}
+
+
 def _turns(fns: dict, rounds: int, clock) -> dict:
     """ms of each fn per round, the order alternating round by round."""
     res = {k: [] for k in fns}
@@ -214,7 +243,7 @@ def attention(args, libs) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["spec", "streams", "prefill", "gemm", "attention"])
+    ap.add_argument("mode", choices=["spec", "streams", "prefill", "decode", "gemm", "attention"])
     ap.add_argument("--base", default="6404181", help="commit whose C kernels are 'old'")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4}')
@@ -225,7 +254,7 @@ def main() -> None:
     ap.add_argument("--base-panel-rows", type=int, default=64,
                     help="the row count from which the base's GEMMs hand over to its panel kernel (its default)")
     ap.add_argument("--one-thread", action="store_true", help="prefill: one thread, this thread's CPU time")
-    ap.add_argument("--prompt-len", type=int, default=512, help="prefill: tokens a prompt")
+    ap.add_argument("--prompt-len", type=int, default=512, help="prefill, decode: tokens a prompt")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     libs = {"new": (cpu_kernels.library(),), "old": (build_at(args.base), args.base_panel_rows)}
@@ -236,7 +265,8 @@ def main() -> None:
                          "separate processes instead (benchmarks/tree_ab.py)")
     if not libs["old"][0].scale_f16:  # a base before float16 scales: both load float32 ones (one set of weights)
         gguf_repack.FP16_SCALES = False
-    out = {"spec": spec, "streams": streams, "prefill": prefill, "gemm": gemm, "attention": attention}[args.mode](args, libs)
+    out = {"spec": spec, "streams": streams, "prefill": prefill, "decode": decode, "gemm": gemm,
+           "attention": attention}[args.mode](args, libs)
     for k, v in out.get("speedup", out.get("tok_s", out.get("prefill_ms", {}))).items():
         print(f"{k}: median {statistics.median(v):.2f}, range {min(v):.2f}-{max(v):.2f}")
     if args.json:

@@ -56,6 +56,10 @@ def main() -> None:
     ap.add_argument("--compare-kwargs", type=json.loads, default=None,
                     help="with --compare-llamacpp: one more NovaInfer row built with these LLM arguments, taking "
                          "turns too (an A/B of one setting), e.g. '{\"cpu_decode_stack\": false}'")
+    ap.add_argument("--decode-after-first-token", action="store_true",
+                    help="with --compare-llamacpp: decode tok/s from one run per round, (n - 1) / (time of the last "
+                         "token - time of the first), not the difference of two runs (whose prefill noise swamps "
+                         "the decode time of a long prompt)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -144,30 +148,42 @@ def compare_llamacpp(args: argparse.Namespace) -> None:
                 run(hf, [p], [n], 0.0, 0, "cpu")
             return None, time.perf_counter() - t0
         engines["hf"], names["hf"] = hf_run, f"HF transformers {transformers.__version__} (float32)"
+    streamed = {"novainfer": lambda p, n: nova_after_first(llm, p, n),
+                "llamacpp": lambda p, n: llamacpp_baseline.greedy_after_first(lc, p, n)}
+    if args.decode_after_first_token and set(engines) - set(streamed):
+        raise SystemExit("--decode-after-first-token times NovaInfer's defaults and llama.cpp only")
     times = {k: {"one": [], "full": [], "prefill": []} for k in engines}
     for run_engine in engines.values():
         run_engine(fresh(16), 4)  # warm-up
     for _ in range(args.repeat):
         for key, run_engine in engines.items():
             p = fresh(args.prompt_len)
-            times[key]["one"].append(run_engine(p, 1)[1])
-            # another fresh prompt of the same length: changing only its last token left 7 of its 8 blocks in
-            # NovaInfer's prefix cache, so this run's prefill was shorter than the one-token run's (llama.cpp's
-            # reset() reuses nothing) and the decode figure came out too high
-            times[key]["full"].append(run_engine(fresh(args.prompt_len), args.output_len)[1])
+            if args.decode_after_first_token:  # "one": the first token's time, "full": the last one's, one run
+                times[key]["one"].append(0.0)
+                times[key]["full"].append(streamed[key](p, args.output_len))
+            else:
+                times[key]["one"].append(run_engine(p, 1)[1])
+                # another fresh prompt of the same length: changing only its last token left 7 of its 8 blocks in
+                # NovaInfer's prefix cache, so this run's prefill was shorter than the one-token run's (llama.cpp's
+                # reset() reuses nothing) and the decode figure came out too high
+                times[key]["full"].append(run_engine(fresh(args.prompt_len), args.output_len)[1])
             times[key]["prefill"].append(run_engine(fresh(args.ttft_prompt_len), 1)[1] * 1e3)
     n = args.output_len - 1
     for key, t in times.items():
         r[key] = {"decode_tok_s": [n / (f - o) for f, o in zip(t["full"], t["one"])],
                   "decode_tok_s_best": n / (min(t["full"]) - min(t["one"])), "prefill_ms": t["prefill"], **t}
+    r["decode_method"] = "after first token" if args.decode_after_first_token else "two runs"
     same = fresh(args.prompt_len)
     ours, theirs = nova(same, 32)[0], llamacpp_baseline.greedy(lc, same, 32)[0]
     r["greedy_tokens_agree"] = sum(a == b for a, b in zip(ours, theirs))
     llm.llm_engine.shutdown()
     if args.compare_kwargs:
         other.llm_engine.shutdown()
+    method = "from the first token to the last of one run" if args.decode_after_first_token else \
+        "as an n-token run less a 1-token run"
     print(f"\n{args.prompt_len}-token prompts, {args.output_len} new tokens, {args.ttft_prompt_len}-token prefill, "
-          f"{threads} threads, fresh prompt per run, engines taking turns; ranges over {args.repeat} rounds\n"
+          f"{threads} threads, fresh prompt per run, engines taking turns; ranges over {args.repeat} rounds; "
+          f"decode timed {method}\n"
           f"| engine | batch-1 decode tok/s (best) | prefill of a {args.ttft_prompt_len}-token prompt (ms) |\n"
           "|---|---|---|")
     for key in engines:
@@ -189,6 +205,21 @@ def compare_llamacpp(args: argparse.Namespace) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)
+
+
+def nova_after_first(llm, prompt: list[int], n: int) -> float:
+    """Seconds from NovaInfer's first generated token to its n-th (greedy, one request, stepped by hand)."""
+    from novainfer import SamplingParams
+    engine = llm.llm_engine
+    engine.add_request(f"latency-{time.monotonic_ns()}", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    first = last = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.outputs[0].token_ids:
+                last = time.perf_counter()
+                first = first or last
+    return last - first
 
 
 def hf_latency(path: str, prompt: list[int], long_prompt: list[int], n: int, repeat: int) -> dict:

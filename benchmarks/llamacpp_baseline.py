@@ -24,3 +24,15 @@ def greedy(llm, prompt: list[int], n: int) -> tuple[list[int], float]:
         if len(out) == n:
             break
     return out, time.perf_counter() - t0
+
+
+def greedy_after_first(llm, prompt: list[int], n: int) -> float:
+    """Seconds from llama.cpp's first greedy token for a fresh prompt to its n-th."""
+    llm.reset()
+    first = last = None
+    for i, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, repeat_penalty=1.0, reset=True)):
+        last = time.perf_counter()
+        first = first or last
+        if i + 1 == n:
+            break
+    return last - first
