@@ -94,3 +94,49 @@ def test_blocked_tokens_are_never_sampled():
     logits[:, 7] = 10.0
     out = run(logits, [row(temperature=1.0, blocked=[7, 8])] * 500).sampled_token_ids
     assert 7 not in out.tolist() and 8 not in out.tolist()
+
+
+def test_cpu_draw_follows_unnormalised_probs_and_never_draws_a_zero():
+    """The CPU's inverse-CDF draw (one uniform a row): frequencies follow p / sum(p) for rows that do not sum to 1
+    (min-p leaves them so), zero entries, the last one included, never come out, and a seeded row's draws
+    repeat with its seed."""
+    from scipy.stats import chisquare
+    torch.manual_seed(0)
+    p = torch.tensor([0.0, 0.3, 0.0, 0.1, 0.2, 0.0])  # sums to 0.6
+    n = 20000
+    meta = SamplingMetadata.build([row(temperature=1.0)] * n, 6, "cpu")
+    out = Sampler.draw(p.expand(n, 6).contiguous(), meta)
+    counts = torch.bincount(out, minlength=6)
+    assert counts[[0, 2, 5]].sum() == 0
+    assert chisquare(counts[[1, 3, 4]].numpy(), (p[[1, 3, 4]] / 0.6).numpy() * n).pvalue > 0.01
+    seeded = [Sampler.draw(p.expand(8, 6).contiguous(), SamplingMetadata.build([row(gen_seed=3, temperature=1.0)] * 8,
+                                                                               6, "cpu")) for _ in range(2)]
+    assert torch.equal(seeded[0], seeded[1])
+
+
+def test_cpu_top_k_top_p_among_candidates_equal_the_full_sort():
+    """Rows whose kept set lies among the 1,024 highest logits get, from those alone, the distribution the full
+    sort gives; rows whose set might not (top-k past 1,024, a nucleus wider than the candidates, no filter at
+    all) are flagged for the full sort, and the Sampler's draws stay inside each row's support either way."""
+    from novainfer.layers.sampler_candidates import CANDIDATES, candidate_probs
+    torch.manual_seed(0)
+    vocab = 3000
+    peaked = torch.randn(vocab) * 4
+    flat = torch.randn(vocab) * 0.01
+    cases = [(peaked, dict(top_k=50), True), (peaked, dict(top_p=0.9), True),
+             (peaked, dict(top_k=200, top_p=0.5, min_p=0.05), True), (peaked, dict(top_k=2000), False),
+             (flat, dict(top_p=0.9), False), (flat, dict(top_k=10, top_p=0.9), True), (peaked, dict(), False),
+             (peaked, dict(min_p=0.1, top_p=0.95), True)]
+    logits = torch.stack([c[0] for c in cases])
+    rows = [row(temperature=0.8, **c[1]) for c in cases]
+    meta = SamplingMetadata.build(rows, vocab, "cpu")
+    scaled = logits / meta.temperature.unsqueeze(1)
+    probs, ids, resolved = candidate_probs(scaled, meta.top_k, meta.top_p, meta.min_p)
+    assert probs.shape == (len(cases), CANDIDATES)
+    assert resolved.tolist() == [c[2] for c in cases]
+    full = Sampler.probs(logits, meta)
+    for i in resolved.nonzero().squeeze(1).tolist():
+        got = torch.zeros(vocab).scatter(0, ids[i], probs[i])
+        torch.testing.assert_close(got, full[i], rtol=1e-5, atol=1e-7)
+    draws = torch.stack([run(logits, rows).sampled_token_ids for _ in range(200)])
+    assert bool((full.gather(1, draws.T) > 0).all()), "a draw outside its row's kept set"

@@ -2,19 +2,23 @@
 
 Order (vLLM's): logit_bias, min_tokens blocking, repetition / frequency / presence penalties, the grammar's
 token bitmask (structured outputs; constrained and free rows mix in one batch), then greedy rows take
-the argmax; the rest are divided by temperature, filtered by top-k, top-p and min-p, and sampled with
-the exponential race argmax(p / q), q ~ Exp(1). A seeded row draws q from its own generator, so its
-tokens depend only on its seed, never on what else is in the batch. Logprobs are the raw model's. On CUDA,
+the argmax; the rest are divided by temperature, filtered by top-k, top-p and min-p, and sampled: on CUDA with
+the exponential race argmax(p / q), q ~ Exp(1), on the CPU by the inverse CDF with one uniform a row
+(Sampler.draw). A seeded row draws from its own generator, so its tokens depend only on its seed, never
+on what else is in the batch. Logprobs are the raw model's. On CUDA,
 when no row uses top-k, top-p, min-p or a seed, one Triton pass samples every row (the same distribution by
 the Gumbel-max trick: kernels/sampling.py) instead of ~7 passes over the [rows, vocab] logits.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch import nn
 
+from novainfer.layers.sampler_candidates import sample_top_k_top_p
 from novainfer.sampling_params import SamplingParams
 
 
@@ -183,9 +187,23 @@ class Sampler(nn.Module):
         return q
 
     @classmethod
+    def draw(cls, probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """One token per row from probs [rows, vocab] (non-negative, a row's sum need not be 1).
+
+        On CUDA the exponential race argmax(p / q), q ~ Exp(1), which needs no host sync. On the CPU the
+        inverse CDF with one uniform a row: drawing an exponential per vocabulary entry cost 17 ms a step for
+        16 rows of the default model's 49k vocabulary (benchmarks/sampler_speed.py), the cumulative sum 0.5."""
+        if probs.is_cuda:
+            return (probs / cls.exponentials(probs, meta)).argmax(dim=-1)
+        cdf = probs.double().cumsum(dim=-1)  # float64: the tail's mass is not lost to rounding
+        target = uniforms(meta, probs.device).double().unsqueeze(1) * cdf[:, -1:]  # u < 1, so below the total
+        return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+    @classmethod
     def sample_random(cls, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        probs = cls.probs(logits, meta)
-        return (probs / cls.exponentials(probs, meta)).argmax(dim=-1)
+        if not logits.is_cuda and (meta.top_k is not None or meta.top_p is not None):
+            return sample_top_k_top_p(cls, logits, meta)
+        return cls.draw(cls.probs(logits, meta), meta)
 
     @staticmethod
     def gather_logprobs(logprobs: torch.Tensor, sampled: torch.Tensor, k: int, out: SamplerOutput) -> None:
@@ -197,6 +215,34 @@ class Sampler(nn.Module):
             out.logprobs = torch.cat([chosen, top.values], dim=1)
         else:
             out.logprob_token_ids, out.logprobs = sampled.unsqueeze(1), chosen
+
+
+ONE_THREAD_MAX_LOGITS = 1 << 19  # past this many logits (10 rows of a 49k vocabulary) a sort pays for the threads
+
+
+@contextmanager
+def sampling_threads(logits: torch.Tensor) -> Iterator[None]:
+    """On the CPU, a few rows' sampling on one torch thread (then back). The C kernels' pool holds every core,
+    and libgomp's workers spin for a while after each parallel torch op, taking cores from it: batch-1 decode of
+    the default model at temperature 1.0 ran at 77-81 tok/s against 118-125 with this (sampler_speed.py)."""
+    n = torch.get_num_threads()
+    if logits.is_cuda or n == 1 or logits.numel() > ONE_THREAD_MAX_LOGITS:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def uniforms(meta: SamplingMetadata, device: torch.device) -> torch.Tensor:
+    """One U[0, 1) draw per row; a seeded row draws from its own generator."""
+    u = torch.rand(len(meta.generators), device=device)
+    for i, gen in enumerate(meta.generators):
+        if gen is not None:
+            u[i] = torch.rand((), generator=gen, device=gen.device)
+    return u
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from novainfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from novainfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, uniforms
 
 
 @dataclass
@@ -39,23 +39,13 @@ def rejection_sample(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetad
         random_accepted = has_draft & (u < probs.gather(1, draft).squeeze(1))
         residual = torch.where(has_draft.unsqueeze(1), probs.scatter(1, draft, 0.0), probs)
         residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, probs)  # p(d) = 1: never used
-        random_tokens = torch.where(random_accepted, draft_ids,
-                                    (residual / sampler.exponentials(residual, meta)).argmax(dim=-1))
+        random_tokens = torch.where(random_accepted, draft_ids, sampler.draw(residual, meta))
         tokens = torch.where(meta.is_greedy, tokens, random_tokens)
         accepted = torch.where(meta.is_greedy, accepted, random_accepted)
     out = VerifiedOutput(sampled_token_ids=tokens, accepted=accepted)
     if raw_logprobs is not None:
         sampler.gather_logprobs(raw_logprobs, tokens, meta.max_num_logprobs, out)
     return out
-
-
-def uniforms(meta: SamplingMetadata, device: torch.device) -> torch.Tensor:
-    """One U[0, 1) draw per row for the acceptance test; a seeded row draws from its own generator."""
-    u = torch.rand(len(meta.generators), device=device)
-    for i, gen in enumerate(meta.generators):
-        if gen is not None:
-            u[i] = torch.rand((), generator=gen, device=gen.device)
-    return u
 
 
 def emitted_rows(accepted: list[bool], first_row: int, num_drafts: int) -> int:

@@ -22,7 +22,7 @@ from novainfer.engine.faults import FaultInjector
 from novainfer.engine.scheduler import SchedulerOutput
 from novainfer.layers.attention import Attention
 from novainfer.layers.quantization.selector import get_quant_config
-from novainfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow
+from novainfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, sampling_threads
 from novainfer.loader.model_loader import load_model
 from novainfer.sampling_params import SamplingParams
 from novainfer.spec_decode.draft_model_runner import DraftModelRunner
@@ -431,10 +431,11 @@ class ModelRunner:
             row_of = dict(zip(inp.sample_seq_ids, firsts))  # a constrained sequence has one row: it never guesses
             rows = torch.tensor([row_of[s] for s in inp.grammar_bitmask.seq_ids], device=self.device)
             token_bitmask = (rows, inp.grammar_bitmask.bitmask.to(self.device, non_blocking=True))
-        if inp.spec_num_drafts is not None:
-            draft_ids = torch.tensor(inp.spec_draft_ids, device=self.device)
-            return rejection_sample(self.sampler, logits, inp.sampling_metadata, draft_ids, token_bitmask)
-        return self.sampler(logits, inp.sampling_metadata, token_bitmask)
+        with sampling_threads(logits):
+            if inp.spec_num_drafts is not None:
+                draft_ids = torch.tensor(inp.spec_draft_ids, device=self.device)
+                return rejection_sample(self.sampler, logits, inp.sampling_metadata, draft_ids, token_bitmask)
+            return self.sampler(logits, inp.sampling_metadata, token_bitmask)
 
     def postprocess(self, inp: StepInputs, sampled) -> ModelRunnerOutput:
         """The step's one device-to-host copy."""
