@@ -14,6 +14,8 @@ the per-kind averages absorb.
 from __future__ import annotations
 
 import argparse
+import bisect
+import itertools
 import json
 import os
 import sys
@@ -53,8 +55,13 @@ def union(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def overlap(merged: list[tuple[int, int]], lo: int, hi: int) -> int:
-    """ns of the merged intervals inside [lo, hi)."""
-    return sum(max(0, min(e, hi) - max(s, lo)) for s, e in merged if e > lo and s < hi)
+    """ns of the merged (sorted, disjoint) intervals inside [lo, hi)."""
+    total = 0
+    for s, e in itertools.islice(merged, bisect.bisect_right(merged, lo, key=lambda iv: iv[1]), None):
+        if s >= hi:
+            break
+        total += min(e, hi) - max(s, lo)
+    return total
 
 
 def step_kind(num_seqs: int, prefill_tokens: int) -> str:
@@ -112,9 +119,9 @@ def main() -> None:
     core.schedule = schedule
     end_ns = stop_ns[0]  # the last step's interval ends with the run, not with the profiler's trace processing
     want = "CUDA" if cuda else "CPU"
-    events = [(e.start_ns(), e.end_ns(), e.name()) for e in prof.profiler.kineto_results.events()
-              if str(e.device_type()).endswith(want) and e.end_ns() > e.start_ns()
-              and (cuda or e.name().startswith("aten::"))]
+    events = sorted((e.start_ns(), e.end_ns(), kind_of(e.name())) for e in prof.profiler.kineto_results.events()
+                    if str(e.device_type()).endswith(want) and e.end_ns() > e.start_ns()
+                    and (cuda or e.name().startswith("aten::")))
     merged = union([(s, e) for s, e, _ in events])
     busy = sum(e - s for s, e in merged)
     span = merged[-1][1] - merged[0][0] if merged else 0
@@ -122,13 +129,12 @@ def main() -> None:
     gap_bins = [(0, 10_000, "< 10 us"), (10_000, 100_000, "10-100 us"), (100_000, 1_000_000, "0.1-1 ms"),
                 (1_000_000, 1 << 62, ">= 1 ms")]
     by_kind: dict[str, int] = defaultdict(int)
-    for s, e, name in events:
-        by_kind[kind_of(name)] += e - s
+    for s, e, kind in events:
+        by_kind[kind] += e - s
     kernel_sum = sum(by_kind.values())
 
     # per kind of step: the host interval from its schedule() to the next, and the device work inside it
     phase = defaultdict(lambda: defaultdict(float))
-    ev_sorted = sorted(events)
     j = 0
     for i, (t, nseq, pre) in enumerate(steps):
         hi = steps[i + 1][0] if i + 1 < len(steps) else end_ns
@@ -137,11 +143,11 @@ def main() -> None:
         p["host_ns"] += hi - t
         p["busy_ns"] += overlap(merged, t, hi)
         p["seqs"] += nseq
-        while j < len(ev_sorted) and ev_sorted[j][0] < t:
+        while j < len(events) and events[j][0] < t:
             j += 1
         k = j
-        while k < len(ev_sorted) and ev_sorted[k][0] < hi:
-            p[kind_of(ev_sorted[k][2])] += ev_sorted[k][1] - ev_sorted[k][0]
+        while k < len(events) and events[k][0] < hi:
+            p[events[k][2]] += events[k][1] - events[k][0]
             k += 1
 
     print(f"\n{args.model} ({args.quantization or 'bf16'}), {args.num_prompts} prompts; device "

@@ -142,6 +142,12 @@ static void attend(void *arg, int it) {
         }
 }
 
+/* Work items of one sequence's context for one KV head: its visible positions in chunks of ATTN_CHUNK. */
+static int context_chunks(int len, int window) {
+    const int visible = window > 0 && len > window ? window : len;
+    return visible > ATTN_CHUNK ? (visible + ATTN_CHUNK - 1) / ATTN_CHUNK : 1;
+}
+
 /* The output of each head of a split context from its n chunks' partial results (items first..first + n - 1):
  * sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c, chunks in order. */
 static void merge_chunks(const attn_job *j, int s, int g, int first, int n) {
@@ -178,8 +184,7 @@ int decode_attention_bf16(const float *q, int q_stride, const uint16_t *k_cache,
                   window, max_len, scale, soft_cap, NULL, out, NULL, NULL};
     int nitems = 0, split = 0;
     for (int s = 0; s < S; s++) {
-        const int visible = window > 0 && seq_lens[s] > window ? window : seq_lens[s];
-        const int n = visible > ATTN_CHUNK ? (visible + ATTN_CHUNK - 1) / ATTN_CHUNK : 1;
+        const int n = context_chunks(seq_lens[s], window);
         nitems += nkv * n;
         split |= n > 1;
     }
@@ -191,8 +196,7 @@ int decode_attention_bf16(const float *q, int q_stride, const uint16_t *k_cache,
         return KV_NO_MEMORY;
     }
     for (int s = 0, it = 0; s < S; s++) {
-        const int visible = window > 0 && seq_lens[s] > window ? window : seq_lens[s];
-        const int n = visible > ATTN_CHUNK ? (visible + ATTN_CHUNK - 1) / ATTN_CHUNK : 1;
+        const int n = context_chunks(seq_lens[s], window);
         for (int g = 0; g < nkv; g++)
             for (int c = 0; c < n; c++, it++) items[2 * it] = s * nkv + g, items[2 * it + 1] = c;
     }
