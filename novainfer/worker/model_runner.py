@@ -60,14 +60,15 @@ class ModelRunner:
         self.hf_config = hf_config
         self.device = device
         mc = config.model_config
-        self.dtype = mc.torch_dtype or (torch.bfloat16 if device.type == "cuda" else default_cpu_dtype())
+        quant = get_quant_config(mc, device, config.parallel_config.tensor_parallel_size)
+        self.dtype = mc.torch_dtype or (torch.bfloat16 if device.type == "cuda"
+                                        else default_cpu_dtype(getattr(quant, "activation_dtype", None)))
         self.kv_dtype = resolve_cache_dtype(config, self.dtype, device)
         self.block_size = config.cache_config.block_size
         spec = config.speculative_config
         self.drafter: DraftModelRunner | None = None  # the draft model of speculative_config (its own KV cache)
         if spec is not None and spec.method == "draft_model":  # first: a bad draft fails before the target loads
             self.drafter = DraftModelRunner(config, hf_config, self.dtype, self.kv_dtype, device, self.max_model_len)
-        quant = get_quant_config(mc, device, config.parallel_config.tensor_parallel_size)
         self.model = load_model(mc.model, hf_config, self.dtype, device, mc.load_format, quant)
         self._attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
