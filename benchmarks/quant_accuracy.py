@@ -101,8 +101,8 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=2048)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--decode-step", type=int, default=32,
-                    help="tokens per step for the decode-path row")
+    ap.add_argument("--decode-step", type=int, default=8,
+                    help="tokens per step for the decode-path row (under 16: the few-row GEMM of a decode step)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp's figures out")
     args = ap.parse_args()
@@ -127,8 +127,9 @@ def main() -> None:
     r["seconds"] = time.perf_counter() - t0
     print(f"\nreference: float32 dequantized weights, float32 KV; {r['positions']} teacher-forced positions of "
           f"the Apache-2.0 text in chunks of {args.ctx}\n| engine | mean KL | top-1 agreement |\n|---|---|---|")
-    print(f"| NovaInfer, prefill path (panel GEMM: int16-rounded activations, bf16 KV) | {kl:.5f} | {top1:.2%} |")
-    print(f"| NovaInfer, decode path (steps of {args.decode_step}: few-row GEMM, int16-rounded activations, bf16 KV) "
+    kernel = "few-row" if args.decode_step < 16 else "panel"  # cpu_kernels.PANEL_MIN_ROWS
+    print(f"| NovaInfer, prefill path (panel GEMM, int16-rounded activations, bf16 KV) | {kl:.5f} | {top1:.2%} |")
+    print(f"| NovaInfer, decode path (steps of {args.decode_step}: {kernel} GEMM, int16-rounded activations, bf16 KV) "
           f"| {dkl:.5f} | {dtop1:.2%} |")
     if "llamacpp_kl" in r:
         print(f"| llama.cpp {r['llamacpp_version']} | {r['llamacpp_kl']:.5f} | {r['llamacpp_top1']:.2%} |")

@@ -19,6 +19,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The dense tiny models' servers compute in float32: the tests compare greedy text across batch compositions,
+# which bf16 CPU GEMMs (the default where the CPU has AVX512-BF16 or AMX) do not keep bit for bit.
+FLOAT32 = ("--dtype", "float32")
+
+
 class RemoteServer:
     """`python -m novainfer.entrypoints.cli serve ...` until stop(); url is the server's base URL."""
 

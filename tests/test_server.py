@@ -14,14 +14,14 @@ import openai
 import pytest
 
 from novainfer import LLM, SamplingParams
-from tests.server_utils import ROOT, RemoteServer
+from tests.server_utils import FLOAT32, ROOT, RemoteServer
 
 MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2, tmp_path_factory):
-    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL],
+    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, *FLOAT32],
                        str(tmp_path_factory.mktemp("server") / "server.log"))
     yield srv
     srv.stop()
@@ -34,7 +34,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def offline(tiny_qwen2):
-    return LLM(tiny_qwen2, device="cpu")
+    return LLM(tiny_qwen2, device="cpu", dtype="float32")
 
 
 GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})

@@ -15,14 +15,14 @@ import pytest
 from novainfer import SamplingParams
 from novainfer.engine.llm_engine import LLMEngine
 from novainfer.config import EngineConfig
-from tests.server_utils import RemoteServer
+from tests.server_utils import FLOAT32, RemoteServer
 
 MODEL = "tiny"
 PROMPTS = ["The cat sat on", "Once upon a time", "Numbers: one two", "Hello, my name is"]
 
 
 def _server(model: str, tmp_path_factory, *args: str) -> RemoteServer:
-    return RemoteServer([model, "--served-model-name", MODEL, *args],
+    return RemoteServer([model, "--served-model-name", MODEL, *FLOAT32, *args],
                         str(tmp_path_factory.mktemp("server") / "server.log"))
 
 
@@ -44,7 +44,8 @@ def _sse_events(text: str) -> list:
 def test_engine_fails_only_the_faulty_request(tiny_qwen2, stage):
     """In-process: the faulty request ends with finish_reason "error"; the others in its step, requeued
     (prepare) or carried on (postprocess), finish with the text they get alone."""
-    engine = LLMEngine(EngineConfig.from_kwargs(tiny_qwen2, device="cpu", fault_injection=f"{stage}:bad-"))
+    engine = LLMEngine(EngineConfig.from_kwargs(tiny_qwen2, device="cpu", dtype="float32",  # see FLOAT32
+                                                fault_injection=f"{stage}:bad-"))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     def run(requests: dict[str, str], after_steps: int = 0, late: dict[str, str] | None = None) -> dict:
@@ -161,10 +162,11 @@ def test_sigterm_drains_then_exits_zero(tiny_qwen2, tmp_path_factory):
                         "temperature": 0, "stream": True}
                 async with http.stream("POST", url + "/v1/completions", json=body) as resp:
                     return "\n".join([line async for line in resp.aiter_lines()])
-            # one sequence runs at a time: the long ones can't all finish in 1.5 s, the short one is first
+            # one sequence runs at a time: the long ones can't all finish in 1.5 s (12 x 480 tokens; a fast core
+            # decodes 4 x 480 of the tiny model in that time), the short one is first
             short = asyncio.create_task(stream(4))
             await asyncio.sleep(0.2)
-            longs = [asyncio.create_task(stream(480)) for _ in range(4)]
+            longs = [asyncio.create_task(stream(480)) for _ in range(12)]
             await asyncio.sleep(0.5)
             t0 = time.monotonic()
             srv.proc.send_signal(signal.SIGTERM)

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from novainfer import LLM, SamplingParams
-from tests.server_utils import ROOT, RemoteServer
+from tests.server_utils import FLOAT32, ROOT, RemoteServer
 
 MODEL = "tiny"
 MAX_TOKENS = 10
@@ -45,7 +45,7 @@ class Outcome:
 @pytest.fixture(scope="module")
 def alone(tiny_qwen2) -> dict[str, str]:
     """Each prompt's greedy text when it runs alone (max_num_seqs=1: never batched with another request)."""
-    llm = LLM(tiny_qwen2, device="cpu", max_num_seqs=1)
+    llm = LLM(tiny_qwen2, device="cpu", max_num_seqs=1, dtype="float32")
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                         use_tqdm=False)
     return {p: o.outputs[0].text for p, o in zip(PROMPTS, outs)}
@@ -54,7 +54,7 @@ def alone(tiny_qwen2) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def server(tiny_qwen2, tmp_path_factory):
     """The issue's server: 32 sequences per batch, 64 requests in flight and 64 queued, then 429."""
-    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, "--max-num-seqs", str(MAX_NUM_SEQS),
+    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, *FLOAT32, "--max-num-seqs", str(MAX_NUM_SEQS),
                         "--max-concurrent-requests", str(MAX_CONCURRENT), "--max-queue-len", str(MAX_QUEUE)],
                        str(tmp_path_factory.mktemp("server_load") / "server.log"))
     yield srv
@@ -144,7 +144,7 @@ def test_disconnect_storm_leaves_no_blocks_in_use(server, alone):
 
 def test_kv_exhaustion_preempts_and_recomputes(tiny_qwen2, alone, tmp_path):
     prompts = PROMPTS[:MAX_NUM_SEQS]
-    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, "--max-num-seqs", str(MAX_NUM_SEQS),
+    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, *FLOAT32, "--max-num-seqs", str(MAX_NUM_SEQS),
                         "--num-gpu-blocks-override", str(KV_BLOCKS)], str(tmp_path / "server.log"))
     try:
         outcomes = burst(srv, prompts)

@@ -17,7 +17,7 @@ import pytest
 sync_api = pytest.importorskip("playwright.sync_api")
 from playwright.sync_api import expect, sync_playwright  # noqa: E402
 
-from tests.server_utils import ROOT, RemoteServer  # noqa: E402
+from tests.server_utils import FLOAT32, ROOT, RemoteServer  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 pytestmark = [pytest.mark.timeout(300),
@@ -34,7 +34,7 @@ CHAT = "**/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2, tmp_path_factory):
-    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, "--max-model-len", "512", "--api-key", API_KEY],
+    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, *FLOAT32, "--max-model-len", "512", "--api-key", API_KEY],
                        str(tmp_path_factory.mktemp("webui") / "server.log"))
     yield srv
     srv.stop()
