@@ -367,14 +367,11 @@ def _cuda_driver_loads() -> bool:
     return True
 
 
-def default_cpu_dtype(activation_dtype: torch.dtype | None = None) -> torch.dtype:
-    """A CPU model's dtype when none was asked for: the quantization method's activation dtype where it has one
-    (GGUF weights kept quantized: float32), else bfloat16 where the CPU multiplies it natively (AVX512-BF16 or
-    AMX), float32 elsewhere."""
+def default_cpu_dtype() -> torch.dtype:
+    """A dense CPU model's dtype when none was asked for: bfloat16 where the CPU multiplies it natively
+    (AVX512-BF16 or AMX), float32 elsewhere (a quantization config's activation_dtype comes first)."""
     import torch
     from novainfer.layers.quantization.cpu_kernels import cpu_flags
-    if activation_dtype is not None:
-        return activation_dtype
     return torch.bfloat16 if cpu_flags() & {"avx512_bf16", "amx_bf16"} else torch.float32
 
 

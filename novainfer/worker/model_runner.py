@@ -62,7 +62,7 @@ class ModelRunner:
         mc = config.model_config
         quant = get_quant_config(mc, device, config.parallel_config.tensor_parallel_size)
         self.dtype = mc.torch_dtype or (torch.bfloat16 if device.type == "cuda"
-                                        else default_cpu_dtype(getattr(quant, "activation_dtype", None)))
+                                        else getattr(quant, "activation_dtype", None) or default_cpu_dtype())
         self.kv_dtype = resolve_cache_dtype(config, self.dtype, device)
         self.block_size = config.cache_config.block_size
         spec = config.speculative_config
