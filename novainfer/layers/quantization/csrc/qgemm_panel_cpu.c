@@ -10,7 +10,8 @@
  * the integer sums are scaled in float (weight scale * activation step) and the zero-point term (zero * the
  * group's sum of the rounded x) is added, as in the few-row kernel (the same bits). Panels are split over the
  * worker pool (cpu_pool.c). It beats dequantizing the weight to float32 for BLAS sgemm past about 64 rows
- * (benchmarks/qgemm_rows.py --prefill) and the few-row kernel from about 16 (--crossover).
+ * (benchmarks/qgemm_rows.py --prefill) and the few-row kernel from about 16 (--crossover). Where the CPU has
+ * AVX-512 VNNI, the tiles of qgemm_panel_avx512.c run instead (2x on a Sapphire Rapids core; the same bits).
  */
 #include <immintrin.h>
 #include <stdatomic.h>
@@ -21,19 +22,11 @@
 #include "cpu_kernels.h"
 #include "cpu_pool.h"
 #include "panel_cpu.h"
+#include "qgemm_panel_cpu.h"
 #include "simd_cpu.h"
 
 #define PNR PANEL
-#ifndef PMR
-#define PMR 4
-#endif
 
-typedef struct {
-    const float *x; int16_t *xq; int32_t *xt; float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
-    const void *w; const void *scales, *zeros; int has_zeros, q4, scale_f16, npanels, nchunks;
-    _Atomic int failed;
-    float *y;
-} panel_job;
 
 /* Panel pnl's quants unpacked to int16 k-pair vectors wp [K/2][16][2] (panel_cpu.h's order, stored as they come)
  * and its scales and zeros to float32 sp/zp [ng][16]. */
@@ -132,6 +125,16 @@ static inline __attribute__((always_inline)) void panel_tile(const panel_job *j,
     }
 }
 
+/* The tiles run_panel uses: 1, AVX-512 VNNI's (where the CPU has it); 0, AVX2's. Both give the same bits. */
+static int use_avx512 = -1;
+
+/* Picks the tiles (isa: 1 AVX-512 VNNI, 0 AVX2, -1 the best the CPU runs); returns what is used (tests, benchmarks). */
+int set_panel_isa(int isa) {
+    const int has = cpu_has_avx512_vnni();
+    use_avx512 = isa < 0 ? has : isa && has;
+    return use_avx512;
+}
+
 static __thread void *pscratch;
 static __thread size_t pscratch_cap;
 
@@ -152,6 +155,10 @@ static void panel_chunk(void *arg, int chunk) {
     for (int pnl = p0; pnl < p1; pnl++) {
         const int n0 = pnl * PNR;
         unpack_panel(j, pnl, wp, sp, zp);
+        if (use_avx512) {
+            panel_rows_avx512(j, wp, sp, zp, pnl);
+            continue;
+        }
         for (int m0 = 0; m0 < j->M; m0 += PMR) {
             const int mr = j->M - m0 < PMR ? j->M - m0 : PMR;
 #define PT(MR) do { if (j->G == 32) panel_tile(j, wp, sp, zp, n0, m0, MR, 32); else panel_tile(j, wp, sp, zp, n0, m0, MR, 16); } while (0)
@@ -200,6 +207,7 @@ int panel_gemm_calls(void) { return atomic_load(&panel_calls); }
 
 static int run_panel(panel_job *j, const float *x, int nthreads) {
     atomic_fetch_add(&panel_calls, 1);
+    if (use_avx512 < 0) set_panel_isa(-1);
     j->ng = j->K / j->G;
     j->ngp = (j->ng + 7) / 8 * 8;
     /* dxT's row stride: a cache line past M, so the groups' steps a tile reads (one row each) do not share a few
