@@ -2,7 +2,7 @@
 to the few-row kernel (the same int16 activations and the same float operations per output, so a row's bits do
 not depend on which kernel its batch picks), row results independent of the batch and the thread count, and
 the row count from which the GEMM entry points switch to it. Each GGUF format's accuracy bound at 9 and 17
-rows (through this kernel) is in test_quantized_cpu.py. Its AVX-512 VNNI tiles (csrc/qgemm_panel_avx512.c, the
+rows (through this kernel) is in test_quantized_cpu.py. Its AVX-512 VNNI tiles (csrc/qgemm_avx512.c, the
 default where the CPU has them) give the same bits as its AVX2 tiles."""
 import numpy as np
 import pytest
@@ -74,11 +74,11 @@ def test_panel_min_rows_switches_the_kernel_and_rejects_nonsense(few_row_kernel)
 @pytest.fixture
 def avx2_and_avx512():
     """Skips unless this CPU runs the AVX-512 VNNI tiles; restores the default ("auto") after the test."""
-    if cpu_kernels.set_panel_isa("avx512") != "avx512":
-        cpu_kernels.set_panel_isa("auto")
+    if cpu_kernels.set_gemm_isa("avx512") != "avx512":
+        cpu_kernels.set_gemm_isa("auto")
         pytest.skip("this CPU has no AVX-512 VNNI")
     yield
-    cpu_kernels.set_panel_isa("auto")
+    cpu_kernels.set_gemm_isa("auto")
 
 
 @pytest.mark.parametrize("qtype,k", [(T.Q4_1, 576), (T.Q4_0, 512), (T.Q8_0, 576), (T.Q6_K, 512)],
@@ -89,13 +89,13 @@ def test_avx512_tiles_give_the_avx2_tiles_bits(qtype, k, avx2_and_avx512):
     # 12 rows: one full AVX-512 tile; 1-11 and past 12: partial tiles of 1, 2 and 3 groups of 4 rows
     for m in (1, 4, 5, 9, 12, 13, 16, 27):
         x = torch.randn(m, k) * torch.linspace(0.1, 3, k)
-        assert cpu_kernels.set_panel_isa("avx512") == "avx512"
+        assert cpu_kernels.set_gemm_isa("avx512") == "avx512"
         wide = cpu_kernels.quant_gemm(x, w, panel=True)
-        assert cpu_kernels.set_panel_isa("avx2") == "avx2"
+        assert cpu_kernels.set_gemm_isa("avx2") == "avx2"
         assert torch.equal(cpu_kernels.quant_gemm(x, w, panel=True), wide), f"M={m}"
 
 
 def test_panel_isa_rejects_nonsense():
-    with pytest.raises(ValueError, match="panel ISA"):
-        cpu_kernels.set_panel_isa("sse2")
-    assert cpu_kernels.set_panel_isa("auto") in ("avx2", "avx512")
+    with pytest.raises(ValueError, match="GEMM ISA"):
+        cpu_kernels.set_gemm_isa("sse2")
+    assert cpu_kernels.set_gemm_isa("auto") in ("avx2", "avx512")

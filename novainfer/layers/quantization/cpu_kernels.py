@@ -1,7 +1,7 @@
 """Builds (once per machine, with the system C compiler) the AVX2 kernels in csrc/ and calls the quantized GEMM.
 
 The library (csrc/qgemm_cpu.c and its many-row form csrc/qgemm_panel_cpu.c, whose tiles run AVX-512 VNNI
-where the CPU has it (csrc/qgemm_panel_avx512.c, picked at run time); the dequantizer of
+where the CPU has it (csrc/qgemm_avx512.c, picked at run time); the dequantizer of
 csrc/dequantize_cpu.c; the decode-step ops of csrc/decode_ops_cpu.c, the decode attention of
 csrc/decode_attention_cpu.c and the prefill attention of csrc/prefill_attention_cpu.c, whose wrappers are in
 cpu_ops.py; the one-call decode step of
@@ -30,8 +30,8 @@ from novainfer.layers.quantization.gguf_repack import PackedWeight
 logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _HEADERS = [os.path.join(_CSRC, name) for name in ("cpu_pool.h", "cpu_kernels.h", "simd_cpu.h", "panel_cpu.h",
-                                                   "qgemm_panel_cpu.h")]
-_SOURCES = [os.path.join(_CSRC, name) for name in ("qgemm_cpu.c", "qgemm_panel_cpu.c", "qgemm_panel_avx512.c",
+                                                   "qgemm_jobs.h")]
+_SOURCES = [os.path.join(_CSRC, name) for name in ("qgemm_cpu.c", "qgemm_panel_cpu.c", "qgemm_avx512.c",
                                                    "dequantize_cpu.c",
                                                    "decode_ops_cpu.c", "decode_attention_cpu.c",
                                                    "prefill_attention_cpu.c", "cpu_pool.c", "decoder_stack_cpu.c",
@@ -102,9 +102,9 @@ def build_library(sources: list[str], headers: list[str]) -> ctypes.CDLL | None:
         lib.q8_gemm_panel.argtypes = lib.q8_gemm.argtypes
         lib.set_panel_min_rows.argtypes = [_I]
         lib.set_panel_min_rows(PANEL_MIN_ROWS)
-    if hasattr(lib, "set_panel_isa"):
-        lib.set_panel_isa.argtypes = [_I]
-        lib.set_panel_isa.restype = _I
+    if hasattr(lib, "set_gemm_isa"):
+        lib.set_gemm_isa.argtypes = [_I]
+        lib.set_gemm_isa.restype = _I
     _F = ctypes.c_float
     # an older commit's build reads weights in the row layout (benchmarks pass it PackedWeight.rows())
     lib.panel_layout = hasattr(lib, "weights_in_panels")
@@ -163,12 +163,12 @@ def set_panel_min_rows(rows: int) -> None:
 _ISAS = {"auto": -1, "avx2": 0, "avx512": 1}
 
 
-def set_panel_isa(isa: str, lib: ctypes.CDLL | None = None) -> str:
-    """The panel kernel's tiles: "avx512" (AVX-512 VNNI: taken only where the CPU has it), "avx2", or "auto" (the
-    best the CPU runs, the default); returns the one in use. Both give every row the same bits (tests, A/B)."""
+def set_gemm_isa(isa: str, lib: ctypes.CDLL | None = None) -> str:
+    """The quantized GEMMs' tiles: "avx512" (AVX-512 VNNI: taken only where the CPU has it), "avx2", or "auto"
+    (the best the CPU runs, the default); returns the one in use. Both give every row the same bits (tests, A/B)."""
     if isa not in _ISAS:
-        raise ValueError(f"panel ISA must be one of {sorted(_ISAS)}, got {isa!r}")
-    return "avx512" if (lib or library()).set_panel_isa(_ISAS[isa]) else "avx2"
+        raise ValueError(f"GEMM ISA must be one of {sorted(_ISAS)}, got {isa!r}")
+    return "avx512" if (lib or library()).set_gemm_isa(_ISAS[isa]) else "avx2"
 
 
 def available() -> bool:

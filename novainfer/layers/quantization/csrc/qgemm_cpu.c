@@ -28,6 +28,7 @@
 #include "cpu_kernels.h"
 #include "cpu_pool.h"
 #include "panel_cpu.h"
+#include "qgemm_jobs.h"
 #include "simd_cpu.h"
 
 /* x [M, K] -> xq int16 [M, K], dxT [K/32, mp] (xq * dx ~ x; a block's rows side by side, mp apart),
@@ -65,15 +66,6 @@ void quantize_rows(const float *x, int M, int K, int G, int mp, int ngp, int16_t
     }
 }
 
-/* A tile is one panel (16 outputs, two int32 accumulators per activation row) x up to MB activation rows. */
-#define MB 4
-
-typedef struct {
-    const int16_t *xq; const float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
-    const void *w; const void *scales, *zeros; int has_zeros, q4, scale_f16, npanels, nchunks;
-    _Atomic int failed;
-    float *y;
-} gemm_job;
 
 typedef int32_t __attribute__((may_alias, aligned(2))) i16pair;  /* one k-pair of int16 activations */
 
@@ -162,7 +154,10 @@ static void panel_rows(const gemm_job *j, int panel) {
 static void gemm_chunk(void *arg, int chunk) {
     gemm_job *j = arg;  /* chunk c: panels [c * P / nchunks, (c + 1) * P / nchunks) */
     const int p0 = (int)((long)chunk * j->npanels / j->nchunks), p1 = (int)((long)(chunk + 1) * j->npanels / j->nchunks);
-    for (int p = p0; p < p1; p++) panel_rows(j, p);
+    for (int p = p0; p < p1; p++) {
+        if (j->avx512) few_rows_avx512(j, p);
+        else panel_rows(j, p);
+    }
 }
 
 /* Output rows are split into chunks of at least this many for the worker pool (cpu_pool.c). */
@@ -186,6 +181,7 @@ static int run_gemm(gemm_job *j, const float *x, int nthreads) {
     if (xq && dxT && xsum) {
         quantize_rows(x, j->M, j->K, j->G, j->mp, j->ngp, xq, dxT, xsum, j->has_zeros);
         j->xq = xq; j->dxT = dxT; j->xsum = xsum;
+        j->avx512 = gemm_isa_avx512();
         j->npanels = (j->N + PANEL - 1) / PANEL;
         const int c = num_chunks(j->N, nthreads);
         j->nchunks = j->npanels < c ? j->npanels : c;

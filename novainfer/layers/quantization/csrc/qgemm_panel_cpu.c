@@ -11,7 +11,7 @@
  * group's sum of the rounded x) is added, as in the few-row kernel (the same bits). Panels are split over the
  * worker pool (cpu_pool.c). It beats dequantizing the weight to float32 for BLAS sgemm past about 64 rows
  * (benchmarks/qgemm_rows.py --prefill) and the few-row kernel from about 16 (--crossover). Where the CPU has
- * AVX-512 VNNI, the tiles of qgemm_panel_avx512.c run instead (2x on a Sapphire Rapids core; the same bits).
+ * AVX-512 VNNI, the tiles of qgemm_avx512.c run instead (2x on a Sapphire Rapids core; the same bits).
  */
 #include <immintrin.h>
 #include <stdatomic.h>
@@ -22,7 +22,7 @@
 #include "cpu_kernels.h"
 #include "cpu_pool.h"
 #include "panel_cpu.h"
-#include "qgemm_panel_cpu.h"
+#include "qgemm_jobs.h"
 #include "simd_cpu.h"
 
 #define PNR PANEL
@@ -125,16 +125,6 @@ static inline __attribute__((always_inline)) void panel_tile(const panel_job *j,
     }
 }
 
-/* The tiles run_panel uses: 1, AVX-512 VNNI's (where the CPU has it); 0, AVX2's. Both give the same bits. */
-static int use_avx512 = -1;
-
-/* Picks the tiles (isa: 1 AVX-512 VNNI, 0 AVX2, -1 the best the CPU runs); returns what is used (tests, benchmarks). */
-int set_panel_isa(int isa) {
-    const int has = cpu_has_avx512_vnni();
-    use_avx512 = isa < 0 ? has : isa && has;
-    return use_avx512;
-}
-
 static __thread void *pscratch;
 static __thread size_t pscratch_cap;
 
@@ -155,7 +145,7 @@ static void panel_chunk(void *arg, int chunk) {
     for (int pnl = p0; pnl < p1; pnl++) {
         const int n0 = pnl * PNR;
         unpack_panel(j, pnl, wp, sp, zp);
-        if (use_avx512) {
+        if (j->avx512) {
             panel_rows_avx512(j, wp, sp, zp, pnl);
             continue;
         }
@@ -207,7 +197,7 @@ int panel_gemm_calls(void) { return atomic_load(&panel_calls); }
 
 static int run_panel(panel_job *j, const float *x, int nthreads) {
     atomic_fetch_add(&panel_calls, 1);
-    if (use_avx512 < 0) set_panel_isa(-1);
+    j->avx512 = gemm_isa_avx512();
     j->ng = j->K / j->G;
     j->ngp = (j->ng + 7) / 8 * 8;
     /* dxT's row stride: a cache line past M, so the groups' steps a tile reads (one row each) do not share a few

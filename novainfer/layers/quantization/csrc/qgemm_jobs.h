@@ -1,0 +1,37 @@
+/* The jobs of the two quantized GEMMs (qgemm_cpu.c: few rows; qgemm_panel_cpu.c: many), shared by their AVX2
+ * tiles and their AVX-512 VNNI tiles (qgemm_avx512.c), which read the same data and give every output the same
+ * bits. */
+#ifndef NOVAINFER_QGEMM_JOBS_H
+#define NOVAINFER_QGEMM_JOBS_H
+
+#include <stdint.h>
+
+#define MB 4  /* activation rows a few-row tile */
+#ifndef PMR
+#define PMR 4  /* activation rows a group of the panel kernel's interleaved xt */
+#endif
+
+typedef struct {
+    const int16_t *xq; const float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
+    const void *w; const void *scales, *zeros; int has_zeros, q4, scale_f16, npanels, nchunks, avx512;
+    _Atomic int failed;
+    float *y;
+} gemm_job;
+
+typedef struct {
+    const float *x; int16_t *xq; int32_t *xt; float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
+    const void *w; const void *scales, *zeros; int has_zeros, q4, scale_f16, npanels, nchunks, avx512;
+    _Atomic int failed;
+    float *y;
+} panel_job;
+
+/* 1 when the GEMMs run their AVX-512 VNNI tiles (the default where the CPU has them), else 0 (AVX2). */
+int gemm_isa_avx512(void);
+
+/* Every activation row of j against panel pnl (the few-row kernel's, unpacking in registers). */
+void few_rows_avx512(const gemm_job *j, int pnl);
+
+/* Every activation row of j against panel pnl, unpacked (wp [K/2][16][2] int16, sp/zp [ng][16] float32). */
+void panel_rows_avx512(const panel_job *j, const int16_t *wp, const float *sp, const float *zp, int pnl);
+
+#endif
