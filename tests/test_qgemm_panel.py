@@ -2,8 +2,8 @@
 to the few-row kernel (the same int16 activations and the same float operations per output, so a row's bits do
 not depend on which kernel its batch picks), row results independent of the batch and the thread count, and
 the row count from which the GEMM entry points switch to it. Each GGUF format's accuracy bound at 9 and 17
-rows (through this kernel) is in test_quantized_cpu.py. Its AVX-512 VNNI tiles (csrc/qgemm_avx512.c, the
-default where the CPU has them) give the same bits as its AVX2 tiles."""
+rows (through this kernel) is in test_quantized_cpu.py. Both kernels' AVX-512 VNNI tiles (csrc/qgemm_avx512.c,
+the default where the CPU has them) give the same bits as their AVX2 tiles."""
 import numpy as np
 import pytest
 import torch
@@ -83,16 +83,18 @@ def avx2_and_avx512():
 
 @pytest.mark.parametrize("qtype,k", [(T.Q4_1, 576), (T.Q4_0, 512), (T.Q8_0, 576), (T.Q6_K, 512)],
                          ids=lambda v: getattr(v, "name", str(v)))
-def test_avx512_tiles_give_the_avx2_tiles_bits(qtype, k, avx2_and_avx512):
+def test_avx512_tiles_give_the_avx2_tiles_bits(qtype, k, avx2_and_avx512, few_row_kernel):
     n = 37  # a partial last panel (a masked store)
     w = repack(random_blocks(qtype, n, k), qtype, (n, k))
-    # 12 rows: one full AVX-512 tile; 1-11 and past 12: partial tiles of 1, 2 and 3 groups of 4 rows
-    for m in (1, 4, 5, 9, 12, 13, 16, 27):
+    # panel kernel: 12 rows are one full AVX-512 tile; 1-11 and past 12 partial tiles of 1, 2 and 3 groups of 4
+    # rows. Few-row kernel: tiles of 4 rows, partial at 1-3 and 5.
+    for m in (1, 3, 4, 5, 9, 12, 13, 16, 27):
         x = torch.randn(m, k) * torch.linspace(0.1, 3, k)
-        assert cpu_kernels.set_gemm_isa("avx512") == "avx512"
-        wide = cpu_kernels.quant_gemm(x, w, panel=True)
-        assert cpu_kernels.set_gemm_isa("avx2") == "avx2"
-        assert torch.equal(cpu_kernels.quant_gemm(x, w, panel=True), wide), f"M={m}"
+        for panel in (True, False):
+            assert cpu_kernels.set_gemm_isa("avx512") == "avx512"
+            wide = cpu_kernels.quant_gemm(x, w, panel=panel)
+            assert cpu_kernels.set_gemm_isa("avx2") == "avx2"
+            assert torch.equal(cpu_kernels.quant_gemm(x, w, panel=panel), wide), f"M={m}, panel={panel}"
 
 
 def test_panel_isa_rejects_nonsense():
