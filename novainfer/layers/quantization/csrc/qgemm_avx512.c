@@ -20,9 +20,9 @@
 #include "panel_cpu.h"
 #include "qgemm_jobs.h"
 
-#ifndef NT
-#define NT 3  /* groups of PMR rows a tile: NT * PMR int32 accumulators and as many float sums in registers */
-#endif
+/* Groups of PMR rows a tile: NT * PMR int32 accumulators and as many float sums in registers (4 groups, in two
+ * asm statements since one takes at most 30 operands and each "+v" counts twice, were no faster). */
+#define NT 3
 
 static int cpu_has_avx512_vnni(void) {
     __builtin_cpu_init();
@@ -56,27 +56,20 @@ static inline __attribute__((always_inline)) void kpairs512(const __m512i *w, co
                                                             const int nt, __m512i a[NT * PMR]) {
     const __m512i zero = _mm512_setzero_si512();
     __m512i a00 = zero, a01 = zero, a02 = zero, a03 = zero, a10 = zero, a11 = zero, a12 = zero, a13 = zero;
-    __m512i a20 = zero, a21 = zero, a22 = zero, a23 = zero, a30 = zero, a31 = zero, a32 = zero, a33 = zero;
-    const int32_t *x0 = x, *x1 = x + ts, *x2 = x + 2 * ts, *x3 = x + 3 * ts;
-    for (int p = 0; p < n; p++, w++, x0 += PMR, x1 += PMR, x2 += PMR, x3 += PMR) {
+    __m512i a20 = zero, a21 = zero, a22 = zero, a23 = zero;
+    const int32_t *x0 = x, *x1 = x + ts, *x2 = x + 2 * ts;  /* (the groups past nt are never read) */
+    for (int p = 0; p < n; p++, w++, x0 += PMR, x1 += PMR, x2 += PMR) {
         if (nt == 1)
             __asm__(LOADW ROWS(0) : ACC(0) : [w] "r"(w), [x0] "r"(x0) : "xmm31");
         else if (nt == 2)
             __asm__(LOADW ROWS(0) ROWS(1) : ACC(0), ACC(1) : [w] "r"(w), [x0] "r"(x0), [x1] "r"(x1) : "xmm31");
-        else if (nt == 3)
+        else
             __asm__(LOADW ROWS(0) ROWS(1) ROWS(2) : ACC(0), ACC(1), ACC(2)
                     : [w] "r"(w), [x0] "r"(x0), [x1] "r"(x1), [x2] "r"(x2) : "xmm31");
-        else {  /* two statements: an asm takes at most 30 operands, and each "+v" counts twice */
-            __asm__(LOADW ROWS(0) ROWS(1) : ACC(0), ACC(1) : [w] "r"(w), [x0] "r"(x0), [x1] "r"(x1) : "xmm31");
-            __asm__(LOADW ROWS(2) ROWS(3) : ACC(2), ACC(3) : [w] "r"(w), [x2] "r"(x2), [x3] "r"(x3) : "xmm31");
-        }
     }
     OUT(0)
     if (nt > 1) { OUT(1) }
     if (nt > 2) { OUT(2) }
-#if NT == 4
-    if (nt > 3) { OUT(3) }
-#endif
 }
 #undef ROW
 #undef ROWS
@@ -118,11 +111,6 @@ void panel_rows_avx512(const panel_job *j, const int16_t *wp, const float *sp, c
                            else tile512(j, wp, sp, zp, n0, m0, NTILES, MR, 16); } while (0)
         const int nt = (mr + PMR - 1) / PMR;
         if (mr == NT * PMR) T(NT, NT * PMR);
-#if NT == 4
-        else if (nt == 4) T(4, mr);
-#elif NT != 3
-#error "NT must be 3 or 4"
-#endif
         else if (nt == 3) T(3, mr);
         else if (nt == 2) T(2, mr);
         else T(1, mr);
