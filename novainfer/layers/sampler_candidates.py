@@ -9,8 +9,12 @@ a row whose kept set lies among them: its top-k is at most CANDIDATES, or its to
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # sampler.py imports this module
+    from novainfer.layers.sampler import Sampler, SamplingMetadata
 
 CANDIDATES = 1024
 
@@ -41,7 +45,7 @@ def candidate_probs(scaled: torch.Tensor, top_k: torch.Tensor | None, top_p: tor
     return probs, ids, resolved
 
 
-def rows_of(meta, rows: torch.Tensor):
+def rows_of(meta: SamplingMetadata, rows: torch.Tensor) -> SamplingMetadata:
     """The sampling parameters of some rows (what Sampler.probs and Sampler.draw read)."""
     pick = rows.tolist()
     return dataclasses.replace(
@@ -50,7 +54,7 @@ def rows_of(meta, rows: torch.Tensor):
         min_p=None if meta.min_p is None else meta.min_p[rows], generators=[meta.generators[i] for i in pick])
 
 
-def sample_top_k_top_p(sampler_cls, logits: torch.Tensor, meta) -> torch.Tensor:
+def sample_top_k_top_p(sampler_cls: type[Sampler], logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """One token per row (CPU): drawn among the candidates where that is exact, from the full sort elsewhere."""
     probs, ids, resolved = candidate_probs(logits / meta.temperature.unsqueeze(1), meta.top_k, meta.top_p,
                                            meta.min_p)

@@ -118,6 +118,12 @@ void panel_rows_avx512(const panel_job *j, const int16_t *wp, const float *sp, c
     }
 }
 
+/* A group's 16 scales (or zeros) of a panel, from element i on (panel_cpu.h's panel_scales, in one register). */
+static inline __attribute__((always_inline)) __m512 group_scales(const void *p, size_t i, int f16) {
+    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+               : _mm512_loadu_ps((const float *)p + i);
+}
+
 /* x4: 4 k-pairs of an activation row; the even pair (0, 2) or odd pair (1, 3), each over one 256-bit half. */
 static inline __attribute__((always_inline)) __m512i halves(__m512i x4, int odd) {
     return _mm512_permutexvar_epi32(odd ? _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 1, 1, 1, 1, 1, 1, 1, 1)
@@ -145,14 +151,16 @@ static inline __attribute__((always_inline)) void few_tile512(const gemm_job *j,
                 v[2] = _mm512_and_si512(_mm512_srli_epi16(q, 8), lo);
                 v[3] = _mm512_srli_epi16(q, 12);
             } else {  /* k-pairs p, p + 1 then p + 2, p + 3: low byte half 0, high byte half 1 */
-                const __m512i q0 = _mm512_loadu_si512(wb + (size_t)p * 32), q1 = _mm512_loadu_si512(wb + (size_t)p * 32 + 64);
+                const uint8_t *b = wb + (size_t)p * 32;
+                const __m512i q0 = _mm512_loadu_si512(b), q1 = _mm512_loadu_si512(b + 64);
                 v[0] = _mm512_srai_epi16(_mm512_slli_epi16(q0, 8), 8);
                 v[1] = _mm512_srai_epi16(q0, 8);
                 v[2] = _mm512_srai_epi16(_mm512_slli_epi16(q1, 8), 8);
                 v[3] = _mm512_srai_epi16(q1, 8);
             }
             for (int m = 0; m < mr; m++) {
-                const __m512i x4 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(xq + (size_t)m * K + 2 * p)));
+                const __m128i *xp = (const __m128i *)(xq + (size_t)m * K + 2 * p);
+                const __m512i x4 = _mm512_broadcast_i32x4(_mm_loadu_si128(xp));
                 /* q4: v[0..1] take k-pairs (p, p + 2), v[2..3] (p + 1, p + 3); q8: (p, p + 1) then (p + 2, p + 3) */
                 const __m512i x01 = q4 ? halves(x4, 0) : _mm512_permutexvar_epi32(
                     _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), x4);
@@ -163,12 +171,8 @@ static inline __attribute__((always_inline)) void few_tile512(const gemm_job *j,
             }
         }
         const size_t si = ((size_t)panel * ng + g) * PANEL;
-        const __m512 s = j->scale_f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)j->scales + si)))
-                                      : _mm512_loadu_ps((const float *)j->scales + si);
-        __m512 z = _mm512_setzero_ps();
-        if (j->has_zeros)
-            z = j->scale_f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)j->zeros + si)))
-                             : _mm512_loadu_ps((const float *)j->zeros + si);
+        const __m512 s = group_scales(j->scales, si, j->scale_f16);
+        const __m512 z = j->has_zeros ? group_scales(j->zeros, si, j->scale_f16) : _mm512_setzero_ps();
         const float *dx = j->dxT + (size_t)(g * G / 32) * j->mp + m0;
         for (int m = 0; m < mr; m++) {  /* lanes 0-7: half 0's rows (0-7), 8-15: half 1's (8-15) */
             const __m512i sum = _mm512_add_epi32(_mm512_shuffle_i64x2(a[m][0], a[m][1], 0x44),
