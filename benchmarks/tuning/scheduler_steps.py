@@ -8,7 +8,7 @@ and over the whole run (with --split also of the block manager's calls, whose ti
 default pool is the 366,726 blocks the H200 gives Qwen2.5-0.5B (5,867,616 KV tokens), where per-take costs
 that grow with the pool show up.
 
-    python benchmarks/scheduler_steps.py --num-blocks 366726
+    python benchmarks/tuning/scheduler_steps.py --num-blocks 366726
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ Part 2: --kills times, a fresh tp=2 engine has rank 0 or rank 1 killed (SIGKILL)
 steps; the next steps must raise naming that rank, quickly, with no process left.
 
     python -c "from tests.tiny_models import make_tiny_model as m; m('/tmp/tiny-tp2', 'qwen2', num_heads=8, num_kv_heads=4, head_dim=8)"
-    python benchmarks/mp_overlap_soak.py --model /tmp/tiny-tp2 --seconds 180 --kills 8
+    python benchmarks/tuning/mp_overlap_soak.py --model /tmp/tiny-tp2 --seconds 180 --kills 8
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. The capital of France is",
            "def add(a, b):", "Paged attention stores keys and values in fixed-size blocks", "héllo wörld",

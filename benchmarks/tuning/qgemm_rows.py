@@ -2,21 +2,21 @@
 M = 1, 2, 4, 5, 8, 16 activation rows, this tree's kernel against an older commit's built from its sources, in
 the same process, interleaved, at 1 and 2 threads.
 
-    python benchmarks/qgemm_rows.py                   # against 6404181 (before the register-blocked kernel)
-    python benchmarks/qgemm_rows.py --base HEAD~3 --rows 1 5 16 --threads 2 --repeats 9
+    python benchmarks/tuning/qgemm_rows.py                   # against 6404181 (before the register-blocked kernel)
+    python benchmarks/tuning/qgemm_rows.py --base HEAD~3 --rows 1 5 16 --threads 2 --repeats 9
 
 Prints per layer and row count the median microseconds of each build and new/old, and a whole-model estimate
 (every decoder layer's GEMMs plus the lm_head, per step). The GEMM is compute-bound past one row, so the row
 counts of a speculative verify step (k + 1) and of 16 streams are what this measures.
 
-    python benchmarks/qgemm_rows.py --prefill --rows 64 512 2048   # panel GEMM vs dequantize + BLAS sgemm
+    python benchmarks/tuning/qgemm_rows.py --prefill --rows 64 512 2048   # panel GEMM vs dequantize + BLAS sgemm
 
 --prefill times, per decoder layer shape, this tree's panel GEMM (csrc/qgemm_panel_cpu.c) against the path it
 replaced for prefills (the weight dequantized to float32 in C, then torch's sgemm), interleaved, in GFLOPS.
 
-    python benchmarks/qgemm_rows.py --step --base bf56a01 --rows 1 --repeats 15
+    python benchmarks/tuning/qgemm_rows.py --step --base bf56a01 --rows 1 --repeats 15
 
-    python benchmarks/qgemm_rows.py --crossover --rows 4 8 12 16 24 32
+    python benchmarks/tuning/qgemm_rows.py --crossover --rows 4 8 12 16 24 32
 
 --crossover times a decode step's GEMMs (every packed weight once, then the lm_head) at each row count with the
 few-row kernel and with the panel kernel, interleaved, and checks they give the same bits: where the panel one
@@ -39,14 +39,14 @@ import tempfile
 import time
 import types
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 
 from novainfer.layers.quantization import cpu_kernels  # noqa: E402
 
 CSRC = "novainfer/layers/quantization/csrc"
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def build_at(commit: str):

@@ -1,10 +1,11 @@
-"""Which Triton kernels compile during a benchmark's timed run (issue 19: a fresh machine's first run of the 7B
+"""Which Triton kernels compile during a benchmark's timed run (a fresh machine's first run of the 7B
 bench shape was 7-10% slower than the next, with the same code). Wraps JITFunction._do_compile, which runs on
 every in-memory cache miss (a real compile, or a load from Triton's disk cache), and LLM.generate, to tell the
 engine's start-up from the timed generate calls. Point TRITON_CACHE_DIR at an empty folder to see a fresh
 machine's compiles:
 
-    TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/triton_compiles.py -- --model random:qwen2.5-7b --quantization fp8
+    TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/tuning/triton_compiles.py -- \
+        --model random:qwen2.5-7b --quantization fp8
 
 Everything after `--` goes to benchmarks/throughput.py. Prints one row per compile: when (start-up or generate),
 the kernel, its constexprs, and the seconds it took.
@@ -15,7 +16,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from triton.runtime.jit import JITFunction  # noqa: E402
 

@@ -2,8 +2,8 @@
 layer's time goes (the per-token quantization, the row-wise float8 GEMM) and what per-tensor scaling (vLLM's
 default dynamic FP8 on cuBLASLt) would cost instead.
 
-    python3 benchmarks/fp8_gemm.py --json out.json                 # CUDA: CUDA-event timing, 7B shapes
-    python3 benchmarks/fp8_gemm.py --device cpu --shapes tiny      # a CPU dry run
+    python3 benchmarks/tuning/fp8_gemm.py --json out.json                 # CUDA: CUDA-event timing, 7B shapes
+    python3 benchmarks/tuning/fp8_gemm.py --device cpu --shapes tiny      # a CPU dry run
 Times: on CUDA the mean of --iters calls queued back to back after a warm-up, each variant timed alone.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from novainfer.layers.quantization.fp8 import Fp8Config, fp8_linear, quantize_rows  # noqa: E402
 

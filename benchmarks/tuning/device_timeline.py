@@ -1,8 +1,8 @@
 """Where a whole bench-shape run's device time goes: every kernel of one `generate` under torch.profiler (CUDA
 activity only, so the host loop is barely slowed), split by kind of kernel and by kind of step.
 
-    python3 benchmarks/device_timeline.py --model random:qwen2.5-7b --json out.json     # GPU
-    python3 benchmarks/device_timeline.py --model random:qwen2.5-0.5b --num-prompts 4 --max-len 64 --device cpu
+    python3 benchmarks/tuning/device_timeline.py --model random:qwen2.5-7b --json out.json     # GPU
+    python3 benchmarks/tuning/device_timeline.py --model random:qwen2.5-0.5b --num-prompts 4 --max-len 64 --device cpu
 
 First the bench shape runs once unprofiled (seed 0, throughput.py's workload), then once profiled (seed 1, fresh
 prompts, so no prefix-cache hit). Prints: device busy time (the union of kernel intervals) against the wall
@@ -22,7 +22,7 @@ import sys
 import time
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.checkpoints import load_format, resolve_model  # noqa: E402
 from benchmarks.throughput import make_workload, sync  # noqa: E402

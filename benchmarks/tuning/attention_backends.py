@@ -1,7 +1,7 @@
 """Attention on the paged cache: the Triton kernels against PyTorch's SDPA (the torch backend, which gathers
 each sequence's context from its blocks and calls scaled_dot_product_attention), on Qwen2.5-0.5B heads.
 
-    python benchmarks/attention_backends.py        # GPU; prints median times from triton.testing.do_bench
+    python benchmarks/tuning/attention_backends.py        # GPU; prints median times from triton.testing.do_bench
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from functools import partial
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from novainfer.attention import torch_backend, triton_backend  # noqa: E402
 from novainfer.attention.metadata import AttentionMetadata  # noqa: E402

@@ -1,6 +1,6 @@
 """The batch-1 decode stack's kernels against the layer-by-layer ones they replace, on a GPU; sweeps GEMV tiles.
 
-    python3 benchmarks/gemv_tiles.py [--models 0.5b 7b] [--out tiles.json]
+    python3 benchmarks/tuning/gemv_tiles.py [--models 0.5b 7b] [--out tiles.json]
 
 For each projection of Qwen2.5-0.5B / -7B at one row: the unfused path (Triton RMSNorm kernel, cuBLAS through
 F.linear, Triton SiLU-and-mul kernel) against novainfer.kernels.gemv with each tile shape of the sweep; and the
@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 SHAPES = {  # model -> (layers, hidden, heads, kv_heads, head_dim, intermediate)
     "0.5b": (24, 896, 14, 2, 64, 4864),

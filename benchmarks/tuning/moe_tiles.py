@@ -3,8 +3,8 @@ GEMMs (gate/up, down) of a Qwen3-30B-A3B-shape layer (128 experts, top-8, hidden
 every (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of a small grid against the kernel's current choice; each
 candidate is checked against the current tiles' output first. Prints one table; MOE_TILES takes the winners.
 
-    python3 benchmarks/moe_tiles.py                         # on a GPU
-    python3 benchmarks/moe_tiles.py --tokens 16 256 16384 --experts 128 --top-k 8 --hidden 2048 --inter 768
+    python3 benchmarks/tuning/moe_tiles.py                         # on a GPU
+    python3 benchmarks/tuning/moe_tiles.py --tokens 16 256 16384 --experts 128 --top-k 8 --hidden 2048 --inter 768
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import itertools
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 import triton  # noqa: E402

@@ -1,6 +1,6 @@
 """Where a step's time goes on the host: cProfile over the engine loop for a decode-heavy workload.
 
-    python benchmarks/profile_step.py --model random:qwen2.5-0.5b --num-prompts 256 --output-len 128
+    python benchmarks/tuning/profile_step.py --model random:qwen2.5-0.5b --num-prompts 256 --output-len 128
 Prints the functions with the most own time, and the mean step time split into the runner's stages.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pstats
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.checkpoints import load_format, resolve_model  # noqa: E402
 from benchmarks.throughput import make_workload, sync  # noqa: E402

@@ -1,8 +1,8 @@
 """Replays n-gram draft rules on the speculation benchmark's greedy outputs: steps, tokens per step and a modelled
 speed-up for a verify step costing 1 + r * (drafted tokens) one-token steps, without timing anything.
 
-    python benchmarks/ngram_policy.py                 # the default model on benchmarks/speculation.py's prompts
-    python benchmarks/ngram_policy.py --r 0 0.1 0.2 0.3
+    python benchmarks/tuning/ngram_policy.py                 # the default model on benchmarks/speculation.py's prompts
+    python benchmarks/tuning/ngram_policy.py --r 0 0.1 0.2 0.3
 
 Greedy output does not depend on the guesses, so one run without speculation gives every rule's exact step count
 (it matches benchmarks/speculation.py's "steps"). r is the machine's: the extra cost of one more row in a verify
@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import numpy as np  # noqa: E402
 

@@ -2,8 +2,8 @@
 ModelRunner.num_splits), swept on decode batches of the bench shape: each setting's output against the current
 setting's (rounding only), its time and the bandwidth it reaches on the K/V bytes it must read.
 
-    python3 benchmarks/decode_tiles.py --json out.json        # GPU: Qwen2.5-7B heads (28/4 x 128), 0.5B (14/2 x 64)
-    python3 benchmarks/decode_tiles.py --device cpu --dry-run  # TRITON_INTERPRET=1, two settings, tiny shapes
+    python3 benchmarks/tuning/decode_tiles.py --json out.json   # GPU: Qwen2.5-7B heads (28/4 x 128), 0.5B (14/2 x 64)
+    python3 benchmarks/tuning/decode_tiles.py --device cpu --dry-run  # TRITON_INTERPRET=1, two settings, tiny shapes
 
 A batch is the bench shape (prompts and outputs of 100-1024 tokens, seed 0) at decode step t: the sequences whose
 output is longer than t, each with prompt + t tokens of context. The ceiling column is torch.sum over as many
@@ -19,10 +19,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks.attention_backends import make  # noqa: E402
-from benchmarks.fp8_gemm import timed  # noqa: E402
+from benchmarks.tuning.attention_backends import make  # noqa: E402
+from benchmarks.tuning.fp8_gemm import timed  # noqa: E402
 from novainfer.kernels import paged_attention  # noqa: E402
 
 HEADS = {"7b": (28, 4, 128), "0.5b": (14, 2, 64)}

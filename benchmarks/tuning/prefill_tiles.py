@@ -1,8 +1,8 @@
 """The prefill attention kernel's tile shapes and launch settings (kernels/paged_attention.PREFILL_TILES), swept on
 the bench shape's prompts: each setting's output against the current setting's (bf16 rounding only) and its time.
 
-    python3 benchmarks/prefill_tiles.py --json out.json     # GPU: Qwen2.5-7B heads (28/4 x 128), 0.5B (14/2 x 64)
-    python3 benchmarks/prefill_tiles.py --device cpu --dry-run   # TRITON_INTERPRET=1, two settings, tiny shapes
+    python3 benchmarks/tuning/prefill_tiles.py --json out.json  # GPU: Qwen2.5-7B heads (28/4 x 128), 0.5B (14/2 x 64)
+    python3 benchmarks/tuning/prefill_tiles.py --device cpu --dry-run   # TRITON_INTERPRET=1, two settings, tiny shapes
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from benchmarks.attention_backends import make  # noqa: E402
-from benchmarks.fp8_gemm import timed  # noqa: E402
+from benchmarks.tuning.attention_backends import make  # noqa: E402
+from benchmarks.tuning.fp8_gemm import timed  # noqa: E402
 from novainfer.kernels import paged_attention  # noqa: E402
 
 HEADS = {"7b": (28, 4, 128), "0.5b": (14, 2, 64)}

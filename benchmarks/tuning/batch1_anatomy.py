@@ -1,6 +1,6 @@
 """Where a batch-1 decode step's time goes on a GPU: the device's floor against the engine's step.
 
-    python benchmarks/batch1_anatomy.py --model random:qwen2.5-0.5b
+    python benchmarks/tuning/batch1_anatomy.py --model random:qwen2.5-0.5b
 Times, in one process: (1) replays of the captured batch-1 decode graph alone, back to back (the device's
 floor for the transformer stack); (2) replay + logits + greedy argmax, synchronized every step (what the
 device does per engine step when nothing overlaps); (3) the engine's batch-1 greedy decode, overlap on and
@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from benchmarks.checkpoints import resolve_model  # noqa: E402
 
