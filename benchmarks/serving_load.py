@@ -1,15 +1,14 @@
-"""Issue 8's load on one machine, end to end: start `novainfer serve`, measure one client (the baseline),
+"""The server under load on one machine, end to end: start `novainfer serve`, measure one client (the baseline),
 then a burst of clients all at once against bounded limits, then 64 streams while `GET /health` is probed,
 then SIGTERM the server and time its drain.
 
     python benchmarks/serving_load.py --model random:qwen2.5-0.5b --out /tmp/serving_load
-    python benchmarks/serving_load.py --model default --compare-thread   # issue 13: before / after
+    python benchmarks/serving_load.py --model default --baseline-root /tmp/base   # an older checkout first
 
 Each load runs `benchmarks/serving.py` against the live server, so the figures are its TTFT/TPOT/ITL
-percentiles; the table at the end compares the burst with the baseline of the same run. --compare-thread
-runs everything twice in the same run, first with the engine core in a thread of the server's process
-(`--engine-core thread`, the layout before issue 13), then in its own process; --baseline-root runs the
-first server from another checkout instead (e.g. a `git worktree` of the previous commit).
+percentiles; the table at the end compares the burst with the baseline of the same run. --baseline-root runs
+everything twice in the same run, first with the server of another checkout (e.g. a `git worktree` of an older
+commit), then with this tree's.
 """
 from __future__ import annotations
 
@@ -168,19 +167,15 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--server-args", default="--max-num-seqs 32 --max-concurrent-requests 64 --max-queue-len 64",
                    help="the limits under test")
-    p.add_argument("--compare-thread", action="store_true",
-                   help="first run everything with --engine-core thread (before issue 13), then as configured")
     p.add_argument("--baseline-root", default=None,
-                   help="with --compare-thread: run the first server from this checkout, without the flag")
+                   help="first run everything with the server of this checkout (an older commit), then this tree's")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     model = None if args.model == "default" else resolve_model(args.model)
     server_args = args.server_args.split()
-    variants = [("process", server_args, ROOT)]
-    if args.compare_thread:
-        before = ("baseline", server_args, args.baseline_root) if args.baseline_root else \
-            ("thread", server_args + ["--engine-core", "thread"], ROOT)
-        variants.insert(0, before)
+    variants = [("this_tree", server_args, ROOT)]
+    if args.baseline_root:
+        variants.insert(0, ("baseline", server_args, args.baseline_root))
     results = [run_variant(label, model, args, sargs, root) for label, sargs, root in variants]
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(results, f, indent=1)

@@ -1,6 +1,6 @@
 """A benchmark script run from this tree and from an older commit's tree (git archive into a temporary folder), in
-separate processes taking turns, so a drifting load on a shared machine hits both alike. For changes that
-reach past the C library (a new weight layout), where kernel_ab.py's in-process swap cannot compare.
+separate processes taking turns, so a drifting load on a shared machine hits both alike. Use it for any change
+whose effect is smaller than the machine's drift: a kernel, a weight layout, a scheduler change.
 
     python benchmarks/tree_ab.py --base 92df2f0 --rounds 3 --key novainfer_tok_s --key ratio -- \
         benchmarks/throughput.py --cpu-streams 16 --input-len 128 --output-len 128

@@ -40,10 +40,10 @@ def test_latency_benchmark_runs(tmp_path):
 
 
 def test_device_timeline_accounts_for_every_step(tmp_path):
-    """The whole-run profile (benchmarks/device_timeline.py) on the CPU: each step lands in one kind, the
+    """The whole-run profile (benchmarks/tuning/device_timeline.py) on the CPU: each step lands in one kind, the
     busy time (a union of intervals) never exceeds the span, and the kinds' kernel time adds up."""
     out = tmp_path / "timeline.json"
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "device_timeline.py"), "--model", "random:tiny",
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "tuning", "device_timeline.py"), "--model", "random:tiny",
            "--device", "cpu", "--num-prompts", "3", "--max-len", "8", "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -55,7 +55,7 @@ def test_device_timeline_accounts_for_every_step(tmp_path):
 
 
 def test_union_merges_overlaps():
-    from benchmarks.device_timeline import overlap, union
+    from benchmarks.tuning.device_timeline import overlap, union
     merged = union([(5, 9), (0, 3), (2, 4), (9, 10)])
     assert merged == [(0, 4), (5, 10)]
     assert overlap(merged, 3, 6) == 2 and overlap(merged, 20, 30) == 0
