@@ -184,3 +184,15 @@ def test_unsupported_activation_and_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="state"):
         gdr.fused_recurrent_gated_delta_rule(q, k, v, g, beta, torch.zeros(1, HV, K, V, dtype=torch.float64),
                                              torch.zeros(2, dtype=torch.int32))
+
+
+def test_gpu_check_script_smoke_runs_on_the_cpu(monkeypatch, capsys):
+    """tests/gpu/gdn_check.py --smoke: the device script's checks on tiny shapes, every row must pass."""
+    from tests.gpu import gdn_check
+    monkeypatch.setattr("sys.argv", ["gdn_check.py", "--smoke"])
+    for name in ("HK", "HV", "K", "V", "DEV"):
+        monkeypatch.setattr(gdn_check, name, getattr(gdn_check, name))
+    monkeypatch.setattr(gdn_check, "rows", [])
+    with pytest.raises(SystemExit) as exit_info:
+        gdn_check.main()
+    assert exit_info.value.code == 0 and len(gdn_check.rows) == 5, capsys.readouterr().out

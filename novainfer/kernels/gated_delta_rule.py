@@ -376,14 +376,18 @@ def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     _chunk_prepare_kernel[(chunk_start.numel(), hv)](
         k, v, g, beta, w, u, gc, chunk_start, chunk_end, L2_EPS, k.stride(0), v.stride(0), g.stride(0),
         beta.stride(0), HK=hk, HV=hv, K=dk, V=dv, BK=bk, BV=triton.next_power_of_2(dv), C=CHUNK,
-        L2NORM=use_qk_l2norm, PRECISION=precision, num_warps=8)
+        L2NORM=use_qk_l2norm, PRECISION=precision, num_warps=8, num_stages=1)
     programs = seqs * hv * triton.cdiv(dv, 64)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
     bv = min(triton.next_power_of_2(dv), 64 if programs >= sms else 32)
-    _chunk_scan_kernel[(seqs, hv, triton.cdiv(dv, bv))](
-        q, k, w, u, gc, o, state, slots, cu_seqlens, dk ** -0.5 if scale is None else scale, L2_EPS,
-        q.stride(0), k.stride(0), HK=hk, HV=hv, K=dk, V=dv, BK=bk, BV=bv, C=CHUNK, L2NORM=use_qk_l2norm,
-        PRECISION=precision, num_warps=8 if bv == 64 else 4)
+    args = (q, k, w, u, gc, o, state, slots, cu_seqlens, dk ** -0.5 if scale is None else scale, L2_EPS,
+            q.stride(0), k.stride(0))
+    meta = dict(HK=hk, HV=hv, K=dk, V=dv, BK=bk, BV=bv, C=CHUNK, L2NORM=use_qk_l2norm, PRECISION=precision,
+                num_warps=8 if bv == 64 else 4)
+    try:
+        _chunk_scan_kernel[(seqs, hv, triton.cdiv(dv, bv))](*args, **meta)
+    except triton.runtime.errors.OutOfResources:  # the loop's pipelined loads overflow a smaller shared memory
+        _chunk_scan_kernel[(seqs, hv, triton.cdiv(dv, bv))](*args, **meta, num_stages=1)
     return o
 
 
