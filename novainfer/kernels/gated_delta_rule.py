@@ -261,7 +261,8 @@ def fused_recurrent_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v:
 def _chunk_prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, gc_ptr, chunk_start_ptr, chunk_end_ptr, eps,
                           stride_k, stride_v, stride_g, stride_b,
                           HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                          BV: tl.constexpr, C: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr):
+                          BV: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, L2NORM: tl.constexpr,
+                          PRECISION: tl.constexpr, INV_PRECISION: tl.constexpr):
     """Per (chunk, value head): the decay's in-chunk cumsum gc, and the WY pair u = L^-1 (beta v),
     w = L^-1 (beta exp(gc) k) with L = I + strictly_lower(beta_i k_i.k_j exp(gc_i - gc_j))."""
     c, hv = tl.program_id(0), tl.program_id(1)
@@ -280,11 +281,13 @@ def _chunk_prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, gc_ptr, c
         strictly_lower = i[:, None] > i[None, :]
         decay = tl.exp(tl.where(strictly_lower, gc[:, None] - gc[None, :], float("-inf")))
         a = tl.dot(k, tl.trans(k), input_precision=PRECISION) * decay * beta[:, None]
-        # forward substitution: row r of L^-1 = e_r - sum_{j<r} a[r, j] * (row j of L^-1)
+        # L^-1 by recursive doubling: with T the inverse of L's diagonal blocks of size s, the blocks of size 2s are
+        # [[T0, 0], [-T1 A10 T0, T1]] = T - T A_off T, A_off holding only the A10 blocks; all matmuls, no row loop
         inv = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
-        for r in range(1, C):
-            a_r = tl.sum(tl.where(i[:, None] == r, a, 0.0), 0)
-            inv -= tl.where(i[:, None] == r, tl.sum(a_r[:, None] * inv, 0)[None, :], 0.0)
+        for level in tl.static_range(LOG_C):
+            a_off = tl.where((i[:, None] >> (level + 1) == i[None, :] >> (level + 1))
+                             & (i[:, None] >> level != i[None, :] >> level), a, 0.0)
+            inv -= tl.dot(tl.dot(inv, a_off, input_precision=INV_PRECISION), inv, input_precision=INV_PRECISION)
         v = tl.load(v_ptr + rows[:, None] * stride_v + hv * V + offs_v[None, :],
                     mask=live[:, None] & (offs_v < V)[None, :], other=0.0).to(tl.float32)
         u = tl.dot(inv, v * beta[:, None], input_precision=PRECISION)
@@ -376,7 +379,8 @@ def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     _chunk_prepare_kernel[(chunk_start.numel(), hv)](
         k, v, g, beta, w, u, gc, chunk_start, chunk_end, L2_EPS, k.stride(0), v.stride(0), g.stride(0),
         beta.stride(0), HK=hk, HV=hv, K=dk, V=dv, BK=bk, BV=triton.next_power_of_2(dv), C=CHUNK,
-        L2NORM=use_qk_l2norm, PRECISION=precision, num_warps=8, num_stages=1)
+        LOG_C=CHUNK.bit_length() - 1, L2NORM=use_qk_l2norm, PRECISION=precision,
+        INV_PRECISION="ieee" if precision == "ieee" else "tf32x3", num_warps=8, num_stages=1)
     programs = seqs * hv * triton.cdiv(dv, 64)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
     bv = min(triton.next_power_of_2(dv), 64 if programs >= sms else 32)
