@@ -21,12 +21,13 @@ CONV_UPDATE = {"torch": gdr.causal_conv1d_update_torch, "triton": gdr.causal_con
 
 
 def gdn_inputs(seed: int, tokens: int, l2norm: bool):
-    """q, k [T, HK, K], v [T, HV, V], g <= 0 and beta in (0, 1) [T, HV]; keys pre-normalised when the kernel won't."""
+    """q, k [T, HK, K], v [T, HV, V] (strided views of one packed tensor, as the model's conv output), g <= 0 and
+    beta in (0, 1) [T, HV]; q and k pre-normalised when the kernel won't."""
     gen = torch.Generator().manual_seed(seed)
-    q, k = torch.randn(tokens, HK, K, generator=gen), torch.randn(tokens, HK, K, generator=gen)
+    q, k, v = torch.randn(tokens, 2 * HK * K + HV * V, generator=gen).split([HK * K, HK * K, HV * V], dim=1)
+    q, k, v = q.view(tokens, HK, K), k.view(tokens, HK, K), v.view(tokens, HV, V)
     if not l2norm:
         q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-    v = torch.randn(tokens, HV, V, generator=gen)
     g = -F.softplus(torch.randn(tokens, HV, generator=gen)) * 0.5
     beta = torch.sigmoid(torch.randn(tokens, HV, generator=gen))
     return q, k, v, g, beta
@@ -184,6 +185,9 @@ def test_unsupported_activation_and_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="state"):
         gdr.fused_recurrent_gated_delta_rule(q, k, v, g, beta, torch.zeros(1, HV, K, V, dtype=torch.float64),
                                              torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="contiguous"):  # a strided view would be updated in a copy
+        gdr.chunk_gated_delta_rule(q, k, v, g, beta, torch.zeros(1, HV, V, K).transpose(2, 3),
+                                   torch.zeros(1, dtype=torch.int32), cu([2]))
 
 
 def test_gpu_check_script_smoke_runs_on_the_cpu(monkeypatch, capsys):

@@ -12,8 +12,9 @@ Shapes: tokens are packed ([T, ...], sequences delimited by cu_seqlens [N+1], in
 v: [T, H_v, V] with H_v = H_k * r (value head h reads key head h // r); g (log decay, <= 0) and beta: [T, H_v].
 States live in pools indexed by a per-sequence slot: state [num_slots, H_v, K, V] fp32 and
 conv_state [num_slots, W - 1, D] (the sequence's last W - 1 conv inputs, oldest first, in x's dtype); both are
-read and updated in place. A fresh sequence's slot must hold zeros. A negative slot marks a padding row (decode
-batches padded for CUDA graphs): it reads a zero state and writes none.
+read and updated in place. A fresh sequence's slot must hold zeros. In decode (fused_recurrent_gated_delta_rule
+without cu_seqlens, causal_conv1d_update) a negative slot marks a padding row (batches padded for CUDA graphs): it
+reads a zero state and writes none.
 
 Each public function runs the Triton kernel on CUDA tensors and the torch reference otherwise.
 """
@@ -45,8 +46,9 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                          "v [T, H_v, V] with H_v a multiple of H_k")
     if g.shape != (tokens, hv) or beta.shape != (tokens, hv):
         raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be [T, H_v] = [{tokens}, {hv}]")
-    if state.shape[1:] != (hv, dk, dv) or state.dtype != torch.float32:
-        raise ValueError(f"state {tuple(state.shape)} {state.dtype}: need [num_slots, {hv}, {dk}, {dv}] float32")
+    if state.shape[1:] != (hv, dk, dv) or state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"state {tuple(state.shape)} {state.dtype}: need a contiguous [num_slots, {hv}, {dk}, {dv}] "
+                         "float32 pool (it is updated in place)")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -231,8 +233,8 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, sl
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x with contiguous rows (heads x head_dim), so a kernel needs only its token stride."""
-    return x if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else x.contiguous()
+    """x with each token's row contiguous, so a kernel needs only the token stride."""
+    return x if x.shape[0] == 0 or x[0].is_contiguous() else x.contiguous()
 
 
 def fused_recurrent_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -241,7 +243,7 @@ def fused_recurrent_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v:
                                             scale: float | None = None) -> torch.Tensor:
     """Triton fused_recurrent_gated_delta_rule: a program per (sequence, value head, V block) keeps S in registers."""
     _check_shapes(q, k, v, g, beta, state)
-    q, k, v = _rows(q), _rows(k), _rows(v)
+    q, k, v, g, beta = (_rows(x) for x in (q, k, v, g, beta))
     tokens, hk, dk = k.shape
     hv, dv = v.shape[1:]
     o = torch.empty(tokens, hv, dv, dtype=q.dtype, device=q.device)
@@ -364,7 +366,7 @@ def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
                                   scale: float | None = None) -> torch.Tensor:
     """Triton chunk_gated_delta_rule: a parallel pass over all chunks (WY pairs), then a scan per sequence."""
     _check_shapes(q, k, v, g, beta, state)
-    q, k, v = _rows(q), _rows(k), _rows(v)
+    q, k, v, g, beta = (_rows(x) for x in (q, k, v, g, beta))
     tokens, hk, dk = k.shape
     hv, dv = v.shape[1:]
     seqs = cu_seqlens.numel() - 1
@@ -444,9 +446,10 @@ def _conv_state_kernel(x_ptr, state_ptr, cu_ptr, slots_ptr, dim, stride_x, strid
 
 def _check_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, activation: str | None) -> None:
     _check_activation(activation)
-    if weight.shape[0] != x.shape[1] or conv_state.shape[1:] != (weight.shape[1] - 1, x.shape[1]):
+    if (weight.shape[0] != x.shape[1] or conv_state.shape[1:] != (weight.shape[1] - 1, x.shape[1])
+            or conv_state.shape[0] and not conv_state[0].is_contiguous()):
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, conv_state {tuple(conv_state.shape)}: "
-                         "need x [T, D], weight [D, W], conv_state [num_slots, W - 1, D]")
+                         "need x [T, D], weight [D, W], conv_state [num_slots, W - 1, D] with each slot contiguous")
 
 
 def causal_conv1d_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
