@@ -6,9 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen3_next.modeling_qwen3_next import (causal_conv1d_fn, causal_conv1d_update,
-                                                                torch_chunk_gated_delta_rule,
-                                                                torch_recurrent_gated_delta_rule)
+from transformers.models.qwen3_next.modeling_qwen3_next import (
+    causal_conv1d_fn,
+    causal_conv1d_update,
+    torch_chunk_gated_delta_rule,
+    torch_recurrent_gated_delta_rule,
+)
 
 from novainfer.kernels import gated_delta_rule as gdr
 

@@ -20,6 +20,8 @@ Each public function runs the Triton kernel on CUDA tensors and the torch refere
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -33,8 +35,7 @@ def _bounds(cu_seqlens: torch.Tensor | None, tokens: int) -> list[tuple[int, int
     """(start, end) of each sequence; without cu_seqlens every token is its own sequence."""
     if cu_seqlens is None:
         return [(t, t + 1) for t in range(tokens)]
-    cu = cu_seqlens.tolist()
-    return list(zip(cu[:-1], cu[1:]))
+    return list(itertools.pairwise(cu_seqlens.tolist()))
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -388,8 +389,8 @@ def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     bv = min(triton.next_power_of_2(dv), 64 if programs >= sms else 32)
     args = (q, k, w, u, gc, o, state, slots, cu_seqlens, dk ** -0.5 if scale is None else scale, L2_EPS,
             q.stride(0), k.stride(0))
-    meta = dict(HK=hk, HV=hv, K=dk, V=dv, BK=bk, BV=bv, C=CHUNK, L2NORM=use_qk_l2norm, PRECISION=precision,
-                num_warps=8 if bv == 64 else 4)
+    meta = {"HK": hk, "HV": hv, "K": dk, "V": dv, "BK": bk, "BV": bv, "C": CHUNK, "L2NORM": use_qk_l2norm,
+            "PRECISION": precision, "num_warps": 8 if bv == 64 else 4}
     try:
         _chunk_scan_kernel[(seqs, hv, triton.cdiv(dv, bv))](*args, **meta)
     except triton.runtime.errors.OutOfResources:  # the loop's pipelined loads overflow a smaller shared memory

@@ -52,9 +52,12 @@ def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
+def fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
 def record(case: str, impl: str, ms: float | None, err_o: float | None, err_s: float | None, tol: float) -> None:
     ok = all(e is None or e < tol for e in (err_o, err_s))
-    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     rows.append((case, impl, fmt(ms, ".3f"), fmt(err_o, ".2e"), fmt(err_s, ".2e"), ok))
     print(("PASS " if ok else "FAIL ") + f"{case} {impl}: {fmt(ms, '.3f')} ms, err o {fmt(err_o, '.2e')}, "
           f"err state {fmt(err_s, '.2e')} (tol {tol:g})", flush=True)
@@ -106,7 +109,7 @@ def decode_case(gdr, fla, batch: int, dtype: torch.dtype, tol: float, time_it: b
     if fla is not None:
         initial = pool[idx].clone()
         args = (q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None])
-        kw = dict(initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        kw = {"initial_state": initial, "output_final_state": True, "use_qk_l2norm_in_kernel": True}
         fo, fh = fla[1](*args, **kw)
         ms = bench(lambda: fla[1](*args, **kw)) if time_it else None
         record(name, "fla fused_recurrent", ms, rel(fo[:, 0], ref), rel(fh, ref_pool[idx]), tol)
@@ -134,12 +137,12 @@ def prefill_case(gdr, fla, lens: list[int], dtype: torch.dtype, tol: float, time
         ours_pool = pool.clone()
         o = fn(q, k, v, g, beta, ours_pool, slots, cu)
         err_o, err_s = rel(o, ref), rel(ours_pool[idx], ref_h)
-        ms = bench(lambda: fn(q, k, v, g, beta, ours_pool, slots, cu)) if time_it else None
+        ms = bench(lambda fn=fn, pool=ours_pool: fn(q, k, v, g, beta, pool, slots, cu)) if time_it else None
         record(name, impl, ms, err_o, err_s, tol)
     if fla is not None:
         args = (q[None], k[None], v[None], g[None], beta[None])
-        kw = dict(initial_state=pool[idx].clone(), output_final_state=True, use_qk_l2norm_in_kernel=True,
-                  cu_seqlens=cu.long())
+        kw = {"initial_state": pool[idx].clone(), "output_final_state": True, "use_qk_l2norm_in_kernel": True,
+              "cu_seqlens": cu.long()}
         fo, fh = fla[0](*args, **kw)
         ms = bench(lambda: fla[0](*args, **kw)) if time_it else None
         record(name, "fla chunk", ms, rel(fo[0], ref), rel(fh, ref_h), tol)
