@@ -121,6 +121,24 @@ def test_chunked_prefill_without_l2norm_and_strong_decay_matches_recurrent():
     assert torch.isfinite(o).all() and close(o, ref_o) and close(ours_pool[1], finals[1])
 
 
+@pytest.mark.parametrize("kernel", ["recurrent", "chunked"])
+def test_bf16_activations_keep_an_fp32_state(kernel):
+    """bf16 q/k/v/beta (the models' dtype): the state math stays fp32 (the pool agrees to 1e-4), the output is
+    rounded once to bf16."""
+    lens, slots = [66, 3], [0, 2]
+    q, k, v, g, beta = gdn_inputs(15, sum(lens), True)
+    q, k, v, beta = (x.bfloat16() for x in (q, k, v, beta))
+    pool = state_pool(16, 3)
+    ours_pool, ref_pool = pool.clone(), pool.clone()
+    fn = {"recurrent": RECURRENT, "chunked": CHUNKED}[kernel]
+    s, c = torch.tensor(slots, dtype=torch.int32), cu(lens)
+    o = fn["triton"](q, k, v, g, beta, ours_pool, s, c)
+    ref = gdr.chunk_gated_delta_rule_torch(q, k, v, g, beta, ref_pool, s, c)
+    assert o.dtype == torch.bfloat16 and ref.dtype == torch.bfloat16
+    assert ((o.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 1e-2
+    assert close(ours_pool, ref_pool)
+
+
 def test_public_entry_points_run_the_reference_on_cpu_and_chunked_equals_recurrent():
     lens, slots = [5, 67], [1, 0]
     q, k, v, g, beta = gdn_inputs(8, sum(lens), True)
