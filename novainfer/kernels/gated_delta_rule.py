@@ -31,10 +31,8 @@ CHUNK = 64
 L2_EPS = 1e-6  # x * rsqrt(sum(x^2) + eps), as transformers' and fla's l2norm
 
 
-def _bounds(cu_seqlens: torch.Tensor | None, tokens: int) -> list[tuple[int, int]]:
-    """(start, end) of each sequence; without cu_seqlens every token is its own sequence."""
-    if cu_seqlens is None:
-        return [(t, t + 1) for t in range(tokens)]
+def _bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each sequence (the torch references loop over sequences on the host)."""
     return list(itertools.pairwise(cu_seqlens.tolist()))
 
 
@@ -96,7 +94,7 @@ def fused_recurrent_gated_delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: 
         state[slots[valid].long()] = h[valid]
         return o.to(q.dtype)
     o = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    for n, (s, e) in enumerate(_bounds(cu_seqlens, v.shape[0])):
+    for n, (s, e) in enumerate(_bounds(cu_seqlens)):
         h = _gather_states(state, slots[n:n + 1])
         for t in range(s, e):
             out, h = _recurrent_step(h, qf[t:t + 1], kf[t:t + 1], vf[t:t + 1], gf[t:t + 1], bf[t:t + 1])
@@ -135,7 +133,7 @@ def chunk_gated_delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     qf, kf = _prep_qk(q, k, groups, use_qk_l2norm, dk ** -0.5 if scale is None else scale)
     vf, gf, bf = v.float(), g.float(), beta.float()
     o = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    for n, (s, e) in enumerate(_bounds(cu_seqlens, v.shape[0])):
+    for n, (s, e) in enumerate(_bounds(cu_seqlens)):
         h = state[int(slots[n])]
         for c0 in range(s, e, CHUNK):
             c1 = min(c0 + CHUNK, e)
@@ -160,7 +158,7 @@ def causal_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     _check_activation(activation)
     width = weight.shape[1]
     out = torch.empty_like(x)
-    for n, (s, e) in enumerate(_bounds(cu_seqlens, x.shape[0])):
+    for n, (s, e) in enumerate(_bounds(cu_seqlens)):
         slot = int(slots[n])
         seq = torch.cat([conv_state[slot].to(x.dtype), x[s:e]])  # [W - 1 + L, D]
         y = F.conv1d(seq.t().float()[None], weight.float()[:, None], None if bias is None else bias.float(),
