@@ -198,7 +198,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("gdn_check needs a CUDA GPU (or --smoke)")
     import triton
-    torch.backends.cuda.matmul.allow_tf32 = False  # the torch reference in full fp32
+    torch.backends.cuda.matmul.allow_tf32 = False  # the torch reference (matmuls, the conv) in full fp32
+    torch.backends.cudnn.allow_tf32 = False
     gdr, fla = load_kernels(), load_fla()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
     # fp32: tight agreement (the chunked kernels' dots run in IEEE fp32); small shapes, untimed
