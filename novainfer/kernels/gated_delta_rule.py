@@ -218,7 +218,7 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, sl
     s_ptrs = state_ptr + (tl.maximum(slot, 0) * HV + hv) * (K * V) + offs_k[:, None] * V + offs_v[None, :]
     h = tl.load(s_ptrs, mask=mask_kv & valid, other=0.0)
     for t in range(start, end):
-        rows = tl.full([1], t, tl.int64)
+        rows = t + tl.zeros([1], tl.int64)
         one = rows < end
         qt = tl.reshape(_load_qk(q_ptr, rows, one, stride_q, hk, offs_k, K, L2NORM, eps), [BK]) * scale
         kt = tl.reshape(_load_qk(k_ptr, rows, one, stride_k, hk, offs_k, K, L2NORM, eps), [BK])
