@@ -491,6 +491,7 @@ def _conv_update_kernel(x_ptr, w_ptr, b_ptr, out_ptr, state_ptr, slots_ptr, dim,
     base = state_ptr + tl.maximum(slot, 0) * stride_s + d[None, :]
     xv = tl.load(x_ptr + n * stride_x + d, mask=md, other=0.0)
     window = tl.load(base + j[:, None] * dim, mask=(j < W - 1)[:, None] & md[None, :] & valid, other=0.0)
+    shifted = tl.load(base + (j + 1)[:, None] * dim, mask=(j + 1 < W - 1)[:, None] & md[None, :] & valid, other=0.0)
     window = tl.where((j == W - 1)[:, None], xv[None, :], window)
     wt = tl.load(w_ptr + d[None, :] * W + j[:, None], mask=(j < W)[:, None] & md[None, :], other=0.0)
     acc = tl.sum(window.to(tl.float32) * wt.to(tl.float32), 0)
@@ -499,8 +500,8 @@ def _conv_update_kernel(x_ptr, w_ptr, b_ptr, out_ptr, state_ptr, slots_ptr, dim,
     if SILU:
         acc = acc * tl.sigmoid(acc)
     tl.store(out_ptr + n * dim + d, acc.to(out_ptr.dtype.element_ty), mask=md)
-    shifted = tl.load(base + (j + 1)[:, None] * dim, mask=(j + 1 < W - 1)[:, None] & md[None, :] & valid, other=0.0)
     shifted = tl.where((j + 1 == W - 1)[:, None], xv[None, :], shifted)
+    tl.debug_barrier()  # row j+1 is read by one thread and overwritten by another: every read before any write
     tl.store(base + j[:, None] * dim, shifted.to(state_ptr.dtype.element_ty),
              mask=(j < W - 1)[:, None] & md[None, :] & valid)
 
