@@ -1,0 +1,131 @@
+"""Pydantic schemas of Anthropic's Messages API requests (POST /v1/messages, POST /v1/messages/count_tokens): the
+fields this server serves; any other field is a 400 naming it."""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Discriminator, Field, Tag
+
+from novainfer.server.protocol import NonEmptyStr, OpenAIModel, _bounded
+
+
+class CacheControl(OpenAIModel):
+    """A no-op: the prefix cache keeps every prompt's blocks without being asked."""
+
+    type: Literal["ephemeral"]
+    ttl: str | None = None
+
+
+class TextBlock(OpenAIModel):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+    citations: list[Any] | None = None
+
+
+class ToolUseBlock(OpenAIModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolResultBlock(OpenAIModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+
+class ThinkingBlock(OpenAIModel):
+    """An earlier turn's thinking: accepted, and left out of the prompt (chat templates drop past thinking)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
+
+
+class UnsupportedBlock(OpenAIModel):
+    """image / document / search_result / server tool blocks: accepted by the schema so the 400 can name them."""
+
+    model_config = {"extra": "allow"}
+    type: str
+
+
+def _block_tag(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    if kind in ("thinking", "redacted_thinking"):
+        return "thinking"
+    return kind if kind in ("text", "tool_use", "tool_result") else "other"
+
+
+ContentBlock = Annotated[Union[Annotated[TextBlock, Tag("text")], Annotated[ToolUseBlock, Tag("tool_use")],
+                               Annotated[ToolResultBlock, Tag("tool_result")],
+                               Annotated[ThinkingBlock, Tag("thinking")], Annotated[UnsupportedBlock, Tag("other")]],
+                         Discriminator(_block_tag)]
+
+
+class AnthropicMessage(OpenAIModel):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class AnthropicTool(OpenAIModel):
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    strict: bool | None = None  # a forced tool (any / tool) always follows input_schema
+    cache_control: CacheControl | None = None
+
+
+class AnthropicToolChoice(OpenAIModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class ThinkingConfig(OpenAIModel):
+    """enabled: thinking blocks carry the model's reasoning when it has any; budget_tokens is not enforced."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = None
+    display: str | None = None
+
+
+class OutputFormat(OpenAIModel):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(..., alias="schema")
+
+
+class OutputConfig(OpenAIModel):
+    format: OutputFormat | None = None
+    effort: str | None = None  # a no-op
+
+
+class AnthropicMetadata(OpenAIModel):
+    user_id: str | None = None  # a no-op
+
+
+class CountTokensRequest(OpenAIModel):
+    model: str | None = None
+    messages: list[AnthropicMessage] = Field(..., min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: int = _bounded("max_tokens", ...)
+    stop_sequences: list[NonEmptyStr] | None = None
+    stream: bool = False
+    temperature: float | None = _bounded("temperature")
+    top_p: float | None = _bounded("top_p")
+    top_k: int | None = _bounded("top_k")
+    metadata: AnthropicMetadata | None = None
+    service_tier: str | None = None  # a no-op
