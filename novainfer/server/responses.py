@@ -203,7 +203,7 @@ class ResponseRun:
         else:
             self.status = "cancelled" if finish.reason == "abort" else "completed"
         self.usage = self._usage(finish.usage)
-        kind = {"failed": "failed", "incomplete": "incomplete"}.get(self.status, "completed")
+        kind = {"failed": "failed", "incomplete": "incomplete", "cancelled": "incomplete"}.get(self.status, "completed")
         return out + [{"type": f"response.{kind}", "response": self.snapshot()}]
 
     def _usage(self, usage: dict) -> dict | None:
