@@ -14,7 +14,7 @@ from novainfer.entrypoints.chat_utils import apply_chat_template
 from novainfer.server.chat_turn import ChatTurn, Finish, Piece, chat_request
 from novainfer.server.errors import APIError
 from novainfer.server.protocol import ChatCompletionRequest
-from novainfer.server.protocol_anthropic import (CountTokensRequest, MessagesRequest, TextBlock, ThinkingBlock,
+from novainfer.server.protocol_anthropic import (AnthropicErrorInfo, AnthropicErrorResponse, CountTokensRequest, MessagesRequest, TextBlock, ThinkingBlock,
                                                  ToolResultBlock, ToolUseBlock, UnsupportedBlock)
 from novainfer.server.serving_completions import CompletionHandler
 from novainfer.server.tool_calling import plan_tools, template_inputs
@@ -29,7 +29,8 @@ _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 def error_body(status: int, message: str, request_id: str | None) -> dict:
     """Anthropic's error object: {"type": "error", "error": {"type", "message"}, "request_id"}."""
     kind = _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": message}, "request_id": request_id}
+    info = AnthropicErrorInfo(type=kind, message=message)
+    return AnthropicErrorResponse(error=info, request_id=request_id).model_dump()
 
 
 def error_response(exc: APIError, request_id: str | None) -> JSONResponse:

@@ -32,7 +32,7 @@ from novainfer.server.metrics import ServerMetrics
 from novainfer.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                        CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                                        ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
-from novainfer.server.protocol_anthropic import CountTokensRequest, MessagesRequest
+from novainfer.server.protocol_anthropic import AnthropicErrorResponse, CountTokensRequest, MessagesRequest
 from novainfer.server.protocol_responses import ResponsesRequest
 from novainfer.server.responses import ResponsesHandler
 from novainfer.server.serving import OpenAIServing, ServedModel
@@ -59,6 +59,17 @@ _STREAMING = {200: {"description": "The completion; with `stream: true`, SSE chu
                         "type": "object", "required": ["data"],
                         "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE] last"}}}}}},
             **_ERRORS}
+_ANTHROPIC_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": AnthropicErrorResponse} for code in _ERRORS}
+
+
+def _events(description: str, errors: dict[int | str, dict[str, Any]]) -> dict[int | str, dict[str, Any]]:
+    """The documented answers of a route whose `stream: true` answers with named SSE events."""
+    return {200: {"description": description, "content": {"text/event-stream": {"schema": {
+        "type": "object", "required": ["event", "data"], "properties": {
+            "event": {"type": "string"}, "data": {"type": "string", "description": "the event as JSON"}}}}}},
+            **errors}
+
+
 WEBUI_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "webui")
 
 
@@ -232,7 +243,8 @@ def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: Se
         """OpenAI text completions over a string, a list of strings, or token ids."""
         return await handler.completion(body, _request_id(request), request)
 
-    @app.post("/v1/responses", responses=_STREAMING)
+    @app.post("/v1/responses", responses=_events("The Response; with `stream: true`, SSE events `response.created` "
+                                                 "... `response.completed`", _ERRORS))
     async def create_response(body: ResponsesRequest, request: Request):
         """OpenAI Responses API over the chat path; `stream: true` answers with SSE events."""
         return await responses.create(body, _request_id(request), request)
@@ -249,12 +261,13 @@ def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: Se
     async def cancel_response(response_id: str) -> dict:
         return await responses.cancel(response_id)
 
-    @app.post("/v1/messages", responses=_STREAMING)
+    @app.post("/v1/messages", responses=_events("The Message; with `stream: true`, SSE events `message_start` ... "
+                                                "`message_stop`", _ANTHROPIC_ERRORS))
     async def create_message(body: MessagesRequest, request: Request):
         """Anthropic Messages API over the chat path; `stream: true` answers with Anthropic's SSE events."""
         return await messages.create(body, _request_id(request), request)
 
-    @app.post("/v1/messages/count_tokens", responses=_ERRORS)
+    @app.post("/v1/messages/count_tokens", responses=_ANTHROPIC_ERRORS)
     async def count_message_tokens(body: CountTokensRequest) -> dict:
         return messages.count_tokens(body)
 

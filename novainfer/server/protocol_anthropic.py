@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import BaseModel, Discriminator, Field, Tag
 
 from novainfer.server.protocol import NonEmptyStr, OpenAIModel, _bounded
 
@@ -129,3 +129,16 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = _bounded("top_k")
     metadata: AnthropicMetadata | None = None
     service_tier: str | None = None  # a no-op
+
+
+class AnthropicErrorInfo(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error object, the error shape of the /v1/messages routes."""
+
+    type: Literal["error"] = "error"
+    error: AnthropicErrorInfo
+    request_id: str | None = None
