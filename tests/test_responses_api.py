@@ -6,7 +6,6 @@ calls that /v1/chat/completions gives for the equivalent messages under greedy d
 """
 import asyncio
 import json
-import threading
 from typing import Literal
 
 import httpx
@@ -141,16 +140,18 @@ def test_retrieve_delete_and_store_false(client):
         client.responses.cancel(client.responses.create(model=MODEL, input="Hi", max_output_tokens=2).id)
 
 
-def test_cancel_a_streaming_response(client):
-    with client.responses.stream(model=MODEL, input="Hi", max_output_tokens=400) as stream:
-        events = []
-        for event in stream:
-            events.append(event)
-            if event.type == "response.output_text.delta" and len(events) == 6:
-                threading.Thread(target=client.responses.cancel, args=(events[0].response.id,)).start()
+def test_cancel_a_streaming_response(server, client):
+    # greedy: this prompt runs to max_output_tokens (a sampled token could end the turn first)
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 480, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        with http.stream("POST", "/v1/responses", json=body, headers={"X-Request-Id": "stop-me"}) as resp:
+            cancelled = client.responses.cancel("resp_stop-me")  # as soon as the generation is submitted
+            events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: ")]
+    assert cancelled.status == "cancelled" and cancelled.id == "resp_stop-me"
     last = events[-1]
-    assert last.type == "response.incomplete" and last.response.status == "cancelled"
-    assert last.response.usage.output_tokens < 400
+    assert last["type"] == "response.incomplete" and last["response"]["status"] == "cancelled"
+    assert last["response"]["usage"]["output_tokens"] < 480
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
 
 
 @pytest.mark.parametrize("kw, named", [
@@ -198,3 +199,20 @@ def test_error_shape_and_validation(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
     r = httpx.post(server.url + "/v1/responses", json={"model": MODEL})
     assert r.status_code == 400 and "input" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 400, "stream": True, "temperature": 0}),
+    ("/v1/messages", {"model": MODEL, "max_tokens": 400, "stream": True, "temperature": 0,
+                      "messages": [{"role": "user", "content": "Hi"}]}),
+])
+def test_client_leaving_a_stream_aborts_its_generation(server, path, body):
+    aborts = server.metric("novainfer:request_success_total", finished_reason="abort")
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        with http.stream("POST", path, json=body) as resp:
+            lines = resp.iter_lines()
+            for _ in range(12):
+                next(lines)
+        # leaving the block closes the connection mid-stream
+    assert server.wait_idle() == 0.0
+    assert server.metric("novainfer:request_success_total", finished_reason="abort") == aborts + 1
