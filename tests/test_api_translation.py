@@ -17,7 +17,8 @@ from novainfer.server.protocol_responses import ResponsesRequest
 from novainfer.server.responses import ResponseRun
 from tests.tiny_models import make_tokenizer
 
-USAGE = {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29, "prompt_tokens_details": {"cached_tokens": 16}}
+USAGE = {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29,
+         "prompt_tokens_details": {"cached_tokens": 16}}
 CHUNKS = [  # what /v1/chat/completions streams for such a turn (a reasoning parser and a named tool call)
     {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
     {"choices": [{"index": 0, "delta": {"reasoning_content": "The user wants "}, "finish_reason": None}]},

@@ -14,8 +14,9 @@ from novainfer.entrypoints.chat_utils import apply_chat_template
 from novainfer.server.chat_turn import ChatTurn, Finish, Piece, chat_request
 from novainfer.server.errors import APIError
 from novainfer.server.protocol import ChatCompletionRequest
-from novainfer.server.protocol_anthropic import (AnthropicErrorInfo, AnthropicErrorResponse, CountTokensRequest, MessagesRequest, TextBlock, ThinkingBlock,
-                                                 ToolResultBlock, ToolUseBlock, UnsupportedBlock)
+from novainfer.server.protocol_anthropic import (AnthropicErrorInfo, AnthropicErrorResponse, CountTokensRequest,
+                                                 MessagesRequest, TextBlock, ThinkingBlock, ToolResultBlock,
+                                                 ToolUseBlock, UnsupportedBlock)
 from novainfer.server.serving_completions import CompletionHandler
 from novainfer.server.tool_calling import plan_tools, template_inputs
 
