@@ -9,6 +9,10 @@ from pydantic import BaseModel, Discriminator, Field, Tag
 from novainfer.server.protocol import NonEmptyStr, OpenAIModel, _bounded
 
 
+_KNOWN_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
+_NOT_KNOWN = {"not": {"enum": list(_KNOWN_BLOCKS)}}  # so the documented oneOf has exactly one match
+
+
 class CacheControl(OpenAIModel):
     """A no-op: the prefix cache keeps every prompt's blocks without being asked."""
 
@@ -52,14 +56,14 @@ class UnsupportedBlock(OpenAIModel):
     """image / document / search_result / server tool blocks: accepted by the schema so the 400 can name them."""
 
     model_config = {"extra": "allow"}
-    type: str
+    type: str = Field(..., json_schema_extra=_NOT_KNOWN)
 
 
 def _block_tag(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
     if kind in ("thinking", "redacted_thinking"):
         return "thinking"
-    return kind if kind in ("text", "tool_use", "tool_result") else "other"
+    return kind if kind in _KNOWN_BLOCKS else "other"
 
 
 ContentBlock = Annotated[Union[Annotated[TextBlock, Tag("text")], Annotated[ToolUseBlock, Tag("tool_use")],

@@ -9,6 +9,9 @@ from pydantic import Discriminator, Field, Tag
 from novainfer.server.protocol import OpenAIModel, _bounded
 
 _STATUS = Literal["in_progress", "completed", "incomplete"]
+# the catch-all part / item types exclude these in the published schema, so its oneOf has exactly one match
+_KNOWN_PARTS = ("input_text", "output_text")
+_KNOWN_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
 
 
 class InputText(OpenAIModel):
@@ -29,12 +32,12 @@ class UnsupportedPart(OpenAIModel):
     """input_image / input_file / refusal parts: accepted by the schema so the 400 can name them."""
 
     model_config = {"extra": "allow"}
-    type: str
+    type: str = Field(..., json_schema_extra={"not": {"enum": list(_KNOWN_PARTS)}})
 
 
 def _part_tag(value: Any) -> str:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind if kind in ("input_text", "output_text") else "other"
+    return kind if kind in _KNOWN_PARTS else "other"
 
 
 ContentPart = Annotated[Union[Annotated[InputText, Tag("input_text")], Annotated[OutputText, Tag("output_text")],
@@ -87,12 +90,12 @@ class UnsupportedItem(OpenAIModel):
     """Any other item type (item_reference, built-in tool calls): accepted by the schema so the 400 names it."""
 
     model_config = {"extra": "allow"}
-    type: str
+    type: str = Field(..., json_schema_extra={"not": {"enum": list(_KNOWN_ITEMS)}})
 
 
 def _item_tag(value: Any) -> str:
     kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
-    return kind if kind in ("message", "function_call", "function_call_output", "reasoning") else "other"
+    return kind if kind in _KNOWN_ITEMS else "other"
 
 
 InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
