@@ -8,6 +8,7 @@ import asyncio
 import json
 from typing import Literal
 
+import agents
 import httpx
 import jsonschema
 import openai
@@ -171,7 +172,6 @@ def test_unsupported_fields_are_a_400_naming_them(client, kw, named):
 
 
 def test_agents_sdk_runs_a_function_tool_to_completion(server):
-    agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
     calls = []
 
