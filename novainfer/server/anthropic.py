@@ -15,8 +15,8 @@ from novainfer.server.chat_turn import ChatTurn, Finish, Piece, chat_request
 from novainfer.server.errors import APIError
 from novainfer.server.protocol import ChatCompletionRequest
 from novainfer.server.protocol_anthropic import (AnthropicErrorInfo, AnthropicErrorResponse, CountTokensRequest,
-                                                 MessagesRequest, TextBlock, ThinkingBlock, ToolResultBlock,
-                                                 ToolUseBlock, UnsupportedBlock)
+                                                 MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock,
+                                                 UnsupportedBlock)
 from novainfer.server.serving_completions import CompletionHandler
 from novainfer.server.tool_calling import plan_tools, template_inputs
 
@@ -64,8 +64,7 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
                               "function": {"name": block.name, "arguments": json.dumps(block.input)}})
             elif isinstance(block, ToolResultBlock):
                 results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content)})
-            else:
-                assert isinstance(block, ThinkingBlock)  # past thinking: chat templates leave it out of the prompt
+            # thinking / redacted_thinking: past thinking, which chat templates leave out of the prompt
         out += results
         if calls:
             out.append({"role": "assistant", "content": text or None, "tool_calls": calls})

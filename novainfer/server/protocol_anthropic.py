@@ -2,15 +2,15 @@
 fields this server serves; any other field is a 400 naming it."""
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag
+from pydantic import BaseModel, Field
 
 from novainfer.server.protocol import NonEmptyStr, OpenAIModel, _bounded
+from novainfer.server.protocol_responses import by_type, not_one_of
 
 
 _KNOWN_BLOCKS = ("text", "tool_use", "tool_result", "thinking", "redacted_thinking")
-_NOT_KNOWN = {"not": {"enum": list(_KNOWN_BLOCKS)}}  # so the documented oneOf has exactly one match
 
 
 class CacheControl(OpenAIModel):
@@ -46,30 +46,25 @@ class ToolResultBlock(OpenAIModel):
 class ThinkingBlock(OpenAIModel):
     """An earlier turn's thinking: accepted, and left out of the prompt (chat templates drop past thinking)."""
 
-    type: Literal["thinking", "redacted_thinking"]
-    thinking: str | None = None
+    type: Literal["thinking"]
+    thinking: str
     signature: str | None = None
-    data: str | None = None
+
+
+class RedactedThinkingBlock(OpenAIModel):
+    type: Literal["redacted_thinking"]
+    data: str
 
 
 class UnsupportedBlock(OpenAIModel):
     """image / document / search_result / server tool blocks: accepted by the schema so the 400 can name them."""
 
     model_config = {"extra": "allow"}
-    type: str = Field(..., json_schema_extra=_NOT_KNOWN)
+    type: str = not_one_of(_KNOWN_BLOCKS)
 
 
-def _block_tag(value: Any) -> str:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    if kind in ("thinking", "redacted_thinking"):
-        return "thinking"
-    return kind if kind in _KNOWN_BLOCKS else "other"
-
-
-ContentBlock = Annotated[Union[Annotated[TextBlock, Tag("text")], Annotated[ToolUseBlock, Tag("tool_use")],
-                               Annotated[ToolResultBlock, Tag("tool_result")],
-                               Annotated[ThinkingBlock, Tag("thinking")], Annotated[UnsupportedBlock, Tag("other")]],
-                         Discriminator(_block_tag)]
+ContentBlock = by_type({"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock,
+                        "thinking": ThinkingBlock, "redacted_thinking": RedactedThinkingBlock}, UnsupportedBlock)
 
 
 class AnthropicMessage(OpenAIModel):

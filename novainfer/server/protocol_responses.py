@@ -9,7 +9,21 @@ from pydantic import Discriminator, Field, Tag
 from novainfer.server.protocol import OpenAIModel, _bounded
 
 _STATUS = Literal["in_progress", "completed", "incomplete"]
-# the catch-all part / item types exclude these in the published schema, so its oneOf has exactly one match
+
+
+def by_type(members: dict[str, Any], other: Any, missing: str | None = None) -> Any:
+    """A union of models chosen by the value's `type` (`missing` when it has none); any other type is `other`,
+    a catch-all model that lets the handler answer a 400 naming the unsupported type."""
+    def tag(value: Any) -> str:
+        kind = value.get("type", missing) if isinstance(value, dict) else getattr(value, "type", missing)
+        return kind if kind in members else "other"
+    options = [Annotated[model, Tag(name)] for name, model in members.items()] + [Annotated[other, Tag("other")]]
+    return Annotated[Union[tuple(options)], Discriminator(tag)]
+
+
+def not_one_of(known: tuple[str, ...]) -> Any:
+    """A catch-all's `type` field: its published schema excludes the known types, so a oneOf has one match."""
+    return Field(..., json_schema_extra={"not": {"enum": list(known)}})
 _KNOWN_PARTS = ("input_text", "output_text")
 _KNOWN_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
 
@@ -32,16 +46,10 @@ class UnsupportedPart(OpenAIModel):
     """input_image / input_file / refusal parts: accepted by the schema so the 400 can name them."""
 
     model_config = {"extra": "allow"}
-    type: str = Field(..., json_schema_extra={"not": {"enum": list(_KNOWN_PARTS)}})
+    type: str = not_one_of(_KNOWN_PARTS)
 
 
-def _part_tag(value: Any) -> str:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return kind if kind in _KNOWN_PARTS else "other"
-
-
-ContentPart = Annotated[Union[Annotated[InputText, Tag("input_text")], Annotated[OutputText, Tag("output_text")],
-                              Annotated[UnsupportedPart, Tag("other")]], Discriminator(_part_tag)]
+ContentPart = by_type({"input_text": InputText, "output_text": OutputText}, UnsupportedPart)
 
 
 class MessageItem(OpenAIModel):
@@ -90,18 +98,12 @@ class UnsupportedItem(OpenAIModel):
     """Any other item type (item_reference, built-in tool calls): accepted by the schema so the 400 names it."""
 
     model_config = {"extra": "allow"}
-    type: str = Field(..., json_schema_extra={"not": {"enum": list(_KNOWN_ITEMS)}})
+    type: str = not_one_of(_KNOWN_ITEMS)
 
 
-def _item_tag(value: Any) -> str:
-    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
-    return kind if kind in _KNOWN_ITEMS else "other"
-
-
-InputItem = Annotated[Union[Annotated[MessageItem, Tag("message")], Annotated[FunctionCallItem, Tag("function_call")],
-                            Annotated[FunctionCallOutputItem, Tag("function_call_output")],
-                            Annotated[ReasoningItem, Tag("reasoning")], Annotated[UnsupportedItem, Tag("other")]],
-                      Discriminator(_item_tag)]
+InputItem = by_type({"message": MessageItem, "function_call": FunctionCallItem,
+                     "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem},
+                    UnsupportedItem, missing="message")
 
 
 class FunctionTool(OpenAIModel):
