@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 
 from novainfer.entrypoints.chat_utils import apply_chat_template
 from novainfer.server.chat_turn import ChatTurn, Finish, Piece, chat_request
@@ -204,7 +205,9 @@ class MessagesHandler:
         run = MessageRun(req, f"msg_{request_id}", model.name)
         turn = await ChatTurn.start(self.chat, chat_req, request_id, raw)
         if req.stream:
-            return StreamingResponse(self._stream(run, turn), media_type="text/event-stream")
+            # the background also runs when the client leaves before the body starts
+            return StreamingResponse(self._stream(run, turn), media_type="text/event-stream",
+                                     background=BackgroundTask(turn.close))
         async for event in turn.events():
             run.consume(event)
         return JSONResponse(run.message())

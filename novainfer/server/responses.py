@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 from pydantic import ValidationError
 
 from novainfer.server.chat_turn import ChatTurn, Finish, Piece, chat_request
@@ -263,7 +264,9 @@ class ResponsesHandler:
             self.running.pop(run.id, None)
             raise
         if req.stream:
-            return StreamingResponse(self._stream(run, turn, conversation), media_type="text/event-stream")
+            # the background also runs when the client leaves before the body starts
+            return StreamingResponse(self._stream(run, turn, conversation), media_type="text/event-stream",
+                                     background=BackgroundTask(self._end, run, turn))
         try:
             async for event in turn.events():
                 run.consume(event)
@@ -286,8 +289,12 @@ class ResponsesHandler:
                     yield sse(out)
             self._remember(run, conversation)
         finally:
-            self.running.pop(run.id, None)
-            await turn.close()
+            await self._end(run, turn)
+
+    async def _end(self, run: ResponseRun, turn: ChatTurn) -> None:
+        """The response is no longer in progress; its generation is released (idempotent)."""
+        self.running.pop(run.id, None)
+        await turn.close()
 
     def _remember(self, run: ResponseRun, conversation: list[dict]) -> None:
         if run.req.store and run.status != "failed":
