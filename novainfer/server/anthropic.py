@@ -36,6 +36,7 @@ def error_body(status: int, message: str, request_id: str | None) -> dict:
 
 
 def error_response(exc: APIError, request_id: str | None) -> JSONResponse:
+    """The APIError as an Anthropic-shaped JSON answer (its status and headers kept)."""
     return JSONResponse(error_body(exc.status, exc.message, request_id), status_code=exc.status, headers=exc.headers)
 
 
@@ -198,7 +199,8 @@ class MessagesHandler:
     def __init__(self, chat: CompletionHandler):
         self.chat = chat
 
-    async def create(self, req: MessagesRequest, request_id: str, raw: Request):
+    async def create(self, req: MessagesRequest, request_id: str, raw: Request) -> JSONResponse | StreamingResponse:
+        """Run the request as one chat turn; the Message object, or Anthropic's SSE events with `stream: true`."""
         chat_req = _chat_request(req, max_completion_tokens=req.max_tokens, stop=req.stop_sequences,
                                  temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, stream=req.stream)
         model = self.chat.serving.resolve_model(req.model)

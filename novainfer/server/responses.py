@@ -238,7 +238,8 @@ class ResponsesHandler:
         self.chat, self.store = chat, store
         self.running: dict[str, tuple[ResponseRun, Any, str]] = {}  # id -> (run, engine, engine request id)
 
-    async def create(self, req: ResponsesRequest, request_id: str, raw: Request):
+    async def create(self, req: ResponsesRequest, request_id: str, raw: Request) -> JSONResponse | StreamingResponse:
+        """Run the request as one chat turn; the Response object, or its SSE events with `stream: true`."""
         _refuse_unsupported(req)
         history: list[dict] = []
         if req.previous_response_id is not None:
@@ -302,6 +303,7 @@ class ResponsesHandler:
             session.messages, session.record = conversation + run.history(), run.snapshot()
 
     def retrieve(self, response_id: str) -> dict:
+        """A response in progress, or a stored one; 404 otherwise."""
         if response_id in self.running:
             return self.running[response_id][0].snapshot()
         session = self.store.find(response_id)
@@ -310,6 +312,7 @@ class ResponsesHandler:
         return session.record
 
     def delete(self, response_id: str) -> dict:
+        """Forget a stored response (and its conversation); 404 when there is none."""
         if not self.store.discard(response_id):
             raise APIError(404, f"no stored response {response_id!r}", param="response_id")
         return {"id": response_id, "object": "response", "deleted": True}
