@@ -28,10 +28,16 @@ STATUSES: Counter = Counter()  # (operation, status) of every request sent, for 
 
 
 def openai_error_object(ctx, response, case) -> bool | None:
-    """Every 4xx/5xx body is {"error": {message, type, param, code, request_id}} naming this response's id."""
+    """Every 4xx/5xx body is {"error": {message, type, param, code, request_id}} naming this response's id
+    (Anthropic's {"type": "error", "error": {type, message}, "request_id"} on /v1/messages)."""
     if response.status_code < 400:
         return None
     body = json.loads(response.content)
+    if case.path.startswith("/v1/messages"):
+        assert set(body) == {"type", "error", "request_id"} and body["type"] == "error", f"not Anthropic's: {body!r}"
+        assert body["error"]["message"] and body["error"]["type"], f"error without a message or type: {body!r}"
+        assert body["request_id"] == response.headers.get("x-request-id", [None])[0], "request_id is not X-Request-Id"
+        return None
     assert set(body) == {"error"}, f"not an OpenAI error object: {body!r}"
     err = body["error"]
     assert isinstance(err.get("message"), str) and err["message"], f"error without a message: {body!r}"
@@ -42,11 +48,17 @@ def openai_error_object(ctx, response, case) -> bool | None:
 
 
 def well_formed_stream(ctx, response, case) -> bool | None:
-    """An SSE answer is `data: <json>` events without an error chunk, ending with `data: [DONE]`."""
+    """An SSE answer is `data: <json>` events without an error chunk, ending with `data: [DONE]`; the Responses
+    and Messages APIs' named events end with their last event."""
     if response.status_code != 200 or "text/event-stream" not in response.headers.get("content-type", [""])[0]:
         return None
     assert not response.stream_cut_short, "the stream did not end within the request timeout"
     events = [e for e in response.content.decode().split("\n\n") if e]
+    if case.path in NAMED_EVENTS:
+        names = [e.split("\n", 1)[0][len("event: "):] for e in events]
+        assert all(e.startswith("event: ") for e in events) and names[-1] in NAMED_EVENTS[case.path], names[-3:]
+        assert "error" not in names, f"the stream carried an error: {events[-1]!r}"
+        return None
     assert events and events[-1] == "data: [DONE]", f"the stream does not end with [DONE]: {events[-1:]!r}"
     for event in events[:-1]:
         assert event.startswith("data: "), f"not an SSE data event: {event!r}"
@@ -56,6 +68,7 @@ def well_formed_stream(ctx, response, case) -> bool | None:
     return None
 
 
+NAMED_EVENTS = {"/v1/responses": ("response.completed", "response.incomplete"), "/v1/messages": ("message_stop",)}
 CHECKS = [schemathesis.checks.not_a_server_error, status_code_conformance, content_type_conformance,
           response_headers_conformance, response_schema_conformance, negative_data_rejection,
           openai_error_object, well_formed_stream]
@@ -105,7 +118,9 @@ def fuzz_operation(operation) -> None:
 
 # Every documented operation, one test each (so each has its own timeout and report line); the test below
 # keeps this list equal to what /openapi.json documents.
-OPERATIONS = ["POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models",
+OPERATIONS = ["POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "POST /v1/responses",
+              "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
+              "POST /v1/responses/{response_id}/cancel", "POST /v1/messages", "POST /v1/messages/count_tokens",
               "POST /v1/requests/{request_id}/cancel", "POST /tokenize", "POST /detokenize", "GET /health",
               "GET /metrics", "GET /version"]
 

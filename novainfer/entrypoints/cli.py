@@ -131,8 +131,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="API names of the models, in order (default: the paths as given)")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--api-key", default=d.api_key, help="require 'Authorization: Bearer <key>' on the API "
-                   "(visible in `ps`: prefer --api-key-file or the NOVAINFER_API_KEY environment variable)")
+    p.add_argument("--api-key", default=d.api_key, help="require 'Authorization: Bearer <key>' (or "
+                   "'x-api-key: <key>') on the API (visible in `ps`: prefer --api-key-file or the NOVAINFER_API_KEY "
+                   "environment variable)")
     p.add_argument("--api-key-file", default=None, help="read the API key from the first line of this file")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='allow tool_choice "auto": the model decides, --tool-call-parser finds its calls')

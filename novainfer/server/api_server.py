@@ -23,6 +23,8 @@ from starlette.staticfiles import StaticFiles
 import novainfer
 from novainfer.config import ServerConfig
 from novainfer.entrypoints.chat_utils import apply_chat_template
+from novainfer.server import anthropic
+from novainfer.server.anthropic import MessagesHandler
 from novainfer.server.async_engine import AsyncEngineBase, TrackedRequest
 from novainfer.server.errors import APIError, error_body, error_response
 from novainfer.server.limits import AdmissionLimiter
@@ -30,6 +32,9 @@ from novainfer.server.metrics import ServerMetrics
 from novainfer.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                        CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                                        ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+from novainfer.server.protocol_anthropic import AnthropicErrorResponse, CountTokensRequest, MessagesRequest
+from novainfer.server.protocol_responses import ResponsesRequest
+from novainfer.server.responses import ResponsesHandler
 from novainfer.server.serving import OpenAIServing, ServedModel
 from novainfer.server.serving_completions import CompletionHandler
 from novainfer.server.sessions import SessionStore
@@ -54,6 +59,17 @@ _STREAMING = {200: {"description": "The completion; with `stream: true`, SSE chu
                         "type": "object", "required": ["data"],
                         "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE] last"}}}}}},
             **_ERRORS}
+_ANTHROPIC_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": AnthropicErrorResponse} for code in _ERRORS}
+
+
+def _events(description: str, errors: dict[int | str, dict[str, Any]]) -> dict[int | str, dict[str, Any]]:
+    """The documented answers of a route whose `stream: true` answers with named SSE events."""
+    return {200: {"description": description, "content": {"text/event-stream": {"schema": {
+        "type": "object", "required": ["event", "data"], "properties": {
+            "event": {"type": "string"}, "data": {"type": "string", "description": "the event as JSON"}}}}}},
+            **errors}
+
+
 WEBUI_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "webui")
 
 
@@ -91,14 +107,17 @@ class RequestContextMiddleware:
 
         async def refuse(status: int, message: str, code: str) -> None:
             logger.info("%d %s: %s", status, path, message)
-            body = error_body(status, message, request_id, code=code)
+            body = anthropic.error_body(status, message, request_id) if path.startswith(anthropic.PATH_PREFIX) \
+                else error_body(status, message, request_id, code=code)
             await JSONResponse(body, status_code=status)(scope, receive, send_with_id)
         try:
             if self.key_digest and path != "/" and not path.startswith(_PUBLIC_PATHS):
                 given = hashlib.sha256(headers.get(b"authorization", b"")).digest()
-                if not secrets.compare_digest(given, self.key_digest):
-                    return await refuse(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                        "invalid_api_key")
+                given_x = hashlib.sha256(b"Bearer " + headers.get(b"x-api-key", b"")).digest()  # Anthropic's header
+                if not (secrets.compare_digest(given, self.key_digest) | secrets.compare_digest(given_x,
+                                                                                                self.key_digest)):
+                    return await refuse(401, "Invalid or missing API key: send 'Authorization: Bearer <key>' or "
+                                             "'x-api-key: <key>'", "invalid_api_key")
             if scope.get("method") in ("POST", "PUT", "PATCH"):
                 body = await self._read_body(headers, receive)
                 if body is None:
@@ -164,6 +183,8 @@ def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: Se
                                                      config.retry_after),
                             SessionStore(config.max_sessions, config.session_ttl))
     handler = CompletionHandler(serving, ToolConfig(config.enable_auto_tool_choice, config.tool_call_parser))
+    responses = ResponsesHandler(handler, SessionStore(config.max_sessions, config.session_ttl))
+    messages = MessagesHandler(handler)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -184,7 +205,8 @@ def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: Se
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
         logger.info("error %d: %s", exc.status, exc.message)
-        return error_response(exc, _request_id(request))
+        shaped = anthropic.error_response if request.url.path.startswith(anthropic.PATH_PREFIX) else error_response
+        return shaped(exc, _request_id(request))
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -208,8 +230,8 @@ def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: Se
         logger.exception("unexpected error")
         # Starlette runs this handler outside every middleware, so X-Request-Id is set here
         request_id = _request_id(request)
-        return error_response(APIError(500, f"internal error: {exc!r}", headers={"X-Request-Id": request_id}),
-                              request_id)
+        shaped = anthropic.error_response if request.url.path.startswith(anthropic.PATH_PREFIX) else error_response
+        return shaped(APIError(500, f"internal error: {exc!r}", headers={"X-Request-Id": request_id}), request_id)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_STREAMING)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -220,6 +242,34 @@ def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: Se
     async def completions(body: CompletionRequest, request: Request):
         """OpenAI text completions over a string, a list of strings, or token ids."""
         return await handler.completion(body, _request_id(request), request)
+
+    @app.post("/v1/responses", responses=_events("The Response; with `stream: true`, SSE events `response.created` "
+                                                 "... `response.completed`", _ERRORS))
+    async def create_response(body: ResponsesRequest, request: Request):
+        """OpenAI Responses API over the chat path; `stream: true` answers with SSE events."""
+        return await responses.create(body, _request_id(request), request)
+
+    @app.get("/v1/responses/{response_id}", responses=_ERRORS)
+    async def get_response(response_id: str) -> dict:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}", responses=_ERRORS)
+    async def delete_response(response_id: str) -> dict:
+        return responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel", responses=_ERRORS)
+    async def cancel_response(response_id: str) -> dict:
+        return await responses.cancel(response_id)
+
+    @app.post("/v1/messages", responses=_events("The Message; with `stream: true`, SSE events `message_start` ... "
+                                                "`message_stop`", _ANTHROPIC_ERRORS))
+    async def create_message(body: MessagesRequest, request: Request):
+        """Anthropic Messages API over the chat path; `stream: true` answers with Anthropic's SSE events."""
+        return await messages.create(body, _request_id(request), request)
+
+    @app.post("/v1/messages/count_tokens", responses=_ANTHROPIC_ERRORS)
+    async def count_message_tokens(body: CountTokensRequest) -> dict:
+        return messages.count_tokens(body)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

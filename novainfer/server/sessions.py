@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 class Session:
     messages: list[dict] = field(default_factory=list)  # chat history, assistant replies included
     token_ids: list[int] = field(default_factory=list)  # completions history: prompts and outputs
+    record: dict | None = None  # a stored API object (a Responses API response), returned as kept
     last_used: float = field(default_factory=time.monotonic)
 
 
@@ -36,6 +37,19 @@ class SessionStore:
         while len(self._sessions) > self.max_sessions:
             self._sessions.popitem(last=False)
         return session
+
+    def find(self, session_id: str) -> Session | None:
+        """The live session with this id, marked most recent; None when unknown or expired (nothing is made)."""
+        self._expire()
+        session = self._sessions.get(session_id)
+        if session is not None:
+            session.last_used = time.monotonic()
+            self._sessions.move_to_end(session_id)
+        return session
+
+    def discard(self, session_id: str) -> bool:
+        """Forget the session; whether it was there."""
+        return self._sessions.pop(session_id, None) is not None
 
     def _expire(self) -> None:
         cutoff = time.monotonic() - self.ttl
