@@ -106,7 +106,7 @@ class EngineCore:
             seq = Sequence(request.prompt_token_ids, params, rid, index=i, arrival_time=request.arrival_time)
             seq.min_tokens_blocked = list(blocked)
             if grammar is not None:
-                seq.grammar = self.structured_output.new_state(grammar)
+                seq.grammar = self.structured_output.new_state(grammar, params.structured_outputs.after_tokens)
             seqs.append(seq)
         self.requests[rid] = Request(rid, seqs)
         for seq in seqs:
