@@ -31,15 +31,19 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
+    """The server, started with no tool or reasoning flag, and an openai client of it (server.client)."""
     srv = RemoteServer([model_path, "--served-model-name", "think", "--dtype", "float32"],
                        str(tmp_path_factory.mktemp("tools") / "server.log"), timeout=120)
-    yield srv
-    srv.stop()
+    srv.client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return server.client
 
 
 @pytest.fixture(scope="module")

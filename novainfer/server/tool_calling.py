@@ -100,7 +100,8 @@ def plan_tools(req: ChatCompletionRequest, config: ToolConfig, model_parser: str
         items = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
                             "required": ["name", "parameters"], "additionalProperties": False}
                            for name, schema in params.items()]}
-        schema = {"type": "array", "items": items, "minItems": 1, **({} if req.parallel_tool_calls else {"maxItems": 1})}
+        schema = {"type": "array", "items": items, "minItems": 1,
+                  **({} if req.parallel_tool_calls else {"maxItems": 1})}
         return ToolPlan("required", tools, structured=StructuredOutputsParams(json=schema), parser=_RequiredParser())
     name = choice.function.name
     if name not in params:

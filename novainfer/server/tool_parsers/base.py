@@ -6,7 +6,7 @@ import json
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 _DECODER = json.JSONDecoder()
 _JSON_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
@@ -56,15 +56,16 @@ def json_call_at(text: str, pos: int) -> tuple[ParsedCall | None, int]:
     return ParsedCall(name, text[head.end():args_end]), close + 1
 
 
-def json_call_list(text: str, pos: int, final: bool) -> list[ParsedCall]:
-    """The calls of a JSON list of call objects whose `[` is just before pos (complete ones only when final)."""
+def json_call_list(text: str, pos: int, final: bool, separators: str = " \n\t,]") -> list[ParsedCall]:
+    """The call objects from pos on, between separators (a JSON list's by default); complete ones only when
+    final."""
     calls = []
     while pos < len(text):
         call, pos = json_call_at(text, pos)
         if call is None or (final and not call.complete):
             break
         calls.append(call)
-        while pos < len(text) and text[pos] in " \n\t,]":
+        while pos < len(text) and text[pos] in separators:
             pos += 1
     return calls
 
@@ -98,6 +99,25 @@ class ToolParser(ABC):
     def extract(self, text: str, final: bool = True) -> tuple[str | None, list[ParsedCall]]:
         """(content before the calls or None, the calls). final=False: the output so far, whose last call may be
         partial (complete=False); an output that only looked like calls is content when final."""
+
+    def marked_calls(self, text: str, final: bool, read: Callable[[str, int], tuple[ParsedCall | None, int]]
+                     ) -> tuple[str | None, list[ParsedCall]]:
+        """extract() for formats that open every call with start_marker: read(text, pos) reads the call after
+        the marker at pos (a partial one as complete=False, or None) and says where it ends."""
+        at = text.find(self.start_marker)
+        if at < 0:
+            return text, []
+        calls, pos = [], at
+        while pos >= 0:
+            call, end = read(text, pos + len(self.start_marker))
+            if call is not None and (call.complete or not final):
+                calls.append(call)
+            if call is None or not call.complete:
+                break
+            pos = text.find(self.start_marker, end)
+        if final and not calls:  # no call parsed: the model only wrote text that looked like one
+            return text, []
+        return text[:at].strip() or None, calls
 
     def content_end(self, text: str) -> int:
         """Where content stops in a partial output: at the marker, or before a tail that may begin it."""

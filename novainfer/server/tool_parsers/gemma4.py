@@ -8,7 +8,6 @@ from typing import Any
 
 from novainfer.server.tool_parsers.base import ParsedCall, ToolParser, arguments_json
 
-_END = "<tool_call|>"
 _QUOTE = '<|"|>'
 _NAME = re.compile(r"\s*call:([^{\s]+)\{")
 _KEY = re.compile(r"\s*([^:{}\[\],\s]+|<\|\"\|>.*?<\|\"\|>)\s*:", re.DOTALL)
@@ -90,25 +89,19 @@ class Gemma4ToolParser(ToolParser):
     needs_special_tokens = True
 
     def extract(self, text: str, final: bool = True) -> tuple[str | None, list[ParsedCall]]:
-        at = text.find(self.start_marker)
-        if at < 0:
-            return text, []
-        calls, pos = [], at
-        while pos >= 0:
-            m = _NAME.match(text, pos + len(self.start_marker))
-            if m is None:
-                break
-            items: list[tuple[str, Any]] = []
-            try:
-                end = _Values(text).pairs(m.end(), items)
-            except _Incomplete:
-                if not final:
-                    calls.append(ParsedCall(m.group(1), arguments_json(items, False), complete=False))
-                break
-            except ValueError:
-                break
-            calls.append(ParsedCall(m.group(1), arguments_json(items, True)))
-            pos = text.find(self.start_marker, end)
-        if final and not calls:
-            return text, []
-        return text[:at].strip() or None, calls
+        return self.marked_calls(text, final, _read_call)
+
+
+def _read_call(text: str, pos: int) -> tuple[ParsedCall | None, int]:
+    """The `call:name{...}` at pos: complete, partial (its complete top-level arguments), or None."""
+    m = _NAME.match(text, pos)
+    if m is None:
+        return None, pos
+    items: list[tuple[str, Any]] = []
+    try:
+        end = _Values(text).pairs(m.end(), items)
+    except _Incomplete:
+        return ParsedCall(m.group(1), arguments_json(items, False), complete=False), len(text)
+    except ValueError:
+        return None, pos
+    return ParsedCall(m.group(1), arguments_json(items, True)), end

@@ -2,7 +2,7 @@
 by `;`. An output is a call only when it starts with one (as vLLM's llama3_json parser)."""
 from __future__ import annotations
 
-from novainfer.server.tool_parsers.base import ParsedCall, ToolParser, json_call_at
+from novainfer.server.tool_parsers.base import ParsedCall, ToolParser, json_call_list
 
 _TAG = "<|python_tag|>"
 
@@ -23,14 +23,7 @@ class Llama3JsonToolParser(ToolParser):
             body = body[len(_TAG):].lstrip()
         if not body.startswith("{"):
             return text, []
-        calls, pos = [], 0
-        while pos < len(body):
-            call, pos = json_call_at(body, pos)
-            if call is None or (final and not call.complete):
-                break
-            calls.append(call)
-            while pos < len(body) and body[pos] in " \n\t;":
-                pos += 1
+        calls = json_call_list(body, 0, final, separators=" \n\t;")
         if final and not calls:
             return text, []
         return None, calls

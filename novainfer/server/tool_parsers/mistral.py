@@ -16,26 +16,25 @@ class MistralToolParser(ToolParser):
 
     def extract(self, text: str, final: bool = True) -> tuple[str | None, list[ParsedCall]]:
         at = text.find(self.start_marker)
-        if at < 0:
-            return text, []
-        rest = text[at + len(self.start_marker):].lstrip()
-        calls = json_call_list(rest, 1, final) if rest.startswith("[") else self._named(rest, final)
-        if final and not calls:
-            return text, []
-        return text[:at].strip() or None, calls
+        if at >= 0 and text[at + len(self.start_marker):].lstrip().startswith("["):  # the v3 JSON list
+            calls = json_call_list(text[at + len(self.start_marker):].lstrip(), 1, final)
+            if final and not calls:
+                return text, []
+            return text[:at].strip() or None, calls
+        return self.marked_calls(text, final, _read_named)
 
-    def _named(self, rest: str, final: bool) -> list[ParsedCall]:
-        calls = []
-        for part in rest.split(self.start_marker):
-            name, sep, args = part.partition(_ARGS)
-            if not sep:
-                break
-            args = args.strip()
-            try:
-                _, end = _DECODER.raw_decode(args)
-            except ValueError:
-                if not final and name.strip():
-                    calls.append(ParsedCall(name.strip(), args, complete=False))
-                break
-            calls.append(ParsedCall(name.strip(), args[:end]))
-        return calls
+
+def _read_named(text: str, pos: int) -> tuple[ParsedCall | None, int]:
+    """The `name[ARGS]{...}` at pos: complete, partial once the name is known, or None."""
+    sep = text.find(_ARGS, pos)
+    name = text[pos:sep].strip() if sep >= 0 else ""
+    if not name or "[" in name:
+        return None, pos
+    start = sep + len(_ARGS)
+    while start < len(text) and text[start].isspace():
+        start += 1
+    try:
+        _, end = _DECODER.raw_decode(text, start)
+    except ValueError:
+        return ParsedCall(name, text[start:].rstrip(), complete=False), len(text)
+    return ParsedCall(name, text[start:end]), end
