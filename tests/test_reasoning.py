@@ -72,14 +72,23 @@ def _outputs(path: str, **kw) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs], outs[0].outputs[0].text
 
 
-def test_gated_structured_output_is_identical_with_overlap_and_speculation(thinking, monkeypatch):
-    base, text = _outputs(thinking)
+@pytest.fixture(scope="module")
+def baseline(thinking):
+    """The synchronous loop's greedy tokens, after checking the constrained output: reasoning, then the schema."""
+    tokens, text = _outputs(thinking)
     reasoning, sep, answer = text.partition("</think>")
     assert sep and reasoning, text  # some free reasoning, closed (the bias) within the budget, then the schema
     jsonschema.validate(json.loads(answer), SCHEMA)
+    return tokens
+
+
+def test_gated_structured_output_is_identical_with_speculation(thinking, baseline):
     spec, _ = _outputs(thinking, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                      "prompt_lookup_max": 2})
-    assert spec == base
+    assert spec == baseline
+
+
+def test_gated_structured_output_is_identical_with_the_overlapped_loop(thinking, baseline, monkeypatch):
     monkeypatch.setattr(EngineConfig, "use_async_scheduling", lambda self: True)
     overlap, _ = _outputs(thinking)
-    assert overlap == base
+    assert overlap == baseline
