@@ -181,3 +181,12 @@ def test_an_unfinished_call_is_content_when_it_stops_and_dropped_when_cut(parser
     _, s_content, s_calls, _ = stream(ChoiceOutput(plan, None), text, "length")
     assert s_content.strip() == (before or "")  # the call began streaming: its text never becomes content
     assert [c["name"] for c in s_calls] == ["get_weather"]
+
+
+def test_trailing_special_tokens_are_not_content_when_markers_are_kept():
+    plan = ToolPlan("auto", TOOLS, parser=get_tool_parser("pythonic", TOOLS))
+    output = ChoiceOutput(plan, None, trim=("<|eom|>", "<|eot|>"))
+    msg, reason = output.message('<|python_start|>[get_time()]<|python_end|><|eom|><|eot|>', "stop")
+    assert msg["content"] is None and msg["tool_calls"][0]["function"]["name"] == "get_time"
+    msg, _ = ChoiceOutput(ToolPlan(None), None, trim=("<|eot|>",)).message("Hello.<|eot|>", "stop")
+    assert msg["content"] == "Hello."

@@ -64,10 +64,13 @@ class ChoiceOutput:
         self.sent_content = 0
 
     def _text(self, text: str, finished: bool) -> str:
-        """The output without a trailing end-of-sequence token's text (present when special tokens are kept)."""
-        for t in self.trim if finished else ():
-            if t and text.endswith(t):
-                return text[:-len(t)]
+        """The output without trailing special tokens' text (end of turn, end of message: present when special
+        tokens are kept for the call markers)."""
+        while finished:
+            end = next((t for t in self.trim if text.endswith(t)), None)
+            if end is None:
+                return text
+            text = text[:-len(end)]
         return text
 
     def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:

@@ -70,7 +70,7 @@ class CompletionHandler:
         trim: tuple[str, ...] = ()
         if plan.mode == "auto" and plan.parser.needs_special_tokens:  # the call markers are special tokens
             params.skip_special_tokens = False
-            trim = tuple(t for t in (model.tokenizer.eos_token, model.tokenizer.pad_token) if t)
+            trim = tuple(t for t in model.tokenizer.all_special_tokens if t)
         gen = await self.serving.start(model, request_id, [ids], params, [None])
 
         def remember(outs) -> None:
