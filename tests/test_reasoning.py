@@ -26,7 +26,8 @@ def thinking(tmp_path_factory):
 
 
 def _seq(tokens: list[int], state) -> SimpleNamespace:
-    return SimpleNamespace(seq_id=0, grammar=state, output_token_ids=tokens, num_output_tokens=len(tokens))
+    return SimpleNamespace(seq_id=0, grammar=state, output_token_ids=tokens, num_output_tokens=len(tokens),
+                           min_tokens_blocked=[])
 
 
 def _allowed(mask: torch.Tensor, vocab: int) -> set[int]:
@@ -92,3 +93,13 @@ def test_gated_structured_output_is_identical_with_the_overlapped_loop(thinking,
     monkeypatch.setattr(EngineConfig, "use_async_scheduling", lambda self: True)
     overlap, _ = _outputs(thinking)
     assert overlap == baseline
+
+
+@pytest.mark.parametrize("choice,min_tokens", [("", 2), ("yes", 6)])
+def test_min_tokens_yields_to_a_grammar_at_its_end(thinking, choice, min_tokens):
+    """A grammar that allows only its end (eos) wins over min_tokens: the output ends there, with no error."""
+    llm = LLM(thinking, dtype="float32", device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=min_tokens,
+                            structured_outputs=StructuredOutputsParams(choice=[choice]))
+    out = llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason) == (choice, "stop")

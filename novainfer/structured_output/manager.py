@@ -116,7 +116,18 @@ class StructuredOutputManager:
         bitmask = torch.full((len(constrained), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
         for row, seq in enumerate(constrained):
             seq.grammar.matcher.fill_bitmask(bitmask, row)
+            if seq.min_tokens_blocked and not self._allows_other_than(bitmask[row], seq.min_tokens_blocked):
+                seq.min_tokens_blocked = []  # only the grammar's end is left: min_tokens cannot outlast it
         return GrammarBitmask([s.seq_id for s in constrained], bitmask)
+
+    @staticmethod
+    def _allows_other_than(row: torch.Tensor, token_ids: list[int]) -> bool:
+        """Whether the bitmask row allows a token outside token_ids."""
+        row = row.clone()
+        for t in token_ids:
+            if t < row.numel() * 32:
+                row[t // 32] = int(row[t // 32]) & ~(1 << (t % 32))
+        return bool(row.any())
 
     @staticmethod
     def _rebuild(state: GrammarState, output_token_ids: list[int]) -> None:
