@@ -66,7 +66,7 @@ def _outputs(path: str, **kw) -> list[list[int]]:
     llm = LLM(path, dtype="float32", device="cpu", block_size=4, num_gpu_blocks=128, **kw)
     tok_end = llm.get_tokenizer().convert_tokens_to_ids("</think>")
     prompt = "<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n<think>\n"
-    gated = SamplingParams(temperature=0, max_tokens=48, logit_bias={tok_end: 3.0},
+    gated = SamplingParams(temperature=0, max_tokens=48, logit_bias={tok_end: 2.0},
                            structured_outputs=StructuredOutputsParams(json=SCHEMA, after_tokens=[tok_end]))
     free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = llm.generate([prompt, prompt + "a b a b a b"], [gated, free], use_tqdm=False)

@@ -60,7 +60,7 @@ def _raw(client, model_path, bias: dict, **template_kwargs) -> str:
                                      logit_bias=bias).choices[0].text
 
 
-@pytest.mark.parametrize("bias", [0.0, 3.0])
+@pytest.mark.parametrize("bias", [0.0, 2.0])
 def test_reasoning_content_is_the_text_before_the_end_of_thinking(client, model_path, end_id, bias):
     raw = _raw(client, model_path, {str(end_id): bias})
     reasoning, sep, rest = raw.partition("</think>")
@@ -88,7 +88,7 @@ def test_enable_thinking_false_needs_no_reasoning_parsing(client, model_path):
 def test_structured_output_applies_after_the_reasoning(client, end_id):
     schema = WEATHER["function"]["parameters"]
     resp = client.chat.completions.create(
-        model="think", messages=ASK, max_tokens=48, temperature=0, logit_bias={str(end_id): 3.0},
+        model="think", messages=ASK, max_tokens=48, temperature=0, logit_bias={str(end_id): 2.0},
         response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema, "strict": True}})
     msg = resp.choices[0].message
     assert msg.model_extra["reasoning_content"] and resp.choices[0].finish_reason == "stop"
@@ -139,3 +139,32 @@ def test_langchain_bind_tools_runs_unchanged(server):
         "Weather?", extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert [c["name"] for c in forced.tool_calls] == ["get_weather"]
     assert set(forced.tool_calls[0]["args"]) <= {"unit", "days"}
+
+
+CALL_REGEX = r'<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}\n</tool_call>'
+
+
+def test_an_auto_call_written_after_reasoning_is_parsed_whole_and_streamed(client, end_id):
+    """A regex makes the random model write a Hermes call once its reasoning ends (the bias ends it): the server
+    must return it as tool_calls, and the stream must carry the same call in OpenAI's delta shape."""
+    kw = dict(model="think", messages=ASK, tools=[TIME], max_tokens=120, temperature=0,
+              logit_bias={str(end_id): 2.0}, extra_body={"structured_outputs": {"regex": CALL_REGEX}})
+    choice = client.chat.completions.create(**kw).choices[0]
+    msg = choice.message
+    assert choice.finish_reason == "tool_calls" and msg.content is None and msg.model_extra["reasoning_content"]
+    assert [c.function.name for c in msg.tool_calls] == ["get_time"]
+    assert json.loads(msg.tool_calls[0].function.arguments)["zone"] in ("UTC", "CET")
+    calls, reasoning, reason = {}, "", None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            reason = c.finish_reason or reason
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            assert not c.delta.content
+            for d in c.delta.tool_calls or []:
+                if d.index not in calls:
+                    assert d.id and d.type == "function" and d.function.name
+                    calls[d.index] = {"name": d.function.name, "arguments": ""}
+                calls[d.index]["arguments"] += d.function.arguments or ""
+    assert reason == "tool_calls" and reasoning == msg.model_extra["reasoning_content"]
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls]
