@@ -415,8 +415,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = field(default=None, repr=False)  # never printed; see resolve_api_key
-    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser), as vLLM's flag
-    tool_call_parser: str | None = None  # server/tool_parsers: hermes (Qwen2.5/Qwen3), llama3_json
+    enable_auto_tool_choice: bool = True  # tool_choice "auto", as vLLM's flag (on by default here)
+    tool_call_parser: str | None = None  # server/tool_parsers; None: from the model's chat template
+    reasoning_parser: str | None = None  # server/reasoning_parsers; None: from the model's chat template
     max_concurrent_requests: int = 256  # generation requests in flight at once
     max_queue_len: int = 512  # requests waiting for a slot; past it: 429
     max_sessions: int = 1024  # session_id histories kept (least recently used dropped)

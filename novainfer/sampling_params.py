@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, fields
 
 _GREEDY_EPS = 1e-5
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # StructuredOutputsParams' constraints
 
 
 class RequestOutputKind(enum.Enum):
@@ -19,16 +20,18 @@ class RequestOutputKind(enum.Enum):
 @dataclass
 class StructuredOutputsParams:
     """One output constraint, as vLLM's StructuredOutputsParams: a JSON schema (dict or its JSON text), any JSON
-    object, a regex, a choice among strings, or a Lark grammar. Exactly one is set."""
+    object, a regex, a choice among strings, or a Lark grammar. Exactly one is set. `after_tokens` (a thinking
+    model's end-of-reasoning token ids) holds the constraint back until the output contains them."""
 
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    after_tokens: list[int] | None = None
 
     def __post_init__(self) -> None:
-        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        given = [f.name for f in fields(self) if f.name in _KINDS and getattr(self, f.name) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
                              f"got {given or 'none'}")
@@ -44,7 +47,7 @@ class StructuredOutputsParams:
 
     def key(self) -> str:
         """A stable text naming the constraint: the compiled-grammar cache's key."""
-        kind = next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+        kind = next(name for name in _KINDS if getattr(self, name) not in (None, False))
         return kind + ":" + json.dumps(getattr(self, kind), sort_keys=True, separators=(",", ":"))
 
 

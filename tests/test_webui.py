@@ -131,10 +131,12 @@ def force_ignore_eos(page):
     page.route(CHAT, add_ignore_eos)
 
 
-def sse_body(*pieces, usage=None, error=None):
-    """An OpenAI-style SSE stream carrying the given text pieces."""
+def sse_body(*pieces, usage=None, error=None, reasoning=()):
+    """An OpenAI-style SSE stream carrying the given text pieces (after reasoning pieces, as a thinking model's)."""
     chunks = [{"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": MODEL,
                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
+    chunks += [{"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": MODEL, "choices": [
+        {"index": 0, "delta": {"reasoning_content": r, "reasoning": r}, "finish_reason": None}]} for r in reasoning]
     chunks += [{"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": MODEL,
                 "choices": [{"index": 0, "delta": {"content": p}, "finish_reason": None}]} for p in pieces]
     if error is not None:
@@ -374,6 +376,29 @@ def test_model_output_is_shown_as_text_and_markdown_renders_safely(page):
     page.reload()  # rendered again from localStorage
     check()
     assert dialogs == []
+
+
+def test_reasoning_is_shown_collapsed_above_the_answer(page):
+    page.route(CHAT, fulfil_sse(sse_body("The answer is **4**.", reasoning=("Two plus two ", "<b>is</b> four."))))
+    send(page, "2+2?")
+
+    def check():
+        wait_idle_page(page)
+        content = answers(page).last.locator(".content")
+        details = content.locator("details.reasoning")
+        expect(details).to_have_count(1)
+        expect(details).not_to_have_attribute("open", "")
+        expect(details.locator(".reasoning-text")).to_be_hidden()
+        expect(content.locator("p")).to_have_text("The answer is 4.")  # the answer itself, not the reasoning
+        assert content.evaluate("c => c.firstElementChild.tagName") == "DETAILS"  # above the answer
+        details.locator("summary").click()
+        expect(details.locator(".reasoning-text")).to_have_text("Two plus two <b>is</b> four.")
+        expect(content.locator("details b")).to_have_count(0)
+
+    check()
+    assert stored_sessions(page)[0]["messages"][1]["reasoning"] == "Two plus two <b>is</b> four."
+    page.reload()  # rendered again from localStorage
+    check()
 
 
 # ---- errors -----------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ CORPUS = [
 ] * 20
 
 
-def make_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
+def make_tokenizer(vocab_size: int = 400, extra_tokens: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -31,6 +31,8 @@ def make_tokenizer(vocab_size: int = 400) -> PreTrainedTokenizerFast:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token=None)
     fast.chat_template = CHATML
+    if extra_tokens:  # added (not special) tokens, as Qwen's <think> and <tool_call>
+        fast.add_tokens(list(extra_tokens))
     return fast
 
 
@@ -61,13 +63,17 @@ FAMILIES = {
 
 
 def make_tiny_model(path: str, arch: str = "qwen2", tie: bool = False, seed: int = 0, layers: int = 2,
-                    vocab_size: int = 400, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16) -> str:
+                    vocab_size: int = 400, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
+                    extra_tokens: tuple[str, ...] = (), chat_template: str | None = None) -> str:
     """Save a random tiny model of the given architecture (qwen2, llama, qwen3 or a FAMILIES key) plus
     tokenizer to path.
 
     hidden_size is num_heads * head_dim (64 by default); Qwen3 keeps its own head_dim of 32. MoE routers get
-    weights three times larger than the rest, so routing is decisive and uneven rather than near-uniform."""
-    tokenizer = make_tokenizer(vocab_size)
+    weights three times larger than the rest, so routing is decisive and uneven rather than near-uniform.
+    extra_tokens and chat_template make a tokenizer of another chat format (e.g. a thinking model's)."""
+    tokenizer = make_tokenizer(vocab_size, extra_tokens)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     vocab = len(tokenizer)
     common = dict(vocab_size=vocab, hidden_size=num_heads * head_dim, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=512,

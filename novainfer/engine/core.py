@@ -106,7 +106,7 @@ class EngineCore:
             seq = Sequence(request.prompt_token_ids, params, rid, index=i, arrival_time=request.arrival_time)
             seq.min_tokens_blocked = list(blocked)
             if grammar is not None:
-                seq.grammar = self.structured_output.new_state(grammar)
+                seq.grammar = self.structured_output.new_state(grammar, params.structured_outputs.after_tokens)
             seqs.append(seq)
         self.requests[rid] = Request(rid, seqs)
         for seq in seqs:
@@ -342,7 +342,7 @@ class EngineCore:
             self.structured_output.accept(seq.grammar, seq.output_token_ids)
         length = len(seq.token_ids)
         n_out = length - seq.num_prompt_tokens
-        if n_out >= p.min_tokens:
+        if n_out >= p.min_tokens or not seq.min_tokens_blocked:  # a grammar at its end lifts the block early
             if seq.min_tokens_blocked:
                 seq.min_tokens_blocked = []
             if not p.ignore_eos and token_id in self.eos_token_ids:

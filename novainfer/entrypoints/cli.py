@@ -135,10 +135,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    "'x-api-key: <key>') on the API (visible in `ps`: prefer --api-key-file or the NOVAINFER_API_KEY "
                    "environment variable)")
     p.add_argument("--api-key-file", default=None, help="read the API key from the first line of this file")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='allow tool_choice "auto": the model decides, --tool-call-parser finds its calls')
-    p.add_argument("--tool-call-parser", default=d.tool_call_parser, choices=["hermes", "llama3_json"],
-                   help="the model's tool-call format: hermes (Qwen2.5, Qwen3), llama3_json (Llama 3.x)")
+    from novainfer.server.reasoning_parsers import REASONING_PARSERS
+    from novainfer.server.tool_parsers import TOOL_PARSERS
+    p.add_argument("--enable-auto-tool-choice", action="store_true", default=d.enable_auto_tool_choice,
+                   help='tool_choice "auto" (on by default; accepted for vLLM compatibility)')
+    p.add_argument("--tool-call-parser", default=d.tool_call_parser, choices=list(TOOL_PARSERS),
+                   help="the model's tool-call format (default: found from its chat template)")
+    p.add_argument("--reasoning-parser", default=d.reasoning_parser, choices=list(REASONING_PARSERS),
+                   help="split <think> reasoning into reasoning_content (default: when the chat template thinks)")
     p.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests)
     p.add_argument("--max-queue-len", type=int, default=d.max_queue_len,
                    help="requests allowed to wait for a slot; past it the server answers 429")
@@ -168,11 +172,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     names = args.served_model_name or [p or DEFAULT_MODEL_NAME for p in paths]
     if len(names) != len(paths) or len(set(names)) != len(names):
         raise SystemExit(f"--served-model-name needs one distinct name per model: {len(paths)} models, names {names}")
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     config = ServerConfig(host=args.host, port=args.port,
                           api_key=ServerConfig.resolve_api_key(args.api_key, args.api_key_file),
                           enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                          reasoning_parser=args.reasoning_parser,
                           max_concurrent_requests=args.max_concurrent_requests, max_queue_len=args.max_queue_len,
                           max_sessions=args.max_sessions, session_ttl=args.session_ttl,
                           max_request_body_bytes=args.max_request_body_bytes, allowed_origins=args.allowed_origins,

@@ -182,7 +182,8 @@ def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: Se
     serving = OpenAIServing(served, AdmissionLimiter(config.max_concurrent_requests, config.max_queue_len,
                                                      config.retry_after),
                             SessionStore(config.max_sessions, config.session_ttl))
-    handler = CompletionHandler(serving, ToolConfig(config.enable_auto_tool_choice, config.tool_call_parser))
+    handler = CompletionHandler(serving, ToolConfig(config.enable_auto_tool_choice, config.tool_call_parser),
+                                config.reasoning_parser)
     responses = ResponsesHandler(handler, SessionStore(config.max_sessions, config.session_ttl))
     messages = MessagesHandler(handler)
 

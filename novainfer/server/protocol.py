@@ -45,7 +45,7 @@ class JsonSchemaFormat(OpenAIModel):
     name: str = Field(..., max_length=64)
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None  # always enforced: the grammar follows the schema whatever this says
+    strict: bool | None = None  # the schema is always enforced; strict also closes its objects to extra keys
 
 
 class ResponseFormat(OpenAIModel):
@@ -57,7 +57,7 @@ class FunctionDefinition(OpenAIModel):
     name: str = Field(..., min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # "required" / named choices always follow the schema; "auto" never is forced
+    strict: bool | None = None  # forced calls always follow the closed schema; "auto" calls are not constrained
 
 
 class ChatTool(OpenAIModel):
@@ -207,7 +207,10 @@ class UsageInfo(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning_content: str | None = Field(None, description="a thinking model's reasoning (the text of its "
+                                                            "<think> block); only for such models")
+    reasoning: str | None = Field(None, description="the same text under vLLM's newer name")
+    tool_calls: list[ToolCall] | None = Field(None, description="the complete calls; absent when there are none")
 
 
 class _Choice(BaseModel):

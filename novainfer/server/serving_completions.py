@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -18,25 +18,29 @@ from novainfer.server.errors import APIError, error_body
 from novainfer.server.logprobs import (chat_logprobs, completion_logprobs, join_completion_logprobs,
                                        prompt_completion_logprobs, vllm_prompt_logprobs)
 from novainfer.server.protocol import MAX_SEQUENCES, ChatCompletionRequest, CompletionRequest
-from novainfer.server.serving import Generation, OpenAIServing, abort_on_disconnect, held_back
+from novainfer.server.chat_output import ChatFormat, ChoiceOutput
+from novainfer.server.reasoning_parsers import get_reasoning_parser
+from novainfer.server.serving import Generation, OpenAIServing, ServedModel, abort_on_disconnect, held_back
 from novainfer.server.sessions import continue_conversation
 from novainfer.server.structured_request import structured_outputs_params
-from novainfer.server.tool_calling import (ToolCallStream, ToolConfig, ToolPlan, call_dict, extract_calls,
-                                           finish_reason, plan_tools, template_inputs)
+from novainfer.server.tool_calling import ToolConfig, plan_tools, template_inputs
 
 
 class CompletionHandler:
     """Shared by both endpoints; chat and text differ in prompts, choice shape and logprobs shape."""
 
-    def __init__(self, serving: OpenAIServing, tools: ToolConfig | None = None):
+    def __init__(self, serving: OpenAIServing, tools: ToolConfig | None = None, reasoning_parser: str | None = None):
         self.serving = serving
         self.tools = tools or ToolConfig()
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser; None: from each model's chat template
+        self.formats: dict[str, ChatFormat] = {}
 
     # ---- building the engine requests ----------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request_id: str, raw: Request):
         model = self.serving.resolve_model(req.model)
+        fmt = self._format(model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        plan = plan_tools(req, self.tools)
+        plan = plan_tools(req, self.tools, fmt.tool_parser)
         constraint = structured_outputs_params(req)
         if plan.structured is not None and constraint is not None:
             raise APIError(400, f"tool_choice {req.tool_choice if isinstance(req.tool_choice, str) else 'named'} "
@@ -57,12 +61,30 @@ class CompletionHandler:
             raise APIError(400, f"the model's chat template failed on these messages: {exc}",
                            param="messages") from None
         self.serving.check_prompt(model, ids, max_tokens)
+        reasoning = None
+        if fmt.reasoning_parser and (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False:
+            tail = model.tokenizer.decode(ids[-32:], skip_special_tokens=False)
+            reasoning = get_reasoning_parser(fmt.reasoning_parser, tail)
+            if params.structured_outputs is not None:  # the constraint holds for what follows the reasoning
+                params.structured_outputs.after_tokens = reasoning.end_token_ids(model.tokenizer)
+        trim: tuple[str, ...] = ()
+        if plan.mode == "auto" and plan.parser.needs_special_tokens:  # the call markers are special tokens
+            params.skip_special_tokens = False
+            trim = tuple(t for t in model.tokenizer.all_special_tokens if t)
         gen = await self.serving.start(model, request_id, [ids], params, [None])
 
         def remember(outs) -> None:
             if session is not None:
                 session.messages = messages + [{"role": "assistant", "content": outs[0].outputs[0].text}]
-        return await self._respond(gen, req, raw, "chat", f"chatcmpl-{request_id}", remember, plan)
+        return await self._respond(gen, req, raw, "chat", f"chatcmpl-{request_id}", remember,
+                                   lambda: ChoiceOutput(plan, reasoning, trim))
+
+    def _format(self, model: ServedModel) -> ChatFormat:
+        """The model's tool-call and reasoning formats, found on its first chat request."""
+        if model.name not in self.formats:
+            self.formats[model.name] = ChatFormat.of(model.tokenizer, model.path, self.tools.tool_call_parser,
+                                                     self.reasoning_parser)
+        return self.formats[model.name]
 
     async def completion(self, req: CompletionRequest, request_id: str, raw: Request):
         model = self.serving.resolve_model(req.model)
@@ -92,7 +114,7 @@ class CompletionHandler:
         def remember(outs) -> None:
             if session is not None:
                 session.token_ids = ids[0] + list(outs[0].outputs[0].token_ids)
-        return await self._respond(gen, req, raw, "text", f"cmpl-{request_id}", remember, ToolPlan(None))
+        return await self._respond(gen, req, raw, "text", f"cmpl-{request_id}", remember, None)
 
     @staticmethod
     def _prompts(prompt) -> list:
@@ -102,10 +124,11 @@ class CompletionHandler:
 
     # ---- answering -------------------------------------------------------------------------------
     async def _respond(self, gen: Generation, req, raw: Request, kind: str, response_id: str, remember,
-                       plan: ToolPlan):
+                       chat_output: Callable[[], ChoiceOutput] | None):
+        """chat_output: makes each chat choice's parser (reasoning, tool calls); None for text completions."""
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body = self._stream(gen, req, kind, response_id, include_usage, remember, plan)
+            body = self._stream(gen, req, kind, response_id, include_usage, remember, chat_output)
             return StreamingResponse(body, media_type="text/event-stream", background=BackgroundTask(gen.release))
         watcher = asyncio.create_task(abort_on_disconnect(raw, gen))
         try:
@@ -122,8 +145,8 @@ class CompletionHandler:
         for i, out in enumerate(gen.finals):
             for c in out.outputs:
                 choice = self._choice(kind, i * n + c.index, c, req, 0, 0, final=True)
-                if kind == "chat" and plan.mode not in (None, "none"):
-                    self._with_tool_calls(choice, plan, c)
+                if kind == "chat":
+                    choice["message"], choice["finish_reason"] = chat_output().message(c.text, c.finish_reason)
                 if kind == "text":
                     self._echo(choice, out, gen, req)
                 choices.append(choice)
@@ -131,12 +154,6 @@ class CompletionHandler:
         return JSONResponse({"id": response_id, "object": obj, "created": int(time.time()),
                              "model": gen.model.name, "choices": choices,
                              "usage": gen.usage().model_dump()})
-
-    @staticmethod
-    def _with_tool_calls(choice: dict, plan: ToolPlan, c: CompletionOutput) -> None:
-        content, calls = extract_calls(plan, c.text)
-        choice["message"].update(content=content, tool_calls=[call_dict(call) for call in calls])
-        choice["finish_reason"] = finish_reason(plan, calls, c.finish_reason)
 
     @staticmethod
     def _echo(choice: dict, out: RequestOutput, gen: Generation, req: CompletionRequest) -> None:
@@ -154,10 +171,10 @@ class CompletionHandler:
         choice["text"] = prompt_text + choice["text"]
 
     async def _stream(self, gen: Generation, req, kind: str, response_id: str, include_usage: bool,
-                      remember, plan: ToolPlan) -> AsyncIterator[str]:
+                      remember, chat_output: Callable[[], ChoiceOutput] | None) -> AsyncIterator[str]:
         created, n, hold = int(time.time()), req.n, held_back(req.stop)
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        tool_streams: dict[int, ToolCallStream] = {}
+        outputs: dict[int, ChoiceOutput] = {}
 
         def chunk(choices: list[dict], usage=None) -> str:
             return "data: " + json.dumps({"id": response_id, "object": obj, "created": created,
@@ -179,11 +196,14 @@ class CompletionHandler:
                     if kind == "text" and index not in sent:
                         self._echo(piece, out, gen, req)
                     reason = c.finish_reason
-                    if kind == "chat" and plan.mode not in (None, "none"):
-                        stream = tool_streams.setdefault(index, ToolCallStream(plan))
-                        for delta in stream.deltas(c.text[:end_c], bool(c.finish_reason)):
-                            yield chunk([{**piece, "delta": delta}])
-                        reason = finish_reason(plan, [None] * stream.sent_calls, reason)
+                    if kind == "chat":
+                        parsed = outputs.setdefault(index, chat_output())
+                        deltas = parsed.deltas(c.text[:end_c], bool(c.finish_reason), reason)
+                        if not deltas and piece["logprobs"]:
+                            deltas = [{"content": ""}]
+                        for k, delta in enumerate(deltas):  # the step's logprobs go with its first delta
+                            yield chunk([{**piece, "delta": delta, "logprobs": piece["logprobs"] if k == 0 else None}])
+                        reason = parsed.finish_reason(reason)
                     elif end_c > start_c or piece["logprobs"] or piece.get("text"):
                         yield chunk([piece])
                     sent[index] = (end_c, len(c.token_ids))

@@ -2,6 +2,8 @@
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`; at most one of them may be given."""
 from __future__ import annotations
 
+from typing import Any
+
 from novainfer.sampling_params import StructuredOutputsParams
 from novainfer.server.errors import APIError
 from novainfer.server.protocol import SamplingFields
@@ -21,7 +23,8 @@ def structured_outputs_params(req: SamplingFields) -> StructuredOutputsParams | 
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
                 raise APIError(400, "response_format of type json_schema needs json_schema.schema",
                                param="response_format")
-            found.append(("response_format", {"json": fmt.json_schema.schema_}))
+            schema = fmt.json_schema.schema_
+            found.append(("response_format", {"json": closed_schema(schema) if fmt.json_schema.strict else schema}))
     if req.structured_outputs is not None:
         so = req.structured_outputs
         kw = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
@@ -41,3 +44,33 @@ def structured_outputs_params(req: SamplingFields) -> StructuredOutputsParams | 
         return StructuredOutputsParams(**kw)
     except (TypeError, ValueError) as exc:
         raise APIError(400, f"{field}: {exc}", param=field) from None
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")  # allOf / not / if: closing their parts changes meaning
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SUBSCHEMAS = ("items", "additionalProperties", "contains")
+
+
+def closed_schema(schema: Any) -> Any:
+    """A copy of a JSON schema where every object schema that does not say otherwise has
+    `additionalProperties: false` (xgrammar's strict mode): a forced call never invents an undeclared property."""
+    if isinstance(schema, list):
+        return [closed_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_schema(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed_schema(s) for k, s in out[key].items()}
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_schema(out[key])
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in out
+    if is_object and "additionalProperties" not in out and "patternProperties" not in out \
+            and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out

@@ -2,9 +2,11 @@
 the output, and how the output becomes OpenAI `tool_calls` (whole, or as streamed deltas).
 
 tool_choice "none": the tools are left out of the prompt and the output is plain content. "auto" (the default
-when tools are given) needs `--enable-auto-tool-choice` and `--tool-call-parser`, as in vLLM: the model decides,
-the parser finds its calls. "required" and a named function are enforced with guided decoding (a JSON schema
-built from the tools' parameters), so their arguments always parse and validate, whatever the model.
+when tools are given) works out of the box: the model decides, the parser of its own call format (chosen from
+its chat template, or `--tool-call-parser`) finds its calls. "required" and a named function are enforced with
+guided decoding (a JSON schema built from the tools' parameters, every object closed to undeclared properties),
+so their arguments always parse and validate, whatever the model. A call cut by max_tokens never leaks into
+`content`: the message keeps the complete calls only.
 """
 from __future__ import annotations
 
@@ -16,17 +18,51 @@ from typing import Any
 from novainfer.sampling_params import StructuredOutputsParams
 from novainfer.server.errors import APIError
 from novainfer.server.protocol import ChatCompletionRequest
+from novainfer.server.structured_request import closed_schema
 from novainfer.server.tool_parsers import ParsedCall, ToolParser, get_tool_parser
+from novainfer.server.tool_parsers.base import json_call_list
 
 _ANY_OBJECT = {"type": "object"}
 
 
 @dataclass
 class ToolConfig:
-    """The server's tool flags (`--enable-auto-tool-choice`, `--tool-call-parser`)."""
+    """The server's tool flags: `--enable-auto-tool-choice` (on by default), `--tool-call-parser` (None: the
+    model's own format, from its chat template)."""
 
-    enable_auto_tool_choice: bool = False
+    enable_auto_tool_choice: bool = True
     tool_call_parser: str | None = None
+
+
+class _RequiredParser(ToolParser):
+    """tool_choice "required": the grammar makes a JSON list of {"name", "parameters"} objects."""
+
+    def extract(self, text: str, final: bool = True) -> tuple[str | None, list[ParsedCall]]:
+        body = text.lstrip()
+        return None, json_call_list(body, 1, final) if body.startswith("[") else []
+
+    def content_end(self, text: str) -> int:
+        return 0
+
+
+class _NamedParser(ToolParser):
+    """A named tool_choice: the grammar makes the function's arguments object itself."""
+
+    def __init__(self, function: str):
+        super().__init__()
+        self.function = function
+
+    def extract(self, text: str, final: bool = True) -> tuple[str | None, list[ParsedCall]]:
+        if not final:
+            return None, [ParsedCall(self.function, text, complete=False)]
+        try:
+            json.loads(text)
+        except ValueError:  # cut short: no arguments object
+            return None, []
+        return None, [ParsedCall(self.function, text)]
+
+    def content_end(self, text: str) -> int:
+        return 0
 
 
 @dataclass
@@ -38,32 +74,40 @@ class ToolPlan:
     parser: ToolParser | None = None
 
 
-def plan_tools(req: ChatCompletionRequest, config: ToolConfig) -> ToolPlan:
-    """The request's tool mode and its output constraint; a 400 naming the field for what cannot be served."""
+def plan_tools(req: ChatCompletionRequest, config: ToolConfig, model_parser: str) -> ToolPlan:
+    """The request's tool mode and its output constraint (model_parser: the served model's call format); a 400
+    naming the field for what cannot be served."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
         return ToolPlan(None)
     tools = [t.model_dump(exclude_none=True) for t in req.tools]
-    params = {t.function.name: t.function.parameters or _ANY_OBJECT for t in req.tools}
+    params = {t.function.name: closed_schema(t.function.parameters or _ANY_OBJECT) for t in req.tools}
     if choice is None or choice == "auto":
-        if not (config.enable_auto_tool_choice and config.tool_call_parser):
-            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to '
-                                'be set; or send tool_choice "required", "none" or a named function', param="tool_choice")
-        return ToolPlan("auto", tools, parser=get_tool_parser(config.tool_call_parser))
+        if not config.enable_auto_tool_choice:
+            raise APIError(400, '"auto" tool choice is off on this server (--enable-auto-tool-choice); send '
+                                'tool_choice "required", "none" or a named function', param="tool_choice")
+        try:
+            parser = get_tool_parser(config.tool_call_parser or model_parser, tools)
+        except NotImplementedError as exc:
+            raise APIError(400, f'tool_choice "auto": {exc}; send "required" or a named function',
+                           param="tool_choice") from None
+        return ToolPlan("auto", tools, parser=parser)
     if choice == "none":
         return ToolPlan("none")
     if choice == "required":
         items = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
                             "required": ["name", "parameters"], "additionalProperties": False}
                            for name, schema in params.items()]}
-        schema = {"type": "array", "items": items, "minItems": 1, **({} if req.parallel_tool_calls else {"maxItems": 1})}
-        return ToolPlan("required", tools, structured=StructuredOutputsParams(json=schema))
+        schema = {"type": "array", "items": items, "minItems": 1,
+                  **({} if req.parallel_tool_calls else {"maxItems": 1})}
+        return ToolPlan("required", tools, structured=StructuredOutputsParams(json=schema), parser=_RequiredParser())
     name = choice.function.name
     if name not in params:
         raise APIError(400, f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
-    return ToolPlan("named", tools, function=name, structured=StructuredOutputsParams(json=params[name]))
+    return ToolPlan("named", tools, function=name, structured=StructuredOutputsParams(json=params[name]),
+                    parser=_NamedParser(name))
 
 
 def template_inputs(tokenizer: Any, messages: list[dict], plan: ToolPlan) -> tuple[list[dict], dict]:
@@ -106,78 +150,54 @@ def call_dict(call: ParsedCall, call_id: str | None = None) -> dict:
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def extract_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[ParsedCall]]:
-    """(content, calls) of a finished output under the plan."""
-    if plan.mode == "named":
-        return None, [ParsedCall(plan.function, text)]
-    if plan.mode == "required":
-        try:
-            return None, [ParsedCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-                          for c in json.loads(text)]
-        except (ValueError, TypeError, KeyError):  # cut short (max_tokens): no complete calls
-            return text, []
-    if plan.mode == "auto":
-        return plan.parser.extract(text, final=True)
-    return text, []
+def extract_calls(plan: ToolPlan, text: str, cut: bool = False) -> tuple[str | None, list[ParsedCall]]:
+    """(content, complete calls) of a finished output under the plan; cut (max_tokens): the text from where a
+    call began is neither content nor a call."""
+    if plan.mode not in ("auto", "required", "named"):
+        return text, []
+    content, calls = plan.parser.extract(text, final=True)
+    if cut:
+        content = text[:plan.parser.content_end(text)].strip() or None
+        calls = [c for c in plan.parser.extract(text, final=False)[1] if c.complete]
+    return content, calls
 
 
-def finish_reason(plan: ToolPlan, calls: list[ParsedCall], reason: str | None) -> str | None:
+def finish_reason(plan: ToolPlan, called: bool, reason: str | None) -> str | None:
     """OpenAI's "tool_calls" when the model chose to call (auto, required); a forced named call keeps "stop"."""
-    return "tool_calls" if calls and plan.mode in ("auto", "required") and reason == "stop" else reason
+    return "tool_calls" if called and plan.mode in ("auto", "required") and reason == "stop" else reason
 
 
 class ToolCallStream:
-    """One streamed choice's deltas: content while it is content, then each tool call as it completes (a named
-    call streams its arguments as they are generated)."""
+    """One streamed choice's deltas, in OpenAI's shape: content while it is content; then per call a first delta
+    with its index, id, type and name, and argument deltas as the arguments are written."""
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
         self.sent_content = 0  # characters of content streamed
-        self.sent_calls = 0  # calls streamed
-        self.sent_args = 0  # named mode: argument characters streamed
-        self.ids: list[str] = []
-        self.called = False
+        self.ids: list[str] = []  # the calls begun
+        self.sent_args: list[str] = []  # their arguments streamed so far
 
-    def deltas(self, text: str, finished: bool) -> list[dict]:
-        """Deltas for the output text so far (all of it when finished)."""
-        mode = self.plan.mode
-        if mode == "named":
-            return self._named(text)
-        if mode == "required":
-            return self._calls(*extract_calls(self.plan, text)) if finished else []
-        content_end = len(text) if finished else self.plan.parser.content_end(text)
+    def deltas(self, text: str, finished: bool, cut: bool = False) -> list[dict]:
+        """Deltas for the output text so far (all of it when finished; cut: it ended at max_tokens)."""
+        parser = self.plan.parser
         if finished:
-            content, calls = extract_calls(self.plan, text)
-            if not calls:
-                return self._content(text)
-            return self._content(text[:self.plan.parser.content_end(text)]) + self._calls(content, calls)
-        out = self._content(text[:content_end])
-        if content_end < len(text):
-            out += self._calls(*self.plan.parser.extract(text, final=False))
-        return out
-
-    def _content(self, content: str) -> list[dict]:
-        if self.called or len(content) <= self.sent_content:
-            return []
-        piece, self.sent_content = content[self.sent_content:], len(content)
-        return [{"content": piece}]
-
-    def _calls(self, _content: str | None, calls: list[ParsedCall]) -> list[dict]:
+            content, calls = extract_calls(self.plan, text, cut)
+            shown = text if content == text else text[:parser.content_end(text)]
+        else:
+            shown = text[:parser.content_end(text)]
+            calls = parser.extract(text, final=False)[1] if len(shown) < len(text) else []
         out = []
-        for i in range(self.sent_calls, len(calls)):
-            self.ids.append(new_call_id())
-            out.append({"tool_calls": [{"index": i, **call_dict(calls[i], self.ids[i])}]})
-        self.sent_calls = max(self.sent_calls, len(calls))
-        self.called = self.called or bool(calls)
+        if not self.ids and len(shown) > self.sent_content:
+            out.append({"content": shown[self.sent_content:]})
+            self.sent_content = len(shown)
+        for i, call in enumerate(calls):
+            if i == len(self.ids):
+                self.ids.append(new_call_id())
+                self.sent_args.append("")
+                out.append({"tool_calls": [{"index": i, "id": self.ids[i], "type": "function",
+                                            "function": {"name": call.name, "arguments": ""}}]})
+            sent = self.sent_args[i]
+            if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
+                out.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments[len(sent):]}}]})
+                self.sent_args[i] = call.arguments
         return out
-
-    def _named(self, text: str) -> list[dict]:
-        if len(text) <= self.sent_args and self.ids:
-            return []
-        piece, self.sent_args = text[self.sent_args:], len(text)
-        if not self.ids:
-            self.ids.append(new_call_id())
-            self.called, self.sent_calls = True, 1
-            return [{"tool_calls": [{"index": 0, "id": self.ids[0], "type": "function",
-                                     "function": {"name": self.plan.function, "arguments": piece}}]}]
-        return [{"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}]

@@ -268,6 +268,13 @@
     if (chunk.error) throw errorFromBody(chunk.error, turn.requestId, chunk.error.code);
     const choice = Array.isArray(chunk.choices) ? chunk.choices[0] : null;
     if (choice) {
+      // a thinking model's reasoning: vLLM's older `reasoning_content` and newer `reasoning` carry the same text
+      const thought = choice.delta && (choice.delta.reasoning_content || choice.delta.reasoning);
+      if (thought) {
+        if (turn.firstTokenAt === null) turn.firstTokenAt = performance.now();
+        turn.message.reasoning = (turn.message.reasoning || "") + thought;
+        scheduleStreamRender(turn);
+      }
       const piece = choice.delta && choice.delta.content;
       if (piece) {
         if (turn.firstTokenAt === null) turn.firstTokenAt = performance.now();
@@ -669,12 +676,23 @@
   }
 
   function fillAnswer(content, msg) {
+    const wasOpen = Boolean(content.querySelector("details.reasoning[open]"));
     content.replaceChildren(renderMarkdown(msg.content));
+    if (msg.reasoning) content.prepend(renderReasoning(msg.reasoning, wasOpen));
     if (msg.status === "streaming") {
       content.appendChild(el("span", msg.content ? "cursor" : "typing", ""));
     } else if (!msg.content) {
       content.appendChild(el("span", "empty-answer", msg.status === "done" ? "(empty answer)" : "(no text)"));
     }
+  }
+
+  /** A thinking model's reasoning, collapsed above its answer (plain text: it is never parsed as markup). */
+  function renderReasoning(text, open) {
+    const details = el("details", "reasoning");
+    details.open = open;
+    details.appendChild(el("summary", "", "Reasoning"));
+    details.appendChild(el("div", "reasoning-text", text));
+    return details;
   }
 
   function renderAnswerFooter(session, msg, isLastAnswer, busy) {
@@ -926,6 +944,7 @@
         const body = await resp.json();
         const choice = (body.choices || [])[0] || {};
         message.content = (choice.message && choice.message.content) || "";
+        message.reasoning = (choice.message && (choice.message.reasoning_content || choice.message.reasoning)) || "";
         turn.usage = body.usage || null;
         turn.finishReason = choice.finish_reason || null;
         turn.pieces = 1;

@@ -2,15 +2,14 @@
 by `;`. An output is a call only when it starts with one (as vLLM's llama3_json parser)."""
 from __future__ import annotations
 
-import json
-
-from novainfer.server.tool_parsers.base import ParsedCall, ToolParser, call_from_json
+from novainfer.server.tool_parsers.base import ParsedCall, ToolParser, json_call_list
 
 _TAG = "<|python_tag|>"
 
 
 class Llama3JsonToolParser(ToolParser):
     start_marker = "{"
+    needs_special_tokens = True  # <|python_tag|>
 
     def content_end(self, text: str) -> int:
         stripped = text.lstrip()
@@ -24,19 +23,7 @@ class Llama3JsonToolParser(ToolParser):
             body = body[len(_TAG):].lstrip()
         if not body.startswith("{"):
             return text, []
-        decoder, calls, pos = json.JSONDecoder(), [], 0
-        while pos < len(body):
-            try:
-                obj, end = decoder.raw_decode(body, pos)
-            except ValueError:
-                break
-            call = call_from_json(obj)
-            if call is None:
-                break
-            calls.append(call)
-            pos = end
-            while pos < len(body) and body[pos] in " \n\t;":
-                pos += 1
-        if final and (not calls or pos < len(body)):
-            return (text, []) if not calls else (None, calls)
+        calls = json_call_list(body, 0, final, separators=" \n\t;")
+        if final and not calls:
+            return text, []
         return None, calls
