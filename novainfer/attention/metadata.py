@@ -37,6 +37,9 @@ class AttentionMetadata:
     # a verify step (speculative decoding) on the CPU: each token as a one-token sequence over its causal prefix,
     # so the backend's decode path computes it as a decode step would
     per_token: "AttentionMetadata | None" = None
+    # hybrid models: [num_seqs] the state slot (worker/state_cache.py) each sequence's linear-attention layers
+    # continue; None runs them stateless (a profiling forward)
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
