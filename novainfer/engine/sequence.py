@@ -35,6 +35,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at (first) admission
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hash of each full block in block_table, in order
+        self.state_slot = -1  # hybrid models: the state slot it owns while admitted (engine/state_slots.py)
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
