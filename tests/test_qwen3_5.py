@@ -1,0 +1,171 @@
+"""Hybrid models (Gated DeltaNet + gated attention: Qwen3.5 dense and MoE, Qwen3-Next) against transformers,
+float32 on the CPU, on tiny random checkpoints: greedy tokens identical and logprobs within 1e-4 for a batch of
+mixed-length prompts in small chunks (the recurrent state carried across chunk boundaries, prefill chunks and
+decodes in one step), each prompt alone, preemption under a tiny cache with fewer state slots than prompts, a
+ForConditionalGeneration checkpoint run as its language model; speculation and unknown layer types refused."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from novainfer import LLM, SamplingParams
+from tests.tiny_models import make_tokenizer
+
+PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. The capital of France is",
+           "def add(a, b):"]
+N = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0)
+MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+CONFIGS = {  # layer 3 is full attention, 0-2 linear (the 3:1 plan); two key heads serve four value heads
+    "qwen3_5": ("Qwen3_5TextConfig", {}),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", MOE),
+    "qwen3_next": ("Qwen3NextConfig", dict(MOE, norm_topk_prob=True, mlp_only_layers=[1])),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: intra-op threads only contend on the shared machine (as tests/test_model_families.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def text_config(arch: str, vocab: int, eos: int, pad: int) -> transformers.PretrainedConfig:
+    cls, extra = CONFIGS[arch]
+    return getattr(transformers, cls)(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6, linear_conv_kernel_dim=4,
+        linear_key_head_dim=16, linear_value_head_dim=24, linear_num_key_heads=2, linear_num_value_heads=4,
+        initializer_range=0.1, eos_token_id=eos, pad_token_id=pad, bos_token_id=None, **extra)
+
+
+def randomize(model: torch.nn.Module) -> None:
+    """Norm offsets, decays and routers away from their initial values, so (1 + w), A_log, dt_bias and uneven
+    routing all bite."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith(("A_log", "dt_bias")):
+                p.copy_(torch.randn_like(p) * 0.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.mul_(3.0)
+
+
+def build(path: str, arch: str, conditional: bool = False) -> str:
+    tokenizer = make_tokenizer(400)
+    eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id
+    text = text_config(arch, len(tokenizer), eos, pad)
+    torch.manual_seed(3)
+    if conditional:
+        vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+                      num_position_embeddings=16)
+        config = transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision)
+        model = transformers.Qwen3_5ForConditionalGeneration(config).float()
+    else:
+        model = AutoModelForCausalLM.from_config(text, dtype=torch.float32)
+    randomize(model)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    GenerationConfig(eos_token_id=[eos, pad]).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    paths: dict[str, str] = {}
+
+    def get(arch: str, conditional: bool = False) -> str:
+        key = f"{arch}-vl" if conditional else arch
+        if key not in paths:
+            paths[key] = build(str(tmp_path_factory.mktemp(key)), arch, conditional)
+        return paths[key]
+    return get
+
+
+def hf_reference(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens and their logprobs, decoding with its own (hybrid) cache."""
+    out = []
+    for ids in prompts:
+        tokens, lps, past, step = [], [], None, torch.tensor([ids])
+        with torch.no_grad():
+            for _ in range(n):
+                res = model(input_ids=step, past_key_values=past, use_cache=True)
+                past, logprobs = res.past_key_values, torch.log_softmax(res.logits[0, -1].float(), -1)
+                tokens.append(int(logprobs.argmax()))
+                lps.append(float(logprobs[tokens[-1]]))
+                step = torch.tensor([[tokens[-1]]])
+        out.append((tokens, lps))
+    return out
+
+
+def assert_matches(outs, refs) -> None:
+    for out, (ref_tokens, ref_lps) in zip(outs, refs):
+        got = out.outputs[0]
+        assert got.token_ids == ref_tokens
+        lps = [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)]
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_greedy_and_logprobs_match_transformers(arch, model_path):
+    path = model_path(arch)
+    # 6-token budget: the 20-token prompt spans four chunks, and decodes share steps with other prompts' chunks
+    llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=6)
+    ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    assert len(ids[1]) > 12
+    refs = hf_reference(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), ids, N)
+    assert_matches(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs)
+    if arch == "qwen3_5":  # each prompt alone, in one long prefill step
+        alone = LLM(path, dtype="float32", block_size=4)
+        for prompt, ref in zip(PROMPTS, refs):
+            assert_matches(alone.generate([prompt], GREEDY, use_tqdm=False), [ref])
+
+
+def test_preemption_and_few_state_slots(model_path):
+    """12 blocks of 4 tokens cannot hold three growing sequences: the newest is preempted (its slot freed, its
+    state recomputed from zero); two slots for three prompts: the third waits for one."""
+    path = model_path("qwen3_5_moe")
+    llm = LLM(path, dtype="float32", block_size=4, num_gpu_blocks=12, max_num_seqs=2, max_num_batched_tokens=8)
+    ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    refs = hf_reference(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), ids, N)
+    assert_matches(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs)
+    core = llm.llm_engine.engine_core
+    assert core.scheduler.num_preemptions > 0
+    assert core.block_manager.num_state_slots == 2 and sorted(core.block_manager.free_slots) == [0, 1]
+
+
+def test_conditional_generation_checkpoint_runs_as_language_model(model_path, caplog):
+    path = model_path("qwen3_5", conditional=True)
+    with caplog.at_level("INFO"):
+        llm = LLM(path, dtype="float32", block_size=4)
+    assert any("vision-tower weights" in r.getMessage() for r in caplog.records)
+    ids = [llm.get_tokenizer().encode(p) for p in PROMPTS[:2]]
+    hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    assert_matches(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False), hf_reference(hf, ids, N))
+
+
+def test_speculation_is_refused(model_path):
+    with pytest.raises(ValueError, match="recurrent state"):
+        LLM(model_path("qwen3_5"), dtype="float32", speculative_config={"method": "ngram",
+                                                                        "num_speculative_tokens": 2})
+
+
+def test_unknown_layer_type_is_refused(model_path, tmp_path):
+    src = model_path("qwen3_5")
+    for name in os.listdir(src):
+        os.symlink(os.path.join(src, name), tmp_path / name)
+    config = json.load(open(os.path.join(src, "config.json")))
+    config["layer_types"][0] = "sliding_attention"
+    os.unlink(tmp_path / "config.json")
+    json.dump(config, open(tmp_path / "config.json", "w"))
+    with pytest.raises(NotImplementedError, match="layer_types"):
+        LLM(str(tmp_path), dtype="float32")
