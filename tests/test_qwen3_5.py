@@ -14,7 +14,7 @@ import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from novainfer import LLM, SamplingParams
-from tests.tiny_models import make_tokenizer
+from tests.tiny_models import hf_greedy_logprobs, make_tokenizer
 
 PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. The capital of France is",
            "def add(a, b):"]
@@ -91,22 +91,6 @@ def model_path(tmp_path_factory):
     return get
 
 
-def hf_reference(model: torch.nn.Module, prompts: list[list[int]], n: int) -> list[tuple[list[int], list[float]]]:
-    """transformers' greedy tokens and their logprobs, decoding with its own (hybrid) cache."""
-    out = []
-    for ids in prompts:
-        tokens, lps, past, step = [], [], None, torch.tensor([ids])
-        with torch.no_grad():
-            for _ in range(n):
-                res = model(input_ids=step, past_key_values=past, use_cache=True)
-                past, logprobs = res.past_key_values, torch.log_softmax(res.logits[0, -1].float(), -1)
-                tokens.append(int(logprobs.argmax()))
-                lps.append(float(logprobs[tokens[-1]]))
-                step = torch.tensor([[tokens[-1]]])
-        out.append((tokens, lps))
-    return out
-
-
 def assert_matches(outs, refs) -> None:
     for out, (ref_tokens, ref_lps) in zip(outs, refs):
         got = out.outputs[0]
@@ -122,7 +106,7 @@ def test_greedy_and_logprobs_match_transformers(arch, model_path):
     llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=6)
     ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
     assert len(ids[1]) > 12
-    refs = hf_reference(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), ids, N)
+    refs = hf_greedy_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), ids, N)
     assert_matches(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs)
     if arch == "qwen3_5":  # each prompt alone, in one long prefill step
         alone = LLM(path, dtype="float32", block_size=4)
@@ -136,7 +120,7 @@ def test_preemption_and_few_state_slots(model_path):
     path = model_path("qwen3_5_moe")
     llm = LLM(path, dtype="float32", block_size=4, num_gpu_blocks=12, max_num_seqs=2, max_num_batched_tokens=8)
     ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
-    refs = hf_reference(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), ids, N)
+    refs = hf_greedy_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), ids, N)
     assert_matches(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs)
     core = llm.llm_engine.engine_core
     assert core.scheduler.num_preemptions > 0
@@ -150,7 +134,7 @@ def test_conditional_generation_checkpoint_runs_as_language_model(model_path, ca
     assert any("vision-tower weights" in r.getMessage() for r in caplog.records)
     ids = [llm.get_tokenizer().encode(p) for p in PROMPTS[:2]]
     hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    assert_matches(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False), hf_reference(hf, ids, N))
+    assert_matches(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False), hf_greedy_logprobs(hf, ids, N))
 
 
 def test_speculation_is_refused(model_path):
