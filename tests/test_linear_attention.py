@@ -9,7 +9,8 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (torch_chunk_gate
                                                                 torch_recurrent_gated_delta_rule)
 
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata
-from novainfer.layers.linear_attention import GatedDeltaNet, gated_delta_chunked, gated_delta_step, l2_normalize
+from novainfer.layers.linear_attention import (GatedDeltaNet, StateSlotsMetadata, gated_delta_chunked,
+                                               gated_delta_step, l2_normalize)
 
 
 def random_inputs(length: int, k_heads: int = 2, v_heads: int = 4, dk: int = 8, dv: int = 6, seed: int = 0):
@@ -60,14 +61,16 @@ class TinyConfig:
     linear_conv_kernel_dim = 4
 
 
-def run(layer: GatedDeltaNet, x: torch.Tensor, lens: list[int], seq_lens: list[int], slots: list[int] | None):
+def run(layer: GatedDeltaNet, x: torch.Tensor, lens: list[int], seq_lens: list[int], slots: list[int] | None,
+        restores: dict[int, int] | None = None, saves: dict[int, tuple[int, int]] | None = None):
     qsl = [0]
     for n in lens:
         qsl.append(qsl[-1] + n)
     meta = AttentionMetadata(query_start_loc=torch.tensor(qsl), seq_lens=torch.tensor(seq_lens),
                              slot_mapping=torch.zeros(0), block_tables=torch.zeros(0), max_query_len=max(lens),
                              max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
-                             state_slots=None if slots is None else torch.tensor(slots))
+                             state_slots=None if slots is None else
+                             StateSlotsMetadata(torch.tensor(slots), slots, restores or {}, saves or {}))
     with attention_metadata(meta), torch.no_grad():
         return layer(x)
 
@@ -89,3 +92,22 @@ def test_layer_chunks_and_decodes_equal_one_pass():
     for t in range(8, 11):
         parts.append(run(layer, torch.stack([x[t], x[t - 3]]), [1, 1], [t + 1, t - 2], [2, 0])[:1])
     torch.testing.assert_close(torch.cat(parts), whole, atol=1e-5, rtol=1e-4)
+
+
+def test_checkpoint_saved_inside_a_chunk_restores_there():
+    """A save 5 tokens into a 9-token prefill, restored into another slot in the same step (after the saver) and
+    in a later one-token step, continues exactly as the one pass over the sequence does."""
+    torch.manual_seed(1)
+    layer = GatedDeltaNet(TinyConfig())
+    for p in layer.parameters():
+        p.data.normal_(0, 0.3)
+    layer.conv_state = torch.zeros(4, layer.conv_dim, 3)
+    layer.ssm_state = torch.zeros(4, 4, 8, 6)
+    x = torch.randn(9, 32)
+    whole = run(layer, x, [9], [9], None)
+    # slot 0 prefills 9 tokens saving at 5 into checkpoint slot 3; slot 1 resumes at 5 from it in the same step
+    out = run(layer, torch.cat([x, x[5:9]]), [9, 4], [9, 9], [0, 1], restores={1: 3}, saves={0: (5, 3)})
+    torch.testing.assert_close(out[:9], whole, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out[9:], whole[5:], atol=1e-5, rtol=1e-4)
+    one = run(layer, x[5:6], [1], [6], [2], restores={0: 3})  # a one-token step that restores
+    torch.testing.assert_close(one, whole[5:6], atol=1e-5, rtol=1e-4)

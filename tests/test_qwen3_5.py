@@ -127,6 +127,25 @@ def test_preemption_and_few_state_slots(model_path):
     assert core.block_manager.num_state_slots == 2 and sorted(core.block_manager.free_slots) == [0, 1]
 
 
+def test_prefix_cache_hits_restore_the_state_checkpoints(model_path):
+    """A prompt that extends an earlier one hits the cache at the earlier prompt's last full block, whose state
+    checkpoint is restored; a batch of prompts sharing a prefix (hits planned while their checkpoint is written in
+    flight) too. Tokens and logprobs equal transformers', which has no cache across requests."""
+    path = model_path("qwen3_5")
+    llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=8)
+    tok = llm.get_tokenizer()
+    base = tok.encode(PROMPTS[1])
+    assert len(base) > 16 and len(base) % 4
+    prompts = [base, base + tok.encode(" Paris is"), base[:13] + tok.encode(" big"), base + tok.encode(" big")]
+    refs = hf_greedy_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), prompts, N)
+    bm = llm.llm_engine.engine_core.block_manager
+    assert_matches(llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False), refs[:1])
+    assert bm.num_prefix_hits == 0 and len(bm.checkpoints) == 1
+    assert_matches(llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], GREEDY, use_tqdm=False), refs[1:])
+    # the two prompts that extend base hit at its checkpoint; the third shares 3 blocks, none checkpointed
+    assert bm.num_prefix_hits == 2 * (len(base) // 4 * 4)
+
+
 def test_conditional_generation_checkpoint_runs_as_language_model(model_path, caplog):
     path = model_path("qwen3_5", conditional=True)
     with caplog.at_level("INFO"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -37,9 +37,9 @@ class AttentionMetadata:
     # a verify step (speculative decoding) on the CPU: each token as a one-token sequence over its causal prefix,
     # so the backend's decode path computes it as a decode step would
     per_token: "AttentionMetadata | None" = None
-    # hybrid models: [num_seqs] the state slot (worker/state_cache.py) each sequence's linear-attention layers
-    # continue; None runs them stateless (a profiling forward)
-    state_slots: torch.Tensor | None = None
+    # hybrid models: the state slot each sequence's linear-attention layers continue, and the prefix cache's
+    # checkpoint copies (layers/linear_attention.StateSlotsMetadata); None runs them stateless (a profiling forward)
+    state_slots: Any = None
 
     @property
     def num_seqs(self) -> int:

@@ -59,7 +59,7 @@ class EngineCore:
         bs = config.cache_config.block_size
         self.max_model_len = resolve_max_model_len(config, self.num_blocks * bs)
         self.block_manager = make_block_manager(config, mc.hf_config, self.num_blocks,
-                                                min(self.executor.collective_rpc(worker_num_state_slots)))
+                                                self.executor.collective_rpc(worker_num_state_slots))
         spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager,
                                    spec.num_lookahead_slots if spec is not None else 0)

@@ -10,6 +10,7 @@ attention metadata (state_slots). A sequence whose step starts at position 0 sta
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +21,25 @@ from novainfer.attention.metadata import AttentionMetadata, get_attention_metada
 from novainfer.layers.linear import ReplicatedLinear
 
 CHUNK = 64  # tokens per chunk of the chunked prefill form
+
+
+@dataclass
+class StateSlotsMetadata:
+    """A step's state slots: each sequence's own, plus the prefix-cache checkpoints it restores or saves.
+
+    restores: sequence index -> checkpoint slot copied into the sequence's slot before its tokens run (a prefix
+    cache hit: the state at the hit position). saves: sequence index -> (tokens into its step, checkpoint slot)
+    the state after that many of its tokens is copied to. Copies happen per sequence in step order, so a
+    sequence may restore a checkpoint an earlier sequence of the same step saves."""
+
+    slots: torch.Tensor  # [num_seqs] int64 on the device
+    slots_cpu: list[int]
+    restores: dict[int, int] = field(default_factory=dict)
+    saves: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def on(self, device: torch.device) -> "StateSlotsMetadata":
+        """This step's metadata with the slot tensor uploaded (asynchronously from pinned memory)."""
+        return StateSlotsMetadata(self.slots.to(device, non_blocking=True), self.slots_cpu, self.restores, self.saves)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -131,9 +151,9 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(hidden_states).view(num_tokens, self.num_v_heads, self.head_v_dim)
         beta = torch.sigmoid(self.in_proj_b(hidden_states).float())
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias.float())
-        slots = meta.state_slots
-        if meta.max_query_len == 1 and slots is not None:
-            out = self._decode(mixed, g, beta, slots)
+        state = meta.state_slots
+        if meta.max_query_len == 1 and state is not None and not state.restores and not state.saves:
+            out = self._decode(mixed, g, beta, state.slots)
         else:
             out = self._prefill(mixed, g, beta, meta)
         out = self.norm(out.to(hidden_states.dtype), z)
@@ -167,7 +187,8 @@ class GatedDeltaNet(nn.Module):
         qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         if qsl is None or seq_lens is None:
             qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
-        slots = meta.state_slots.tolist() if meta.state_slots is not None else None
+        state = meta.state_slots
+        slots = state.slots_cpu if state is not None else None
         weight = self.conv1d.weight.float()
         out = torch.empty(mixed.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=mixed.device)
         for i in range(len(seq_lens)):
@@ -175,18 +196,30 @@ class GatedDeltaNet(nn.Module):
             if hi == lo:
                 continue
             fresh = slots is None or seq_lens[i] == hi - lo  # the step starts the sequence at position 0
+            if not fresh and i in state.restores:
+                self._copy_state(state.restores[i], slots[i])
             x = mixed[lo:hi].t().float()  # [C, L]
             if fresh:
                 prev = torch.zeros(self.conv_dim, self.kernel - 1, dtype=torch.float32, device=x.device)
-                state = torch.zeros(self.state_shapes()[1], dtype=torch.float32, device=x.device)
+                s = torch.zeros(self.state_shapes()[1], dtype=torch.float32, device=x.device)
             else:
-                prev, state = self.conv_state[slots[i]].float(), self.ssm_state[slots[i]]
+                prev, s = self.conv_state[slots[i]].float(), self.ssm_state[slots[i]]
             window = torch.cat([prev, x], dim=-1)  # [C, K - 1 + L]
             conv = F.silu(F.conv1d(window.unsqueeze(0), weight, groups=self.conv_dim)[0])  # [C, L]
             q, k, v = self._qkv(conv.t().to(mixed.dtype))
-            o, state = gated_delta_chunked(q, k, v, g[lo:hi], beta[lo:hi], state)
-            out[lo:hi] = o
+            cut, ckpt = state.saves.get(i, (hi - lo, -1)) if slots is not None else (hi - lo, -1)
+            parts = [(0, cut, ckpt), (cut, hi - lo, -1)] if 0 < cut < hi - lo else [(0, hi - lo, ckpt)]
+            for a, b, save_to in parts:  # split at a checkpoint to save the state there
+                o, s = gated_delta_chunked(q[a:b], k[a:b], v[a:b], g[lo + a:lo + b], beta[lo + a:lo + b], s)
+                out[lo + a:lo + b] = o
+                if save_to >= 0:
+                    self.conv_state[save_to] = window[:, b:b + self.kernel - 1].to(self.conv_state.dtype)
+                    self.ssm_state[save_to] = s
             if slots is not None:
                 self.conv_state[slots[i]] = window[:, -(self.kernel - 1):].to(self.conv_state.dtype)
-                self.ssm_state[slots[i]] = state
+                self.ssm_state[slots[i]] = s
         return out
+
+    def _copy_state(self, src: int, dst: int) -> None:
+        self.conv_state[dst] = self.conv_state[src]
+        self.ssm_state[dst] = self.ssm_state[src]

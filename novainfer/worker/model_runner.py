@@ -318,7 +318,7 @@ class ModelRunner:
         if spec is not None:
             inp.spec_num_drafts, inp.spec_draft_ids = spec
         if self.state_cache is not None:
-            inp.state_slots = self.state_cache.slots_of(scheduled)
+            inp.state_slots = self.state_cache.step_metadata(scheduled)
         if sampling_rows:  # uploaded now, while the device is idle, so the forward is not waited on later
             inp.sampling_metadata = self._sampling_metadata(sampling_rows, sample_seq_ids if spec is None else None)
         return inp
@@ -393,7 +393,7 @@ class ModelRunner:
             max_query_len=max_query_len, max_seq_len=max(inp.seq_lens),
             query_start_loc_cpu=inp.query_start_loc, seq_lens_cpu=inp.seq_lens,
             num_splits=self.num_splits(len(inp.seq_lens)) if max_query_len == 1 else 1,
-            state_slots=up(inp.state_slots) if inp.state_slots is not None else None)
+            state_slots=inp.state_slots.on(self.device) if inp.state_slots is not None else None)
         num_tokens = inp.input_ids.shape[0]
         if self.attn_backend is cpu_backend and inp.spec_num_drafts is not None and \
                 sum(inp.spec_num_drafts) + len(inp.spec_num_drafts) == num_tokens:  # only sequences that verify

@@ -3,7 +3,8 @@
 
 Slots are handed out by the engine (engine/state_slots.py); a step's slot per scheduled sequence goes into the
 attention metadata (state_slots), where the GatedDeltaNet layers read it. There are max_num_seqs slots, fewer on
-the CPU where that many would take more than half of the cache budget; the KV cache gets what they leave.
+the CPU where that many would take more than half of the cache budget; with prefix caching, as many checkpoint
+slots again (states at cached prompt positions) where the budget allows. The KV cache gets what they leave.
 """
 from __future__ import annotations
 
@@ -13,15 +14,17 @@ import torch
 from torch import nn
 
 from novainfer.engine.state_slots import check_hybrid_engine
-from novainfer.layers.linear_attention import GatedDeltaNet
+from novainfer.layers.linear_attention import GatedDeltaNet, StateSlotsMetadata
 
 
 class StateCache:
     """The state slots of one model's GatedDeltaNet layers on one device."""
 
-    def __init__(self, layers: list[GatedDeltaNet], dtype: torch.dtype, device: torch.device, num_slots: int):
+    def __init__(self, layers: list[GatedDeltaNet], dtype: torch.dtype, device: torch.device, num_slots: int,
+                 num_checkpoints: int = 0):
         self.layers, self.dtype, self.device = layers, dtype, device
-        self.num_slots = num_slots
+        self.num_slots = num_slots  # the sequences' slots, then the prefix cache's checkpoint slots
+        self.num_checkpoints = num_checkpoints
         self.conv: torch.Tensor | None = None
         self.ssm: torch.Tensor | None = None
 
@@ -33,10 +36,14 @@ class StateCache:
         if not layers:
             return None
         check_hybrid_engine(config)
-        cache = cls(layers, dtype, device, config.scheduler_config.max_num_seqs)
+        seqs = config.scheduler_config.max_num_seqs
+        cache = cls(layers, dtype, device, seqs)
+        cap = 2 * seqs  # slots, then as many checkpoint slots with prefix caching
         if device.type != "cuda" and config.cache_config.num_gpu_blocks is None:
-            half = config.cache_config.cpu_kv_cache_tokens * kv_bytes_per_token // 2
-            cache.num_slots = max(1, min(cache.num_slots, half // cache.bytes_per_slot()))
+            cap = config.cache_config.cpu_kv_cache_tokens * kv_bytes_per_token // 2 // cache.bytes_per_slot()
+        cache.num_slots = max(1, min(seqs, cap))
+        if config.cache_config.enable_prefix_caching:
+            cache.num_checkpoints = max(0, min(seqs, cap - cache.num_slots))
         return cache
 
     def bytes_per_slot(self) -> int:
@@ -48,7 +55,7 @@ class StateCache:
         return total
 
     def nbytes(self) -> int:
-        return self.num_slots * self.bytes_per_slot()
+        return (self.num_slots + self.num_checkpoints) * self.bytes_per_slot()
 
     def allocate(self) -> None:
         """The tensors, once (a profiling run allocates them and they stay); each layer gets its views."""
@@ -56,8 +63,9 @@ class StateCache:
             return
         conv, ssm = self.layers[0].state_shapes()
         n = len(self.layers)
-        self.conv = torch.zeros((n, self.num_slots, *conv), dtype=self.dtype, device=self.device)
-        self.ssm = torch.zeros((n, self.num_slots, *ssm), dtype=torch.float32, device=self.device)
+        total = self.num_slots + self.num_checkpoints
+        self.conv = torch.zeros((n, total, *conv), dtype=self.dtype, device=self.device)
+        self.ssm = torch.zeros((n, total, *ssm), dtype=torch.float32, device=self.device)
         for i, layer in enumerate(self.layers):
             layer.conv_state, layer.ssm_state = self.conv[i], self.ssm[i]
 
@@ -67,15 +75,23 @@ class StateCache:
             layer.conv_state = layer.ssm_state = torch.tensor([])
 
     @staticmethod
-    def slots_of(scheduled: list) -> torch.Tensor:
-        """The state slot of each scheduled sequence, in step order (int64, host)."""
-        slots = [s.seq.state_slot for s in scheduled]
-        if min(slots, default=0) < 0:
-            raise RuntimeError("a scheduled sequence of a hybrid model has no state slot")
-        return torch.tensor(slots, dtype=torch.long)
+    def step_metadata(scheduled: list) -> StateSlotsMetadata:
+        """Each scheduled sequence's slot (host tensor), and the checkpoint copies the engine planned for the step:
+        a restore on the step that resumes at the hit position, a save on the step whose tokens reach it."""
+        slots, restores, saves = [], {}, {}
+        for i, s in enumerate(scheduled):
+            seq = s.seq
+            if seq.state_slot < 0:
+                raise RuntimeError(f"{seq!r} of a hybrid model is scheduled without a state slot")
+            slots.append(seq.state_slot)
+            if seq.state_restore is not None and seq.state_restore[0] == s.start:
+                restores[i] = seq.state_restore[1]
+            if seq.state_save is not None and s.start < seq.state_save[0] <= s.start + s.num_new_tokens:
+                saves[i] = (seq.state_save[0] - s.start, seq.state_save[1])
+        return StateSlotsMetadata(torch.tensor(slots, dtype=torch.long), slots, restores, saves)
 
 
-def worker_num_state_slots(worker: Any) -> int:
-    """A worker's state slots (0: the model has no linear-attention layers); for the executor's collective_rpc."""
+def worker_num_state_slots(worker: Any) -> tuple[int, int]:
+    """A worker's (sequence slots, checkpoint slots); (0, 0) without linear-attention layers. For collective_rpc."""
     cache = worker.model_runner.state_cache
-    return 0 if cache is None else cache.num_slots
+    return (0, 0) if cache is None else (cache.num_slots, cache.num_checkpoints)
