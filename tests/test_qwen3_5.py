@@ -1,8 +1,9 @@
 """Hybrid models (Gated DeltaNet + gated attention: Qwen3.5 dense and MoE, Qwen3-Next) against transformers,
 float32 on the CPU, on tiny random checkpoints: greedy tokens identical and logprobs within 1e-4 for a batch of
 mixed-length prompts in small chunks (the recurrent state carried across chunk boundaries, prefill chunks and
-decodes in one step), each prompt alone, preemption under a tiny cache with fewer state slots than prompts, a
-ForConditionalGeneration checkpoint run as its language model; speculation and unknown layer types refused."""
+decodes in one step), each prompt alone, preemption under a tiny cache with fewer state slots than prompts,
+prefix-cache hits restoring state checkpoints, tensor parallelism over the DeltaNet heads, a ForConditionalGeneration
+checkpoint run as its language model; speculation, unknown layer types and the core API refused."""
 from __future__ import annotations
 
 import json
@@ -156,6 +157,40 @@ def test_conditional_generation_checkpoint_runs_as_language_model(model_path, ca
     assert_matches(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False), hf_greedy_logprobs(hf, ids, N))
 
 
+def test_tensor_parallel_two_ranks_split_the_deltanet_heads(model_path):
+    """tp=2 (uni backend, threads): each rank holds one key head and two value heads of every DeltaNet layer;
+    Qwen3-Next's fused projections and the MoE are split too. Tokens and logprobs equal transformers'."""
+    path = model_path("qwen3_next")
+    llm = LLM(path, dtype="float32", tensor_parallel_size=2, block_size=4, max_num_batched_tokens=8)
+    ids = [llm.get_tokenizer().encode(p) for p in PROMPTS[:2]]
+    refs = hf_greedy_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), ids, N)
+    assert_matches(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False), refs)
+    llm.llm_engine.shutdown()
+
+
+def with_config(src: str, dst, **changes) -> str:
+    """A copy of the checkpoint at src (links) whose config.json has the given fields changed."""
+    for name in os.listdir(src):
+        if name != "config.json":
+            os.symlink(os.path.join(src, name), dst / name)
+    config = json.load(open(os.path.join(src, "config.json")))
+    config.update(changes)
+    json.dump(config, open(dst / "config.json", "w"))
+    return str(dst)
+
+
+def test_tensor_parallel_refuses_indivisible_deltanet_heads(model_path, tmp_path):
+    path = with_config(model_path("qwen3_5"), tmp_path, linear_num_key_heads=1)
+    with pytest.raises(ValueError, match="linear_num_key_heads=1 is not divisible by tensor_parallel_size=2"):
+        LLM(path, dtype="float32", tensor_parallel_size=2)
+
+
+def test_core_api_refuses_hybrid_models(model_path):
+    from novainfer.core.context import Context
+    with pytest.raises(NotImplementedError, match="linear-attention"):
+        Context(model_path("qwen3_5"), n_cells=64, dtype="float32")
+
+
 def test_speculation_is_refused(model_path):
     with pytest.raises(ValueError, match="recurrent state"):
         LLM(model_path("qwen3_5"), dtype="float32", speculative_config={"method": "ngram",
@@ -164,11 +199,7 @@ def test_speculation_is_refused(model_path):
 
 def test_unknown_layer_type_is_refused(model_path, tmp_path):
     src = model_path("qwen3_5")
-    for name in os.listdir(src):
-        os.symlink(os.path.join(src, name), tmp_path / name)
-    config = json.load(open(os.path.join(src, "config.json")))
-    config["layer_types"][0] = "sliding_attention"
-    os.unlink(tmp_path / "config.json")
-    json.dump(config, open(tmp_path / "config.json", "w"))
+    types = json.load(open(os.path.join(src, "config.json")))["layer_types"]
+    path = with_config(src, tmp_path, layer_types=["sliding_attention"] + types[1:])
     with pytest.raises(NotImplementedError, match="layer_types"):
-        LLM(str(tmp_path), dtype="float32")
+        LLM(path, dtype="float32")

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
-from novainfer.layers.linear import ReplicatedLinear
+from novainfer.distributed import get_tp_group, shard_dim
+from novainfer.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 
 CHUNK = 64  # tokens per chunk of the chunked prefill form
 
@@ -108,17 +109,26 @@ class GatedDeltaNet(nn.Module):
     """The linear-attention token mixer of a hybrid layer, with the checkpoint's Qwen3.5 parameter names
     (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, dt_bias, A_log, norm, out_proj).
 
+    Tensor parallelism splits the heads: each rank holds num_k_heads / tp key heads and the value heads they
+    serve (q, k and v channels of in_proj_qkv and of the conv alike), out_proj all-reduces.
+
     conv_state [slots, conv_dim, kernel - 1] and ssm_state [slots, v_heads, k_dim, v_dim] (float32) are views
     the runner binds; with no state_slots in the metadata (a profiling forward) every sequence starts from
     zeros and nothing is kept."""
 
     def __init__(self, config: Any):
         super().__init__()
-        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        num_k_heads, num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
-        if self.num_v_heads % self.num_k_heads:
-            raise ValueError(f"linear_num_value_heads={self.num_v_heads} must be a multiple of "
-                             f"linear_num_key_heads={self.num_k_heads}")
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"linear_num_value_heads={num_v_heads} must be a multiple of "
+                             f"linear_num_key_heads={num_k_heads}")
+        group = get_tp_group()
+        self.tp_rank, self.tp_size = group.rank, group.size
+        for field, heads in (("linear_num_key_heads", num_k_heads), ("linear_num_value_heads", num_v_heads)):
+            if heads % self.tp_size:
+                raise ValueError(f"{field}={heads} is not divisible by tensor_parallel_size={self.tp_size}")
+        self.num_k_heads, self.num_v_heads = num_k_heads // self.tp_size, num_v_heads // self.tp_size
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise NotImplementedError(f"hidden_act={act!r}: the Gated DeltaNet conv runs SiLU only")
@@ -126,17 +136,33 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel = config.linear_conv_kernel_dim
         hidden = config.hidden_size
-        self.in_proj_qkv = ReplicatedLinear(hidden, self.conv_dim)
-        self.in_proj_z = ReplicatedLinear(hidden, self.value_dim)
-        self.in_proj_b = ReplicatedLinear(hidden, self.num_v_heads)
-        self.in_proj_a = ReplicatedLinear(hidden, self.num_v_heads)
+        tp = self.tp_size
+        # one checkpoint tensor, three column-parallel parts (split by the model: in_proj_q / _k / _v)
+        self.in_proj_qkv = MergedColumnParallelLinear(hidden, [tp * self.key_dim, tp * self.key_dim,
+                                                               tp * self.value_dim])
+        self.in_proj_z = ColumnParallelLinear(hidden, tp * self.value_dim)
+        self.in_proj_b = ColumnParallelLinear(hidden, tp * self.num_v_heads)
+        self.in_proj_a = ColumnParallelLinear(hidden, tp * self.num_v_heads)
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.kernel), requires_grad=False)
+        self.conv1d.weight.weight_loader = self._load_conv
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False)
+        self.dt_bias.weight_loader = self.A_log.weight_loader = self._load_heads
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = ReplicatedLinear(self.value_dim, hidden)
+        self.out_proj = RowParallelLinear(tp * self.value_dim, hidden)
         self.conv_state = self.ssm_state = torch.tensor([])
+
+    def _load_heads(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """This rank's value heads of a per-head parameter (dt_bias, A_log)."""
+        param.data.copy_(shard_dim(loaded, 0, self.tp_rank, self.tp_size, tuple(param.shape)))
+
+    def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """This rank's q, k and v channels of the conv weight, as in_proj_qkv holds them."""
+        parts = loaded.split([self.tp_size * self.key_dim, self.tp_size * self.key_dim,
+                              self.tp_size * self.value_dim])
+        param.data.copy_(torch.cat([shard_dim(p, 0, self.tp_rank, self.tp_size, (p.shape[0] // self.tp_size,
+                                                                                   *p.shape[1:])) for p in parts]))
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per slot: the conv window's shape and the recurrent state's shape."""

@@ -17,7 +17,6 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from novainfer.distributed.parallel_state import get_tp_size
 from novainfer.layers.attention import Attention
 from novainfer.layers.layernorm import GemmaRMSNorm
 from novainfer.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -119,14 +118,14 @@ class Qwen3_5ForCausalLM(MoeForCausalLM):
     """Qwen3.5 dense; the MoE and Qwen3-Next subclasses change the MLP plan and the projection layout."""
 
     moe = False
-    fused_linear_projections = False  # Qwen3-Next: in_proj_qkvz / in_proj_ba, grouped per key head
     weight_prefix = ""  # ForConditionalGeneration: "model.language_model." in place of "model."
+
+    # in_proj_qkv is one checkpoint tensor; split_fused_weights cuts it into q, k and v for the rank's shards
+    packed_modules_mapping = {**MoeForCausalLM.packed_modules_mapping, "in_proj_q": ("in_proj_qkv", 0),
+                              "in_proj_k": ("in_proj_qkv", 1), "in_proj_v": ("in_proj_qkv", 2)}
 
     def __init__(self, config: Any):
         check_hybrid_config(config)
-        if get_tp_size() > 1:
-            raise NotImplementedError(f"{type(self).__name__}: tensor_parallel_size > 1 is not supported for "
-                                      "hybrid (Gated DeltaNet) models")
         super().__init__(config)
 
     def make_model(self, config: Any) -> LlamaModel:
@@ -166,25 +165,26 @@ class Qwen3_5ForCausalLM(MoeForCausalLM):
             logger.info("skipped %d vision-tower weights: the model runs as a language model", skipped_vision)
 
     def split_fused_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        """Qwen3-Next's per-key-head-group in_proj_qkvz / in_proj_ba become Qwen3.5's separate projections."""
-        if not self.fused_linear_projections:
-            yield from weights
-            return
+        """in_proj_qkv into its q, k and v parts; Qwen3-Next's per-key-head-group in_proj_qkvz / in_proj_ba into
+        Qwen3.5's separate projections first."""
         c = self.config
         nk, dk, dv = c.linear_num_key_heads, c.linear_key_head_dim, c.linear_value_head_dim
         rep = c.linear_num_value_heads // nk
         for name, tensor in weights:
             if name.endswith(".in_proj_qkvz.weight"):
                 q, k, v, z = tensor.view(nk, 2 * dk + 2 * rep * dv, -1).split([dk, dk, rep * dv, rep * dv], dim=1)
-                prefix = name[:-len("in_proj_qkvz.weight")]
-                flat = [x.reshape(-1, tensor.shape[-1]) for x in (q, k, v, z)]
-                yield prefix + "in_proj_qkv.weight", torch.cat(flat[:3])
-                yield prefix + "in_proj_z.weight", flat[3]
+                prefix = name[:-len("qkvz.weight")]
+                for part, x in zip("qkvz", (q, k, v, z)):
+                    yield f"{prefix}{part}.weight", x.reshape(-1, tensor.shape[-1])
             elif name.endswith(".in_proj_ba.weight"):
                 b, a = tensor.view(nk, 2 * rep, -1).split([rep, rep], dim=1)
-                prefix = name[:-len("in_proj_ba.weight")]
-                yield prefix + "in_proj_b.weight", b.reshape(-1, tensor.shape[-1])
-                yield prefix + "in_proj_a.weight", a.reshape(-1, tensor.shape[-1])
+                prefix = name[:-len("ba.weight")]
+                yield prefix + "b.weight", b.reshape(-1, tensor.shape[-1])
+                yield prefix + "a.weight", a.reshape(-1, tensor.shape[-1])
+            elif name.endswith(".in_proj_qkv.weight"):
+                prefix = name[:-len("qkv.weight")]
+                for part, x in zip("qkv", tensor.split([nk * dk, nk * dk, nk * rep * dv])):
+                    yield f"{prefix}{part}.weight", x
             else:
                 yield name, tensor
 
@@ -200,7 +200,6 @@ class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
     mlp_only_layers), norm_topk_prob from the config."""
 
     moe = True
-    fused_linear_projections = True
 
     def sparse_layer(self, config: Any, layer_idx: int) -> bool:
         return is_sparse_layer(config, layer_idx)
