@@ -168,6 +168,23 @@ def test_tensor_parallel_two_ranks_split_the_deltanet_heads(model_path):
     llm.llm_engine.shutdown()
 
 
+def test_mp_backend_carries_the_state_slots(model_path):
+    """The mp executor's step wire sends each sequence's slot and checkpoint copies to the worker process:
+    chunked prompts, a prefix hit (the second prompt extends the first) and preemption, as transformers."""
+    path = model_path("qwen3_5")
+    llm = LLM(path, dtype="float32", distributed_executor_backend="mp", block_size=4, num_gpu_blocks=14,
+              max_num_batched_tokens=8)
+    tok = llm.get_tokenizer()
+    base = tok.encode(PROMPTS[1])
+    prompts = [base, base + tok.encode(" Paris is"), tok.encode(PROMPTS[0])]
+    refs = hf_greedy_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), prompts, N)
+    assert_matches(llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False), refs[:1])
+    assert_matches(llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], GREEDY, use_tqdm=False), refs[1:])
+    core = llm.llm_engine.engine_core
+    assert core.block_manager.num_prefix_hits > 0 and core.scheduler.num_preemptions > 0
+    llm.llm_engine.shutdown()
+
+
 def with_config(src: str, dst, **changes) -> str:
     """A copy of the checkpoint at src (links) whose config.json has the given fields changed."""
     for name in os.listdir(src):

@@ -105,7 +105,3 @@ def check_hybrid_engine(config: Any) -> None:
         raise ValueError(f"speculative_config (method {spec.method!r}) is not supported for hybrid models with "
                          "linear-attention layers: verifying guesses advances the recurrent state, which a rejected "
                          "guess cannot take back")
-    backend = config.parallel_config.distributed_executor_backend
-    if backend != "uni":
-        raise ValueError(f"distributed_executor_backend={backend!r}: hybrid models with linear-attention layers "
-                         "run with 'uni' only (the mp step wire does not carry state slots)")
