@@ -92,6 +92,10 @@ def test_layer_chunks_and_decodes_equal_one_pass():
     for t in range(8, 11):
         parts.append(run(layer, torch.stack([x[t], x[t - 3]]), [1, 1], [t + 1, t - 2], [2, 0])[:1])
     torch.testing.assert_close(torch.cat(parts), whole, atol=1e-5, rtol=1e-4)
+    # a one-token prompt in a one-token-per-sequence step starts from zeros, not from its slot's stale state
+    layer.conv_state[1], layer.ssm_state[1] = 7.0, 7.0
+    first = run(layer, torch.stack([x[0], x[11 - 3]]), [1, 1], [1, 9], [1, 0])[:1]
+    torch.testing.assert_close(first, whole[:1], atol=1e-5, rtol=1e-4)
 
 
 def test_checkpoint_saved_inside_a_chunk_restores_there():

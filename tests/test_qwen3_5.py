@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 import transformers
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from novainfer import LLM, SamplingParams
@@ -75,6 +76,9 @@ def build(path: str, arch: str, conditional: bool = False) -> str:
     randomize(model)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
+    # the multi-token-prediction head real checkpoints ship: never used, skipped on load
+    save_file({"mtp.fc.weight": torch.randn(64, 128), "mtp.layers.0.input_layernorm.weight": torch.zeros(64)},
+              os.path.join(path, "mtp.safetensors"))
     tokenizer.save_pretrained(path)
     GenerationConfig(eos_token_id=[eos, pad]).save_pretrained(path)
     return path

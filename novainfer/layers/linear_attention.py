@@ -179,7 +179,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias.float())
         state = meta.state_slots
         if meta.max_query_len == 1 and state is not None and not state.restores and not state.saves:
-            out = self._decode(mixed, g, beta, state.slots)
+            out = self._decode(mixed, g, beta, state.slots, meta.seq_lens[:num_tokens] > 1)
         else:
             out = self._prefill(mixed, g, beta, meta)
         out = self.norm(out.to(hidden_states.dtype), z)
@@ -196,14 +196,18 @@ class GatedDeltaNet(nn.Module):
             q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
         return q, k, v.view(n, self.num_v_heads, self.head_v_dim)
 
-    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One token per sequence, every sequence continuing its slot's state (a decode never starts at 0)."""
+    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
+                continues: torch.Tensor) -> torch.Tensor:
+        """One token per sequence: a decode continues its slot's state, a one-token prompt (continues False)
+        starts from zeros."""
         weight = self.conv1d.weight[:, 0]  # [C, K]
-        window = torch.cat([self.conv_state[slots], mixed.unsqueeze(-1).to(self.conv_state.dtype)], dim=-1)
+        prev = torch.where(continues[:, None, None], self.conv_state[slots], 0)
+        window = torch.cat([prev, mixed.unsqueeze(-1).to(self.conv_state.dtype)], dim=-1)
         self.conv_state[slots] = window[..., 1:]
         conv = F.silu((window.float() * weight.float()).sum(-1))  # [B, C]
         q, k, v = self._qkv(conv.to(mixed.dtype))
-        out, new_state = gated_delta_step(q, k, v, g, beta, self.ssm_state[slots])
+        ssm = torch.where(continues[:, None, None, None], self.ssm_state[slots], 0)
+        out, new_state = gated_delta_step(q, k, v, g, beta, ssm)
         self.ssm_state[slots] = new_state
         return out
 
