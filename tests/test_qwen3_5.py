@@ -151,6 +151,18 @@ def test_prefix_cache_hits_restore_the_state_checkpoints(model_path):
     assert bm.num_prefix_hits == 2 * (len(base) // 4 * 4)
 
 
+def test_state_slots_share_the_cpu_cache_budget(model_path):
+    """The state slots and checkpoints take at most half of cpu_kv_cache_tokens' bytes; KV blocks the rest."""
+    llm = LLM(model_path("qwen3_5"), dtype="float32", block_size=4, cpu_kv_cache_tokens=2048, max_num_seqs=64)
+    core = llm.llm_engine.engine_core
+    runner = core.executor.workers[0].model_runner
+    state, budget = runner.state_cache, 2048 * runner.kv_bytes_per_block() // 4
+    assert 0 < state.num_checkpoints < state.num_slots < 64 and 0 < state.nbytes() <= budget // 2
+    assert core.num_blocks * runner.kv_bytes_per_block() + state.nbytes() <= budget
+    assert core.block_manager.num_state_slots == state.num_slots
+    assert core.block_manager.num_checkpoints == state.num_checkpoints
+
+
 def test_conditional_generation_checkpoint_runs_as_language_model(model_path, caplog):
     path = model_path("qwen3_5", conditional=True)
     with caplog.at_level("INFO"):

@@ -2,9 +2,10 @@
 (activation dtype) and a recurrent state [slots, v_heads, k_dim, v_dim] (float32); each layer gets views.
 
 Slots are handed out by the engine (engine/state_slots.py); a step's slot per scheduled sequence goes into the
-attention metadata (state_slots), where the GatedDeltaNet layers read it. There are max_num_seqs slots, fewer on
-the CPU where that many would take more than half of the cache budget; with prefix caching, as many checkpoint
-slots again (states at cached prompt positions) where the budget allows. The KV cache gets what they leave.
+attention metadata (state_slots), where the GatedDeltaNet layers read it. There are max_num_seqs slots and, with
+prefix caching, as many checkpoint slots (states at cached prompt positions), together at most half of the cache
+budget (the CPU's cpu_kv_cache_tokens, the GPU's share of its memory; a quarter of a budget that is short goes
+to checkpoints). The KV cache gets what they leave.
 """
 from __future__ import annotations
 
@@ -36,13 +37,20 @@ class StateCache:
         if not layers:
             return None
         check_hybrid_engine(config)
-        seqs = config.scheduler_config.max_num_seqs
+        seqs, cc = config.scheduler_config.max_num_seqs, config.cache_config
         cache = cls(layers, dtype, device, seqs)
-        cap = 2 * seqs  # slots, then as many checkpoint slots with prefix caching
-        if device.type != "cuda" and config.cache_config.num_gpu_blocks is None:
-            cap = config.cache_config.cpu_kv_cache_tokens * kv_bytes_per_token // 2 // cache.bytes_per_slot()
-        cache.num_slots = max(1, min(seqs, cap))
-        if config.cache_config.enable_prefix_caching:
+        cap = 2 * seqs  # slots, then as many checkpoint slots with prefix caching; at most half the cache budget
+        if cc.num_gpu_blocks is None:
+            if device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(device)
+                budget = total * cc.gpu_memory_utilization - (total - free)
+            else:
+                budget = cc.cpu_kv_cache_tokens * kv_bytes_per_token
+            cap = min(cap, int(budget // 2 // cache.bytes_per_slot()))
+        if not cc.enable_prefix_caching:
+            cache.num_slots = max(1, min(seqs, cap))
+        else:  # a quarter of a short budget goes to checkpoints
+            cache.num_slots = max(1, min(seqs, cap - cap // 4))
             cache.num_checkpoints = max(0, min(seqs, cap - cache.num_slots))
         return cache
 
