@@ -24,9 +24,9 @@ N = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0)
 MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 CONFIGS = {  # layer 3 is full attention, 0-2 linear (the 3:1 plan); two key heads serve four value heads
-    "qwen3_5": ("Qwen3_5TextConfig", {}),
-    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", MOE),
-    "qwen3_next": ("Qwen3NextConfig", dict(MOE, norm_topk_prob=True, mlp_only_layers=[1])),
+    "qwen3_5": ("Qwen3_5TextConfig", dict(intermediate_size=96)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", MOE),  # no intermediate_size: every layer is sparse
+    "qwen3_next": ("Qwen3NextConfig", dict(MOE, intermediate_size=96, norm_topk_prob=True, mlp_only_layers=[1])),
 }
 
 
@@ -42,7 +42,7 @@ def one_thread():
 def text_config(arch: str, vocab: int, eos: int, pad: int) -> transformers.PretrainedConfig:
     cls, extra = CONFIGS[arch]
     return getattr(transformers, cls)(
-        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6, linear_conv_kernel_dim=4,
         linear_key_head_dim=16, linear_value_head_dim=24, linear_num_key_heads=2, linear_num_value_heads=4,
         initializer_range=0.1, eos_token_id=eos, pad_token_id=pad, bos_token_id=None, **extra)
@@ -235,4 +235,11 @@ def test_unknown_layer_type_is_refused(model_path, tmp_path):
     types = json.load(open(os.path.join(src, "config.json")))["layer_types"]
     path = with_config(src, tmp_path, layer_types=["sliding_attention"] + types[1:])
     with pytest.raises(NotImplementedError, match="layer_types"):
+        LLM(path, dtype="float32")
+
+
+
+def test_ungated_attention_is_refused(model_path, tmp_path):
+    path = with_config(model_path("qwen3_5"), tmp_path, attn_output_gate=False)
+    with pytest.raises(NotImplementedError, match="attn_output_gate=False"):
         LLM(path, dtype="float32")

@@ -245,3 +245,6 @@ def check_hybrid_config(config: Any) -> None:
     for field in ("sliding_window", "use_sliding_window"):
         if getattr(config, field, None):
             raise NotImplementedError(f"{field}={getattr(config, field)!r} is not supported for Qwen3.5/Qwen3-Next")
+    if getattr(config, "attn_output_gate", True) is not True:  # vLLM's name: q_proj without the gate half
+        raise NotImplementedError(f"attn_output_gate={config.attn_output_gate!r} is not supported (the full-attention "
+                                  "layers are gated)")
