@@ -69,7 +69,7 @@ def build(path: str, arch: str, conditional: bool = False) -> str:
     if conditional:
         vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
                       num_position_embeddings=16)
-        config = transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision)
+        config = transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=True)
         model = transformers.Qwen3_5ForConditionalGeneration(config).float()
     else:
         model = AutoModelForCausalLM.from_config(text, dtype=torch.float32)
