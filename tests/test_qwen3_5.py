@@ -119,6 +119,17 @@ def test_greedy_and_logprobs_match_transformers(arch, model_path):
             assert_matches(alone.generate([prompt], GREEDY, use_tqdm=False), [ref])
 
 
+def test_triton_attention_backend(model_path):
+    """The gated attention layer through the Triton kernels (interpreted on the CPU), DeltaNet layers around it."""
+    path = model_path("qwen3_5")
+    llm = LLM(path, dtype="float32", attention_backend="triton", block_size=4, max_num_batched_tokens=4)
+    ids = [llm.get_tokenizer().encode(PROMPTS[0])]  # two chunks, then decodes
+    refs = hf_greedy_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), ids, 4)
+    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(ids[0]) > 4 and out[0].outputs[0].token_ids == refs[0][0]
+    assert llm.llm_engine.engine_core.executor.workers[0].model_runner.attn_backend.__name__.endswith("triton_backend")
+
+
 def test_preemption_and_few_state_slots(model_path):
     """12 blocks of 4 tokens cannot hold three growing sequences: the newest is preempted (its slot freed, its
     state recomputed from zero); two slots for three prompts: the third waits for one."""
