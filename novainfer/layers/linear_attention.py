@@ -251,5 +251,6 @@ class GatedDeltaNet(nn.Module):
         return out
 
     def _copy_state(self, src: int, dst: int) -> None:
+        """Slot dst takes slot src's conv window and recurrent state (a checkpoint restored)."""
         self.conv_state[dst] = self.conv_state[src]
         self.ssm_state[dst] = self.ssm_state[src]

@@ -142,12 +142,15 @@ class Qwen3_5ForCausalLM(MoeForCausalLM):
                               config.shared_expert_intermediate_size)
 
     def sparse_layer(self, config: Any, layer_idx: int) -> bool:
+        """Whether the layer's MLP is the MoE block (for an MoE model)."""
         return True
 
     def renormalize(self, config: Any) -> bool:
+        """Whether the top-k routing weights are renormalised to sum to one."""
         return True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The language model's tensors through the Llama routing; see _language_model_weights."""
         return super().load_weights(self._language_model_weights(weights))
 
     def _language_model_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator:

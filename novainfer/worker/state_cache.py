@@ -63,6 +63,7 @@ class StateCache:
         return total
 
     def nbytes(self) -> int:
+        """The whole cache's bytes: every sequence slot and checkpoint slot."""
         return (self.num_slots + self.num_checkpoints) * self.bytes_per_slot()
 
     def allocate(self) -> None:
@@ -78,6 +79,7 @@ class StateCache:
             layer.conv_state, layer.ssm_state = self.conv[i], self.ssm[i]
 
     def release(self) -> None:
+        """Drop the tensors and the layers' views, so the memory is freed."""
         self.conv = self.ssm = None
         for layer in self.layers:
             layer.conv_state = layer.ssm_state = torch.tensor([])
