@@ -235,10 +235,14 @@ def test_core_api_refuses_hybrid_models(model_path):
         Context(model_path("qwen3_5"), n_cells=64, dtype="float32")
 
 
-def test_speculation_is_refused(model_path):
+def test_speculation_is_refused(model_path, tiny_qwen2):
+    """On a hybrid target (a rejected guess would have advanced the recurrent state), and a hybrid draft model."""
     with pytest.raises(ValueError, match="recurrent state"):
         LLM(model_path("qwen3_5"), dtype="float32", speculative_config={"method": "ngram",
                                                                         "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="linear-attention layers, which a draft model cannot have"):
+        LLM(tiny_qwen2, dtype="float32", speculative_config={"method": "draft_model", "model": model_path("qwen3_5"),
+                                                             "num_speculative_tokens": 2})
 
 
 def test_unknown_layer_type_is_refused(model_path, tmp_path):
