@@ -95,7 +95,10 @@ def make_block_manager(config: Any, hf_config: Any, num_blocks: int,
     if cc.enable_prefix_caching and not num_checkpoints:
         logger.info("prefix caching is off: %s has linear-attention layers and the cache budget leaves no room "
                     "for their state checkpoints", (getattr(hf_config, "architectures", None) or ["the model"])[0])
-    return HybridBlockManager(num_blocks, cc.block_size, num_slots, num_checkpoints if cc.enable_prefix_caching else 0)
+    num_checkpoints = num_checkpoints if cc.enable_prefix_caching else 0
+    logger.info("linear-attention state: %d sequence slots, %d prefix-cache checkpoint slots", num_slots,
+                num_checkpoints)
+    return HybridBlockManager(num_blocks, cc.block_size, num_slots, num_checkpoints)
 
 
 def check_hybrid_engine(config: Any) -> None:
