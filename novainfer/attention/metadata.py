@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -37,6 +37,9 @@ class AttentionMetadata:
     # a verify step (speculative decoding) on the CPU: each token as a one-token sequence over its causal prefix,
     # so the backend's decode path computes it as a decode step would
     per_token: "AttentionMetadata | None" = None
+    # hybrid models: the state slot each sequence's linear-attention layers continue, and the prefix cache's
+    # checkpoint copies (layers/linear_attention.StateSlotsMetadata); None runs them stateless (a profiling forward)
+    state_slots: Any = None
 
     @property
     def num_seqs(self) -> int:

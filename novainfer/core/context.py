@@ -21,6 +21,7 @@ from novainfer.core.outputs import OutputBuffer
 from novainfer.layers.attention import Attention
 from novainfer.layers.rotary import RotaryEmbedding, compute_inv_freq, rope_parameters
 from novainfer.loader.model_loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
+from novainfer.models.qwen3_5 import is_hybrid
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,9 @@ class Context:
         self.device = cfg.resolve_device()
         self.dtype = cfg.model_config.torch_dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.hf_config = load_hf_config(self.model_path)
+        if is_hybrid(self.hf_config):  # its recurrent state has no per-cell form to copy, remove or shift
+            raise NotImplementedError(f"{self.hf_config.architectures[0]} has linear-attention layers, which the "
+                                      "core API's cell cache does not support; use the engine (LLM) instead")
         self.model = load_model(self.model_path, self.hf_config, self.dtype, self.device)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.max_pos = int(self.hf_config.max_position_embeddings)

@@ -56,10 +56,10 @@ def check_tp_divisibility(hf_config: Any, tp_size: int, tp_rank: int, device_id:
                          f"never replicated): tp_size={tp_size} tp_rank={tp_rank} global_nkvh={nkvh} "
                          f"local_nkvh={nkvh / tp_size:g} device_id={device_id}")
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // nh
-    di, hs = hf_config.intermediate_size, hf_config.hidden_size
+    di, hs = getattr(hf_config, "intermediate_size", None), hf_config.hidden_size  # None: every MLP is an MoE
+    mlp = (("gate_proj.weight", di, 0), ("down_proj.weight", di, 1)) if di else ()
     for name, rows, dim in (("q_proj.weight", nh * head_dim, 0), ("k_proj.weight", nkvh * head_dim, 0),
-                            ("o_proj.weight", nh * head_dim, 1), ("gate_proj.weight", di, 0),
-                            ("down_proj.weight", di, 1)):
+                            ("o_proj.weight", nh * head_dim, 1), *mlp):
         if rows % tp_size or (name.startswith("q") and nh % tp_size):
             glob = (rows, hs) if dim == 0 else (hs, rows)
             local = tuple(s / tp_size if d == dim else s for d, s in enumerate(glob))

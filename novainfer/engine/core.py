@@ -14,18 +14,19 @@ import time
 from dataclasses import dataclass
 
 from novainfer.config import EngineConfig
-from novainfer.engine.block_manager import BlockManager
 from novainfer.engine.faults import FaultInjector, RequestError
 from novainfer.engine.messages import AbortTarget, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from novainfer.engine.processor import check_request
 from novainfer.engine.scheduler import Scheduler, SchedulerOutput
 from novainfer.engine.sequence import Sequence, SequenceStatus
+from novainfer.engine.state_slots import make_block_manager
 from novainfer.executor.base import Executor
 from novainfer.loader.model_loader import load_tokenizer
 from novainfer.spec_decode.proposer import make_proposer
 from novainfer.spec_decode.stats import SpecDecodeStats
 from novainfer.structured_output import StructuredOutputManager
 from novainfer.worker.model_runner import ModelRunnerOutput, StepHandle
+from novainfer.worker.state_cache import worker_num_state_slots
 
 logger = logging.getLogger(__name__)
 FINISHED = SequenceStatus.FINISHED
@@ -57,7 +58,8 @@ class EngineCore:
         self.executor.collective_rpc("initialize_cache", self.num_blocks)
         bs = config.cache_config.block_size
         self.max_model_len = resolve_max_model_len(config, self.num_blocks * bs)
-        self.block_manager = BlockManager(self.num_blocks, bs, config.cache_config.enable_prefix_caching)
+        self.block_manager = make_block_manager(config, mc.hf_config, self.num_blocks,
+                                                self.executor.collective_rpc(worker_num_state_slots))
         spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager,
                                    spec.num_lookahead_slots if spec is not None else 0)

@@ -35,6 +35,11 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at (first) admission
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hash of each full block in block_table, in order
+        # hybrid models (engine/state_slots.py): the state slot it owns while admitted, and the prefix cache's
+        # (position, checkpoint slot) to restore its state from at admission and to save its state to
+        self.state_slot = -1
+        self.state_restore: tuple[int, int] | None = None
+        self.state_save: tuple[int, int] | None = None
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None

@@ -19,8 +19,9 @@ from novainfer.sampling_params import SamplingParams
 @dataclass
 class StepMessage:
     new_seqs: list[tuple[int, int, Any, int]]  # (seq_id, index, sampling_params, num_prompt_tokens), first sight
-    # (seq_id, the step's start position, num_new_tokens, samples, appended token ids, block table or None, blocked ids)
-    rows: list[tuple[int, int, int, bool, list[int], list[int] | None, list[int]]]
+    # (seq_id, the step's start position, num_new_tokens, samples, appended token ids, block table or None, blocked ids,
+    # hybrid models' (state_slot, state_restore, state_save) or None)
+    rows: list[tuple[int, int, int, bool, list[int], list[int] | None, list[int], tuple | None]]
     finished_seq_ids: list[int]
     num_preempted: int
     grammar_bitmask: Any = None  # sent resolved (host tensor), see SchedulerOutput
@@ -50,8 +51,9 @@ class StepPacker:
             else:
                 state[1], state[2] = table, len(table)
                 table = list(table)
+            state = (seq.state_slot, seq.state_restore, seq.state_save) if seq.state_slot >= 0 else None
             rows.append((seq.seq_id, s.start, s.num_new_tokens, s.samples, tokens, table,
-                         seq.min_tokens_blocked))
+                         seq.min_tokens_blocked, state))
         return StepMessage(new, rows, list(sched.finished_seq_ids), sched.num_preempted, sched.grammar_bitmask)
 
 
@@ -72,13 +74,15 @@ class StepReceiver:
                                 num_prompt_tokens=num_prompt_tokens, token_ids=[], block_table=[])
             self.seqs[seq_id] = mirror
         scheduled = []
-        for seq_id, computed, num_new, samples, tokens, table, blocked in msg.rows:
+        for seq_id, computed, num_new, samples, tokens, table, blocked, state in msg.rows:
             seq = self.seqs[seq_id]
             seq.token_ids.extend(tokens)
             seq.num_computed_tokens = computed
             if table is not None:
                 seq.block_table = table
             seq.min_tokens_blocked = blocked
+            if state is not None:
+                seq.state_slot, seq.state_restore, seq.state_save = state
             s = ScheduledSequence(seq, num_new)
             s.samples = samples
             scheduled.append(s)

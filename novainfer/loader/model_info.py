@@ -26,7 +26,9 @@ def load_hf_config(model: str) -> Any:
         from novainfer.loader.gguf_loader import load_gguf_config
         return load_gguf_config(model)
     from transformers import AutoConfig
-    return AutoConfig.from_pretrained(model)
+
+    from novainfer.models.qwen3_5 import language_model_config
+    return language_model_config(AutoConfig.from_pretrained(model))
 
 
 def load_tokenizer(model: str) -> Any:

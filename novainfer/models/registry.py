@@ -14,6 +14,8 @@ from novainfer.models.phi3 import Phi3ForCausalLM
 from novainfer.models.qwen2 import Qwen2ForCausalLM
 from novainfer.models.qwen2_moe import Qwen2MoeForCausalLM
 from novainfer.models.qwen3 import Qwen3ForCausalLM
+from novainfer.models.qwen3_5 import (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM,
+                                      Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM)
 from novainfer.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -27,6 +29,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
 }
 
 

@@ -21,6 +21,7 @@ from novainfer.config import EngineConfig
 from novainfer.layers.attention import Attention
 from novainfer.layers.quantization.selector import get_quant_config
 from novainfer.loader.model_loader import load_hf_config, load_model, load_tokenizer
+from novainfer.models.qwen3_5 import is_hybrid
 from novainfer.spec_decode.draft_model_proposer import DraftRequest
 from novainfer.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, release_kv_cache
 
@@ -37,6 +38,9 @@ def load_draft_config(config: EngineConfig, target_hf_config: Any, max_model_len
         hf_config = load_hf_config(path)
     except Exception as exc:
         raise ValueError(f"speculative_config.model {path!r} has no loadable model config: {exc}") from exc
+    if is_hybrid(hf_config):  # the draft runner keeps a KV cache only, no recurrent state slots
+        raise ValueError(f"speculative_config.model {path!r} has linear-attention layers, which a draft model "
+                         "cannot have")
     draft_vocab, target_vocab = getattr(hf_config, "vocab_size", None), target_hf_config.vocab_size
     if draft_vocab != target_vocab:
         raise ValueError(f"speculative_config.model {path!r} has vocab_size {draft_vocab}, the target has "

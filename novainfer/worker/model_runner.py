@@ -33,6 +33,7 @@ from novainfer.worker.kernel_warmup import one_sequence_metadata, warm_up_kernel
 from novainfer.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, release_kv_cache
 from novainfer.worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from novainfer.worker.cuda_graph import DecodeGraphs, batch_size_ladder, bucket
+from novainfer.worker.state_cache import StateCache
 from novainfer.worker.step_inputs import HostBuffers, StepInputs, nvtx_range
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,9 @@ class ModelRunner:
             self.drafter = DraftModelRunner(config, hf_config, self.dtype, self.kv_dtype, device, self.max_model_len)
         self.model = load_model(mc.model, hf_config, self.dtype, device, mc.load_format, quant)
         self._attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # hybrid models (linear-attention layers): their per-sequence state slots
+        self.state_cache = StateCache.for_model(self.model, config, self.dtype, device,
+                                                self.kv_bytes_per_block() // self.block_size)
         self.sampler = Sampler()
         self.faults = FaultInjector(config.fault_injection)
         self.generators: dict[int, torch.Generator] = {}
@@ -124,8 +128,9 @@ class ModelRunner:
         cc = self.config.cache_config
         if cc.num_gpu_blocks is not None:
             return cc.num_gpu_blocks
-        if self.device.type != "cuda":
-            return max(1, cc.cpu_kv_cache_tokens // self.block_size)
+        if self.device.type != "cuda":  # the budget holds the state slots too
+            state = self.state_cache.nbytes() if self.state_cache is not None else 0
+            return max(1, cc.cpu_kv_cache_tokens // self.block_size - -(-state // self.kv_bytes_per_block()))
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self.profile_run()
@@ -179,6 +184,8 @@ class ModelRunner:
                                           self.device, self.attn_backend)
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks, self.attn_backend)
+        if self.state_cache is not None:  # allocated once: on CUDA the profile run's measure includes it
+            self.state_cache.allocate()
         self.num_blocks = num_blocks
 
     def shutdown(self) -> None:
@@ -191,6 +198,8 @@ class ModelRunner:
         release_kv_cache(self.attention_layers())
         if self.drafter is not None:
             self.drafter.release_kv_cache()
+        if self.state_cache is not None:
+            self.state_cache.release()
 
     def warm_up_kernels(self) -> None:
         """Compile the Triton kernels a step may need beyond the profile run's and the graphs' (kernel_warmup.py)."""
@@ -199,8 +208,8 @@ class ModelRunner:
 
     def capture_cudagraphs(self) -> None:
         """Capture decode graphs (CUDA only; enforce_eager turns them off)."""
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return
+        if self.device.type != "cuda" or self.config.enforce_eager or self.state_cache is not None:
+            return  # hybrid models: the graphs' metadata has no state slots
         if self.config.model_config.gpu_decode_stack:  # graphs only: enabled once, with the graphs that take it
             from novainfer.layers.gpu_decoder import enable_gpu_decode_stack
             logger.info("batch-1 decode stack (fused kernels): %s", "on" if enable_gpu_decode_stack(self.model)
@@ -308,6 +317,8 @@ class ModelRunner:
                          prompt_logprob_rows=prompt_lp, grammar_bitmask=sched.grammar_bitmask)
         if spec is not None:
             inp.spec_num_drafts, inp.spec_draft_ids = spec
+        if self.state_cache is not None:
+            inp.state_slots = self.state_cache.step_metadata(scheduled)
         if sampling_rows:  # uploaded now, while the device is idle, so the forward is not waited on later
             inp.sampling_metadata = self._sampling_metadata(sampling_rows, sample_seq_ids if spec is None else None)
         return inp
@@ -381,7 +392,8 @@ class ModelRunner:
             slot_mapping=up(inp.slot_mapping), block_tables=up(inp.block_tables),
             max_query_len=max_query_len, max_seq_len=max(inp.seq_lens),
             query_start_loc_cpu=inp.query_start_loc, seq_lens_cpu=inp.seq_lens,
-            num_splits=self.num_splits(len(inp.seq_lens)) if max_query_len == 1 else 1)
+            num_splits=self.num_splits(len(inp.seq_lens)) if max_query_len == 1 else 1,
+            state_slots=inp.state_slots.on(self.device) if inp.state_slots is not None else None)
         num_tokens = inp.input_ids.shape[0]
         if self.attn_backend is cpu_backend and inp.spec_num_drafts is not None and \
                 sum(inp.spec_num_drafts) + len(inp.spec_num_drafts) == num_tokens:  # only sequences that verify

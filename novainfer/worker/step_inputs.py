@@ -49,6 +49,7 @@ class StepInputs:
     # one, consecutive); per sampled row, the guess it checks (-1: none). None in a step without guesses.
     spec_num_drafts: list[int] | None = None
     spec_draft_ids: list[int] | None = None
+    state_slots: Any = None  # hybrid models: linear_attention.StateSlotsMetadata (worker/state_cache.py)
 
 
 class HostBuffers:

@@ -1,0 +1,256 @@
+"""Gated DeltaNet (Qwen3.5, Qwen3-Next): linear attention whose per-sequence state is a causal-conv window and a
+[v_heads, k_dim, v_dim] matrix, updated token by token by the gated delta rule.
+
+Per token t of a head (q and k L2-normalised, q scaled by k_dim^-1/2):
+    S <- exp(g_t) S;   u_t = beta_t (v_t - S^T k_t);   S <- S + k_t u_t^T;   o_t = S^T q_t
+The pure-torch reference here runs on any device: a prefill (or prefill chunk) in chunks of CHUNK tokens
+solved as one triangular system per chunk, a decode step as the recurrence batched over sequences. The state
+lives in slots bound by the runner (worker/state_cache.py); which slot a sequence owns comes with the step's
+attention metadata (state_slots). A sequence whose step starts at position 0 starts from a zero state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
+from novainfer.distributed import get_tp_group, shard_dim
+from novainfer.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+
+CHUNK = 64  # tokens per chunk of the chunked prefill form
+
+
+@dataclass
+class StateSlotsMetadata:
+    """A step's state slots: each sequence's own, plus the prefix-cache checkpoints it restores or saves.
+
+    restores: sequence index -> checkpoint slot copied into the sequence's slot before its tokens run (a prefix
+    cache hit: the state at the hit position). saves: sequence index -> (tokens into its step, checkpoint slot)
+    the state after that many of its tokens is copied to. Copies happen per sequence in step order, so a
+    sequence may restore a checkpoint an earlier sequence of the same step saves."""
+
+    slots: torch.Tensor  # [num_seqs] int64 on the device
+    slots_cpu: list[int]
+    restores: dict[int, int] = field(default_factory=dict)
+    saves: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def on(self, device: torch.device) -> "StateSlotsMetadata":
+        """This step's metadata with the slot tensor uploaded (asynchronously from pinned memory)."""
+        return StateSlotsMetadata(self.slots.to(device, non_blocking=True), self.slots_cpu, self.restores, self.saves)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (the FLA convention transformers follows)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's delta rule over L tokens, chunk by chunk, in float32.
+
+    q, k: [L, H, Dk] (normalised and scaled already), v: [L, H, Dv], g, beta: [L, H], state: [H, Dk, Dv].
+    Returns (out [L, H, Dv], final state). Within a chunk with cumulative log-decay G, the new values u
+    solve (I + A) u = beta v - beta exp(G) K S0 with A[t, j] = beta_t exp(G_t - G_j) k_t.k_j for j < t."""
+    q, k, v = (x.float().transpose(0, 1) for x in (q, k, v))  # [H, L, D]
+    g, beta = g.float().transpose(0, 1), beta.float().transpose(0, 1)  # [H, L]
+    length = q.shape[1]
+    out = torch.empty_like(v)
+    s = state.float()
+    for c0 in range(0, length, chunk):
+        c1 = min(c0 + chunk, length)
+        qc, kc, vc, bc = q[:, c0:c1], k[:, c0:c1], v[:, c0:c1], beta[:, c0:c1]
+        cum = g[:, c0:c1].cumsum(-1)  # [H, C]
+        n = c1 - c0
+        diff = cum.unsqueeze(-1) - cum.unsqueeze(-2)  # [H, C, C]: G_t - G_j
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
+        kk = kc @ kc.transpose(-1, -2)
+        a = (bc.unsqueeze(-1) * kk * decay).tril(-1)
+        eye = torch.eye(n, dtype=a.dtype, device=a.device)
+        rhs = bc.unsqueeze(-1) * (vc - (cum.exp().unsqueeze(-1) * kc) @ s)
+        u = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)  # [H, C, Dv]
+        out[:, c0:c1] = cum.exp().unsqueeze(-1) * (qc @ s) + ((qc @ kc.transpose(-1, -2)) * decay) @ u
+        last = cum[:, -1:]  # [H, 1]
+        s = last.exp().unsqueeze(-1) * s + ((last - cum).exp().unsqueeze(-1) * kc).transpose(-1, -2) @ u
+    return out.transpose(0, 1), s
+
+
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of B sequences: q, k [B, H, Dk], v [B, H, Dv], g, beta [B, H], state [B, H, Dk, Dv] (float32).
+    Returns (out [B, H, Dv], new state)."""
+    s = state * g.float().exp()[..., None, None]
+    kf, vf = k.float(), v.float()
+    u = beta.float().unsqueeze(-1) * (vf - (s * kf.unsqueeze(-1)).sum(-2))
+    s = s + kf.unsqueeze(-1) * u.unsqueeze(-2)
+    return (s * q.float().unsqueeze(-1)).sum(-2), s
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each head's values, times silu(z): weight * norm(x) * silu(z), the norm taken in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * xf.to(dtype)) * F.silu(z.float())).to(dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """The linear-attention token mixer of a hybrid layer, with the checkpoint's Qwen3.5 parameter names
+    (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, conv1d, dt_bias, A_log, norm, out_proj).
+
+    Tensor parallelism splits the heads: each rank holds num_k_heads / tp key heads and the value heads they
+    serve (q, k and v channels of in_proj_qkv and of the conv alike), out_proj all-reduces.
+
+    conv_state [slots, conv_dim, kernel - 1] and ssm_state [slots, v_heads, k_dim, v_dim] (float32) are views
+    the runner binds; with no state_slots in the metadata (a profiling forward) every sequence starts from
+    zeros and nothing is kept."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        num_k_heads, num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"linear_num_value_heads={num_v_heads} must be a multiple of "
+                             f"linear_num_key_heads={num_k_heads}")
+        group = get_tp_group()
+        self.tp_rank, self.tp_size = group.rank, group.size
+        for field, heads in (("linear_num_key_heads", num_k_heads), ("linear_num_value_heads", num_v_heads)):
+            if heads % self.tp_size:
+                raise ValueError(f"{field}={heads} is not divisible by tensor_parallel_size={self.tp_size}")
+        self.num_k_heads, self.num_v_heads = num_k_heads // self.tp_size, num_v_heads // self.tp_size
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"hidden_act={act!r}: the Gated DeltaNet conv runs SiLU only")
+        self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = config.linear_conv_kernel_dim
+        hidden = config.hidden_size
+        tp = self.tp_size
+        # one checkpoint tensor, three column-parallel parts (split by the model: in_proj_q / _k / _v)
+        self.in_proj_qkv = MergedColumnParallelLinear(hidden, [tp * self.key_dim, tp * self.key_dim,
+                                                               tp * self.value_dim])
+        self.in_proj_z = ColumnParallelLinear(hidden, tp * self.value_dim)
+        self.in_proj_b = ColumnParallelLinear(hidden, tp * self.num_v_heads)
+        self.in_proj_a = ColumnParallelLinear(hidden, tp * self.num_v_heads)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, self.kernel), requires_grad=False)
+        self.conv1d.weight.weight_loader = self._load_conv
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False)
+        self.dt_bias.weight_loader = self.A_log.weight_loader = self._load_heads
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = RowParallelLinear(tp * self.value_dim, hidden)
+        self.conv_state = self.ssm_state = torch.tensor([])
+
+    def _load_heads(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """This rank's value heads of a per-head parameter (dt_bias, A_log)."""
+        param.data.copy_(shard_dim(loaded, 0, self.tp_rank, self.tp_size, tuple(param.shape)))
+
+    def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """This rank's q, k and v channels of the conv weight, as in_proj_qkv holds them."""
+        parts = loaded.split([self.tp_size * self.key_dim, self.tp_size * self.key_dim,
+                              self.tp_size * self.value_dim])
+        param.data.copy_(torch.cat([shard_dim(p, 0, self.tp_rank, self.tp_size, (p.shape[0] // self.tp_size,
+                                                                                   *p.shape[1:])) for p in parts]))
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per slot: the conv window's shape and the recurrent state's shape."""
+        return (self.conv_dim, self.kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        meta = get_attention_metadata()
+        if not isinstance(meta, AttentionMetadata):
+            raise NotImplementedError("Gated DeltaNet layers run only with the paged (BLOCK) cache layout")
+        num_tokens = hidden_states.shape[0]
+        mixed = self.in_proj_qkv(hidden_states)
+        z = self.in_proj_z(hidden_states).view(num_tokens, self.num_v_heads, self.head_v_dim)
+        beta = torch.sigmoid(self.in_proj_b(hidden_states).float())
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias.float())
+        state = meta.state_slots
+        if meta.max_query_len == 1 and state is not None and not state.restores and not state.saves:
+            out = self._decode(mixed, g, beta, state.slots, meta.seq_lens[:num_tokens] > 1)
+        else:
+            out = self._prefill(mixed, g, beta, meta)
+        out = self.norm(out.to(hidden_states.dtype), z)
+        return self.out_proj(out.reshape(num_tokens, self.value_dim))
+
+    def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split the conv output [T, conv_dim] into q, k (normalised, q scaled, repeated to v heads) and v."""
+        n = conv_out.shape[0]
+        q, k, v = conv_out.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        rep = self.num_v_heads // self.num_k_heads
+        q = l2_normalize(q.view(n, self.num_k_heads, self.head_k_dim)) * self.head_k_dim ** -0.5
+        k = l2_normalize(k.view(n, self.num_k_heads, self.head_k_dim))
+        if rep > 1:
+            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+        return q, k, v.view(n, self.num_v_heads, self.head_v_dim)
+
+    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
+                continues: torch.Tensor) -> torch.Tensor:
+        """One token per sequence: a decode continues its slot's state, a one-token prompt (continues False)
+        starts from zeros."""
+        weight = self.conv1d.weight[:, 0]  # [C, K]
+        prev = torch.where(continues[:, None, None], self.conv_state[slots], 0)
+        window = torch.cat([prev, mixed.unsqueeze(-1).to(self.conv_state.dtype)], dim=-1)
+        self.conv_state[slots] = window[..., 1:]
+        conv = F.silu((window.float() * weight.float()).sum(-1))  # [B, C]
+        q, k, v = self._qkv(conv.to(mixed.dtype))
+        ssm = torch.where(continues[:, None, None, None], self.ssm_state[slots], 0)
+        out, new_state = gated_delta_step(q, k, v, g, beta, ssm)
+        self.ssm_state[slots] = new_state
+        return out
+
+    def _prefill(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """Sequence by sequence: the conv over the slot's window plus this step's tokens, then the chunked rule."""
+        qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        if qsl is None or seq_lens is None:
+            qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+        state = meta.state_slots
+        slots = state.slots_cpu if state is not None else None
+        weight = self.conv1d.weight.float()
+        out = torch.empty(mixed.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=mixed.device)
+        for i in range(len(seq_lens)):
+            lo, hi = qsl[i], qsl[i + 1]
+            if hi == lo:
+                continue
+            fresh = slots is None or seq_lens[i] == hi - lo  # the step starts the sequence at position 0
+            if not fresh and i in state.restores:
+                self._copy_state(state.restores[i], slots[i])
+            x = mixed[lo:hi].t().float()  # [C, L]
+            if fresh:
+                prev = torch.zeros(self.conv_dim, self.kernel - 1, dtype=torch.float32, device=x.device)
+                s = torch.zeros(self.state_shapes()[1], dtype=torch.float32, device=x.device)
+            else:
+                prev, s = self.conv_state[slots[i]].float(), self.ssm_state[slots[i]]
+            window = torch.cat([prev, x], dim=-1)  # [C, K - 1 + L]
+            conv = F.silu(F.conv1d(window.unsqueeze(0), weight, groups=self.conv_dim)[0])  # [C, L]
+            q, k, v = self._qkv(conv.t().to(mixed.dtype))
+            cut, ckpt = state.saves.get(i, (hi - lo, -1)) if slots is not None else (hi - lo, -1)
+            parts = [(0, cut, ckpt), (cut, hi - lo, -1)] if 0 < cut < hi - lo else [(0, hi - lo, ckpt)]
+            for a, b, save_to in parts:  # split at a checkpoint to save the state there
+                o, s = gated_delta_chunked(q[a:b], k[a:b], v[a:b], g[lo + a:lo + b], beta[lo + a:lo + b], s)
+                out[lo + a:lo + b] = o
+                if save_to >= 0:
+                    self.conv_state[save_to] = window[:, b:b + self.kernel - 1].to(self.conv_state.dtype)
+                    self.ssm_state[save_to] = s
+            if slots is not None:
+                self.conv_state[slots[i]] = window[:, -(self.kernel - 1):].to(self.conv_state.dtype)
+                self.ssm_state[slots[i]] = s
+        return out
+
+    def _copy_state(self, src: int, dst: int) -> None:
+        """Slot dst takes slot src's conv window and recurrent state (a checkpoint restored)."""
+        self.conv_state[dst] = self.conv_state[src]
+        self.ssm_state[dst] = self.ssm_state[src]

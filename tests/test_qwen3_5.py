@@ -1,0 +1,260 @@
+"""Hybrid models (Gated DeltaNet + gated attention: Qwen3.5 dense and MoE, Qwen3-Next) against transformers,
+float32 on the CPU, on tiny random checkpoints: greedy tokens identical and logprobs within 1e-4 for a batch of
+mixed-length prompts in small chunks (the recurrent state carried across chunk boundaries, prefill chunks and
+decodes in one step), each prompt alone, preemption under a tiny cache with fewer state slots than prompts,
+prefix-cache hits restoring state checkpoints, tensor parallelism over the DeltaNet heads, a ForConditionalGeneration
+checkpoint run as its language model; speculation, unknown layer types and the core API refused."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from novainfer import LLM, SamplingParams
+from tests.tiny_models import hf_greedy_logprobs, make_tokenizer
+
+PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. The capital of France is",
+           "def add(a, b):"]
+N = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0)
+MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+CONFIGS = {  # layer 3 is full attention, 0-2 linear (the 3:1 plan); two key heads serve four value heads
+    "qwen3_5": ("Qwen3_5TextConfig", dict(intermediate_size=96)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", MOE),  # no intermediate_size: every layer is sparse
+    "qwen3_next": ("Qwen3NextConfig", dict(MOE, intermediate_size=96, norm_topk_prob=True, mlp_only_layers=[1])),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: intra-op threads only contend on the shared machine (as tests/test_model_families.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def text_config(arch: str, vocab: int, eos: int, pad: int) -> transformers.PretrainedConfig:
+    cls, extra = CONFIGS[arch]
+    return getattr(transformers, cls)(
+        vocab_size=vocab, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6, linear_conv_kernel_dim=4,
+        linear_key_head_dim=16, linear_value_head_dim=24, linear_num_key_heads=2, linear_num_value_heads=4,
+        initializer_range=0.1, eos_token_id=eos, pad_token_id=pad, bos_token_id=None, **extra)
+
+
+def randomize(model: torch.nn.Module) -> None:
+    """Norm offsets, decays and routers away from their initial values, so (1 + w), A_log, dt_bias and uneven
+    routing all bite."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.2)
+            elif name.endswith(("A_log", "dt_bias")):
+                p.copy_(torch.randn_like(p) * 0.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.mul_(3.0)
+
+
+def build(path: str, arch: str, conditional: bool = False) -> str:
+    tokenizer = make_tokenizer(400)
+    eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id
+    text = text_config(arch, len(tokenizer), eos, pad)
+    torch.manual_seed(3)
+    if conditional:
+        vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+                      num_position_embeddings=16)
+        config = transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=True)
+        model = transformers.Qwen3_5ForConditionalGeneration(config).float()
+    else:
+        model = AutoModelForCausalLM.from_config(text, dtype=torch.float32)
+    randomize(model)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    # the multi-token-prediction head real checkpoints ship: never used, skipped on load
+    save_file({"mtp.fc.weight": torch.randn(64, 128), "mtp.layers.0.input_layernorm.weight": torch.zeros(64)},
+              os.path.join(path, "mtp.safetensors"))
+    tokenizer.save_pretrained(path)
+    GenerationConfig(eos_token_id=[eos, pad]).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    paths: dict[str, str] = {}
+
+    def get(arch: str, conditional: bool = False) -> str:
+        key = f"{arch}-vl" if conditional else arch
+        if key not in paths:
+            paths[key] = build(str(tmp_path_factory.mktemp(key)), arch, conditional)
+        return paths[key]
+    return get
+
+
+def assert_matches(outs, refs) -> None:
+    for out, (ref_tokens, ref_lps) in zip(outs, refs):
+        got = out.outputs[0]
+        assert got.token_ids == ref_tokens
+        lps = [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)]
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_greedy_and_logprobs_match_transformers(arch, model_path):
+    path = model_path(arch)
+    # 6-token budget: the 20-token prompt spans four chunks, and decodes share steps with other prompts' chunks
+    llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=6)
+    ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    assert len(ids[1]) > 12
+    refs = hf_greedy_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), ids, N)
+    assert_matches(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs)
+    if arch == "qwen3_5":  # each prompt alone, in one long prefill step
+        alone = LLM(path, dtype="float32", block_size=4)
+        for prompt, ref in zip(PROMPTS, refs):
+            assert_matches(alone.generate([prompt], GREEDY, use_tqdm=False), [ref])
+
+
+def test_triton_attention_backend(model_path):
+    """The gated attention layer through the Triton kernels (interpreted on the CPU), DeltaNet layers around it."""
+    path = model_path("qwen3_5")
+    llm = LLM(path, dtype="float32", attention_backend="triton", block_size=4, max_num_batched_tokens=4)
+    ids = [llm.get_tokenizer().encode(PROMPTS[0])]  # two chunks, then decodes
+    refs = hf_greedy_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), ids, 4)
+    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(ids[0]) > 4 and out[0].outputs[0].token_ids == refs[0][0]
+    assert llm.llm_engine.engine_core.executor.workers[0].model_runner.attn_backend.__name__.endswith("triton_backend")
+
+
+def test_preemption_and_few_state_slots(model_path):
+    """12 blocks of 4 tokens cannot hold three growing sequences: the newest is preempted (its slot freed, its
+    state recomputed from zero); two slots for three prompts: the third waits for one."""
+    path = model_path("qwen3_5_moe")
+    llm = LLM(path, dtype="float32", block_size=4, num_gpu_blocks=12, max_num_seqs=2, max_num_batched_tokens=8)
+    ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    refs = hf_greedy_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), ids, N)
+    assert_matches(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs)
+    core = llm.llm_engine.engine_core
+    assert core.scheduler.num_preemptions > 0
+    assert core.block_manager.num_state_slots == 2 and sorted(core.block_manager.free_slots) == [0, 1]
+
+
+def test_prefix_cache_hits_restore_the_state_checkpoints(model_path):
+    """A prompt that extends an earlier one hits the cache at the earlier prompt's last full block, whose state
+    checkpoint is restored; a batch of prompts sharing a prefix (hits planned while their checkpoint is written in
+    flight) too. Tokens and logprobs equal transformers', which has no cache across requests."""
+    path = model_path("qwen3_5")
+    llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=8)
+    tok = llm.get_tokenizer()
+    base = tok.encode(PROMPTS[1])
+    assert len(base) > 16 and len(base) % 4
+    prompts = [base, base + tok.encode(" Paris is"), base[:13] + tok.encode(" big"), base + tok.encode(" big")]
+    refs = hf_greedy_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), prompts, N)
+    bm = llm.llm_engine.engine_core.block_manager
+    assert_matches(llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False), refs[:1])
+    assert bm.num_prefix_hits == 0 and len(bm.checkpoints) == 1
+    assert_matches(llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], GREEDY, use_tqdm=False), refs[1:])
+    # the two prompts that extend base hit at its checkpoint; the third shares 3 blocks, none checkpointed
+    assert bm.num_prefix_hits == 2 * (len(base) // 4 * 4)
+
+
+def test_state_slots_share_the_cpu_cache_budget(model_path):
+    """The state slots and checkpoints take at most half of cpu_kv_cache_tokens' bytes; KV blocks the rest."""
+    llm = LLM(model_path("qwen3_5"), dtype="float32", block_size=4, cpu_kv_cache_tokens=2048, max_num_seqs=64)
+    core = llm.llm_engine.engine_core
+    runner = core.executor.workers[0].model_runner
+    state, budget = runner.state_cache, 2048 * runner.kv_bytes_per_block() // 4
+    assert 0 < state.num_checkpoints < state.num_slots < 64 and 0 < state.nbytes() <= budget // 2
+    assert core.num_blocks * runner.kv_bytes_per_block() + state.nbytes() <= budget
+    assert core.block_manager.num_state_slots == state.num_slots
+    assert core.block_manager.num_checkpoints == state.num_checkpoints
+
+
+def test_conditional_generation_checkpoint_runs_as_language_model(model_path, caplog):
+    path = model_path("qwen3_5", conditional=True)
+    with caplog.at_level("INFO"):
+        llm = LLM(path, dtype="float32", block_size=4)
+    assert any("vision-tower weights" in r.getMessage() for r in caplog.records)
+    ids = [llm.get_tokenizer().encode(p) for p in PROMPTS[:2]]
+    hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    assert_matches(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False), hf_greedy_logprobs(hf, ids, N))
+
+
+def test_tensor_parallel_two_ranks_split_the_deltanet_heads(model_path):
+    """tp=2 (uni backend, threads): each rank holds one key head and two value heads of every DeltaNet layer;
+    Qwen3-Next's fused projections and the MoE are split too. Tokens and logprobs equal transformers'."""
+    path = model_path("qwen3_next")
+    llm = LLM(path, dtype="float32", tensor_parallel_size=2, block_size=4, max_num_batched_tokens=8)
+    ids = [llm.get_tokenizer().encode(p) for p in PROMPTS[:2]]
+    refs = hf_greedy_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), ids, N)
+    assert_matches(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False), refs)
+    llm.llm_engine.shutdown()
+
+
+def test_mp_backend_carries_the_state_slots(model_path):
+    """The mp executor's step wire sends each sequence's slot and checkpoint copies to the worker process:
+    chunked prompts, a prefix hit (the second prompt extends the first) and preemption, as transformers."""
+    path = model_path("qwen3_5")
+    llm = LLM(path, dtype="float32", distributed_executor_backend="mp", block_size=4, num_gpu_blocks=14,
+              max_num_batched_tokens=8)
+    tok = llm.get_tokenizer()
+    base = tok.encode(PROMPTS[1])
+    prompts = [base, base + tok.encode(" Paris is"), tok.encode(PROMPTS[0])]
+    refs = hf_greedy_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), prompts, N)
+    assert_matches(llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False), refs[:1])
+    assert_matches(llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], GREEDY, use_tqdm=False), refs[1:])
+    core = llm.llm_engine.engine_core
+    assert core.block_manager.num_prefix_hits > 0 and core.scheduler.num_preemptions > 0
+    llm.llm_engine.shutdown()
+
+
+def with_config(src: str, dst, **changes) -> str:
+    """A copy of the checkpoint at src (links) whose config.json has the given fields changed."""
+    for name in os.listdir(src):
+        if name != "config.json":
+            os.symlink(os.path.join(src, name), dst / name)
+    config = json.load(open(os.path.join(src, "config.json")))
+    config.update(changes)
+    json.dump(config, open(dst / "config.json", "w"))
+    return str(dst)
+
+
+def test_tensor_parallel_refuses_indivisible_deltanet_heads(model_path, tmp_path):
+    path = with_config(model_path("qwen3_5"), tmp_path, linear_num_key_heads=1)
+    with pytest.raises(ValueError, match="linear_num_key_heads=1 is not divisible by tensor_parallel_size=2"):
+        LLM(path, dtype="float32", tensor_parallel_size=2)
+
+
+def test_core_api_refuses_hybrid_models(model_path):
+    from novainfer.core.context import Context
+    with pytest.raises(NotImplementedError, match="linear-attention"):
+        Context(model_path("qwen3_5"), n_cells=64, dtype="float32")
+
+
+def test_speculation_is_refused(model_path, tiny_qwen2):
+    """On a hybrid target (a rejected guess would have advanced the recurrent state), and a hybrid draft model."""
+    with pytest.raises(ValueError, match="recurrent state"):
+        LLM(model_path("qwen3_5"), dtype="float32", speculative_config={"method": "ngram",
+                                                                        "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="linear-attention layers, which a draft model cannot have"):
+        LLM(tiny_qwen2, dtype="float32", speculative_config={"method": "draft_model", "model": model_path("qwen3_5"),
+                                                             "num_speculative_tokens": 2})
+
+
+def test_unknown_layer_type_is_refused(model_path, tmp_path):
+    src = model_path("qwen3_5")
+    types = json.load(open(os.path.join(src, "config.json")))["layer_types"]
+    path = with_config(src, tmp_path, layer_types=["sliding_attention"] + types[1:])
+    with pytest.raises(NotImplementedError, match="layer_types"):
+        LLM(path, dtype="float32")
+
+
+
+def test_ungated_attention_is_refused(model_path, tmp_path):
+    path = with_config(model_path("qwen3_5"), tmp_path, attn_output_gate=False)
+    with pytest.raises(NotImplementedError, match="attn_output_gate=False"):
+        LLM(path, dtype="float32")
