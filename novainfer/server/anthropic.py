@@ -231,7 +231,7 @@ class MessagesHandler:
         """The prompt's length as /v1/messages would render it (tools included)."""
         chat_req = _chat_request(req)
         model = self.chat.serving.resolve_model(req.model)
-        plan = plan_tools(chat_req, self.chat.tools)
+        plan = plan_tools(chat_req, self.chat.tools, self.chat.chat_format(model).tool_parser)
         shown, kwargs = template_inputs(model.tokenizer, [m.to_template() for m in chat_req.messages], plan)
         try:
             ids = apply_chat_template(model.tokenizer, shown, True, **kwargs)

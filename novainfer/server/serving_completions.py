@@ -38,7 +38,7 @@ class CompletionHandler:
     # ---- building the engine requests ----------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request_id: str, raw: Request):
         model = self.serving.resolve_model(req.model)
-        fmt = self._format(model)
+        fmt = self.chat_format(model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         plan = plan_tools(req, self.tools, fmt.tool_parser)
         constraint = structured_outputs_params(req)
@@ -79,7 +79,7 @@ class CompletionHandler:
         return await self._respond(gen, req, raw, "chat", f"chatcmpl-{request_id}", remember,
                                    lambda: ChoiceOutput(plan, reasoning, trim))
 
-    def _format(self, model: ServedModel) -> ChatFormat:
+    def chat_format(self, model: ServedModel) -> ChatFormat:
         """The model's tool-call and reasoning formats, found on its first chat request."""
         if model.name not in self.formats:
             self.formats[model.name] = ChatFormat.of(model.tokenizer, model.path, self.tools.tool_call_parser,
