@@ -1,0 +1,161 @@
+"""Gemma 4 against transformers (float32, CPU), on tiny random checkpoints saved with save_pretrained.
+
+The dense model has every text feature at once: per-layer embeddings, KV-shared layers (each reading the last
+earlier layer of its type, one of two sliding candidates) with double-wide MLPs, attention_k_eq_v with wider
+KV heads on full layers (global_head_dim, proportional partial rope), a sliding window shorter than the
+prompts, soft-capped logits. The MoE model adds the router and experts beside the dense MLP. Norm weights,
+layer scalars and router scales are drawn away from one, so each is seen. Greedy tokens must equal
+transformers' and the chosen tokens' logprobs lie within 1e-4.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig, Gemma4ForCausalLM, Gemma4TextConfig
+
+from novainfer import LLM, SamplingParams
+from tests.tiny_models import WINDOW, hf_greedy_with, make_tokenizer
+
+PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. The capital of France is",
+           "def add(a, b):"]
+N = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0)
+LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+
+def text_config(moe: bool, vocab: int, eos: int, pad: int, **over) -> Gemma4TextConfig:
+    """The tiny dense (PLE, KV sharing) or MoE config."""
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+                  attention_k_eq_v=True, max_position_embeddings=256, sliding_window=WINDOW, rms_norm_eps=1e-6,
+                  initializer_range=0.1, final_logit_softcapping=3.0, eos_token_id=eos, pad_token_id=pad,
+                  bos_token_id=None, tie_word_embeddings=True, vocab_size_per_layer_input=vocab)
+    if moe:
+        extra = dict(num_hidden_layers=3, layer_types=LAYER_TYPES[1:4], hidden_size_per_layer_input=0,
+                     enable_moe_block=True, num_experts=5, top_k_experts=2, moe_intermediate_size=16)
+    else:
+        extra = dict(num_hidden_layers=5, layer_types=LAYER_TYPES, hidden_size_per_layer_input=8,
+                     num_kv_shared_layers=2, use_double_wide_mlp=True)
+    return Gemma4TextConfig(**{**common, **extra, **over})
+
+
+def randomize(model: torch.nn.Module) -> None:
+    """Norm weights, layer scalars and router scales off one; routers decisive, so routing is uneven."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
+                p.normal_(1.0, 0.2)
+            elif name.endswith("router.proj.weight"):
+                p.mul_(3.0)
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.uniform_(0.5, 1.5)
+
+
+def save_tiny(path, moe: bool, **over) -> str:
+    tok = make_tokenizer(400)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    torch.manual_seed(5)
+    model = Gemma4ForCausalLM(text_config(moe, len(tok), eos, tok.pad_token_id, **over)).float()
+    model.config.architectures = ["Gemma4ForCausalLM"]
+    randomize(model)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    GenerationConfig(eos_token_id=[eos]).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("gemma4_dense"), moe=False)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return save_tiny(tmp_path_factory.mktemp("gemma4_moe"), moe=True)
+
+
+def hf_reference(model, prompt_ids: list[list[int]], n: int) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens and their logprobs, token by token with its own cache."""
+    out = []
+    for ids in prompt_ids:
+        tokens, lps, past, step = [], [], None, torch.tensor([ids])
+        with torch.no_grad():
+            for _ in range(n):
+                res = model(input_ids=step, cache=past, use_cache=True)
+                past, logprobs = res.cache, torch.log_softmax(res.logits[0, -1].float(), -1)
+                tokens.append(int(logprobs.argmax()))
+                lps.append(float(logprobs[tokens[-1]]))
+                step = torch.tensor([[tokens[-1]]])
+        out.append((tokens, lps))
+    return out
+
+
+_REFS: dict[str, list] = {}
+
+
+def reference(path: str, ids: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    if path not in _REFS:
+        model = Gemma4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        _REFS[path] = hf_reference(model, ids, N)
+    return _REFS[path]
+
+
+def assert_matches(outs, refs) -> None:
+    for out, (ref_tokens, ref_lps) in zip(outs, refs):
+        got = out.outputs[0]
+        assert got.token_ids == ref_tokens
+        lps = [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)]
+        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_batch_and_alone_match_transformers(which, prefix_caching, request):
+    """A batch of mixed lengths (one prompt past twice the window, chunked prefill), then each prompt alone
+    (with prefix caching, after the batch: cached prefixes reused), all equal transformers'."""
+    path = request.getfixturevalue(which)
+    llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16, enable_prefix_caching=prefix_caching)
+    ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    assert len(ids[1]) > 2 * WINDOW
+    refs = reference(path, ids)
+    assert_matches(llm.generate(PROMPTS, GREEDY, use_tqdm=False), refs)
+    for prompt, ref in zip(PROMPTS, refs):
+        assert_matches(llm.generate([prompt], GREEDY, use_tqdm=False), [ref])
+
+
+def test_preemption_under_a_tiny_cache(dense):
+    prompts = [f"Hello, my name is {name} and" for name in ["Ann", "Bob", "Cy", "Dee"]]
+    llm = LLM(dense, dtype="float32", block_size=4, num_gpu_blocks=24)  # 96 tokens for 4 x ~35
+    ids = [llm.get_tokenizer().encode(p) for p in prompts]
+    model = Gemma4ForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy_with(model, i, N) for i in ids]
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_kv_shared_layers_read_their_source_and_hold_no_cache(dense):
+    """Layers 3 (sliding) and 4 (full) read layers 1 and 2, the last earlier ones of their types (not layer
+    0); only the three computing layers hold a cache, full layers with their own KV head size."""
+    llm = LLM(dense, dtype="float32", block_size=4, num_gpu_blocks=16)
+    layers = llm.llm_engine.executor.workers[0].model_runner.model.model.layers
+    attn = [layer.self_attn.attn for layer in layers]
+    assert attn[3].kv_source is attn[1] and attn[4].kv_source is attn[2]
+    assert [a.kv_source is None for a in attn] == [True, True, True, False, False]
+    assert attn[3].k_cache.numel() == attn[4].k_cache.numel() == 0
+    assert attn[0].k_cache.shape == (16, 4, 2, 16) and attn[2].k_cache.shape == (16, 4, 1, 32)
+    assert attn[0].k_cache.data_ptr() != attn[1].k_cache.data_ptr()
+
+
+def test_refuses_what_it_does_not_implement(tmp_path):
+    path = save_tiny(tmp_path, moe=False, use_bidirectional_attention="all")
+    with pytest.raises(NotImplementedError, match="use_bidirectional_attention"):
+        LLM(path, dtype="float32", num_gpu_blocks=8)
