@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GenerationConfig, Gemma4ForCausalLM, Gemma4TextConfig
+from transformers import (Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig,
+                          Gemma4VisionConfig, GenerationConfig)
 
 from novainfer import LLM, SamplingParams
-from tests.tiny_models import WINDOW, hf_greedy_with, make_tokenizer
+from tests.tiny_models import WINDOW, make_tokenizer
 
 PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. The capital of France is",
            "def add(a, b):"]
@@ -52,12 +53,19 @@ def randomize(model: torch.nn.Module) -> None:
                 b.uniform_(0.5, 1.5)
 
 
-def save_tiny(path, moe: bool, **over) -> str:
+def save_tiny(path, moe: bool, multimodal: bool = False, **over) -> str:
+    """A tiny Gemma4ForCausalLM checkpoint, or with multimodal a Gemma4ForConditionalGeneration one with a
+    one-layer vision tower (weights under model.language_model.*)."""
     tok = make_tokenizer(400)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     torch.manual_seed(5)
-    model = Gemma4ForCausalLM(text_config(moe, len(tok), eos, tok.pad_token_id, **over)).float()
-    model.config.architectures = ["Gemma4ForCausalLM"]
+    config = text_config(moe, len(tok), eos, tok.pad_token_id, **over)
+    if multimodal:
+        vision = Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                    num_key_value_heads=2, head_dim=8)
+        config = Gemma4Config(text_config=config.to_dict(), vision_config=vision.to_dict(), audio_config=None)
+    model = (Gemma4ForConditionalGeneration if multimodal else Gemma4ForCausalLM)(config).float()
+    model.config.architectures = [type(model).__name__]
     randomize(model)
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -81,6 +89,10 @@ def dense(tmp_path_factory):
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("gemma4_moe"), moe=True)
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    return hf_reference(model, [ids], n)[0][0]
 
 
 def hf_reference(model, prompt_ids: list[list[int]], n: int) -> list[tuple[list[int], list[float]]]:
@@ -138,7 +150,7 @@ def test_preemption_under_a_tiny_cache(dense):
     ids = [llm.get_tokenizer().encode(p) for p in prompts]
     model = Gemma4ForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=N, ignore_eos=True), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy_with(model, i, N) for i in ids]
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, i, N) for i in ids]
     assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
@@ -159,3 +171,50 @@ def test_refuses_what_it_does_not_implement(tmp_path):
     path = save_tiny(tmp_path, moe=False, use_bidirectional_attention="all")
     with pytest.raises(NotImplementedError, match="use_bidirectional_attention"):
         LLM(path, dtype="float32", num_gpu_blocks=8)
+
+
+def test_multimodal_checkpoint_runs_as_its_language_model(tmp_path, caplog):
+    """Gemma4ForConditionalGeneration: the text config and the model.language_model.* weights; the vision
+    tower's weights are skipped with one log line; text-only greedy tokens equal transformers'."""
+    path = save_tiny(tmp_path, moe=False, multimodal=True)
+    with caplog.at_level("INFO", logger="novainfer.models.gemma4"):
+        llm = LLM(path, dtype="float32", block_size=4, num_gpu_blocks=32)
+    assert [r.message for r in caplog.records if "vision/audio" in r.message] == [
+        "Gemma 4: skipped 16 vision/audio weights (the language model runs alone)"]
+    ids = llm.get_tokenizer().encode(PROMPTS[1])
+    got = llm.generate(PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    model = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    assert got[0].outputs[0].token_ids == hf_greedy(model, ids, 12)
+
+
+GEMMA_TEMPLATE = ("{% for m in messages %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+                  "{{ m['content'] }}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+
+
+def test_chat_template_and_end_of_turn_stop(tmp_path):
+    """LLM.chat renders the checkpoint's own template (through transformers); the end-of-turn token listed in
+    generation_config's eos ids ends the reply. Its LM-head row is made 1.01x that of the token transformers
+    picks at step 4, so greedy decoding reaches it within four tokens."""
+    tok = make_tokenizer(400)
+    tok.add_special_tokens({"additional_special_tokens": ["<|turn>", "<turn|>"]})
+    tok.chat_template = GEMMA_TEMPLATE
+    eos, eot = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<turn|>")
+    torch.manual_seed(5)
+    model = Gemma4ForCausalLM(text_config(False, len(tok), eos, tok.pad_token_id, tie_word_embeddings=False))
+    model.config.architectures = ["Gemma4ForCausalLM"]
+    randomize(model)
+    messages = [{"role": "user", "content": "The capital of France is"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert tok.decode(ids) == "<|turn>user\nThe capital of France is<turn|>\n<|turn>model\n"
+    with torch.no_grad():
+        model.lm_head.weight[eot] = 1.01 * model.lm_head.weight[hf_greedy(model.eval(), ids, 4)[3]]
+    ref = hf_greedy(model, ids, 8)
+    assert eot in ref[:4]
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    GenerationConfig(eos_token_id=[eos, eot]).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_gpu_blocks=32)
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == ref[:ref.index(eot) + 1]
+    assert out.outputs[0].finish_reason == "stop"
