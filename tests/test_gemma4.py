@@ -26,8 +26,8 @@ LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "slid
 
 def text_config(moe: bool, vocab: int, eos: int, pad: int, **over) -> Gemma4TextConfig:
     """The tiny dense (PLE, KV sharing) or MoE config."""
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=16, global_head_dim=32, num_global_key_value_heads=2,
                   attention_k_eq_v=True, max_position_embeddings=256, sliding_window=WINDOW, rms_norm_eps=1e-6,
                   initializer_range=0.1, final_logit_softcapping=3.0, eos_token_id=eos, pad_token_id=pad,
                   bos_token_id=None, tie_word_embeddings=True, vocab_size_per_layer_input=vocab)
@@ -163,8 +163,29 @@ def test_kv_shared_layers_read_their_source_and_hold_no_cache(dense):
     assert attn[3].kv_source is attn[1] and attn[4].kv_source is attn[2]
     assert [a.kv_source is None for a in attn] == [True, True, True, False, False]
     assert attn[3].k_cache.numel() == attn[4].k_cache.numel() == 0
-    assert attn[0].k_cache.shape == (16, 4, 2, 16) and attn[2].k_cache.shape == (16, 4, 1, 32)
+    assert attn[0].k_cache.shape == (16, 4, 4, 16) and attn[2].k_cache.shape == (16, 4, 2, 32)
     assert attn[0].k_cache.data_ptr() != attn[1].k_cache.data_ptr()
+
+
+@pytest.mark.parametrize("which", ["dense", "moe"])
+def test_tensor_parallel_two_ranks_match_transformers(which, request):
+    """tp=2 (uni backend, threads): heads, KV heads of both layer kinds, MLPs (double-wide too) and experts
+    split; PLE tables, routers and KV-shared layers' sources per rank; tokens and logprobs as transformers'."""
+    path = request.getfixturevalue(which)
+    llm = LLM(path, dtype="float32", block_size=4, tensor_parallel_size=2, distributed_executor_backend="uni",
+              master_port=0)
+    try:
+        ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+        assert_matches(llm.generate(PROMPTS, GREEDY, use_tqdm=False), reference(path, ids))
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_tensor_parallel_refuses_indivisible_full_layer_kv_heads(tmp_path):
+    """The full layers' own KV head count (num_global_key_value_heads) must split too."""
+    path = save_tiny(tmp_path, moe=False, num_global_key_value_heads=1)
+    with pytest.raises(ValueError, match="num_key_value_heads=1 is not divisible by tp_size=2"):
+        LLM(path, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="uni", master_port=0)
 
 
 def test_refuses_what_it_does_not_implement(tmp_path):
