@@ -15,7 +15,8 @@ from transformers import (Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalG
                           Gemma4VisionConfig, GenerationConfig)
 
 from novainfer import LLM, SamplingParams
-from tests.tiny_models import WINDOW, make_tokenizer
+from tests.test_model_families import one_thread  # noqa: F401  (autouse: one intra-op thread, as there)
+from tests.tiny_models import WINDOW, hf_greedy_logprobs, make_tokenizer
 
 PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. The capital of France is",
            "def add(a, b):"]
@@ -73,14 +74,6 @@ def save_tiny(path, moe: bool, multimodal: bool = False, **over) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("gemma4_dense"), moe=False)
@@ -92,23 +85,7 @@ def moe(tmp_path_factory):
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    return hf_reference(model, [ids], n)[0][0]
-
-
-def hf_reference(model, prompt_ids: list[list[int]], n: int) -> list[tuple[list[int], list[float]]]:
-    """transformers' greedy tokens and their logprobs, token by token with its own cache."""
-    out = []
-    for ids in prompt_ids:
-        tokens, lps, past, step = [], [], None, torch.tensor([ids])
-        with torch.no_grad():
-            for _ in range(n):
-                res = model(input_ids=step, cache=past, use_cache=True)
-                past, logprobs = res.cache, torch.log_softmax(res.logits[0, -1].float(), -1)
-                tokens.append(int(logprobs.argmax()))
-                lps.append(float(logprobs[tokens[-1]]))
-                step = torch.tensor([[tokens[-1]]])
-        out.append((tokens, lps))
-    return out
+    return hf_greedy_logprobs(model, [ids], n)[0][0]
 
 
 _REFS: dict[str, list] = {}
@@ -117,7 +94,7 @@ _REFS: dict[str, list] = {}
 def reference(path: str, ids: list[list[int]]) -> list[tuple[list[int], list[float]]]:
     if path not in _REFS:
         model = Gemma4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        _REFS[path] = hf_reference(model, ids, N)
+        _REFS[path] = hf_greedy_logprobs(model, ids, N)
     return _REFS[path]
 
 
@@ -239,3 +216,12 @@ def test_chat_template_and_end_of_turn_stop(tmp_path):
     assert out.prompt_token_ids == ids
     assert out.outputs[0].token_ids == ref[:ref.index(eot) + 1]
     assert out.outputs[0].finish_reason == "stop"
+
+
+def test_triton_backend_reads_shared_caches(dense):
+    """The Triton kernels (interpreted on the CPU) over the mixed-shape cache and the KV-shared layers:
+    chunked prefill past the window, then decode; tokens as transformers'."""
+    llm = LLM(dense, dtype="float32", attention_backend="triton", block_size=4, max_num_batched_tokens=16)
+    ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    out = llm.generate(PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == reference(dense, ids)[1][0][:6]

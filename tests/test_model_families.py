@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from novainfer import LLM, SamplingParams
 from novainfer.models.moe import num_experts_of
 from novainfer.models.registry import MODEL_REGISTRY, get_model_class
-from tests.tiny_models import FAMILIES, WINDOW, hf_greedy_with, make_tiny_model
+from tests.tiny_models import FAMILIES, WINDOW, hf_greedy_logprobs, hf_greedy_with, make_tiny_model
 
 PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. The capital of France is"]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
@@ -43,21 +43,8 @@ def family_path(tmp_path_factory):
 
 
 def hf_reference(path: str, prompt_ids: list[list[int]], n: int) -> list[tuple[list[int], list[float]]]:
-    """transformers' greedy tokens and the logprob of each, decoding token by token with its KV cache (as
-    tests/tiny_models.hf_greedy_with, which a one-shot forward would not equal: LongRoPE switches tables)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = []
-    for ids in prompt_ids:
-        tokens, lps, past, step = [], [], None, torch.tensor([ids])
-        with torch.no_grad():
-            for _ in range(n):
-                res = model(input_ids=step, past_key_values=past, use_cache=True)
-                past, logprobs = res.past_key_values, torch.log_softmax(res.logits[0, -1].float(), -1)
-                tokens.append(int(logprobs.argmax()))
-                lps.append(float(logprobs[tokens[-1]]))
-                step = torch.tensor([[tokens[-1]]])
-        out.append((tokens, lps))
-    return out
+    """transformers' greedy tokens and the logprob of each (tests/tiny_models.hf_greedy_logprobs)."""
+    return hf_greedy_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), prompt_ids, n)
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
