@@ -60,6 +60,11 @@ def check_supported(config: Any) -> None:
     act = getattr(config, "hidden_activation", None) or config.hidden_act
     if act not in _GELU:
         raise NotImplementedError(f"Gemma 4 hidden_activation={act!r} is not supported")
+    spec = vars(config).get("_heterogeneity_spec")  # transformers' per_layer_config: what differs per layer
+    unread = sorted(set(getattr(spec, "per_layer_attributes", ())) - {"head_dim", "num_key_value_heads"})
+    if unread:
+        raise NotImplementedError(f"Gemma 4 per_layer_config overrides {unread}: only head_dim and "
+                                  "num_key_value_heads may differ per layer here")
     shared = config.num_kv_shared_layers or 0
     if shared >= config.num_hidden_layers:
         raise NotImplementedError(f"num_kv_shared_layers={shared} leaves no layer that computes K/V")
