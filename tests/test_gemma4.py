@@ -33,7 +33,7 @@ def text_config(moe: bool, vocab: int, eos: int, pad: int, **over) -> Gemma4Text
                   initializer_range=0.1, final_logit_softcapping=3.0, eos_token_id=eos, pad_token_id=pad,
                   bos_token_id=None, tie_word_embeddings=True, vocab_size_per_layer_input=vocab)
     if moe:
-        extra = dict(num_hidden_layers=3, layer_types=LAYER_TYPES[1:4], hidden_size_per_layer_input=0,
+        extra = dict(num_hidden_layers=3, layer_types=LAYER_TYPES[:3], hidden_size_per_layer_input=0,
                      enable_moe_block=True, num_experts=5, top_k_experts=2, moe_intermediate_size=16)
     else:
         extra = dict(num_hidden_layers=5, layer_types=LAYER_TYPES, hidden_size_per_layer_input=8,
@@ -174,6 +174,53 @@ def test_refuses_what_it_does_not_implement(tmp_path):
     per_layer = text_config(False, 400, 1, 0, per_layer_config={2: {"head_dim": 32, "intermediate_size": 8}})
     with pytest.raises(NotImplementedError, match="per_layer_config overrides.*intermediate_size"):
         check_supported(per_layer)
+
+
+def test_multimodal_checkpoint_runs_as_its_language_model(tmp_path, caplog):
+    """Gemma4ForConditionalGeneration: the text config and the model.language_model.* weights; the vision
+    tower's weights are skipped with one log line; text-only greedy tokens equal transformers'."""
+    path = save_tiny(tmp_path, moe=False, multimodal=True)
+    with caplog.at_level("INFO", logger="novainfer.models.gemma4"):
+        llm = LLM(path, dtype="float32", block_size=4, num_gpu_blocks=32)
+    assert [r.message for r in caplog.records if "vision/audio" in r.message] == [
+        "Gemma 4: skipped 16 vision/audio weights (the language model runs alone)"]
+    ids = llm.get_tokenizer().encode(PROMPTS[1])
+    got = llm.generate(PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    model = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    assert got[0].outputs[0].token_ids == hf_greedy(model, ids, 12)
+
+
+GEMMA_TEMPLATE = ("{% for m in messages %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+                  "{{ m['content'] }}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+
+
+def test_chat_template_and_end_of_turn_stop(tmp_path):
+    """LLM.chat renders the checkpoint's own template (through transformers); the end-of-turn token listed in
+    generation_config's eos ids ends the reply. Its LM-head row is made 1.01x that of the token transformers
+    picks at step 4, so greedy decoding reaches it within four tokens."""
+    tok = make_tokenizer(400)
+    tok.add_special_tokens({"additional_special_tokens": ["<|turn>", "<turn|>"]})
+    tok.chat_template = GEMMA_TEMPLATE
+    eos, eot = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<turn|>")
+    torch.manual_seed(5)
+    model = Gemma4ForCausalLM(text_config(False, len(tok), eos, tok.pad_token_id, tie_word_embeddings=False))
+    model.config.architectures = ["Gemma4ForCausalLM"]
+    randomize(model)
+    messages = [{"role": "user", "content": "The capital of France is"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert tok.decode(ids) == "<|turn>user\nThe capital of France is<turn|>\n<|turn>model\n"
+    with torch.no_grad():
+        model.lm_head.weight[eot] = 1.01 * model.lm_head.weight[hf_greedy(model.eval(), ids, 4)[3]]
+    ref = hf_greedy(model, ids, 8)
+    assert eot in ref[:4]
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    GenerationConfig(eos_token_id=[eos, eot]).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_gpu_blocks=32)
+    out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == ref[:ref.index(eot) + 1]
+    assert out.outputs[0].finish_reason == "stop"
 
 
 def test_triton_backend_reads_shared_caches(dense):
