@@ -135,13 +135,16 @@ def test_kv_shared_layers_read_their_source_and_hold_no_cache(dense):
     """Layers 3 (sliding) and 4 (full) read layers 1 and 2, the last earlier ones of their types (not layer
     0); only the three computing layers hold a cache, full layers with their own KV head size."""
     llm = LLM(dense, dtype="float32", block_size=4, num_gpu_blocks=16)
-    layers = llm.llm_engine.executor.workers[0].model_runner.model.model.layers
+    runner = llm.llm_engine.executor.workers[0].model_runner
+    layers = runner.model.model.layers
     attn = [layer.self_attn.attn for layer in layers]
     assert attn[3].kv_source is attn[1] and attn[4].kv_source is attn[2]
     assert [a.kv_source is None for a in attn] == [True, True, True, False, False]
     assert attn[3].k_cache.numel() == attn[4].k_cache.numel() == 0
     assert attn[0].k_cache.shape == (16, 4, 4, 16) and attn[2].k_cache.shape == (16, 4, 2, 32)
     assert attn[0].k_cache.data_ptr() != attn[1].k_cache.data_ptr()
+    # K and V, 4 tokens a block, float32: two sliding layers of 4 x 16 and one full layer of 2 x 32
+    assert runner.kv_bytes_per_block() == 2 * 4 * 4 * (4 * 16 + 4 * 16 + 2 * 32)
 
 
 @pytest.mark.parametrize("which", ["dense", "moe"])

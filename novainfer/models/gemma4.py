@@ -24,7 +24,8 @@ from novainfer.layers.embedding import VocabParallelEmbedding
 from novainfer.layers.fused_moe import FusedMoE
 from novainfer.layers.fused_moe.routing import select_experts
 from novainfer.layers.layernorm import GemmaRMSNorm
-from novainfer.layers.linear import ColumnParallelLinear, QKVParallelLinear, ReplicatedLinear, RowParallelLinear
+from novainfer.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                                     ReplicatedLinear, RowParallelLinear, _divide)
 from novainfer.layers.rotary import get_rope
 from novainfer.models.llama import LlamaMLP, sliding_window_of
 from novainfer.models.moe import MoeForCausalLM
@@ -89,6 +90,21 @@ def kv_source_layers(config: Any) -> dict[int, int]:
     return {i: last[types[i]] for i in range(first_shared, config.num_hidden_layers)}
 
 
+class QKParallelLinear(MergedColumnParallelLinear):
+    """q and k projections fused, no v (attention_k_eq_v: the key projection is the value too); checkpoint
+    shards 'q' and 'k' as QKVParallelLinear names them."""
+
+    shard_order = ["q", "k"]
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim], bias)
+        self.num_heads = _divide(num_heads, self.tp_size, "num_attention_heads")
+        self.num_kv_heads = _divide(num_kv_heads, self.tp_size, "num_key_value_heads")
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
+        super().weight_loader(param, loaded, {"q": 0, "k": 1}[shard_id])
+
+
 class Gemma4Attention(nn.Module):
     def __init__(self, config: Any, layer_idx: int, kv_source: Attention | None):
         super().__init__()
@@ -98,13 +114,14 @@ class Gemma4Attention(nn.Module):
         num_kv_heads = lc.num_key_value_heads
         bias = bool(config.attention_bias)
         self.shared = kv_source is not None
+        self.k_eq_v = bool(config.attention_k_eq_v) and layer_type != "sliding_attention"
         if self.shared:  # only the query: K/V come from kv_source's cache
             self.q_proj = ColumnParallelLinear(config.hidden_size, config.num_attention_heads * self.head_dim, bias)
             self.num_heads = self.q_proj.output_size // self.head_dim
             self.num_kv_heads = kv_source.num_kv_heads
         else:
-            self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                              num_kv_heads, bias=bias)
+            proj = QKParallelLinear if self.k_eq_v else QKVParallelLinear
+            self.qkv_proj = proj(config.hidden_size, self.head_dim, config.num_attention_heads, num_kv_heads, bias)
             self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
             self.k_norm = Gemma4RMSNorm(self.head_dim, config.rms_norm_eps)
             self.v_norm = Gemma4RMSNorm(self.head_dim, config.rms_norm_eps, with_scale=False)
@@ -121,7 +138,11 @@ class Gemma4Attention(nn.Module):
             # the rotary module rotates a key too (in place on some paths): a one-head scratch copy
             q, _ = self.rotary_emb(positions, q, q[:, :1].clone())
             return self.o_proj(self.attn(q, None, None))
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.k_eq_v:
+            q, k = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size], dim=-1)
+            v = k
+        else:
+            q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
         v = self.v_norm(v.reshape(-1, self.num_kv_heads, self.head_dim))
@@ -256,8 +277,7 @@ class Gemma4ForCausalLM(MoeForCausalLM):
     # ---- weights --------------------------------------------------------------------------------------
     def split_fused_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
         """HF names as the Llama/MoE routing takes them: the language model's prefix dropped, other towers
-        skipped, stacked experts per expert, a k_eq_v layer's key projection also as its value, and the K/V
-        weights a KV-shared layer does not use dropped."""
+        skipped, stacked experts per expert, and the K/V weights a KV-shared layer does not use dropped."""
         skipped = 0
         for name, tensor in weights:
             if self.multimodal:
@@ -274,8 +294,6 @@ class Gemma4ForCausalLM(MoeForCausalLM):
                 yield from self._per_expert(name, tensor)
                 continue
             yield name, tensor
-            if layer in self.k_eq_v_layers and len(parts) > 4 and parts[4] == "k_proj":
-                yield name.replace(".k_proj.", ".v_proj."), tensor
         if skipped:
             logger.info("Gemma 4: skipped %d vision/audio weights (the language model runs alone)", skipped)
 
@@ -290,6 +308,11 @@ class Gemma4ForCausalLM(MoeForCausalLM):
                 yield f"{prefix}{e}.up_proj.weight", up
             else:
                 yield f"{prefix}{e}.down_proj.weight", tensor[e]
+
+    def expected_weight_names(self) -> set[str]:
+        """A k_eq_v layer has no v_proj."""
+        return {n for n in super().expected_weight_names()
+                if not (".self_attn.v_proj." in n and int(n.split(".")[2]) in self.k_eq_v_layers)}
 
     def param_target(self, name: str) -> tuple[str, Any]:
         """A KV-shared layer's own q_proj is not fused into a qkv_proj."""
