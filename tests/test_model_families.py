@@ -43,7 +43,8 @@ def family_path(tmp_path_factory):
 
 
 def hf_reference(path: str, prompt_ids: list[list[int]], n: int) -> list[tuple[list[int], list[float]]]:
-    """transformers' greedy tokens and the logprob of each (tests/tiny_models.hf_greedy_logprobs)."""
+    """transformers' greedy tokens and the logprob of each, decoding token by token with its KV cache (as
+    tests/tiny_models.hf_greedy_with, which a one-shot forward would not equal: LongRoPE switches tables)."""
     return hf_greedy_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), prompt_ids, n)
 
 

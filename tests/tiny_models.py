@@ -126,18 +126,17 @@ def hf_greedy_with(model, prompt_ids: list[int], max_new_tokens: int) -> list[in
     return out
 
 
-def hf_greedy_logprobs(model, prompt_ids: list[list[int]], n: int) -> list[tuple[list[int], list[float]]]:
-    """transformers' greedy tokens and the logprob of each, per prompt, decoding token by token with the
-    model's own KV cache (a one-shot forward would not equal it: LongRoPE switches tables)."""
+def hf_greedy_logprobs(model, prompts: list[list[int]], n: int) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens and the logprob of each, decoding token by token with the model's own cache."""
     out = []
-    for ids in prompt_ids:
-        tokens, lps, past, step = [], [], None, torch.tensor([ids], device=model.device)
+    for ids in prompts:
+        tokens, lps, past, step = [], [], None, torch.tensor([ids])
         with torch.no_grad():
             for _ in range(n):
                 res = model(input_ids=step, past_key_values=past, use_cache=True)
                 past, logprobs = res.past_key_values, torch.log_softmax(res.logits[0, -1].float(), -1)
                 tokens.append(int(logprobs.argmax()))
                 lps.append(float(logprobs[tokens[-1]]))
-                step = torch.tensor([[tokens[-1]]], device=model.device)
+                step = torch.tensor([[tokens[-1]]])
         out.append((tokens, lps))
     return out

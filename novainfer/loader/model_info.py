@@ -41,6 +41,8 @@ def language_model_config(config: Any) -> Any:
         archs = list(getattr(config, "architectures", None) or [])
         if any(arch in MODEL_REGISTRY for arch in archs):
             text.architectures = archs
+            if hasattr(config, "tie_word_embeddings"):
+                text.tie_word_embeddings = config.tie_word_embeddings
             config = text
     config.allow_global_per_layer_attribute_access = True
     return config
