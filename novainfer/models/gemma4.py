@@ -106,6 +106,9 @@ class QKParallelLinear(MergedColumnParallelLinear):
 
 
 class Gemma4Attention(nn.Module):
+    """Scale-1 attention over normed q/k/v, the layer type's window and rope; a KV-shared layer projects only
+    q and attends over kv_source's cache."""
+
     def __init__(self, config: Any, layer_idx: int, kv_source: Attention | None):
         super().__init__()
         layer_type = config.layer_types[layer_idx]
