@@ -124,7 +124,8 @@ def test_registry_lists_every_family_and_refuses_the_rest():
                  "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"):
         assert get_model_class(SimpleNamespace(architectures=[arch])) is MODEL_REGISTRY[arch]
     with pytest.raises(ValueError, match="unsupported model architecture.*supported: Gemma2ForCausalLM, "
-                                         "Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM"):
+                                         "Gemma3ForCausalLM, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, "
+                                         "LlamaForCausalLM, MistralForCausalLM"):
         get_model_class(SimpleNamespace(architectures=["FalconForCausalLM"]))
 
 

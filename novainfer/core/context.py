@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from novainfer.attention import torch_backend
 from novainfer.attention.metadata import SlotAttentionMetadata, attention_metadata
 from novainfer.config import EngineConfig
 from novainfer.core.batch import Batch, BatchView, resolve_batch
@@ -22,6 +23,7 @@ from novainfer.layers.attention import Attention
 from novainfer.layers.rotary import RotaryEmbedding, compute_inv_freq, rope_parameters
 from novainfer.loader.model_loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
 from novainfer.models.qwen3_5 import is_hybrid
+from novainfer.worker.kv_cache import allocate_kv_cache
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +49,9 @@ class Context:
         self.max_pos = int(self.hf_config.max_position_embeddings)
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         a = layers[0]
-        # [k|v, layer, cell, 1, kv_heads, head_dim]: block size 1, so a cell index is a cache slot
-        self.kv_data = torch.zeros(2, len(layers), n_cells, 1, a.num_kv_heads, a.head_dim,
-                                   dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.kv_data[0, i], self.kv_data[1, i]
+        # [k|v, layer, cell, 1, kv_heads, head_dim]: block size 1, so a cell index is a cache slot (flat where
+        # the layers' shapes differ, as Gemma 4's; their rope differs per layer too, so keys never move there)
+        self.kv_data = allocate_kv_cache(layers, n_cells, 1, self.dtype, self.device, torch_backend)
         self.cache = SlotKvCache(n_cells, n_seq_max)
         self.outputs = OutputBuffer(self.vocab_size, self.device)
         self.inv_freq = self._shared_inv_freq(a.head_dim)  # the model's rotary frequencies

@@ -14,11 +14,15 @@ class Attention(nn.Module):
     sliding_window: a query at position p sees key position k iff k <= p and p - k < sliding_window
     (transformers' rule); None attends over the whole context. logits_soft_cap: scores become
     cap * tanh(score / cap) before the softmax (Gemma 2); None leaves them as they are.
+    kv_source: another (earlier) layer whose cache this one reads instead of its own (Gemma 4's KV sharing);
+    such a layer takes no k/v, stores nothing and is given no cache of its own.
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                 kv_source: Attention | None = None):
         super().__init__()
+        self.__dict__["kv_source"] = kv_source  # a plain reference: not registered as a submodule of this one
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         if sliding_window is not None and sliding_window < 1:
@@ -29,15 +33,17 @@ class Attention(nn.Module):
         self.k_cache = self.v_cache = torch.tensor([])
         self.backend = torch_backend  # the runner binds triton_backend on the GPU
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         meta = get_attention_metadata()
         q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        owner = self if self.kv_source is None else self.kv_source
+        if self.kv_source is None:
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         window, cap = self.sliding_window, self.logits_soft_cap
         if isinstance(meta, SlotAttentionMetadata):  # the core API's SLOT cache: per-query visibility mask
-            o = torch_backend.masked_attention(q, self.k_cache, self.v_cache, meta, self.scale, window, cap)
+            o = torch_backend.masked_attention(q, owner.k_cache, owner.v_cache, meta, self.scale, window, cap)
         else:
-            o = self.backend.paged_attention(q, self.k_cache, self.v_cache, meta, self.scale, window, cap)
+            o = self.backend.paged_attention(q, owner.k_cache, owner.v_cache, meta, self.scale, window, cap)
         return o.reshape(-1, self.num_heads * self.head_dim)

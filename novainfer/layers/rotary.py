@@ -36,7 +36,8 @@ def compute_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = Non
                      **init_kwargs: Any) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the cos/sin scaling factor, using transformers' rope formulas for scaled types."""
     params = rope_parameters(hf_config, layer_type)
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
+    # proportional rope (Gemma 4) rotates the first part of the head only, by zero frequencies past it
+    if params.get("partial_rotary_factor", 1.0) != 1.0 and params["rope_type"] != "proportional":
         raise NotImplementedError(f"partial_rotary_factor={params['partial_rotary_factor']} is not supported")
     if params["rope_type"] == "default":
         base = params["rope_theta"]

@@ -26,9 +26,26 @@ def load_hf_config(model: str) -> Any:
         from novainfer.loader.gguf_loader import load_gguf_config
         return load_gguf_config(model)
     from transformers import AutoConfig
-
-    from novainfer.models.qwen3_5 import language_model_config
     return language_model_config(AutoConfig.from_pretrained(model))
+
+
+def language_model_config(config: Any) -> Any:
+    """A registered multimodal checkpoint (Gemma 4's ForConditionalGeneration) runs as its language model: its
+    text config, keeping the checkpoint's architectures; any other config as it is.
+
+    Where layers differ (transformers' per_layer_config: Gemma 4's full layers), the engine reads the global
+    values (head_dim, num_key_value_heads: the first layer type's) and the model each layer's own."""
+    text = getattr(config, "text_config", None)
+    if text is not None:
+        from novainfer.models.registry import MODEL_REGISTRY
+        archs = list(getattr(config, "architectures", None) or [])
+        if any(arch in MODEL_REGISTRY for arch in archs):
+            text.architectures = archs
+            if hasattr(config, "tie_word_embeddings"):
+                text.tie_word_embeddings = config.tie_word_embeddings
+            config = text
+    config.allow_global_per_layer_attribute_access = True
+    return config
 
 
 def load_tokenizer(model: str) -> Any:

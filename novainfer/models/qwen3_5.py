@@ -221,22 +221,6 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
     weight_prefix = "model.language_model."
 
 
-# the ForConditionalGeneration (vision-language) architectures and the text-only class each runs as
-CONDITIONAL_GENERATION = {"Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"}
-
-
-def language_model_config(config: Any) -> Any:
-    """A vision-language config's text_config, carrying the top-level architecture (which says where the
-    weights live) and tie_word_embeddings; any other config as it is."""
-    archs = list(getattr(config, "architectures", None) or [])
-    if not CONDITIONAL_GENERATION.intersection(archs) or getattr(config, "text_config", None) is None:
-        return config
-    text = config.text_config
-    text.architectures = archs
-    if hasattr(config, "tie_word_embeddings"):
-        text.tie_word_embeddings = config.tie_word_embeddings
-    return text
-
 
 def check_hybrid_config(config: Any) -> None:
     """Refuse, naming the field, what these models do not implement."""

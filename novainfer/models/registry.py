@@ -7,6 +7,7 @@ from torch import nn
 
 from novainfer.models.gemma2 import Gemma2ForCausalLM
 from novainfer.models.gemma3 import Gemma3ForCausalLM
+from novainfer.models.gemma4 import Gemma4ForCausalLM
 from novainfer.models.llama import LlamaForCausalLM
 from novainfer.models.mistral import MistralForCausalLM
 from novainfer.models.mixtral import MixtralForCausalLM
@@ -25,6 +26,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForCausalLM,  # its language model (loader/model_info.py)
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

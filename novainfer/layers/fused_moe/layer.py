@@ -50,7 +50,11 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """This rank's partial output [tokens, hidden] (the caller all-reduces)."""
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self.apply_routed(hidden_states, *select_experts(router_logits, self.top_k, self.renormalize))
+
+    def apply_routed(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor) -> torch.Tensor:
+        """The experts over routing already chosen (a family whose router scales the weights: Gemma 4)."""
         if hidden_states.is_cuda:
             from novainfer.kernels.fused_moe import fused_experts
             return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
