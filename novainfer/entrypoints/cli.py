@@ -2,65 +2,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 
 from novainfer.config import ServerConfig
+from novainfer.entrypoints.engine_args import add_engine_args, engine_kwargs
 from novainfer.sampling_params import SamplingParams
 
-
-def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -> None:
-    """vLLM's engine flags, shared by every subcommand that loads a model."""
-    help_ = "HF folder or .gguf file (default: SmolLM2-135M-Instruct, shipped with the install)"
-    if model_positional:
-        p.add_argument("model", nargs="?", default=None, help=help_)
-    else:  # the positional arguments are prompts
-        p.add_argument("--model", default=None, help=help_)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                   help="KV-cache blocks to allocate instead of sizing from memory (testing preemption)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp", "ray"],
-                   help="uni: every rank in this process; mp: one process per device (torch.distributed)")
-    p.add_argument("--tensor-parallel-device-ids", type=lambda s: [int(x) for x in s.split(",")], default=None,
-                   help="comma-separated CUDA device ids of this node's ranks (default 0..n-1)")
-    p.add_argument("--nnodes", type=int, default=1, help="mp: machines the ranks span")
-    p.add_argument("--node-rank", type=int, default=0, help="mp: this machine's index (0 runs the engine)")
-    p.add_argument("--master-addr", default="127.0.0.1", help="mp: address of node 0 for the rendezvous")
-    p.add_argument("--master-port", type=int, default=29501, help="mp: port of node 0 for the rendezvous")
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="plan step N+1 while step N runs (default: on with CUDA, off on the CPU)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy: a config-only folder, weights drawn at random in place (benchmarks)")
-    p.add_argument("--quantization", default=None, choices=["gguf", "fp8", "none"],
-                   help="GGUF on the CPU: keep blocks quantized (default unless --dtype float32) or dequantize; "
-                        "fp8: a bf16/fp16 checkpoint's linear weights to float8 at load (CUDA sm_89+, or the CPU)")
-    p.add_argument("--cpu-kv-cache-tokens", type=int, default=32768, help="KV cache capacity on the CPU, in tokens")
-    p.add_argument("--trim-heap-when-idle", action=argparse.BooleanOptionalAction, default=True,
-                   help="the engine core process gives its freed step workspaces back to the system when it goes "
-                        "idle (glibc malloc_trim)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: the model's dtype; bfloat16 on the CPU unless --dtype float32")
-    p.add_argument("--speculative-config", default=None, type=_json_object,
-                   help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                        'or {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4}')
-    p.add_argument("--fault-injection", default=None, help=argparse.SUPPRESS)  # tests only: engine/faults.py
-
-
-def _json_object(text: str) -> dict:
-    """--speculative-config's value: a JSON object (argparse turns the ValueError into a usage error)."""
-    value = json.loads(text)
-    if not isinstance(value, dict):
-        raise ValueError("expected a JSON object")
-    return value
+__all__ = ["add_engine_args", "build_parser", "engine_kwargs", "main"]
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -69,23 +18,6 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks=args.num_gpu_blocks_override,
-                enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager,
-                async_scheduling=args.async_scheduling,
-                dtype=args.dtype, device=args.device, tensor_parallel_size=args.tensor_parallel_size,
-                quantization=args.quantization, cpu_kv_cache_tokens=args.cpu_kv_cache_tokens,
-                cache_dtype=args.kv_cache_dtype,
-                distributed_executor_backend=args.distributed_executor_backend,
-                tensor_parallel_device_ids=args.tensor_parallel_device_ids, nnodes=args.nnodes,
-                node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
-                fault_injection=args.fault_injection, load_format=args.load_format,
-                trim_heap_when_idle=args.trim_heap_when_idle,
-                speculative_config=args.speculative_config)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -149,9 +81,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="origins allowed by CORS (e.g. http://localhost:3000 or *); CORS is off without it")
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="on SIGTERM, seconds in-flight requests may finish before they are aborted")
-    p.add_argument("--engine-core", choices=("process", "thread"), default="process",
-                   help="process: each model's engine core runs in a process of its own (default); thread: in "
-                        "a thread of the server's process, as before the split (for comparison)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -176,12 +105,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_sessions=args.max_sessions, session_ttl=args.session_ttl,
                           max_request_body_bytes=args.max_request_body_bytes, allowed_origins=args.allowed_origins,
                           shutdown_timeout=args.shutdown_timeout)
-    if args.engine_core == "process":  # this process never imports torch: the engine cores do
-        engine_class = AsyncLLM
-    else:
-        from novainfer.engine.llm_engine import LLMEngine
-        engine_class = LLMEngine
-    engines = [(name, engine_class(EngineConfig.from_kwargs(path, **engine_kwargs(args))))
+    # this process never imports torch: each model's engine core, a process of its own, does
+    engines = [(name, AsyncLLM(EngineConfig.from_kwargs(path, **engine_kwargs(args))))
                for name, path in zip(names, paths)]
     app = build_app(engines, config)
     base = f"http://{args.host}:{args.port}"

@@ -80,7 +80,7 @@ class MultiprocExecutor(Executor):
         if pc.master_port == 0:  # one node: any free port on this machine
             with socket.socket() as s:
                 s.bind((pc.master_addr, 0))
-                pc.master_port = s.getsockname()[1]
+                self.config = self.config.replace(parallel_config={"master_port": s.getsockname()[1]})
         self.packer = StepPacker()
         self._pending: deque[RemoteStep] = deque()  # steps sent with execute_model_async, replies not read yet
         self._failure: BaseException | None = None  # why the workers were stopped

@@ -10,7 +10,7 @@ import re
 import secrets
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,9 +34,6 @@ from novainfer.server.serving import OpenAIServing, ServedModel
 from novainfer.server.serving_completions import CompletionHandler
 from novainfer.server.sessions import SessionStore
 from novainfer.server.tool_calling import ToolConfig
-
-if TYPE_CHECKING:  # the in-process engine brings torch, which the front-end of `novainfer serve` never imports
-    from novainfer.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
@@ -141,9 +138,9 @@ def _request_id(request: Request) -> str:
     return request.state.request_id
 
 
-def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: ServerConfig) -> FastAPI:
-    """The app serving each (name, engine): an AsyncLLM (engine core in its own process), or an LLMEngine
-    that a thread of this process drives. The engines start and stop with the app."""
+def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) -> FastAPI:
+    """The app serving each (name, engine): an AsyncLLM (its engine core in a process of its own). The engines
+    start and stop with the app."""
     metrics = ServerMetrics()
 
     def record_finished(model: str, tracked: TrackedRequest, reason: str | None) -> None:
@@ -154,9 +151,6 @@ def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: Se
             REQUEST_ID.reset(token)
     served = []
     for name, engine in engines:
-        if not isinstance(engine, AsyncEngineBase):  # an LLMEngine (--engine-core thread)
-            from novainfer.server.engine_thread import AsyncLLMEngine
-            engine = AsyncLLMEngine(engine)
         engine.on_stats = lambda stats, n=name: metrics.observe_stats(n, stats)
         engine.on_finished = lambda t, r, n=name: record_finished(n, t, r)
         served.append(ServedModel.create(name, engine))

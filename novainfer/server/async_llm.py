@@ -32,7 +32,7 @@ class AsyncLLM(AsyncEngineBase):
     def __init__(self, config: EngineConfig, on_stats: StatsHook | None = None,
                  on_finished: FinishedHook | None = None):
         super().__init__(on_stats, on_finished)
-        config.model_config.model = resolve_model_path(config.model_config.model)  # a bad path fails here
+        config = config.replace(model_config={"model": resolve_model_path(config.model_config.model)})  # fails here
         self.model_path = config.model_config.model
         self.core = AsyncMPClient(config)  # loads the model's config and tokenizer in the core (torch is there)
         self.tokenizer = self.core.tokenizer

@@ -18,7 +18,6 @@ import torch
 from novainfer.attention import cpu_backend, torch_backend
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata
 from novainfer.config import EngineConfig, default_cpu_dtype, resolve_cache_dtype
-from novainfer.engine.faults import FaultInjector
 from novainfer.engine.scheduler import SchedulerOutput
 from novainfer.layers.attention import Attention
 from novainfer.layers.quantization.selector import get_quant_config
@@ -72,7 +71,6 @@ class ModelRunner:
         self.model = load_model(mc.model, hf_config, self.dtype, device, mc.load_format, quant)
         self._attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.sampler = Sampler()
-        self.faults = FaultInjector(config.fault_injection)
         self.generators: dict[int, torch.Generator] = {}
         self._last_sampling: tuple[tuple[int, ...], SamplingMetadata] | None = None
         self._rows: dict[int, SamplingRow] = {}  # seq_id -> its sampling row, while it never changes
@@ -240,9 +238,6 @@ class ModelRunner:
             self.generators.pop(seq_id, None)
             self.input_batch.remove(seq_id)
             self._rows.pop(seq_id, None)
-        if self.faults:  # tests only: before any input is written
-            for s in sched.scheduled:
-                self.faults.check("prepare", s.seq.request_id)
         scheduled, batch = sched.scheduled, self.input_batch
         num_seqs = len(scheduled)
         rows, starts, counts = batch.gather(scheduled)
