@@ -7,6 +7,15 @@ from dataclasses import dataclass
 from novainfer.config.fields import derived, setting
 
 EXECUTOR_BACKENDS = ("uni", "mp")
+RAY_REFUSED = "distributed_executor_backend='ray' is not implemented; use 'uni' (one process) or 'mp' (one process " \
+    "per device)"
+
+
+def _executor_backend(text: str) -> str:
+    """--distributed-executor-backend's value; 'ray' (vLLM's) is refused by name, not as an unknown choice."""
+    if text == "ray":
+        raise ValueError(RAY_REFUSED)
+    return text
 
 
 def _int_list(text: str) -> list[int]:
@@ -26,7 +35,7 @@ class ParallelConfig:
     tensor_parallel_size: int = setting(1, "ranks each layer is split over", short="-tp")
     distributed_executor_backend: str = setting(
         "uni", "uni: every rank in this process; mp: one process per device (torch.distributed)",
-        choices=EXECUTOR_BACKENDS)
+        choices=EXECUTOR_BACKENDS, type=_executor_backend)
     master_addr: str = setting("127.0.0.1", "mp: address of node 0 for the rendezvous")
     master_port: int = setting(29501, "mp: port of node 0 for the rendezvous (0: any free port, one node only)")
     node_rank: int = setting(0, "mp: this machine's index (0 runs the engine)")
@@ -55,8 +64,7 @@ class ParallelConfig:
 def normalize_parallel_config(cfg: ParallelConfig) -> ParallelConfig:
     """cfg with its derived fields filled; impossible layouts are refused, each error naming the field."""
     if cfg.distributed_executor_backend == "ray":
-        raise NotImplementedError("distributed_executor_backend='ray' is not implemented; use 'uni' (one process) "
-                                  "or 'mp' (one process per device)")
+        raise NotImplementedError(RAY_REFUSED)
     if cfg.distributed_executor_backend not in EXECUTOR_BACKENDS:
         raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
                          f"got {cfg.distributed_executor_backend!r}")

@@ -160,9 +160,15 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     except SystemExit:
         logger.info("engine core stopping")
     except BaseException as exc:
-        what = "engine loop died" if core is not None else "engine core failed to start"
-        logger.exception(what)
-        out_socket.send(encoder.encode(EngineCoreDead(f"{what}: {exc!r}")))
+        if core is not None:
+            logger.exception("engine loop died")
+            reason = f"engine loop died: {exc!r}"
+        else:  # most often the user's model or settings: the front-end reports the message, traceback on demand
+            if os.environ.get("NOVAINFER_DEBUG"):
+                logger.exception("engine core failed to start")
+            reason = str(exc) if isinstance(exc, (ValueError, OSError, NotImplementedError)) else \
+                f"{type(exc).__name__}: {exc}"
+        out_socket.send(encoder.encode(EngineCoreDead(reason)))
         raise SystemExit(1) from None
     finally:
         if core is not None:

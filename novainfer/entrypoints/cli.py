@@ -1,9 +1,18 @@
-"""The `novainfer` command: serve (the OpenAI-compatible server), generate (one prompt), chat (a terminal loop)."""
+"""The `novainfer` command: serve (the OpenAI-compatible server), generate (prompts), chat (a terminal loop).
+
+A user's mistake (a bad path, flag value or file, a busy port) ends the command with a one-line message on
+stderr and exit code 1 (2 for a usage error); `--debug` or NOVAINFER_DEBUG=1 shows the traceback instead.
+"""
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 import sys
+from typing import NoReturn
+
+import novainfer
 
 from novainfer.config import ServerConfig
 from novainfer.entrypoints.engine_args import add_engine_args, engine_kwargs
@@ -25,13 +34,35 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
                           top_k=args.top_k, seed=args.seed)
 
 
+DEBUG_ENV = "NOVAINFER_DEBUG"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are two lines (the error, where help is), not the whole usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n(`{self.prog} --help` lists the options)\n")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    """Complete each prompt (one positional, or --prompt repeated, or stdin); several are labelled."""
+    prompts = args.prompts + args.prompt
+    if not prompts:
+        prompts = [sys.stdin.read()]
     from novainfer import LLM
     llm = LLM(args.model, **engine_kwargs(args))
-    prompts = args.prompt or [sys.stdin.read()]
-    for out in llm.generate(prompts, sampling_params(args), use_tqdm=False):
-        print(out.outputs[0].text)
+    outputs = llm.generate(prompts, sampling_params(args), use_tqdm=False)
+    for i, out in enumerate(outputs, 1):
+        if len(outputs) > 1:
+            print(f"--- [{i}/{len(outputs)}] {_shorten(out.prompt)}")
+        print(out.outputs[0].text, flush=True)
     return 0
+
+
+def _shorten(text: str, width: int = 60) -> str:
+    """A prompt on one line, cut to width characters."""
+    line = " ".join(text.split())
+    return line if len(line) <= width else line[:width - 3] + "..."
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -105,44 +136,83 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_sessions=args.max_sessions, session_ttl=args.session_ttl,
                           max_request_body_bytes=args.max_request_body_bytes, allowed_origins=args.allowed_origins,
                           shutdown_timeout=args.shutdown_timeout)
+    _check_port_free(args.host, args.port)  # before minutes of loading, not after
     # this process never imports torch: each model's engine core, a process of its own, does
     engines = [(name, AsyncLLM(EngineConfig.from_kwargs(path, **engine_kwargs(args))))
                for name, path in zip(names, paths)]
     app = build_app(engines, config)
     base = f"http://{args.host}:{args.port}"
     print(f"NovaInfer serving {', '.join(names)}\n  web page: {base}/\n  OpenAI API: {base}/v1  "
-          f"(docs {base}/docs, metrics {base}/metrics)", flush=True)
+          f"(schema {base}/openapi.json, metrics {base}/metrics)", flush=True)
     run_server(app, config, args.log_level)
     return 0
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse a port another process listens on, naming it."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port}: {e.strerror} (choose another with --port)") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="novainfer", description="NovaInfer LLM inference engine")
+    parser = Parser(prog="novainfer", description="NovaInfer LLM inference engine")
+    parser.add_argument("-V", "--version", action="version", version=f"novainfer {novainfer.__version__}")
     parser.add_argument("--log-level", default=None, help="default: INFO for serve, WARNING otherwise")
+    parser.add_argument("--debug", action="store_true", default=False,
+                        help=f"show the traceback of an error (as {DEBUG_ENV}=1 does)")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
     add_engine_args(serve, model_positional=True)
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="complete one or more prompts")
-    gen.add_argument("prompt", nargs="*", help="prompt text (read from stdin when absent)")
+    gen.add_argument("prompt", nargs="?", default=None, help="the prompt, quoted (read from stdin when no prompt "
+                     "is given)")
+    gen.add_argument("--prompt", dest="prompts", action="append", default=[], metavar="TEXT",
+                     help="a prompt; repeat for several, completed as one batch")
+    gen.add_argument("extra_words", nargs="*", help=argparse.SUPPRESS)
     chat = sub.add_parser("chat", help="chat in the terminal with the model's chat template")
     chat.add_argument("--system", default=None, help="system prompt")
     for p in (gen, chat):
         add_engine_args(p, model_positional=False)
         add_sampling_args(p)
-    gen.set_defaults(func=cmd_generate)
+    gen.set_defaults(func=cmd_generate, parser=gen)
     chat.set_defaults(func=cmd_chat)
+    for p in (serve, gen, chat):  # also after the subcommand; SUPPRESS keeps the top level's value otherwise
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        if args.extra_words:
+            args.parser.error(f"generate takes one prompt, got {1 + len(args.extra_words)} words: quote the prompt "
+                         "(\"...\") or give each prompt with --prompt")
+        args.prompt = [args.prompt] if args.prompt is not None else []
     args.log_level = (args.log_level or ("INFO" if args.command == "serve" else "WARNING")).upper()
     fmt = "%(asctime)s %(levelname)s [%(request_id)s] %(name)s: %(message)s" if args.command == "serve" \
         else "%(levelname)s %(name)s: %(message)s"
     logging.basicConfig(level=args.log_level, format=fmt)
-    return args.func(args)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"  # the engine core process, a child, reads it too
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        from novainfer.engine.core_client import EngineCoreStartError  # its message is the core's error
+        user_error = (ValueError, OSError, NotImplementedError, EngineCoreStartError)
+        message = str(e) if isinstance(e, user_error) and str(e) else f"{type(e).__name__}: {e}"
+        print(f"novainfer {args.command}: error: {message}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

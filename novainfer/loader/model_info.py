@@ -61,7 +61,15 @@ def load_model_info(config: EngineConfig) -> tuple[EngineConfig, Any, set[int]]:
     return config, tokenizer, eos_token_ids(mc.model, mc.hf_config, tokenizer)
 
 
+def with_model_path(config: EngineConfig) -> EngineConfig:
+    """config with the model path resolved (None: the default model; a bad path fails here) and checked again
+    (what the file is matters: quantization='fp8' refuses a GGUF file)."""
+    resolved = config.replace(model_config={"model": resolve_model_path(config.model_config.model)})
+    resolved.validate()
+    return resolved
+
+
 def with_hf_config(config: EngineConfig) -> EngineConfig:
-    """config with the model path resolved (a bad path fails here) and its HF config loaded."""
-    model = resolve_model_path(config.model_config.model)
-    return config.replace(model_config={"model": model, "hf_config": load_hf_config(model)})
+    """config with the model path resolved and checked (with_model_path) and its HF config loaded."""
+    config = with_model_path(config)
+    return config.replace(model_config={"hf_config": load_hf_config(config.model_config.model)})

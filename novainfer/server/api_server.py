@@ -40,7 +40,7 @@ REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", d
 _VALID_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII without spaces
 # pydantic names the member of a union that failed ("constrained-str", "list[int]"): not part of the field path
 _UNION_MEMBER = re.compile(r"^(constrained-)?(str|int|float|bool|none|list\[.*\]|dict\[.*\])$|^function-")
-_PUBLIC_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc", "/webui/")
+_PUBLIC_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/webui/")
 # 413: a body over --max-request-body-bytes; 500: a request whose engine step fails (naming its request_id)
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse}
                                             for code in (400, 401, 404, 413, 429, 500, 503)}
@@ -167,7 +167,9 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
         for m in served:
             m.engine.shutdown()
 
-    app = FastAPI(title="NovaInfer OpenAI-compatible API", version=novainfer.__version__, lifespan=lifespan)
+    # no /docs or /redoc: their pages load Swagger UI and ReDoc from a CDN, blank offline; /openapi.json stays
+    app = FastAPI(title="NovaInfer OpenAI-compatible API", version=novainfer.__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
     app.add_middleware(RequestContextMiddleware, api_key=config.api_key, max_body_bytes=config.max_request_body_bytes)
     if config.allowed_origins:  # off by default; outermost, so preflights and 401/413 answers carry its headers
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
@@ -273,7 +275,7 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
                 return HTMLResponse(f.read())
         names = ", ".join(m.name for m in served)
         return HTMLResponse(f"<h1>NovaInfer</h1><p>Serving {names}. OpenAI API under <code>/v1</code>; "
-                            f"see <a href='/docs'>/docs</a> and <a href='/metrics'>/metrics</a>.</p>")
+                            f"see <a href='/openapi.json'>/openapi.json</a> and <a href='/metrics'>/metrics</a>.</p>")
 
     # The page's scripts and styles; they load without the API key (the page sends the key the user typed).
     app.mount("/webui", StaticFiles(directory=WEBUI_DIR, check_dir=False), name="webui")
