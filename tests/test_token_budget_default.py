@@ -1,8 +1,6 @@
 """max_num_batched_tokens left unset resolves once to vLLM's offline default for the device: 16384 on one CUDA
 GPU of >= 70 GiB other than an A100, else 8192 (the CPU here); a given value is kept."""
-import contextlib
 import dataclasses
-import io
 import types
 
 import pytest
@@ -35,15 +33,3 @@ def test_on_cuda_it_follows_the_gpu(monkeypatch, name, gib, tp, want):
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.scheduler_config.max_num_batched_tokens = want
 
-
-def test_the_cli_and_llm_share_one_default():
-    """The CLI's flags are the config's fields: parsing no flag gives LLM()'s defaults, budget included."""
-    from novainfer.entrypoints.cli import build_parser, engine_kwargs
-    for argv in (["serve", "m"], ["generate", "--model", "m", "hi"], ["chat", "--model", "m"]):
-        assert EngineConfig.from_kwargs("m", **engine_kwargs(build_parser().parse_args(argv))) == \
-            EngineConfig.from_kwargs("m")
-    assert EngineConfig.from_kwargs("m").scheduler_config.max_num_batched_tokens is None
-    with pytest.raises(SystemExit), contextlib.redirect_stdout(io.StringIO()) as out:
-        build_parser().parse_args(["serve", "--help"])
-    assert "--max-num-batched-tokens MAX_NUM_BATCHED_TOKENS tokens one engine step may carry (auto: vLLM's " \
-           "offline default, 16384" in " ".join(out.getvalue().split())

@@ -1,27 +1,38 @@
 """ServerConfig: the HTTP server's knobs (`novainfer serve` flags); the engines have their own EngineConfig."""
 from __future__ import annotations
 
+import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from novainfer.config.fields import setting
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """The HTTP server's knobs (`novainfer serve` flags); the engines have their own EngineConfig."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = field(default=None, repr=False)  # never printed; see resolve_api_key
-    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser), as vLLM's flag
-    tool_call_parser: str | None = None  # server/tool_parsers: hermes (Qwen2.5/Qwen3), llama3_json
-    max_concurrent_requests: int = 256  # generation requests in flight at once
-    max_queue_len: int = 512  # requests waiting for a slot; past it: 429
-    max_sessions: int = 1024  # session_id histories kept (least recently used dropped)
-    session_ttl: float = 3600.0  # seconds an idle session is kept
-    retry_after: int = 1  # seconds, sent with 429
-    max_request_body_bytes: int = 4 << 20  # larger bodies get 413 before they are parsed
-    allowed_origins: list[str] = field(default_factory=list)  # CORS is off unless origins are given
-    shutdown_timeout: float = 10.0  # on SIGTERM, seconds in-flight requests may finish before they are aborted
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: int = setting(8000, "port to listen on")
+    # never printed (repr=False); resolve_api_key reads --api-key-file and NOVAINFER_API_KEY too
+    api_key: str | None = dataclasses.field(default=None, repr=False, metadata={
+        "help": "require 'Authorization: Bearer <key>' on the API (visible in `ps`: prefer --api-key-file or "
+                "the NOVAINFER_API_KEY environment variable)", "shown": "none"})
+    enable_auto_tool_choice: bool = setting(False, 'allow tool_choice "auto": the model decides, '
+                                            "--tool-call-parser finds its calls")
+    tool_call_parser: str | None = setting(None, "the model's tool-call format: hermes (Qwen2.5, Qwen3), "
+                                           "llama3_json (Llama 3.x)", choices=("hermes", "llama3_json"),
+                                           shown="none")
+    max_concurrent_requests: int = setting(256, "generation requests in flight at once")
+    max_queue_len: int = setting(512, "requests allowed to wait for a slot; past it the server answers 429")
+    max_sessions: int = setting(1024, "session_id histories kept (the least recently used dropped)")
+    session_ttl: float = setting(3600.0, "seconds an idle session is kept")
+    retry_after: int = setting(1, "seconds a 429 answer tells the client to wait")
+    max_request_body_bytes: int = setting(4 << 20, "larger request bodies are refused with 413")
+    allowed_origins: list[str] = setting(help="origins allowed by CORS (e.g. http://localhost:3000 or *)",
+                                         default_factory=list, nargs="+", shown="none: CORS is off")
+    shutdown_timeout: float = setting(10.0, "on SIGTERM, seconds in-flight requests may finish before they are "
+                                      "aborted")
 
     @staticmethod
     def resolve_api_key(flag: str | None, key_file: str | None) -> str | None:

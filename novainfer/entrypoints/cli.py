@@ -6,6 +6,7 @@ stderr and exit code 1 (2 for a usage error); `--debug` or NOVAINFER_DEBUG=1 sho
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import socket
@@ -15,7 +16,7 @@ from typing import NoReturn
 import novainfer
 
 from novainfer.config import ServerConfig
-from novainfer.entrypoints.engine_args import add_engine_args, engine_kwargs
+from novainfer.entrypoints.engine_args import add_engine_args, add_field_flags, engine_kwargs, field_values
 from novainfer.sampling_params import SamplingParams
 
 __all__ = ["add_engine_args", "build_parser", "engine_kwargs", "main"]
@@ -87,31 +88,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """`vllm serve`'s server flags where they apply, plus NovaInfer's limits and sessions."""
-    d = ServerConfig()
     p.add_argument("--model", dest="more_models", action="append", default=[],
                    help="another model to serve (repeatable); requests route by their `model` field")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="API names of the models, in order (default: the paths as given)")
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--api-key", default=d.api_key, help="require 'Authorization: Bearer <key>' on the API "
-                   "(visible in `ps`: prefer --api-key-file or the NOVAINFER_API_KEY environment variable)")
     p.add_argument("--api-key-file", default=None, help="read the API key from the first line of this file")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='allow tool_choice "auto": the model decides, --tool-call-parser finds its calls')
-    p.add_argument("--tool-call-parser", default=d.tool_call_parser, choices=["hermes", "llama3_json"],
-                   help="the model's tool-call format: hermes (Qwen2.5, Qwen3), llama3_json (Llama 3.x)")
-    p.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests)
-    p.add_argument("--max-queue-len", type=int, default=d.max_queue_len,
-                   help="requests allowed to wait for a slot; past it the server answers 429")
-    p.add_argument("--max-sessions", type=int, default=d.max_sessions)
-    p.add_argument("--session-ttl", type=float, default=d.session_ttl)
-    p.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
-                   help="larger request bodies are refused with 413")
-    p.add_argument("--allowed-origins", nargs="+", default=d.allowed_origins, metavar="ORIGIN",
-                   help="origins allowed by CORS (e.g. http://localhost:3000 or *); CORS is off without it")
-    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
-                   help="on SIGTERM, seconds in-flight requests may finish before they are aborted")
+    add_field_flags(p.add_argument_group("server", "the HTTP server's settings"), dataclasses.fields(ServerConfig))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -126,16 +108,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     paths = ([args.model] if args.model or not args.more_models else []) + args.more_models
     names = args.served_model_name or [p or DEFAULT_MODEL_NAME for p in paths]
     if len(names) != len(paths) or len(set(names)) != len(names):
-        raise SystemExit(f"--served-model-name needs one distinct name per model: {len(paths)} models, names {names}")
+        raise ValueError(f"--served-model-name needs one distinct name per model: {len(paths)} models, names {names}")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
-    config = ServerConfig(host=args.host, port=args.port,
-                          api_key=ServerConfig.resolve_api_key(args.api_key, args.api_key_file),
-                          enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                          max_concurrent_requests=args.max_concurrent_requests, max_queue_len=args.max_queue_len,
-                          max_sessions=args.max_sessions, session_ttl=args.session_ttl,
-                          max_request_body_bytes=args.max_request_body_bytes, allowed_origins=args.allowed_origins,
-                          shutdown_timeout=args.shutdown_timeout)
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    config = dataclasses.replace(ServerConfig(**field_values(ServerConfig, args)),
+                                 api_key=ServerConfig.resolve_api_key(args.api_key, args.api_key_file))
     _check_port_free(args.host, args.port)  # before minutes of loading, not after
     # this process never imports torch: each model's engine core, a process of its own, does
     engines = [(name, AsyncLLM(EngineConfig.from_kwargs(path, **engine_kwargs(args))))

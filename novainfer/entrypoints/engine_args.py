@@ -1,4 +1,4 @@
-"""The CLI's engine flags, generated from the config fields (config/fields.py): one flag per setting, its
+"""The CLI's engine (and server) flags, generated from the config fields (config/fields.py): one flag per setting, its
 name the field's (vLLM's: --max-num-seqs) unless the field names another, its default and help the field's."""
 from __future__ import annotations
 
@@ -50,7 +50,12 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
     else:  # the positional arguments are prompts
         p.add_argument("--model", default=None, help=MODEL_HELP)
     group = p.add_argument_group("engine", "the engine's settings (LLM(...)'s keyword arguments of the same names)")
-    for _, f in engine_arg_fields():
+    add_field_flags(group, [f for _, f in engine_arg_fields()])
+
+
+def add_field_flags(group: Any, fields: list[dataclasses.Field]) -> None:
+    """Each config field as a flag: its name, default and help from the field (config/fields.py)."""
+    for f in fields:
         meta = f.metadata
         if not meta.get("cli", True):
             continue
@@ -62,7 +67,13 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
             group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_)
         else:
             group.add_argument(*names, dest=f.name, type=_user_error(kind), default=default,
-                               choices=meta.get("choices"), help=help_)
+                               choices=meta.get("choices"), nargs=meta.get("nargs"), help=help_)
+
+
+def field_values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
+    """The flags' values of cls's fields, as its keyword arguments."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+            if f.metadata.get("cli", True) and hasattr(args, f.name)}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
