@@ -14,7 +14,6 @@ import sys
 from typing import NoReturn
 
 import novainfer
-
 from novainfer.config import ServerConfig
 from novainfer.entrypoints.engine_args import add_engine_args, add_field_flags, engine_kwargs, field_values
 from novainfer.sampling_params import SamplingParams
@@ -47,7 +46,10 @@ class Parser(argparse.ArgumentParser):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Complete each prompt (one positional, or --prompt repeated, or stdin); several are labelled."""
-    prompts = args.prompts + args.prompt
+    if args.extra_words:
+        args.parser.error(f"generate takes one prompt, got {1 + len(args.extra_words)} words: quote the prompt "
+                          "(\"...\") or give each prompt with --prompt")
+    prompts = args.prompts + ([args.prompt] if args.prompt is not None else [])
     if not prompts:
         prompts = [sys.stdin.read()]
     from novainfer import LLM
@@ -165,13 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "generate":
-        if args.extra_words:
-            args.parser.error(f"generate takes one prompt, got {1 + len(args.extra_words)} words: quote the prompt "
-                         "(\"...\") or give each prompt with --prompt")
-        args.prompt = [args.prompt] if args.prompt is not None else []
+    args = build_parser().parse_args(argv)
     args.log_level = (args.log_level or ("INFO" if args.command == "serve" else "WARNING")).upper()
     fmt = "%(asctime)s %(levelname)s [%(request_id)s] %(name)s: %(message)s" if args.command == "serve" \
         else "%(levelname)s %(name)s: %(message)s"
