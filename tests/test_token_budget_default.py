@@ -29,7 +29,8 @@ def test_on_cuda_it_follows_the_gpu(monkeypatch, name, gib, tp, want):
                                    distributed_executor_backend="uni" if tp == 1 else "mp")
     assert cfg.resolve_token_budget() == want
     resolved = cfg.with_token_budget()  # the config is frozen: resolving gives a new one
-    assert resolved.scheduler_config.max_num_batched_tokens == want and cfg.scheduler_config.max_num_batched_tokens is None
+    assert resolved.scheduler_config.max_num_batched_tokens == want
+    assert cfg.scheduler_config.max_num_batched_tokens is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.scheduler_config.max_num_batched_tokens = want
 

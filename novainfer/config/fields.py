@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-# metadata keys: help (the --help line), shown (the default in words), flag (the option's name when it is not the field's), short (an alias
-# such as -tp), choices, type (parses the option's text), nargs, cli (False: keyword argument only), derived (set
-# by the config itself, never by the user)
+# metadata keys: help (the --help line), shown (the default in words), flag (the option's name when it is
+# not the field's), short (an alias such as -tp), choices, type (parses the option's text), nargs, cli (False:
+# keyword argument only), derived (set by the config itself, never by the user)
 
 
 def setting(default: Any = None, help: str = "", *, default_factory: Callable[[], Any] | None = None,
