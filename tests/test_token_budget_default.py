@@ -34,3 +34,14 @@ def test_on_cuda_it_follows_the_gpu(monkeypatch, name, gib, tp, want):
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.scheduler_config.max_num_batched_tokens = want
 
+
+
+def test_a_runner_built_on_its_own_resolves_it(tiny_qwen2):
+    """Outside an engine core (which resolves the budget first), the runner resolves it for its own buffers."""
+    from novainfer.engine.llm_engine import load_model_info
+    from novainfer.worker.worker import Worker
+    config, _, _ = load_model_info(EngineConfig.from_kwargs(tiny_qwen2, dtype="float32", device="cpu"))
+    worker = Worker(config, config.model_config.hf_config)
+    worker.init_device()
+    worker.load_model()
+    assert worker.model_runner.config.scheduler_config.max_num_batched_tokens == 8192

@@ -54,7 +54,7 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, device: torch.device):
-        config.resolve_token_budget()  # set by the engine core already, except for a runner built on its own
+        config = config.with_token_budget()  # the engine core's is resolved already; a runner built alone's not
         self.config = config
         self.hf_config = hf_config
         self.device = device
