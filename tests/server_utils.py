@@ -25,15 +25,17 @@ FLOAT32 = ("--dtype", "float32")
 
 
 class RemoteServer:
-    """`python -m novainfer.entrypoints.cli serve ...` until stop(); url is the server's base URL."""
+    """`python -m novainfer.entrypoints.cli serve ...` (or another module's main) until stop(); url is the
+    server's base URL."""
 
-    def __init__(self, args: list[str], log_path: str, timeout: float = 60.0, env: dict[str, str] | None = None):
+    def __init__(self, args: list[str], log_path: str, timeout: float = 60.0, env: dict[str, str] | None = None,
+                 module: str = "novainfer.entrypoints.cli"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = dict(os.environ, **(env or {}), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "novainfer.entrypoints.cli", "serve", *args,
+        self.proc = subprocess.Popen([sys.executable, "-m", module, "serve", *args,
                                       "--port", str(self.port), "--device", "cpu"],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         deadline = time.monotonic() + timeout

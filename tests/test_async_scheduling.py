@@ -6,6 +6,7 @@ import pytest
 from novainfer import LLM, SamplingParams
 from novainfer.config import EngineConfig
 from novainfer.engine.llm_engine import LLMEngine
+from tests import faults
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def add(a, b):", "Paged attention stores keys",
            "héllo wörld", "The quick brown fox jumps over the lazy dog"]
@@ -108,12 +109,13 @@ def test_abort_mid_stream_frees_blocks_and_leaves_the_rest(tiny_qwen2):
 
 
 @pytest.mark.parametrize("stage", ["prepare", "postprocess"])
-def test_request_fault_fails_it_alone(tiny_qwen2, stage):
+def test_request_fault_fails_it_alone(tiny_qwen2, stage, monkeypatch):
+    faults.install(f"{stage}:bad-", monkeypatch.setattr)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     results = []
     for overlap in (False, True):
         engine = LLMEngine(EngineConfig.from_kwargs(tiny_qwen2, dtype="float32", device="cpu", block_size=4,
-                                                    async_scheduling=overlap, fault_injection=f"{stage}:bad-"))
+                                                    async_scheduling=overlap))
         for i, prompt in enumerate(PROMPTS[:3]):
             engine.add_request(f"ok-{i}", prompt, params)
         engine.step()

@@ -39,7 +39,7 @@ def make_worker(target: str, draft: str, **kw) -> Worker:
     config = EngineConfig.from_kwargs(target, dtype="float32", block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS,
                                       speculative_config={"method": "draft_model", "num_speculative_tokens": 4,
                                                           "model": draft}, **kw)
-    load_model_info(config)
+    config, _, _ = load_model_info(config)
     worker = Worker(config, config.model_config.hf_config)
     worker.init_device()
     worker.load_model()

@@ -189,9 +189,9 @@ def test_unexpected_error_is_a_500_object_with_the_request_id(tiny_qwen2, monkey
     from fastapi.testclient import TestClient
 
     from novainfer.config import EngineConfig, ServerConfig
-    from novainfer.engine.llm_engine import LLMEngine
     from novainfer.server.api_server import build_app
-    app = build_app([("m", LLMEngine(EngineConfig.from_kwargs(tiny_qwen2, device="cpu", cpu_kv_cache_tokens=256)))],
+    from novainfer.server.async_llm import AsyncLLM
+    app = build_app([("m", AsyncLLM(EngineConfig.from_kwargs(tiny_qwen2, device="cpu", cpu_kv_cache_tokens=256)))],
                     ServerConfig())
 
     def broken(name):

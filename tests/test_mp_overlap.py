@@ -11,10 +11,10 @@ import pytest
 
 from novainfer import LLM, SamplingParams
 from novainfer.config import EngineConfig
-from novainfer.engine.faults import FaultInjector
 from novainfer.engine.llm_engine import LLMEngine
 from novainfer.executor.multiproc import RemoteStep
 from novainfer.executor.step_pipeline import StepPipeline
+from tests import faults
 from tests.tiny_models import make_tiny_model
 
 PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. The capital of France is",
@@ -109,14 +109,14 @@ def test_overlapped_mp_matches_tp1_and_the_sync_loop(tp1, mp_overlap):
 
 
 @pytest.mark.parametrize("which", ["tp1", "mp_overlap"])
-def test_request_fault_fails_it_alone(request, tp1, which):
+def test_request_fault_fails_it_alone(request, tp1, which, monkeypatch):
     """A fault while applying one request's token (the engine core's "postprocess" stage) fails that request
     alone; the others decode on and finish with tp=1's tokens, with the overlap's extra token dropped."""
     engine = request.getfixturevalue(which).llm_engine
     core = engine.engine_core
     want = [o.outputs[0].token_ids for o in tp1.generate(PROMPTS[:3], greedy(12), use_tqdm=False)]
-    core.faults = FaultInjector("postprocess:bad-")
-    try:
+    with monkeypatch.context() as patch:
+        faults.install("postprocess:bad-", patch.setattr)
         for i, prompt in enumerate(PROMPTS[:3]):
             engine.add_request(f"ok-{i}", prompt, greedy(12))
         engine.step()
@@ -127,8 +127,6 @@ def test_request_fault_fails_it_alone(request, tp1, which):
             for out in engine.step():
                 if out.finished:
                     outs[out.request_id] = out.outputs[0]
-    finally:
-        core.faults = FaultInjector(None)
     assert outs["bad-1"].finish_reason == "error"
     assert [outs[f"ok-{i}"].token_ids for i in range(3)] == want
     while core.has_unfinished_requests():  # the step still in flight: nothing comes of it

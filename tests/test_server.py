@@ -338,6 +338,9 @@ def test_tokenize_detokenize_version_health_openapi(server, offline):
     assert "400" in spec["paths"]["/v1/completions"]["post"]["responses"]
     props = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"messages", "max_completion_tokens", "stream_options", "session_id", "top_logprobs"} <= set(props)
+    # no /docs or /redoc (their pages need a CDN); the banner names what is served
+    assert [httpx.get(server.url + p).status_code for p in ("/docs", "/redoc")] == [404, 404]
+    assert f"(schema {server.url}/openapi.json, metrics {server.url}/metrics)" in server.log()
 
 
 def test_serving_benchmark_reports_latencies(server, tmp_path):

@@ -1,7 +1,8 @@
 """Faults and shutdown (issue 8, parts 3 and 4), against a real `novainfer serve` subprocess.
 
-Faults come from the test-only hook (`--fault-injection STAGE:PREFIX`, engine/faults.py): requests whose id
-starts with PREFIX fail at STAGE. References for text are the same server's answers to the prompts alone.
+Faults come from the test-only hook (tests/faults.py, in a server's engine core through tests/fault_server.py):
+requests whose id starts with PREFIX fail at STAGE. References for text are the same server's answers to the
+prompts alone.
 """
 import asyncio
 import json
@@ -15,15 +16,18 @@ import pytest
 from novainfer import SamplingParams
 from novainfer.engine.llm_engine import LLMEngine
 from novainfer.config import EngineConfig
+from tests import faults
 from tests.server_utils import FLOAT32, RemoteServer
 
 MODEL = "tiny"
 PROMPTS = ["The cat sat on", "Once upon a time", "Numbers: one two", "Hello, my name is"]
 
 
-def _server(model: str, tmp_path_factory, *args: str) -> RemoteServer:
+def _server(model: str, tmp_path_factory, *args: str, fault: str | None = None) -> RemoteServer:
+    """A `novainfer serve` subprocess; fault: "STAGE:PREFIX" injected in its engine core."""
     return RemoteServer([model, "--served-model-name", MODEL, *FLOAT32, *args],
-                        str(tmp_path_factory.mktemp("server") / "server.log"))
+                        str(tmp_path_factory.mktemp("server") / "server.log"),
+                        **(dict(module="tests.fault_server", env={"NOVAINFER_TEST_FAULT": fault}) if fault else {}))
 
 
 def _complete(url: str, prompt: str, max_tokens: int, request_id: str | None = None,
@@ -41,11 +45,11 @@ def _sse_events(text: str) -> list:
 
 
 @pytest.mark.parametrize("stage", ["prepare", "postprocess"])
-def test_engine_fails_only_the_faulty_request(tiny_qwen2, stage):
+def test_engine_fails_only_the_faulty_request(tiny_qwen2, stage, monkeypatch):
     """In-process: the faulty request ends with finish_reason "error"; the others in its step, requeued
     (prepare) or carried on (postprocess), finish with the text they get alone."""
-    engine = LLMEngine(EngineConfig.from_kwargs(tiny_qwen2, device="cpu", dtype="float32",  # see FLOAT32
-                                                fault_injection=f"{stage}:bad-"))
+    faults.install(f"{stage}:bad-", monkeypatch.setattr)
+    engine = LLMEngine(EngineConfig.from_kwargs(tiny_qwen2, device="cpu", dtype="float32"))  # see FLOAT32
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     def run(requests: dict[str, str], after_steps: int = 0, late: dict[str, str] | None = None) -> dict:
@@ -71,7 +75,7 @@ def test_engine_fails_only_the_faulty_request(tiny_qwen2, stage):
 
 @pytest.fixture(scope="module")
 def faulty_server(tiny_qwen2, tmp_path_factory):
-    srv = _server(tiny_qwen2, tmp_path_factory, "--fault-injection", "prepare:fault-")
+    srv = _server(tiny_qwen2, tmp_path_factory, fault="prepare:fault-")
     yield srv
     srv.stop()
 
@@ -123,7 +127,7 @@ def test_fault_in_a_batch_fails_that_request_alone(faulty_server):
 
 
 def test_dead_engine_loop_fails_in_flight_requests_and_answers_503_at_once(tiny_qwen2, tmp_path_factory):
-    srv = _server(tiny_qwen2, tmp_path_factory, "--fault-injection", "loop:die-")
+    srv = _server(tiny_qwen2, tmp_path_factory, fault="loop:die-")
     try:
         url = srv.url
         assert _complete(url, PROMPTS[0], 4).status_code == 200

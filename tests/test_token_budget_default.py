@@ -1,5 +1,6 @@
 """max_num_batched_tokens left unset resolves once to vLLM's offline default for the device: 16384 on one CUDA
 GPU of >= 70 GiB other than an A100, else 8192 (the CPU here); a given value is kept."""
+import dataclasses
 import types
 
 import pytest
@@ -27,4 +28,20 @@ def test_on_cuda_it_follows_the_gpu(monkeypatch, name, gib, tp, want):
     cfg = EngineConfig.from_kwargs("m", device="cuda", tensor_parallel_size=tp,
                                    distributed_executor_backend="uni" if tp == 1 else "mp")
     assert cfg.resolve_token_budget() == want
-    assert cfg.scheduler_config.max_num_batched_tokens == want  # resolved once, in place
+    resolved = cfg.with_token_budget()  # the config is frozen: resolving gives a new one
+    assert resolved.scheduler_config.max_num_batched_tokens == want
+    assert cfg.scheduler_config.max_num_batched_tokens is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.scheduler_config.max_num_batched_tokens = want
+
+
+
+def test_a_runner_built_on_its_own_resolves_it(tiny_qwen2):
+    """Outside an engine core (which resolves the budget first), the runner resolves it for its own buffers."""
+    from novainfer.engine.llm_engine import load_model_info
+    from novainfer.worker.worker import Worker
+    config, _, _ = load_model_info(EngineConfig.from_kwargs(tiny_qwen2, dtype="float32", device="cpu"))
+    worker = Worker(config, config.model_config.hf_config)
+    worker.init_device()
+    worker.load_model()
+    assert worker.model_runner.config.scheduler_config.max_num_batched_tokens == 8192

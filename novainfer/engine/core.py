@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from novainfer.config import EngineConfig
-from novainfer.engine.faults import FaultInjector, RequestError
+from novainfer.engine.faults import RequestError
 from novainfer.engine.messages import AbortTarget, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from novainfer.engine.processor import check_request
 from novainfer.engine.scheduler import Scheduler, SchedulerOutput
@@ -48,11 +48,11 @@ class EngineCore:
     """Owns the KV cache's bookkeeping and the workers; `step()` advances every scheduled sequence."""
 
     def __init__(self, config: EngineConfig, eos_token_ids: set[int]):
+        config = config.with_token_budget()  # before the executor's step buffers are sized
         mc = config.model_config  # model path resolved and hf_config loaded by the caller
         self.config = config
         self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = mc.hf_config.vocab_size
-        config.resolve_token_budget()
         self.executor = Executor.get_class(config)(config, mc.hf_config)
         self.num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
         self.executor.collective_rpc("initialize_cache", self.num_blocks)
@@ -70,7 +70,6 @@ class EngineCore:
         self.fill_guesses = config.resolve_device().type == "cuda" and not config.enforce_eager
         self.spec_stats = SpecDecodeStats()
         self.requests: dict[str, Request] = {}
-        self.faults = FaultInjector(config.fault_injection)
         self.step_id = 0
         self.num_generated_tokens = 0
         self._failed: list[EngineCoreOutput] = []  # outputs of requests a raising step failed
@@ -237,17 +236,14 @@ class EngineCore:
             seq = by_seq[seq_id]
             if seq.request_id in self.requests:
                 outputs.append(EngineCoreOutput(seq.request_id, seq.index, prompt_logprobs=[start, entries]))
-        faults = self.faults if self.faults else None
         if result.spec_accepted_token_ids is not None:
-            return outputs + self._update_verified(sched, result, by_seq, faults)
+            return outputs + self._update_verified(sched, result, by_seq)
         for row, (seq_id, token_id) in enumerate(zip(result.seq_ids, result.sampled_token_ids)):
             seq = by_seq[seq_id]
             rid = seq.request_id
             if seq.status is FINISHED or rid not in self.requests:  # finished before this step was read back
                 continue  # (its token is the overlap's extra one), failed earlier in this step, or aborted
             try:
-                if faults is not None:
-                    faults.check("postprocess", rid)
                 self._append_token(seq, token_id)
             except Exception as exc:  # this request's bookkeeping broke: fail it alone
                 logger.exception("request_id=%s failed while applying its token", rid)
@@ -262,8 +258,8 @@ class EngineCore:
             self._propose(sched)
         return outputs
 
-    def _update_verified(self, sched: SchedulerOutput, result: ModelRunnerOutput, by_seq: dict,
-                         faults: FaultInjector | None) -> list[EngineCoreOutput]:
+    def _update_verified(self, sched: SchedulerOutput, result: ModelRunnerOutput,
+                         by_seq: dict) -> list[EngineCoreOutput]:
         """A verify step: each sequence appends its accepted guesses and the token after them, stopping at the
         first token that ends it (nothing past it is returned); rejected guesses' KV is given back."""
         outputs: list[EngineCoreOutput] = []
@@ -278,8 +274,6 @@ class EngineCore:
             logprobs = result.spec_logprobs[row] + [result.logprobs[row]] if result.logprobs else None
             drafted, proposed = spec_of[seq_id], len(seq.spec_token_ids)
             try:
-                if faults is not None:
-                    faults.check("postprocess", rid)
                 emitted = 0
                 for t in tokens:
                     self._append_token(seq, t)

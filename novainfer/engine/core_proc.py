@@ -93,9 +93,6 @@ class EngineCoreProc:
                 time.sleep(0.001)  # nothing was schedulable: don't spin
             return
         self.heap_dirty = True
-        if self.core.faults:  # tests only: a fault here is outside step()'s guard and kills the loop
-            for out in outputs.outputs:
-                self.core.faults.check("loop", out.request_id)
         self._send(outputs)
 
     def _send_error(self, request_id: str, error: str) -> None:
@@ -149,7 +146,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     encoder = MessageCodec(EngineCoreOutputs)
     core = None
     try:
-        tokenizer, eos_token_ids = load_model_info(config)
+        config, tokenizer, eos_token_ids = load_model_info(config)
         core = EngineCore(config, eos_token_ids)
         ready = EngineCoreReady(os.getpid(), core.max_model_len, core.num_blocks, core.vocab_size,
                                 sorted(eos_token_ids), pickle.dumps(tokenizer))
@@ -163,9 +160,15 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     except SystemExit:
         logger.info("engine core stopping")
     except BaseException as exc:
-        what = "engine loop died" if core is not None else "engine core failed to start"
-        logger.exception(what)
-        out_socket.send(encoder.encode(EngineCoreDead(f"{what}: {exc!r}")))
+        if core is not None:
+            logger.exception("engine loop died")
+            reason = f"engine loop died: {exc!r}"
+        else:  # most often the user's model or settings: the front-end reports the message, traceback on demand
+            if os.environ.get("NOVAINFER_DEBUG"):
+                logger.exception("engine core failed to start")
+            reason = str(exc) if isinstance(exc, (ValueError, OSError, NotImplementedError)) else \
+                f"{type(exc).__name__}: {exc}"
+        out_socket.send(encoder.encode(EngineCoreDead(reason)))
         raise SystemExit(1) from None
     finally:
         if core is not None:

@@ -22,8 +22,8 @@ class LLMEngine:
     """add_request / abort_request / step / has_unfinished_requests over an in-process EngineCore."""
 
     def __init__(self, config: EngineConfig):
+        config, self.tokenizer, eos = load_model_info(config)
         self.config = config
-        self.tokenizer, eos = load_model_info(config)
         self.engine_core = EngineCore(config, eos)
         self.max_model_len = self.engine_core.max_model_len
         self.engine_core.structured_output.tokenizer = self.tokenizer  # in one process: load it once
@@ -59,10 +59,6 @@ class LLMEngine:
     @property
     def structured_output(self):
         return self.engine_core.structured_output
-
-    @property
-    def faults(self):
-        return self.engine_core.faults
 
     @property
     def step_id(self) -> int:

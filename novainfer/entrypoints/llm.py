@@ -20,8 +20,8 @@ PromptType = str | list[int] | dict
 class LLM:
     """Loads a model (HF folder or .gguf; None = the default model) and generates from batches of prompts.
 
-    Keyword arguments are vLLM's engine arguments: max_model_len, max_num_seqs, max_num_batched_tokens,
-    gpu_memory_utilization, enable_prefix_caching, enforce_eager, tensor_parallel_size, dtype, block_size...
+    Keyword arguments are the engine settings, vLLM's names (max_model_len, max_num_seqs, dtype, ...): every
+    field novainfer.config.engine_arg_fields() lists, with the defaults and help `novainfer serve --help` shows.
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any):

@@ -20,7 +20,10 @@ class Executor(ABC):
         self.config = config
         self.hf_config = hf_config
         pc = config.parallel_config
-        # fail before any worker starts when the model cannot be split (every rank would fail the same way)
+        # fail before any worker starts when the model is not supported or cannot be split (every rank would
+        # fail the same way)
+        from novainfer.models.registry import get_model_class
+        get_model_class(hf_config)
         device = config.resolve_device()
         device_id = pc.tensor_parallel_device_ids[0] if device.type == "cuda" else device.type
         check_tp_divisibility(hf_config, pc.tensor_parallel_size, pc.rank, device_id)

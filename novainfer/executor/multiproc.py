@@ -80,12 +80,12 @@ class MultiprocExecutor(Executor):
         if pc.master_port == 0:  # one node: any free port on this machine
             with socket.socket() as s:
                 s.bind((pc.master_addr, 0))
-                pc.master_port = s.getsockname()[1]
+                self.config = self.config.replace(parallel_config={"master_port": s.getsockname()[1]})
         self.packer = StepPacker()
         self._pending: deque[RemoteStep] = deque()  # steps sent with execute_model_async, replies not read yet
         self._failure: BaseException | None = None  # why the workers were stopped
         self.procs, self.conn = start_local_workers(self.config, self.hf_config)
-        self._finalizer = weakref.finalize(self, stop_workers, self.procs, 0.0)
+        self._finalizer = weakref.finalize(self, _stop_at_exit, self.conn, self.procs)
         try:
             self._receive("init_device")  # rank 0 joined the group, so every rank did
             self.collective_rpc("load_model", self.config)  # other nodes take the engine's settings
@@ -187,6 +187,18 @@ class MultiprocExecutor(Executor):
         self.conn = None
         stop_workers(self.procs, timeout)
         self._finalizer.detach()
+
+
+def _stop_at_exit(conn: Any, procs: list) -> None:
+    """An executor dropped or alive at interpreter exit: ask the ranks to stop, as shutdown() does, and wait
+    for them. Killed instead, a rank would leave its semaphores (tqdm's lock) to the resource tracker's
+    "leaked semaphore" warning, and print the tracebacks of its interrupted collectives."""
+    try:
+        conn.send(None)
+        conn.close()
+    except (BrokenPipeError, OSError):
+        pass
+    stop_workers(procs, 5.0)
 
 
 class RemoteStep:

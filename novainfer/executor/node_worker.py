@@ -15,19 +15,17 @@ import signal
 import sys
 
 from novainfer.config import EngineConfig
-from novainfer.entrypoints.cli import add_engine_args, engine_kwargs
+from novainfer.entrypoints.engine_args import add_engine_args, engine_kwargs
 from novainfer.executor.multiproc import start_local_workers, stop_workers
-from novainfer.loader.model_loader import load_hf_config, resolve_model_path
+from novainfer.loader.model_info import with_hf_config
 
 logger = logging.getLogger("novainfer.node_worker")
 
 
 def run_node(config: EngineConfig) -> int:
     """Spawn this node's ranks and wait for them; a rank that fails stops the others."""
-    mc = config.model_config
-    mc.model = resolve_model_path(mc.model)
-    mc.hf_config = load_hf_config(mc.model)
-    procs, _ = start_local_workers(config, mc.hf_config)
+    config = with_hf_config(config)
+    procs, _ = start_local_workers(config, config.model_config.hf_config)
     pending = {p.sentinel: p for p in procs}
     try:
         while pending:

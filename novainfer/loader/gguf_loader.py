@@ -106,6 +106,9 @@ def load_gguf_tokenizer(path: str) -> Any:
         except Exception as e:  # a damaged cache entry: convert again and overwrite it
             logger.warning("cached tokenizer of %s at %s does not load (%s); converting the GGUF's again", path,
                            cached, e)
+    # a warning, so the command line (which logs warnings only) says why its first seconds are silent
+    logger.warning("converting the tokenizer of %s from GGUF (first load only; cached in %s)", os.path.basename(path),
+                   os.path.dirname(cached))
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     try:
         os.makedirs(os.path.dirname(cached), exist_ok=True)

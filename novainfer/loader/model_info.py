@@ -72,10 +72,23 @@ def eos_token_ids(model: str, hf_config: Any, tokenizer: Any) -> set[int]:
     return ids
 
 
-def load_model_info(config: EngineConfig) -> tuple[Any, set[int]]:
-    """Resolve the model path and its HF config (in place), load the tokenizer; (tokenizer, eos ids)."""
+def load_model_info(config: EngineConfig) -> tuple[EngineConfig, Any, set[int]]:
+    """(config with the model path resolved and its HF config loaded, tokenizer, eos ids)."""
+    config = with_hf_config(config)
     mc = config.model_config
-    mc.model = resolve_model_path(mc.model)
-    mc.hf_config = load_hf_config(mc.model)
     tokenizer = load_tokenizer(mc.tokenizer or mc.model)
-    return tokenizer, eos_token_ids(mc.model, mc.hf_config, tokenizer)
+    return config, tokenizer, eos_token_ids(mc.model, mc.hf_config, tokenizer)
+
+
+def with_model_path(config: EngineConfig) -> EngineConfig:
+    """config with the model path resolved (None: the default model; a bad path fails here) and checked again
+    (what the file is matters: quantization='fp8' refuses a GGUF file)."""
+    resolved = config.replace(model_config={"model": resolve_model_path(config.model_config.model)})
+    resolved.validate()
+    return resolved
+
+
+def with_hf_config(config: EngineConfig) -> EngineConfig:
+    """config with the model path resolved and checked (with_model_path) and its HF config loaded."""
+    config = with_model_path(config)
+    return config.replace(model_config={"hf_config": load_hf_config(config.model_config.model)})

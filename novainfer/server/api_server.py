@@ -10,7 +10,7 @@ import re
 import secrets
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,15 +40,12 @@ from novainfer.server.serving_completions import CompletionHandler
 from novainfer.server.sessions import SessionStore
 from novainfer.server.tool_calling import ToolConfig
 
-if TYPE_CHECKING:  # the in-process engine brings torch, which the front-end of `novainfer serve` never imports
-    from novainfer.engine.llm_engine import LLMEngine
-
 logger = logging.getLogger(__name__)
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 _VALID_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII without spaces
 # pydantic names the member of a union that failed ("constrained-str", "list[int]"): not part of the field path
 _UNION_MEMBER = re.compile(r"^(constrained-)?(str|int|float|bool|none|list\[.*\]|dict\[.*\])$|^function-")
-_PUBLIC_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc", "/webui/")
+_PUBLIC_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/webui/")
 # 413: a body over --max-request-body-bytes; 500: a request whose engine step fails (naming its request_id)
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse}
                                             for code in (400, 401, 404, 413, 429, 500, 503)}
@@ -160,9 +157,9 @@ def _request_id(request: Request) -> str:
     return request.state.request_id
 
 
-def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: ServerConfig) -> FastAPI:
-    """The app serving each (name, engine): an AsyncLLM (engine core in its own process), or an LLMEngine
-    that a thread of this process drives. The engines start and stop with the app."""
+def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) -> FastAPI:
+    """The app serving each (name, engine): an AsyncLLM (its engine core in a process of its own). The engines
+    start and stop with the app."""
     metrics = ServerMetrics()
 
     def record_finished(model: str, tracked: TrackedRequest, reason: str | None) -> None:
@@ -173,9 +170,6 @@ def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: Se
             REQUEST_ID.reset(token)
     served = []
     for name, engine in engines:
-        if not isinstance(engine, AsyncEngineBase):  # an LLMEngine (--engine-core thread)
-            from novainfer.server.engine_thread import AsyncLLMEngine
-            engine = AsyncLLMEngine(engine)
         engine.on_stats = lambda stats, n=name: metrics.observe_stats(n, stats)
         engine.on_finished = lambda t, r, n=name: record_finished(n, t, r)
         served.append(ServedModel.create(name, engine))
@@ -195,7 +189,9 @@ def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: Se
         for m in served:
             m.engine.shutdown()
 
-    app = FastAPI(title="NovaInfer OpenAI-compatible API", version=novainfer.__version__, lifespan=lifespan)
+    # no /docs or /redoc: their pages load Swagger UI and ReDoc from a CDN, blank offline; /openapi.json stays
+    app = FastAPI(title="NovaInfer OpenAI-compatible API", version=novainfer.__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
     app.add_middleware(RequestContextMiddleware, api_key=config.api_key, max_body_bytes=config.max_request_body_bytes)
     if config.allowed_origins:  # off by default; outermost, so preflights and 401/413 answers carry its headers
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
@@ -330,7 +326,7 @@ def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: Se
                 return HTMLResponse(f.read())
         names = ", ".join(m.name for m in served)
         return HTMLResponse(f"<h1>NovaInfer</h1><p>Serving {names}. OpenAI API under <code>/v1</code>; "
-                            f"see <a href='/docs'>/docs</a> and <a href='/metrics'>/metrics</a>.</p>")
+                            f"see <a href='/openapi.json'>/openapi.json</a> and <a href='/metrics'>/metrics</a>.</p>")
 
     # The page's scripts and styles; they load without the API key (the page sends the key the user typed).
     app.mount("/webui", StaticFiles(directory=WEBUI_DIR, check_dir=False), name="webui")

@@ -2,9 +2,8 @@
 outputs per request. Each request follows a lifecycle (queued -> running -> finished | cancelled | failed);
 an illegal transition is refused and logged.
 
-AsyncEngineBase holds that request side. Two engines build on it: AsyncLLM (server/async_llm.py, the
-default) talks to an engine core in its own process; AsyncLLMEngine (server/engine_thread.py) drives an
-in-process LLMEngine from a thread of the server (`--engine-core thread`, the layout before this split).
+AsyncEngineBase holds that request side; AsyncLLM (server/async_llm.py) builds on it and talks to an engine
+core in its own process.
 """
 from __future__ import annotations
 

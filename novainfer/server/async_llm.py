@@ -17,7 +17,7 @@ from novainfer.engine.core_client import AsyncMPClient
 from novainfer.engine.messages import AbortTarget, EngineCoreDead, EngineCoreOutputs
 from novainfer.engine.output_processor import OutputProcessor
 from novainfer.engine.processor import Processor
-from novainfer.loader.model_info import resolve_model_path
+from novainfer.loader.model_info import with_model_path
 from novainfer.structured_output import StructuredOutputManager
 from novainfer.sampling_params import SamplingParams
 from novainfer.server.async_engine import AsyncEngineBase, FinishedHook, StatsHook
@@ -32,7 +32,7 @@ class AsyncLLM(AsyncEngineBase):
     def __init__(self, config: EngineConfig, on_stats: StatsHook | None = None,
                  on_finished: FinishedHook | None = None):
         super().__init__(on_stats, on_finished)
-        config.model_config.model = resolve_model_path(config.model_config.model)  # a bad path fails here
+        config = with_model_path(config)  # a bad path fails here, before the core process starts
         self.model_path = config.model_config.model
         self.core = AsyncMPClient(config)  # loads the model's config and tokenizer in the core (torch is there)
         self.tokenizer = self.core.tokenizer

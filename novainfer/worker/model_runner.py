@@ -18,7 +18,6 @@ import torch
 from novainfer.attention import cpu_backend, torch_backend
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata
 from novainfer.config import EngineConfig, default_cpu_dtype, resolve_cache_dtype
-from novainfer.engine.faults import FaultInjector
 from novainfer.engine.scheduler import SchedulerOutput
 from novainfer.layers.attention import Attention
 from novainfer.layers.quantization.selector import get_quant_config
@@ -56,7 +55,7 @@ class ModelRunnerOutput:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, hf_config, device: torch.device):
-        config.resolve_token_budget()  # set by the engine core already, except for a runner built on its own
+        config = config.with_token_budget()  # the engine core's is resolved already; a runner built alone's not
         self.config = config
         self.hf_config = hf_config
         self.device = device
@@ -76,7 +75,6 @@ class ModelRunner:
         self.state_cache = StateCache.for_model(self.model, config, self.dtype, device,
                                                 self.kv_bytes_per_block() // self.block_size)
         self.sampler = Sampler()
-        self.faults = FaultInjector(config.fault_injection)
         self.generators: dict[int, torch.Generator] = {}
         self._last_sampling: tuple[tuple[int, ...], SamplingMetadata] | None = None
         self._rows: dict[int, SamplingRow] = {}  # seq_id -> its sampling row, while it never changes
@@ -249,9 +247,6 @@ class ModelRunner:
             self.generators.pop(seq_id, None)
             self.input_batch.remove(seq_id)
             self._rows.pop(seq_id, None)
-        if self.faults:  # tests only: before any input is written
-            for s in sched.scheduled:
-                self.faults.check("prepare", s.seq.request_id)
         scheduled, batch = sched.scheduled, self.input_batch
         num_seqs = len(scheduled)
         rows, starts, counts = batch.gather(scheduled)

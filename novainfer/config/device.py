@@ -1,0 +1,46 @@
+"""Device and ISA probing that config needs without importing torch (house-core moves these to
+novainfer/platform.py; kept together here so that move is one import)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+# Files the engine builds once and reuses across runs: the CPU kernels' shared library (keyed by its sources'
+# hash) and tokenizers converted from GGUF files (keyed by the file and the transformers version).
+CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "novainfer")
+
+
+def _torch_has_cuda_build() -> bool:
+    """torch/version.py's `cuda` is set (read as text: importing torch is what this avoids)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    try:
+        with open(os.path.join(list(spec.submodule_search_locations)[0], "version.py"), encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return True  # unknown: say yes (the core is then spawned, which works on every device)
+    values = re.findall(r"^cuda\s*(?::[^=]*)?=\s*(.+?)\s*$", text, re.M)
+    return any(v != "None" for v in values)
+
+
+def _cuda_driver_loads() -> bool:
+    import ctypes
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def default_cpu_dtype() -> torch.dtype:
+    """A dense CPU model's dtype when none was asked for: bfloat16 where the CPU multiplies it natively
+    (AVX512-BF16 or AMX), float32 elsewhere (a quantization config's activation_dtype comes first)."""
+    import torch
+    from novainfer.layers.quantization.cpu_kernels import cpu_flags
+    return torch.bfloat16 if cpu_flags() & {"avx512_bf16", "amx_bf16"} else torch.float32
