@@ -49,8 +49,7 @@ def shard_dim(full: torch.Tensor, dim: int, tp_rank: int, tp_size: int, local_sh
 
 def check_tp_divisibility(hf_config: Any, tp_size: int, tp_rank: int, device_id: int | str) -> None:
     """Fail at start, before any weight is read, when heads, KV heads or the MLP width don't split evenly."""
-    missing = [f for f in ("num_attention_heads", "hidden_size", "intermediate_size")
-               if getattr(hf_config, f, None) is None]
+    missing = [f for f in ("num_attention_heads", "hidden_size") if getattr(hf_config, f, None) is None]
     if missing:
         raise ValueError(f"the model's config has no {', '.join(missing)} "
                          f"(architectures={getattr(hf_config, 'architectures', None)})")
