@@ -19,15 +19,15 @@ from novainfer.attention import cpu_backend, torch_backend
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata
 from novainfer.config import EngineConfig, default_cpu_dtype, resolve_cache_dtype
 from novainfer.engine.faults import FaultInjector
-from novainfer.engine.scheduler import SchedulerOutput
 from novainfer.layers.attention import Attention
 from novainfer.layers.quantization.selector import get_quant_config
 from novainfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, sampling_threads
 from novainfer.loader.model_loader import load_model
 from novainfer.sampling_params import SamplingParams
-from novainfer.spec_decode.draft_model_runner import DraftModelRunner
+from novainfer.worker.draft_model_runner import DraftModelRunner
 from novainfer.spec_decode.rejection_sampler import emitted_rows, rejection_sample
 from novainfer.spec_decode.verify_inputs import per_token_metadata, verify_rows
+from novainfer.step_types import ModelRunnerOutput, SchedulerOutput
 from novainfer.worker.input_batch import InputBatch
 from novainfer.worker.kernel_warmup import one_sequence_metadata, warm_up_kernels
 from novainfer.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, release_kv_cache
@@ -36,21 +36,6 @@ from novainfer.worker.cuda_graph import DecodeGraphs, batch_size_ladder, bucket
 from novainfer.worker.step_inputs import HostBuffers, StepInputs, nvtx_range
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What the step produced, on the host: one entry per sampled sequence."""
-
-    seq_ids: list[int]
-    sampled_token_ids: list[int]
-    logprobs: list[list[tuple[int, float, int]]] | None = None  # [(token_id, logprob, rank)] per row
-    # seq_id -> (first prompt position, [(token_id, logprob, rank), ...] per next prompt token); see prompt_logprobs.py
-    prompt_logprobs: dict[int, tuple[int, list[list[tuple[int, float, int]]]]] | None = None
-    # a verify step (speculative decoding): per sampled sequence, the accepted guesses that come before its
-    # sampled token, and their logprobs
-    spec_accepted_token_ids: list[list[int]] | None = None
-    spec_logprobs: list[list[list[tuple[int, float, int]]]] | None = None
 
 
 class ModelRunner:

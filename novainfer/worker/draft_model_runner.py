@@ -21,7 +21,7 @@ from novainfer.config import EngineConfig
 from novainfer.layers.attention import Attention
 from novainfer.layers.quantization.selector import get_quant_config
 from novainfer.loader.model_loader import load_hf_config, load_model, load_tokenizer
-from novainfer.spec_decode.draft_model_proposer import DraftRequest
+from novainfer.step_types import DraftRequest
 from novainfer.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, release_kv_cache
 
 logger = logging.getLogger(__name__)
