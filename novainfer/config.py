@@ -1,22 +1,17 @@
 """Engine configuration: every knob the engine reads comes from these dataclasses (vLLM's names)."""
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from novainfer.engine.faults import FaultInjector
+from novainfer.platform import cuda_driver_loads, torch_has_cuda_build
 
 if TYPE_CHECKING:  # torch is imported where tensors are made (the engine core), never by the server's front-end
     import torch
-
-# Files the engine builds once and reuses across runs: the CPU kernels' shared library (keyed by its sources'
-# hash) and tokenizers converted from GGUF files (keyed by the file and the transformers version).
-CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "novainfer")
 
 
 @dataclass
@@ -338,41 +333,10 @@ class EngineConfig:
             return name.split(":")[0] == "cuda"
         if "torch" in sys.modules:
             return sys.modules["torch"].cuda.is_available()
-        return _torch_has_cuda_build() and _cuda_driver_loads()
+        return torch_has_cuda_build() and cuda_driver_loads()
 
     def _device_name(self) -> str:
         return os.environ.get("NOVAINFER_DEVICE", self.device)
-
-
-def _torch_has_cuda_build() -> bool:
-    """torch/version.py's `cuda` is set (read as text: importing torch is what this avoids)."""
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    try:
-        with open(os.path.join(list(spec.submodule_search_locations)[0], "version.py"), encoding="utf-8") as f:
-            text = f.read()
-    except OSError:
-        return True  # unknown: say yes (the core is then spawned, which works on every device)
-    values = re.findall(r"^cuda\s*(?::[^=]*)?=\s*(.+?)\s*$", text, re.M)
-    return any(v != "None" for v in values)
-
-
-def _cuda_driver_loads() -> bool:
-    import ctypes
-    try:
-        ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
-    return True
-
-
-def default_cpu_dtype() -> torch.dtype:
-    """A dense CPU model's dtype when none was asked for: bfloat16 where the CPU multiplies it natively
-    (AVX512-BF16 or AMX), float32 elsewhere (a quantization config's activation_dtype comes first)."""
-    import torch
-    from novainfer.layers.quantization.cpu_kernels import cpu_flags
-    return torch.bfloat16 if cpu_flags() & {"avx512_bf16", "amx_bf16"} else torch.float32
 
 
 def resolve_cache_dtype(cfg: EngineConfig, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:

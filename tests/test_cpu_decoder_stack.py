@@ -315,9 +315,10 @@ def test_default_model_computes_in_float32_on_a_bf16_cpu(monkeypatch):
     take float32 activations (the C kernels' input): bfloat16 would convert around every GEMM and leave the C
     stack out (measured on an AVX512-BF16 Xeon: 33 tok/s against 166)."""
     from novainfer import LLM, SamplingParams
-    from novainfer.config import default_cpu_dtype
-    flags = cpu_kernels.cpu_flags() | {"avx512_bf16", "amx_bf16"}
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
+    from novainfer import platform
+    from novainfer.platform import default_cpu_dtype
+    flags = platform.cpu_flags() | {"avx512_bf16", "amx_bf16"}
+    monkeypatch.setattr(platform, "cpu_flags", lambda: flags)
     assert default_cpu_dtype() == torch.bfloat16  # a dense model on this CPU
     llm = LLM(max_model_len=128, block_size=16, enable_prefix_caching=False)
     runner = llm.llm_engine.executor.workers[0].model_runner

@@ -93,7 +93,7 @@ def load_gguf_tokenizer(path: str) -> Any:
     import transformers
     from transformers import AutoTokenizer
 
-    from novainfer.config import CACHE_DIR
+    from novainfer.platform import CACHE_DIR
     path = os.path.abspath(path)
     st = os.stat(path)
     key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()[:16]

@@ -17,12 +17,13 @@ import torch
 
 from novainfer.attention import cpu_backend, torch_backend
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata
-from novainfer.config import EngineConfig, default_cpu_dtype, resolve_cache_dtype
+from novainfer.config import EngineConfig, resolve_cache_dtype
 from novainfer.engine.faults import FaultInjector
 from novainfer.layers.attention import Attention
 from novainfer.layers.quantization.selector import get_quant_config
 from novainfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, SamplingRow, sampling_threads
 from novainfer.loader.model_loader import load_model
+from novainfer.platform import default_cpu_dtype
 from novainfer.sampling_params import SamplingParams
 from novainfer.worker.draft_model_runner import DraftModelRunner
 from novainfer.spec_decode.rejection_sampler import emitted_rows, rejection_sample

@@ -46,7 +46,7 @@ class QuantizationConfig:
     fused_decoder_stack: a llama-family model runs a decode step's decoder stack in one C call
     (cpu_decoder.py), where every piece of it is one the C stack implements.
     activation_dtype: the dtype the methods' kernels take activations in, which a CPU model then computes in
-    unless a dtype was asked for (None: the device's default, config.default_cpu_dtype).
+    unless a dtype was asked for (None: the device's default, platform.default_cpu_dtype).
     """
 
     fused_cpu_ops = False

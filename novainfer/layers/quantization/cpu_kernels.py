@@ -24,7 +24,7 @@ from functools import lru_cache
 
 import torch
 
-from novainfer.config import CACHE_DIR
+from novainfer.platform import CACHE_DIR, cpu_flags
 from novainfer.layers.quantization.gguf_repack import PackedWeight
 
 logger = logging.getLogger(__name__)
@@ -42,19 +42,6 @@ PANEL_MIN_ROWS = 16
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC"]
-
-
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 @lru_cache(maxsize=1)
