@@ -29,7 +29,7 @@ def main() -> None:
                     help="instead: C stack on, float16 vs float32 scales and zeros (two copies of the weights)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from novainfer.layers.quantization import gguf_repack
+    from novainfer.kernels.cpu import repack as gguf_repack
 
     if args.scales:
         variants = {}

@@ -18,7 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.throughput import make_workload  # noqa: E402
 from novainfer.attention import cpu_backend  # noqa: E402
-from novainfer.layers.quantization import cpu_kernels, gguf_cpu  # noqa: E402
+from novainfer.kernels.cpu import qgemm  # noqa: E402
+from novainfer.layers.quantization import gguf_cpu  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -26,12 +27,12 @@ def old_path():
     """Dequantize + sgemm from PREFILL_ROWS rows on, the few-row kernel below, torch SDPA attention."""
     flags = gguf_cpu.PREFILL_DEQUANT, cpu_backend.PREFILL_KERNEL
     gguf_cpu.PREFILL_DEQUANT, cpu_backend.PREFILL_KERNEL = True, False
-    cpu_kernels.set_panel_min_rows(2**31 - 1)
+    qgemm.set_panel_min_rows(2**31 - 1)
     try:
         yield
     finally:
         gguf_cpu.PREFILL_DEQUANT, cpu_backend.PREFILL_KERNEL = flags
-        cpu_kernels.set_panel_min_rows(cpu_kernels.PANEL_MIN_ROWS)
+        qgemm.set_panel_min_rows(qgemm.PANEL_MIN_ROWS)
 
 
 def main() -> None:

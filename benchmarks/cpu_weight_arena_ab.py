@@ -32,8 +32,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     args = ap.parse_args()
     from novainfer import LLM, SamplingParams
-    from novainfer.layers.quantization.cpu_decoder import CPUDecoderStack
-    from novainfer.layers.quantization.gguf_repack import PackedWeight
+    from novainfer.kernels.cpu.decoder_stack import CPUDecoderStack
+    from novainfer.kernels.cpu.repack import PackedWeight
     from novainfer.loader.model_loader import resolve_model_path
     llm = LLM(resolve_model_path(None))
     packs = list({id(o): o for o in gc.get_objects() if isinstance(o, PackedWeight)}.values())

@@ -17,7 +17,7 @@ the engine is shut down (its threads would compete). gemm / attention: the kerne
 every decoder GEMM of the default model (its real weights, in layer order, so each is cold as in a prefill) at
 --prompt-len rows, or the prefill attention of 30 layers' bf16 caches; one thread in this thread's CPU time,
 then two in wall time, both builds taking turns, and whether they give the same bits. Only the C library changes between "new" and "old"
-(cpu_kernels.build_library of --base's sources); the Python engine is this tree's, in both.
+(the kernel builder, kernels/cpu/library.py, on --base's sources); the Python engine is this tree's, in both.
 """
 from __future__ import annotations
 
@@ -32,16 +32,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.qgemm_rows import build_at  # noqa: E402
 from novainfer.attention import cpu_backend  # noqa: E402
-from novainfer.layers.quantization import cpu_kernels, gguf_cpu, gguf_repack  # noqa: E402
+from novainfer.kernels.cpu import library, qgemm, repack as gguf_repack  # noqa: E402
+from novainfer.layers.quantization import gguf_cpu  # noqa: E402
 
 
 def use(lib, panel_rows: int | None = None) -> None:
     """Every later kernel call (GEMMs and the decode-step ops) goes to lib, whose GEMMs hand over to the panel
     kernel from panel_rows rows (None: the default); an older build without the panel GEMM or the C prefill
     attention gets the Python paths it had (dequantize + sgemm, torch attention)."""
-    cpu_kernels._library = lambda: lib
+    library._library = lambda: lib
     if hasattr(lib, "set_panel_min_rows"):
-        lib.set_panel_min_rows(panel_rows or cpu_kernels.PANEL_MIN_ROWS)
+        lib.set_panel_min_rows(panel_rows or qgemm.PANEL_MIN_ROWS)
     cpu_backend.PREFILL_KERNEL = hasattr(lib, "prefill_attention_bf16")
     gguf_cpu.PREFILL_DEQUANT = not hasattr(lib, "q4_gemm_panel")
 
@@ -107,7 +108,7 @@ def streams(args, libs) -> dict:
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in res.items()), flush=True)
     llm.llm_engine.shutdown()  # its threads would compete with llama.cpp's
     del llm
-    lc, _ = llamacpp_baseline.load(resolve_model_path(None), cpu_kernels.num_threads())
+    lc, _ = llamacpp_baseline.load(resolve_model_path(None), library.num_threads())
     llamacpp_baseline.greedy(lc, prompts[-1][:16], 4)
     res["llama.cpp 1 stream"] = []
     for r in range(args.rounds):
@@ -128,7 +129,7 @@ def prefill(args, libs) -> dict:
     from novainfer import LLM, SamplingParams
     llm = LLM()
     if args.one_thread:
-        cpu_kernels.set_num_threads(1)
+        library.set_num_threads(1)
         torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
@@ -188,14 +189,14 @@ def _turns(fns: dict, rounds: int, clock) -> dict:
 def _kernel_runs(args, make_fns, same: bool) -> dict:
     out = {"same_bits": same}
     for threads, clock, what in ((1, time.thread_time, "1 thread, CPU ms"), (2, time.perf_counter, "2 threads, wall ms")):
-        cpu_kernels.set_num_threads(threads)
+        library.set_num_threads(threads)
         res = _turns(make_fns(), args.rounds, clock)
         ratio = sorted(n / o for n, o in zip(res["new"], res["old"]))
         print(f"{what}: old median {statistics.median(res['old']):.1f} (min {min(res['old']):.1f}), new "
               f"{statistics.median(res['new']):.1f} (min {min(res['new']):.1f}); new/old per round "
               f"{ratio[0]:.3f}-{ratio[-1]:.3f} (median {statistics.median(ratio):.3f}); same bits: {same}", flush=True)
         out[f"{threads}_thread_ms"] = res
-    cpu_kernels.set_num_threads(None)
+    library.set_num_threads(None)
     return out
 
 
@@ -206,12 +207,12 @@ def gemm(args, libs) -> dict:
     from benchmarks.qgemm_rows import step_weights
     weights = step_weights()[:-1]  # a prefill's lm_head sees one row
     xs = [torch.randn(args.prompt_len, w.shape[1]) for w in weights]
-    same = all(torch.equal(cpu_kernels.quant_gemm(x, w, libs["new"][0]), cpu_kernels.quant_gemm(x, w, libs["old"][0]))
+    same = all(torch.equal(qgemm.quant_gemm(x, w, libs["new"][0]), qgemm.quant_gemm(x, w, libs["old"][0]))
                for x, w in zip(xs[:4], weights[:4]))
 
     def run(lib) -> None:
         for x, w in zip(xs, weights):  # each output freed before the next: no heap growth to page in
-            cpu_kernels.quant_gemm(x, w, lib)
+            qgemm.quant_gemm(x, w, lib)
 
     def make_fns():
         return {k: (lambda lib=lib[0]: run(lib)) for k, lib in libs.items()}
@@ -223,7 +224,7 @@ def attention(args, libs) -> dict:
     fresh tokens, each layer its own bf16 cache."""
     import torch
 
-    from novainfer.layers.quantization import cpu_ops
+    from novainfer.kernels.cpu import ops as cpu_ops
     n, nh, nkv, d, bs = args.prompt_len, 9, 3, 64, 16
     nb = (n + bs - 1) // bs
     caches = [(torch.randn(nb, bs, nkv, d).to(torch.bfloat16), torch.randn(nb, bs, nkv, d).to(torch.bfloat16))
@@ -257,9 +258,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512, help="prefill, decode: tokens a prompt")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    libs = {"new": (cpu_kernels.library(),), "old": (build_at(args.base), args.base_panel_rows)}
+    libs = {"new": (library.library(),), "old": (build_at(args.base), args.base_panel_rows)}
     if args.panel_rows:
-        libs[f"new, panel from {args.panel_rows} rows"] = (cpu_kernels.library(), args.panel_rows)
+        libs[f"new, panel from {args.panel_rows} rows"] = (library.library(), args.panel_rows)
     if not libs["old"][0].panel_layout and args.mode != "attention":
         raise SystemExit(f"{args.base}'s kernels read weights in rows, not this tree's panels: compare whole trees in "
                          "separate processes instead (benchmarks/tree_ab.py)")

@@ -45,8 +45,8 @@ int main(void) {
 
 
 def main() -> None:
-    from novainfer.layers.quantization import cpu_kernels
-    lib = cpu_kernels.library()._name
+    from novainfer.kernels.cpu import library
+    lib = library.library()._name
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = os.path.join(tmp, "harness.c"), os.path.join(tmp, "harness")
         with open(src, "w") as f:

@@ -11,13 +11,13 @@ from gguf.quants import quantize
 
 from novainfer.attention import cpu_backend
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata, get_attention_metadata
-from novainfer.layers.quantization import cpu_kernels, gguf_cpu
+from novainfer.kernels.cpu import library
 from novainfer.spec_decode.verify_inputs import per_token_metadata
 from novainfer.worker.kv_cache import allocate_kv_cache
 from tests.test_quantized_cpu import random_blocks
 from tests.tiny_models import make_tokenizer
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX2+FMA and a C compiler")
+pytestmark = pytest.mark.skipif(not library.available(), reason="needs AVX2+FMA and a C compiler")
 HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, BS = 256, 512, 4, 2, 3, 4
 # per layer: GGUF type of each weight (q4 and int8 layouts; groups of 32 and 16; with and without zeros)
 LAYER_TYPES = [
@@ -194,13 +194,9 @@ def test_steps_and_models_it_does_not_take_run_the_layers(tiny_gguf, monkeypatch
     meta, pos = step_meta(TABLES[:1], [0], [2])  # a prefill
     with attention_metadata(meta):
         assert stack.forward(inner, embeds, pos) is None
-    many = [[i] for i in range(64)]  # 64 rows with the A/B setting: the linear layers dequantize + BLAS there
+    many = [[i] for i in range(64)]
     meta, pos = step_meta(many, [1] * 64, [1] * 64)
-    monkeypatch.setattr(gguf_cpu, "PREFILL_DEQUANT", True)
-    with attention_metadata(meta):
-        assert stack.forward(inner, torch.randn(64, HIDDEN), pos) is None
-    monkeypatch.setattr(gguf_cpu, "PREFILL_DEQUANT", False)
-    with attention_metadata(meta):  # the default: any number of decode rows
+    with attention_metadata(meta):  # any number of decode rows
         assert stack.forward(inner, torch.randn(64, HIDDEN), pos) is not None
     meta, _ = step_meta(TABLES[:1], [3], [1])  # a position past the rotary table: the layers' own error
     with attention_metadata(meta), pytest.raises(ValueError, match="outside the rotary table"):

@@ -162,7 +162,7 @@ def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple
     with keep_quantized, 2-D weights of a repackable type as GGUFQuantTensor (raw blocks, read one tensor at a
     time; the layer repacks them as soon as all its shards are in)."""
     from novainfer.layers.quantization.gguf_cpu import GGUFQuantTensor
-    from novainfer.layers.quantization.gguf_repack import SUPPORTED
+    from novainfer.kernels.cpu.repack import SUPPORTED
 
     reader = _reader(path)
     arch = reader.field("general.architecture")

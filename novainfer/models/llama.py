@@ -18,7 +18,7 @@ from novainfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from novainfer.layers.layernorm import RMSNorm
 from novainfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from novainfer.layers.quantization import current_quant_config
-from novainfer.layers.quantization.cpu_decoder import CPUDecoderStack
+from novainfer.kernels.cpu.decoder_stack import CPUDecoderStack
 from novainfer.layers.rotary import get_rope
 
 

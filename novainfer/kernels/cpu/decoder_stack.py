@@ -21,7 +21,7 @@ from torch import nn
 
 from novainfer.attention import cpu_backend
 from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
-from novainfer.layers.quantization import cpu_kernels, cpu_ops, gguf_cpu
+from novainfer.kernels.cpu import library, ops as cpu_ops
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _ERRORS = {1: (MemoryError, "decoder stack: no memory for a kernel's scratch"),
@@ -41,17 +41,6 @@ class DecoderLayerDesc(ctypes.Structure):
                 ("o", QLinearDesc), ("gate_up", QLinearDesc), ("down", QLinearDesc), ("k_cache", _P),
                 ("v_cache", _P), ("cos", _P), ("sin", _P), ("max_pos", _I), ("nh", _I), ("nkv", _I), ("D", _I),
                 ("block_size", _I), ("window", _I), ("scale", _F), ("soft_cap", _F)]
-
-
-def _library() -> ctypes.CDLL:
-    lib = cpu_kernels.library()
-    if lib.scale_f16 and not getattr(lib, "_decoder_stack_typed", False):  # (an older build: never called)
-        lib.decoder_stack_workspace.argtypes = [_P, _I, _I, _I]
-        lib.decoder_stack_workspace.restype = ctypes.c_size_t
-        # the last two: the caches' blocks and where a KV index is bad (an older build ignores them)
-        lib.decoder_stack_decode.argtypes = [_P, _I, _P, _F, _P, _P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _P]
-        lib._decoder_stack_typed = True
-    return lib
 
 
 def _qlinear(layer: nn.Module) -> QLinearDesc:
@@ -119,8 +108,6 @@ class CPUDecoderStack:
             meta = meta.per_token
         elif meta.max_query_len != 1 or meta.num_seqs != m:
             return None
-        if gguf_cpu.PREFILL_DEQUANT and m >= gguf_cpu.PREFILL_ROWS:
-            return None  # the A/B setting where the linears dequantize + BLAS from there
         if embeds.dtype != torch.float32 or embeds.dim() != 2 or not embeds.is_contiguous():
             return None
         if self.supported is None:
@@ -167,9 +154,7 @@ class CPUDecoderStack:
 
     def _run(self, model: nn.Module, embeds: torch.Tensor, positions: torch.Tensor,
              meta: AttentionMetadata) -> torch.Tensor | None:
-        lib = _library()
-        if not lib.scale_f16:
-            return None  # an older build swapped in by benchmarks/kernel_ab.py: its qlinear lacks scale_f16
+        lib = library.library()
         m, h = embeds.shape
         if m > self.workspace_rows:
             rows = max(m, 2 * self.workspace_rows, 1)
@@ -184,7 +169,7 @@ class CPUDecoderStack:
         rc = lib.decoder_stack_decode(self.layers, len(self.layers), model.norm.weight.data_ptr(), model.norm.eps,
                                       embeds.data_ptr(), out.data_ptr(), m, h, pos.data_ptr(), slots.data_ptr(),
                                       tables.data_ptr(), tables.stride(0), lens.data_ptr(),
-                                      self.workspace.data_ptr(), cpu_kernels.num_threads(), self.num_blocks, where)
+                                      self.workspace.data_ptr(), library.num_threads(), self.num_blocks, where)
         if rc > _BAD_KV:
             raise cpu_ops.kv_index_error(rc - _BAD_KV, where, self.num_blocks, self.layers[0].block_size,
                                          slots=slots, tables=tables, seq_lens=lens)
