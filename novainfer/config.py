@@ -24,10 +24,6 @@ class ModelConfig:
     quantization: str | None = None  # None (auto): GGUF blocks stay quantized on the CPU unless dtype=float32
     # is given; "gguf": keep them quantized on the CPU; "none": dequantize (today's exact path); "fp8" (vLLM's
     # dynamic FP8): dense linear weights quantized to float8 at load (layers/quantization/fp8.py)
-    cpu_decode_stack: bool = True  # on the quantized CPU path, a decode step's whole decoder stack runs in one C
-    # call (layers/quantization/cpu_decoder.py; same result to the bit); False: layer by layer from Python
-    gpu_decode_stack: bool = True  # on CUDA, a one-token decode step runs each llama-family layer as five fused
-    # kernels (layers/gpu_decoder.py); False: the layer-by-layer kernels
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     tokenizer: str | None = None
     seed: int = 0

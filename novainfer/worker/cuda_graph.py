@@ -13,7 +13,6 @@ import logging
 from typing import Callable
 
 import torch
-from torch import nn
 
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata
 
@@ -32,9 +31,9 @@ def bucket(ladder: list[int], num_seqs: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
+    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device, num_splits: Callable[[int], int], query_len: int = 1):
-        self.model = model
+        self.forward = forward  # (input_ids, positions) -> hidden states: the runner's decode_forward
         self.sizes = batch_size_ladder(max_num_seqs)
         self.num_splits = num_splits
         self.query_len = q = query_len
@@ -63,10 +62,10 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             t = bs * self.query_len
             with attention_metadata(self.metadata(bs)):
-                self.hidden[:t] = self.model(self.input_ids[:t], self.positions[:t])  # warm-up, JIT compile
+                self.hidden[:t] = self.forward(self.input_ids[:t], self.positions[:t])  # warm-up, JIT compile
                 torch.cuda.synchronize()
                 with torch.cuda.graph(graph, pool):
-                    self.hidden[:t] = self.model(self.input_ids[:t], self.positions[:t])
+                    self.hidden[:t] = self.forward(self.input_ids[:t], self.positions[:t])
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
         torch.cuda.synchronize()

@@ -34,6 +34,7 @@ from novainfer.worker.kernel_warmup import one_sequence_metadata, warm_up_kernel
 from novainfer.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, release_kv_cache
 from novainfer.worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from novainfer.worker.cuda_graph import DecodeGraphs, batch_size_ladder, bucket
+from novainfer.worker.decode_strategy import DecodeStrategy, decode_forward, select_decode_strategy
 from novainfer.worker.step_inputs import HostBuffers, StepInputs, nvtx_range
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class ModelRunner:
         self._rows: dict[int, SamplingRow] = {}  # seq_id -> its sampling row, while it never changes
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
+        self.decode_strategy: DecodeStrategy | None = None  # a whole-stack decode path, chosen with the KV cache
         self.nvtx = device.type == "cuda"
         self.attn_backend = self._select_attention_backend(config.attention_backend)
         sc = config.scheduler_config
@@ -163,6 +165,7 @@ class ModelRunner:
         gets its own cache of as many blocks, so the target's block tables address it too."""
         self.kv_cache = allocate_kv_cache(self.attention_layers(), num_blocks, self.block_size, self.kv_dtype,
                                           self.device, self.attn_backend)
+        self.decode_strategy = select_decode_strategy(self.model, self.attn_backend)
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks, self.attn_backend)
         self.num_blocks = num_blocks
@@ -187,17 +190,15 @@ class ModelRunner:
         """Capture decode graphs (CUDA only; enforce_eager turns them off)."""
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
-        if self.config.model_config.gpu_decode_stack:  # graphs only: enabled once, with the graphs that take it
-            from novainfer.layers.gpu_decoder import enable_gpu_decode_stack
-            logger.info("batch-1 decode stack (fused kernels): %s", "on" if enable_gpu_decode_stack(self.model)
-                        else "off (the model has layers it does not fuse)")
+        logger.info("batch-1 decode stack (fused kernels): %s", "on" if self.decode_strategy is not None
+                    else "off (the model has layers it does not fuse)")
         sc = self.config.scheduler_config
-        self.graphs = DecodeGraphs(self.model, sc.max_num_seqs, self.max_blocks_per_seq,
+        self.graphs = DecodeGraphs(self.forward, sc.max_num_seqs, self.max_blocks_per_seq,
                                    self.hf_config.hidden_size, self.dtype, self.device, self.num_splits)
         self.graphs.capture()
         spec = self.config.speculative_config
         if spec is not None:  # verify steps where every sequence checks num_speculative_tokens guesses
-            self.verify_graphs = DecodeGraphs(self.model, sc.max_num_seqs, self.max_blocks_per_seq,
+            self.verify_graphs = DecodeGraphs(self.forward, sc.max_num_seqs, self.max_blocks_per_seq,
                                               self.hf_config.hidden_size, self.dtype, self.device, self.num_splits,
                                               query_len=spec.num_speculative_tokens + 1)
             self.verify_graphs.capture()
@@ -375,6 +376,10 @@ class ModelRunner:
                                                 meta.block_tables)
         return meta
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The model's hidden states for a step, through the decode strategy where it takes the step."""
+        return decode_forward(self.model, self.decode_strategy, input_ids, positions)
+
     def run_model_forward(self, inp: StepInputs) -> torch.Tensor | None:
         """Logits [num_sampled_rows, vocab] in float32; None when no row samples (a prefill chunk).
 
@@ -398,7 +403,7 @@ class ModelRunner:
                 inp.feed.apply(ids, self.device)
             pos = inp.positions.to(self.device, non_blocking=True)
             with nvtx_range("forward/eager", self.nvtx), attention_metadata(meta):
-                hidden = self.model(ids, pos)
+                hidden = self.forward(ids, pos)
         if inp.prompt_logprob_rows:
             inp.prompt_logprobs = compute_prompt_logprobs(self.model, hidden, inp.prompt_logprob_rows)
         if not inp.logits_indices:

@@ -43,14 +43,11 @@ class QuantizationConfig:
 
     fused_cpu_ops: the model's norms, activation and rotary run the C ops of kernels/cpu/ops.py on float32 CPU
     tensors (the quantized CPU path; the float32 exact path keeps torch's ops).
-    fused_decoder_stack: a llama-family model runs a decode step's decoder stack in one C call
-    (kernels/cpu/decoder_stack.py), where every piece of it is one the C stack implements.
     activation_dtype: the dtype the methods' kernels take activations in, which a CPU model then computes in
     unless a dtype was asked for (None: the device's default, platform.default_cpu_dtype).
     """
 
     fused_cpu_ops = False
-    fused_decoder_stack = False
     activation_dtype: torch.dtype | None = None
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:

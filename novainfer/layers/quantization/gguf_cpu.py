@@ -96,9 +96,6 @@ class GGUFCPUConfig(QuantizationConfig):
     activation_dtype = torch.float32  # the C kernels round float32 rows to int8/int16 themselves; bf16 would only
     # add conversions and leave the C decoder stack and ops (float32) out: 33 vs 173 tok/s on an AVX512-BF16 CPU
 
-    def __init__(self, decoder_stack: bool = True):
-        self.fused_decoder_stack = decoder_stack  # ModelConfig.cpu_decode_stack
-
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
         if getattr(layer, "tp_size", 1) != 1:
             return None

@@ -24,7 +24,7 @@ def get_quant_config(mc: ModelConfig, device: torch.device, tp_size: int = 1) ->
     if not library.available():
         return None  # the reason was logged by kernels/cpu/library.py
     from novainfer.layers.quantization.gguf_cpu import GGUFCPUConfig
-    return GGUFCPUConfig(decoder_stack=mc.cpu_decode_stack)
+    return GGUFCPUConfig()
 
 
 def _fp8_config(mc: ModelConfig, device: torch.device) -> QuantizationConfig:

@@ -1,0 +1,46 @@
+"""How the runner computes a decode step's hidden states: the model's forward (embed -> layers -> norm), or a
+whole-stack fast path that gives the same results where it applies.
+
+    CPU (cpu_decode_stack.py): every decode row of a quantized llama-family model in one C call;
+    GPU (gpu_decode_stack.py): a batch-1 decode step's layers as five fused Triton kernels each, in CUDA graphs.
+
+select_decode_strategy picks one for a model once its KV cache is bound (the attention backend decides which
+can apply); decode_forward runs a step through it, falling back to the model for any step it does not take.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from novainfer.attention import cpu_backend, torch_backend
+from novainfer.models.llama import LlamaModel
+from novainfer.worker import cpu_decode_stack
+
+
+class DecodeStrategy(Protocol):
+    """A whole-stack path: the final-normed hidden states of a step it takes, else None."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None: ...
+
+
+def select_decode_strategy(model: nn.Module, attn_backend: ModuleType,
+                           graphs_only: bool = True) -> DecodeStrategy | None:
+    """The fast path that applies to model (a ...ForCausalLM whose .model is a LlamaModel) over attn_backend's
+    KV cache, or None; graphs_only: the GPU stack only inside CUDA graphs (see GPUDecodeStack)."""
+    inner = getattr(model, "model", None)
+    if not isinstance(inner, LlamaModel) or attn_backend is torch_backend:
+        return None
+    if attn_backend is cpu_backend:
+        return cpu_decode_stack.CPUDecodeStack(inner) if cpu_decode_stack.supports(inner) else None
+    from novainfer.worker.gpu_decode_stack import GPUDecodeStack, supports  # Triton: where its backend runs
+    return GPUDecodeStack(inner, graphs_only) if supports(inner) else None
+
+
+def decode_forward(model: nn.Module, strategy: DecodeStrategy | None, input_ids: torch.Tensor,
+                   positions: torch.Tensor) -> torch.Tensor:
+    """The step's hidden states: the strategy's where it takes the step, else the model's forward."""
+    hidden = strategy.forward(input_ids, positions) if strategy is not None else None
+    return hidden if hidden is not None else model(input_ids, positions)
