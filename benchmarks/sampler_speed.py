@@ -25,7 +25,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from novainfer.layers import sampler as sampler_module  # noqa: E402
-from novainfer.layers.sampler import Sampler, SamplingMetadata, SamplingRow, sampling_threads  # noqa: E402
+from novainfer.layers.sampler import Sampler, sampling_threads  # noqa: E402
+from novainfer.layers.sampling_metadata import SamplingMetadata, SamplingRow  # noqa: E402
 from novainfer.sampling_params import SamplingParams  # noqa: E402
 from novainfer.worker import model_runner  # noqa: E402
 

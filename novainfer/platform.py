@@ -1,9 +1,5 @@
-"""What this machine offers, probed once: a CUDA build of torch and a loadable CUDA driver, the CPU's feature
-flags (AVX2, AVX-512, BF16, VNNI, AMX), the default CPU dtype they imply, and where built artefacts are cached.
-
-config.py asks these questions (without importing torch: the server's front-end never does); the kernels'
-builder asks them too. Nothing here imports the rest of the package.
-"""
+"""What this machine offers: a CUDA build of torch and its driver, the CPU's flags (AVX2, AVX-512, BF16, VNNI, AMX)
+and the default CPU dtype they imply, where built files are cached. Imports nothing of the package, nor torch."""
 from __future__ import annotations
 
 import importlib.util

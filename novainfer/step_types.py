@@ -1,9 +1,5 @@
-"""The messages of one engine step, shared by the engine, the executors, the workers and spec_decode.
-
-The scheduler makes a SchedulerOutput, the executor carries it to the workers, the model runner answers with a
-ModelRunnerOutput; a draft model's work travels as DraftRequests. Kept apart from the modules that make them so
-that those packages import this one, never each other (vLLM keeps them in their own modules too).
-"""
+"""The messages of one engine step (SchedulerOutput in, ModelRunnerOutput out, DraftRequests), kept apart from
+the modules that make them so that engine, executor, worker and spec_decode import this one, never each other."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

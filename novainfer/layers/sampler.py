@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from novainfer.layers.sampler_candidates import sample_top_k_top_p
-from novainfer.layers.sampling_metadata import SamplerOutput, SamplingMetadata, SamplingRow
+from novainfer.layers.sampling_metadata import SamplerOutput, SamplingMetadata
 
 
 class Sampler(nn.Module):

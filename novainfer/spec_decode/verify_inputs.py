@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from novainfer.attention.metadata import AttentionMetadata
-from novainfer.layers.sampler import SamplingRow
+from novainfer.layers.sampling_metadata import SamplingRow
 from novainfer.sequence import Sequence
 from novainfer.step_types import ScheduledSequence
 

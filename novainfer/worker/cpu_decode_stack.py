@@ -25,30 +25,36 @@ from novainfer.layers.rotary import RotaryEmbedding
 from novainfer.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 
-def supports(model: LlamaModel) -> bool:
-    """Whether every layer is exactly what the C stack computes (quantized weights, the fused CPU ops)."""
-    if model.embed_scale is not None or type(model.norm) is not RMSNorm or not model.norm.fused_cpu:
-        return False
-    if not len(model.layers):
+def plain_llama_layers(model: LlamaModel) -> bool:
+    """Whether every piece of the model is the plain llama one a fused stack computes (exact classes: a family
+    that overrides one, e.g. Gemma's norms or Qwen3's q/k norms, keeps the layer-by-layer path), on one rank."""
+    if model.embed_scale is not None or type(model.norm) is not RMSNorm:
         return False
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if (type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or attn.qk_norm
-                or type(mlp) is not LlamaMLP or type(mlp.act_fn) is not SiluAndMul or not mlp.act_fn.fused_cpu):
+                or type(mlp) is not LlamaMLP or type(mlp.act_fn) is not SiluAndMul
+                or type(attn.rotary_emb) is not RotaryEmbedding
+                or any(type(n) is not RMSNorm for n in (layer.input_layernorm, layer.post_attention_layernorm))
+                or any(lin.tp_size != 1 for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))):
             return False
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if type(norm) is not RMSNorm or not norm.fused_cpu or norm.weight.dtype != torch.float32:
-                return False
-        rope = attn.rotary_emb
-        if type(rope) is not RotaryEmbedding or not rope.fused_cpu or rope.cos_cache.dtype != torch.float32:
+    return True
+
+
+def supports(model: LlamaModel) -> bool:
+    """Whether every layer is exactly what the C stack computes (quantized weights, the fused CPU ops)."""
+    if not len(model.layers) or not plain_llama_layers(model) or not model.norm.fused_cpu:
+        return False
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        norms, rope = (layer.input_layernorm, layer.post_attention_layernorm), attn.rotary_emb
+        if (not mlp.act_fn.fused_cpu or not rope.fused_cpu or rope.cos_cache.dtype != torch.float32 or attn.head_dim % 8
+                or any(not n.fused_cpu or n.weight.dtype != torch.float32 for n in norms)):
             return False
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if getattr(lin.weight, "packed", None) is None or getattr(lin, "tp_size", 1) != 1:
+            if getattr(lin.weight, "packed", None) is None or (lin.bias is not None and (
+                    lin.bias.dtype != torch.float32 or not lin.bias.is_contiguous())):
                 return False
-            if lin.bias is not None and (lin.bias.dtype != torch.float32 or not lin.bias.is_contiguous()):
-                return False
-        if attn.head_dim % 8:
-            return False
     return True
 
 

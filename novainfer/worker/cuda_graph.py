@@ -10,7 +10,7 @@ batch size and query_len.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -28,6 +28,29 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
 def bucket(ladder: list[int], num_seqs: int) -> int:
     """The smallest ladder size that holds num_seqs (num_seqs itself past the ladder's end)."""
     return next((b for b in ladder if b >= num_seqs), num_seqs)
+
+
+def split_k_parts(num_seqs: int, kv_heads: int, num_sms: int, max_model_len: int) -> int:
+    """Split-K parts of the decode attention kernel for a batch (its graph bucket's size): enough programs to
+    fill the GPU's num_sms, each part >= 256 tokens of the longest allowed context."""
+    want = -(-2 * num_sms // (num_seqs * kv_heads))
+    splits = 1
+    while splits * 2 <= min(want, max_model_len // 256, 32):
+        splits *= 2
+    return splits
+
+
+def graphs_for_step(decode: DecodeGraphs | None, verify: DecodeGraphs | None, inp: Any) -> DecodeGraphs | None:
+    """The captured graphs that can run a step (StepInputs): a pure decode step, or a verify step in which every
+    sequence checks the full number of guesses; None runs it eagerly."""
+    num_seqs = len(inp.seq_lens)
+    graphs = decode if inp.max_query_len == 1 else verify
+    if graphs is None or not graphs.can_run(num_seqs) or inp.max_query_len != graphs.query_len:
+        return None
+    if inp.max_query_len > 1 and (inp.spec_num_drafts is None or len(inp.spec_num_drafts) != num_seqs
+                                  or inp.input_ids.shape[0] != num_seqs * graphs.query_len):
+        return None
+    return graphs
 
 
 class DecodeGraphs:

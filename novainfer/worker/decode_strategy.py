@@ -1,12 +1,5 @@
-"""How the runner computes a decode step's hidden states: the model's forward (embed -> layers -> norm), or a
-whole-stack fast path that gives the same results where it applies.
-
-    CPU (cpu_decode_stack.py): every decode row of a quantized llama-family model in one C call;
-    GPU (gpu_decode_stack.py): a batch-1 decode step's layers as five fused Triton kernels each, in CUDA graphs.
-
-select_decode_strategy picks one for a model once its KV cache is bound (the attention backend decides which
-can apply); decode_forward runs a step through it, falling back to the model for any step it does not take.
-"""
+"""A decode step's hidden states through a whole-stack fast path with the model's results, where one applies: the
+CPU C stack (cpu_decode_stack.py) or the GPU fused stack (gpu_decode_stack.py); else the model's forward."""
 from __future__ import annotations
 
 from types import ModuleType

@@ -22,10 +22,8 @@ from novainfer.attention import triton_backend
 from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
 from novainfer.kernels.gemv import gemv
 from novainfer.kernels.paged_attention import DecodeRope, decode_attention
-from novainfer.layers.activation import SiluAndMul
-from novainfer.layers.layernorm import RMSNorm
-from novainfer.layers.rotary import RotaryEmbedding
-from novainfer.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+from novainfer.models.llama import LlamaModel
+from novainfer.worker.cpu_decode_stack import plain_llama_layers
 
 
 class GPUDecodeStack:
@@ -73,21 +71,13 @@ class GPUDecodeStack:
 
 
 def supports(model: LlamaModel) -> bool:
-    """Whether every layer of a LlamaModel is made of the pieces the stack fuses (exact classes: a family
-    that overrides one, e.g. Gemma's norms or Qwen3's q/k norms, keeps the layer-by-layer path)."""
-    if type(model.norm) is not RMSNorm or getattr(model, "embed_scale", None) is not None:
+    """Whether every layer of a LlamaModel is made of the pieces the stack fuses, unquantized, over the Triton
+    backend's cache, without o_proj and down_proj biases."""
+    if not plain_llama_layers(model):
         return False
     for layer in model.layers:
-        if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention \
-                or type(layer.mlp) is not LlamaMLP:
-            return False
         attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(lin.quant_method is not None or lin.tp_size != 1 for lin in linears) or attn.qk_norm:
-            return False
-        if type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm:
-            return False
-        if type(attn.rotary_emb) is not RotaryEmbedding or type(mlp.act_fn) is not SiluAndMul:
+        if any(lin.quant_method is not None for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
             return False
         if attn.attn.backend is not triton_backend or attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
             return False

@@ -1,11 +1,6 @@
-"""Builds (once per machine, with the system C compiler) the CPU kernels of csrc/ and loads them with their
-signatures bound; the thread count they run with.
-
-The library is cached under platform.CACHE_DIR keyed by the sources' and flags' hash. Where no compiler or no
-AVX2/FMA/F16C is found, available() is False and GGUF weights load dequantized (one log line says why). The
-wrappers: qgemm.py (the quantized GEMMs and the dequantizer), ops.py (a decode step's ops and the attention
-kernels), decoder_stack.py (a decode step's whole decoder stack), panel_layout.py (the load-time repack).
-"""
+"""Builds the C kernels of csrc/ once per machine (cached under platform.CACHE_DIR by the sources' and flags' hash)
+and loads them with their signatures bound; their thread count. Where no compiler or no AVX2/FMA/F16C is found,
+available() is False and GGUF weights load dequantized (one log line says why)."""
 from __future__ import annotations
 
 import ctypes
@@ -91,13 +86,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decoder_stack_workspace.argtypes = [_P, _I, _I, _I]
     lib.decoder_stack_workspace.restype = ctypes.c_size_t
     lib.decoder_stack_decode.argtypes = [_P, _I, _P, _F, _P, _P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _P]
-    lib.set_panel_min_rows(PANEL_MIN_ROWS)
     return lib
-
-
-# From this many activation rows on, q4_gemm/q8_gemm run the panel kernel (faster from about 16 rows on:
-# benchmarks/qgemm_rows.py --step). Both kernels give a row the same bits, so the switch does not change results.
-PANEL_MIN_ROWS = 16
 
 
 def library() -> ctypes.CDLL:

@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from novainfer.kernels.cpu.library import PANEL_MIN_ROWS, library, num_threads
+from novainfer.kernels.cpu.library import library, num_threads
 from novainfer.kernels.cpu.repack import PackedWeight
+
+# From this many activation rows on, q4_gemm/q8_gemm run the panel kernel (csrc/qgemm_cpu.c's panel_min_rows; faster
+# from about 16 rows on: benchmarks/qgemm_rows.py --step). Both kernels give a row the same bits.
+PANEL_MIN_ROWS = 16
 
 
 def quant_gemm(x: torch.Tensor, w: PackedWeight, panel: bool = False) -> torch.Tensor:
@@ -68,5 +72,3 @@ def set_gemm_isa(isa: str) -> str:
         raise ValueError(f"GEMM ISA must be one of {sorted(_ISAS)}, got {isa!r}")
     return "avx512" if library().set_gemm_isa(_ISAS[isa]) else "avx2"
 
-
-__all__ = ["PANEL_MIN_ROWS", "dequantize", "quant_gemm", "set_gemm_isa", "set_panel_min_rows"]

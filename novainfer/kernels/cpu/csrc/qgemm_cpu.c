@@ -159,7 +159,7 @@ static int run_gemm(gemm_job *j, const float *x, int nthreads) {
 
 /* From this many activation rows on, q4_gemm/q8_gemm hand over to the panel kernel (qgemm_panel_cpu.c): the
  * same bits, faster past about 12 rows. */
-static int panel_min_rows = 16;  /* kernels/cpu/qgemm.py PANEL_MIN_ROWS sets it */
+static int panel_min_rows = 16;  /* kernels/cpu/qgemm.py PANEL_MIN_ROWS says the same */
 
 /* Tests move it to compare the two kernels on the same rows (they give every row the same bits). */
 void set_panel_min_rows(int rows) { panel_min_rows = rows; }

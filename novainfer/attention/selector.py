@@ -1,0 +1,22 @@
+"""Which attention backend a runner binds to its KV cache (EngineConfig.attention_backend)."""
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from novainfer.attention import cpu_backend, torch_backend
+
+
+def get_attn_backend(name: str, device: torch.device, kv_dtype: torch.dtype, dtype: torch.dtype) -> ModuleType:
+    """'auto': the Triton kernels on CUDA, the batched CPU decode path elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "cpu"
+    if name == "torch" and kv_dtype == dtype:
+        return torch_backend
+    if name in ("cpu", "torch"):  # the torch reference needs the cache in the activations' dtype
+        return cpu_backend
+    if name == "triton":
+        from novainfer.attention import triton_backend
+        return triton_backend
+    raise ValueError(f"attention_backend must be auto, cpu, torch or triton; got {name!r}")
