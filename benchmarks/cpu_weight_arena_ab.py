@@ -68,7 +68,7 @@ def main() -> None:
             one, full = run(1), run(args.output_len)
             res[name]["decode"].append((args.output_len - 1) / (full - one))
             res[name]["prefill"].append(run(1, 512) * 1e3)
-    print(f"\n| weights | decode tok/s per round | median | 512-token prefill ms, median |\n|---|---|---|---|")
+    print("\n| weights | decode tok/s per round | median | 512-token prefill ms, median |\n|---|---|---|---|")
     for name, r in res.items():
         print(f"| {name} | {' '.join(f'{x:.1f}' for x in r['decode'])} | {statistics.median(r['decode']):.1f} | "
               f"{statistics.median(r['prefill']):,.0f} |")

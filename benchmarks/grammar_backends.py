@@ -1,7 +1,6 @@
 """Compare xgrammar and llguidance on the default model's tokenizer: grammar compile time for a JSON schema and
 per-token bitmask time (docs/ARCHITECTURE.md records the run). Run: flock /tmp/novainfer-bench.lock python -m benchmarks.grammar_backends"""
 import time, json, sys
-import torch
 sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__))))
 from novainfer.loader.default_model import default_model_path
 from novainfer.loader.model_loader import load_tokenizer

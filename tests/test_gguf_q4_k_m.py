@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from benchmarks.gguf_checkpoint import SHAPES, random_blocks, write_qwen2_q4_k_m
+from benchmarks.gguf_checkpoint import SHAPES, write_qwen2_q4_k_m
 from novainfer.kernels.cpu import library, repack as gguf_repack
 
 pytestmark = pytest.mark.skipif(not library.available(), reason="needs AVX2+FMA and a C compiler")

@@ -1,11 +1,16 @@
-"""The package's structure: no import circles between its modules, counting imports inside functions too
-(import-linter's graph sees those as well, but this names each circle's modules)."""
+"""The package's structure: no import circles between its modules, counting imports inside functions too;
+import-linter's contracts (pyproject.toml: the packages' layers, models and layers apart from the engine) and
+ruff's lint rules hold over the tree."""
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "novainfer"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "novainfer"
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -82,3 +87,20 @@ def test_cycle_finder_finds_a_circle():
 
 def test_no_import_cycles():
     assert cycles(import_graph()) == []
+
+
+def _tool(name: str, *args: str) -> subprocess.CompletedProcess:
+    """Run a tool of this interpreter's environment at the checkout's root, with this checkout first on the path."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([str(Path(sys.executable).parent / name), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_import_contracts_hold():
+    proc = _tool("lint-imports", "--no-cache")
+    assert proc.returncode == 0 and "0 broken" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_ruff_finds_nothing():
+    proc = _tool("ruff", "check", "--no-cache", "novainfer", "tests", "benchmarks")
+    assert proc.returncode == 0, proc.stdout + proc.stderr

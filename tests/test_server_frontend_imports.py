@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from novainfer.config import EngineConfig
-from novainfer.entrypoints.chat_utils import apply_chat_template
+from novainfer.server.chat_utils import apply_chat_template
 from novainfer.loader.default_model import DEFAULT_MODEL_NAME
 from novainfer.loader.model_info import load_tokenizer, resolve_model_path
 from tests.server_utils import ROOT, RemoteServer
