@@ -3,7 +3,7 @@
 prepare_step_inputs (step_inputs.py) -> build_attention_metadata -> run_model_forward (decode_strategy.py,
 cuda_graph.py) -> sample (spec_decode/ for verify steps) -> read back (overlap.py). The model itself only maps
 (input_ids, positions) to hidden states; everything that differs between prefill, chunked prefill and decode is
-in the step inputs and the attention metadata. KV sizing: memory.py and kv_cache.py.
+in the step inputs and the attention metadata. KV sizing: kv_cache.py.
 """
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from novainfer.attention import cpu_backend, torch_backend
+from novainfer.attention import cpu_backend, get_attn_backend, torch_backend
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata
-from novainfer.attention.selector import get_attn_backend
 from novainfer.config import EngineConfig, resolve_cache_dtype
 from novainfer.engine.faults import FaultInjector
 from novainfer.layers.attention import Attention
@@ -27,11 +26,11 @@ from novainfer.worker.draft_model_runner import DraftModelRunner
 from novainfer.spec_decode.rejection_sampler import rejection_sample
 from novainfer.step_types import ModelRunnerOutput, SchedulerOutput
 from novainfer.worker.kernel_warmup import warm_up_kernels
-from novainfer.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, release_kv_cache
+from novainfer.worker.kv_cache import (allocate_kv_cache, kv_bytes_per_block, num_blocks_that_fit, profile_step,
+                                       release_kv_cache)
 from novainfer.worker.prompt_logprobs import compute_prompt_logprobs
 from novainfer.worker.cuda_graph import DecodeGraphs, batch_size_ladder, bucket, graphs_for_step, split_k_parts
 from novainfer.worker.decode_strategy import DecodeStrategy, decode_forward, select_decode_strategy
-from novainfer.worker.memory import num_blocks_that_fit, profile_step
 from novainfer.worker.overlap import HostCopy, PreviousStep, StepHandle
 from novainfer.worker.step_inputs import StepInputBuilder, StepInputs, nvtx_range
 
@@ -90,7 +89,7 @@ class ModelRunner:
                                    self.profile_run)
 
     def profile_run(self) -> None:
-        """The peak memory of a step, with a scratch cache (worker/memory.py)."""
+        """The peak memory of a step, with a scratch cache (worker/kv_cache.py)."""
         sc = self.config.scheduler_config
         n = min(sc.max_num_batched_tokens, self.max_model_len)
         self.allocate_kv_cache(self.blocks_for(n))
