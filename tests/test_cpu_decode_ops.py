@@ -1,4 +1,4 @@
-"""The C ops of the quantized CPU decode step (layers/quantization/cpu_ops.py) against the torch ops they
+"""The C ops of the quantized CPU decode step (kernels/cpu/ops.py) against the torch ops they
 replace: residual add + RMSNorm, SiLU-and-mul, rotary embedding, the bf16 KV store and decode attention over
 a paged cache (ragged lengths, shuffled blocks, GQA, sliding window, soft cap)."""
 import types

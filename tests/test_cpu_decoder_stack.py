@@ -1,8 +1,8 @@
-"""The C decoder stack of a CPU decode step (worker/cpu_decode_stack.py, kernels/cpu/decoder_stack.py) against the layer-by-layer path
-it replaces: the same hidden states to the bit on tiny random GGUF models (llama with every repacked format,
-qwen2 with q/k/v biases) for one sequence, a batch of ragged contexts and a verify step's per-token rows, and
-close to the dequantized float32 model; the steps and models it leaves to the layers; ngram speculation's and
-the default model's greedy tokens unchanged with it on or off."""
+"""The C decoder stack of a CPU decode step (worker/cpu_decode_stack.py, kernels/cpu/decoder_stack.py) against the
+layer-by-layer path it replaces: the same hidden states to the bit on tiny random GGUF models (llama with every
+repacked format, qwen2 with q/k/v biases) for one sequence, a batch of ragged contexts and a verify step's per-token
+rows, and close to the dequantized float32 model; the steps and models it leaves to the layers; ngram speculation's
+and the default model's greedy tokens unchanged with it on or off."""
 import numpy as np
 import pytest
 import torch

@@ -54,8 +54,9 @@ def graphs_for_step(decode: DecodeGraphs | None, verify: DecodeGraphs | None, in
 
 
 class DecodeGraphs:
-    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, num_splits: Callable[[int], int], query_len: int = 1):
+    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], max_num_seqs: int,
+                 max_blocks_per_seq: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 num_splits: Callable[[int], int], query_len: int = 1):
         self.forward = forward  # (input_ids, positions) -> hidden states: the runner's decode_forward
         self.sizes = batch_size_ladder(max_num_seqs)
         self.num_splits = num_splits

@@ -145,7 +145,8 @@ class StepInputBuilder:
             token_rows = np.repeat(rows, counts)
         else:
             known = list(chain.from_iterable(
-                s.seq.token_ids[s.start:s.start + s.num_new_tokens] or [-1] for s in scheduled))  # [] only for a decode whose input is pending: one token
+                # [] only for a decode whose input is pending: one token
+                s.seq.token_ids[s.start:s.start + s.num_new_tokens] or [-1] for s in scheduled))
             if -1 in known:
                 feed = self._feed_from_previous(prev, [scheduled[i] for i in np.repeat(np.arange(num_seqs), counts)],
                                                 known)
