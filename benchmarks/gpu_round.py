@@ -74,9 +74,7 @@ PARTS = {
     "decode-stack": [
         ("gpu_check decode_stack", ["tests/gpu/gpu_check.py", "--only", "decode_stack"]),
         ("gemv tiles 0.5b", ["benchmarks/tuning/gemv_tiles.py", "--models", "0.5b"]),
-        ("anatomy 0.5b stack on", ["benchmarks/tuning/batch1_anatomy.py", "--model", "random:qwen2.5-0.5b"]),
-        ("anatomy 0.5b stack off", ["benchmarks/tuning/batch1_anatomy.py", "--model", "random:qwen2.5-0.5b",
-                                    "--kwargs", '{"gpu_decode_stack": false}']),
+        ("anatomy 0.5b", ["benchmarks/tuning/batch1_anatomy.py", "--model", "random:qwen2.5-0.5b"]),
         ("lat 0.5b", ["benchmarks/latency.py", "--model", "random:qwen2.5-0.5b"]),
     ],
 }

@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--compare-llamacpp", action="store_true", help="llama.cpp on the same GGUF (see module doc)")
     ap.add_argument("--compare-kwargs", type=json.loads, default=None,
                     help="with --compare-llamacpp: one more NovaInfer row built with these LLM arguments, taking "
-                         "turns too (an A/B of one setting), e.g. '{\"cpu_decode_stack\": false}'")
+                         "turns too (an A/B of one setting), e.g. '{\"enable_prefix_caching\": false}'")
     ap.add_argument("--decode-after-first-token", action="store_true",
                     help="with --compare-llamacpp: decode tok/s from one run per round, (n - 1) / (time of the last "
                          "token - time of the first), not the difference of two runs (whose prefill noise swamps "

@@ -127,7 +127,7 @@ def main() -> None:
     r["seconds"] = time.perf_counter() - t0
     print(f"\nreference: float32 dequantized weights, float32 KV; {r['positions']} teacher-forced positions of "
           f"the Apache-2.0 text in chunks of {args.ctx}\n| engine | mean KL | top-1 agreement |\n|---|---|---|")
-    from novainfer.layers.quantization.cpu_kernels import PANEL_MIN_ROWS
+    from novainfer.kernels.cpu.qgemm import PANEL_MIN_ROWS
     kernel = "few-row" if args.decode_step < PANEL_MIN_ROWS else "panel"
     print(f"| NovaInfer, prefill path (panel GEMM, int16-rounded activations, bf16 KV) | {kl:.5f} | {top1:.2%} |")
     print(f"| NovaInfer, decode path (steps of {args.decode_step}: {kernel} GEMM, int16-rounded activations, bf16 KV) "

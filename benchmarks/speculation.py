@@ -155,7 +155,7 @@ def main() -> None:
         lookup = run_llamacpp(default_model_path(), prompts, args.max_tokens, k, args.threads)
         lookup["speedup"] = lookup["tok_s"] / base["tok_s"]
         rows += [base, lookup]
-    print(f"| engine | speculation | batch | output tokens | steps | acceptance | mean accepted length | tok/s | "
+    print("| engine | speculation | batch | output tokens | steps | acceptance | mean accepted length | tok/s | "
           "speed-up | decode tok/s (after the first token) | decode speed-up | greedy equal |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:

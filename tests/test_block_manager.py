@@ -2,7 +2,7 @@
 from novainfer.config import SchedulerConfig
 from novainfer.engine.block_manager import BlockManager, hash_block
 from novainfer.engine.scheduler import Scheduler
-from novainfer.engine.sequence import Sequence, SequenceStatus
+from novainfer.sequence import Sequence, SequenceStatus
 from novainfer.sampling_params import SamplingParams
 
 

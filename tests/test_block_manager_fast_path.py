@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from novainfer.config import SchedulerConfig
 from novainfer.engine.block_manager import BlockManager, hash_block
 from novainfer.engine.scheduler import Scheduler
-from novainfer.engine.sequence import Sequence
+from novainfer.sequence import Sequence
 from novainfer.sampling_params import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""The C ops of the quantized CPU decode step (layers/quantization/cpu_ops.py) against the torch ops they
+"""The C ops of the quantized CPU decode step (kernels/cpu/ops.py) against the torch ops they
 replace: residual add + RMSNorm, SiLU-and-mul, rotary embedding, the bf16 KV store and decode attention over
 a paged cache (ragged lengths, shuffled blocks, GQA, sliding window, soft cap)."""
 import types
@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from novainfer.attention import torch_backend
 from novainfer.attention.metadata import AttentionMetadata
-from novainfer.layers.quantization import cpu_kernels, cpu_ops
+from novainfer.kernels.cpu import library, ops as cpu_ops
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX2+FMA and a C compiler")
+pytestmark = pytest.mark.skipif(not library.available(), reason="needs AVX2+FMA and a C compiler")
 torch.manual_seed(0)
 
 
@@ -157,7 +157,7 @@ def test_elementwise_ops_split_over_threads_give_each_row_its_single_row_result(
 def test_a_split_context_gives_the_same_bits_alone_in_a_batch_and_on_one_thread():
     """A 1,000-key context is split into chunks over the cores; the split depends on its length alone, so its
     row is bit-identical whatever the batch around it and the thread count (greedy identity across batches)."""
-    from novainfer.layers.quantization import cpu_kernels
+    from novainfer.kernels.cpu import library
     bs, nkv, nh, d = 16, 3, 9, 64
     lens = [1000, 300, 5]
     nb = [(n + bs - 1) // bs for n in lens]
@@ -172,13 +172,13 @@ def test_a_split_context_gives_the_same_bits_alone_in_a_batch_and_on_one_thread(
                                           0.125, None, None)
     alone = cpu_ops.decode_attention_bf16(q[:1], k_cache, v_cache, tables[:1],
                                           torch.tensor(lens[:1], dtype=torch.int32), 0.125, None, None)
-    threads = cpu_kernels.num_threads()
-    cpu_kernels.set_num_threads(1)
+    threads = library.num_threads()
+    library.set_num_threads(1)
     try:
         one_thread = cpu_ops.decode_attention_bf16(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32),
                                                    0.125, None, None)
     finally:
-        cpu_kernels.set_num_threads(threads)
+        library.set_num_threads(threads)
     assert torch.equal(batch[:1], alone) and torch.equal(batch, one_thread)
 
 

@@ -1,8 +1,8 @@
-"""The C decoder stack of a CPU decode step (layers/quantization/cpu_decoder.py) against the layer-by-layer path
-it replaces: the same hidden states to the bit on tiny random GGUF models (llama with every repacked format,
-qwen2 with q/k/v biases) for one sequence, a batch of ragged contexts and a verify step's per-token rows, and
-close to the dequantized float32 model; the steps and models it leaves to the layers; ngram speculation's and
-the default model's greedy tokens unchanged with it on or off."""
+"""The C decoder stack of a CPU decode step (worker/cpu_decode_stack.py, kernels/cpu/decoder_stack.py) against the
+layer-by-layer path it replaces: the same hidden states to the bit on tiny random GGUF models (llama with every
+repacked format, qwen2 with q/k/v biases) for one sequence, a batch of ragged contexts and a verify step's per-token
+rows, and close to the dequantized float32 model; the steps and models it leaves to the layers; ngram speculation's
+and the default model's greedy tokens unchanged with it on or off."""
 import numpy as np
 import pytest
 import torch
@@ -11,13 +11,15 @@ from gguf.quants import quantize
 
 from novainfer.attention import cpu_backend
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata, get_attention_metadata
-from novainfer.layers.quantization import cpu_kernels, gguf_cpu
+from novainfer.kernels.cpu import library
 from novainfer.spec_decode.verify_inputs import per_token_metadata
+from novainfer.worker.cpu_decode_stack import CPUDecodeStack
+from novainfer.worker.decode_strategy import select_decode_strategy
 from novainfer.worker.kv_cache import allocate_kv_cache
 from tests.test_quantized_cpu import random_blocks
 from tests.tiny_models import make_tokenizer
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX2+FMA and a C compiler")
+pytestmark = pytest.mark.skipif(not library.available(), reason="needs AVX2+FMA and a C compiler")
 HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, BS = 256, 512, 4, 2, 3, 4
 # per layer: GGUF type of each weight (q4 and int8 layouts; groups of 32 and 16; with and without zeros)
 LAYER_TYPES = [
@@ -91,6 +93,7 @@ def load(path: str, quantized: bool = True, num_blocks: int = 40):
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     model.kv = allocate_kv_cache(layers, num_blocks, BS, torch.bfloat16 if quantized else torch.float32, cpu,
                                  cpu_backend)
+    model.stack = select_decode_strategy(model, cpu_backend)  # as the runner picks it, with the KV cache
     return model
 
 
@@ -111,20 +114,9 @@ def step_meta(tables: list[list[int]], starts: list[int], counts: list[int]) -> 
 
 def forward(model, ids, pos, meta, stack: bool) -> torch.Tensor:
     """The model's hidden states with the C stack on or off; the stack must take the step when on."""
-    inner = model.model
-    saved = inner.cpu_decoder
-    taken = []
-    if stack:
-        real = saved.forward
-        inner.cpu_decoder = type("Spy", (), {"forward": lambda self, *a: taken.append(real(*a)) or taken[-1]})()
-    else:
-        inner.cpu_decoder = None
-    try:
-        with torch.inference_mode(), attention_metadata(meta):
-            out = model(torch.tensor(ids), pos)
-    finally:
-        inner.cpu_decoder = saved
-    assert not stack or taken[-1] is not None
+    with torch.inference_mode(), attention_metadata(meta):
+        out = model.stack.forward(torch.tensor(ids), pos) if stack else model(torch.tensor(ids), pos)
+    assert out is not None  # on: the stack took the step
     return out
 
 
@@ -186,31 +178,24 @@ def test_a_verify_steps_per_token_rows_equal_the_layer_path(tiny_gguf):
     same_with_stack_on_and_off(model, [5, 6, 7, 8, 9, 10, 11, 12], meta, pos)
 
 
-def test_steps_and_models_it_does_not_take_run_the_layers(tiny_gguf, monkeypatch):
+def test_steps_and_models_it_does_not_take_run_the_layers(tiny_gguf):
     from novainfer.layers.activation import GeluAndMul
     model = load(tiny_gguf, num_blocks=80)
-    stack, inner = model.model.cpu_decoder, model.model
-    embeds = torch.randn(2, HIDDEN)
+    stack = model.stack
+    ids = torch.tensor([3, 1])
     meta, pos = step_meta(TABLES[:1], [0], [2])  # a prefill
     with attention_metadata(meta):
-        assert stack.forward(inner, embeds, pos) is None
-    many = [[i] for i in range(64)]  # 64 rows with the A/B setting: the linear layers dequantize + BLAS there
+        assert stack.forward(ids, pos) is None
+    many = [[i] for i in range(64)]
     meta, pos = step_meta(many, [1] * 64, [1] * 64)
-    monkeypatch.setattr(gguf_cpu, "PREFILL_DEQUANT", True)
-    with attention_metadata(meta):
-        assert stack.forward(inner, torch.randn(64, HIDDEN), pos) is None
-    monkeypatch.setattr(gguf_cpu, "PREFILL_DEQUANT", False)
-    with attention_metadata(meta):  # the default: any number of decode rows
-        assert stack.forward(inner, torch.randn(64, HIDDEN), pos) is not None
+    with attention_metadata(meta):  # any number of decode rows
+        assert stack.forward(torch.arange(64), pos) is not None
     meta, _ = step_meta(TABLES[:1], [3], [1])  # a position past the rotary table: the layers' own error
     with attention_metadata(meta), pytest.raises(ValueError, match="outside the rotary table"):
-        stack.forward(inner, embeds[:1], torch.tensor([300]))
-    other = load(tiny_gguf).model  # (the model is checked once, at its first decode step)
-    other.layers[1].mlp.act_fn = GeluAndMul()  # a piece the C stack lacks: the whole model keeps the layers
-    meta, pos = step_meta(TABLES[:1], [0], [1])
-    with attention_metadata(meta):
-        assert other.cpu_decoder.forward(other, embeds[:1], pos) is None
-    assert other.cpu_decoder.supported is False
+        stack.forward(ids[:1], torch.tensor([300]))
+    other = load(tiny_gguf)
+    other.model.layers[1].mlp.act_fn = GeluAndMul()  # a piece the C stack lacks: the whole model keeps the layers
+    assert select_decode_strategy(other, cpu_backend) is None
 
 
 def test_a_new_kv_cache_is_rebound_the_old_one_freed_a_float32_one_left_to_the_layers(tiny_gguf):
@@ -231,7 +216,7 @@ def test_a_new_kv_cache_is_rebound_the_old_one_freed_a_float32_one_left_to_the_l
     allocate_kv_cache(layers, 8, BS, torch.float32, torch.device("cpu"), cpu_backend)
     meta, pos = step_meta(TABLES[:1], [0], [1])
     with attention_metadata(meta):
-        assert model.model.cpu_decoder.forward(model.model, torch.randn(1, HIDDEN), pos) is None
+        assert model.stack.forward(torch.tensor([1]), pos) is None
 
 
 BAD_INDICES = [  # (what to break in a 4-sequence decode step over 40 blocks of 4, the error it must name)
@@ -272,20 +257,21 @@ def test_ngram_speculation_greedy_tokens_equal_with_the_stack_on_or_off(tiny_ggu
     out = {}
     for spec in (None, NGRAM):
         for stack in (True, False):
-            llm = LLM(tiny_gguf, tokenizer=tokenizer_dir, block_size=BS, max_model_len=128, speculative_config=spec,
-                      cpu_decode_stack=stack)
-            inner = llm.llm_engine.executor.workers[0].model_runner.model.model
-            assert (inner.cpu_decoder is not None) == stack
+            llm = LLM(tiny_gguf, tokenizer=tokenizer_dir, block_size=BS, max_model_len=128, speculative_config=spec)
+            runner = llm.llm_engine.executor.workers[0].model_runner
+            assert runner.decode_strategy is not None
             taken = []
-            if stack:  # count the steps the C stack computed, by kind
-                real = inner.cpu_decoder.forward
+            if not stack:
+                runner.decode_strategy = None  # layer by layer
+            else:  # count the steps the C stack computed, by kind
+                real = runner.decode_strategy.forward
 
                 def spy(*args):
                     out, meta = real(*args), get_attention_metadata()
                     kind = "verify" if meta.per_token is not None else "decode" if meta.max_query_len == 1 else "prefill"
                     taken.append((kind, out is not None))
                     return out
-                inner.cpu_decoder.forward = spy
+                runner.decode_strategy.forward = spy
             out[spec is not None, stack] = [o.outputs[0].token_ids for o in llm.generate(
                 [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
             if stack:  # every decode and verify step went through the stack, no prefill did
@@ -300,11 +286,11 @@ def test_default_model_greedy_text_equal_with_the_stack_on_or_off():
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = ["The capital of France is", "List three colours:", "def add(a, b):"]
     llm = LLM(max_model_len=256, block_size=16, enable_prefix_caching=False)
-    inner = llm.llm_engine.executor.workers[0].model_runner.model.model
-    stack = inner.cpu_decoder
+    runner = llm.llm_engine.executor.workers[0].model_runner
+    stack = runner.decode_strategy
     on = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert stack.supported and stack.layers is not None  # it took the steps (the tiny models' test counts them)
-    inner.cpu_decoder = None  # the same engine, layer by layer
+    assert stack.kernel is not None  # it took the steps (the tiny models' test counts them)
+    runner.decode_strategy = None  # the same engine, layer by layer
     off = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     llm.llm_engine.shutdown()
     assert on == off
@@ -315,13 +301,14 @@ def test_default_model_computes_in_float32_on_a_bf16_cpu(monkeypatch):
     take float32 activations (the C kernels' input): bfloat16 would convert around every GEMM and leave the C
     stack out (measured on an AVX512-BF16 Xeon: 33 tok/s against 166)."""
     from novainfer import LLM, SamplingParams
-    from novainfer.config import default_cpu_dtype
-    flags = cpu_kernels.cpu_flags() | {"avx512_bf16", "amx_bf16"}
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
+    from novainfer import platform
+    from novainfer.platform import default_cpu_dtype
+    flags = platform.cpu_flags() | {"avx512_bf16", "amx_bf16"}
+    monkeypatch.setattr(platform, "cpu_flags", lambda: flags)
     assert default_cpu_dtype() == torch.bfloat16  # a dense model on this CPU
     llm = LLM(max_model_len=128, block_size=16, enable_prefix_caching=False)
     runner = llm.llm_engine.executor.workers[0].model_runner
     assert runner.dtype == torch.float32 and runner.kv_dtype == torch.bfloat16
     llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    assert runner.model.model.cpu_decoder.supported
+    assert isinstance(runner.decode_strategy, CPUDecodeStack)
     llm.llm_engine.shutdown()

@@ -8,12 +8,12 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 
 from novainfer.attention import cpu_backend
-from novainfer.layers.quantization import cpu_kernels, cpu_ops
-from novainfer.layers.quantization.gguf_repack import repack
+from novainfer.kernels.cpu import library, ops as cpu_ops, qgemm
+from novainfer.kernels.cpu.repack import repack
 from tests.test_prefill_attention_cpu import BS, make_step
 from tests.test_quantized_cpu import random_blocks
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX2+FMA and a C compiler")
+pytestmark = pytest.mark.skipif(not library.available(), reason="needs AVX2+FMA and a C compiler")
 
 
 @pytest.mark.parametrize("n,m", [(600, 70), (40, 130), (16, 64)])
@@ -23,19 +23,19 @@ def test_panel_gemm_chunks_give_the_same_bits_on_one_or_two_threads(n, m):
     k = 576
     w = repack(random_blocks(T.Q4_1, n, k), T.Q4_1, (n, k))
     x = torch.randn(m, k) * torch.linspace(0.1, 3, k)
-    prev = cpu_kernels._kernel_threads
+    prev = library._kernel_threads
     try:
-        cpu_kernels.set_num_threads(2)
-        two = cpu_kernels.quant_gemm(x, w, panel=True)
-        cpu_kernels.set_num_threads(1)
-        one = cpu_kernels.quant_gemm(x, w, panel=True)
+        library.set_num_threads(2)
+        two = qgemm.quant_gemm(x, w, panel=True)
+        library.set_num_threads(1)
+        one = qgemm.quant_gemm(x, w, panel=True)
     finally:
-        cpu_kernels.set_num_threads(prev)
+        library.set_num_threads(prev)
     assert torch.equal(one, two)
     ref = x.double() @ w.dequantize().double().T
     assert (two.double() - ref).norm() < 1e-4 * ref.norm()
     for r in (0, m - 1):  # a row through the few-row kernel: the same bits
-        assert torch.equal(cpu_kernels.quant_gemm(x[r:r + 1], w)[0], two[r])
+        assert torch.equal(qgemm.quant_gemm(x[r:r + 1], w)[0], two[r])
 
 
 @pytest.mark.parametrize("nh,nkv,n", [(4, 2, 37), (8, 1, 21), (10, 5, 50), (6, 6, 33)])

@@ -1,4 +1,4 @@
-"""The draft model's runner (spec_decode/draft_model_runner.py): its greedy guesses equal transformers' greedy
+"""The draft model's runner (worker/draft_model_runner.py): its greedy guesses equal transformers' greedy
 continuation of the draft checkpoint, batched, chunked and incremental over its own paged KV cache."""
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from transformers import AutoModelForCausalLM
 from novainfer import LLM
 from novainfer.config import EngineConfig
 from novainfer.engine.llm_engine import load_model_info
-from novainfer.engine.sequence import Sequence
+from novainfer.sequence import Sequence
 from novainfer.sampling_params import SamplingParams
-from novainfer.spec_decode.draft_model_proposer import DraftModelProposer, DraftRequest
+from novainfer.spec_decode.draft_model_proposer import DraftModelProposer
+from novainfer.step_types import DraftRequest
 from novainfer.worker.worker import Worker
 from tests.tiny_models import hf_greedy_with, make_tiny_model
 

@@ -189,7 +189,8 @@ def test_cuda_quantizer_falls_back_to_torch_ops(monkeypatch, caplog):
     monkeypatch.setattr(fp8, "quantize_rows_triton", fp8.quantize_rows)
     assert fp8.cuda_quantizer(CPU) is fp8.quantize_rows_triton  # agrees: the kernel is used
     # scales a float32 ulp apart (CUDA torch multiplies by 1/448, the kernel divides): still the kernel
-    ulp = lambda x: (fp8.quantize_rows(x)[0], torch.nextafter(fp8.quantize_rows(x)[1], torch.tensor(1.0)))
+    def ulp(x):
+        return fp8.quantize_rows(x)[0], torch.nextafter(fp8.quantize_rows(x)[1], torch.tensor(1.0))
     monkeypatch.setattr(fp8, "quantize_rows_triton", ulp)
     assert fp8.cuda_quantizer(CPU) is fp8.quantize_rows_triton
 

@@ -44,12 +44,11 @@ def test_generate_runs_frozen_and_leaves_the_engine_collectable(tiny_qwen2):
     from novainfer import LLM, SamplingParams
     llm = LLM(tiny_qwen2, dtype="float32", device="cpu", cpu_kv_cache_tokens=256)
     seen = []
-    step = llm.llm_engine.step
-    llm.llm_engine.step = lambda: seen.append(gc.get_freeze_count()) or step()
+    llm.llm_engine.step = lambda step=llm.llm_engine.step: seen.append(gc.get_freeze_count()) or step()
     out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
     assert seen and all(n > 0 for n in seen) and gc.get_freeze_count() == 0
     runner = weakref.ref(llm.llm_engine.executor.workers[0].model_runner)  # in a reference cycle with its steps
-    del llm, step
+    del llm
     gc.collect()
     assert runner() is None

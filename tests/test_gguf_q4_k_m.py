@@ -10,10 +10,10 @@ from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from benchmarks.gguf_checkpoint import SHAPES, random_blocks, write_qwen2_q4_k_m
-from novainfer.layers.quantization import cpu_kernels, gguf_repack
+from benchmarks.gguf_checkpoint import SHAPES, write_qwen2_q4_k_m
+from novainfer.kernels.cpu import library, repack as gguf_repack
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX2+FMA and a C compiler")
+pytestmark = pytest.mark.skipif(not library.available(), reason="needs AVX2+FMA and a C compiler")
 PROMPT = [1, 5, 9, 300, 7, 1500, 12]  # its first greedy token is a near-tie (0.03 apart)
 
 
@@ -114,24 +114,3 @@ def test_gguf_7b_benchmark_runs_on_the_tiny_shape(tmp_path):
         # timings only: on a tiny model a 1-token run can outlast a 4-token one on a busy machine
         assert min(r[engine]["one_s"] + r[engine]["full_s"]) > 0 and r[engine]["peak_rss_polled_mb"] > 0
     assert r["agreement"]["n"] == 15 and r["agreement"]["top1"] >= 12 and r["agreement"]["in5"] >= 14
-
-
-def test_prefill_path_dequantizes_large_weights_in_row_chunks(monkeypatch):
-    from torch import nn
-
-    from novainfer.layers.quantization import gguf_cpu
-    from tests.test_quantized_cpu import random_blocks as format_blocks
-    n, k = 300, 512
-    layer = nn.Module()
-    layer.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-    layer.weight.packed = gguf_repack.repack(format_blocks(T.Q6_K, n, k), T.Q6_K, (n, k))
-    x, bias = torch.randn(gguf_cpu.PREFILL_ROWS + 3, k), torch.randn(n)
-    want = x.double() @ layer.weight.packed.dequantize().double().T + bias.double()
-    monkeypatch.setattr(gguf_cpu, "PREFILL_DEQUANT", True)  # the path before the panel GEMM, kept for A/B runs
-    monkeypatch.setattr(gguf_cpu, "DEQUANT_CHUNK_BYTES", 4 * k * 128)  # 128 rows a chunk: 3 chunks, the last short
-    calls, real = [], gguf_cpu.dequantize
-    monkeypatch.setattr(gguf_cpu, "dequantize", lambda w, rows: calls.append(len(rows)) or real(w, rows))
-    y = gguf_cpu.GGUFCPULinearMethod().apply(layer, x, bias)
-    assert y.shape == (x.shape[0], n)
-    assert (y.double() - want).norm() < 1e-5 * want.norm()  # float32 GEMM rounding only
-    assert calls == [128, 128, 44]

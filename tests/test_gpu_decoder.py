@@ -1,4 +1,4 @@
-"""The batch-1 fused decode stack (layers/gpu_decoder.py) on the CPU, its Triton kernels interpreted
+"""The batch-1 fused decode stack (worker/gpu_decode_stack.py) on the CPU, its Triton kernels interpreted
 (TRITON_INTERPRET=1, set in conftest.py): the GEMVs with their fused ops against torch, and the whole
 engine's greedy tokens with the stack against transformers'."""
 from __future__ import annotations
@@ -10,7 +10,9 @@ import torch.nn.functional as F
 pytest.importorskip("novainfer.kernels.paged_attention")
 from novainfer.kernels import fused_ops  # noqa: E402
 from novainfer.kernels.gemv import gemv  # noqa: E402
-from novainfer.layers.gpu_decoder import enable_gpu_decode_stack, supports  # noqa: E402
+from novainfer.attention import triton_backend  # noqa: E402
+from novainfer.worker.decode_strategy import select_decode_strategy  # noqa: E402
+from novainfer.worker.gpu_decode_stack import GPUDecodeStack, supports  # noqa: E402
 from tests.gpu.decode_stack_checks import counting_stack_calls  # noqa: E402
 
 
@@ -47,9 +49,10 @@ def test_engine_with_stack_matches_transformers(fixture, request):
 
     path = request.getfixturevalue(fixture)
     llm = LLM(path, dtype="float32", attention_backend="triton", block_size=4, enforce_eager=True)
-    model = llm.llm_engine.executor.workers[0].model_runner.model
-    # the runner does this on CUDA only, for its decode graphs; here the eager steps take the stack too
-    assert supports(model.model) and enable_gpu_decode_stack(model, graphs_only=False) == 1
+    runner = llm.llm_engine.executor.workers[0].model_runner
+    # the runner's stack runs in CUDA graphs only; here the eager steps take it too
+    runner.decode_strategy = select_decode_strategy(runner.model, triton_backend, graphs_only=False)
+    assert supports(runner.model.model) and isinstance(runner.decode_strategy, GPUDecodeStack)
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with counting_stack_calls() as calls:
@@ -63,8 +66,8 @@ def test_stack_refuses_layers_it_does_not_fuse(tiny_qwen3):
     """Qwen3 normalises q and k per head: not a piece the stack fuses, so its model keeps the layer path."""
     from novainfer import LLM
     llm = LLM(tiny_qwen3, dtype="float32", attention_backend="triton", block_size=4, enforce_eager=True)
-    model = llm.llm_engine.executor.workers[0].model_runner.model
-    assert not supports(model.model) and enable_gpu_decode_stack(model) == 0
+    runner = llm.llm_engine.executor.workers[0].model_runner
+    assert not supports(runner.model.model) and runner.decode_strategy is None
 
 
 def test_stack_waits_for_a_graph_by_default(tiny_qwen2):
@@ -72,7 +75,7 @@ def test_stack_waits_for_a_graph_by_default(tiny_qwen2):
     Triton launch from Python costs more host time than the kernels it replaces; only a graph capture takes it."""
     from novainfer import LLM, SamplingParams
     llm = LLM(tiny_qwen2, dtype="float32", attention_backend="triton", block_size=4, enforce_eager=True)
-    assert enable_gpu_decode_stack(llm.llm_engine.executor.workers[0].model_runner.model) == 1
+    assert isinstance(llm.llm_engine.executor.workers[0].model_runner.decode_strategy, GPUDecodeStack)
     with counting_stack_calls() as calls:
         llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(calls) == 3 and not any(calls)

@@ -4,7 +4,6 @@ block only, and the engine's greedy tokens afterwards still equal transformers'.
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("novainfer.kernels.paged_attention")
 from novainfer.kernels import paged_attention  # noqa: E402

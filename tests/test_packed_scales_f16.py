@@ -1,4 +1,4 @@
-"""float16 scales and zeros in PackedWeight (layers/quantization/gguf_repack.py): chosen per tensor only where every
+"""float16 scales and zeros in PackedWeight (kernels/cpu/repack.py): chosen per tensor only where every
 value round-trips exactly, and every C kernel that reads them (few-row GEMM, panel GEMM, dequantize, the decoder
 stack) gives the same bits as with the same values in float32."""
 import numpy as np
@@ -7,11 +7,11 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from novainfer.layers.quantization import cpu_kernels, gguf_repack
-from novainfer.layers.quantization.gguf_repack import PackedWeight, merge_rows, repack
+from novainfer.kernels.cpu import library, qgemm, repack as gguf_repack
+from novainfer.kernels.cpu.repack import PackedWeight, merge_rows, repack
 from tests.test_quantized_cpu import random_blocks
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX2+FMA+F16C and a C compiler")
+pytestmark = pytest.mark.skipif(not library.available(), reason="needs AVX2+FMA+F16C and a C compiler")
 RNG = np.random.default_rng(7)
 
 
@@ -26,19 +26,24 @@ def random_packed(kind: str, group: int, zeros: bool, n: int, k: int) -> PackedW
     return PackedWeight.from_rows(kind, q, f16(), f16() if zeros else None, group, (n, k))
 
 
+def _keep_float32(scales: np.ndarray, zeros: np.ndarray | None) -> tuple:
+    """repack's scales and zeros as float32, always (the reference the float16 ones must equal)."""
+    return scales, zeros
+
+
 @pytest.mark.parametrize("qtype, f16", [(T.Q4_0, True), (T.Q4_1, True), (T.Q8_0, True), (T.Q4_K, None),
                                         (T.Q5_K, None), (T.Q6_K, None)], ids=lambda v: getattr(v, "name", str(v)))
 def test_repack_keeps_float16_only_where_exact(qtype, f16, monkeypatch):
     blocks = random_blocks(qtype, 9, 256)
     w = repack(blocks, qtype, (9, 256))
-    monkeypatch.setattr(gguf_repack, "FP16_SCALES", False)
+    monkeypatch.setattr(gguf_repack, "_narrow", _keep_float32)
     w32 = repack(blocks, qtype, (9, 256))
     assert w32.scales.dtype == torch.float32
     exact = all(t is None or torch.equal(t.half().float(), t) for t in (w32.scales, w32.zeros))
     assert w.scale_f16 == (exact if f16 is None else f16)
     assert w.zeros is None or w.zeros.dtype == w.scales.dtype
     ref = torch.from_numpy(dequantize(blocks, qtype).reshape(9, 256).astype(np.float32))
-    assert torch.equal(w.dequantize(), ref) and torch.equal(cpu_kernels.dequantize(w), w32.dequantize())
+    assert torch.equal(w.dequantize(), ref) and torch.equal(qgemm.dequantize(w), w32.dequantize())
     if w.scale_f16:
         assert w.nbytes() < w32.nbytes()
 
@@ -70,19 +75,19 @@ LAYOUTS = [("q4", 32, True), ("q8", 32, False), ("q8", 32, True), ("q8", 16, Fal
 def test_every_kernel_gives_the_float32_scales_bits(kind, group, zeros):
     w16 = random_packed(kind, group, zeros, 37, 288)  # 37 rows: tails past the 4-row tiles and 16-row panels
     w32 = w16.float32_scales()
-    assert torch.equal(cpu_kernels.dequantize(w16), cpu_kernels.dequantize(w32))
-    assert torch.equal(cpu_kernels.dequantize(w16), w32.dequantize())
+    assert torch.equal(qgemm.dequantize(w16), qgemm.dequantize(w32))
+    assert torch.equal(qgemm.dequantize(w16), w32.dequantize())
     picked = torch.tensor([36, 0, 5, 5])  # the embedding lookup's row selection
-    assert torch.equal(cpu_kernels.dequantize(w16, picked), w32.dequantize()[picked])
+    assert torch.equal(qgemm.dequantize(w16, picked), w32.dequantize()[picked])
     with pytest.raises(IndexError, match="row ids"):
-        cpu_kernels.dequantize(w16, torch.tensor([37]))
+        qgemm.dequantize(w16, torch.tensor([37]))
     xs = torch.from_numpy(RNG.standard_normal((70, 288)).astype(np.float32))
     ys = {}
     for m in (1, 2, 3, 5, 64, 70):  # few-row kernel (weights unpacked in registers up to 3 rows) and panel kernel
         x = xs[:m]
-        ys[m] = y = cpu_kernels.quant_gemm(x, w16)
-        assert torch.equal(y, cpu_kernels.quant_gemm(x, w32)), f"M={m}"
-        assert torch.equal(cpu_kernels.quant_gemm(x, w16, panel=True), cpu_kernels.quant_gemm(x, w32, panel=True))
+        ys[m] = y = qgemm.quant_gemm(x, w16)
+        assert torch.equal(y, qgemm.quant_gemm(x, w32)), f"M={m}"
+        assert torch.equal(qgemm.quant_gemm(x, w16, panel=True), qgemm.quant_gemm(x, w32, panel=True))
         ref = x.double() @ w32.dequantize().double().T
         assert (y.double() - ref).norm() <= 1e-3 * ref.norm()  # a GEMM, not just two equal wrong answers
     for m in (1, 2, 3):  # the in-register tiles give the unpacked tiles' bits
@@ -94,7 +99,8 @@ def test_decoder_stack_gives_the_float32_scales_bits(tmp_path, monkeypatch):
     path = write_gguf(tmp_path / "tiny.gguf", "llama", 300)
     outs = []
     for f16 in (True, False):
-        monkeypatch.setattr(gguf_repack, "FP16_SCALES", f16)
+        if not f16:
+            monkeypatch.setattr(gguf_repack, "_narrow", _keep_float32)
         model = load(path)
         packed = [m.weight.packed for m in model.modules() if getattr(getattr(m, "weight", None), "packed", None)]
         assert any(p.scale_f16 for p in packed) == f16

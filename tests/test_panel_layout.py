@@ -6,8 +6,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from novainfer.layers.quantization import cpu_kernels, panel_layout
-from novainfer.layers.quantization.gguf_repack import merge_rows, repack
+from novainfer.kernels.cpu import library, panel_layout, qgemm
+from novainfer.kernels.cpu.repack import merge_rows, repack
 from tests.test_quantized_cpu import random_blocks
 
 RNG = np.random.default_rng(3)
@@ -37,7 +37,7 @@ def test_round_trips_and_the_documented_byte_order(n):
     assert np.array_equal(panel_layout.groups_to_rows(panel_layout.groups_to_panels(s), n), s)
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX2+FMA and a C compiler")
+@pytest.mark.skipif(not library.available(), reason="needs AVX2+FMA and a C compiler")
 @pytest.mark.parametrize("n,k", [(1, 32), (37, 96), (48, 64)])
 def test_c_repack_equals_the_numpy_reference(n, k):
     q4 = RNG.integers(0, 256, (n, k // 2), dtype=np.uint8)
@@ -47,16 +47,16 @@ def test_c_repack_equals_the_numpy_reference(n, k):
         assert fast.dtype == ref.dtype and np.array_equal(fast, ref), kind
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX2+FMA and a C compiler")
+@pytest.mark.skipif(not library.available(), reason="needs AVX2+FMA and a C compiler")
 def test_merged_panels_equal_merged_rows_and_padding_rows_stay_zero():
     aligned = [repack(random_blocks(T.Q4_1, n, 128), T.Q4_1, (n, 128)) for n in (32, 16)]
     odd = [repack(random_blocks(T.Q4_1, n, 128), T.Q4_1, (n, 128)) for n in (20, 13)]
     for parts in (aligned, odd):
         merged = merge_rows(parts)
         assert torch.equal(merged.dequantize(), torch.cat([p.dequantize() for p in parts]))
-        assert torch.equal(cpu_kernels.dequantize(merged), merged.dequantize())
+        assert torch.equal(qgemm.dequantize(merged), merged.dequantize())
     merged = merge_rows(odd)  # 33 rows: the last panel holds one row and 15 zero rows
     assert merged.qweight.shape[0] == 3 and not merged.scales[-1, :].view(-1, 16)[:, 1:].any()
     assert not panel_layout.quants_to_rows("q4", merged.qweight.numpy(), 48, 128)[33:].any()
     x = torch.randn(5, 128)
-    assert torch.equal(cpu_kernels.quant_gemm(x, merged)[:, :20], cpu_kernels.quant_gemm(x, odd[0]))
+    assert torch.equal(qgemm.quant_gemm(x, merged)[:, :20], qgemm.quant_gemm(x, odd[0]))

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 
 from novainfer.attention import cpu_backend, torch_backend
 from novainfer.attention.metadata import AttentionMetadata
-from novainfer.layers.quantization import cpu_kernels
+from novainfer.kernels.cpu import library
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX2+FMA and a C compiler")
+pytestmark = pytest.mark.skipif(not library.available(), reason="needs AVX2+FMA and a C compiler")
 BS = 16
 
 

@@ -9,19 +9,19 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from novainfer.layers.quantization import cpu_kernels
-from novainfer.layers.quantization.gguf_repack import repack
+from novainfer.kernels.cpu import library, qgemm
+from novainfer.kernels.cpu.repack import repack
 from tests.test_quantized_cpu import random_blocks
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX2+FMA and a C compiler")
+pytestmark = pytest.mark.skipif(not library.available(), reason="needs AVX2+FMA and a C compiler")
 
 
 @pytest.fixture
 def few_row_kernel():
     """The GEMM entry points without the hand-over to the panel kernel, restored after the test."""
-    cpu_kernels.set_panel_min_rows(2**31 - 1)
+    qgemm.set_panel_min_rows(2**31 - 1)
     yield
-    cpu_kernels.set_panel_min_rows(cpu_kernels.PANEL_MIN_ROWS)
+    qgemm.set_panel_min_rows(qgemm.PANEL_MIN_ROWS)
 
 
 # K = 576: 18 groups, past the last multiple of 8 (the scale transposes' tail); K-quants come in 256s
@@ -34,25 +34,25 @@ def test_panel_matches_dequantize_then_matmul_and_the_few_row_kernel_bit_for_bit
     for m in (1, 2, 3, 5, 8, 13, 70):  # the few-row tiles' edges (3 rows), the panel's (4 rows) and past them
         x = torch.randn(m, k) * torch.linspace(0.1, 3, k)
         ref = x.double() @ ref_w.T
-        panel = cpu_kernels.quant_gemm(x, w, panel=True)
+        panel = qgemm.quant_gemm(x, w, panel=True)
         assert (panel.double() - ref).norm() < 1e-4 * ref.norm()  # int16 activations: ~1e-5 measured
-        assert torch.equal(cpu_kernels.quant_gemm(x, w), panel), f"M={m}"
+        assert torch.equal(qgemm.quant_gemm(x, w), panel), f"M={m}"
 
 
 def test_panel_rows_do_not_depend_on_the_batch_or_threads():
     w = repack(random_blocks(T.Q4_1, 100, 256), T.Q4_1, (100, 256))
-    m = cpu_kernels.PANEL_MIN_ROWS + 6
+    m = qgemm.PANEL_MIN_ROWS + 6
     x = torch.randn(m, 256)
     prev = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        batch = cpu_kernels.quant_gemm(x, w, panel=True)
+        batch = qgemm.quant_gemm(x, w, panel=True)
         torch.set_num_threads(1)
-        assert torch.equal(cpu_kernels.quant_gemm(x, w, panel=True), batch)
+        assert torch.equal(qgemm.quant_gemm(x, w, panel=True), batch)
         for r in (0, 3, m - 1):  # a row alone, as the first row of a tile, as the last
-            assert torch.equal(cpu_kernels.quant_gemm(x[r:r + 1], w, panel=True)[0], batch[r])
+            assert torch.equal(qgemm.quant_gemm(x[r:r + 1], w, panel=True)[0], batch[r])
             s = min(r, 6)  # in PANEL_MIN_ROWS rows, which the entry point hands to the panel kernel
-            assert torch.equal(cpu_kernels.quant_gemm(x[s:s + cpu_kernels.PANEL_MIN_ROWS], w)[r - s], batch[r])
+            assert torch.equal(qgemm.quant_gemm(x[s:s + qgemm.PANEL_MIN_ROWS], w)[r - s], batch[r])
     finally:
         torch.set_num_threads(prev)
 
@@ -60,25 +60,25 @@ def test_panel_rows_do_not_depend_on_the_batch_or_threads():
 def test_panel_min_rows_switches_the_kernel_and_rejects_nonsense(few_row_kernel):
     w = repack(random_blocks(T.Q4_1, 48, 256), T.Q4_1, (48, 256))
     x = torch.from_numpy(np.random.default_rng(1).standard_normal((8, 256)).astype(np.float32))
-    lib = cpu_kernels.library()
+    lib = library.library()
     calls = lib.panel_gemm_calls()
-    few = cpu_kernels.quant_gemm(x, w)
+    few = qgemm.quant_gemm(x, w)
     assert lib.panel_gemm_calls() == calls
-    cpu_kernels.set_panel_min_rows(8)
-    assert torch.equal(cpu_kernels.quant_gemm(x, w), few)  # the other kernel, the same bits
+    qgemm.set_panel_min_rows(8)
+    assert torch.equal(qgemm.quant_gemm(x, w), few)  # the other kernel, the same bits
     assert lib.panel_gemm_calls() == calls + 1
     with pytest.raises(ValueError, match="panel rows"):
-        cpu_kernels.set_panel_min_rows(0)
+        qgemm.set_panel_min_rows(0)
 
 
 @pytest.fixture
 def avx2_and_avx512():
     """Skips unless this CPU runs the AVX-512 VNNI tiles; restores the default ("auto") after the test."""
-    if cpu_kernels.set_gemm_isa("avx512") != "avx512":
-        cpu_kernels.set_gemm_isa("auto")
+    if qgemm.set_gemm_isa("avx512") != "avx512":
+        qgemm.set_gemm_isa("auto")
         pytest.skip("this CPU has no AVX-512 VNNI")
     yield
-    cpu_kernels.set_gemm_isa("auto")
+    qgemm.set_gemm_isa("auto")
 
 
 @pytest.mark.parametrize("qtype,k", [(T.Q4_1, 576), (T.Q4_0, 512), (T.Q8_0, 576), (T.Q6_K, 512)],
@@ -91,13 +91,13 @@ def test_avx512_tiles_give_the_avx2_tiles_bits(qtype, k, avx2_and_avx512, few_ro
     for m in (1, 3, 4, 5, 9, 12, 13, 16, 27):
         x = torch.randn(m, k) * torch.linspace(0.1, 3, k)
         for panel in (True, False):
-            assert cpu_kernels.set_gemm_isa("avx512") == "avx512"
-            wide = cpu_kernels.quant_gemm(x, w, panel=panel)
-            assert cpu_kernels.set_gemm_isa("avx2") == "avx2"
-            assert torch.equal(cpu_kernels.quant_gemm(x, w, panel=panel), wide), f"M={m}, panel={panel}"
+            assert qgemm.set_gemm_isa("avx512") == "avx512"
+            wide = qgemm.quant_gemm(x, w, panel=panel)
+            assert qgemm.set_gemm_isa("avx2") == "avx2"
+            assert torch.equal(qgemm.quant_gemm(x, w, panel=panel), wide), f"M={m}, panel={panel}"
 
 
 def test_panel_isa_rejects_nonsense():
     with pytest.raises(ValueError, match="GEMM ISA"):
-        cpu_kernels.set_gemm_isa("sse2")
-    assert cpu_kernels.set_gemm_isa("auto") in ("avx2", "avx512")
+        qgemm.set_gemm_isa("sse2")
+    assert qgemm.set_gemm_isa("auto") in ("avx2", "avx512")

@@ -7,11 +7,11 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from novainfer.layers.quantization import cpu_kernels
-from novainfer.layers.quantization.gguf_repack import repack
+from novainfer.kernels.cpu import library, qgemm
+from novainfer.kernels.cpu.repack import repack
 from tests.test_quantized_cpu import random_blocks
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX2+FMA and a C compiler")
+pytestmark = pytest.mark.skipif(not library.available(), reason="needs AVX2+FMA and a C compiler")
 ROWS = [1, 2, 3, 4, 5, 7, 8, 16, 17]
 # q4 with zeros (Q4_1), q8 groups of 32 without zeros (Q8_0), q8 groups of 16 (Q6_K), q8 with zeros (Q5_K)
 FORMATS = [(T.Q4_1, 256), (T.Q8_0, 96), (T.Q6_K, 256), (T.Q5_K, 512)]
@@ -35,7 +35,7 @@ def test_every_small_row_count_matches_dequantize_then_matmul(qtype, k):
     ref_w = torch.from_numpy(dequantize(blocks, qtype).reshape(N, k).astype(np.float32))
     for m in ROWS:
         x = torch.randn(m, k) * torch.linspace(0.1, 3, k)  # uneven magnitudes: each block its own step
-        assert _within_bound(x, ref_w, cpu_kernels.quant_gemm(x, w)), f"M={m}"
+        assert _within_bound(x, ref_w, qgemm.quant_gemm(x, w)), f"M={m}"
 
 
 @pytest.mark.parametrize("qtype,k", FORMATS[:3], ids=lambda v: getattr(v, "name", str(v)))
@@ -43,12 +43,12 @@ def test_every_small_row_count_matches_dequantize_then_matmul(qtype, k):
 def test_a_row_gives_the_same_bits_alone_or_in_any_batch(qtype, k, threads):
     w = repack(random_blocks(qtype, N, k), qtype, (N, k))
     x = torch.randn(max(ROWS), k)
-    cpu_kernels.set_num_threads(threads)
+    library.set_num_threads(threads)
     try:
-        alone = torch.cat([cpu_kernels.quant_gemm(x[i:i + 1].contiguous(), w) for i in range(len(x))])
+        alone = torch.cat([qgemm.quant_gemm(x[i:i + 1].contiguous(), w) for i in range(len(x))])
         for m in ROWS:
             for start in {0, len(x) - m}:  # each row lands at another place in the 3-row tiles
-                assert torch.equal(cpu_kernels.quant_gemm(x[start:start + m].contiguous(), w),
+                assert torch.equal(qgemm.quant_gemm(x[start:start + m].contiguous(), w),
                                    alone[start:start + m]), f"M={m} from row {start}"
     finally:
-        cpu_kernels.set_num_threads(None)
+        library.set_num_threads(None)

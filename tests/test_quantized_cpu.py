@@ -9,10 +9,10 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize, quantize
 
-from novainfer.layers.quantization import cpu_kernels
-from novainfer.layers.quantization.gguf_repack import BLOCK, merge_rows, repack
+from novainfer.kernels.cpu import library, qgemm
+from novainfer.kernels.cpu.repack import BLOCK, merge_rows, repack
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX2+FMA and a C compiler")
+pytestmark = pytest.mark.skipif(not library.available(), reason="needs AVX2+FMA and a C compiler")
 RNG = np.random.default_rng(0)
 FORMATS = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 D_OFFSETS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}  # fp16 super-block scales, set to sane values
@@ -39,7 +39,7 @@ def test_repack_is_exact_and_kernel_matches_dequantize_then_matmul(qtype, n, k):
     w = repack(blocks, qtype, (n, k))
     ref_w = torch.from_numpy(dequantize(blocks, qtype).reshape(n, k).astype(np.float32))
     assert torch.equal(w.dequantize(), ref_w)  # the repack keeps every value exactly
-    torch.testing.assert_close(cpu_kernels.dequantize(w), ref_w, rtol=1e-6, atol=1e-7)  # C: q * s + z fused
+    torch.testing.assert_close(qgemm.dequantize(w), ref_w, rtol=1e-6, atol=1e-7)  # C: q * s + z fused
     for m in (1, 9, 17):  # batch 1, a partial row tile, more than two tiles
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(1000 * m + k))
         ref = x.double() @ ref_w.double().T
@@ -48,7 +48,7 @@ def test_repack_is_exact_and_kernel_matches_dequantize_then_matmul(qtype, n, k):
         step = x.abs().view(m, k // 32, 32).amax(-1).double().repeat_interleave(32, dim=1) / 32767
         tol = (step / 2 * 1.001) @ ref_w.abs().double().T
         tol += 4 * k * torch.finfo(torch.float32).eps * (x.abs().double() @ ref_w.abs().double().T)
-        y = cpu_kernels.quant_gemm(x, w)
+        y = qgemm.quant_gemm(x, w)
         assert ((y.double() - ref).abs() <= tol + 1e-6).all()
         # and typically far inside it: over 900 random cases the relative error had median 2e-5, p99 7e-5, max 1.0e-4
         # (int8 activations would be ~250x that)
@@ -74,9 +74,9 @@ def test_kernel_gives_the_same_bits_on_one_thread_or_many():
     prev = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_kernels.quant_gemm(x, w)
+        one = qgemm.quant_gemm(x, w)
         torch.set_num_threads(2)
-        assert torch.equal(cpu_kernels.quant_gemm(x, w), one)  # each output row is summed by one thread
+        assert torch.equal(qgemm.quant_gemm(x, w), one)  # each output row is summed by one thread
     finally:
         torch.set_num_threads(prev)
 
@@ -89,10 +89,10 @@ def test_mixed_types_merge_into_one_exact_layer():
     ref = np.concatenate([dequantize(b, t).reshape(n, k) for b, (t, n) in zip(blocks, parts)])
     assert merged.kind == "q8" and merged.group == 16
     assert torch.equal(merged.dequantize(), torch.from_numpy(ref.astype(np.float32)))
-    torch.testing.assert_close(cpu_kernels.dequantize(merged), merged.dequantize(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(qgemm.dequantize(merged), merged.dequantize(), rtol=1e-6, atol=1e-7)
     x = torch.randn(3, k)  # the kernel on groups of 16 with zero points (the Q4_K part)
     want = x.double() @ torch.from_numpy(ref).double().T
-    assert (cpu_kernels.quant_gemm(x, merged).double() - want).norm() < 1e-4 * want.norm()
+    assert (qgemm.quant_gemm(x, merged).double() - want).norm() < 1e-4 * want.norm()
 
 
 @pytest.fixture(scope="module")

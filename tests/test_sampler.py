@@ -1,7 +1,8 @@
 """The batched Sampler against direct per-row reference computations."""
 import torch
 
-from novainfer.layers.sampler import Sampler, SamplingMetadata, SamplingRow
+from novainfer.layers.sampler import Sampler
+from novainfer.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from novainfer.sampling_params import SamplingParams
 
 V = 12

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from novainfer.config import EngineConfig
-from novainfer.entrypoints.chat_utils import apply_chat_template
+from novainfer.server.chat_utils import apply_chat_template
 from novainfer.loader.default_model import DEFAULT_MODEL_NAME
 from novainfer.loader.model_info import load_tokenizer, resolve_model_path
 from tests.server_utils import ROOT, RemoteServer
@@ -122,8 +122,8 @@ def test_cuda_build_read_from_torch_version_file(tmp_path, monkeypatch, line, wa
     import importlib.util
     from types import SimpleNamespace
 
-    from novainfer import config
+    from novainfer import platform
     (tmp_path / "version.py").write_text(f"__version__ = '2.13.0'\n{line}\nhip: Optional[str] = None\n")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: SimpleNamespace(
         submodule_search_locations=[str(tmp_path)]))
-    assert config._torch_has_cuda_build() is want
+    assert platform.torch_has_cuda_build() is want

@@ -8,7 +8,8 @@ from scipy.stats import chi2_contingency, chisquare
 
 from novainfer import LLM, SamplingParams
 from novainfer.config import EngineConfig, SpeculativeConfig
-from novainfer.layers.sampler import Sampler, SamplingMetadata, SamplingRow
+from novainfer.layers.sampler import Sampler
+from novainfer.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from novainfer.spec_decode import rejection_sampler
 from novainfer.spec_decode.ngram_proposer import propose_ngram
 from tests.tiny_models import hf_greedy, make_tiny_model

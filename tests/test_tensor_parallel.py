@@ -271,8 +271,8 @@ def test_step_wire_sends_deltas_and_rebuilds_the_step():
     """mp steps carry appended tokens and changed block tables only; workers rebuild the same sequences."""
     import pickle
 
-    from novainfer.engine.scheduler import ScheduledSequence, SchedulerOutput
-    from novainfer.engine.sequence import Sequence
+    from novainfer.step_types import ScheduledSequence, SchedulerOutput
+    from novainfer.sequence import Sequence
     from novainfer.executor.step_wire import StepPacker, StepReceiver
     seqs = [Sequence(list(range(10 * i, 10 * i + 7)), SamplingParams(seed=i)) for i in range(3)]
     packer, receiver = StepPacker(), StepReceiver(worker=None)

@@ -6,7 +6,7 @@ import os
 import pytest
 from transformers import AutoTokenizer
 
-from novainfer import config
+from novainfer import platform
 from novainfer.loader import gguf_loader
 from novainfer.loader.default_model import default_model_path
 
@@ -27,7 +27,7 @@ def same_tokenizer(a, b) -> None:
 @pytest.fixture
 def conversions(tmp_path, monkeypatch):
     """CACHE_DIR in a temporary directory; the list of GGUF conversions transformers was asked for."""
-    monkeypatch.setattr(config, "CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(platform, "CACHE_DIR", str(tmp_path))
     calls, real = [], AutoTokenizer.from_pretrained
 
     def spy(*args, **kwargs):

@@ -1,9 +1,9 @@
 """The huge-page weight arena moves packed CPU weights without changing a value or a result."""
 import torch
 
-from novainfer.layers.quantization.cpu_kernels import quant_gemm
-from novainfer.layers.quantization.gguf_repack import PackedWeight
-from novainfer.layers.quantization.weight_arena import ALIGN, HUGE_PAGE, move_to_arena
+from novainfer.kernels.cpu.qgemm import quant_gemm
+from novainfer.kernels.cpu.repack import PackedWeight
+from novainfer.kernels.cpu.weight_arena import ALIGN, HUGE_PAGE, move_to_arena
 
 
 def _packed(n: int, k: int, zeros: bool, seed: int) -> PackedWeight:

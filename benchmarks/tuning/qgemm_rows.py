@@ -20,7 +20,7 @@ replaced for prefills (the weight dequantized to float32 in C, then torch's sgem
 
 --crossover times a decode step's GEMMs (every packed weight once, then the lm_head) at each row count with the
 few-row kernel and with the panel kernel, interleaved, and checks they give the same bits: where the panel one
-wins is cpu_kernels.PANEL_MIN_ROWS.
+wins is qgemm.PANEL_MIN_ROWS.
 
 --step times a decode step's GEMMs as the model runs them: every packed weight once, in layer order, then the
 lm_head (~100 MB streamed from memory, where the per-layer timings above find the weight in cache), both
@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from novainfer.layers.quantization import cpu_kernels  # noqa: E402
+from novainfer.kernels.cpu import library, qgemm  # noqa: E402
 
 CSRC = "novainfer/layers/quantization/csrc"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,7 +59,7 @@ def build_at(commit: str):
             f.write(subprocess.run(["git", "show", f"{commit}:{CSRC}/{name}"], cwd=ROOT, check=True,
                                    capture_output=True).stdout)
     paths = [os.path.join(tmp, n) for n in names]
-    lib = cpu_kernels.build_library([p for p in paths if p.endswith(".c")], [p for p in paths if p.endswith(".h")])
+    lib = qgemm.build_library([p for p in paths if p.endswith(".c")], [p for p in paths if p.endswith(".h")])
     if lib is None:
         raise SystemExit(f"could not build the kernels of {commit}")
     return lib
@@ -119,7 +119,7 @@ def main() -> None:
     ap.add_argument("--f32-scales", action="store_true", help="with --step: old = this build with float32 scales")
     ap.add_argument("--crossover", action="store_true", help="few-row vs panel kernel per row count (see above)")
     args = ap.parse_args()
-    if not cpu_kernels.available():
+    if not library.available():
         raise SystemExit("the quantized CPU kernels are not available on this machine")
     if args.prefill:
         return prefill(args)
@@ -127,12 +127,12 @@ def main() -> None:
         return decode_step(args)
     if args.crossover:
         return crossover(args)
-    libs = {"old": build_at(args.base), "new": cpu_kernels.library()}
+    libs = {"old": build_at(args.base), "new": library.library()}
     layers = model_layers()
     print(f"base {args.base}; layers: " + ", ".join(f"{k} {w.kind} {w.shape[0]}x{w.shape[1]} (x{c})"
                                                     for k, (w, c) in layers.items()))
     for threads in args.threads:
-        cpu_kernels.set_num_threads(threads)
+        library.set_num_threads(threads)
         print(f"\nthreads {threads}: median us old / new (new/old)")
         print(f"{'layer':>10} " + " ".join(f"{'M=' + str(m):>22}" for m in args.rows))
         step = {m: {"old": 0.0, "new": 0.0} for m in args.rows}
@@ -145,7 +145,7 @@ def main() -> None:
                 ws = {name: for_build(w, lib) for name, lib in libs.items()}
                 for _ in range(args.repeats):  # interleaved, so drifting load hits both alike
                     for name, lib in libs.items():
-                        res[name] += time_us(lambda: cpu_kernels.quant_gemm(x, ws[name], lib), 1, inner)
+                        res[name] += time_us(lambda: qgemm.quant_gemm(x, ws[name], lib), 1, inner)
                 med = {k: statistics.median(v) for k, v in res.items()}
                 for k in med:
                     step[m][k] += med[k] * count
@@ -156,7 +156,7 @@ def main() -> None:
             for m in args.rows))
         print(f"{'ms/row':>10} " + " ".join(
             f"{step[m]['old'] / 1e3 / m:7.2f}/{step[m]['new'] / 1e3 / m:7.2f}ms      " for m in args.rows))
-    cpu_kernels.set_num_threads(None)
+    library.set_num_threads(None)
 
 
 def step_weights() -> list:
@@ -175,7 +175,7 @@ def step_weights() -> list:
 
 def decode_step(args: argparse.Namespace) -> None:
     """A decode step's GEMMs with the weights streamed, this build against --base's, interleaved."""
-    libs = {"old": cpu_kernels.library() if args.f32_scales else build_at(args.base), "new": cpu_kernels.library()}
+    libs = {"old": library.library() if args.f32_scales else build_at(args.base), "new": library.library()}
     weights = step_weights()
     sets = {k: [for_build(w, lib, k == "old" and args.f32_scales) for w in weights] for k, lib in libs.items()}
     nbytes = {k: sum(t.nbytes for w in ws for t in (w.qweight, w.scales, w.zeros) if t is not None) / 1e6
@@ -184,47 +184,47 @@ def decode_step(args: argparse.Namespace) -> None:
           f"old {nbytes['old']:.1f} MB, new {nbytes['new']:.1f} MB")
     for m in args.rows:
         xs = [torch.randn(m, w.shape[1]) for w in weights]
-        outs = {k: [cpu_kernels.quant_gemm(x, w, libs[k]) for x, w in zip(xs, ws)] for k, ws in sets.items()}
+        outs = {k: [qgemm.quant_gemm(x, w, libs[k]) for x, w in zip(xs, ws)] for k, ws in sets.items()}
         same = all(torch.equal(a, b) for a, b in zip(outs["old"], outs["new"]))
         for threads in args.threads:
-            cpu_kernels.set_num_threads(threads)
+            library.set_num_threads(threads)
             res = {k: [] for k in libs}
             for _ in range(args.repeats):
                 for k, lib in libs.items():
                     t = time.perf_counter()
                     for x, w in zip(xs, sets[k]):
-                        cpu_kernels.quant_gemm(x, w, lib)
+                        qgemm.quant_gemm(x, w, lib)
                     res[k].append((time.perf_counter() - t) * 1e3)
             ratio = sorted(b / a for a, b in zip(res["old"], res["new"]))
             print(f"M={m} threads {threads}: ms a step, median (min) old {statistics.median(res['old']):.2f} "
                   f"({min(res['old']):.2f}), new {statistics.median(res['new']):.2f} ({min(res['new']):.2f}); "
                   f"new/old per round {ratio[0]:.2f}-{ratio[-1]:.2f} (median {statistics.median(ratio):.2f}); "
                   f"same bits: {same}")
-    cpu_kernels.set_num_threads(None)
+    library.set_num_threads(None)
 
 
 def crossover(args: argparse.Namespace) -> None:
     """A decode step's GEMMs at each row count: the few-row kernel against the panel kernel, interleaved."""
     weights = step_weights()
-    cpu_kernels.set_panel_min_rows(2**31 - 1)  # panel=False: the few-row kernel at any row count
+    qgemm.set_panel_min_rows(2**31 - 1)  # panel=False: the few-row kernel at any row count
     for threads in args.threads:
-        cpu_kernels.set_num_threads(threads)
+        library.set_num_threads(threads)
         for m in args.rows:
             xs = [torch.randn(m, w.shape[1]) for w in weights]
-            same = all(torch.equal(cpu_kernels.quant_gemm(x, w, panel=False), cpu_kernels.quant_gemm(x, w, panel=True))
+            same = all(torch.equal(qgemm.quant_gemm(x, w, panel=False), qgemm.quant_gemm(x, w, panel=True))
                        for x, w in zip(xs, weights))
             res = {False: [], True: []}
             for _ in range(args.repeats):
                 for panel in res:
                     t = time.perf_counter()
                     for x, w in zip(xs, weights):
-                        cpu_kernels.quant_gemm(x, w, panel=panel)
+                        qgemm.quant_gemm(x, w, panel=panel)
                     res[panel].append((time.perf_counter() - t) * 1e3)
             few, pan = statistics.median(res[False]), statistics.median(res[True])
             print(f"M={m} threads {threads}: ms a step, median few-row {few:.2f}, panel {pan:.2f} "
                   f"(panel/few {pan / few:.2f}); same bits: {same}")
-    cpu_kernels.set_num_threads(None)
-    cpu_kernels.set_panel_min_rows(cpu_kernels.PANEL_MIN_ROWS)
+    library.set_num_threads(None)
+    qgemm.set_panel_min_rows(qgemm.PANEL_MIN_ROWS)
 
 
 def prefill(args: argparse.Namespace) -> None:
@@ -233,15 +233,15 @@ def prefill(args: argparse.Namespace) -> None:
     layers = {k: v for k, v in model_layers().items() if k != "lm_head"}  # a prefill's lm_head sees one row
     torch_threads = torch.get_num_threads()
     for threads in args.threads:
-        cpu_kernels.set_num_threads(threads)
+        library.set_num_threads(threads)
         torch.set_num_threads(threads)
         print(f"\nthreads {threads}: median ms, dequantize + sgemm / panel GEMM (GFLOPS), speed-up")
         for m in args.rows:
             total = {"sgemm": 0.0, "panel": 0.0}
             for key, (w, count) in layers.items():
                 x = torch.randn(m, w.shape[1])
-                fns = {"sgemm": lambda: F.linear(x, cpu_kernels.dequantize(w)),
-                       "panel": lambda: cpu_kernels.quant_gemm(x, w, panel=True)}
+                fns = {"sgemm": lambda: F.linear(x, qgemm.dequantize(w)),
+                       "panel": lambda: qgemm.quant_gemm(x, w, panel=True)}
                 inner = max(1, int(5e8 / (w.shape[0] * w.shape[1] * m)))
                 res = {k: [] for k in fns}
                 for _ in range(args.repeats):
@@ -256,7 +256,7 @@ def prefill(args: argparse.Namespace) -> None:
                       f"{med['panel']:7.2f} ({gf['panel']:4.0f})  {med['sgemm'] / med['panel']:.2f}x")
             print(f"M={m:5} all layers: {total['sgemm']:.1f} / {total['panel']:.1f} ms "
                   f"({total['sgemm'] / total['panel']:.2f}x)")
-    cpu_kernels.set_num_threads(None)
+    library.set_num_threads(None)
     torch.set_num_threads(torch_threads)
 
 

@@ -36,7 +36,7 @@ def main() -> None:
     from novainfer.config import SchedulerConfig
     from novainfer.engine.block_manager import BlockManager
     from novainfer.engine.scheduler import Scheduler
-    from novainfer.engine.sequence import Sequence
+    from novainfer.sequence import Sequence
     from novainfer.sampling_params import SamplingParams
 
     prompts, outs = make_workload(args.num_prompts, None, None, 151_936, 0)

@@ -13,16 +13,13 @@ import torch.nn.functional as F
 
 from novainfer.attention import torch_backend
 from novainfer.attention.metadata import AttentionMetadata
-from novainfer.layers.quantization import cpu_kernels, cpu_ops
-
-
-PREFILL_KERNEL = True  # steps with more than one new token: the C kernel (False: torch SDPA or the reference; A/B)
+from novainfer.kernels.cpu import library, ops as cpu_ops
 
 
 def _c_path(x: torch.Tensor, cache: torch.Tensor) -> bool:
     """The C ops take float32 activations over a bfloat16 cache (the default CPU path)."""
     return (cache.dtype == torch.bfloat16 and cache.is_contiguous() and cpu_ops.usable(x)
-            and cpu_kernels.available())
+            and library.available())
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -43,7 +40,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         return decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
     if meta.per_token is not None:  # a verify step: every token as a decode step computes it
         return decode_attention(query, k_cache, v_cache, meta.per_token, scale, sliding_window, logits_soft_cap)
-    if PREFILL_KERNEL and _c_path(query, k_cache) and query.stride(1) == query.shape[2] and query.shape[2] % 16 == 0:
+    if _c_path(query, k_cache) and query.stride(1) == query.shape[2] and query.shape[2] % 16 == 0:
         return cpu_ops.prefill_attention_bf16(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
                                               meta.seq_lens, scale, sliding_window, logits_soft_cap)
     if sliding_window is None and logits_soft_cap is None and _fresh_prompts_only(meta):

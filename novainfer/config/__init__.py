@@ -2,7 +2,6 @@
 engine (the whole, built from flat keyword arguments) and server. Every engine setting is declared once, as a
 field (config/fields.py `setting`); `LLM(**kwargs)` and the CLI's engine flags are derived from those fields."""
 from novainfer.config.cache import CacheConfig
-from novainfer.config.device import CACHE_DIR, _cuda_driver_loads, _torch_has_cuda_build, default_cpu_dtype
 from novainfer.config.engine import EngineConfig, engine_arg_fields, resolve_cache_dtype
 from novainfer.config.model import ModelConfig, to_torch_dtype
 from novainfer.config.parallel import ParallelConfig, normalize_parallel_config
@@ -10,6 +9,6 @@ from novainfer.config.scheduler import SchedulerConfig
 from novainfer.config.server import ServerConfig
 from novainfer.config.speculative import SpeculativeConfig
 
-__all__ = ["CACHE_DIR", "CacheConfig", "EngineConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig",
-           "ServerConfig", "SpeculativeConfig", "_cuda_driver_loads", "_torch_has_cuda_build", "default_cpu_dtype",
-           "engine_arg_fields", "normalize_parallel_config", "resolve_cache_dtype", "to_torch_dtype"]
+__all__ = ["CacheConfig", "EngineConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig", "ServerConfig",
+           "SpeculativeConfig", "engine_arg_fields", "normalize_parallel_config", "resolve_cache_dtype",
+           "to_torch_dtype"]

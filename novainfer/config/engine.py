@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
 from novainfer.config.cache import CacheConfig
-from novainfer.config.device import _cuda_driver_loads, _torch_has_cuda_build
 from novainfer.config.fields import setting
 from novainfer.config.model import QUANTIZATIONS, ModelConfig, _parse_dtype, to_torch_dtype
 from novainfer.config.parallel import ParallelConfig, normalize_parallel_config
 from novainfer.config.scheduler import SchedulerConfig
 from novainfer.config.speculative import SpeculativeConfig
+from novainfer.platform import cuda_driver_loads, torch_has_cuda_build
 
 if TYPE_CHECKING:
     import torch
@@ -160,7 +160,7 @@ class EngineConfig:
             return name.split(":")[0] == "cuda"
         if "torch" in sys.modules:
             return sys.modules["torch"].cuda.is_available()
-        return _torch_has_cuda_build() and _cuda_driver_loads()
+        return torch_has_cuda_build() and cuda_driver_loads()
 
     def _device_name(self) -> str:
         return os.environ.get("NOVAINFER_DEVICE", self.device)

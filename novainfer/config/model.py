@@ -28,12 +28,6 @@ class ModelConfig:
         None, "gguf: keep a GGUF file's blocks quantized on the CPU; none: dequantize them; "
         "fp8: a bf16/fp16 checkpoint's linear weights to float8 at load (CUDA sm_89+, or the CPU)",
         choices=QUANTIZATIONS, shown="gguf for a GGUF file on the CPU unless --dtype float32")
-    cpu_decode_stack: bool = setting(
-        True, "on the quantized CPU path, a decode step's whole decoder stack runs in one C call (same result "
-        "to the bit); off: layer by layer from Python")
-    gpu_decode_stack: bool = setting(
-        True, "on CUDA, a one-token decode step runs each llama-family layer as five fused kernels; off: the "
-        "layer-by-layer kernels")
     max_model_len: int | None = setting(None, "longest prompt + output, at most what the KV cache holds",
                                         shown="the model's max_position_embeddings")
     tokenizer: str | None = setting(None, "tokenizer folder", shown="the model's")

@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 import xxhash
 
-from novainfer.engine.sequence import Sequence
+from novainfer.sequence import Sequence
 
 
 def hash_block(token_ids: list[int], prev_hash: int) -> int:

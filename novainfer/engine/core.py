@@ -17,15 +17,15 @@ from novainfer.config import EngineConfig
 from novainfer.engine.faults import RequestError
 from novainfer.engine.messages import AbortTarget, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from novainfer.engine.processor import check_request
-from novainfer.engine.scheduler import Scheduler, SchedulerOutput
-from novainfer.engine.sequence import Sequence, SequenceStatus
+from novainfer.engine.scheduler import Scheduler
 from novainfer.engine.state_slots import make_block_manager
-from novainfer.executor.base import Executor
+from novainfer.executor import get_executor_class
 from novainfer.loader.model_loader import load_tokenizer
-from novainfer.spec_decode.proposer import make_proposer
+from novainfer.sequence import Sequence, SequenceStatus
+from novainfer.spec_decode import make_proposer
 from novainfer.spec_decode.stats import SpecDecodeStats
+from novainfer.step_types import ModelRunnerOutput, SchedulerOutput, StepFuture
 from novainfer.structured_output import StructuredOutputManager
-from novainfer.worker.model_runner import ModelRunnerOutput, StepHandle
 from novainfer.worker.state_cache import worker_num_state_slots
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class EngineCore:
         self.config = config
         self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = mc.hf_config.vocab_size
-        self.executor = Executor.get_class(config)(config, mc.hf_config)
+        self.executor = get_executor_class(config)(config, mc.hf_config)
         self.num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
         self.executor.collective_rpc("initialize_cache", self.num_blocks)
         bs = config.cache_config.block_size
@@ -397,7 +397,7 @@ class InFlightStep:
     """A launched step: what was scheduled, the handle that reads it back, and whether the next step must
     wait for its tokens (a sampling parameter that reads the output so far: penalties, min_tokens, a grammar)."""
 
-    def __init__(self, sched: SchedulerOutput, handle: StepHandle):
+    def __init__(self, sched: SchedulerOutput, handle: StepFuture):
         self.sched, self.handle = sched, handle
         self.needs_sync = any(needs_output_history(s.seq) for s in sched.scheduled if s.samples)
 

@@ -136,8 +136,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
     if config.resolve_device().type == "cpu":
         torch.set_num_threads(cpu_threads())
-        from novainfer.layers.quantization import cpu_kernels
-        cpu_kernels.set_num_threads(len(os.sched_getaffinity(0)))  # their pool copes with a busy front-end
+        from novainfer.kernels.cpu import library
+        library.set_num_threads(len(os.sched_getaffinity(0)))  # their pool copes with a busy front-end
     ctx = zmq.Context()
     out_socket = ctx.socket(zmq.PUSH)
     out_socket.setsockopt(zmq.SNDHWM, 0)

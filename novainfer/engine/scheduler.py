@@ -10,54 +10,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any
 
 from novainfer.config import SchedulerConfig
 from novainfer.engine.block_manager import BlockManager
-from novainfer.engine.sequence import Sequence, SequenceStatus
+from novainfer.sequence import Sequence, SequenceStatus
+from novainfer.step_types import ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-class ScheduledSequence:
-    """One sequence's share of a step: from which position, how many new tokens, and whether its last logits
-    row is sampled (the step reaches the sequence's end). A plain slotted class: a step makes one per
-    running sequence."""
-
-    __slots__ = ("seq", "num_new_tokens", "start", "samples", "spec_token_ids")
-
-    def __init__(self, seq: Sequence, num_new_tokens: int, spec_token_ids: list[int] | None = None):
-        self.seq = seq
-        self.num_new_tokens = num_new_tokens  # including spec_token_ids, the guesses this step verifies
-        self.start = seq.num_computed_tokens  # position of the step's first token for this sequence
-        self.spec_token_ids = spec_token_ids or []
-        self.samples = self.start + num_new_tokens - len(self.spec_token_ids) \
-            == len(seq.token_ids) + seq.num_pending_tokens
-
-    def __repr__(self) -> str:
-        return f"ScheduledSequence({self.seq!r}, num_new_tokens={self.num_new_tokens}, samples={self.samples})"
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    num_preempted: int = 0
-    finished_seq_ids: list[int] = field(default_factory=list)  # finished since the last step
-    grammar_bitmask: Any = None  # structured_output.GrammarBitmask of the constrained sampled rows, set by the engine
-    num_spec_tokens: int = 0  # guesses verified in this step (speculative decoding)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_pure_decode(self) -> bool:
-        return all(s.num_new_tokens == 1 and s.samples for s in self.scheduled)
 
 
 class Scheduler:

@@ -14,7 +14,7 @@ from collections import OrderedDict
 from typing import Any
 
 from novainfer.engine.block_manager import BlockManager
-from novainfer.engine.sequence import Sequence
+from novainfer.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -99,12 +99,3 @@ def make_block_manager(config: Any, hf_config: Any, num_blocks: int,
     logger.info("linear-attention state: %d sequence slots, %d prefix-cache checkpoint slots", num_slots,
                 num_checkpoints)
     return HybridBlockManager(num_blocks, cc.block_size, num_slots, num_checkpoints)
-
-
-def check_hybrid_engine(config: Any) -> None:
-    """Refuse, at start-up, engine features a hybrid model cannot run with, naming the reason."""
-    spec = config.speculative_config
-    if spec is not None:
-        raise ValueError(f"speculative_config (method {spec.method!r}) is not supported for hybrid models with "
-                         "linear-attention layers: verifying guesses advances the recurrent state, which a rejected "
-                         "guess cannot take back")

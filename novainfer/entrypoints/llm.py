@@ -10,7 +10,7 @@ from tqdm import tqdm
 from novainfer.config import EngineConfig
 from novainfer.engine.gc_heap import frozen_heap
 from novainfer.engine.llm_engine import LLMEngine
-from novainfer.entrypoints.chat_utils import apply_chat_template
+from novainfer.server.chat_utils import apply_chat_template
 from novainfer.outputs import RequestOutput
 from novainfer.sampling_params import RequestOutputKind, SamplingParams
 

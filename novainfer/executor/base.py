@@ -7,8 +7,7 @@ from typing import Any, Callable
 
 from novainfer.config import EngineConfig
 from novainfer.distributed import check_tp_divisibility
-from novainfer.engine.scheduler import SchedulerOutput
-from novainfer.worker.model_runner import ModelRunnerOutput, StepHandle
+from novainfer.step_types import ModelRunnerOutput, SchedulerOutput, StepFuture
 
 logger = logging.getLogger(__name__)
 
@@ -31,20 +30,6 @@ class Executor(ABC):
                     pc.distributed_executor_backend, pc.tensor_parallel_size, pc.world_size, pc.nnodes,
                     pc.tensor_parallel_device_ids)
 
-    @staticmethod
-    def get_class(config: EngineConfig) -> type["Executor"]:
-        """The executor of config.parallel_config.distributed_executor_backend."""
-        backend = config.parallel_config.distributed_executor_backend
-        if backend == "uni":
-            from novainfer.executor.uniproc import UniProcExecutor
-            return UniProcExecutor
-        if backend == "mp":
-            from novainfer.executor.multiproc import MultiprocExecutor
-            return MultiprocExecutor
-        if backend == "ray":
-            raise NotImplementedError("distributed_executor_backend='ray' is not implemented; use 'uni' or 'mp'")
-        raise ValueError(f"distributed_executor_backend must be one of uni, mp, ray; got {backend!r}")
-
     @abstractmethod
     def collective_rpc(self, method: str | Callable, *args: Any) -> list[Any]:
         """Call method on every worker (all ranks together) and return each rank's result, in rank order.
@@ -55,7 +40,7 @@ class Executor(ABC):
         """Run one step on every rank; rank 0's output is the canonical one."""
         return self.collective_rpc("execute_model", scheduler_output)[0]
 
-    def execute_model_async(self, scheduler_output: SchedulerOutput) -> "StepHandle | DoneStep":
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> StepFuture:
         """Launch one step; its get() reads it back. Executors that cannot return before a step finishes
         run it here and hand back its output."""
         return DoneStep(self.execute_model(scheduler_output))

@@ -21,11 +21,10 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 from novainfer.config import EngineConfig
-from novainfer.engine.scheduler import SchedulerOutput
 from novainfer.executor.base import Executor
 from novainfer.executor.step_wire import StepPacker
 from novainfer.executor.worker_proc import run_worker
-from novainfer.worker.model_runner import ModelRunnerOutput
+from novainfer.step_types import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

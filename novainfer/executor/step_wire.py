@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from novainfer.engine.scheduler import ScheduledSequence, SchedulerOutput
-from novainfer.engine.sequence import Sequence
 from novainfer.sampling_params import SamplingParams
+from novainfer.sequence import Sequence
+from novainfer.step_types import ScheduledSequence, SchedulerOutput
 
 
 @dataclass

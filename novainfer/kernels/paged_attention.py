@@ -8,7 +8,7 @@ re-use, and both keep the softmax online in float32 (flash-attention style).
   once per group (GQA). With several splits (split-K, for long contexts and small batches) each writes
   an unnormalised partial result, and the last split of a sequence and KV head to finish (counted on an
   atomic) merges them in the same launch. With rope= it also rotates q and the new key and stores the new
-  key and value itself (the batch-1 decode stack, layers/gpu_decoder.py).
+  key and value itself (the batch-1 decode stack, worker/gpu_decode_stack.py).
 - prefill: any number of new tokens per sequence, after any number of cached ones (chunked prefill,
   prefix-cache hits). A program takes BLOCK_M query tokens of one head and walks the visible keys.
 

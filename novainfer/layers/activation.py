@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from novainfer.layers.quantization import cpu_ops, current_quant_config
+from novainfer.kernels.cpu import ops as cpu_ops
+from novainfer.layers.quantization import current_quant_config
 
 
 class SiluAndMul(nn.Module):

@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from novainfer.layers.quantization import cpu_ops, current_quant_config
+from novainfer.kernels.cpu import ops as cpu_ops
+from novainfer.layers.quantization import current_quant_config
 
 
 class RMSNorm(nn.Module):

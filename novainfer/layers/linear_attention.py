@@ -125,9 +125,9 @@ class GatedDeltaNet(nn.Module):
                              f"linear_num_key_heads={num_k_heads}")
         group = get_tp_group()
         self.tp_rank, self.tp_size = group.rank, group.size
-        for field, heads in (("linear_num_key_heads", num_k_heads), ("linear_num_value_heads", num_v_heads)):
+        for name, heads in (("linear_num_key_heads", num_k_heads), ("linear_num_value_heads", num_v_heads)):
             if heads % self.tp_size:
-                raise ValueError(f"{field}={heads} is not divisible by tensor_parallel_size={self.tp_size}")
+                raise ValueError(f"{name}={heads} is not divisible by tensor_parallel_size={self.tp_size}")
         self.num_k_heads, self.num_v_heads = num_k_heads // self.tp_size, num_v_heads // self.tp_size
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from novainfer.layers.quantization import cpu_ops, current_quant_config
+from novainfer.kernels.cpu import ops as cpu_ops
+from novainfer.layers.quantization import current_quant_config
 
 
 def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict:

@@ -9,12 +9,9 @@ a row whose kept set lies among them: its top-k is at most CANDIDATES, or its to
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:  # sampler.py imports this module
-    from novainfer.layers.sampler import Sampler, SamplingMetadata
+from novainfer.layers.sampling_metadata import SamplingMetadata
 
 CANDIDATES = 1024
 
@@ -54,8 +51,9 @@ def rows_of(meta: SamplingMetadata, rows: torch.Tensor) -> SamplingMetadata:
         min_p=None if meta.min_p is None else meta.min_p[rows], generators=[meta.generators[i] for i in pick])
 
 
-def sample_top_k_top_p(sampler_cls: type[Sampler], logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """One token per row (CPU): drawn among the candidates where that is exact, from the full sort elsewhere."""
+def sample_top_k_top_p(sampler_cls: type, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """One token per row (CPU; sampler_cls: the Sampler, whose probs and draw it calls): drawn among the
+    candidates where that is exact, from the full sort elsewhere."""
     probs, ids, resolved = candidate_probs(logits / meta.temperature.unsqueeze(1), meta.top_k, meta.top_p,
                                            meta.min_p)
     out = torch.empty(logits.shape[0], dtype=torch.long)

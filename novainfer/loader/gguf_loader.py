@@ -93,7 +93,7 @@ def load_gguf_tokenizer(path: str) -> Any:
     import transformers
     from transformers import AutoTokenizer
 
-    from novainfer.config import CACHE_DIR
+    from novainfer.platform import CACHE_DIR
     path = os.path.abspath(path)
     st = os.stat(path)
     key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()[:16]
@@ -165,7 +165,7 @@ def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple
     with keep_quantized, 2-D weights of a repackable type as GGUFQuantTensor (raw blocks, read one tensor at a
     time; the layer repacks them as soon as all its shards are in)."""
     from novainfer.layers.quantization.gguf_cpu import GGUFQuantTensor
-    from novainfer.layers.quantization.gguf_repack import SUPPORTED
+    from novainfer.kernels.cpu.repack import SUPPORTED
 
     reader = _reader(path)
     arch = reader.field("general.architecture")

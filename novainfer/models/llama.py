@@ -17,8 +17,6 @@ from novainfer.layers.attention import Attention
 from novainfer.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from novainfer.layers.layernorm import RMSNorm
 from novainfer.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from novainfer.layers.quantization import current_quant_config
-from novainfer.layers.quantization.cpu_decoder import CPUDecoderStack
 from novainfer.layers.rotary import get_rope
 
 
@@ -117,17 +115,11 @@ class LlamaModel(nn.Module):
         # rounded to the model's dtype as transformers rounds it (Gemma: sqrt(hidden_size))
         self.register_buffer("embed_scale", None if embed_scale is None else torch.tensor(embed_scale),
                              persistent=False)
-        self.cpu_decoder = CPUDecoderStack() if getattr(current_quant_config(), "fused_decoder_stack", False) else None
-        self.gpu_decoder = None  # the runner sets a GPUDecodeStack where the layers allow it (layers/gpu_decoder.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
         if self.embed_scale is not None:
             hidden_states = hidden_states * self.embed_scale
-        for stack in (self.cpu_decoder, self.gpu_decoder):  # a decode step's fused stack, where it takes this one
-            out = stack.forward(self, hidden_states, positions) if stack is not None else None
-            if out is not None:
-                return out
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)

@@ -22,9 +22,9 @@ from starlette.staticfiles import StaticFiles
 
 import novainfer
 from novainfer.config import ServerConfig
-from novainfer.entrypoints.chat_utils import apply_chat_template
 from novainfer.server import anthropic
 from novainfer.server.anthropic import MessagesHandler
+from novainfer.server.chat_utils import apply_chat_template
 from novainfer.server.async_engine import AsyncEngineBase, TrackedRequest
 from novainfer.server.errors import APIError, error_body, error_response
 from novainfer.server.limits import AdmissionLimiter

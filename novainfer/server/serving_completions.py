@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from novainfer.entrypoints.chat_utils import apply_chat_template
+from novainfer.server.chat_utils import apply_chat_template
 from novainfer.outputs import CompletionOutput, RequestOutput
 from novainfer.server.async_engine import EngineDeadError, RequestFailedError
 from novainfer.server.errors import APIError, error_body

@@ -1,26 +1,14 @@
 """Draft-model speculation, the engine core's side: which tokens the draft still has to read, and what it
-may keep after verification. The draft model itself runs with the workers (draft_model_runner.py), with
+may keep after verification. The draft model itself runs with the workers (worker/draft_model_runner.py), with
 its own paged KV cache addressed through the target's block tables (the scheduler reserves
 num_speculative_tokens lookahead slots per sequence for the guesses it writes)."""
 from __future__ import annotations
 
 from typing import Any
 
-import msgspec
-
-from novainfer.engine.sequence import Sequence
+from novainfer.sequence import Sequence
 from novainfer.spec_decode.proposer import Proposer
-
-
-class DraftRequest(msgspec.Struct, array_like=True):
-    """One sequence's part of a draft pass: read token_ids (positions start...) into the draft's cache,
-    then guess num_tokens tokens greedily. block_table maps positions to slots, as for the target."""
-
-    seq_id: int
-    start: int
-    token_ids: list[int]
-    block_table: list[int]
-    num_tokens: int
+from novainfer.step_types import DraftRequest
 
 
 class DraftModelProposer(Proposer):

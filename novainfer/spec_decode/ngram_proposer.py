@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from novainfer.engine.sequence import Sequence
+from novainfer.sequence import Sequence
 from novainfer.spec_decode.proposer import Proposer
 
 

@@ -1,12 +1,7 @@
-"""What the engine core asks of a proposer, and which one a SpeculativeConfig picks."""
+"""What the engine core asks of a proposer (spec_decode/__init__.py picks one for a SpeculativeConfig)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-from novainfer.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from novainfer.config import SpeculativeConfig
+from novainfer.sequence import Sequence
 
 
 class Proposer:
@@ -21,13 +16,3 @@ class Proposer:
 
     def remove(self, seq_ids: list[int]) -> None:
         """Forget finished sequences."""
-
-
-def make_proposer(config: "SpeculativeConfig", executor: Any) -> Proposer:
-    """The proposer for config.method; the draft model lives with the workers, reached through the executor."""
-    if config.method == "ngram":
-        from novainfer.spec_decode.ngram_proposer import NgramProposer
-        verify_is_cheap = executor.config.resolve_device().type == "cuda"  # a verify step costs about a decode step
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, scale_by_match=not verify_is_cheap)
-    from novainfer.spec_decode.draft_model_proposer import DraftModelProposer
-    return DraftModelProposer(executor)

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from novainfer.layers.sampler import Sampler, SamplerOutput, SamplingMetadata, uniforms
+from novainfer.layers.sampler import Sampler, uniforms
+from novainfer.layers.sampling_metadata import SamplerOutput, SamplingMetadata
+from novainfer.step_types import ModelRunnerOutput
 
 
 @dataclass
@@ -55,3 +57,20 @@ def emitted_rows(accepted: list[bool], first_row: int, num_drafts: int) -> int:
     while n < num_drafts and accepted[first_row + n]:
         n += 1
     return n + 1
+
+
+def split_verified(out: ModelRunnerOutput, num_drafts: list[int], accepted: list[bool]) -> None:
+    """Rows of a verify step -> per sequence: the accepted guesses, then the one sampled token after them."""
+    tokens, logprobs = out.sampled_token_ids, out.logprobs
+    out.sampled_token_ids, out.spec_accepted_token_ids = [], []
+    out.logprobs = [] if logprobs is not None else None
+    out.spec_logprobs = [] if logprobs is not None else None
+    first = 0
+    for d in num_drafts:
+        n = emitted_rows(accepted, first, d)
+        out.spec_accepted_token_ids.append(tokens[first:first + n - 1])
+        out.sampled_token_ids.append(tokens[first + n - 1])
+        if logprobs is not None:
+            out.spec_logprobs.append(logprobs[first:first + n - 1])
+            out.logprobs.append(logprobs[first + n - 1])
+        first += d + 1

@@ -8,9 +8,9 @@ import numpy as np
 import torch
 
 from novainfer.attention.metadata import AttentionMetadata
-from novainfer.engine.scheduler import ScheduledSequence
-from novainfer.engine.sequence import Sequence
-from novainfer.layers.sampler import SamplingRow
+from novainfer.layers.sampling_metadata import SamplingRow
+from novainfer.sequence import Sequence
+from novainfer.step_types import ScheduledSequence
 
 
 def verify_rows(scheduled: list[ScheduledSequence], ends: list[int], row_of: Callable[[Sequence], SamplingRow],

@@ -10,10 +10,9 @@ batch size and query_len.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata
 
@@ -31,10 +30,34 @@ def bucket(ladder: list[int], num_seqs: int) -> int:
     return next((b for b in ladder if b >= num_seqs), num_seqs)
 
 
+def split_k_parts(num_seqs: int, kv_heads: int, num_sms: int, max_model_len: int) -> int:
+    """Split-K parts of the decode attention kernel for a batch (its graph bucket's size): enough programs to
+    fill the GPU's num_sms, each part >= 256 tokens of the longest allowed context."""
+    want = -(-2 * num_sms // (num_seqs * kv_heads))
+    splits = 1
+    while splits * 2 <= min(want, max_model_len // 256, 32):
+        splits *= 2
+    return splits
+
+
+def graphs_for_step(decode: DecodeGraphs | None, verify: DecodeGraphs | None, inp: Any) -> DecodeGraphs | None:
+    """The captured graphs that can run a step (StepInputs): a pure decode step, or a verify step in which every
+    sequence checks the full number of guesses; None runs it eagerly."""
+    num_seqs = len(inp.seq_lens)
+    graphs = decode if inp.max_query_len == 1 else verify
+    if graphs is None or not graphs.can_run(num_seqs) or inp.max_query_len != graphs.query_len:
+        return None
+    if inp.max_query_len > 1 and (inp.spec_num_drafts is None or len(inp.spec_num_drafts) != num_seqs
+                                  or inp.input_ids.shape[0] != num_seqs * graphs.query_len):
+        return None
+    return graphs
+
+
 class DecodeGraphs:
-    def __init__(self, model: nn.Module, max_num_seqs: int, max_blocks_per_seq: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device, num_splits: Callable[[int], int], query_len: int = 1):
-        self.model = model
+    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], max_num_seqs: int,
+                 max_blocks_per_seq: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 num_splits: Callable[[int], int], query_len: int = 1):
+        self.forward = forward  # (input_ids, positions) -> hidden states: the runner's decode_forward
         self.sizes = batch_size_ladder(max_num_seqs)
         self.num_splits = num_splits
         self.query_len = q = query_len
@@ -63,10 +86,10 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             t = bs * self.query_len
             with attention_metadata(self.metadata(bs)):
-                self.hidden[:t] = self.model(self.input_ids[:t], self.positions[:t])  # warm-up, JIT compile
+                self.hidden[:t] = self.forward(self.input_ids[:t], self.positions[:t])  # warm-up, JIT compile
                 torch.cuda.synchronize()
                 with torch.cuda.graph(graph, pool):
-                    self.hidden[:t] = self.model(self.input_ids[:t], self.positions[:t])
+                    self.hidden[:t] = self.forward(self.input_ids[:t], self.positions[:t])
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
         torch.cuda.synchronize()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata
-from novainfer.layers.sampler import SamplingMetadata, SamplingRow
+from novainfer.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from novainfer.sampling_params import SamplingParams
 
 SHORT_PREFILL = 16  # tokens: under prefill_tiles' 32-token bound for the small tiles

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from novainfer.engine.state_slots import check_hybrid_engine
 from novainfer.layers.linear_attention import GatedDeltaNet, StateSlotsMetadata
 
 
@@ -105,3 +104,12 @@ def worker_num_state_slots(worker: Any) -> tuple[int, int]:
     """A worker's (sequence slots, checkpoint slots); (0, 0) without linear-attention layers. For collective_rpc."""
     cache = worker.model_runner.state_cache
     return (0, 0) if cache is None else (cache.num_slots, cache.num_checkpoints)
+
+
+def check_hybrid_engine(config: Any) -> None:
+    """Refuse, at start-up, engine features a hybrid model cannot run with, naming the reason."""
+    spec = config.speculative_config
+    if spec is not None:
+        raise ValueError(f"speculative_config (method {spec.method!r}) is not supported for hybrid models with "
+                         "linear-attention layers: verifying guesses advances the recurrent state, which a rejected "
+                         "guess cannot take back")

@@ -10,9 +10,8 @@ import torch
 
 from novainfer.config import EngineConfig
 from novainfer.distributed import TPGroup, check_tp_divisibility, set_tp_group
-from novainfer.engine.scheduler import SchedulerOutput
-from novainfer.spec_decode.draft_model_proposer import DraftRequest
-from novainfer.worker.model_runner import ModelRunner, ModelRunnerOutput, StepHandle
+from novainfer.step_types import DraftRequest, ModelRunnerOutput, SchedulerOutput
+from novainfer.worker.model_runner import ModelRunner, StepHandle
 
 logger = logging.getLogger(__name__)
 

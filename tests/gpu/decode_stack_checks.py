@@ -1,4 +1,4 @@
-"""Checks of the batch-1 decode stack (novainfer/layers/gpu_decoder.py) on a GPU, for gpu_check.py's
+"""Checks of the batch-1 decode stack (novainfer/worker/gpu_decode_stack.py) on a GPU, for gpu_check.py's
 "decode_stack" group: its GEMVs and its fused decode kernel in bf16 on Qwen2.5 shapes against the
 layer-by-layer kernels, and one-sequence greedy decoding with the stack (CUDA graphs on) against
 transformers in float32."""
@@ -91,7 +91,7 @@ def fused_attention_checks() -> None:
 @contextmanager
 def counting_stack_calls() -> Iterator[list[bool]]:
     """While open, GPUDecodeStack.forward records in the yielded list whether each call ran the stack."""
-    from novainfer.layers.gpu_decoder import GPUDecodeStack
+    from novainfer.worker.gpu_decode_stack import GPUDecodeStack
     calls: list[bool] = []
     original = GPUDecodeStack.forward
 
@@ -123,7 +123,7 @@ def stack_vs_hf(tmp: str) -> None:
                 out = llm.generate([p], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
                 ok &= out[0].outputs[0].token_ids == hf_greedy_with(hf, tok.encode(p), 32)
             runner = llm.llm_engine.executor.workers[0].model_runner
-            used = runner.model.model.gpu_decoder is not None and any(calls)
+            used = runner.decode_strategy is not None and any(calls)
             check(f"decode stack: batch-1 greedy == HF, {arch}, fp32, GPU", f"32 tokens x 2 prompts, graphs="
                   f"{runner.graphs is not None}, stack used={used}", ok and used)
             del llm, hf, runner

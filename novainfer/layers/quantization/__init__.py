@@ -1,4 +1,5 @@
-"""Quantized weights: GGUF blocks kept quantized on the CPU (see gguf_cpu.py and docs/ARCHITECTURE.md)."""
+"""Quantization methods the linear and embedding layers call: GGUF blocks kept quantized on the CPU (gguf_cpu.py,
+whose kernels are novainfer/kernels/cpu/), dynamic FP8 (fp8.py); selector.py picks one for a model."""
 from novainfer.layers.quantization.base import (QuantizationConfig, QuantizeMethodBase, building_with,
                                                 current_quant_config)
 

@@ -41,16 +41,13 @@ class QuantizeMethodBase:
 class QuantizationConfig:
     """Picks a method per layer while a model is built; None keeps the layer dense.
 
-    fused_cpu_ops: the model's norms, activation and rotary run the C ops of cpu_ops.py on float32 CPU
+    fused_cpu_ops: the model's norms, activation and rotary run the C ops of kernels/cpu/ops.py on float32 CPU
     tensors (the quantized CPU path; the float32 exact path keeps torch's ops).
-    fused_decoder_stack: a llama-family model runs a decode step's decoder stack in one C call
-    (cpu_decoder.py), where every piece of it is one the C stack implements.
     activation_dtype: the dtype the methods' kernels take activations in, which a CPU model then computes in
-    unless a dtype was asked for (None: the device's default, config.default_cpu_dtype).
+    unless a dtype was asked for (None: the device's default, platform.default_cpu_dtype).
     """
 
     fused_cpu_ops = False
-    fused_decoder_stack = False
     activation_dtype: torch.dtype | None = None
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:

@@ -1,5 +1,5 @@
-"""GGUF weights kept quantized on the CPU: repacked at load (gguf_repack.py), multiplied by the AVX2
-kernel (cpu_kernels.py). A tensor of a type without a repack arrives dequantized and the layer stays dense.
+"""GGUF weights kept quantized on the CPU: repacked at load (kernels/cpu/repack.py), multiplied by the C
+kernels (kernels/cpu/qgemm.py). A tensor of a type without a repack arrives dequantized and the layer stays dense.
 
 The quantized state hangs on the weight Parameter (`param.packed`), so a tied lm_head, which shares the
 embedding's Parameter, shares its packed weight too.
@@ -12,15 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from novainfer.kernels.cpu.qgemm import dequantize, quant_gemm
+from novainfer.kernels.cpu.repack import PackedWeight, merge_rows, repack
+from novainfer.kernels.cpu.weight_arena import move_to_arena
 from novainfer.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
-from novainfer.layers.quantization.cpu_kernels import dequantize, quant_gemm
-from novainfer.layers.quantization.gguf_repack import PackedWeight, merge_rows, repack
-from novainfer.layers.quantization.weight_arena import move_to_arena
-
-
-PREFILL_ROWS = 64  # the rows from which PREFILL_DEQUANT applies
-PREFILL_DEQUANT = False  # True: from PREFILL_ROWS rows on, dequantize + BLAS sgemm (before the panel kernel: A/B)
-DEQUANT_CHUNK_BYTES = 1 << 27  # float32 weight dequantized at a time there (a 7B lm_head would be 2.2 GB)
 
 
 class GGUFQuantTensor:
@@ -77,8 +72,6 @@ class GGUFCPULinearMethod(QuantizeMethodBase):
         if packed is None:
             return F.linear(x, layer.weight, bias)
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if PREFILL_DEQUANT and x2.shape[0] >= PREFILL_ROWS:
-            return _dequantize_linear(x, packed, bias)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
         y = quant_gemm(x2, packed)
@@ -96,17 +89,6 @@ class GGUFCPULinearMethod(QuantizeMethodBase):
         return rows.view(*input_ids.shape, -1)
 
 
-def _dequantize_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T (+ bias) through float32 weight rows dequantized DEQUANT_CHUNK_BYTES at a time."""
-    n, k = packed.shape
-    step = max(1, DEQUANT_CHUNK_BYTES // (4 * k))
-    if n <= step:
-        return F.linear(x, dequantize(packed).to(x.dtype), bias)
-    y = torch.cat([F.linear(x, dequantize(packed, torch.arange(r, min(r + step, n))).to(x.dtype))
-                   for r in range(0, n, step)], dim=-1)
-    return y if bias is None else y.add_(bias)
-
-
 class GGUFCPUConfig(QuantizationConfig):
     """Every replicated linear/embedding layer of a one-rank CPU model gets the GGUF CPU method."""
 
@@ -114,16 +96,13 @@ class GGUFCPUConfig(QuantizationConfig):
     activation_dtype = torch.float32  # the C kernels round float32 rows to int8/int16 themselves; bf16 would only
     # add conversions and leave the C decoder stack and ops (float32) out: 33 vs 173 tok/s on an AVX512-BF16 CPU
 
-    def __init__(self, decoder_stack: bool = True):
-        self.fused_decoder_stack = decoder_stack  # ModelConfig.cpu_decode_stack
-
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
         if getattr(layer, "tp_size", 1) != 1:
             return None
         return GGUFCPULinearMethod()
 
     def process_model_after_loading(self, net: nn.Module) -> None:
-        """The packed weights into one huge-page arena, in the order a step reads them (weight_arena.py)."""
+        """The packed weights into one huge-page arena, in the order a step reads them (kernels/cpu/weight_arena.py)."""
         packs = [m.weight.packed for m in net.modules()
                  if isinstance(getattr(m, "quant_method", None), GGUFCPULinearMethod) and m.weight.packed is not None]
         move_to_arena(packs)

@@ -20,11 +20,11 @@ def get_quant_config(mc: ModelConfig, device: torch.device, tp_size: int = 1) ->
         return None
     if mc.quantization is None and mc.torch_dtype == torch.float32:
         return None  # dtype="float32" keeps the exact dequantized path
-    from novainfer.layers.quantization import cpu_kernels
-    if not cpu_kernels.available():
-        return None  # the reason was logged by cpu_kernels
+    from novainfer.kernels.cpu import library
+    if not library.available():
+        return None  # the reason was logged by kernels/cpu/library.py
     from novainfer.layers.quantization.gguf_cpu import GGUFCPUConfig
-    return GGUFCPUConfig(decoder_stack=mc.cpu_decode_stack)
+    return GGUFCPUConfig()
 
 
 def _fp8_config(mc: ModelConfig, device: torch.device) -> QuantizationConfig:

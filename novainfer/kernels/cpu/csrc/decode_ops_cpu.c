@@ -1,6 +1,6 @@
 /* The small float32 ops of a CPU decode step, one call each instead of 5-10 torch ops: fused residual add
  * + RMSNorm, SiLU-and-mul, rotary embedding in place, and the KV store into a bfloat16 paged cache (decode
- * attention over that cache is decode_attention_cpu.c). AVX2+FMA; built with qgemm_cpu.c by cpu_kernels.py.
+ * attention over that cache is decode_attention_cpu.c). AVX2+FMA; built with qgemm_cpu.c by kernels/cpu/library.py.
  */
 #include <immintrin.h>
 #include <math.h>

@@ -25,6 +25,11 @@ typedef struct {
     float *y;
 } panel_job;
 
+/* x [M, K] rounded per row in blocks of 32 (quantize_rows_cpu.c): xq int16 [M, K], dxT [K/32, mp] (steps), xsum
+ * [M, ngp] (sums of xq * dx per group of G, when xsum_needed). */
+void quantize_rows(const float *x, int M, int K, int G, int mp, int ngp, int16_t *xq, float *dxT, float *xsum,
+                   int xsum_needed);
+
 /* 1 when the GEMMs run their AVX-512 VNNI tiles (the default where the CPU has them), else 0 (AVX2). */
 int gemm_isa_avx512(void);
 

@@ -1,6 +1,6 @@
 /* Causal attention of a step's new tokens (whole prompts, prompt chunks, the tokens after a cached prefix: the
  * i-th of a sequence's q new tokens sits at position seq_len - q + i) over the bfloat16 paged cache, float32
- * queries. AVX2+FMA; built with the other kernels by cpu_kernels.py, wrapped by cpu_ops.prefill_attention_bf16.
+ * queries. AVX2+FMA; built with the other kernels by kernels/cpu/library.py, wrapped by ops.prefill_attention_bf16.
  *
  * Two passes on the worker pool (cpu_pool.c). First each (sequence, KV head) widens its cached K and V to
  * float32 once, K transposed ([D][L], so a vector holds 8 keys' scores) and V as is ([L][D]). Then each tile of

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from novainfer.layers.quantization import panel_layout
+from novainfer.kernels.cpu import panel_layout
 
 # type -> (elements per block, bytes per block)
 BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q5_K: (256, 176),
@@ -68,7 +68,7 @@ class PackedWeight:
         return self.scales.dtype == torch.float16
 
     def float32_scales(self) -> "PackedWeight":
-        """The same weight with float32 scales and zeros (the tests' reference; older builds of the kernels)."""
+        """The same weight with float32 scales and zeros (merge_rows of mixed parts; the tests' reference)."""
         z = None if self.zeros is None else self.zeros.float()
         return PackedWeight(self.kind, self.qweight, self.scales.float(), z, self.group, self.shape)
 
@@ -122,7 +122,6 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 LAYOUT = {T.Q4_0: ("q4", 32, True), T.Q4_1: ("q4", 32, True), T.Q8_0: ("q8", 32, False),
           T.Q4_K: ("q4", 32, True), T.Q5_K: ("q8", 32, True), T.Q6_K: ("q8", 16, False)}
 CHUNK_BYTES = 1 << 22  # GGUF bytes repacked at a time: the numpy temporaries stay a few times this, not the tensor
-FP16_SCALES = True  # False: float32 scales and zeros always (A/B against builds of the kernels without float16)
 
 
 def repack(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> PackedWeight:
@@ -157,8 +156,6 @@ def repack(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> PackedWeight:
 
 def _narrow(scales: np.ndarray, zeros: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
     """Both as float16 when every value round-trips through float16 exactly (and is finite), else as they are."""
-    if not FP16_SCALES:
-        return scales, zeros
     with np.errstate(over="ignore"):  # an overflow gives inf, which keeps the tensor float32
         halves = [None if a is None else a.astype(np.float16) for a in (scales, zeros)]
     for a, h in zip((scales, zeros), halves):

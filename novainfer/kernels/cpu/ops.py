@@ -12,7 +12,7 @@ import ctypes
 
 import torch
 
-from novainfer.layers.quantization.cpu_kernels import library, num_threads
+from novainfer.kernels.cpu.library import library, num_threads
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -108,7 +108,7 @@ KV_NO_MEMORY, KV_BAD_SLOT, KV_BAD_SEQ_LEN, KV_BAD_BLOCK, KV_BAD_QUERIES = -1, 1,
 def kv_index_error(rc: int, where: ctypes.Array, num_blocks: int, block_size: int, slots: torch.Tensor | None = None,
                    tables: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
                    starts: torch.Tensor | None = None) -> Exception:
-    """The exception for a KV op's bad-index code rc (also the C decoder stack's, cpu_decoder.py), naming the
+    """The exception for a KV op's bad-index code rc (also the C decoder stack's, decoder_stack.py), naming the
     index it found (where) in the step's slots [T], block tables [S, width], seq_lens [S] or query starts [S + 1]."""
     if rc == KV_BAD_SLOT:
         t = where[0]

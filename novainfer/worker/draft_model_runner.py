@@ -22,7 +22,8 @@ from novainfer.layers.attention import Attention
 from novainfer.layers.quantization.selector import get_quant_config
 from novainfer.loader.model_loader import load_hf_config, load_model, load_tokenizer
 from novainfer.models.qwen3_5 import is_hybrid
-from novainfer.spec_decode.draft_model_proposer import DraftRequest
+from novainfer.step_types import DraftRequest
+from novainfer.worker.decode_strategy import DecodeStrategy, decode_forward, select_decode_strategy
 from novainfer.worker.kv_cache import allocate_kv_cache, kv_bytes_per_block, release_kv_cache
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class DraftModelRunner:
         self.max_position = getattr(self.hf_config, "max_position_embeddings", None) or max_model_len
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
+        self.decode_strategy: DecodeStrategy | None = None  # as the target runner's (decode_strategy.py)
 
     # ---- KV cache: the target's num_blocks and block_size, so its block tables address this one too ------
     def kv_bytes_per_block(self) -> int:
@@ -112,6 +114,7 @@ class DraftModelRunner:
         """The cache [2, layers, num_blocks, block_size, kv_heads, head_dim]; backend: the target's."""
         self.kv_cache = allocate_kv_cache(self.layers, num_blocks, self.block_size, self.kv_dtype, self.device,
                                           backend)
+        self.decode_strategy = select_decode_strategy(self.model, backend)
         self.num_blocks = num_blocks
 
     def release_kv_cache(self) -> None:
@@ -204,7 +207,7 @@ class DraftModelRunner:
             max_query_len=int(lengths.max()), max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
         with attention_metadata(meta):
-            return self.model(ids, self._upload(positions))
+            return decode_forward(self.model, self.decode_strategy, ids, self._upload(positions))
 
     def _upload(self, x: np.ndarray, dtype: torch.dtype | None = None) -> torch.Tensor:
         """x on the device; on CUDA from pinned memory without waiting, so a forward's inputs never sync the host

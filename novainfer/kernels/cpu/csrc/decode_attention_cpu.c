@@ -1,7 +1,7 @@
 /* Decode attention in C: one query per sequence over the bfloat16 paged cache (the KV store of decode_ops_cpu.c
  * wrote it), float32 softmax, GQA groups served from one widening of each key. Work items are (sequence, KV
  * head, chunk of ATTN_CHUNK positions) on the worker pool; a split context's chunks are merged flash-decoding
- * style. AVX2+FMA; built with qgemm_cpu.c by cpu_kernels.py.
+ * style. AVX2+FMA; built with qgemm_cpu.c by kernels/cpu/library.py.
  */
 #include <immintrin.h>
 #include <math.h>

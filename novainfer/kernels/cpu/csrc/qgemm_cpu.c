@@ -15,9 +15,9 @@
  * A tile is one panel x up to 4 activation rows (see tile()): per group, each output's integer dot product is
  * summed exactly, then scaled and added in float group after group, one output per lane. That is the panel
  * kernel's order (qgemm_panel_cpu.c), so a row's bits are the same whatever M, its tile, or which of the two
- * kernels its row count picks (from cpu_kernels.PANEL_MIN_ROWS rows on: the panel one, which unpacks each
+ * kernels its row count picks (from qgemm.py's PANEL_MIN_ROWS rows on: the panel one, which unpacks each
  * panel once for all rows); a decode row and a prefill row of the same values agree.
- * Panels are split over the worker pool of cpu_pool.c. Built at first use by cpu_kernels.py.
+ * Panels are split over the worker pool of cpu_pool.c. Built at first use by kernels/cpu/library.py.
  */
 #include <immintrin.h>
 #include <stdatomic.h>
@@ -30,42 +30,6 @@
 #include "panel_cpu.h"
 #include "qgemm_jobs.h"
 #include "simd_cpu.h"
-
-/* x [M, K] -> xq int16 [M, K], dxT [K/32, mp] (xq * dx ~ x; a block's rows side by side, mp apart),
- * xsum [M, ngp] (sums of xq * dx per group of G, zero past K/G). */
-void quantize_rows(const float *x, int M, int K, int G, int mp, int ngp, int16_t *xq, float *dxT,
-                          float *xsum, int xsum_needed) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int m = 0; m < M; m++) {
-        const float *xr = x + (size_t)m * K;
-        for (int b = 0; b < K / 32; b++) {
-            const float *p = xr + b * 32;
-            __m256 v0 = _mm256_loadu_ps(p), v1 = _mm256_loadu_ps(p + 8);
-            __m256 v2 = _mm256_loadu_ps(p + 16), v3 = _mm256_loadu_ps(p + 24);
-            __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                      _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            const float amax = _mm_cvtss_f32(m4);
-            const __m256 id = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
-            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, id)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, id));
-            __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, id)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, id));
-            int16_t *q = xq + (size_t)m * K + b * 32;  /* packs works per 128-bit lane: restore the order */
-            _mm256_storeu_si256((__m256i *)q, _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8));
-            _mm256_storeu_si256((__m256i *)(q + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(i2, i3), 0xD8));
-            dxT[(size_t)b * mp + m] = amax / 32767.f;
-        }
-        if (!xsum_needed) continue;
-        float *xs = xsum + (size_t)m * ngp;
-        for (int g = 0; g < ngp; g++) {  /* sums of the rounded x, so the zero point multiplies the same x as the q term */
-            int s = 0;
-            for (int i = 0; i < G && g < K / G; i++) s += xq[(size_t)m * K + g * G + i];
-            xs[g] = (float)s * dxT[(size_t)(g < K / G ? g * G / 32 : 0) * mp + m];
-        }
-    }
-}
-
 
 typedef int32_t __attribute__((may_alias, aligned(2))) i16pair;  /* one k-pair of int16 activations */
 
@@ -195,15 +159,10 @@ static int run_gemm(gemm_job *j, const float *x, int nthreads) {
 
 /* From this many activation rows on, q4_gemm/q8_gemm hand over to the panel kernel (qgemm_panel_cpu.c): the
  * same bits, faster past about 12 rows. */
-static int panel_min_rows = 16;  /* cpu_kernels.PANEL_MIN_ROWS sets it */
+static int panel_min_rows = 16;  /* kernels/cpu/qgemm.py PANEL_MIN_ROWS says the same */
 
+/* Tests move it to compare the two kernels on the same rows (they give every row the same bits). */
 void set_panel_min_rows(int rows) { panel_min_rows = rows; }
-
-/* Present in builds whose GEMM/dequantize entry points take scale_f16 (cpu_kernels.py binds them by it). */
-int packed_scales_f16(void) { return 1; }
-
-/* Present in builds that read weights in the panel layout of panel_cpu.h (older ones read rows). */
-int weights_in_panels(void) { return 1; }
 
 int q4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros, int scale_f16,
             int N, float *y, int nthreads) {

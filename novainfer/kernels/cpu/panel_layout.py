@@ -2,13 +2,15 @@
 
 Output rows go in panels of 16, and each panel's weights in the order the GEMM's int16 madds consume them, so a
 kernel unpacks them in registers with shifts and masks (no transposes, no scratch) and streams each panel as one
-contiguous run of memory. The row layout is the one GGUF blocks repack into (gguf_repack.py): q4 uint8 [N, K/2]
+contiguous run of memory. The row layout is the one GGUF blocks repack into (repack.py): q4 uint8 [N, K/2]
 with GGML's nibble order per group of 32 (byte j: element j low, j + 16 high), q8 int8 [N, K]; scales and zeros
 [N, K/G]. Both directions are exact (a permutation of values); padding rows past N are zero.
 """
 from __future__ import annotations
 
 import numpy as np
+
+from novainfer.kernels.cpu import library
 
 PANEL = 16  # output rows a panel (csrc/panel_cpu.h)
 
@@ -43,13 +45,13 @@ def q4_rows_bytes(vals: np.ndarray) -> np.ndarray:
 def quants_to_panels(kind: str, q: np.ndarray, fast: bool = True) -> np.ndarray:
     """Row-layout quants [N, ...] -> the panel layout: q4 uint8 [P, 8K], q8 int8 [P, 16K]. fast: in C
     (csrc/repack_panels_cpu.c) where the CPU kernels are built, else (and as the reference) in numpy."""
-    lib = _kernels() if fast else None
+    lib = library.library() if fast and library.available() else None
     if lib is not None:
         n, k = q.shape[0], q.shape[1] * (2 if kind == "q4" else 1)
         q = np.ascontiguousarray(q)
         out = np.empty((num_panels(n), (8 if kind == "q4" else 16) * k), q.dtype)
         if n:
-            lib.repack_panels(q.ctypes.data, int(kind == "q4"), n, k, out.ctypes.data, _threads())
+            lib.repack_panels(q.ctypes.data, int(kind == "q4"), n, k, out.ctypes.data, library.num_threads())
         return out
     if kind == "q4":
         vals = q4_values(q)
@@ -64,17 +66,6 @@ def quants_to_panels(kind: str, q: np.ndarray, fast: bool = True) -> np.ndarray:
     # [P, half h, row i, k-pair, element e] -> [P, k-pair, lane (i, e), byte h]
     v = _pad_rows(q, p * PANEL).reshape(p, 2, 8, k // 2, 2).transpose(0, 3, 2, 4, 1)
     return np.ascontiguousarray(v).reshape(p, 16 * k)
-
-
-def _kernels():
-    """The built CPU kernels, or None (imported here: cpu_kernels imports this module's users)."""
-    from novainfer.layers.quantization import cpu_kernels
-    return cpu_kernels.library() if cpu_kernels.available() else None
-
-
-def _threads() -> int:
-    from novainfer.layers.quantization import cpu_kernels
-    return cpu_kernels.num_threads()
 
 
 def quants_to_rows(kind: str, panels: np.ndarray, n: int, k: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-/* The panel layout of a PackedWeight's quants and scales (gguf_repack.py writes it; panel_layout.py converts it
+/* The panel layout of a PackedWeight's quants and scales (repack.py writes it; panel_layout.py converts it
  * back to rows for the tests' reference): output rows in panels of 16, each panel's weights stored in the order
  * the GEMM's madds consume them, so a kernel unpacks them in registers with shifts and masks alone.
  *

@@ -1,6 +1,6 @@
 /* The entry points of qgemm_cpu.c, decode_ops_cpu.c and decode_attention_cpu.c (and the helpers the kernels
  * share), for C callers (decoder_stack_cpu.c, dequantize_cpu.c); see those files for what each computes. Python
- * calls them through ctypes (cpu_kernels.py, cpu_ops.py). */
+ * calls them through ctypes (kernels/cpu/qgemm.py, ops.py). */
 #ifndef NOVAINFER_CPU_KERNELS_H
 #define NOVAINFER_CPU_KERNELS_H
 
@@ -11,8 +11,6 @@ int q4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, 
             int N, float *y, int nthreads);
 int q8_gemm(const float *x, int M, int K, const int8_t *w, int G, const void *scales, const void *zeros,
             int has_zeros, int scale_f16, int N, float *y, int nthreads);
-void quantize_rows(const float *x, int M, int K, int G, int mp, int ngp, int16_t *xq, float *dxT, float *xsum,
-                   int xsum_needed);
 void set_panel_min_rows(int rows);
 int num_chunks(int N, int nthreads);  /* chunks of output rows a kernel splits N rows into for the pool */
 int q4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros,
@@ -27,8 +25,7 @@ int rotary_neox(float *q, int q_stride, int nq, float *k, int k_stride, int nk, 
                 const float *cos_t, const float *sin_t, int max_pos, int D, int nthreads);
 /* The KV ops (and prefill_attention_bf16 of prefill_attention_cpu.c) check a step's indices before touching
  * memory: what they return, with the offending token, or sequence and block-table entry, in where[0..1].
- * num_blocks / num_slots (the cache's size) and where come last: an older build, swapped in by benchmarks,
- * ignores them. */
+ * num_blocks / num_slots (the cache's size) and where come last. */
 enum { KV_OK = 0, KV_NO_MEMORY = -1, KV_BAD_SLOT = 1, KV_BAD_SEQ_LEN = 2, KV_BAD_BLOCK = 3, KV_BAD_QUERIES = 4 };
 int check_kv_slots(const int64_t *slots, int T, int64_t num_slots, int *where);
 int check_block_tables(const int32_t *block_tables, int bt_stride, const int32_t *seq_lens, int S, int block_size,

@@ -1,10 +1,11 @@
-"""Device and ISA probing that config needs without importing torch (house-core moves these to
-novainfer/platform.py; kept together here so that move is one import)."""
+"""What this machine offers: a CUDA build of torch and its driver, the CPU's flags (AVX2, AVX-512, BF16, VNNI, AMX)
+and the default CPU dtype they imply, where built files are cached. Imports nothing of the package, nor torch."""
 from __future__ import annotations
 
 import importlib.util
 import os
 import re
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "novainfer")
 
 
-def _torch_has_cuda_build() -> bool:
+def torch_has_cuda_build() -> bool:
     """torch/version.py's `cuda` is set (read as text: importing torch is what this avoids)."""
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
@@ -29,7 +30,8 @@ def _torch_has_cuda_build() -> bool:
     return any(v != "None" for v in values)
 
 
-def _cuda_driver_loads() -> bool:
+def cuda_driver_loads() -> bool:
+    """The CUDA driver library can be loaded (no GPU is touched)."""
     import ctypes
     try:
         ctypes.CDLL("libcuda.so.1")
@@ -38,9 +40,21 @@ def _cuda_driver_loads() -> bool:
     return True
 
 
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def default_cpu_dtype() -> torch.dtype:
     """A dense CPU model's dtype when none was asked for: bfloat16 where the CPU multiplies it natively
     (AVX512-BF16 or AMX), float32 elsewhere (a quantization config's activation_dtype comes first)."""
     import torch
-    from novainfer.layers.quantization.cpu_kernels import cpu_flags
     return torch.bfloat16 if cpu_flags() & {"avx512_bf16", "amx_bf16"} else torch.float32

@@ -1,6 +1,6 @@
-/* Dequantization of a PackedWeight (the panel layout of panel_cpu.h) to float32 rows: the embedding lookup's rows
- * and the inputs of a BLAS GEMM (gguf_cpu.PREFILL_DEQUANT). Rows are split over the worker pool of cpu_pool.c.
- * Built with the other kernels by cpu_kernels.py. */
+/* Dequantization of a PackedWeight (the panel layout of panel_cpu.h) to float32 rows: the embedding lookup's rows,
+ * or all of them (the tests' C reference). Rows are split over the worker pool of cpu_pool.c.
+ * Built with the other kernels by kernels/cpu/library.py. */
 #include <stddef.h>
 #include <stdint.h>
 

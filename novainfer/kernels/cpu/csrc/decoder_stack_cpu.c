@@ -3,7 +3,7 @@
  * RMSNorm, gate_up, SiLU-and-mul, down; then the final norm. It calls the same kernels (cpu_kernels.h) in
  * the same order as the layer-by-layer Python path, so the result is the same to the bit; what it saves is
  * the ~300 Python-level calls, ctypes crossings and small torch allocations of a 30-layer step.
- * Wrapper: layers/quantization/cpu_decoder.py, which fills the layer descriptors once.
+ * Wrapper: kernels/cpu/decoder_stack.py; worker/decode_strategy.py fills the layer descriptors once.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -18,7 +18,7 @@ typedef struct {
     int q4, group, has_zeros, scale_f16, N, K;
 } qlinear;
 
-/* Everything one decoder layer reads; the layout matches DecoderLayerDesc in cpu_decoder.py. */
+/* Everything one decoder layer reads; the layout matches DecoderLayerDesc in kernels/cpu/decoder_stack.py. */
 typedef struct {
     const float *input_norm, *post_norm;
     float input_eps, post_eps;

@@ -14,7 +14,7 @@ import mmap
 
 import torch
 
-from novainfer.layers.quantization.gguf_repack import PackedWeight
+from novainfer.kernels.cpu.repack import PackedWeight
 
 logger = logging.getLogger(__name__)
 

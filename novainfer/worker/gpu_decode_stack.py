@@ -11,7 +11,7 @@ At one token a step, the GPU time goes to kernel count rather than bytes (docs/B
 The elementwise steps round as the layer-by-layer kernels do; the projections sum in float32 in their own
 order (as cuBLAS's kernels differ between batch sizes). Taken for the batch-1 decode CUDA graph of a model
 whose layers are plain llama pieces on one rank with unquantized weights (Llama, Qwen2, Mistral); every
-other step and model runs the layers as before. Switched by ModelConfig.gpu_decode_stack.
+other step and model runs the layers as before (worker/decode_strategy.py picks it).
 """
 from __future__ import annotations
 
@@ -22,23 +22,27 @@ from novainfer.attention import triton_backend
 from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
 from novainfer.kernels.gemv import gemv
 from novainfer.kernels.paged_attention import DecodeRope, decode_attention
+from novainfer.models.llama import LlamaModel
+from novainfer.worker.cpu_decode_stack import plain_llama_layers
 
 
 class GPUDecodeStack:
-    """Runs LlamaModel's decoder layers for a one-token decode step; forward returns None for other steps.
+    """Runs a LlamaModel (which supports() it) for a one-token decode step; forward returns None for other steps.
 
     graphs_only: only in a decode CUDA graph. Launched one by one, a Triton kernel costs more host time than
     the cuBLAS and torch kernels it replaces, so an eager one-token step keeps the layer-by-layer path."""
 
-    def __init__(self, graphs_only: bool = True):
-        self.graphs_only = graphs_only
+    def __init__(self, model: LlamaModel, graphs_only: bool = True):
+        self.model, self.graphs_only = model, graphs_only
 
-    def forward(self, model: nn.Module, hidden_states: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The final-normed hidden states [1, H] of a one-token decode step, or None for any other step."""
         meta = get_attention_metadata()
-        if hidden_states.shape[0] != 1 or not isinstance(meta, AttentionMetadata) or meta.max_query_len != 1 \
+        if input_ids.shape[0] != 1 or not isinstance(meta, AttentionMetadata) or meta.max_query_len != 1 \
                 or (self.graphs_only and not meta.cuda_graph):
             return None
-        residual = None
+        model = self.model
+        hidden_states, residual = model.embed_tokens(input_ids), None
         for layer in model.layers:
             hidden_states, residual = self._layer(layer, meta, positions, hidden_states, residual)
         out, _ = model.norm(hidden_states, residual)
@@ -66,38 +70,15 @@ class GPUDecodeStack:
         return gemv(act, mlp.down_proj.weight), residual
 
 
-def supports(model: nn.Module) -> bool:
-    """Whether every layer of a LlamaModel is made of the pieces the stack fuses (exact classes: a family
-    that overrides one, e.g. Gemma's norms or Qwen3's q/k norms, keeps the layer-by-layer path)."""
-    from novainfer.layers.activation import SiluAndMul
-    from novainfer.layers.layernorm import RMSNorm
-    from novainfer.layers.rotary import RotaryEmbedding
-    from novainfer.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
-    if type(model.norm) is not RMSNorm or getattr(model, "embed_scale", None) is not None:
+def supports(model: LlamaModel) -> bool:
+    """Whether every layer of a LlamaModel is made of the pieces the stack fuses, unquantized, over the Triton
+    backend's cache, without o_proj and down_proj biases."""
+    if not plain_llama_layers(model):
         return False
     for layer in model.layers:
-        if type(layer) is not LlamaDecoderLayer or type(layer.self_attn) is not LlamaAttention \
-                or type(layer.mlp) is not LlamaMLP:
-            return False
         attn, mlp = layer.self_attn, layer.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if any(lin.quant_method is not None or lin.tp_size != 1 for lin in linears) or attn.qk_norm:
-            return False
-        if type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm:
-            return False
-        if type(attn.rotary_emb) is not RotaryEmbedding or type(mlp.act_fn) is not SiluAndMul:
+        if any(lin.quant_method is not None for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
             return False
         if attn.attn.backend is not triton_backend or attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
             return False
     return True
-
-
-def enable_gpu_decode_stack(model: nn.Module, graphs_only: bool = True) -> int:
-    """Give every LlamaModel inside model whose layers the stack supports a GPUDecodeStack; returns how many."""
-    from novainfer.models.llama import LlamaModel
-    count = 0
-    for module in model.modules():
-        if isinstance(module, LlamaModel) and supports(module):
-            module.gpu_decoder = GPUDecodeStack(graphs_only)
-            count += 1
-    return count

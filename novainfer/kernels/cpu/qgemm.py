@@ -1,0 +1,74 @@
+"""The quantized GEMMs of a PackedWeight and its dequantizer, in C (csrc/qgemm_cpu.c, its many-row form
+csrc/qgemm_panel_cpu.c, whose tiles run AVX-512 VNNI where the CPU has it (csrc/qgemm_avx512.c, picked at run
+time), csrc/dequantize_cpu.c). Scales and zeros are read as float16 or float32 (the weight's scale_f16)."""
+from __future__ import annotations
+
+import torch
+
+from novainfer.kernels.cpu.library import library, num_threads
+from novainfer.kernels.cpu.repack import PackedWeight
+
+# From this many activation rows on, q4_gemm/q8_gemm run the panel kernel (csrc/qgemm_cpu.c's panel_min_rows; faster
+# from about 16 rows on: benchmarks/qgemm_rows.py --step). Both kernels give a row the same bits.
+PANEL_MIN_ROWS = 16
+
+
+def quant_gemm(x: torch.Tensor, w: PackedWeight, panel: bool = False) -> torch.Tensor:
+    """x [M, K] float32 contiguous @ dequant(w)^T -> [M, N] float32 (x rounded to int16 per block of 32); panel:
+    the many-row kernel at any row count (by default the library picks it from PANEL_MIN_ROWS rows on)."""
+    lib = library()
+    q4_gemm, q8_gemm = (lib.q4_gemm_panel, lib.q8_gemm_panel) if panel else (lib.q4_gemm, lib.q8_gemm)
+    m, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    f16 = int(w.scale_f16)
+    if w.kind == "q4":
+        rc = q4_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(), f16, n,
+                     y.data_ptr(), num_threads())
+    else:
+        zeros = w.zeros if w.zeros is not None else w.scales  # never read without has_zeros
+        rc = q8_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), w.group, w.scales.data_ptr(), zeros.data_ptr(),
+                     int(w.zeros is not None), f16, n, y.data_ptr(), num_threads())
+    if rc:
+        raise MemoryError(f"quantized CPU GEMM: no memory for a [{m}, {k}] activation's scratch")
+    return y
+
+
+def dequantize(w: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 rows of the weight, in C: all [N, K], or the given row ids (the embedding lookup). In torch,
+    PackedWeight.dequantize is the reference."""
+    n, k = w.shape
+    if rows is not None:
+        rows = rows.reshape(-1).to(torch.int64).contiguous()
+        lo, hi = (int(v) for v in torch.aminmax(rows)) if rows.numel() else (0, 0)
+        if lo < 0 or hi >= n:
+            raise IndexError(f"row ids must be in [0, {n}), got {lo}..{hi}")
+    count = n if rows is None else rows.numel()
+    out = torch.empty(count, k, dtype=torch.float32)
+    if count == 0:
+        return out
+    zeros = None if w.zeros is None else w.zeros.data_ptr()
+    library().dequantize(w.qweight.data_ptr(), int(w.kind == "q4"), w.group, w.scales.data_ptr(), zeros,
+                         int(w.scale_f16), k, None if rows is None else rows.data_ptr(), count, out.data_ptr(),
+                         num_threads())
+    return out
+
+
+# ---- test hooks: both kernels, and both tile sets, give every row the same bits; the tests compare them -------
+def set_panel_min_rows(rows: int) -> None:
+    """Rows from which quant_gemm's default picks the panel kernel (a huge number: never; tests)."""
+    if rows < 1:
+        raise ValueError(f"panel rows must be >= 1, got {rows}")
+    library().set_panel_min_rows(min(rows, 2**31 - 1))
+
+
+_ISAS = {"auto": -1, "avx2": 0, "avx512": 1}
+
+
+def set_gemm_isa(isa: str) -> str:
+    """The GEMMs' tiles: "avx512" (AVX-512 VNNI: taken only where the CPU has it), "avx2", or "auto" (the best
+    the CPU runs, the default); returns the one in use (tests)."""
+    if isa not in _ISAS:
+        raise ValueError(f"GEMM ISA must be one of {sorted(_ISAS)}, got {isa!r}")
+    return "avx512" if library().set_gemm_isa(_ISAS[isa]) else "avx2"
+

@@ -1,0 +1,1 @@
+"""Model building blocks (linear, attention, norms, rotary, MoE, sampler) and the quantization methods they call."""
