@@ -39,14 +39,16 @@ def run_in(tree: str, script: list[str], out_json: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", required=True, help="the older commit")
+    ap.add_argument("--base", required=True, help="the older commit, or a folder holding its files (where there is "
+                    "no git history: a lent machine gets the working tree only)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--key", action="append", required=True, help="a top-level key of the script's JSON")
     ap.add_argument("--json", default=None, help="write every run's results here")
     ap.add_argument("script", nargs=argparse.REMAINDER, help="-- then the script and its arguments")
     args = ap.parse_args()
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
-    base = export_tree(args.base)
+    given = os.path.isdir(args.base)
+    base = os.path.abspath(args.base) if given else export_tree(args.base)
     trees = {"this tree": ROOT, args.base: base}
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     try:
@@ -57,7 +59,8 @@ def main() -> None:
                     print(f"round {r + 1} {name}: " + ", ".join(f"{k} {runs[name][-1].get(k)}" for k in args.key),
                           flush=True)
     finally:
-        shutil.rmtree(base, ignore_errors=True)
+        if not given:
+            shutil.rmtree(base, ignore_errors=True)
     for name, results in runs.items():
         for key in args.key:
             vals = [x[key] for x in results if isinstance(x.get(key), (int, float))]
