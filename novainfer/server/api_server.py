@@ -163,7 +163,8 @@ def _request_id(request: Request) -> str:
 def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: ServerConfig) -> FastAPI:
     """The app serving each (name, engine): an AsyncLLM (engine core in its own process), or an LLMEngine
     that a thread of this process drives. The engines start and stop with the app."""
-    metrics = ServerMetrics()
+    limiter = AdmissionLimiter(config.max_concurrent_requests, config.max_queue_len, config.retry_after)
+    metrics = ServerMetrics(frontend_waiting=lambda: limiter.num_waiting)
 
     def record_finished(model: str, tracked: TrackedRequest, reason: str | None) -> None:
         token = REQUEST_ID.set(tracked.request_id)  # so its log line carries the id like the others
@@ -178,10 +179,9 @@ def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: Se
             engine = AsyncLLMEngine(engine)
         engine.on_stats = lambda stats, n=name: metrics.observe_stats(n, stats)
         engine.on_finished = lambda t, r, n=name: record_finished(n, t, r)
+        metrics.set_cache_info(name, engine.config, engine.num_blocks)
         served.append(ServedModel.create(name, engine))
-    serving = OpenAIServing(served, AdmissionLimiter(config.max_concurrent_requests, config.max_queue_len,
-                                                     config.retry_after),
-                            SessionStore(config.max_sessions, config.session_ttl))
+    serving = OpenAIServing(served, limiter, SessionStore(config.max_sessions, config.session_ttl))
     handler = CompletionHandler(serving, ToolConfig(config.enable_auto_tool_choice, config.tool_call_parser))
     responses = ResponsesHandler(handler, SessionStore(config.max_sessions, config.session_ttl))
     messages = MessagesHandler(handler)

@@ -32,6 +32,7 @@ class AsyncLLMEngine(AsyncEngineBase):
         super().__init__(on_stats, on_finished)
         self.engine = engine
         self.model_path, self.max_model_len = engine.config.model_config.model, engine.max_model_len
+        self.config, self.num_blocks = engine.config, engine.engine_core.num_blocks
         self.tokenizer = copy.deepcopy(engine.tokenizer)  # the engine thread uses the original concurrently
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
