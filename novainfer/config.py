@@ -221,6 +221,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (triton on CUDA, cpu elsewhere), cpu, torch, triton
     fault_injection: str | None = None  # tests only: "STAGE:REQUEST_ID_PREFIX" (engine/faults.py); off in production
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    kv_events_config: Any = None  # engine/kv_events.py's KVEventsConfig (--kv-events-config); None: no KV events
 
     @classmethod
     def from_kwargs(cls, model: str, **kw: Any) -> "EngineConfig":
@@ -237,6 +238,9 @@ class EngineConfig:
                 top[key] = value
             elif key == "speculative_config":
                 top[key] = SpeculativeConfig.from_value(value)
+            elif key == "kv_events_config":
+                from novainfer.engine.kv_events import KVEventsConfig
+                top[key] = KVEventsConfig.from_value(value)
             else:
                 raise TypeError(f"unknown engine argument {key!r}")
         dtype = parts["model_config"].get("dtype")

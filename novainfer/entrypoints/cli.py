@@ -52,6 +52,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
     p.add_argument("--speculative-config", default=None, type=_json_object,
                    help='speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                         'or {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4}')
+    p.add_argument("--kv-events-config", default=None, type=_json_object,
+                   help='publish KV-cache events as vLLM does, JSON: \'{"enable_kv_cache_events": true, '
+                        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (docs/DEPLOY.md)')
     p.add_argument("--fault-injection", default=None, help=argparse.SUPPRESS)  # tests only: engine/faults.py
 
 
@@ -85,7 +88,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
                 fault_injection=args.fault_injection, load_format=args.load_format,
                 trim_heap_when_idle=args.trim_heap_when_idle,
-                speculative_config=args.speculative_config)
+                speculative_config=args.speculative_config, kv_events_config=args.kv_events_config)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
