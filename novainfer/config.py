@@ -429,6 +429,7 @@ class ServerConfig:
     max_request_body_bytes: int = 4 << 20  # larger bodies get 413 before they are parsed
     allowed_origins: list[str] = field(default_factory=list)  # CORS is off unless origins are given
     shutdown_timeout: float = 10.0  # on SIGTERM, seconds in-flight requests may finish before they are aborted
+    drain_delay: float = 0.0  # on SIGTERM, seconds /ready answers 503 while requests are still taken, then drain
 
     @staticmethod
     def resolve_api_key(flag: str | None, key_file: str | None) -> str | None:

@@ -33,6 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = True) -
     p.add_argument("--node-rank", type=int, default=0, help="mp: this machine's index (0 runs the engine)")
     p.add_argument("--master-addr", default="127.0.0.1", help="mp: address of node 0 for the rendezvous")
     p.add_argument("--master-port", type=int, default=29501, help="mp: port of node 0 for the rendezvous")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="refused above 1: run one server per "
+                   "replica behind a router (docs/DEPLOY.md)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan step N+1 while step N runs (default: on with CUDA, off on the CPU)")
@@ -75,6 +77,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine's keyword arguments from the flags."""
+    if args.data_parallel_size > 1:
+        raise SystemExit(f"--data-parallel-size {args.data_parallel_size}: not supported; run one `novainfer serve` "
+                         f"per replica behind a router (sglang-router, vllm-router, llm-d): see docs/DEPLOY.md")
     return dict(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 gpu_memory_utilization=args.gpu_memory_utilization, num_gpu_blocks=args.num_gpu_blocks_override,
@@ -153,6 +159,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="origins allowed by CORS (e.g. http://localhost:3000 or *); CORS is off without it")
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="on SIGTERM, seconds in-flight requests may finish before they are aborted")
+    p.add_argument("--drain-delay", type=float, default=d.drain_delay,
+                   help="on SIGTERM, seconds /ready answers 503 (routers stop sending) before the drain starts")
     p.add_argument("--engine-core", choices=("process", "thread"), default="process",
                    help="process: each model's engine core runs in a process of its own (default); thread: in "
                         "a thread of the server's process, as before the split (for comparison)")
@@ -179,7 +187,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_concurrent_requests=args.max_concurrent_requests, max_queue_len=args.max_queue_len,
                           max_sessions=args.max_sessions, session_ttl=args.session_ttl,
                           max_request_body_bytes=args.max_request_body_bytes, allowed_origins=args.allowed_origins,
-                          shutdown_timeout=args.shutdown_timeout)
+                          shutdown_timeout=args.shutdown_timeout, drain_delay=args.drain_delay)
     if args.engine_core == "process":  # this process never imports torch: the engine cores do
         engine_class = AsyncLLM
     else:

@@ -48,7 +48,7 @@ REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", d
 _VALID_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII without spaces
 # pydantic names the member of a union that failed ("constrained-str", "list[int]"): not part of the field path
 _UNION_MEMBER = re.compile(r"^(constrained-)?(str|int|float|bool|none|list\[.*\]|dict\[.*\])$|^function-")
-_PUBLIC_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc", "/webui/")
+_PUBLIC_PATHS = ("/health", "/ready", "/v2/health/ready", "/metrics", "/version", "/openapi.json", "/docs", "/redoc", "/webui/")
 # 413: a body over --max-request-body-bytes; 500: a request whose engine step fails (naming its request_id)
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse}
                                             for code in (400, 401, 404, 413, 429, 500, 503)}
@@ -190,7 +190,9 @@ def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: Se
     async def lifespan(app: FastAPI):
         for m in served:
             m.engine.start()
+        app.state.ready = True  # the engines loaded before the app was built; from here they take requests
         yield
+        app.state.ready = False
         for m in served:
             m.engine.shutdown()
 
@@ -200,7 +202,7 @@ def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: Se
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
                            expose_headers=["X-Request-Id", "Retry-After"])
-    app.state.serving, app.state.metrics = serving, metrics
+    app.state.serving, app.state.metrics, app.state.ready = serving, metrics, False
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
@@ -311,6 +313,17 @@ def build_app(engines: list[tuple[str, AsyncEngineBase | LLMEngine]], config: Se
         dead = [m.name for m in served if m.engine.is_dead]
         if dead:
             raise APIError(503, f"engine dead for {', '.join(dead)}")
+        return Response(status_code=200)
+
+    @app.get("/ready", response_class=Response, responses={200: {"description": "Accepting requests (empty body)"},
+                                                            503: _ERRORS[503]})
+    @app.get("/v2/health/ready", response_class=Response, include_in_schema=False)  # KServe's name for it
+    async def ready() -> Response:
+        """Readiness (Kubernetes readinessProbe, routers): 503 from SIGTERM on, before the drain begins."""
+        if not app.state.ready or serving.draining:
+            raise APIError(503, "the server is not accepting requests (starting or shutting down)",
+                           code="not_ready")
+        await health()
         return Response(status_code=200)
 
     @app.get("/metrics", response_class=PlainTextResponse)
