@@ -11,13 +11,13 @@ from novainfer import LLM, SamplingParams
 from tests.server_utils import free_port
 
 
-# vLLM's schema (vllm/distributed/kv_events.py), as a subscriber defines it
+# vLLM's schema (vllm/distributed/kv_events.py, 0.28: events are maps tagged by "type"), as a subscriber defines it
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
     events: list
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
@@ -28,11 +28,15 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: Union[int, None]
     medium: Union[str, None]
+    lora_name: Union[str, None]
+    extra_keys: Union[list, None] = None
+    group_idx: Union[int, None] = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[Union[int, bytes]]
     medium: Union[str, None]
+    group_idx: Union[int, None] = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -105,12 +109,14 @@ def test_events_track_the_prefix_cache_and_replay(tiny_qwen2):
     assert msgs and all(topic == b"kv" for topic, _, _ in msgs)
     assert [seq for _, seq, _ in msgs] == list(range(len(msgs)))  # every batch, in order
     batches = [DECODER.decode(payload) for _, _, payload in msgs]
+    raw = msgspec.msgpack.decode(msgs[0][2])  # the layout itself: [ts, [{"type": ..., ...}, ...], rank]
+    assert isinstance(raw, list) and raw[1][0]["type"] == "BlockStored" and "block_hashes" in raw[1][0]
     kinds = {type(ev) for b in batches for ev in b.events}
     assert kinds == {BlockStored, BlockRemoved, AllBlocksCleared}
     cached: set = set()
     for b in batches:
         apply(cached, b)
-    assert cached == set(bm.hash_to_block_id) and cached
+    assert cached == {h & (2**64 - 1) for h in bm.hash_to_block_id} and cached  # hashes go out unsigned
     first = next(ev for ev in batches[0].events if isinstance(ev, BlockStored))
     assert first.token_ids == prompts[0][:16] and first.block_size == 16 and first.parent_block_hash is None
     stored = [ev for b in batches for ev in b.events if isinstance(ev, BlockStored)]

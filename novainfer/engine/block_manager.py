@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 import xxhash
 
-from novainfer.engine.kv_events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from novainfer.engine.kv_events import AllBlocksCleared, KVCacheEvent, removed, stored
 from novainfer.engine.sequence import Sequence
 
 
@@ -136,8 +136,7 @@ class BlockManager:
                 block.hash, block.token_ids = prev, tokens
                 self.hash_to_block_id[prev] = block.block_id
                 if self.kv_events is not None:
-                    parent = hashes[i - 1] if i else None
-                    self.kv_events.append(BlockStored([prev], parent, tokens, block_size, None, MEDIUM))
+                    self.kv_events.append(stored(prev, hashes[i - 1] if i else None, tokens, block_size))
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)
@@ -146,7 +145,7 @@ class BlockManager:
             if self.hash_to_block_id.get(block.hash) == block_id:
                 del self.hash_to_block_id[block.hash]
                 if self.kv_events is not None:
-                    self.kv_events.append(BlockRemoved([block.hash], MEDIUM))
+                    self.kv_events.append(removed(block.hash))
             block.hash, block.token_ids = -1, []
         block.ref_count = 1
         return block_id

@@ -3,7 +3,8 @@ Gateway API Inference Extension's precise prefix scorer) can track which blocks 
 
 The block manager appends BlockStored / BlockRemoved / AllBlocksCleared to a list as its prefix cache changes;
 the engine core drains it once per step into one KVEventBatch and hands it to KVEventPublisher, whose thread
-encodes it (msgpack; array-like, tagged structs) and sends [topic, seq as 8 bytes big-endian, payload] on a
+encodes it as vLLM (0.28) does: msgpack, the batch an array [ts, events, data_parallel_rank], each event a map
+tagged by "type" (the class name; older vLLM sent events as arrays, which current routers refuse), and sends [topic, seq as 8 bytes big-endian, payload] on a
 ZMQ PUB socket. A ROUTER socket answers [empty, start seq] with every kept batch from that seq on, each as
 [empty, seq, payload], then [empty, -1 as 8 signed bytes, b""]. The step never blocks: the queue is bounded and
 a full queue drops the batch (a gap in seq the subscriber can replay).
@@ -60,8 +61,8 @@ class KVEventsConfig:
         return cfg
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """One change to the prefix cache; encoded as [tag (class name), fields...]."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """One change to the prefix cache; encoded as a map {"type": class name, field: value, ...}."""
 
 
 class BlockStored(KVCacheEvent):
@@ -71,6 +72,7 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None
 
 
 class BlockRemoved(KVCacheEvent):
@@ -86,6 +88,22 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     ts: float
     events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
     data_parallel_rank: int | None = None
+
+
+def wire_hash(block_hash: int) -> int:
+    """A block hash as sent: the block manager's signed 64-bit value as unsigned (consumers refuse negatives)."""
+    return block_hash & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def stored(block_hash: int, parent: int | None, token_ids: list[int], block_size: int) -> BlockStored:
+    """The event for one full block entering the prefix cache."""
+    return BlockStored([wire_hash(block_hash)], None if parent is None else wire_hash(parent), token_ids, block_size,
+                       None, MEDIUM, None)
+
+
+def removed(block_hash: int) -> BlockRemoved:
+    """The event for one cached block evicted."""
+    return BlockRemoved([wire_hash(block_hash)], MEDIUM)
 
 
 def _binds(endpoint: str) -> bool:

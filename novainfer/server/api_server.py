@@ -29,6 +29,7 @@ from novainfer.server.async_engine import AsyncEngineBase, TrackedRequest
 from novainfer.server.errors import APIError, error_body, error_response
 from novainfer.server.limits import AdmissionLimiter
 from novainfer.server.metrics import ServerMetrics
+from novainfer.server.router_compat import drop_router_defaults
 from novainfer.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                        CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                                        ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
@@ -123,7 +124,7 @@ class RequestContextMiddleware:
                 if body is None:
                     return await refuse(413, f"Request body too large: the limit is {self.max_body_bytes} bytes "
                                              "(--max-request-body-bytes)", "request_too_large")
-                receive = _replay(body, receive)
+                receive = _replay(drop_router_defaults(path, body), receive)
             await self.app(scope, receive, send_with_id)
         finally:
             REQUEST_ID.reset(token)
