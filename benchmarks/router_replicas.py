@@ -14,7 +14,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,16 +24,11 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from benchmarks.checkpoints import resolve_model  # noqa: E402
+from tests.server_utils import free_port  # noqa: E402
 from tests.tiny_models import CORPUS, make_tiny_model  # noqa: E402
 
 MODEL = "tiny"
 WORDS = sorted({w for text in CORPUS for w in text.split() if w.isalpha()})
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
@@ -176,7 +170,8 @@ def main() -> None:
             log = open(os.path.join(args.log_dir, f"router-{policy}.log"), "w")
             router = subprocess.Popen(router_command(args.router, args.router_venv, port, replicas, policy,
                                                      args.router_args.split() +
-                                                     (kv_router_args if policy == "kv_aware" else [])), stdout=log, stderr=subprocess.STDOUT)
+                                                     (kv_router_args if policy == "kv_aware" else [])),
+                                      stdout=log, stderr=subprocess.STDOUT)
             base = f"http://127.0.0.1:{port}"
             wait_for(base + "/v1/models", router, 60)
             before = [counters(u) for u in replicas]

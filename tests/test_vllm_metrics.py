@@ -88,3 +88,18 @@ def test_gauges_follow_queueing_running_and_finishing(server):
     assert value(fams, "vllm:kv_cache_usage_perc") == 0
     queries = value(fams, "vllm:prefix_cache_queries_total") - before
     assert queries >= 3 * 7 and value(fams, "vllm:prefix_cache_hits_total") > 0  # the same prompt, thrice
+
+
+def test_router_added_fields_pass_at_their_defaults_only(server):
+    """The bodies sglang-router / vllm-router forward (captured from both): SGLang's fields at their defaults."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3,
+            "stream": False, "logprobs": False, "no_stop_trim": False, "ignore_eos": False,
+            "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+            "stream_reasoning": True, "return_hidden_states": False}
+    completion = {"model": MODEL, "prompt": "hi there", "max_tokens": 3, "temperature": 0.0, "stream": False,
+                  "echo": False, "no_stop_trim": False, "ignore_eos": True, "skip_special_tokens": True,
+                  "return_hidden_states": False}
+    assert httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=30).status_code == 200
+    assert httpx.post(server.url + "/v1/completions", json=completion, timeout=30).status_code == 200
+    r = httpx.post(server.url + "/v1/completions", json={**completion, "no_stop_trim": True}, timeout=30)
+    assert r.status_code == 400 and "no_stop_trim" in r.json()["error"]["message"]

@@ -1,13 +1,13 @@
-"""KV-cache events in vLLM's wire format, so prefix-aware routers (llm-d's KV-cache indexer, Dynamo, the
-Gateway API Inference Extension's precise prefix scorer) can track which blocks each replica holds.
+"""KV-cache events in vLLM's wire format, so prefix-aware routers (llm-d's KV-cache indexer, Dynamo, the Gateway API
+Inference Extension's precise prefix scorer) can track which blocks each replica holds.
 
-The block manager appends BlockStored / BlockRemoved / AllBlocksCleared to a list as its prefix cache changes;
-the engine core drains it once per step into one KVEventBatch and hands it to KVEventPublisher, whose thread
-encodes it as vLLM (0.28) does: msgpack, the batch an array [ts, events, data_parallel_rank], each event a map
-tagged by "type" (the class name; older vLLM sent events as arrays, which current routers refuse), and sends [topic, seq as 8 bytes big-endian, payload] on a
-ZMQ PUB socket. A ROUTER socket answers [empty, start seq] with every kept batch from that seq on, each as
-[empty, seq, payload], then [empty, -1 as 8 signed bytes, b""]. The step never blocks: the queue is bounded and
-a full queue drops the batch (a gap in seq the subscriber can replay).
+The block manager appends BlockStored / BlockRemoved / AllBlocksCleared to a list as its prefix cache changes; the
+engine core drains it once per step into one KVEventBatch and hands it to KVEventPublisher, whose thread encodes it as
+vLLM (0.28) does: msgpack, the batch an array [ts, events, data_parallel_rank], each event a map tagged by "type" (the
+class name; older vLLM sent events as arrays, which current routers refuse), and sends [topic, seq as 8 bytes
+big-endian, payload] on a ZMQ PUB socket. A ROUTER socket answers [empty, start seq] with every kept batch from that seq
+on, each as [empty, seq, payload], then [empty, -1 as 8 signed bytes, b""]. The step never blocks: the queue is bounded
+and a full queue drops the batch (a gap in seq the subscriber can replay).
 """
 from __future__ import annotations
 

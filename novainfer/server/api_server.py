@@ -49,7 +49,8 @@ REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", d
 _VALID_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII without spaces
 # pydantic names the member of a union that failed ("constrained-str", "list[int]"): not part of the field path
 _UNION_MEMBER = re.compile(r"^(constrained-)?(str|int|float|bool|none|list\[.*\]|dict\[.*\])$|^function-")
-_PUBLIC_PATHS = ("/health", "/ready", "/v2/health/ready", "/metrics", "/version", "/openapi.json", "/docs", "/redoc", "/webui/")
+_PUBLIC_PATHS = ("/health", "/ready", "/v2/health/ready", "/metrics", "/version", "/openapi.json", "/docs",
+                 "/redoc", "/webui/")
 # 413: a body over --max-request-body-bytes; 500: a request whose engine step fails (naming its request_id)
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse}
                                             for code in (400, 401, 404, 413, 429, 500, 503)}

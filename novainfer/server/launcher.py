@@ -1,8 +1,8 @@
 """Runs the app under uvicorn with a graceful drain on SIGTERM (and Ctrl-C).
 
-On the signal the readiness route (/ready) turns 503 at once; after `drain_delay` seconds (0 by default: at once),
-time for routers and Kubernetes to stop sending here, the server stops accepting connections and answers new generations with 503; requests in
-flight may finish for up to `shutdown_timeout` seconds, then the rest are aborted (streams end with
+On the signal the readiness route (/ready) turns 503 at once; after `drain_delay` seconds (0 by default: at once), time
+for routers and Kubernetes to stop sending here, the server stops accepting connections and answers new generations with
+503; requests in flight may finish for up to `shutdown_timeout` seconds, then the rest are aborted (streams end with
 finish_reason "abort" and `data: [DONE]`); the engines stop and `run_server` returns, so the process exits 0.
 """
 from __future__ import annotations
