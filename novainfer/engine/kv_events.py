@@ -138,7 +138,9 @@ class KVEventPublisher:
                 logger.warning("KV event queue full: %d batches dropped", self.num_dropped)
 
     def shutdown(self, timeout: float = 2.0) -> None:
-        """Send what is queued (up to timeout), then close the sockets."""
+        """Send what is queued (up to timeout), then close the sockets; a second call does nothing."""
+        if self._ctx.closed:
+            return
         self._queue.put(None)
         self._thread.join(timeout)
         if not self._thread.is_alive():
