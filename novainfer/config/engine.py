@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from novainfer.config.cache import CacheConfig
 from novainfer.config.fields import setting
+from novainfer.config.kv_events import KVEventsConfig
 from novainfer.config.model import QUANTIZATIONS, ModelConfig, _parse_dtype, to_torch_dtype
 from novainfer.config.parallel import ParallelConfig, normalize_parallel_config
 from novainfer.config.scheduler import SchedulerConfig
@@ -45,6 +46,10 @@ class EngineConfig:
         None, 'speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
         'or {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4}',
         type=SpeculativeConfig.from_value, shown="off")
+    kv_events_config: KVEventsConfig | None = setting(
+        None, 'publish KV-cache events as vLLM does, JSON: \'{"enable_kv_cache_events": true, "endpoint": '
+        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (docs/DEPLOY.md)', type=KVEventsConfig.from_value,
+        shown="off")
 
     @classmethod
     def from_kwargs(cls, model: str | None, **kw: Any) -> "EngineConfig":
@@ -65,6 +70,8 @@ class EngineConfig:
             parts["model_config"]["dtype"] = _parse_dtype(dtype)
         if "speculative_config" in top:
             top["speculative_config"] = SpeculativeConfig.from_value(top["speculative_config"])
+        if "kv_events_config" in top:
+            top["kv_events_config"] = KVEventsConfig.from_value(top["kv_events_config"])
         parallel = normalize_parallel_config(ParallelConfig(**parts["parallel_config"]))
         cfg = cls(model_config=ModelConfig(model=model, **parts["model_config"]),
                   cache_config=CacheConfig(**parts["cache_config"]),

@@ -33,6 +33,8 @@ class ParallelConfig:
 
     pipeline_parallel_size: int = setting(1, "pipeline stages (only 1)", cli=False)
     tensor_parallel_size: int = setting(1, "ranks each layer is split over", short="-tp")
+    data_parallel_size: int = setting(1, "refused above 1: run one server per replica behind a router "
+                                      "(docs/DEPLOY.md)", short="-dp")
     distributed_executor_backend: str = setting(
         "uni", "uni: every rank in this process; mp: one process per device (torch.distributed)",
         choices=EXECUTOR_BACKENDS, type=_executor_backend)
@@ -68,6 +70,9 @@ def normalize_parallel_config(cfg: ParallelConfig) -> ParallelConfig:
     if cfg.distributed_executor_backend not in EXECUTOR_BACKENDS:
         raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
                          f"got {cfg.distributed_executor_backend!r}")
+    if cfg.data_parallel_size != 1:
+        raise ValueError(f"data_parallel_size={cfg.data_parallel_size}: not supported; run one `novainfer serve` per "
+                         "replica behind a router (sglang-router, vllm-router, llm-d): see docs/DEPLOY.md")
     if int(cfg.tensor_parallel_size) < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {cfg.tensor_parallel_size}")
     if cfg.pipeline_parallel_size != 1:

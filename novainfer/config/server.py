@@ -34,6 +34,8 @@ class ServerConfig:
                                          default_factory=list, nargs="+", shown="none: CORS is off")
     shutdown_timeout: float = setting(10.0, "on SIGTERM, seconds in-flight requests may finish before they are "
                                       "aborted")
+    drain_delay: float = setting(0.0, "on SIGTERM, seconds /ready answers 503 (routers stop sending) while "
+                                 "requests are still taken, before the drain starts")
 
     @staticmethod
     def resolve_api_key(flag: str | None, key_file: str | None) -> str | None:

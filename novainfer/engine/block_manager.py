@@ -12,6 +12,7 @@ from collections import OrderedDict
 
 import xxhash
 
+from novainfer.engine.kv_events import AllBlocksCleared, KVCacheEvent, removed, stored
 from novainfer.sequence import Sequence
 
 
@@ -42,6 +43,7 @@ class BlockManager:
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0  # tokens
+        self.kv_events: list[KVCacheEvent] | None = None  # a list: the prefix cache's changes, for KV events
 
     @property
     def num_blocks(self) -> int:
@@ -133,6 +135,8 @@ class BlockManager:
             if block.hash == -1 and prev not in self.hash_to_block_id:
                 block.hash, block.token_ids = prev, tokens
                 self.hash_to_block_id[prev] = block.block_id
+                if self.kv_events is not None:
+                    self.kv_events.append(stored(prev, hashes[i - 1] if i else None, tokens, block_size))
 
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)
@@ -140,6 +144,8 @@ class BlockManager:
         if block.hash != -1:  # evict its cached contents
             if self.hash_to_block_id.get(block.hash) == block_id:
                 del self.hash_to_block_id[block.hash]
+                if self.kv_events is not None:
+                    self.kv_events.append(removed(block.hash))
             block.hash, block.token_ids = -1, []
         block.ref_count = 1
         return block_id
@@ -161,4 +167,6 @@ class BlockManager:
         """Forget every cached hash (after a failed step the cached contents can't be trusted)."""
         for block in self.blocks:
             block.hash, block.token_ids = -1, []
+        if self.kv_events is not None and self.hash_to_block_id:
+            self.kv_events.append(AllBlocksCleared())
         self.hash_to_block_id.clear()

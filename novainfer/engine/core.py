@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from novainfer.config import EngineConfig
 from novainfer.engine.faults import RequestError
+from novainfer.engine.kv_events import publisher_for
 from novainfer.engine.messages import AbortTarget, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from novainfer.engine.processor import check_request
 from novainfer.engine.scheduler import Scheduler
@@ -77,6 +78,9 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(lambda: load_tokenizer(mc.tokenizer or mc.model),
                                                          self.vocab_size, self.eos_token_ids)
         self._inflight: InFlightStep | None = None  # with async scheduling: the launched step not yet read back
+        self.kv_events = publisher_for(config)  # None unless --kv-events-config enables them (engine/kv_events.py)
+        if self.kv_events is not None:
+            self.block_manager.kv_events = []
         logger.info("engine core ready: model=%s blocks=%d (%d tokens) max_model_len=%d async_scheduling=%s",
                     mc.model, self.num_blocks, self.num_blocks * bs, self.max_model_len, self.async_scheduling)
 
@@ -89,6 +93,8 @@ class EngineCore:
             except Exception:  # noqa: BLE001 - its outcome is dropped either way
                 logger.debug("in-flight step failed at shutdown", exc_info=True)
             self._inflight = None
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         self.executor.shutdown()
 
     # ---- requests --------------------------------------------------------------------------------
@@ -156,6 +162,7 @@ class EngineCore:
             outputs = self._fail_step_of(sched, exc)
         else:
             outputs = self.update_from_output(sched, result)
+        self._publish_kv_events()
         return EngineCoreOutputs(outputs, self.make_stats(), time.monotonic())
 
     def _step_overlapped(self) -> EngineCoreOutputs | None:
@@ -178,7 +185,15 @@ class EngineCore:
             outputs += self._read_back(prev, launched)
         if prev is None and launched is None and not outputs:
             return None
+        self._publish_kv_events()
         return EngineCoreOutputs(outputs, self.make_stats(), time.monotonic())
+
+    def _publish_kv_events(self) -> None:
+        """Hand the step's prefix-cache changes to the publisher as one batch."""
+        events = self.block_manager.kv_events
+        if events:
+            self.kv_events.publish(events)
+            self.block_manager.kv_events = []
 
     def _read_back(self, step: "InFlightStep", next_step: "InFlightStep | None") -> list[EngineCoreOutput]:
         """Wait for a launched step and apply its tokens. If it failed, the step launched after it (which

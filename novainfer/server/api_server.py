@@ -29,6 +29,7 @@ from novainfer.server.async_engine import AsyncEngineBase, TrackedRequest
 from novainfer.server.errors import APIError, error_body, error_response
 from novainfer.server.limits import AdmissionLimiter
 from novainfer.server.metrics import ServerMetrics
+from novainfer.server.router_compat import drop_router_defaults
 from novainfer.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                        CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
                                        ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
@@ -45,7 +46,7 @@ REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", d
 _VALID_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII without spaces
 # pydantic names the member of a union that failed ("constrained-str", "list[int]"): not part of the field path
 _UNION_MEMBER = re.compile(r"^(constrained-)?(str|int|float|bool|none|list\[.*\]|dict\[.*\])$|^function-")
-_PUBLIC_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/webui/")
+_PUBLIC_PATHS = ("/health", "/ready", "/v2/health/ready", "/metrics", "/version", "/openapi.json", "/webui/")
 # 413: a body over --max-request-body-bytes; 500: a request whose engine step fails (naming its request_id)
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse}
                                             for code in (400, 401, 404, 413, 429, 500, 503)}
@@ -120,7 +121,7 @@ class RequestContextMiddleware:
                 if body is None:
                     return await refuse(413, f"Request body too large: the limit is {self.max_body_bytes} bytes "
                                              "(--max-request-body-bytes)", "request_too_large")
-                receive = _replay(body, receive)
+                receive = _replay(drop_router_defaults(path, body), receive)
             await self.app(scope, receive, send_with_id)
         finally:
             REQUEST_ID.reset(token)
@@ -160,7 +161,8 @@ def _request_id(request: Request) -> str:
 def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) -> FastAPI:
     """The app serving each (name, engine): an AsyncLLM (its engine core in a process of its own). The engines
     start and stop with the app."""
-    metrics = ServerMetrics()
+    limiter = AdmissionLimiter(config.max_concurrent_requests, config.max_queue_len, config.retry_after)
+    metrics = ServerMetrics(frontend_waiting=lambda: limiter.num_waiting)
 
     def record_finished(model: str, tracked: TrackedRequest, reason: str | None) -> None:
         token = REQUEST_ID.set(tracked.request_id)  # so its log line carries the id like the others
@@ -172,10 +174,9 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
     for name, engine in engines:
         engine.on_stats = lambda stats, n=name: metrics.observe_stats(n, stats)
         engine.on_finished = lambda t, r, n=name: record_finished(n, t, r)
+        metrics.set_cache_info(name, engine.config, engine.num_blocks)
         served.append(ServedModel.create(name, engine))
-    serving = OpenAIServing(served, AdmissionLimiter(config.max_concurrent_requests, config.max_queue_len,
-                                                     config.retry_after),
-                            SessionStore(config.max_sessions, config.session_ttl))
+    serving = OpenAIServing(served, limiter, SessionStore(config.max_sessions, config.session_ttl))
     handler = CompletionHandler(serving, ToolConfig(config.enable_auto_tool_choice, config.tool_call_parser),
                                 config.reasoning_parser)
     responses = ResponsesHandler(handler, SessionStore(config.max_sessions, config.session_ttl))
@@ -185,7 +186,9 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
     async def lifespan(app: FastAPI):
         for m in served:
             m.engine.start()
+        app.state.ready = True  # the engines loaded before the app was built; from here they take requests
         yield
+        app.state.ready = False
         for m in served:
             m.engine.shutdown()
 
@@ -197,7 +200,7 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
                            expose_headers=["X-Request-Id", "Retry-After"])
-    app.state.serving, app.state.metrics = serving, metrics
+    app.state.serving, app.state.metrics, app.state.ready = serving, metrics, False
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
@@ -308,6 +311,17 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
         dead = [m.name for m in served if m.engine.is_dead]
         if dead:
             raise APIError(503, f"engine dead for {', '.join(dead)}")
+        return Response(status_code=200)
+
+    @app.get("/ready", response_class=Response, responses={200: {"description": "Accepting requests (empty body)"},
+                                                            503: _ERRORS[503]})
+    @app.get("/v2/health/ready", response_class=Response, include_in_schema=False)  # KServe's name for it
+    async def ready() -> Response:
+        """Readiness (Kubernetes readinessProbe, routers): 503 from SIGTERM on, before the drain begins."""
+        if not app.state.ready or serving.draining:
+            raise APIError(503, "the server is not accepting requests (starting or shutting down)",
+                           code="not_ready")
+        await health()
         return Response(status_code=200)
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -12,12 +12,15 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from novainfer.engine.output_processor import RequestStatus
 from novainfer.engine.messages import SchedulerStats
 from novainfer.outputs import RequestOutput
 from novainfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from novainfer.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +83,8 @@ class AsyncEngineBase(ABC):
     model_path: str
     max_model_len: int
     tokenizer: Any  # for the event loop's own use (chat templates, /tokenize)
+    config: EngineConfig  # and the KV cache's size: vllm:cache_config_info (server/metrics.py)
+    num_blocks: int
 
     def __init__(self, on_stats: StatsHook | None = None, on_finished: FinishedHook | None = None):
         self.on_stats = on_stats  # the core's gauges and counters, after each step (metrics)

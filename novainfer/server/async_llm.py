@@ -34,10 +34,11 @@ class AsyncLLM(AsyncEngineBase):
         super().__init__(on_stats, on_finished)
         config = with_model_path(config)  # a bad path fails here, before the core process starts
         self.model_path = config.model_config.model
+        self.config = config
         self.core = AsyncMPClient(config)  # loads the model's config and tokenizer in the core (torch is there)
         self.tokenizer = self.core.tokenizer
         ready = self.core.ready
-        self.max_model_len = ready.max_model_len
+        self.max_model_len, self.num_blocks = ready.max_model_len, ready.num_blocks
         self.processor = Processor(self.tokenizer, self.max_model_len, ready.vocab_size,
                                    StructuredOutputManager(self.tokenizer, ready.vocab_size, set(ready.eos_token_ids)))
         self.output_processor = OutputProcessor(self.tokenizer)

@@ -1,7 +1,8 @@
 """Runs the app under uvicorn with a graceful drain on SIGTERM (and Ctrl-C).
 
-On the signal the server stops accepting connections and answers new generations with 503; requests in
-flight may finish for up to `shutdown_timeout` seconds, then the rest are aborted (streams end with
+On the signal the readiness route (/ready) turns 503 at once; after `drain_delay` seconds (0 by default: at once), time
+for routers and Kubernetes to stop sending here, the server stops accepting connections and answers new generations with
+503; requests in flight may finish for up to `shutdown_timeout` seconds, then the rest are aborted (streams end with
 finish_reason "abort" and `data: [DONE]`); the engines stop and `run_server` returns, so the process exits 0.
 """
 from __future__ import annotations
@@ -22,11 +23,25 @@ logger = logging.getLogger(__name__)
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server that starts the app's drain when it is told to exit."""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI, shutdown_timeout: float):
+    def __init__(self, config: uvicorn.Config, app: FastAPI, shutdown_timeout: float, drain_delay: float = 0.0):
         super().__init__(config)
-        self.app, self.shutdown_timeout = app, shutdown_timeout
+        self.app, self.shutdown_timeout, self.drain_delay = app, shutdown_timeout, drain_delay
+        self._delayed = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """Turn not-ready; drain after drain_delay (a second signal drains at once)."""
+        if self.drain_delay > 0 and not self._delayed and not self.should_exit:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                loop = None
+            if loop is not None:
+                self._delayed = True
+                self.app.state.ready = False
+                logger.info("signal %d: not ready; draining in %.1f s", sig, self.drain_delay)
+                loop.call_later(self.drain_delay, self._drain_after_delay, sig)
+                return
+        self.app.state.ready = False
         if not self.should_exit:
             try:
                 loop = asyncio.get_running_loop()
@@ -39,6 +54,11 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+    def _drain_after_delay(self, sig: int) -> None:
+        if not self.should_exit:  # a second signal may have started the drain already
+            self.handle_exit(sig, None)
+
+
 def run_server(app: FastAPI, config: ServerConfig, log_level: str) -> None:
     """Serve until SIGTERM/SIGINT, then drain (see the module docstring) and return."""
     # uvicorn raises the signal it handled again once it has shut down; the drain already did the work,
@@ -48,5 +68,5 @@ def run_server(app: FastAPI, config: ServerConfig, log_level: str) -> None:
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
                                log_level=log_level.lower(),
                                timeout_graceful_shutdown=int(config.shutdown_timeout) + 5)
-    DrainingServer(uv_config, app, config.shutdown_timeout).run()
+    DrainingServer(uv_config, app, config.shutdown_timeout, config.drain_delay).run()
     logger.info("server stopped")
