@@ -1,4 +1,4 @@
-"""Round 8 of the CPU prefill kernels (issue 18): the panel GEMM's balanced panel chunks and vectorised k-pair
+"""The CPU prefill kernels: the panel GEMM's balanced panel chunks and vectorised k-pair
 interleave, the prefill attention's 6-row register tiles and the vectorised bf16 KV store, each against an
 independent reference (float64 matmul of the dequantized weight, torch SDPA, torch's bfloat16 cast) and bit for
 bit where the project needs the same bits (1 vs 2 threads, the few-row kernel, torch's rounding)."""

@@ -1,4 +1,4 @@
-"""The CPU halves of issue 17's GPU checks (tests/gpu/family_checks.py): the same functions on tiny shapes,
+"""The CPU halves of the model families' GPU checks (tests/gpu/family_checks.py): the same functions on tiny shapes,
 float32, Triton interpreted; every check they record must pass."""
 from __future__ import annotations
 

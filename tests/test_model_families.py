@@ -1,4 +1,4 @@
-"""The model families of issue 17 against Hugging Face transformers (float32, CPU): greedy tokens identical
+"""The model families against Hugging Face transformers (float32, CPU): greedy tokens identical
 for 40 new tokens and the chosen tokens' logprobs equal (which also checks what greedy cannot see, such as
 Gemma 2's final logit soft-cap), on tiny random checkpoints saved with save_pretrained.
 

@@ -1,4 +1,4 @@
-"""Issue 13: the engine core in its own process, against a real `novainfer serve` with a tiny model.
+"""The engine core in its own process, against a real `novainfer serve` with a tiny model.
 
 The core is a child process of the server (one per --model); its death is seen at once (503s, streams end
 with an error chunk and [DONE]); it leaves by itself when the server dies; garbage on either socket is

@@ -1,4 +1,4 @@
-"""Faults and shutdown (issue 8, parts 3 and 4), against a real `novainfer serve` subprocess.
+"""Faults and shutdown, against a real `novainfer serve` subprocess.
 
 Faults come from the test-only hook (tests/faults.py, in a server's engine core through tests/fault_server.py):
 requests whose id starts with PREFIX fail at STAGE. References for text are the same server's answers to the

@@ -1,4 +1,4 @@
-"""Issue 18 (memory): the front-end of `novainfer serve` never imports torch (nor triton, nor transformers'
+"""Memory: the front-end of `novainfer serve` never imports torch (nor triton, nor transformers'
 config and model modules, which import torch): the engine core loads the model's config and tokenizer and
 hands the tokenizer back. Checked on a real server with the default model: the front-end process maps no
 torch or triton library after chat, plain and grammar-constrained requests, while its engine core does (so

@@ -1,4 +1,4 @@
-"""Hostile input (issue 8, part 5) against a real `novainfer serve`: oversized and deeply nested bodies,
+"""Hostile input against a real `novainfer serve`: oversized and deeply nested bodies,
 max_tokens past the model's room, paths outside the web files, CORS, and the API key."""
 import socket
 import time

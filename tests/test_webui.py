@@ -1,4 +1,4 @@
-"""The chat web page (issue 5) in Debian's Chromium, driven by Playwright, against a real `novainfer serve`.
+"""The chat web page in Debian's Chromium, driven by Playwright, against a real `novainfer serve`.
 
 One server (a tiny random model, an API key) and one browser serve the whole module; each test gets a fresh
 browser context, so its localStorage starts empty. Where a test needs an exact reply (HTML in the model's

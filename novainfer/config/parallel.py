@@ -25,7 +25,7 @@ def _int_list(text: str) -> list[int]:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the model is spread over devices: seed 000 §5.1's fields, in its order (vLLM's names first).
+    """How the model is spread over devices (vLLM's names first).
 
     world_size, rank and local_rank describe this process's place; normalize_parallel_config fills them.
     distributed_backend "auto" means nccl on CUDA and gloo on the CPU (the seed fixes nccl: it has no CPU path).

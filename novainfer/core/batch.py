@@ -2,7 +2,7 @@
 
 A Batch is what the user fills; `resolve_batch` checks it and fills the optional columns (positions
 tracked per sequence, seq id 0, logits for the last token only) into a BatchView the cache and the
-forward read (design doc 002 §4.1.4, §4.1.13).
+forward read.
 """
 from __future__ import annotations
 

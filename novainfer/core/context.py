@@ -3,7 +3,7 @@
 decode(batch) checks the batch, plans cells (find_slots), commits them, builds the slot-mode
 AttentionMetadata (a visibility mask over cells) and runs the same model forward as the engine. The
 K/V of each layer are its cache viewed as [n_cells, 1, kv_heads, head_dim], so the attention layer's
-store_kv writes token i into cell slot_mapping[i] (design doc 002 §4.1.3-4.1.9, 4.1.13).
+store_kv writes token i into cell slot_mapping[i].
 """
 from __future__ import annotations
 
@@ -187,7 +187,7 @@ class Context:
         return not bad
 
     def kv_seq_cp(self, dst_seq: int, src_seq: int, p0: int, p1: int) -> Status:
-        """Share src_seq's cells in [p0, p1) with dst_seq (destination first, as design doc 002 §4.1.9)."""
+        """Share src_seq's cells in [p0, p1) with dst_seq (destination first, as llama.cpp's llama_kv_self_seq_cp)."""
         if not self._check_seqs("kv_seq_cp", dst_seq, src_seq):
             return Status.INVALID_INPUT
         self.cache.seq_cp(dst_seq, src_seq, p0, p1)

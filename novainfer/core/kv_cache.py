@@ -1,9 +1,9 @@
 """The SLOT cache's metadata: cells with a physical index, a logical pos and a set of sequence ids.
 
-The persistent mapping is cell -> (seq ids, pos) (design doc 002 §4.1.3); per-sequence facts such as
+The persistent mapping is cell -> (seq ids, pos); per-sequence facts such as
 pos_max are found by scanning. Allocation is two-phase: find_slots plans without touching anything,
 commit_slots applies the plan. There is one global pool of cells: no eviction and no per-sequence
-quota; out of cells is a status the caller sees (002 §4.1.7). The K/V tensors live with the Context.
+quota; out of cells is a status the caller sees. The K/V tensors live with the Context.
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ class SlotKvCache:
     def visible_cells(self, view: BatchView) -> tuple[np.ndarray, np.ndarray]:
         """Cells the batch may read and the mask [n_tokens, n_candidates] of which query sees which.
 
-        A query sees a cell when their seq-id sets intersect and cell.pos <= query.pos (002 §4.1.6).
+        A query sees a cell when their seq-id sets intersect and cell.pos <= query.pos.
         """
         in_batch = view.seq_mask.any(axis=0)
         cells = np.flatnonzero(self.seqs[:, in_batch].any(axis=1))

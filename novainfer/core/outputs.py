@@ -1,4 +1,4 @@
-"""Output rows of the last decode: logits for the flagged tokens only, packed in batch order (002 §4.1.4).
+"""Output rows of the last decode: logits for the flagged tokens only, packed in batch order.
 
 The buffers are reserved before the forward (output_reserve) and only grow, so the tensors handed out
 stay valid (and, for as many rows as before, at the same address) until the next decode writes them.

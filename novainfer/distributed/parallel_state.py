@@ -31,7 +31,7 @@ class TPGroup:
         """Wake ranks blocked in a collective after another rank failed (where the group can)."""
 
     def _annotate(self, exc: BaseException, x: torch.Tensor) -> None:
-        """Seed 000 §8.5.5: a failed collective names op, group, rank and device."""
+        """A failed collective names op, group, rank and device."""
         exc.add_note(f"all_reduce failed: group={self.name} rank={self.rank}/{self.size} device={x.device}")
 
 

@@ -1,7 +1,7 @@
-"""Sharding rules of seed 000 §7.1: contiguous equal chunks, divisibility checked before anything loads.
+"""Sharding rules: contiguous equal chunks, divisibility checked before anything loads.
 
 Errors name the fields the seed asks for: `weight_name/global_shape/local_shape/tp_size/tp_rank` for a
-weight (§7.1.3) and `tp_size/tp_rank/global_nkvh/local_nkvh/device_id` for the KV heads (§7.4.6).
+weight and `tp_size/tp_rank/global_nkvh/local_nkvh/device_id` for the KV heads.
 """
 from __future__ import annotations
 

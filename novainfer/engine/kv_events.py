@@ -11,8 +11,6 @@ and a full queue drops the batch (a gap in seq the subscriber can replay).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 import queue
 import threading

@@ -57,7 +57,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     error: str | None = None  # why the request failed (finish_reason "error")
-    prompt_logprobs: list[Any] | None = None  # filled by the prompt-logprobs work (issue 16)
+    prompt_logprobs: list[Any] | None = None  # the prompt's logprobs, when asked for
     spec_num_draft_tokens: int = 0  # this sample's guesses verified so far (speculative decoding)
     spec_num_accepted_tokens: int = 0  # and accepted
 

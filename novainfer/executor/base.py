@@ -1,4 +1,4 @@
-"""The interface the engine uses to run steps, whatever the number of workers and processes (seed 000 §8.5)."""
+"""The interface the engine uses to run steps, whatever the number of workers and processes."""
 from __future__ import annotations
 
 import logging

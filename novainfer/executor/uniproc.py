@@ -1,4 +1,4 @@
-"""The uni backend: every rank in this process (seed 000's delivery).
+"""The uni backend: every rank in this process.
 
 tp_size == 1: one worker called directly. tp_size > 1: one thread per rank, each with its own device
 (device_ids[rank] on CUDA, the CPU otherwise), its own ThreadGroup rank (thread-local, so layers built

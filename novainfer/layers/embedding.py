@@ -1,4 +1,4 @@
-"""Token embedding and LM head. Both are replicated on every rank (design doc 000 §7.1)."""
+"""Token embedding and LM head. Both are replicated on every rank."""
 from __future__ import annotations
 
 import torch

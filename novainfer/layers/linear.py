@@ -3,7 +3,7 @@
 Column-parallel layers split the output dim (dim 0 of the weight) across ranks, row-parallel layers
 the input dim (dim 1) and all-reduce their output: two all-reduces per decoder layer (o_proj, down_proj).
 Fused layers (QKV, gate/up) shard each HF tensor on its own, then place it in its slice of the fused
-weight (seed 000 §7.1.2.1). Each layer keeps the group current when it was built (see parallel_state).
+weight. Each layer keeps the group current when it was built (see parallel_state).
 """
 from __future__ import annotations
 

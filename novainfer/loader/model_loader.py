@@ -33,8 +33,8 @@ def load_model(model: str, hf_config: Any, dtype: torch.dtype, device: torch.dev
     random values in place, nothing read); with a quant_config its layers keep the checkpoint's GGUF blocks
     quantized (on the CPU) or quantize the weights once loaded or drawn (fp8).
 
-    A weight the model needs but the checkpoint lacks fails here, naming it (design doc 002 §4.2.10); so
-    does one that cannot be sharded for this rank (seed 000 §7.1.3).
+    A weight the model needs but the checkpoint lacks fails here, naming it; so
+    does one that cannot be sharded for this rank.
     """
     model_cls = get_model_class(hf_config)
     with _build_lock:

@@ -36,7 +36,7 @@
     return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
   }
 
-  /** ChatState (design doc 002 §4.4): messages, the request in flight, and its unparsed SSE text. */
+  /** ChatState: messages, the request in flight, and its unparsed SSE text. */
   function newSession() {
     const now = Date.now();
     return {
@@ -716,7 +716,7 @@
     return footer;
   }
 
-  /** Per-answer numbers; the prefix-cache count is design doc 002's "prefix reuse" debug display. */
+  /** Per-answer numbers; the prefix-cache count shows how much of the prompt was reused. */
   function renderStats(msg) {
     const s = msg.stats;
     const stats = el("div", "stats");

@@ -1,7 +1,7 @@
 """Compiles, before the first request, the Triton kernels a step may need that neither the profile run nor the
 CUDA graph capture launches: the prefill kernel's tiles for short queries (<= 32 tokens: chunk tails, short
 prompts) and the one-pass temperature sampler. A fresh machine otherwise compiled them (~1.5 s) inside its first
-timed run, 7-10% of the 7B bench shape (benchmarks/triton_compiles.py, issue 19)."""
+timed run, 7-10% of the 7B bench shape (benchmarks/tuning/triton_compiles.py)."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-"""Issue 17's GPU checks, run by tests/gpu/gpu_check.py: the MoE kernel and the sliding-window / soft-cap
+"""The model families' GPU checks, run by tests/gpu/gpu_check.py: the MoE kernel and the sliding-window / soft-cap
 attention kernels on real shapes in bf16 against their torch references, and the new families' greedy
 tokens against transformers on the GPU. Each function takes the device, dtype and shapes, so
 tests/test_gpu_check_cpu.py runs the same code on the CPU (Triton interpreted, tiny shapes, float32).

@@ -2,7 +2,7 @@
 
 1. Greedy tokens in float32, Qwen2.5-0.5B config with random weights: tp=2 under uni (one process, a
    thread per GPU, eager) and under mp (a process per GPU, NCCL, CUDA graphs) vs tp=1, 4 prompts x 32 tokens.
-2. Output throughput, Qwen2.5-7B config with random bf16 weights on seed 000 §10.4's bench shape
+2. Output throughput, Qwen2.5-7B config with random bf16 weights on the bench shape
    (256 prompts of 100-1024 random tokens, 100-1024 outputs, max_num_batched_tokens 16384,
    max_model_len 4096): tp=1 vs tp=2 (mp), each in a fresh process through benchmarks/throughput.py.
 Prints a table (and writes JSON under --out); exits non-zero if a check fails.
