@@ -3,22 +3,22 @@
 1. Triton kernels vs the torch reference on real shapes (Qwen2.5-0.5B and -7B heads), bf16: rel err <= 1e-2.
 2. Engine greedy tokens vs transformers on the GPU in float32, first 32 tokens, CUDA graphs on.
 3. CUDA-graph replay vs eager: identical tokens (bf16, a batch that spans several graph sizes).
-4. (tests/gpu/family_checks.py): the fused MoE kernel (Qwen3-30B-A3B, Qwen2-57B-A14B, Mixtral
+4. Model families (tests/gpu/family_checks.py): the fused MoE kernel (Qwen3-30B-A3B, Qwen2-57B-A14B, Mixtral
    shapes) and sliding-window / soft-cap attention (Gemma-2-9B, Mistral-7B heads) in bf16 vs their torch
    references, rel err <= 1e-2; the new families' greedy tokens vs transformers in float32.
-5. the overlapped step loop's tokens equal the synchronous loop's (and engine_vs_hf runs with it, the
+5. The overlapped step loop's tokens equal the synchronous loop's (and engine_vs_hf runs with it, the
    CUDA default).
-6. speculative decoding (n-gram and a draft model) gives the greedy tokens of decoding without it
+6. Speculative decoding (n-gram and a draft model) gives the greedy tokens of decoding without it
    (float32) and transformers'; verify steps replayed from CUDA graphs give the tokens of eager verify steps
    (bf16), and the graphs are really replayed.
 7. quantization="fp8" (tests/gpu/fp8_checks.py): the fp8 linear method on Qwen2.5-7B's layer shapes
    in bf16 against the float64 product of its dequantized operands (<= 1e-2) and the bf16 linear (<= 6e-2); an
    fp8 model's CUDA-graph replay == eager; the random Qwen2.5-0.5B-shape checkpoint's prompt logits with fp8
    against bf16 (relative error and top-1 agreement; bf16 against float32 printed beside them).
-8. Round 7 (tests/gpu/sampling_checks.py): the one-pass Gumbel-max sampling kernel on Qwen2.5's vocabulary: greedy
+8. Sampling (tests/gpu/sampling_checks.py): the one-pass Gumbel-max sampling kernel on Qwen2.5's vocabulary: greedy
    rows == torch.argmax (ties to the first index), random rows' draws follow softmax(logits / T), and its time
    per call against the Sampler's torch path (256 rows).
-9. Round 8 (tests/gpu/decode_stack_checks.py): the batch-1 decode stack's GEMVs and fused rotary + KV store +
+9. Decode stack (tests/gpu/decode_stack_checks.py): the batch-1 decode stack's GEMVs and fused rotary + KV store +
    decode kernel in bf16 on Qwen2.5 shapes against the layer-by-layer kernels; one-sequence greedy decoding with
    the stack (graphs on) == transformers in float32.
 `--only speculation|fp8|sampling|decode_stack` runs that group alone, `--skip ...` all but it. Prints a table; exits
