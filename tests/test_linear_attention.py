@@ -1,6 +1,7 @@
 """The Gated DeltaNet reference (layers/linear_attention.py) against transformers' torch fallbacks on random
 tensors: the chunked prefill form and the batched decode step, from zero and from a carried state, and the
-layer's forward split into chunks and decodes against one pass over the whole sequence."""
+layer's forward split into chunks and decodes against one pass over the whole sequence; the layer's Triton path
+(the kernels interpreted on the CPU) against its torch path, step by step on the same slots."""
 from __future__ import annotations
 
 import pytest
@@ -80,7 +81,7 @@ def test_layer_chunks_and_decodes_equal_one_pass():
     layer = GatedDeltaNet(TinyConfig())
     for p in layer.parameters():
         p.data.normal_(0, 0.3)
-    layer.conv_state = torch.full((3, layer.conv_dim, 3), 7.0)  # stale contents: a fresh start must ignore them
+    layer.conv_state = torch.full((3, 3, layer.conv_dim), 7.0)  # stale contents: a fresh start must ignore them
     layer.ssm_state = torch.full((3, 4, 8, 6), 7.0)
     x = torch.randn(11, 32)
     whole = run(layer, x, [11], [11], None)
@@ -105,7 +106,7 @@ def test_checkpoint_saved_inside_a_chunk_restores_there():
     layer = GatedDeltaNet(TinyConfig())
     for p in layer.parameters():
         p.data.normal_(0, 0.3)
-    layer.conv_state = torch.zeros(4, layer.conv_dim, 3)
+    layer.conv_state = torch.zeros(4, 3, layer.conv_dim)
     layer.ssm_state = torch.zeros(4, 4, 8, 6)
     x = torch.randn(9, 32)
     whole = run(layer, x, [9], [9], None)
@@ -115,3 +116,57 @@ def test_checkpoint_saved_inside_a_chunk_restores_there():
     torch.testing.assert_close(out[9:], whole[5:], atol=1e-5, rtol=1e-4)
     one = run(layer, x[5:6], [1], [6], [2], restores={0: 3})  # a one-token step that restores
     torch.testing.assert_close(one, whole[5:6], atol=1e-5, rtol=1e-4)
+
+
+def tiny_layer(seed: int, slots: int) -> GatedDeltaNet:
+    torch.manual_seed(seed)
+    layer = GatedDeltaNet(TinyConfig())
+    for p in layer.parameters():
+        p.data.normal_(0, 0.3)
+    layer.conv_state = torch.zeros(slots, *layer.state_shapes()[0])
+    layer.ssm_state = torch.zeros(slots, *layer.state_shapes()[1])
+    return layer
+
+
+def mix(layer: GatedDeltaNet, x: torch.Tensor, lens: list[int], seq_lens: list[int], slots: list[int] | None,
+        use_triton: bool, restores: dict[int, int] | None = None, saves: dict[int, tuple[int, int]] | None = None):
+    """The layer's conv + delta rule on x's projections, the fresh sequences' slots zeroed first as the runner does."""
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    fresh = [i for i in range(len(lens)) if seq_lens[i] == lens[i]]
+    state = None if slots is None else StateSlotsMetadata(torch.tensor(slots), slots, restores or {}, saves or {},
+                                                          fresh)
+    meta = AttentionMetadata(query_start_loc=torch.tensor(qsl), seq_lens=torch.tensor(seq_lens),
+                             slot_mapping=torch.zeros(0), block_tables=torch.zeros(0), max_query_len=max(lens),
+                             max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+                             state_slots=state)
+    if state is not None:
+        state.zero_fresh(layer.conv_state, layer.ssm_state)
+    with torch.no_grad():
+        mixed = layer.in_proj_qkv(x)
+        beta = torch.sigmoid(layer.in_proj_b(x).float())
+        g = -layer.A_log.float().exp() * torch.nn.functional.softplus(layer.in_proj_a(x).float() + layer.dt_bias)
+        return layer.mix(mixed, g, beta, meta, use_triton=use_triton).float()
+
+
+def test_triton_path_matches_torch_path():
+    """Prefill chunks, a mixed step, a save inside a chunk restored in the same step, a one-token restore and
+    decodes of a fresh one-token prompt beside a continuing sequence: the kernels (the slots updated in place)
+    give the torch path's outputs and leave the same states."""
+    x = torch.randn(13, 32, generator=torch.Generator().manual_seed(3))
+    steps = [  # (tokens, lens, seq_lens, slots, restores, saves)
+        (x[:9], [9], [9], None, None, None),  # a profiling forward: no slots
+        (torch.cat([x[:7], x[5:7]]), [7, 2], [7, 7], [0, 1], {1: 4}, {0: (5, 4)}),  # resumes where seq 0 saves
+        (torch.cat([x[7:9], x[5:9]]), [2, 4], [9, 9], [0, 2], {1: 4}, {0: (1, 5)}),
+        (torch.stack([x[9], x[0], x[7]]), [1, 1, 1], [10, 1, 8], [0, 3, 1], None, None),
+        (torch.stack([x[10], x[1]]), [1, 1], [11, 2], [0, 3], None, None),
+        (x[8:9], [1], [9], [1], {0: 5}, None),  # a one-token step that restores
+    ]
+    torch_layer, triton_layer = tiny_layer(5, 6), tiny_layer(5, 6)
+    for tokens, lens, seq_lens, slots, restores, saves in steps:
+        ref = mix(torch_layer, tokens, lens, seq_lens, slots, False, restores, saves)
+        out = mix(triton_layer, tokens, lens, seq_lens, slots, True, restores, saves)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(triton_layer.conv_state, torch_layer.conv_state, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(triton_layer.ssm_state, torch_layer.ssm_state, atol=1e-4, rtol=1e-4)
