@@ -238,8 +238,8 @@ class GatedDeltaNet(nn.Module):
     def _chunk_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     pool: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
         """The chunked delta rule over packed sequences from and back into pool[slots]: fla's on CUDA when it
-        imports (its states gathered and scattered), else ours in place."""
-        fla = fla_chunk_rule() if q.is_cuda else None
+        imports (its states gathered and scattered), else ours in place; ours in float32 (fla's matmuls are TF32)."""
+        fla = fla_chunk_rule() if q.is_cuda and q.dtype != torch.float32 else None
         if fla is None:
             return chunk_gated_delta_rule_triton(q, k, v, g, beta, pool, slots, cu)
         o, final = fla(q[None], k[None], v[None], g=g[None], beta=beta.to(q.dtype)[None], initial_state=pool[slots],
