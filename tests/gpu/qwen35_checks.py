@@ -145,7 +145,7 @@ def bench_one(model: str, dev: str, num_prompts: int, input_len: int, output_len
     from novainfer.layers.linear_attention import fla_chunk_rule
     path = resolve_model(model)
     kw = {"dtype": "bfloat16", "gpu_memory_utilization": 0.9} if dev == "cuda" else {"dtype": "float32"}
-    llm = LLM(path, load_format=load_format(model), max_model_len=4096 if dev == "cuda" else 512, **kw)
+    llm = LLM(path, load_format=load_format(model), max_model_len=4096 if dev == "cuda" else 256, **kw)
     rng = random.Random(0)
     top = min(llm.llm_engine.processor.vocab_size, 10000) - 1
     prompts = [{"prompt_token_ids": [rng.randint(2, top) for _ in range(input_len)]} for _ in range(num_prompts)]
@@ -190,7 +190,7 @@ def throughput(models: list[str], dev: str, num_prompts: int, input_len: int, ou
         with open(out) as f:
             r = json.load(f)
         results.append(r)
-        check(f"bench {model}", f"{r['tok_s']:.0f} tok/s ({num_prompts} x {input_len}+{output_len}, bf16), batch-1 "
+        check(f"bench {model}", f"{r['tok_s']:.0f} tok/s ({num_prompts} x {input_len}+{output_len}, {'bf16' if dev == 'cuda' else 'fp32'}), batch-1 "
               f"decode {r['decode_ms']:.2f} ms/token, graphs {'on' if r['graphs'] else 'off'}"
               + (", fla prefill" if r["fla"] else "") + f"; {time.perf_counter() - t:.0f} s wall", True)
     if len(results) >= 2:
