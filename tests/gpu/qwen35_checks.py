@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import gc
-import glob
 import json
 import os
 import shutil
@@ -28,31 +27,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import zipfile
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+from tests.gpu.gdn_check import add_fla_wheels  # noqa: E402
 rows: list[tuple[str, str, bool]] = []
-
-
-def add_fla_wheels() -> None:
-    """Make fla importable from .whl/ when it is not installed (pure-Python wheels unpacked to a temp folder)."""
-    try:
-        import fla  # noqa: F401
-        return
-    except ImportError:
-        pass
-    wheels = glob.glob(os.path.join(ROOT, ".whl", "*.whl"))
-    if wheels:
-        target = tempfile.mkdtemp(prefix="qwen35_checks_wheels_")
-        atexit.register(shutil.rmtree, target, True)
-        for wheel in wheels:
-            with zipfile.ZipFile(wheel) as archive:
-                archive.extractall(target)
-        sys.path.insert(0, target)
-        os.environ["PYTHONPATH"] = os.pathsep.join([target, os.environ.get("PYTHONPATH", "")])  # the subprocesses
 
 
 def check(name: str, detail: str, ok: bool) -> None:
