@@ -15,8 +15,8 @@ zeroes first: StateSlotsMetadata.fresh).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
