@@ -143,11 +143,15 @@ def mix(layer: GatedDeltaNet, x: torch.Tensor, lens: list[int], seq_lens: list[i
                              state_slots=state)
     if state is not None:
         state.zero_fresh(layer.conv_state, layer.ssm_state)
+    return layer.mix(*project(layer, x), meta, use_triton=use_triton).float()
+
+
+def project(layer: GatedDeltaNet, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer's conv input, decay g and beta for hidden states x (as its forward computes them)."""
     with torch.no_grad():
-        mixed = layer.in_proj_qkv(x)
         beta = torch.sigmoid(layer.in_proj_b(x).float())
         g = -layer.A_log.float().exp() * torch.nn.functional.softplus(layer.in_proj_a(x).float() + layer.dt_bias)
-        return layer.mix(mixed, g, beta, meta, use_triton=use_triton).float()
+        return layer.in_proj_qkv(x), g, beta
 
 
 def test_triton_path_matches_torch_path():
@@ -170,3 +174,49 @@ def test_triton_path_matches_torch_path():
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(triton_layer.conv_state, torch_layer.conv_state, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(triton_layer.ssm_state, torch_layer.ssm_state, atol=1e-4, rtol=1e-4)
+
+
+def test_graph_decode_inputs_pad_state_slots():
+    """A decode graph's static inputs carry the slots; the rows padded up to the captured batch size get slot -1,
+    which the kernels neither read nor write: the real rows and every slot equal the torch path's."""
+    from novainfer.worker.cuda_graph import DecodeGraphs
+    torch_layer, triton_layer = tiny_layer(7, 4), tiny_layer(7, 4)
+    prefill = torch.randn(6, 32, generator=torch.Generator().manual_seed(8))
+    for layer, use_triton in ((torch_layer, False), (triton_layer, True)):
+        mix(layer, prefill, [2, 3, 1], [2, 3, 1], [2, 0, 3], use_triton)
+    graphs = DecodeGraphs(triton_layer, 4, 2, 32, torch.float32, torch.device("cpu"), lambda bs: 1, state_slots=True)
+    n = 3
+    zeros = torch.zeros(n, dtype=torch.long)
+    graphs.load_inputs(zeros, zeros, zeros, torch.tensor([3, 4, 2], dtype=torch.int32),
+                       torch.zeros(n, 2, dtype=torch.int32), torch.tensor([2, 0, 3]))
+    meta = graphs.metadata(4)
+    assert meta.state_slots.slots.tolist() == [2, 0, 3, -1] and meta.max_query_len == 1
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(9))
+    ref = mix(torch_layer, x[:n], [1] * n, [3, 4, 2], [2, 0, 3], False)
+    out = triton_layer.mix(*project(triton_layer, x), meta, use_triton=True).float()
+    torch.testing.assert_close(out[:n], ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(triton_layer.conv_state, torch_layer.conv_state, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(triton_layer.ssm_state, torch_layer.ssm_state, atol=1e-4, rtol=1e-4)
+
+
+def test_state_cache_zeroes_only_fresh_slots():
+    """A step's sequences that start at position 0 get their slots zeroed in every layer before the forward (the
+    kernels read a slot as the initial state); a continuing sequence's and a checkpoint's state stay."""
+    from types import SimpleNamespace
+
+    from novainfer.worker.state_cache import StateCache
+    layers = [tiny_layer(0, 1), tiny_layer(1, 1)]
+    cache = StateCache(layers, torch.float32, torch.device("cpu"), num_slots=3, num_checkpoints=1)
+    cache.allocate()
+    cache.conv.fill_(7.0)
+    cache.ssm.fill_(7.0)
+
+    def scheduled(slot: int, start: int):
+        seq = SimpleNamespace(state_slot=slot, state_restore=None, state_save=None)
+        return SimpleNamespace(seq=seq, start=start, num_new_tokens=4)
+    meta = StateCache.step_metadata([scheduled(2, 0), scheduled(0, 5), scheduled(1, 0)])
+    assert meta.slots_cpu == [2, 0, 1] and meta.fresh == [0, 2]
+    cache.zero_fresh(meta)
+    for layer in layers:
+        for pool in (layer.conv_state, layer.ssm_state):
+            assert pool[[1, 2]].abs().sum() == 0 and (pool[[0, 3]] == 7.0).all()

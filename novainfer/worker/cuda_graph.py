@@ -82,7 +82,8 @@ class DecodeGraphs:
         return num_seqs <= self.sizes[-1]
 
     def load_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                    seq_lens: torch.Tensor, block_tables: torch.Tensor, state_slots: torch.Tensor | None = None) -> None:
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                    state_slots: torch.Tensor | None = None) -> None:
         """Copy one step's inputs (host tensors, pinned) into the static buffers; pad to the graph's size."""
         n, q = seq_lens.shape[0], self.query_len
         bs = bucket(self.sizes, n)

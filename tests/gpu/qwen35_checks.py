@@ -171,7 +171,8 @@ def throughput(models: list[str], dev: str, num_prompts: int, input_len: int, ou
         with open(out) as f:
             r = json.load(f)
         results.append(r)
-        check(f"bench {model}", f"{r['tok_s']:.0f} tok/s ({num_prompts} x {input_len}+{output_len}, {'bf16' if dev == 'cuda' else 'fp32'}), batch-1 "
+        dtype = "bf16" if dev == "cuda" else "fp32"
+        check(f"bench {model}", f"{r['tok_s']:.0f} tok/s ({num_prompts} x {input_len}+{output_len}, {dtype}), batch-1 "
               f"decode {r['decode_ms']:.2f} ms/token, graphs {'on' if r['graphs'] else 'off'}"
               + (", fla prefill" if r["fla"] else "") + f"; {time.perf_counter() - t:.0f} s wall", True)
     if len(results) >= 2:
