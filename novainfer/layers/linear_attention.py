@@ -286,15 +286,15 @@ class GatedDeltaNet(nn.Module):
                     del runs[i]
             if not wave:
                 raise RuntimeError("state checkpoint restores wait on each other")
-            idx = torch.cat([torch.arange(a, b) for _, (a, b, _) in wave]).to(dev, non_blocking=True)
             whole = len(wave) == len(seq_lens) and all(a == qsl[i] and b == qsl[i + 1] for i, (a, b, _) in wave)
-            x, gw, bw = (mixed, g, beta) if whole else (mixed[idx], g[idx], beta[idx])
+            idx = None if whole else torch.cat([torch.arange(a, b) for _, (a, b, _) in wave]).to(dev)
+            x, gw, bw = (mixed, g, beta) if idx is None else (mixed[idx], g[idx], beta[idx])
             cu = torch.tensor([0] + [b - a for _, (a, b, _) in wave], dtype=torch.int32).cumsum(0, dtype=torch.int32)
             cu = cu.to(dev, non_blocking=True)
             slots = torch.tensor([state.slots_cpu[i] for i, _ in wave], dtype=torch.long).to(dev, non_blocking=True)
             conv = causal_conv1d_triton(x, self.conv1d.weight[:, 0], None, conv_pool, slots, cu)
             o = self._chunk_rule(*self._split(conv), gw, bw, ssm_pool, slots, cu)
-            if whole:
+            if idx is None:
                 out = o
             else:
                 out[idx] = o
