@@ -1,7 +1,7 @@
 """Hybrid models (Qwen3.5 dense / MoE, Qwen3-Next: Gated DeltaNet + gated attention) on a GPU, in one call:
 
 (a) the engine's greedy tokens against transformers in fp32 on the GPU for tiny random checkpoints (the builders of
-    tests/test_qwen3_5.py): a mixed batch in small chunks (prefill chunks and decodes in one step), prefix caching on
+    tests/tiny_hybrid.py): a mixed batch in small chunks (prefill chunks and decodes in one step), prefix caching on
     (prompts that extend an earlier one restore its state checkpoint) and off; CUDA graphs on;
 (b) bf16 decode through captured CUDA graphs against enforce_eager: identical greedy tokens;
 (c) throughput (benchmarks/throughput.py's workload shape, fixed lengths) and batch-1 decode latency of the
@@ -70,7 +70,7 @@ def correctness(paths: dict[str, str], dev: str, n: int) -> None:
     from transformers import AutoTokenizer
 
     from novainfer import LLM, SamplingParams
-    from tests.test_qwen3_5 import PROMPTS
+    from tests.tiny_hybrid import PROMPTS
     greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     for arch, path in paths.items():
         tok = AutoTokenizer.from_pretrained(path)
@@ -184,7 +184,7 @@ def throughput(models: list[str], dev: str, num_prompts: int, input_len: int, ou
 
 
 def build_tiny(tmp: str) -> dict[str, str]:
-    from tests.test_qwen3_5 import CONFIGS, build
+    from tests.tiny_hybrid import CONFIGS, build
     return {arch: build(os.path.join(tmp, arch), arch) for arch in sorted(CONFIGS)}
 
 
