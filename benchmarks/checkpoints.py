@@ -44,6 +44,21 @@ CONFIGS = {
         num_key_value_heads=8, head_dim=256, vocab_size=256000, max_position_embeddings=8192,
         query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
         hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    # published shapes of Qwen3.5-9B and Qwen3.5-35B-A3B (text models; hybrid: 3 Gated DeltaNet layers to 1 gated
+    # full-attention layer, DeltaNet 16 key heads / 32 value heads of dim 128, conv width 4, partial RoPE 0.25)
+    "qwen3.5-9b": ("Qwen3_5TextConfig", dict(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+        vocab_size=248320, max_position_embeddings=262144, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25})),
+    "qwen3.5-35b-a3b": ("Qwen3_5MoeTextConfig", dict(
+        hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, full_attention_interval=4, vocab_size=248320, max_position_embeddings=262144,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25})),
     # small shapes for the CPU: a Qwen3-MoE (16 experts, 4 active) and a dense Qwen3 with the same active
     # parameters per token (intermediate = 4 x 256), its baseline
     "qwen3-moe-small": ("Qwen3MoeConfig", dict(
@@ -54,7 +69,8 @@ CONFIGS = {
         hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
         head_dim=64, vocab_size=8192, max_position_embeddings=4096, tie_word_embeddings=False)),
 }
-DUMMY = {"qwen2.5-7b", "qwen3-30b-a3b", "gemma-2-9b"}  # no 15-60 GB write on the GPU machine
+# no 15-70 GB write on the GPU machine
+DUMMY = {"qwen2.5-7b", "qwen3-30b-a3b", "gemma-2-9b", "qwen3.5-9b", "qwen3.5-35b-a3b"}
 
 
 def word_level_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:

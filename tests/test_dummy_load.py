@@ -48,6 +48,16 @@ def test_benchmark_writes_the_big_moe_shape_config_only(tmp_path):
     assert not [f for f in os.listdir(path) if f.endswith(".safetensors")]
 
 
+def test_benchmark_qwen35_9b_shape_is_the_hybrid_plan(tmp_path):
+    """random:qwen3.5-9b is written config-only with the published shape: 24 DeltaNet layers, 8 full attention."""
+    from benchmarks.checkpoints import load_format, resolve_model
+    config = transformers.AutoConfig.from_pretrained(resolve_model("random:qwen3.5-9b", cache_dir=str(tmp_path)))
+    assert load_format("random:qwen3.5-9b") == "dummy" and config.architectures == ["Qwen3_5ForCausalLM"]
+    assert config.layer_types.count("linear_attention") == 24 and config.layer_types[3] == "full_attention"
+    assert (config.hidden_size, config.head_dim, config.linear_num_key_heads, config.linear_num_value_heads,
+            config.vocab_size) == (4096, 256, 16, 32, 248320)
+
+
 def test_cli_flag_reaches_the_engine():
     from novainfer.entrypoints.cli import build_parser, engine_kwargs
     assert engine_kwargs(build_parser().parse_args(["serve", "m", "--load-format", "dummy"]))["load_format"] == "dummy"

@@ -1,6 +1,7 @@
 """The Gated DeltaNet reference (layers/linear_attention.py) against transformers' torch fallbacks on random
 tensors: the chunked prefill form and the batched decode step, from zero and from a carried state, and the
-layer's forward split into chunks and decodes against one pass over the whole sequence."""
+layer's forward split into chunks and decodes against one pass over the whole sequence; the layer's Triton path
+(the kernels interpreted on the CPU) against its torch path, step by step on the same slots."""
 from __future__ import annotations
 
 import pytest
@@ -80,7 +81,7 @@ def test_layer_chunks_and_decodes_equal_one_pass():
     layer = GatedDeltaNet(TinyConfig())
     for p in layer.parameters():
         p.data.normal_(0, 0.3)
-    layer.conv_state = torch.full((3, layer.conv_dim, 3), 7.0)  # stale contents: a fresh start must ignore them
+    layer.conv_state = torch.full((3, 3, layer.conv_dim), 7.0)  # stale contents: a fresh start must ignore them
     layer.ssm_state = torch.full((3, 4, 8, 6), 7.0)
     x = torch.randn(11, 32)
     whole = run(layer, x, [11], [11], None)
@@ -105,7 +106,7 @@ def test_checkpoint_saved_inside_a_chunk_restores_there():
     layer = GatedDeltaNet(TinyConfig())
     for p in layer.parameters():
         p.data.normal_(0, 0.3)
-    layer.conv_state = torch.zeros(4, layer.conv_dim, 3)
+    layer.conv_state = torch.zeros(4, 3, layer.conv_dim)
     layer.ssm_state = torch.zeros(4, 4, 8, 6)
     x = torch.randn(9, 32)
     whole = run(layer, x, [9], [9], None)
@@ -115,3 +116,107 @@ def test_checkpoint_saved_inside_a_chunk_restores_there():
     torch.testing.assert_close(out[9:], whole[5:], atol=1e-5, rtol=1e-4)
     one = run(layer, x[5:6], [1], [6], [2], restores={0: 3})  # a one-token step that restores
     torch.testing.assert_close(one, whole[5:6], atol=1e-5, rtol=1e-4)
+
+
+def tiny_layer(seed: int, slots: int) -> GatedDeltaNet:
+    torch.manual_seed(seed)
+    layer = GatedDeltaNet(TinyConfig())
+    for p in layer.parameters():
+        p.data.normal_(0, 0.3)
+    layer.conv_state = torch.zeros(slots, *layer.state_shapes()[0])
+    layer.ssm_state = torch.zeros(slots, *layer.state_shapes()[1])
+    return layer
+
+
+def mix(layer: GatedDeltaNet, x: torch.Tensor, lens: list[int], seq_lens: list[int], slots: list[int] | None,
+        use_triton: bool, restores: dict[int, int] | None = None, saves: dict[int, tuple[int, int]] | None = None):
+    """The layer's conv + delta rule on x's projections, the fresh sequences' slots zeroed first as the runner does."""
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    fresh = [i for i in range(len(lens)) if seq_lens[i] == lens[i]]
+    state = None if slots is None else StateSlotsMetadata(torch.tensor(slots), slots, restores or {}, saves or {},
+                                                          fresh)
+    meta = AttentionMetadata(query_start_loc=torch.tensor(qsl), seq_lens=torch.tensor(seq_lens),
+                             slot_mapping=torch.zeros(0), block_tables=torch.zeros(0), max_query_len=max(lens),
+                             max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
+                             state_slots=state)
+    if state is not None:
+        state.zero_fresh(layer.conv_state, layer.ssm_state)
+    return layer.mix(*project(layer, x), meta, use_triton=use_triton).float()
+
+
+def project(layer: GatedDeltaNet, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer's conv input, decay g and beta for hidden states x (as its forward computes them)."""
+    with torch.no_grad():
+        beta = torch.sigmoid(layer.in_proj_b(x).float())
+        g = -layer.A_log.float().exp() * torch.nn.functional.softplus(layer.in_proj_a(x).float() + layer.dt_bias)
+        return layer.in_proj_qkv(x), g, beta
+
+
+def test_triton_path_matches_torch_path():
+    """Prefill chunks, a mixed step, a save inside a chunk restored in the same step, a one-token restore and
+    decodes of a fresh one-token prompt beside a continuing sequence: the kernels (the slots updated in place)
+    give the torch path's outputs and leave the same states."""
+    x = torch.randn(13, 32, generator=torch.Generator().manual_seed(3))
+    steps = [  # (tokens, lens, seq_lens, slots, restores, saves)
+        (x[:9], [9], [9], None, None, None),  # a profiling forward: no slots
+        (torch.cat([x[:7], x[5:7]]), [7, 2], [7, 7], [0, 1], {1: 4}, {0: (5, 4)}),  # resumes where seq 0 saves
+        (torch.cat([x[7:9], x[5:9]]), [2, 4], [9, 9], [0, 2], {1: 4}, {0: (1, 5)}),
+        (torch.stack([x[9], x[0], x[7]]), [1, 1, 1], [10, 1, 8], [0, 3, 1], None, None),
+        (torch.stack([x[10], x[1]]), [1, 1], [11, 2], [0, 3], None, None),
+        (x[8:9], [1], [9], [1], {0: 5}, None),  # a one-token step that restores
+    ]
+    torch_layer, triton_layer = tiny_layer(5, 6), tiny_layer(5, 6)
+    for tokens, lens, seq_lens, slots, restores, saves in steps:
+        ref = mix(torch_layer, tokens, lens, seq_lens, slots, False, restores, saves)
+        out = mix(triton_layer, tokens, lens, seq_lens, slots, True, restores, saves)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(triton_layer.conv_state, torch_layer.conv_state, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(triton_layer.ssm_state, torch_layer.ssm_state, atol=1e-4, rtol=1e-4)
+
+
+def test_graph_decode_inputs_pad_state_slots():
+    """A decode graph's static inputs carry the slots; the rows padded up to the captured batch size get slot -1,
+    which the kernels neither read nor write: the real rows and every slot equal the torch path's."""
+    from novainfer.worker.cuda_graph import DecodeGraphs
+    torch_layer, triton_layer = tiny_layer(7, 4), tiny_layer(7, 4)
+    prefill = torch.randn(6, 32, generator=torch.Generator().manual_seed(8))
+    for layer, use_triton in ((torch_layer, False), (triton_layer, True)):
+        mix(layer, prefill, [2, 3, 1], [2, 3, 1], [2, 0, 3], use_triton)
+    graphs = DecodeGraphs(triton_layer, 4, 2, 32, torch.float32, torch.device("cpu"), lambda bs: 1, state_slots=True)
+    n = 3
+    zeros = torch.zeros(n, dtype=torch.long)
+    graphs.load_inputs(zeros, zeros, zeros, torch.tensor([3, 4, 2], dtype=torch.int32),
+                       torch.zeros(n, 2, dtype=torch.int32), torch.tensor([2, 0, 3]))
+    meta = graphs.metadata(4)
+    assert meta.state_slots.slots.tolist() == [2, 0, 3, -1] and meta.max_query_len == 1
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(9))
+    ref = mix(torch_layer, x[:n], [1] * n, [3, 4, 2], [2, 0, 3], False)
+    out = triton_layer.mix(*project(triton_layer, x), meta, use_triton=True).float()
+    torch.testing.assert_close(out[:n], ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(triton_layer.conv_state, torch_layer.conv_state, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(triton_layer.ssm_state, torch_layer.ssm_state, atol=1e-4, rtol=1e-4)
+
+
+def test_state_cache_zeroes_only_fresh_slots():
+    """A step's sequences that start at position 0 get their slots zeroed in every layer before the forward (the
+    kernels read a slot as the initial state); a continuing sequence's and a checkpoint's state stay."""
+    from types import SimpleNamespace
+
+    from novainfer.worker.state_cache import StateCache
+    layers = [tiny_layer(0, 1), tiny_layer(1, 1)]
+    cache = StateCache(layers, torch.float32, torch.device("cpu"), num_slots=3, num_checkpoints=1)
+    cache.allocate()
+    cache.conv.fill_(7.0)
+    cache.ssm.fill_(7.0)
+
+    def scheduled(slot: int, start: int):
+        seq = SimpleNamespace(state_slot=slot, state_restore=None, state_save=None)
+        return SimpleNamespace(seq=seq, start=start, num_new_tokens=4)
+    meta = StateCache.step_metadata([scheduled(2, 0), scheduled(0, 5), scheduled(1, 0)])
+    assert meta.slots_cpu == [2, 0, 1] and meta.fresh == [0, 2]
+    cache.zero_fresh(meta)
+    for layer in layers:
+        for pool in (layer.conv_state, layer.ssm_state):
+            assert pool[[1, 2]].abs().sum() == 0 and (pool[[0, 3]] == 7.0).all()

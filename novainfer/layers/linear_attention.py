@@ -3,13 +3,19 @@
 
 Per token t of a head (q and k L2-normalised, q scaled by k_dim^-1/2):
     S <- exp(g_t) S;   u_t = beta_t (v_t - S^T k_t);   S <- S + k_t u_t^T;   o_t = S^T q_t
-The pure-torch reference here runs on any device: a prefill (or prefill chunk) in chunks of CHUNK tokens
-solved as one triangular system per chunk, a decode step as the recurrence batched over sequences. The state
-lives in slots bound by the runner (worker/state_cache.py); which slot a sequence owns comes with the step's
-attention metadata (state_slots). A sequence whose step starts at position 0 starts from a zero state.
+On CUDA tensors the layer runs the Triton kernels of kernels/gated_delta_rule.py on the slot pools in place: a
+decode step as causal_conv1d_update + fused_recurrent_gated_delta_rule (no host reads: CUDA graphs capture it), a
+prefill as causal_conv1d + a chunked rule (fla's chunk_gated_delta_rule when fla-core imports, else ours). Elsewhere
+the pure-torch reference here runs: a prefill (or prefill chunk) in chunks of CHUNK tokens solved as one triangular
+system per chunk, a decode step as the recurrence batched over sequences. The state lives in slots bound by the
+runner (worker/state_cache.py); which slot a sequence owns comes with the step's attention metadata (state_slots).
+A sequence whose step starts at position 0 starts from a zero state (the kernels read its slot, which the runner
+zeroes first: StateSlotsMetadata.fresh).
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +25,8 @@ from torch import nn
 
 from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
 from novainfer.distributed import get_tp_group, shard_dim
+from novainfer.kernels.gated_delta_rule import (causal_conv1d_triton, causal_conv1d_update_triton,
+                                                chunk_gated_delta_rule_triton, fused_recurrent_gated_delta_rule_triton)
 from novainfer.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 
 CHUNK = 64  # tokens per chunk of the chunked prefill form
@@ -31,16 +39,36 @@ class StateSlotsMetadata:
     restores: sequence index -> checkpoint slot copied into the sequence's slot before its tokens run (a prefix
     cache hit: the state at the hit position). saves: sequence index -> (tokens into its step, checkpoint slot)
     the state after that many of its tokens is copied to. Copies happen per sequence in step order, so a
-    sequence may restore a checkpoint an earlier sequence of the same step saves."""
+    sequence may restore a checkpoint an earlier sequence of the same step saves. fresh: the sequences whose step
+    starts at position 0; their slots are zeroed before the forward (zero_fresh), as the kernels read them."""
 
     slots: torch.Tensor  # [num_seqs] int64 on the device
     slots_cpu: list[int]
     restores: dict[int, int] = field(default_factory=dict)
     saves: dict[int, tuple[int, int]] = field(default_factory=dict)
+    fresh: list[int] = field(default_factory=list)
 
     def on(self, device: torch.device) -> "StateSlotsMetadata":
         """This step's metadata with the slot tensor uploaded (asynchronously from pinned memory)."""
-        return StateSlotsMetadata(self.slots.to(device, non_blocking=True), self.slots_cpu, self.restores, self.saves)
+        return StateSlotsMetadata(self.slots.to(device, non_blocking=True), self.slots_cpu, self.restores, self.saves,
+                                  self.fresh)
+
+    def zero_fresh(self, *pools: torch.Tensor, dim: int = 0) -> None:
+        """Zero the fresh sequences' slots (along dim) of each pool; a no-op, and no upload, without any."""
+        if self.fresh:
+            idx = torch.tensor([self.slots_cpu[i] for i in self.fresh], dtype=torch.long)
+            for pool in pools:
+                pool.index_fill_(dim, idx.to(pool.device, non_blocking=True), 0)
+
+
+@functools.cache
+def fla_chunk_rule() -> Callable | None:
+    """fla-core's chunk_gated_delta_rule (the faster prefill on CUDA), or None when fla is not importable."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception:  # noqa: BLE001 - an optional dependency: any import failure means our chunk kernel
+        return None
+    return chunk_gated_delta_rule
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -112,7 +140,7 @@ class GatedDeltaNet(nn.Module):
     Tensor parallelism splits the heads: each rank holds num_k_heads / tp key heads and the value heads they
     serve (q, k and v channels of in_proj_qkv and of the conv alike), out_proj all-reduces.
 
-    conv_state [slots, conv_dim, kernel - 1] and ssm_state [slots, v_heads, k_dim, v_dim] (float32) are views
+    conv_state [slots, kernel - 1, conv_dim] and ssm_state [slots, v_heads, k_dim, v_dim] (float32) are views
     the runner binds; with no state_slots in the metadata (a profiling forward) every sequence starts from
     zeros and nothing is kept."""
 
@@ -166,7 +194,7 @@ class GatedDeltaNet(nn.Module):
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per slot: the conv window's shape and the recurrent state's shape."""
-        return (self.conv_dim, self.kernel - 1), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        return (self.kernel - 1, self.conv_dim), (self.num_v_heads, self.head_k_dim, self.head_v_dim)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         meta = get_attention_metadata()
@@ -177,13 +205,104 @@ class GatedDeltaNet(nn.Module):
         z = self.in_proj_z(hidden_states).view(num_tokens, self.num_v_heads, self.head_v_dim)
         beta = torch.sigmoid(self.in_proj_b(hidden_states).float())
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias.float())
-        state = meta.state_slots
-        if meta.max_query_len == 1 and state is not None and not state.restores and not state.saves:
-            out = self._decode(mixed, g, beta, state.slots, meta.seq_lens[:num_tokens] > 1)
-        else:
-            out = self._prefill(mixed, g, beta, meta)
+        out = self.mix(mixed, g, beta, meta, use_triton=hidden_states.is_cuda)
         out = self.norm(out.to(hidden_states.dtype), z)
         return self.out_proj(out.reshape(num_tokens, self.value_dim))
+
+    def mix(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata,
+            use_triton: bool) -> torch.Tensor:
+        """The conv and the delta rule of a step's tokens, [T, v_heads, v_dim]: the Triton kernels (on CUDA; tests
+        call them on the CPU under TRITON_INTERPRET) or the torch reference."""
+        state = meta.state_slots
+        decode = meta.max_query_len == 1 and state is not None and not state.restores and not state.saves
+        if use_triton:
+            return self._decode_kernels(mixed, g, beta, state.slots) if decode else \
+                self._prefill_kernels(mixed, g, beta, meta)
+        if decode:
+            return self._decode(mixed, g, beta, state.slots, meta.seq_lens[:mixed.shape[0]] > 1)
+        return self._prefill(mixed, g, beta, meta)
+
+    def _split(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of the conv output [T, conv_dim] as the kernels take them: q, k [T, k_heads, k_dim], v."""
+        n = conv.shape[0]
+        q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        return (q.view(n, self.num_k_heads, self.head_k_dim), k.view(n, self.num_k_heads, self.head_k_dim),
+                v.view(n, self.num_v_heads, self.head_v_dim))
+
+    def _decode_kernels(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        slots: torch.Tensor) -> torch.Tensor:
+        """One token per sequence on the slot pools in place (a fresh sequence's slot was zeroed; a negative slot is
+        a graph's padding row); nothing here reads the device, so a CUDA graph captures it."""
+        conv = causal_conv1d_update_triton(mixed, self.conv1d.weight[:, 0], None, self.conv_state, slots)
+        return fused_recurrent_gated_delta_rule_triton(*self._split(conv), g, beta, self.ssm_state, slots)
+
+    def _chunk_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    pool: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        """The chunked delta rule over packed sequences from and back into pool[slots]: fla's on CUDA when it
+        imports (its states gathered and scattered), else ours in place; ours in float32 (fla's matmuls are TF32)."""
+        fla = fla_chunk_rule() if q.is_cuda and q.dtype != torch.float32 else None
+        if fla is None:
+            return chunk_gated_delta_rule_triton(q, k, v, g, beta, pool, slots, cu)
+        o, final = fla(q[None], k[None], v[None], g=g[None], beta=beta.to(q.dtype)[None], initial_state=pool[slots],
+                       output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long())
+        pool[slots] = final
+        return o[0]
+
+    def _prefill_kernels(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         meta: AttentionMetadata) -> torch.Tensor:
+        """All sequences' runs batched into one conv and one chunked-rule launch per wave. A save at a cut splits
+        its sequence into two runs in consecutive waves, the state copied to the checkpoint in between; a restore
+        is copied in before the sequence's first wave, after an earlier sequence of the step saves it."""
+        qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        if qsl is None or seq_lens is None:
+            qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+        state, dev = meta.state_slots, mixed.device
+        if state is None:  # a profiling forward: every sequence from zeros, into scratch slots
+            state = StateSlotsMetadata(torch.arange(len(seq_lens), device=dev), list(range(len(seq_lens))))
+            conv_pool = torch.zeros(len(seq_lens), *self.state_shapes()[0], dtype=mixed.dtype, device=dev)
+            ssm_pool = torch.zeros(len(seq_lens), *self.state_shapes()[1], dtype=torch.float32, device=dev)
+        else:
+            conv_pool, ssm_pool = self.conv_state, self.ssm_state
+        runs: dict[int, list[tuple[int, int, int]]] = {}  # sequence -> its (start, end, checkpoint or -1) runs
+        for i in range(len(seq_lens)):
+            lo, hi = qsl[i], qsl[i + 1]
+            if hi > lo:
+                cut, ckpt = state.saves.get(i, (hi - lo, -1))
+                runs[i] = [(lo, lo + cut, ckpt), (lo + cut, hi, -1)] if 0 < cut < hi - lo else [(lo, hi, ckpt)]
+        waiting = {i: state.restores[i] for i in runs if i in state.restores and seq_lens[i] != qsl[i + 1] - qsl[i]}
+        saved_later = {ckpt: i for i, (_, ckpt) in state.saves.items()}  # checkpoint -> the sequence saving it
+        out = torch.empty(mixed.shape[0], self.num_v_heads, self.head_v_dim, dtype=mixed.dtype, device=dev)
+        while runs:
+            wave = []
+            for i in list(runs):
+                src = waiting.get(i)
+                if src is not None:
+                    if saved_later.get(src, i) < i:
+                        continue  # an earlier sequence saves this checkpoint in a later wave
+                    self._copy_state(src, state.slots_cpu[i])
+                    del waiting[i]
+                wave.append((i, runs[i].pop(0)))
+                if not runs[i]:
+                    del runs[i]
+            if not wave:
+                raise RuntimeError("state checkpoint restores wait on each other")
+            whole = len(wave) == len(seq_lens) and all(a == qsl[i] and b == qsl[i + 1] for i, (a, b, _) in wave)
+            idx = None if whole else torch.cat([torch.arange(a, b) for _, (a, b, _) in wave]).to(dev)
+            x, gw, bw = (mixed, g, beta) if idx is None else (mixed[idx], g[idx], beta[idx])
+            cu = torch.tensor([0] + [b - a for _, (a, b, _) in wave], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            cu = cu.to(dev, non_blocking=True)
+            slots = torch.tensor([state.slots_cpu[i] for i, _ in wave], dtype=torch.long).to(dev, non_blocking=True)
+            conv = causal_conv1d_triton(x, self.conv1d.weight[:, 0], None, conv_pool, slots, cu)
+            o = self._chunk_rule(*self._split(conv), gw, bw, ssm_pool, slots, cu)
+            if idx is None:
+                out = o
+            else:
+                out[idx] = o
+            for i, (_, _, ckpt) in wave:
+                if ckpt >= 0:
+                    self._copy_state(state.slots_cpu[i], ckpt)
+                    saved_later.pop(ckpt, None)
+        return out
 
     def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Split the conv output [T, conv_dim] into q, k (normalised, q scaled, repeated to v heads) and v."""
@@ -201,9 +320,9 @@ class GatedDeltaNet(nn.Module):
         """One token per sequence: a decode continues its slot's state, a one-token prompt (continues False)
         starts from zeros."""
         weight = self.conv1d.weight[:, 0]  # [C, K]
-        prev = torch.where(continues[:, None, None], self.conv_state[slots], 0)
+        prev = torch.where(continues[:, None, None], self.conv_state[slots].transpose(1, 2), 0)
         window = torch.cat([prev, mixed.unsqueeze(-1).to(self.conv_state.dtype)], dim=-1)
-        self.conv_state[slots] = window[..., 1:]
+        self.conv_state[slots] = window[..., 1:].transpose(1, 2)
         conv = F.silu((window.float() * weight.float()).sum(-1))  # [B, C]
         q, k, v = self._qkv(conv.to(mixed.dtype))
         ssm = torch.where(continues[:, None, None, None], self.ssm_state[slots], 0)
@@ -230,10 +349,10 @@ class GatedDeltaNet(nn.Module):
                 self._copy_state(state.restores[i], slots[i])
             x = mixed[lo:hi].t().float()  # [C, L]
             if fresh:
-                prev = torch.zeros(self.conv_dim, self.kernel - 1, dtype=torch.float32, device=x.device)
+                prev = torch.zeros(self.kernel - 1, self.conv_dim, dtype=torch.float32, device=x.device).t()
                 s = torch.zeros(self.state_shapes()[1], dtype=torch.float32, device=x.device)
             else:
-                prev, s = self.conv_state[slots[i]].float(), self.ssm_state[slots[i]]
+                prev, s = self.conv_state[slots[i]].t().float(), self.ssm_state[slots[i]]
             window = torch.cat([prev, x], dim=-1)  # [C, K - 1 + L]
             conv = F.silu(F.conv1d(window.unsqueeze(0), weight, groups=self.conv_dim)[0])  # [C, L]
             q, k, v = self._qkv(conv.t().to(mixed.dtype))
@@ -243,10 +362,10 @@ class GatedDeltaNet(nn.Module):
                 o, s = gated_delta_chunked(q[a:b], k[a:b], v[a:b], g[lo + a:lo + b], beta[lo + a:lo + b], s)
                 out[lo + a:lo + b] = o
                 if save_to >= 0:
-                    self.conv_state[save_to] = window[:, b:b + self.kernel - 1].to(self.conv_state.dtype)
+                    self.conv_state[save_to] = window[:, b:b + self.kernel - 1].t().to(self.conv_state.dtype)
                     self.ssm_state[save_to] = s
             if slots is not None:
-                self.conv_state[slots[i]] = window[:, -(self.kernel - 1):].to(self.conv_state.dtype)
+                self.conv_state[slots[i]] = window[:, -(self.kernel - 1):].t().to(self.conv_state.dtype)
                 self.ssm_state[slots[i]] = s
         return out
 

@@ -5,7 +5,8 @@ call. The graph reads its inputs from fixed buffers, so a step copies its inputs
 up to the next captured size (padding rows write nowhere: slot -1) and replays. With query_len > 1 the same
 class captures speculative decoding's verify step, where every sequence brings query_len tokens (its last
 token and its guesses); those graphs run the prefill attention kernel, whose grid depends only on the
-batch size and query_len.
+batch size and query_len. A hybrid model's graphs (state_slots=True) also take each sequence's state slot from a
+static buffer (padding rows: slot -1, which the Gated DeltaNet kernels neither read nor write).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata
+from novainfer.layers.linear_attention import StateSlotsMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,8 @@ def graphs_for_step(decode: DecodeGraphs | None, verify: DecodeGraphs | None, in
     graphs = decode if inp.max_query_len == 1 else verify
     if graphs is None or not graphs.can_run(num_seqs) or inp.max_query_len != graphs.query_len:
         return None
+    if inp.state_slots is not None and (inp.state_slots.restores or inp.state_slots.saves):
+        return None  # a state checkpoint copy: the layers' eager prefill path does it
     if inp.max_query_len > 1 and (inp.spec_num_drafts is None or len(inp.spec_num_drafts) != num_seqs
                                   or inp.input_ids.shape[0] != num_seqs * graphs.query_len):
         return None
@@ -56,7 +60,7 @@ def graphs_for_step(decode: DecodeGraphs | None, verify: DecodeGraphs | None, in
 class DecodeGraphs:
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], max_num_seqs: int,
                  max_blocks_per_seq: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 num_splits: Callable[[int], int], query_len: int = 1):
+                 num_splits: Callable[[int], int], query_len: int = 1, state_slots: bool = False):
         self.forward = forward  # (input_ids, positions) -> hidden states: the runner's decode_forward
         self.sizes = batch_size_ladder(max_num_seqs)
         self.num_splits = num_splits
@@ -69,6 +73,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, **i32) * q
         self.block_tables = torch.zeros(n, max_blocks_per_seq, **i32)  # column 0 stays a valid block id
         self.hidden = torch.zeros(n * q, hidden_size, dtype=dtype, device=device)
+        self.state_slots = torch.full((n,), -1, dtype=torch.long, device=device) if state_slots else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def metadata(self, bs: int) -> AttentionMetadata:
@@ -77,7 +82,8 @@ class DecodeGraphs:
             query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
             slot_mapping=self.slot_mapping[:bs * q], block_tables=self.block_tables[:bs],
             max_query_len=q, max_seq_len=self.block_tables.shape[1],
-            num_splits=self.num_splits(bs) if q == 1 else 1, cuda_graph=True)
+            num_splits=self.num_splits(bs) if q == 1 else 1, cuda_graph=True,
+            state_slots=None if self.state_slots is None else StateSlotsMetadata(self.state_slots[:bs], []))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -100,7 +106,8 @@ class DecodeGraphs:
         return num_seqs <= self.sizes[-1]
 
     def load_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                    seq_lens: torch.Tensor, block_tables: torch.Tensor) -> None:
+                    seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                    state_slots: torch.Tensor | None = None) -> None:
         """Copy one step's inputs (host tensors, pinned) into the static buffers; pad to the graph's size."""
         n, q = seq_lens.shape[0], self.query_len
         bs = bucket(self.sizes, n)
@@ -110,9 +117,13 @@ class DecodeGraphs:
         self.slot_mapping[:t].copy_(slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
         self.block_tables[:n, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        if self.state_slots is not None:
+            self.state_slots[:n].copy_(state_slots, non_blocking=True)
         if bs > n:
             self.slot_mapping[t:bs * q].fill_(-1)
             self.seq_lens[n:bs].fill_(q)
+            if self.state_slots is not None:
+                self.state_slots[n:bs].fill_(-1)
 
     def replay(self, num_seqs: int) -> torch.Tensor:
         """Hidden states [num_seqs * query_len, hidden] of the step whose inputs load_inputs copied in."""

@@ -142,13 +142,14 @@ class ModelRunner:
 
     def capture_cudagraphs(self) -> None:
         """Capture decode graphs (CUDA only; enforce_eager turns them off)."""
-        if self.device.type != "cuda" or self.config.enforce_eager or self.state_cache is not None:
-            return  # hybrid models: the graphs' metadata has no state slots
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
         logger.info("batch-1 decode stack (fused kernels): %s", "on" if self.decode_strategy is not None
                     else "off (the model has layers it does not fuse)")
         sc = self.config.scheduler_config
         self.graphs = DecodeGraphs(self.forward, sc.max_num_seqs, self.max_blocks_per_seq,
-                                   self.hf_config.hidden_size, self.dtype, self.device, self.num_splits)
+                                   self.hf_config.hidden_size, self.dtype, self.device, self.num_splits,
+                                   state_slots=self.state_cache is not None)
         self.graphs.capture()
         spec = self.config.speculative_config
         if spec is not None:  # verify steps where every sequence checks num_speculative_tokens guesses
@@ -185,9 +186,13 @@ class ModelRunner:
         A pure decode step copies its inputs straight into a captured graph's buffers and replays it;
         any other step builds its attention metadata and runs eagerly."""
         graphs = graphs_for_step(self.graphs, self.verify_graphs, inp) if self.graphs is not None else None
+        state = inp.state_slots
+        if state is not None:
+            self.state_cache.zero_fresh(state)
         if graphs is not None:
             with nvtx_range("attn_meta/graph_inputs", self.nvtx):
-                graphs.load_inputs(inp.input_ids, inp.positions, inp.slot_mapping, inp.seq_lens_t, inp.block_tables)
+                graphs.load_inputs(inp.input_ids, inp.positions, inp.slot_mapping, inp.seq_lens_t, inp.block_tables,
+                                   None if state is None else state.slots)
                 if inp.feed is not None:
                     inp.feed.apply(graphs.input_ids, self.device)
             with nvtx_range("forward/graph_replay", self.nvtx):

@@ -1,4 +1,4 @@
-"""The state cache of a hybrid model: per linear-attention layer, a conv window [slots, conv_dim, kernel - 1]
+"""The state cache of a hybrid model: per linear-attention layer, a conv window [slots, kernel - 1, conv_dim]
 (activation dtype) and a recurrent state [slots, v_heads, k_dim, v_dim] (float32); each layer gets views.
 
 Slots are handed out by the engine (engine/state_slots.py); a step's slot per scheduled sequence goes into the
@@ -87,17 +87,25 @@ class StateCache:
     def step_metadata(scheduled: list) -> StateSlotsMetadata:
         """Each scheduled sequence's slot (host tensor), and the checkpoint copies the engine planned for the step:
         a restore on the step that resumes at the hit position, a save on the step whose tokens reach it."""
-        slots, restores, saves = [], {}, {}
+        slots, restores, saves, fresh = [], {}, {}, []
         for i, s in enumerate(scheduled):
             seq = s.seq
             if seq.state_slot < 0:
                 raise RuntimeError(f"{seq!r} of a hybrid model is scheduled without a state slot")
             slots.append(seq.state_slot)
+            if s.start == 0:
+                fresh.append(i)
             if seq.state_restore is not None and seq.state_restore[0] == s.start:
                 restores[i] = seq.state_restore[1]
             if seq.state_save is not None and s.start < seq.state_save[0] <= s.start + s.num_new_tokens:
                 saves[i] = (seq.state_save[0] - s.start, seq.state_save[1])
-        return StateSlotsMetadata(torch.tensor(slots, dtype=torch.long), slots, restores, saves)
+        return StateSlotsMetadata(torch.tensor(slots, dtype=torch.long), slots, restores, saves, fresh)
+
+    def zero_fresh(self, meta: StateSlotsMetadata) -> None:
+        """Zero the slots of the step's sequences that start at position 0, in every layer (before the forward,
+        outside any CUDA graph: the kernels read a fresh sequence's slot as its initial state)."""
+        if self.conv is not None:
+            meta.zero_fresh(self.conv, self.ssm, dim=1)
 
 
 def worker_num_state_slots(worker: Any) -> tuple[int, int]:

@@ -39,9 +39,9 @@ def load_kernels():
     return module
 
 
-def load_fla():
-    """fla's two entry points, or None; when fla is not installed, the wheels in .whl/ (fla-core, einops) are
-    unpacked into a temporary folder and imported from there."""
+def add_fla_wheels() -> None:
+    """When fla is not installed, the wheels in .whl/ (fla-core, einops: pure Python) unpacked into a temporary
+    folder on sys.path (also used by tests/gpu/qwen35_checks.py)."""
     try:
         import fla  # noqa: F401
     except ImportError:
@@ -53,6 +53,11 @@ def load_fla():
                 with zipfile.ZipFile(wheel) as archive:
                     archive.extractall(target)
             sys.path.insert(0, target)
+
+
+def load_fla():
+    """fla's two entry points, or None (fla installed, or imported from the wheels in .whl/)."""
+    add_fla_wheels()
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
         return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
