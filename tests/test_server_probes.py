@@ -38,5 +38,5 @@ def test_data_parallel_is_refused_with_a_pointer_to_the_router_setup():
     run = subprocess.run([sys.executable, "-m", "novainfer.entrypoints.cli", "serve", "--data-parallel-size", "2"],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert run.returncode != 0
-    assert "--data-parallel-size 2" in run.stderr and "docs/DEPLOY.md" in run.stderr
+    assert "data_parallel_size=2" in run.stderr and "docs/DEPLOY.md" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1
