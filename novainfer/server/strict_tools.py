@@ -1,0 +1,109 @@
+"""`strict: true` functions under tool_choice "auto": a lazy grammar (llama.cpp's and vLLM's approach) leaves the
+output free text until the model writes its call format's start marker; from there the call is one of the request's
+functions in that format, a strict one's arguments following its closed schema (no undeclared property), a
+non-strict one's any object. Formats without a grammar here refuse strict functions under "auto" with a 400.
+
+The grammars are llguidance Lark: a marker that is one token of the model's vocabulary (Qwen's `<tool_call>`) is
+written as that token, else as text that a lazy lexeme waits for.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from novainfer.sampling_params import StructuredOutputsParams
+from novainfer.server.errors import APIError
+from novainfer.server.structured_request import closed_schema
+
+# the JSON layout the structured-output backend writes (one space after "," and ":"), as %json's options
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_END_MARKER = "</tool_call>"
+_TEXT = "TEXT: /(.|\\n)*/"
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal."""
+    return json.dumps(text)
+
+
+def _json_rule(schema: dict) -> str:
+    return "%json " + json.dumps({**schema, "x-guidance": _JSON_LAYOUT})
+
+
+def _hermes_call(rule: str, name: str, schema: dict | None) -> list[str]:
+    """Rule `rule`: `{"name": NAME, "arguments": {...}}` between the markers, on its own line."""
+    head = _lit(json.dumps({"name": name}, ensure_ascii=False)[:-1] + ', "arguments": ')
+    return [f'{rule}: "\\n" {head} {_json_rule(schema or {"type": "object"})} "}}" "\\n"']
+
+
+def _qwen3_coder_call(rule: str, name: str, schema: dict | None) -> list[str]:
+    """`<function=NAME>` and one `<parameter=KEY>` block per declared property, in declared order (required ones
+    always); a non-strict function's parameters are any names with text values. Rule `rule` first, then its
+    parameters' rules."""
+    rules, params = [], []
+    if schema is None:
+        rules.append(f'{rule}_any: "<parameter=" /[^>\\n]+/ ">\\n" value_text "\\n"')
+        params.append(f"{rule}_any*")
+    else:
+        required = set(schema.get("required") or [])
+        defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
+        for i, (key, sub) in enumerate((schema.get("properties") or {}).items()):
+            rules.append(f'{rule}_p{i}: {_lit(f"<parameter={key}>" + chr(10))} {_qwen3_value(sub, defs)} "\\n"')
+            params.append(f"{rule}_p{i}" + ("" if key in required else "?"))
+    body = " ".join(params)
+    return [f'{rule}: "\\n" {_lit(f"<function={name}>" + chr(10))} {body} "</function>\\n"', *rules]
+
+
+def _qwen3_value(schema: Any, defs: dict) -> str:
+    """A parameter's value as the qwen3_coder parser reads it back: raw text for strings, JSON for the rest."""
+    if not isinstance(schema, dict):
+        return "value_text"
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    enum = schema.get("enum")
+    if enum is not None and all(isinstance(e, str) for e in enum):
+        return "(" + " | ".join(_lit(e) for e in enum) + ') "\\n</parameter>"'
+    if "string" in kinds:
+        return "value_text"
+    return _json_rule({**schema, **defs}) + ' "\\n</parameter>"'
+
+
+_FORMATS: dict[str, Callable[[str, str, dict | None], list[str]]] = {"hermes": _hermes_call,
+                                                                "qwen3_coder": _qwen3_coder_call}
+_value_text = 'value_text[lazy]: /(.|\\n)*/ "\\n</parameter>"'
+
+
+def strict_auto_constraint(tools: list[Any], parser: str, marker: str, tokenizer: Any,
+                           parallel: bool) -> StructuredOutputsParams | None:
+    """The lazy grammar for "auto" when some function is strict (None when none is); a 400 naming the first strict
+    function's field when the parser's format has no grammar here. tools: the request's ChatTools."""
+    strict = [i for i, t in enumerate(tools) if t.function.strict]
+    if not strict:
+        return None
+    build = _FORMATS.get(parser)
+    if build is None:
+        raise APIError(400, f"strict functions under tool_choice \"auto\" are not enforced for the {parser!r} "
+                            f"call format; drop strict, or force the call with tool_choice \"required\" or a "
+                            f"named function", param=f"tools[{strict[0]}].function.strict")
+    fns, rules = [], []
+    for i, t in enumerate(tools):
+        schema = closed_schema(t.function.parameters or {"type": "object"}) if t.function.strict else None
+        rules += build(f"fn_{i}", t.function.name, schema)
+        fns.append(f"fn_{i}")
+    start, end = _token_or_text(tokenizer, marker), _token_or_text(tokenizer, _END_MARKER)
+    if start.startswith("<["):
+        trigger = f"call: TEXT {start} call_body {end}"
+    else:
+        trigger = f"call: call_start call_body {end}\ncall_start[lazy]: TEXT {start}"
+    # several calls, text between them; with parallel_tool_calls false the output ends at its one call
+    top = "start: call* TEXT" if parallel else "start: TEXT | call"
+    lines = ["%llguidance {}", top, trigger, "call_body: " + " | ".join(fns), *rules, _TEXT]
+    if any("value_text" in r for r in rules):
+        lines.append(_value_text)
+    return StructuredOutputsParams(grammar="\n".join(lines) + "\n")
+
+
+def _token_or_text(tokenizer: Any, marker: str) -> str:
+    """The marker as one token of the vocabulary (`<[id]>`) when it is one, else as a Lark string."""
+    ids = tokenizer.encode(marker, add_special_tokens=False)
+    return f"<[{ids[0]}]>" if len(ids) == 1 else _lit(marker)
