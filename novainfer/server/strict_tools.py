@@ -1,7 +1,8 @@
 """`strict: true` functions under tool_choice "auto": a lazy grammar (llama.cpp's and vLLM's approach) leaves the
 output free text until the model writes its call format's start marker; from there the call is one of the request's
 functions in that format, a strict one's arguments following its closed schema (no undeclared property), a
-non-strict one's any object. Formats without a grammar here refuse strict functions under "auto" with a 400.
+non-strict one's any object. Llama 3's JSON calls (a call only at the output's start) get the same choice
+between text and calls. Formats without a grammar here refuse strict functions under "auto" with a 400.
 
 The grammars are llguidance Lark: a marker that is one token of the model's vocabulary (Qwen's `<tool_call>`) is
 written as that token, else as text that a lazy lexeme waits for.
@@ -9,7 +10,8 @@ written as that token, else as text that a lazy lexeme waits for.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from novainfer.sampling_params import StructuredOutputsParams
 from novainfer.server.errors import APIError
@@ -68,9 +70,17 @@ def _qwen3_value(schema: Any, defs: dict) -> str:
     return _json_rule({**schema, **defs}) + ' "\\n</parameter>"'
 
 
-_FORMATS: dict[str, Callable[[str, str, dict | None], list[str]]] = {"hermes": _hermes_call,
-                                                                "qwen3_coder": _qwen3_coder_call}
-_value_text = 'value_text[lazy]: /(.|\\n)*/ "\\n</parameter>"'
+def _llama3_json_call(rule: str, name: str, schema: dict | None) -> list[str]:
+    """Rule `rule`: `{"name": NAME, "parameters": {...}}`."""
+    head = _lit(json.dumps({"name": name}, ensure_ascii=False)[:-1] + ', "parameters": ')
+    return [f'{rule}: {head} {_json_rule(schema or {"type": "object"})} "}}"']
+
+
+# formats whose calls open with the parser's start marker anywhere in the output (text before and between them)
+_MARKED: dict[str, Callable[[str, str, dict | None], list[str]]] = {"hermes": _hermes_call,
+                                                                   "qwen3_coder": _qwen3_coder_call}
+_VALUE_TEXT_RULE = 'value_text[lazy]: /(.|\\n)*/ "\\n</parameter>"'
+_PYTHON_TAG = "<|python_tag|>"
 
 
 def strict_auto_constraint(tools: list[Any], parser: str, marker: str, tokenizer: Any,
@@ -80,7 +90,7 @@ def strict_auto_constraint(tools: list[Any], parser: str, marker: str, tokenizer
     strict = [i for i, t in enumerate(tools) if t.function.strict]
     if not strict:
         return None
-    build = _FORMATS.get(parser)
+    build = _MARKED.get(parser) or (_llama3_json_call if parser == "llama3_json" else None)
     if build is None:
         raise APIError(400, f"strict functions under tool_choice \"auto\" are not enforced for the {parser!r} "
                             f"call format; drop strict, or force the call with tool_choice \"required\" or a "
@@ -90,17 +100,34 @@ def strict_auto_constraint(tools: list[Any], parser: str, marker: str, tokenizer
         schema = closed_schema(t.function.parameters or {"type": "object"}) if t.function.strict else None
         rules += build(f"fn_{i}", t.function.name, schema)
         fns.append(f"fn_{i}")
-    start, end = _token_or_text(tokenizer, marker), _token_or_text(tokenizer, _END_MARKER)
-    if start.startswith("<["):
-        trigger = f"call: TEXT {start} call_body {end}"
+    if parser == "llama3_json":
+        top = _llama3_json_top(tokenizer, parallel)
     else:
-        trigger = f"call: call_start call_body {end}\ncall_start[lazy]: TEXT {start}"
-    # several calls, text between them; with parallel_tool_calls false the output ends at its one call
-    top = "start: call* TEXT" if parallel else "start: TEXT | call"
-    lines = ["%llguidance {}", top, trigger, "call_body: " + " | ".join(fns), *rules, _TEXT]
+        top = _marked_top(tokenizer, marker, parallel)
+    lines = ["%llguidance {}", *top, "call_body: " + " | ".join(fns), *rules]
     if any("value_text" in r for r in rules):
-        lines.append(_value_text)
+        lines.append(_VALUE_TEXT_RULE)
     return StructuredOutputsParams(grammar="\n".join(lines) + "\n")
+
+
+def _marked_top(tokenizer: Any, marker: str, parallel: bool) -> list[str]:
+    """Free text; at the marker, a call up to the end marker; then text and calls again (parallel) or the end."""
+    start, end = _token_or_text(tokenizer, marker), _token_or_text(tokenizer, _END_MARKER)
+    if start.startswith("<["):  # a token ends the free text by itself
+        trigger = [f"call: TEXT {start} call_body {end}"]
+    else:
+        trigger = [f"call: call_start call_body {end}", f"call_start[lazy]: TEXT {start}"]
+    top = "start: call* TEXT" if parallel else "start: TEXT | call"
+    return [top, *trigger, _TEXT]
+
+
+def _llama3_json_top(tokenizer: Any, parallel: bool) -> list[str]:
+    """Llama 3's output is a call only when it starts with one (the parser's rule): either text that does not open
+    with `{`, or calls from the first character (after `<|python_tag|>` where it is a token), `;`-separated."""
+    tag = _token_or_text(tokenizer, _PYTHON_TAG)
+    more = ' (";" " "? call_body)*' if parallel else ""
+    return [f"start: PROSE? | {tag + '? ' if tag.startswith('<[') else ''}call_body{more}",
+            "PROSE: /\\s*[^{\\s](.|\\n)*/"]
 
 
 def _token_or_text(tokenizer: Any, marker: str) -> str:

@@ -6,8 +6,8 @@ when tools are given) works out of the box: the model decides, the parser of its
 its chat template, or `--tool-call-parser`) finds its calls. "required" and a named function are enforced with
 guided decoding (a JSON schema built from the tools' parameters, every object closed to undeclared properties),
 so their arguments always parse and validate, whatever the model; under "auto", `strict` functions are held to
-their closed schemas by a lazy grammar (strict_tools.py) once the model opens a call. A call cut by max_tokens never leaks into
-`content`: the message keeps the complete calls only.
+their closed schemas by a lazy grammar (strict_tools.py) once the model opens a call. A call cut by max_tokens
+never leaks into `content`: the message keeps the complete calls only.
 """
 from __future__ import annotations
 
