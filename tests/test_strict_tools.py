@@ -1,6 +1,6 @@
 """`strict: true` functions under tool_choice "auto": the lazy grammar leaves text free until the call marker, then
 holds the call to the closed schema (hermes and qwen3_coder, with the marker as text or as one added token;
-llama3_json, whose output is text or calls from its start); other
+llama3_json, whose output is text or calls from its start; mistral's two forms); other
 formats refuse with a 400 naming the field; and end to end, a tiny thinking model whose logit_bias pushes the
 marker returns a call whose arguments validate with additionalProperties false (jsonschema is the reference)."""
 import json
@@ -71,13 +71,35 @@ def test_strict_calls_under_auto_keep_to_the_closed_schema(tok, parser, call, ex
     jsonschema.validate(json.loads(calls[0].arguments), CLOSED)
 
 
+MISTRAL = [  # (its added tokens, a strict call after text, with an undeclared property, a non-strict call)
+    (("[TOOL_CALLS]", "[ARGS]"), 'Let me see. [TOOL_CALLS]get_weather[ARGS]{"unit": "celsius", "days": 2}',
+     '[TOOL_CALLS]get_weather[ARGS]{"unit": "celsius", "days": 2, "city": "Paris"}',
+     '[TOOL_CALLS]get_weather[ARGS]{"unit": "celsius", "days": 2}[TOOL_CALLS]lookup[ARGS]{"q": 1}'),
+    (("[TOOL_CALLS]",),
+     'Let me see. [TOOL_CALLS][{"name": "get_weather", "arguments": {"unit": "celsius", "days": 2}}]',
+     '[TOOL_CALLS][{"name": "get_weather", "arguments": {"unit": "celsius", "days": 2, "city": "Paris"}}]',
+     '[TOOL_CALLS][{"name": "lookup", "arguments": {"q": 1}}]'),
+]
+
+
+@pytest.mark.parametrize("tokens, call, extra, loose", MISTRAL, ids=["v11", "v3"])
+def test_mistral_strict_calls_follow_the_vocabulary_s_form(tokens, call, extra, loose):
+    tok = make_tokenizer(extra_tokens=tokens)
+    plan = plan_tools(_request(), ToolConfig(tool_call_parser="mistral"), "hermes", tok)
+    grammar = GuidanceBackend(tok, len(tok), {tok.eos_token_id}).compile(plan.structured)
+    assert _follows(grammar, tok, call) and not _follows(grammar, tok, extra) and _follows(grammar, tok, loose)
+    content, calls = extract_calls(plan, call)
+    assert content == "Let me see." and [c.name for c in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0].arguments), CLOSED)
+
+
 def test_no_strict_function_means_no_constraint():
     plan = plan_tools(_request(tools=[{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": False}}]),
                       ToolConfig(), "hermes", make_tokenizer())
     assert plan.mode == "auto" and plan.structured is None
 
 
-@pytest.mark.parametrize("parser", ["pythonic", "mistral", "gemma4"])
+@pytest.mark.parametrize("parser", ["pythonic", "gemma4", "mistral"])  # mistral: [TOOL_CALLS] is no token here
 def test_strict_under_auto_is_refused_where_no_grammar_is_written(parser):
     with pytest.raises(APIError) as err:
         plan_tools(_request(tools=[TOOLS[1], TOOLS[0]]), ToolConfig(tool_call_parser=parser), "hermes",

@@ -32,10 +32,15 @@ def _json_rule(schema: dict) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": _JSON_LAYOUT})
 
 
+def _json_call(name: str, schema: dict | None, key: str = "arguments") -> str:
+    """`{"name": NAME, KEY: {...}}` as a Lark expansion."""
+    head = _lit(json.dumps({"name": name}, ensure_ascii=False)[:-1] + f', "{key}": ')
+    return f'{head} {_json_rule(schema or {"type": "object"})} "}}"'
+
+
 def _hermes_call(rule: str, name: str, schema: dict | None) -> list[str]:
-    """Rule `rule`: `{"name": NAME, "arguments": {...}}` between the markers, on its own line."""
-    head = _lit(json.dumps({"name": name}, ensure_ascii=False)[:-1] + ', "arguments": ')
-    return [f'{rule}: "\\n" {head} {_json_rule(schema or {"type": "object"})} "}}" "\\n"']
+    """Rule `rule`: the JSON call between the markers, on its own line."""
+    return [f'{rule}: "\\n" {_json_call(name, schema)} "\\n"']
 
 
 def _qwen3_coder_call(rule: str, name: str, schema: dict | None) -> list[str]:
@@ -71,14 +76,22 @@ def _qwen3_value(schema: Any, defs: dict) -> str:
 
 
 def _llama3_json_call(rule: str, name: str, schema: dict | None) -> list[str]:
-    """Rule `rule`: `{"name": NAME, "parameters": {...}}`."""
-    head = _lit(json.dumps({"name": name}, ensure_ascii=False)[:-1] + ', "parameters": ')
-    return [f'{rule}: {head} {_json_rule(schema or {"type": "object"})} "}}"']
+    return [f"{rule}: {_json_call(name, schema, 'parameters')}"]
 
 
+def _mistral_list_call(rule: str, name: str, schema: dict | None) -> list[str]:
+    """Mistral v3 tokenizers: a JSON call inside the `[TOOL_CALLS][...]` list."""
+    return [f"{rule}: {_json_call(name, schema)}"]
+
+
+def _mistral_named_call(rule: str, name: str, schema: dict | None) -> list[str]:
+    """Mistral v11+ tokenizers: `NAME[ARGS]{...}` (rule `args_sep` is the [ARGS] token)."""
+    return [f'{rule}: {_lit(name)} args_sep {_json_rule(schema or {"type": "object"})}']
+
+
+Build = Callable[[str, str, dict | None], list[str]]
 # formats whose calls open with the parser's start marker anywhere in the output (text before and between them)
-_MARKED: dict[str, Callable[[str, str, dict | None], list[str]]] = {"hermes": _hermes_call,
-                                                                   "qwen3_coder": _qwen3_coder_call}
+_MARKED: dict[str, Build] = {"hermes": _hermes_call, "qwen3_coder": _qwen3_coder_call}
 _VALUE_TEXT_RULE = 'value_text[lazy]: /(.|\\n)*/ "\\n</parameter>"'
 _PYTHON_TAG = "<|python_tag|>"
 
@@ -90,24 +103,47 @@ def strict_auto_constraint(tools: list[Any], parser: str, marker: str, tokenizer
     strict = [i for i, t in enumerate(tools) if t.function.strict]
     if not strict:
         return None
-    build = _MARKED.get(parser) or (_llama3_json_call if parser == "llama3_json" else None)
-    if build is None:
+    layout = _layout(parser, marker, tokenizer, parallel)
+    if layout is None:
         raise APIError(400, f"strict functions under tool_choice \"auto\" are not enforced for the {parser!r} "
-                            f"call format; drop strict, or force the call with tool_choice \"required\" or a "
-                            f"named function", param=f"tools[{strict[0]}].function.strict")
+                            f"call format (or this vocabulary's markers); drop strict, or force the call with "
+                            f"tool_choice \"required\" or a named function",
+                       param=f"tools[{strict[0]}].function.strict")
+    build, top = layout
     fns, rules = [], []
     for i, t in enumerate(tools):
         schema = closed_schema(t.function.parameters or {"type": "object"}) if t.function.strict else None
         rules += build(f"fn_{i}", t.function.name, schema)
         fns.append(f"fn_{i}")
-    if parser == "llama3_json":
-        top = _llama3_json_top(tokenizer, parallel)
-    else:
-        top = _marked_top(tokenizer, marker, parallel)
     lines = ["%llguidance {}", *top, "call_body: " + " | ".join(fns), *rules]
     if any("value_text" in r for r in rules):
         lines.append(_VALUE_TEXT_RULE)
     return StructuredOutputsParams(grammar="\n".join(lines) + "\n")
+
+
+def _layout(parser: str, marker: str, tokenizer: Any, parallel: bool) -> tuple[Build, list[str]] | None:
+    """(how one call is written, the grammar's top rules) for the format, or None where none is written here."""
+    if parser in _MARKED:
+        return _MARKED[parser], _marked_top(tokenizer, marker, parallel)
+    if parser == "llama3_json":
+        return _llama3_json_call, _llama3_json_top(tokenizer, parallel)
+    if parser == "mistral":
+        return _mistral_layout(tokenizer, marker, parallel)
+    return None
+
+
+def _mistral_layout(tokenizer: Any, marker: str, parallel: bool) -> tuple[Build, list[str]] | None:
+    """Free text, then `[TOOL_CALLS]` and the calls until the end: the v11+ `NAME[ARGS]{...}` form (repeated after
+    `[TOOL_CALLS]`) when `[ARGS]` is a token of the vocabulary, else the v3 JSON list. None when `[TOOL_CALLS]`
+    is not one token."""
+    start, args = _token_or_text(tokenizer, marker), _token_or_text(tokenizer, "[ARGS]")
+    if not start.startswith("<["):
+        return None
+    if args.startswith("<["):
+        return _mistral_named_call, ["start: TEXT call" + ("*" if parallel else "?"), f"call: {start} call_body",
+                                     f"args_sep: {args}", _TEXT]
+    more = ' (", " call_body)*' if parallel else ""
+    return _mistral_list_call, [f'start: TEXT ({start} "[" call_body{more} "]")?', _TEXT]
 
 
 def _marked_top(tokenizer: Any, marker: str, parallel: bool) -> list[str]:
