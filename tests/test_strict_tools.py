@@ -83,7 +83,7 @@ MISTRAL = [  # (its added tokens, a strict call after text, with an undeclared p
 
 
 @pytest.mark.parametrize("tokens, call, extra, loose", MISTRAL, ids=["v11", "v3"])
-def test_mistral_strict_calls_follow_the_vocabulary_s_form(tokens, call, extra, loose):
+def test_mistral_strict_calls_keep_to_the_closed_schema_in_either_form(tokens, call, extra, loose):
     tok = make_tokenizer(extra_tokens=tokens)
     plan = plan_tools(_request(), ToolConfig(tool_call_parser="mistral"), "hermes", tok)
     grammar = GuidanceBackend(tok, len(tok), {tok.eos_token_id}).compile(plan.structured)
