@@ -1,4 +1,4 @@
-"""Tools and reasoning through the official openai client (and LangChain) against a real `novainfer serve` of a
+"""Tools and reasoning through the official openai client (and LangChain, litellm) against a real `novainfer serve` of a
 tiny thinking model started with no tool or reasoning flag: tools without tool_choice answer 200, forced calls
 keep to their schemas (jsonschema, extra properties refused), a cut call ends with "length" and no content, and
 reasoning_content is the output's text up to `</think>` (the reference: the same prompt through
@@ -139,6 +139,21 @@ def test_langchain_bind_tools_runs_unchanged(server):
         "Weather?", extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert [c["name"] for c in forced.tool_calls] == ["get_weather"]
     assert set(forced.tool_calls[0]["args"]) <= {"unit", "days"}
+
+
+def test_litellm_completion_runs_unchanged(server, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its price list, not a download at import
+    litellm = pytest.importorskip("litellm")
+    kw = dict(model="openai/think", api_base=server.url + "/v1", api_key="unused", messages=ASK,
+              tools=[WEATHER, TIME], max_tokens=60, temperature=0, num_retries=0)
+    reply = litellm.completion(**kw)  # tool_choice left to the server: "auto"
+    assert reply.choices[0].message.role == "assistant"
+    forced = litellm.completion(**kw, tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    calls = forced.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_time"]
+    jsonschema.validate(json.loads(calls[0].function.arguments),
+                        {**TIME["function"]["parameters"], "additionalProperties": False})
 
 
 CALL_REGEX = r'<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}\n</tool_call>'

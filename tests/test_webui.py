@@ -378,8 +378,20 @@ def test_model_output_is_shown_as_text_and_markdown_renders_safely(page):
     assert dialogs == []
 
 
-def test_reasoning_is_shown_collapsed_above_the_answer(page):
-    page.route(CHAT, fulfil_sse(sse_body("The answer is **4**.", reasoning=("Two plus two ", "<b>is</b> four."))))
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_reasoning_is_shown_collapsed_above_the_answer(page, stream):
+    """Streamed: the reasoning arrives in deltas before the answer's; whole: in message.reasoning_content."""
+    if stream:
+        page.route(CHAT, fulfil_sse(sse_body("The answer is **4**.", reasoning=("Two plus two ", "<b>is</b> four."))))
+    else:
+        configure(page, stream=False)
+        message = {"role": "assistant", "content": "The answer is **4**.",
+                   "reasoning_content": "Two plus two <b>is</b> four.", "reasoning": "Two plus two <b>is</b> four."}
+        body = {"id": "chatcmpl-fake", "object": "chat.completion", "created": 0, "model": MODEL,
+                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}}
+        page.route(CHAT, lambda route: route.fulfill(status=200, body=json.dumps(body),
+                                                     headers={"Content-Type": "application/json"}))
     send(page, "2+2?")
 
     def check():

@@ -13,5 +13,10 @@ THINKING_TEMPLATE = (
 THINK_TOKENS = ("<think>", "</think>")
 
 
-def make_thinking_model(path: str) -> str:
-    return make_tiny_model(path, "qwen3", seed=5, extra_tokens=THINK_TOKENS, chat_template=THINKING_TEMPLATE)
+CALL_TOKENS = ("<tool_call>", "</tool_call>")  # one token each, as in Qwen's vocabulary
+
+
+def make_thinking_model(path: str, call_tokens: bool = False) -> str:
+    """call_tokens: the call markers are added tokens too (a grammar must then write them as those tokens)."""
+    extra = THINK_TOKENS + (CALL_TOKENS if call_tokens else ())
+    return make_tiny_model(path, "qwen3", seed=5, extra_tokens=extra, chat_template=THINKING_TEMPLATE)

@@ -82,7 +82,7 @@ def _tool_fields(req: CountTokensRequest) -> dict[str, Any]:
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
         return {}
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                               "parameters": t.input_schema}} for t in req.tools]
+                                               "parameters": t.input_schema, "strict": t.strict}} for t in req.tools]
     choice, parallel = req.tool_choice, None
     kind = choice.type if choice is not None else "auto"
     if kind == "tool":
@@ -231,7 +231,7 @@ class MessagesHandler:
         """The prompt's length as /v1/messages would render it (tools included)."""
         chat_req = _chat_request(req)
         model = self.chat.serving.resolve_model(req.model)
-        plan = plan_tools(chat_req, self.chat.tools, self.chat.chat_format(model).tool_parser)
+        plan = plan_tools(chat_req, self.chat.tools, self.chat.chat_format(model).tool_parser, model.tokenizer)
         shown, kwargs = template_inputs(model.tokenizer, [m.to_template() for m in chat_req.messages], plan)
         try:
             ids = apply_chat_template(model.tokenizer, shown, True, **kwargs)

@@ -57,7 +57,7 @@ class FunctionDefinition(OpenAIModel):
     name: str = Field(..., min_length=1, max_length=64)
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # forced calls always follow the closed schema; "auto" calls are not constrained
+    strict: bool | None = None  # forced calls always follow the closed schema; under "auto", strict ones do too
 
 
 class ChatTool(OpenAIModel):

@@ -77,7 +77,7 @@ class AnthropicTool(OpenAIModel):
     description: str | None = None
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
-    strict: bool | None = None  # a forced tool (any / tool) always follows input_schema
+    strict: bool | None = None  # forced tools (any / tool) follow input_schema; under auto, strict ones
     cache_control: CacheControl | None = None
 
 

@@ -40,11 +40,12 @@ class CompletionHandler:
         model = self.serving.resolve_model(req.model)
         fmt = self.chat_format(model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        plan = plan_tools(req, self.tools, fmt.tool_parser)
+        plan = plan_tools(req, self.tools, fmt.tool_parser, model.tokenizer)
         constraint = structured_outputs_params(req)
         if plan.structured is not None and constraint is not None:
-            raise APIError(400, f"tool_choice {req.tool_choice if isinstance(req.tool_choice, str) else 'named'} "
-                                "already constrains the output; drop response_format / structured_outputs",
+            what = ("strict tools" if plan.mode == "auto" else
+                    f"tool_choice {req.tool_choice if isinstance(req.tool_choice, str) else 'named'}")
+            raise APIError(400, f"{what} already constrain(s) the output; drop response_format / structured_outputs",
                            param="tool_choice")
         params = self.serving.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                               structured_outputs=plan.structured or constraint)

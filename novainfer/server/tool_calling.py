@@ -5,8 +5,9 @@ tool_choice "none": the tools are left out of the prompt and the output is plain
 when tools are given) works out of the box: the model decides, the parser of its own call format (chosen from
 its chat template, or `--tool-call-parser`) finds its calls. "required" and a named function are enforced with
 guided decoding (a JSON schema built from the tools' parameters, every object closed to undeclared properties),
-so their arguments always parse and validate, whatever the model. A call cut by max_tokens never leaks into
-`content`: the message keeps the complete calls only.
+so their arguments always parse and validate, whatever the model; under "auto", `strict` functions are held to
+their closed schemas by a lazy grammar (strict_tools.py) once the model opens a call. A call cut by max_tokens
+never leaks into `content`: the message keeps the complete calls only.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 from novainfer.sampling_params import StructuredOutputsParams
 from novainfer.server.errors import APIError
 from novainfer.server.protocol import ChatCompletionRequest
+from novainfer.server.strict_tools import strict_auto_constraint
 from novainfer.server.structured_request import closed_schema
 from novainfer.server.tool_parsers import ParsedCall, ToolParser, get_tool_parser
 from novainfer.server.tool_parsers.base import json_call_list
@@ -74,9 +76,10 @@ class ToolPlan:
     parser: ToolParser | None = None
 
 
-def plan_tools(req: ChatCompletionRequest, config: ToolConfig, model_parser: str) -> ToolPlan:
-    """The request's tool mode and its output constraint (model_parser: the served model's call format); a 400
-    naming the field for what cannot be served."""
+def plan_tools(req: ChatCompletionRequest, config: ToolConfig, model_parser: str, tokenizer: Any) -> ToolPlan:
+    """The request's tool mode and its output constraint (model_parser: the served model's call format; tokenizer:
+    the served model's, whose vocabulary may hold the call markers); a 400 naming the field for what cannot be
+    served."""
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none"):
@@ -88,12 +91,14 @@ def plan_tools(req: ChatCompletionRequest, config: ToolConfig, model_parser: str
         if not config.enable_auto_tool_choice:
             raise APIError(400, '"auto" tool choice is off on this server (--enable-auto-tool-choice); send '
                                 'tool_choice "required", "none" or a named function', param="tool_choice")
+        name = config.tool_call_parser or model_parser
         try:
-            parser = get_tool_parser(config.tool_call_parser or model_parser, tools)
+            parser = get_tool_parser(name, tools)
         except NotImplementedError as exc:
             raise APIError(400, f'tool_choice "auto": {exc}; send "required" or a named function',
                            param="tool_choice") from None
-        return ToolPlan("auto", tools, parser=parser)
+        structured = strict_auto_constraint(req.tools, name, parser.start_marker, tokenizer, req.parallel_tool_calls)
+        return ToolPlan("auto", tools, structured=structured, parser=parser)
     if choice == "none":
         return ToolPlan("none")
     if choice == "required":
