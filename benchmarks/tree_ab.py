@@ -30,7 +30,7 @@ def export_tree(commit: str) -> str:
 
 
 def run_in(tree: str, script: list[str], out_json: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": tree}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)}
     subprocess.run([sys.executable, *script, "--json", out_json], cwd=tree, env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(out_json) as f:
