@@ -77,7 +77,7 @@ def test_grammar_state_is_rebuilt_from_the_tokens(llm):
         mgr.accept(rolled, ids[:i])
     for i in range(1, 2):
         mgr.accept(fresh, ids[:i])
-    seqs = [SimpleNamespace(seq_id=s, grammar=g, num_output_tokens=1, output_token_ids=ids[:1])
+    seqs = [SimpleNamespace(seq_id=s, grammar=g, num_output_tokens=1, output_token_ids=ids[:1], min_tokens_blocked=())
             for s, g in ((1, rolled), (2, fresh))]
     masks = mgr.grammar_bitmask(seqs)
     assert masks.seq_ids == [1, 2] and rolled.num_accepted == 1
