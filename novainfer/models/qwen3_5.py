@@ -49,7 +49,8 @@ class PartialRotaryEmbedding(RotaryEmbedding):
                                       "for Qwen3.5/Qwen3-Next (only 'default')")
         self.rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         base = params["rope_theta"]
-        inv_freq = 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float) / self.rotary_dim))
+        steps = torch.arange(0, self.rotary_dim, 2, dtype=torch.float, device="cpu")  # the tables start on the CPU
+        inv_freq = 1.0 / (base ** (steps / self.rotary_dim))
         cos, sin = _cos_sin(inv_freq, 1.0, max_position)
         self.register_buffer("cos_cache", cos, persistent=False)
         self.register_buffer("sin_cache", sin, persistent=False)
