@@ -48,7 +48,7 @@ _UNION_MEMBER = re.compile(r"^(constrained-)?(str|int|float|bool|none|list\[.*\]
 _PUBLIC_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/webui/")
 # 413: a body over --max-request-body-bytes; 500: a request whose engine step fails (naming its request_id)
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse}
-                                            for code in (400, 401, 404, 413, 429, 500, 503)}
+                                            for code in (400, 401, 404, 409, 413, 429, 500, 503)}
 _STREAMING = {200: {"description": "The completion; with `stream: true`, SSE chunks (`data: {json}`) then "
                                    "`data: [DONE]`",
                     # in OpenAPI 3.1 an event stream's schema describes each event

@@ -1,0 +1,93 @@
+"""Reliability findings of 2026-11-27 against a real `novainfer serve`: duplicate X-Request-Id, client chat
+templates, stalled SSE readers, bounds on client-controlled state, slowloris, and small input checks."""
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server_utils import RemoteServer
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_qwen2, tmp_path_factory):
+    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, "--max-concurrent-requests", "2",
+                        "--max-queue-len", "4"],
+                       str(tmp_path_factory.mktemp("server") / "server.log"))
+    yield srv
+    srv.stop()
+
+
+def _error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text[:500]
+    return resp.json()["error"]
+
+
+def _sse(lines) -> list:
+    return [line[len("data: "):] for line in lines if line.startswith("data: ")]
+
+
+def _complete(url: str, max_tokens: int = 4, **extra) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", timeout=30,
+                      json={"model": MODEL, "prompt": "Hi", "max_tokens": max_tokens, **extra})
+
+
+# ---- 1. a reused X-Request-Id -------------------------------------------------------------------------------
+def test_duplicate_request_id_is_409_and_the_first_request_is_untouched(server):
+    url = server.url
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/completions", json=body,
+                                                       headers={"X-Request-Id": "dup"}) as first:
+        lines = first.iter_lines()
+        assert "choices" in next(line for line in lines if line.startswith("data: "))
+        for headers in ({"X-Request-Id": "dup"},):
+            second = httpx.post(url + "/v1/completions", headers=headers, timeout=30,
+                                json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+            error = _error(second, 409)
+            assert "dup" in error["message"] and second.headers["x-request-id"] == "dup"
+        events = _sse(lines)
+    assert events[-1] == "[DONE]"
+    finishes = [c["finish_reason"] for e in events[:-1] for c in json.loads(e)["choices"] if c["finish_reason"]]
+    assert finishes == ["length"]
+    assert server.wait_idle() == 0
+
+
+def test_duplicate_of_a_non_streaming_request_leaves_its_slot_to_come_back(server):
+    """With every slot held by a request and its duplicate, the victims still finish and free their slots."""
+    url, results = server.url, {}
+
+    def run(name: str, rid: str, max_tokens: int) -> None:
+        results[name] = httpx.post(url + "/v1/completions", headers={"X-Request-Id": rid}, timeout=60,
+                                   json={"model": MODEL, "prompt": "Hi", "max_tokens": max_tokens,
+                                         "ignore_eos": True})
+    threads = [threading.Thread(target=run, args=("a", "same", 200)), threading.Thread(target=run, args=("b", "other", 200))]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    dup = httpx.post(url + "/v1/completions", headers={"X-Request-Id": "same"}, timeout=30,
+                     json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    for t in threads:
+        t.join()
+    assert dup.status_code == 409
+    assert results["a"].status_code == 200 and results["a"].json()["usage"]["completion_tokens"] == 200
+    assert server.wait_idle() == 0
+    # both slots came back: two at once are admitted without a 429
+    assert [r.status_code for r in _parallel(url, 2)] == [200, 200]
+
+
+def _parallel(url: str, k: int) -> list[httpx.Response]:
+    out: list = [None] * k
+
+    def one(i: int) -> None:
+        out[i] = _complete(url, 2)
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(k)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
