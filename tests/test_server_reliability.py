@@ -91,3 +91,53 @@ def _parallel(url: str, k: int) -> list[httpx.Response]:
         t.join()
     return out
 
+
+# ---- 2. client-supplied chat templates ---------------------------------------------------------------------
+LOOP_TEMPLATE = "{% for i in range(5000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}{{ messages[0].content }}"
+
+
+def _chat(url: str, **extra) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", timeout=60,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **extra})
+
+
+@pytest.mark.parametrize("kwargs, param", [({"chat_template": "{{ 'a ' * 5000000 }}"}, "chat_template"),
+                                           ({"chat_template": LOOP_TEMPLATE}, "chat_template"),
+                                           ({"tokenize": False}, "tokenize")])
+def test_client_chat_template_is_refused_by_default(server, kwargs, param):
+    t0 = time.monotonic()
+    error = _error(_chat(server.url, chat_template_kwargs=kwargs), 400)
+    assert time.monotonic() - t0 < 1.0
+    assert error["param"] == f"chat_template_kwargs.{param}" and param in error["message"]
+    assert _error(_chat(server.url, chat_template=LOOP_TEMPLATE), 400)["param"] == "chat_template"
+
+
+@pytest.fixture(scope="module")
+def trusting(tiny_qwen2, tmp_path_factory):
+    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, "--trust-request-chat-template"],
+                       str(tmp_path_factory.mktemp("server") / "server.log"))
+    yield srv
+    srv.stop()
+
+
+def test_trusted_client_template_renders_off_the_event_loop(trusting):
+    """A slow template (5 * 10^7 loop steps) runs while /health and other requests keep answering."""
+    url, slow = trusting.url, {}
+
+    def run() -> None:
+        slow["resp"] = _chat(url, chat_template_kwargs={"chat_template": LOOP_TEMPLATE})
+    thread = threading.Thread(target=run)
+    t0 = time.monotonic()
+    thread.start()
+    time.sleep(0.2)
+    worst = 0.0
+    while thread.is_alive():
+        t1 = time.monotonic()
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        worst = max(worst, time.monotonic() - t1)
+        time.sleep(0.05)
+    thread.join()
+    assert slow["resp"].status_code == 200, slow["resp"].text
+    assert slow["resp"].json()["usage"]["prompt_tokens"] == len(httpx.post(
+        url + "/tokenize", json={"model": MODEL, "prompt": "Hi", "add_special_tokens": False}).json()["tokens"])
+    assert time.monotonic() - t0 > 0.5 and worst < 0.5, (time.monotonic() - t0, worst)

@@ -32,6 +32,8 @@ class ServerConfig:
     max_request_body_bytes: int = setting(4 << 20, "larger request bodies are refused with 413")
     allowed_origins: list[str] = setting(help="origins allowed by CORS (e.g. http://localhost:3000 or *)",
                                          default_factory=list, nargs="+", shown="none: CORS is off")
+    trust_request_chat_template: bool = setting(False, "accept a client-supplied chat template "
+                                                "(chat_template_kwargs.chat_template); off: such a request gets 400")
     shutdown_timeout: float = setting(10.0, "on SIGTERM, seconds in-flight requests may finish before they are "
                                       "aborted")
 

@@ -22,10 +22,10 @@ from starlette.staticfiles import StaticFiles
 
 import novainfer
 from novainfer.config import ServerConfig
-from novainfer.entrypoints.chat_utils import apply_chat_template
 from novainfer.server import anthropic
 from novainfer.server.anthropic import MessagesHandler
 from novainfer.server.async_engine import AsyncEngineBase, TrackedRequest
+from novainfer.server.chat_templates import encode, render_chat
 from novainfer.server.errors import APIError, error_body, error_response
 from novainfer.server.limits import AdmissionLimiter
 from novainfer.server.metrics import ServerMetrics
@@ -177,7 +177,7 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
                                                      config.retry_after),
                             SessionStore(config.max_sessions, config.session_ttl))
     handler = CompletionHandler(serving, ToolConfig(config.enable_auto_tool_choice, config.tool_call_parser),
-                                config.reasoning_parser)
+                                config.reasoning_parser, config.trust_request_chat_template)
     responses = ResponsesHandler(handler, SessionStore(config.max_sessions, config.session_ttl))
     messages = MessagesHandler(handler)
 
@@ -286,9 +286,9 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
         m = serving.resolve_model(body.model)
         if body.messages is not None:
             msgs = [{"role": x.role, "content": x.text()} for x in body.messages]
-            ids = apply_chat_template(m.tokenizer, msgs, body.add_generation_prompt)
+            ids = await render_chat(m.tokenizer, msgs, body.add_generation_prompt)
         elif body.prompt is not None:
-            ids = m.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await encode(m.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             raise APIError(400, "give either prompt or messages", param="prompt")
         return TokenizeResponse(count=len(ids), max_model_len=m.max_model_len, tokens=list(ids))

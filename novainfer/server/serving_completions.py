@@ -11,9 +11,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from novainfer.entrypoints.chat_utils import apply_chat_template
 from novainfer.outputs import CompletionOutput, RequestOutput
 from novainfer.server.async_engine import EngineDeadError, RequestFailedError
+from novainfer.server.chat_templates import checked_template_kwargs, encode, render_chat
 from novainfer.server.errors import APIError, error_body
 from novainfer.server.logprobs import (chat_logprobs, completion_logprobs, join_completion_logprobs,
                                        prompt_completion_logprobs, vllm_prompt_logprobs)
@@ -29,8 +29,10 @@ from novainfer.server.tool_calling import ToolConfig, plan_tools, template_input
 class CompletionHandler:
     """Shared by both endpoints; chat and text differ in prompts, choice shape and logprobs shape."""
 
-    def __init__(self, serving: OpenAIServing, tools: ToolConfig | None = None, reasoning_parser: str | None = None):
+    def __init__(self, serving: OpenAIServing, tools: ToolConfig | None = None, reasoning_parser: str | None = None,
+                 trust_request_chat_template: bool = False):
         self.serving = serving
+        self.trust_request_chat_template = trust_request_chat_template  # --trust-request-chat-template
         self.tools = tools or ToolConfig()
         self.reasoning_parser = reasoning_parser  # --reasoning-parser; None: from each model's chat template
         self.formats: dict[str, ChatFormat] = {}
@@ -49,20 +51,21 @@ class CompletionHandler:
         params = self.serving.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                               structured_outputs=plan.structured or constraint)
         self.serving.check_logit_bias(model, params)
+        client_kwargs = checked_template_kwargs(req.chat_template_kwargs, self.trust_request_chat_template)
         messages = [m.to_template() for m in req.messages]
         session = self.serving.sessions.get(req.session_id) if req.session_id else None
         if session is not None:
             messages = continue_conversation(session.messages, messages)
         shown, template_kwargs = template_inputs(model.tokenizer, messages, plan)
         try:
-            ids = apply_chat_template(model.tokenizer, shown, req.add_generation_prompt,
-                                      **template_kwargs, **(req.chat_template_kwargs or {}))
+            ids = await render_chat(model.tokenizer, shown, req.add_generation_prompt,
+                                    **{**template_kwargs, **client_kwargs})
         except Exception as exc:  # the model's template refused these messages (its own rules, e.g. roles)
             raise APIError(400, f"the model's chat template failed on these messages: {exc}",
                            param="messages") from None
         self.serving.check_prompt(model, ids, max_tokens)
         reasoning = None
-        if fmt.reasoning_parser and (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False:
+        if fmt.reasoning_parser and client_kwargs.get("enable_thinking", True) is not False:
             tail = model.tokenizer.decode(ids[-32:], skip_special_tokens=False)
             reasoning = get_reasoning_parser(fmt.reasoning_parser, tail)
             if params.structured_outputs is not None:  # the constraint holds for what follows the reasoning
@@ -105,7 +108,7 @@ class CompletionHandler:
             raise APIError(400, "session_id needs exactly one prompt", param="session_id")
         texts = [p if isinstance(p, str) else None for p in prompts]
         history = session.token_ids if session is not None else []
-        ids = [history + (tok.encode(p, add_special_tokens=not history) if isinstance(p, str) else p)
+        ids = [history + (await encode(tok, p, add_special_tokens=not history) if isinstance(p, str) else p)
                for p in prompts]
         for one in ids:
             self.serving.check_prompt(model, one, max_tokens)
