@@ -34,6 +34,8 @@ class ServerConfig:
                                          default_factory=list, nargs="+", shown="none: CORS is off")
     trust_request_chat_template: bool = setting(False, "accept a client-supplied chat template "
                                                 "(chat_template_kwargs.chat_template); off: such a request gets 400")
+    stream_write_timeout: float = setting(30.0, "seconds a response write may wait for a client that stopped "
+                                          "reading; then the connection is dropped and its request aborted")
     shutdown_timeout: float = setting(10.0, "on SIGTERM, seconds in-flight requests may finish before they are "
                                       "aborted")
 

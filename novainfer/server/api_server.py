@@ -38,6 +38,7 @@ from novainfer.server.responses import ResponsesHandler
 from novainfer.server.serving import OpenAIServing, ServedModel
 from novainfer.server.serving_completions import CompletionHandler
 from novainfer.server.sessions import SessionStore
+from novainfer.server.sse import ClientStalledError, bounded_send
 from novainfer.server.tool_calling import ToolConfig
 
 logger = logging.getLogger(__name__)
@@ -82,8 +83,8 @@ class RequestContextMiddleware:
     """Pure ASGI (so streaming and disconnects pass untouched): X-Request-Id on every response, the API key,
     and the body size limit (a body is read whole, up to the limit, before the app sees it)."""
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int):
-        self.app, self.max_body_bytes = app, max_body_bytes
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, write_timeout: float):
+        self.app, self.max_body_bytes, self.write_timeout = app, max_body_bytes, write_timeout
         # compared as digests: equal length whatever was sent, so the comparison's time says nothing
         self.key_digest = hashlib.sha256(f"Bearer {api_key}".encode()).digest() if api_key else None
 
@@ -97,10 +98,12 @@ class RequestContextMiddleware:
         token = REQUEST_ID.set(request_id)
         path = scope.get("path", "")
 
+        bounded = bounded_send(send, self.write_timeout)  # a client that stops reading is dropped
+
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
-            await send(message)
+            await bounded(message)
 
         async def refuse(status: int, message: str, code: str) -> None:
             logger.info("%d %s: %s", status, path, message)
@@ -122,6 +125,8 @@ class RequestContextMiddleware:
                                              "(--max-request-body-bytes)", "request_too_large")
                 receive = _replay(body, receive)
             await self.app(scope, receive, send_with_id)
+        except ClientStalledError as exc:  # returning with the response unfinished makes uvicorn close it
+            logger.warning("%s %s: connection dropped: %s", scope.get("method"), path, exc)
         finally:
             REQUEST_ID.reset(token)
 
@@ -192,7 +197,8 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
     # no /docs or /redoc: their pages load Swagger UI and ReDoc from a CDN, blank offline; /openapi.json stays
     app = FastAPI(title="NovaInfer OpenAI-compatible API", version=novainfer.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
-    app.add_middleware(RequestContextMiddleware, api_key=config.api_key, max_body_bytes=config.max_request_body_bytes)
+    app.add_middleware(RequestContextMiddleware, api_key=config.api_key, max_body_bytes=config.max_request_body_bytes,
+                       write_timeout=config.stream_write_timeout)
     if config.allowed_origins:  # off by default; outermost, so preflights and 401/413 answers carry its headers
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],

@@ -8,7 +8,7 @@ import time
 from typing import AsyncIterator, Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.background import BackgroundTask
 
 from novainfer.outputs import CompletionOutput, RequestOutput
@@ -20,6 +20,7 @@ from novainfer.server.logprobs import (chat_logprobs, completion_logprobs, join_
 from novainfer.server.protocol import MAX_SEQUENCES, ChatCompletionRequest, CompletionRequest
 from novainfer.server.chat_output import ChatFormat, ChoiceOutput
 from novainfer.server.reasoning_parsers import get_reasoning_parser
+from novainfer.server.sse import EventStream
 from novainfer.server.serving import Generation, OpenAIServing, ServedModel, abort_on_disconnect, held_back
 from novainfer.server.sessions import continue_conversation
 from novainfer.server.structured_request import structured_outputs_params
@@ -132,7 +133,7 @@ class CompletionHandler:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             body = self._stream(gen, req, kind, response_id, include_usage, remember, chat_output)
-            return StreamingResponse(body, media_type="text/event-stream", background=BackgroundTask(gen.release))
+            return EventStream(body, background=BackgroundTask(gen.release))
         watcher = asyncio.create_task(abort_on_disconnect(raw, gen))
         try:
             async for _ in gen.outputs():
