@@ -172,3 +172,85 @@ def test_stalled_sse_reader_is_dropped_and_its_slot_freed(server):
         assert "stream-write-timeout" in server.log()
     finally:
         stalled.close()
+
+
+# ---- 5. engine supervision ---------------------------------------------------------------------------------
+def _core_pid(srv: RemoteServer) -> int:
+    import re
+    return int(re.search(r"engine core process pid=(\d+) started", srv.log()).group(1))
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _stream_in_flight(url: str, out: dict) -> threading.Thread:
+    """A long stream in a thread; out["events"] gets its SSE data lines."""
+    def run() -> None:
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+                out["events"] = _sse(resp.iter_lines())
+        except httpx.HTTPError as exc:
+            out["error"] = exc
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_core_killed_fails_in_flight_requests_and_the_server_exits_non_zero(tiny_qwen2, tmp_path_factory):
+    import os
+    import signal
+    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, "--max-num-seqs", "1"],
+                       str(tmp_path_factory.mktemp("server") / "server.log"))
+    try:
+        pid, out = _core_pid(srv), {}
+        thread = _stream_in_flight(srv.url, out)
+        deadline = time.monotonic() + 10
+        while srv.metric("novainfer:num_requests_running") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        thread.join(30)
+        assert srv.proc.wait(timeout=15) != 0  # exits by itself, for a supervisor to restart it
+        events = out["events"]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 503
+        assert "killed by signal SIGKILL (-9)" in json.loads(events[-2])["error"]["message"]
+        assert not _alive(pid)  # reaped: no zombie left
+        assert "exit status could not be read" not in srv.log()
+    finally:
+        srv.stop()
+
+
+def test_frozen_core_turns_health_503_within_the_step_timeout(tiny_qwen2, tmp_path_factory):
+    import os
+    import signal
+    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, "--engine-step-timeout", "3"],
+                       str(tmp_path_factory.mktemp("server") / "server.log"))
+    pid = _core_pid(srv)
+    try:
+        assert _complete(srv.url).status_code == 200
+        os.kill(pid, signal.SIGSTOP)
+        out = {}
+        thread = _stream_in_flight(srv.url, out)
+        t0, health = time.monotonic(), 200
+        while health == 200 and time.monotonic() - t0 < 10:
+            time.sleep(0.2)
+            try:
+                health = httpx.get(srv.url + "/health", timeout=5).status_code
+            except httpx.HTTPError:  # the server already exited
+                health = None
+        assert health in (503, None) and 2.5 < time.monotonic() - t0 < 6.0
+        thread.join(30)
+        events = out["events"]
+        assert events[-1] == "[DONE]" and "no step progress" in json.loads(events[-2])["error"]["message"]
+        assert srv.proc.wait(timeout=15) != 0
+        assert not _alive(pid)
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        srv.stop()

@@ -36,6 +36,9 @@ class ServerConfig:
                                                 "(chat_template_kwargs.chat_template); off: such a request gets 400")
     stream_write_timeout: float = setting(30.0, "seconds a response write may wait for a client that stopped "
                                           "reading; then the connection is dropped and its request aborted")
+    engine_step_timeout: float = setting(60.0, "seconds an engine core may make no step progress while requests "
+                                         "wait; past it the core is treated as dead (killed, /health 503, the "
+                                         "server exits non-zero)")
     shutdown_timeout: float = setting(10.0, "on SIGTERM, seconds in-flight requests may finish before they are "
                                       "aborted")
 

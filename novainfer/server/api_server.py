@@ -177,6 +177,8 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
     for name, engine in engines:
         engine.on_stats = lambda stats, n=name: metrics.observe_stats(n, stats)
         engine.on_finished = lambda t, r, n=name: record_finished(n, t, r)
+        engine.on_dead = lambda reason: setattr(app.state, "fatal", reason)  # the launcher exits non-zero
+        engine.step_timeout = config.engine_step_timeout
         served.append(ServedModel.create(name, engine))
     serving = OpenAIServing(served, AdmissionLimiter(config.max_concurrent_requests, config.max_queue_len,
                                                      config.retry_after),

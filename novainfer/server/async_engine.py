@@ -75,6 +75,7 @@ class TrackedRequest:
 
 
 FinishedHook = Callable[[TrackedRequest, str | None], None]
+DeadHook = Callable[[str], None]
 StatsHook = Callable[[SchedulerStats], None]
 
 
@@ -88,6 +89,8 @@ class AsyncEngineBase(ABC):
     def __init__(self, on_stats: StatsHook | None = None, on_finished: FinishedHook | None = None):
         self.on_stats = on_stats  # the core's gauges and counters, after each step (metrics)
         self.on_finished = on_finished  # called on the event loop when a request reaches a terminal state
+        self.on_dead: DeadHook | None = None  # called once, with the reason, when the engine dies (server exits)
+        self.step_timeout: float | None = None  # seconds without step progress, while requests wait, until dead
         self.dead_reason: str | None = None
         self._requests: dict[str, TrackedRequest] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -214,7 +217,10 @@ class AsyncEngineBase(ABC):
 
     def _die(self, reason: str) -> None:
         """The engine is gone: every live request fails with EngineDeadError, and so will new ones."""
-        if self.dead_reason is None:
+        first = self.dead_reason is None
+        if first:
             logger.error("%s", reason)
             self.dead_reason = reason
         self._fail(list(self._requests), EngineDeadError(self.dead_reason))
+        if first and self.on_dead is not None:
+            self.on_dead(reason)
