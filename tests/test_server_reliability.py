@@ -16,7 +16,8 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def server(tiny_qwen2, tmp_path_factory):
     srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, "--max-concurrent-requests", "2",
-                        "--max-queue-len", "0", "--stream-write-timeout", "2"],
+                        "--max-queue-len", "0", "--stream-write-timeout", "2",
+                        "--max-sessions", "1", "--request-header-timeout", "2"],
                        str(tmp_path_factory.mktemp("server") / "server.log"))
     yield srv
     srv.stop()
@@ -254,3 +255,69 @@ def test_frozen_core_turns_health_503_within_the_step_timeout(tiny_qwen2, tmp_pa
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
         srv.stop()
+
+
+# ---- 4. bounds on client-controlled state ------------------------------------------------------------------
+def test_session_id_is_bounded_and_a_refused_request_makes_no_session(server):
+    error = _error(_complete(server.url, session_id="s" * 257), 400)
+    assert error["param"] == "session_id" and "256" in error["message"]
+    first = _complete(server.url, 4, session_id="kept")  # the server keeps one session (--max-sessions 1)
+    assert first.status_code == 200
+    assert _complete(server.url, 10**6, session_id="refused").status_code == 400  # must not evict "kept"
+    again = _complete(server.url, 4, session_id="kept")
+    history = first.json()["usage"]["prompt_tokens"] + first.json()["usage"]["completion_tokens"]
+    assert again.json()["usage"]["prompt_tokens"] > history
+
+
+@pytest.mark.parametrize("extra, param, limit", [
+    ({"stop": [f"s{i}" for i in range(65)]}, "stop", "64"),
+    ({"stop": ["x" * 1025]}, "stop", "1024"),
+    ({"stop_token_ids": list(range(1025))}, "stop_token_ids", "1024"),
+])
+def test_stop_lists_are_bounded(server, extra, param, limit):
+    error = _error(_complete(server.url, **extra), 400)
+    assert error["param"].startswith(param) and limit in error["message"]
+
+
+def test_message_count_is_bounded(server):
+    messages = [{"role": "user", "content": "a"}] * 1025
+    resp = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                      json={"model": MODEL, "messages": messages, "max_tokens": 1})
+    error = _error(resp, 400)
+    assert error["param"] == "messages" and "1024" in error["message"]
+
+
+def test_logprob_work_is_bounded(server):
+    resp = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 128, "max_tokens": 450,
+        "logprobs": True, "top_logprobs": 20})
+    error = _error(resp, 400)
+    assert error["param"] == "top_logprobs" and "1048576" in error["message"]
+
+
+def test_connections_that_never_finish_their_headers_are_closed(server):
+    """Slowloris: partial request heads, trickled a byte at a time, are cut off by --request-header-timeout."""
+    socks = []
+    for _ in range(4):
+        s = socket.create_connection(("127.0.0.1", server.port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        s.settimeout(0.2)
+        socks.append(s)
+    t0, closed = time.monotonic(), set()
+    while len(closed) < len(socks) and time.monotonic() - t0 < 8:
+        for i, s in enumerate(socks):
+            if i in closed:
+                continue
+            try:
+                s.sendall(b"X")  # never a whole header line
+                if s.recv(1024) == b"":
+                    closed.add(i)
+            except socket.timeout:
+                pass
+            except OSError:
+                closed.add(i)
+        time.sleep(0.3)
+    for s in socks:
+        s.close()
+    assert len(closed) == len(socks) and time.monotonic() - t0 < 6
+    assert _complete(server.url).status_code == 200

@@ -39,6 +39,9 @@ class ServerConfig:
     engine_step_timeout: float = setting(60.0, "seconds an engine core may make no step progress while requests "
                                          "wait; past it the core is treated as dead (killed, /health 503, the "
                                          "server exits non-zero)")
+    request_header_timeout: float = setting(10.0, "seconds a connection may take to send a whole request head "
+                                            "(after connecting or after its previous response); then it is "
+                                            "closed")
     shutdown_timeout: float = setting(10.0, "on SIGTERM, seconds in-flight requests may finish before they are "
                                       "aborted")
 

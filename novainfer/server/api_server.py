@@ -215,7 +215,9 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
+        errors = exc.errors()
+        # of a union's members, the one of the right type says what is wrong (a too-long list, not "not a string")
+        first = next((e for e in errors if not str(e.get("type")).endswith("_type")), errors[0]) if errors else {}
         if first.get("type") == "json_invalid":
             reason = first.get("ctx", {}).get("error", "")
             return await on_api_error(request, APIError(400, f"Invalid JSON body: {reason}"))

@@ -19,6 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from novainfer.config import ServerConfig
+from novainfer.server.http_protocol import header_deadline_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ def run_server(app: FastAPI, config: ServerConfig, log_level: str) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
+                               http=header_deadline_protocol(config.request_header_timeout),
                                log_level=log_level.lower(),
                                timeout_graceful_shutdown=int(config.shutdown_timeout) + 5)
     DrainingServer(uv_config, app, config.shutdown_timeout).run()

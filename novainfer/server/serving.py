@@ -13,7 +13,7 @@ from novainfer.sampling_params import SamplingParams
 from novainfer.server.async_engine import AsyncEngineBase, DuplicateRequestError, EngineDeadError, TrackedRequest
 from novainfer.server.errors import APIError
 from novainfer.server.limits import AdmissionLimiter, OverloadedError, Slot
-from novainfer.server.protocol import SamplingFields, UsageInfo
+from novainfer.server.protocol import MAX_LOGPROB_ENTRIES, SamplingFields, UsageInfo
 from novainfer.server.sessions import SessionStore
 
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -174,6 +174,20 @@ class OpenAIServing:
     def _duplicate(request_id: str) -> APIError:
         return APIError(409, f"X-Request-Id {request_id!r} is already used by a running request; send a unique id "
                              f"(or none)", param="X-Request-Id", code="duplicate_request_id")
+
+    @staticmethod
+    def check_logprob_work(model: ServedModel, prompts: list[list[int]], n: int, max_tokens: int | None,
+                           logprobs: int | None, param: str) -> None:
+        """400 when sequences x completion tokens x logprobs per token passes MAX_LOGPROB_ENTRIES (the response
+        would hold that many entries)."""
+        if not logprobs:
+            return
+        tokens = sum(max_tokens if max_tokens is not None else model.max_model_len - len(p) for p in prompts)
+        entries = tokens * n * (logprobs + 1)  # the sampled token's own entry too
+        if entries > MAX_LOGPROB_ENTRIES:
+            raise APIError(400, f"n={n} x {tokens} completion tokens x ({logprobs} + 1) logprobs is {entries} "
+                                f"logprob entries; one request may ask for at most {MAX_LOGPROB_ENTRIES}",
+                           param=param)
 
     async def start(self, model: ServedModel, request_id: str, prompts: list[list[int]],
                     params: SamplingParams, prompt_texts: list[str | None]) -> Generation:

@@ -54,7 +54,8 @@ class CompletionHandler:
         self.serving.check_logit_bias(model, params)
         client_kwargs = checked_template_kwargs(req.chat_template_kwargs, self.trust_request_chat_template)
         messages = [m.to_template() for m in req.messages]
-        session = self.serving.sessions.get(req.session_id) if req.session_id else None
+        sessions = self.serving.sessions
+        session = sessions.find(req.session_id) if req.session_id else None  # made only once the turn succeeds
         if session is not None:
             messages = continue_conversation(session.messages, messages)
         shown, template_kwargs = template_inputs(model.tokenizer, messages, plan)
@@ -65,6 +66,7 @@ class CompletionHandler:
             raise APIError(400, f"the model's chat template failed on these messages: {exc}",
                            param="messages") from None
         self.serving.check_prompt(model, ids, max_tokens)
+        self.serving.check_logprob_work(model, [ids], req.n, max_tokens, params.logprobs, "top_logprobs")
         reasoning = None
         if fmt.reasoning_parser and client_kwargs.get("enable_thinking", True) is not False:
             tail = model.tokenizer.decode(ids[-32:], skip_special_tokens=False)
@@ -78,8 +80,9 @@ class CompletionHandler:
         gen = await self.serving.start(model, request_id, [ids], params, [None])
 
         def remember(outs) -> None:
-            if session is not None:
-                session.messages = messages + [{"role": "assistant", "content": outs[0].outputs[0].text}]
+            if req.session_id:
+                sessions.get(req.session_id).messages = messages + [{"role": "assistant",
+                                                                       "content": outs[0].outputs[0].text}]
         return await self._respond(gen, req, raw, "chat", f"chatcmpl-{request_id}", remember,
                                    lambda: ChoiceOutput(plan, reasoning, trim))
 
@@ -104,8 +107,9 @@ class CompletionHandler:
                                               structured_outputs=structured_outputs_params(req))
         self.serving.check_logit_bias(model, params)
         tok = model.tokenizer
-        session = self.serving.sessions.get(req.session_id) if req.session_id else None
-        if session is not None and len(prompts) != 1:
+        sessions = self.serving.sessions
+        session = sessions.find(req.session_id) if req.session_id else None  # made only once the turn succeeds
+        if req.session_id and len(prompts) != 1:
             raise APIError(400, "session_id needs exactly one prompt", param="session_id")
         texts = [p if isinstance(p, str) else None for p in prompts]
         history = session.token_ids if session is not None else []
@@ -113,11 +117,12 @@ class CompletionHandler:
                for p in prompts]
         for one in ids:
             self.serving.check_prompt(model, one, max_tokens)
+        self.serving.check_logprob_work(model, ids, req.n, max_tokens, req.logprobs, "logprobs")
         gen = await self.serving.start(model, request_id, ids, params, texts if not history else [None])
 
         def remember(outs) -> None:
-            if session is not None:
-                session.token_ids = ids[0] + list(outs[0].outputs[0].token_ids)
+            if req.session_id:
+                sessions.get(req.session_id).token_ids = ids[0] + list(outs[0].outputs[0].token_ids)
         return await self._respond(gen, req, raw, "text", f"cmpl-{request_id}", remember, None)
 
     @staticmethod
