@@ -321,3 +321,54 @@ def test_connections_that_never_finish_their_headers_are_closed(server):
         s.close()
     assert len(closed) == len(socks) and time.monotonic() - t0 < 6
     assert _complete(server.url).status_code == 200
+
+
+# ---- 6. smaller checks -------------------------------------------------------------------------------------
+def test_pathological_regex_is_400(server):
+    t0 = time.monotonic()
+    error = _error(_complete(server.url, structured_outputs={"regex": "(x{1000}){1000}"}), 400)
+    assert "1000000" in error["message"] and "100000" in error["message"] and time.monotonic() - t0 < 1.0
+    assert _complete(server.url, structured_outputs={"regex": "(ab){1,3}"}).status_code == 200
+
+
+def test_template_kwargs_that_change_the_result_type_are_400(server):
+    error = _error(_chat(server.url, chat_template_kwargs={"return_tensors": "np"}), 400)
+    assert error["param"] == "chat_template_kwargs.return_tensors"
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_400(server):
+    error = _error(_complete(server.url, stop_token_ids=[5, 10**6]), 400)
+    assert error["param"] == "stop_token_ids" and str(10**6) in error["message"]
+
+
+def test_metrics_name_the_served_model_not_its_path(server, tiny_qwen2):
+    assert _complete(server.url).status_code == 200
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    assert 'model_name="tiny"' in text and tiny_qwen2 not in text
+
+
+def test_a_second_authorization_header_is_400(server):
+    resp = httpx.post(server.url + "/v1/completions", timeout=30,
+                      headers=[("Authorization", "Bearer a"), ("Authorization", "Bearer b")],
+                      json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    error = _error(resp, 400)
+    assert "Authorization" in error["message"]
+
+
+def test_ipc_directory_of_a_killed_front_end_is_removed_at_the_next_start(tiny_qwen2, tmp_path_factory):
+    import os
+    import re
+    import signal
+    logs = tmp_path_factory.mktemp("server")
+    killed = RemoteServer([tiny_qwen2], str(logs / "killed.log"))
+    directory = os.path.dirname(re.search(r"input ipc://(\S+)/input", killed.log()).group(1) + "/input")
+    os.kill(killed.proc.pid, signal.SIGKILL)
+    killed.proc.wait(10)
+    killed.stop()
+    assert os.path.isdir(directory)  # nobody was left to remove it
+    time.sleep(1.5)  # its core notices the front-end is gone (it polls every 0.5 s) and exits
+    again = RemoteServer([tiny_qwen2], str(logs / "again.log"))
+    try:
+        assert not os.path.exists(directory)
+    finally:
+        again.stop()

@@ -111,6 +111,11 @@ class RequestContextMiddleware:
                 else error_body(status, message, request_id, code=code)
             await JSONResponse(body, status_code=status)(scope, receive, send_with_id)
         try:
+            repeated = [n.decode("latin-1") for n in (b"authorization", b"x-api-key")
+                        if sum(1 for k, _ in scope.get("headers") or [] if k == n) > 1]
+            if repeated:  # which one a proxy or this server would read differs: refuse rather than guess
+                return await refuse(400, f"the {repeated[0].title()} header is repeated; send it once",
+                                    "invalid_request_error")
             if self.key_digest and path != "/" and not path.startswith(_PUBLIC_PATHS):
                 given = hashlib.sha256(headers.get(b"authorization", b"")).digest()
                 given_x = hashlib.sha256(b"Bearer " + headers.get(b"x-api-key", b"")).digest()  # Anthropic's header

@@ -145,11 +145,13 @@ class OpenAIServing:
 
     @staticmethod
     def check_logit_bias(model: ServedModel, params: SamplingParams) -> None:
-        """400 for a logit_bias key outside the vocabulary (a silently ignored bias would be a silent no-op)."""
+        """400 for a logit_bias key or stop_token_ids entry outside the vocabulary (either would be a silent
+        no-op)."""
         vocab = len(model.tokenizer)
-        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
-        if bad:
-            raise APIError(400, f"logit_bias token ids must be in [0, {vocab}), got {bad[0]}", param="logit_bias")
+        for param, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise APIError(400, f"{param} token ids must be in [0, {vocab}), got {bad[0]}", param=param)
 
     @staticmethod
     def check_prompt(model: ServedModel, prompt_ids: list[int], max_tokens: int | None) -> None:
