@@ -99,7 +99,7 @@ def test_garbage_on_either_socket_is_dropped(two_models, reference):
     assert httpx.get(two_models.url + "/health").status_code == 200
 
 
-def test_killed_core_gives_503_at_once_and_no_hang(tiny_qwen2, tmp_path_factory):
+def test_killed_core_fails_the_stream_at_once_and_the_server_exits_1(tiny_qwen2, tmp_path_factory):
     srv = _server(tmp_path_factory, tiny_qwen2, "--served-model-name", "tiny")
     try:
         (pid, _, _), = _cores(srv)
@@ -115,13 +115,11 @@ def test_killed_core_gives_503_at_once_and_no_hang(tiny_qwen2, tmp_path_factory)
             ended = time.monotonic() - t0
         assert ended < 2.0 and rest[-1] == "[DONE]"
         assert json.loads(rest[-2])["error"]["code"] == 503
-        health, again = httpx.get(srv.url + "/health", timeout=5), _complete(srv, "tiny", timeout=5)
-        assert time.monotonic() - t0 < 2.0
-        assert health.status_code == 503 and again.status_code == 503
-        assert "engine core process" in again.json()["error"]["message"]
+        assert "engine core process" in json.loads(rest[-2])["error"]["message"]
+        # then the server exits non-zero by itself, for its supervisor to restart it (docs/RELIABILITY.md 6.5)
+        assert srv.proc.wait(timeout=15) == 1
     finally:
         srv.stop()
-    assert srv.proc.returncode == 0  # SIGTERM still drains and exits cleanly with its core gone
 
 
 def test_core_leaves_when_the_server_dies(tiny_qwen2, tmp_path_factory):

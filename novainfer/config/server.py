@@ -32,6 +32,16 @@ class ServerConfig:
     max_request_body_bytes: int = setting(4 << 20, "larger request bodies are refused with 413")
     allowed_origins: list[str] = setting(help="origins allowed by CORS (e.g. http://localhost:3000 or *)",
                                          default_factory=list, nargs="+", shown="none: CORS is off")
+    trust_request_chat_template: bool = setting(False, "accept a client-supplied chat template "
+                                                "(chat_template_kwargs.chat_template); off: such a request gets 400")
+    stream_write_timeout: float = setting(30.0, "seconds a response write may wait for a client that stopped "
+                                          "reading; then the connection is dropped and its request aborted")
+    engine_step_timeout: float = setting(60.0, "seconds an engine core may make no step progress while requests "
+                                         "wait; past it the core is treated as dead (killed, /health 503, the "
+                                         "server exits non-zero)")
+    request_header_timeout: float = setting(10.0, "seconds a connection may take to send a whole request head "
+                                            "(after connecting or after its previous response); then it is "
+                                            "closed")
     shutdown_timeout: float = setting(10.0, "on SIGTERM, seconds in-flight requests may finish before they are "
                                       "aborted")
     drain_delay: float = setting(0.0, "on SIGTERM, seconds /ready answers 503 (routers stop sending) while "

@@ -14,6 +14,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import re
 import shutil
 import tempfile
 import time
@@ -39,7 +40,7 @@ class AsyncMPClient:
     """One engine core process and the two sockets to it."""
 
     def __init__(self, config: EngineConfig, startup_timeout: float = 1800.0):
-        self._dir = tempfile.mkdtemp(prefix="novainfer-core-")
+        self._dir = _ipc_dir()
         self.input_address = f"ipc://{self._dir}/input"
         self.output_address = f"ipc://{self._dir}/output"
         start_method = "spawn" if config.may_use_cuda() else "fork"
@@ -116,6 +117,30 @@ class AsyncMPClient:
         """Stop the core process (SIGTERM, then SIGKILL after `timeout`) and close the sockets; idempotent."""
         self._finalizer.detach()
         _stop(self.proc, self._ctx, self._dir, timeout)
+
+
+_IPC_DIR = re.compile(r"novainfer-core-(\d+)-\w+")  # novainfer-core-<front-end pid>-<random>
+
+
+def _ipc_dir() -> str:
+    """A private directory for the two sockets, named after this process. Those of front-ends that were killed
+    (so never removed theirs) are removed first: their pid is gone."""
+    tmp = tempfile.gettempdir()
+    for name in os.listdir(tmp):
+        m = _IPC_DIR.fullmatch(name)
+        if m and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"novainfer-core-{os.getpid()}-")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _run_engine_core(*args: object) -> None:

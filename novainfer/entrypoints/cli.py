@@ -132,8 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     base = f"http://{args.host}:{args.port}"
     print(f"NovaInfer serving {', '.join(names)}\n  web page: {base}/\n  OpenAI API: {base}/v1  "
           f"(schema {base}/openapi.json, metrics {base}/metrics)", flush=True)
-    run_server(app, config, args.log_level)
-    return 0
+    return run_server(app, config, args.log_level)
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -19,6 +19,7 @@ from novainfer.server.protocol_anthropic import (AnthropicErrorInfo, AnthropicEr
                                                  MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock,
                                                  UnsupportedBlock)
 from novainfer.server.serving_completions import CompletionHandler
+from novainfer.server.sse import EventStream
 from novainfer.server.tool_calling import plan_tools, template_inputs
 
 PATH_PREFIX = "/v1/messages"
@@ -208,8 +209,7 @@ class MessagesHandler:
         turn = await ChatTurn.start(self.chat, chat_req, request_id, raw)
         if req.stream:
             # the background also runs when the client leaves before the body starts
-            return StreamingResponse(self._stream(run, turn), media_type="text/event-stream",
-                                     background=BackgroundTask(turn.close))
+            return EventStream(self._stream(run, turn), background=BackgroundTask(turn.close))
         async for event in turn.events():
             run.consume(event)
         return JSONResponse(run.message())

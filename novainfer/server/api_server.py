@@ -24,8 +24,8 @@ import novainfer
 from novainfer.config import ServerConfig
 from novainfer.server import anthropic
 from novainfer.server.anthropic import MessagesHandler
-from novainfer.server.chat_utils import apply_chat_template
 from novainfer.server.async_engine import AsyncEngineBase, TrackedRequest
+from novainfer.server.chat_templates import encode, render_chat
 from novainfer.server.errors import APIError, error_body, error_response
 from novainfer.server.limits import AdmissionLimiter
 from novainfer.server.metrics import ServerMetrics
@@ -39,6 +39,7 @@ from novainfer.server.responses import ResponsesHandler
 from novainfer.server.serving import OpenAIServing, ServedModel
 from novainfer.server.serving_completions import CompletionHandler
 from novainfer.server.sessions import SessionStore
+from novainfer.server.sse import ClientStalledError, bounded_send
 from novainfer.server.tool_calling import ToolConfig
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ _UNION_MEMBER = re.compile(r"^(constrained-)?(str|int|float|bool|none|list\[.*\]
 _PUBLIC_PATHS = ("/health", "/ready", "/v2/health/ready", "/metrics", "/version", "/openapi.json", "/webui/")
 # 413: a body over --max-request-body-bytes; 500: a request whose engine step fails (naming its request_id)
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse}
-                                            for code in (400, 401, 404, 413, 429, 500, 503)}
+                                            for code in (400, 401, 404, 409, 413, 429, 500, 503)}
 _STREAMING = {200: {"description": "The completion; with `stream: true`, SSE chunks (`data: {json}`) then "
                                    "`data: [DONE]`",
                     # in OpenAPI 3.1 an event stream's schema describes each event
@@ -83,8 +84,8 @@ class RequestContextMiddleware:
     """Pure ASGI (so streaming and disconnects pass untouched): X-Request-Id on every response, the API key,
     and the body size limit (a body is read whole, up to the limit, before the app sees it)."""
 
-    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int):
-        self.app, self.max_body_bytes = app, max_body_bytes
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int, write_timeout: float):
+        self.app, self.max_body_bytes, self.write_timeout = app, max_body_bytes, write_timeout
         # compared as digests: equal length whatever was sent, so the comparison's time says nothing
         self.key_digest = hashlib.sha256(f"Bearer {api_key}".encode()).digest() if api_key else None
 
@@ -98,10 +99,12 @@ class RequestContextMiddleware:
         token = REQUEST_ID.set(request_id)
         path = scope.get("path", "")
 
+        bounded = bounded_send(send, self.write_timeout)  # a client that stops reading is dropped
+
         async def send_with_id(message: dict) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode())]
-            await send(message)
+            await bounded(message)
 
         async def refuse(status: int, message: str, code: str) -> None:
             logger.info("%d %s: %s", status, path, message)
@@ -109,6 +112,11 @@ class RequestContextMiddleware:
                 else error_body(status, message, request_id, code=code)
             await JSONResponse(body, status_code=status)(scope, receive, send_with_id)
         try:
+            repeated = [n.decode("latin-1") for n in (b"authorization", b"x-api-key")
+                        if sum(1 for k, _ in scope.get("headers") or [] if k == n) > 1]
+            if repeated:  # which one a proxy or this server would read differs: refuse rather than guess
+                return await refuse(400, f"the {repeated[0].title()} header is repeated; send it once",
+                                    "invalid_request_error")
             if self.key_digest and path != "/" and not path.startswith(_PUBLIC_PATHS):
                 given = hashlib.sha256(headers.get(b"authorization", b"")).digest()
                 given_x = hashlib.sha256(b"Bearer " + headers.get(b"x-api-key", b"")).digest()  # Anthropic's header
@@ -123,6 +131,8 @@ class RequestContextMiddleware:
                                              "(--max-request-body-bytes)", "request_too_large")
                 receive = _replay(drop_router_defaults(path, body), receive)
             await self.app(scope, receive, send_with_id)
+        except ClientStalledError as exc:  # returning with the response unfinished makes uvicorn close it
+            logger.warning("%s %s: connection dropped: %s", scope.get("method"), path, exc)
         finally:
             REQUEST_ID.reset(token)
 
@@ -175,10 +185,12 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
         engine.on_stats = lambda stats, n=name: metrics.observe_stats(n, stats)
         engine.on_finished = lambda t, r, n=name: record_finished(n, t, r)
         metrics.set_cache_info(name, engine.config, engine.num_blocks)
+        engine.on_dead = lambda reason: setattr(app.state, "fatal", reason)  # the launcher exits non-zero
+        engine.step_timeout = config.engine_step_timeout
         served.append(ServedModel.create(name, engine))
     serving = OpenAIServing(served, limiter, SessionStore(config.max_sessions, config.session_ttl))
     handler = CompletionHandler(serving, ToolConfig(config.enable_auto_tool_choice, config.tool_call_parser),
-                                config.reasoning_parser)
+                                config.reasoning_parser, config.trust_request_chat_template)
     responses = ResponsesHandler(handler, SessionStore(config.max_sessions, config.session_ttl))
     messages = MessagesHandler(handler)
 
@@ -195,7 +207,8 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
     # no /docs or /redoc: their pages load Swagger UI and ReDoc from a CDN, blank offline; /openapi.json stays
     app = FastAPI(title="NovaInfer OpenAI-compatible API", version=novainfer.__version__, lifespan=lifespan,
                   docs_url=None, redoc_url=None)
-    app.add_middleware(RequestContextMiddleware, api_key=config.api_key, max_body_bytes=config.max_request_body_bytes)
+    app.add_middleware(RequestContextMiddleware, api_key=config.api_key, max_body_bytes=config.max_request_body_bytes,
+                       write_timeout=config.stream_write_timeout)
     if config.allowed_origins:  # off by default; outermost, so preflights and 401/413 answers carry its headers
         app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
@@ -210,7 +223,9 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
+        errors = exc.errors()
+        # of a union's members, the one of the right type says what is wrong (a too-long list, not "not a string")
+        first = next((e for e in errors if not str(e.get("type")).endswith("_type")), errors[0]) if errors else {}
         if first.get("type") == "json_invalid":
             reason = first.get("ctx", {}).get("error", "")
             return await on_api_error(request, APIError(400, f"Invalid JSON body: {reason}"))
@@ -289,9 +304,9 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
         m = serving.resolve_model(body.model)
         if body.messages is not None:
             msgs = [{"role": x.role, "content": x.text()} for x in body.messages]
-            ids = apply_chat_template(m.tokenizer, msgs, body.add_generation_prompt)
+            ids = await render_chat(m.tokenizer, msgs, body.add_generation_prompt)
         elif body.prompt is not None:
-            ids = m.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await encode(m.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             raise APIError(400, "give either prompt or messages", param="prompt")
         return TokenizeResponse(count=len(ids), max_model_len=m.max_model_len, tokens=list(ids))

@@ -35,6 +35,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped; no request can be served until restart."""
 
 
+class DuplicateRequestError(ValueError):
+    """A request id that a live request already uses (the HTTP layer answers 409; the first is untouched)."""
+
+
 class RequestFailedError(RuntimeError):
     """The engine failed this request (its step raised)."""
 
@@ -74,6 +78,7 @@ class TrackedRequest:
 
 
 FinishedHook = Callable[[TrackedRequest, str | None], None]
+DeadHook = Callable[[str], None]
 StatsHook = Callable[[SchedulerStats], None]
 
 
@@ -89,6 +94,8 @@ class AsyncEngineBase(ABC):
     def __init__(self, on_stats: StatsHook | None = None, on_finished: FinishedHook | None = None):
         self.on_stats = on_stats  # the core's gauges and counters, after each step (metrics)
         self.on_finished = on_finished  # called on the event loop when a request reaches a terminal state
+        self.on_dead: DeadHook | None = None  # called once, with the reason, when the engine dies (server exits)
+        self.step_timeout: float | None = None  # seconds without step progress, while requests wait, until dead
         self.dead_reason: str | None = None
         self._requests: dict[str, TrackedRequest] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -115,21 +122,28 @@ class AsyncEngineBase(ABC):
 
     # ---- the public API (event loop side) ---------------------------------------------------------
     async def submit(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams,
-                     group: str | None = None) -> str:
-        """Queue a request; ValueError if the engine refuses it, EngineDeadError if the engine died."""
+                     group: str | None = None) -> TrackedRequest:
+        """Queue a request; its TrackedRequest is what release() takes. DuplicateRequestError while a live
+        request has that id, ValueError if the engine refuses it, EngineDeadError if the engine died."""
         if self.is_dead:
             raise EngineDeadError(self.dead_reason)
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        self._requests[request_id] = TrackedRequest(request_id, group or request_id, asyncio.Queue())
+        if self.in_use(request_id):
+            raise DuplicateRequestError(f"request_id {request_id!r} is already in use by a running request")
+        tracked = TrackedRequest(request_id, group or request_id, asyncio.Queue())
+        self._requests[request_id] = tracked
         try:
             await self._add(request_id, prompt, params)
         except BaseException:
-            self._requests.pop(request_id, None)
-            if not self.is_dead:
-                self._abort(request_id)  # in case the add went through before we stopped waiting
+            if self._requests.get(request_id) is tracked:
+                del self._requests[request_id]
+                if not self.is_dead:
+                    self._abort(request_id)  # in case the add went through before we stopped waiting
             raise
-        return request_id
+        return tracked
+
+    def in_use(self, request_id: str) -> bool:
+        """Whether a tracked request has this id now."""
+        return request_id in self._requests
 
     async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs in order, ending with its finished one."""
@@ -163,12 +177,16 @@ class AsyncEngineBase(ABC):
             self._abort(t.request_id)  # the engine's abort output moves it to cancelled
         return live
 
-    def release(self, request_id: str) -> None:
-        """Forget a request whose consumer is done; abort it first if it is still live (idempotent)."""
-        tracked = self._requests.pop(request_id, None)
-        if tracked is not None and not tracked.is_terminal and not self.is_dead:
-            self._abort(request_id)
-            self._finish(tracked, RequestStatus.CANCELLED, "abort")
+    def release(self, tracked: TrackedRequest) -> None:
+        """Forget a request whose consumer is done; abort it first if it is still live (idempotent). Takes the
+        TrackedRequest submit() returned, so a later request reusing the id is never the one released."""
+        if self._requests.get(tracked.request_id) is not tracked:
+            return
+        if not tracked.is_terminal and not self.is_dead:
+            self._abort(tracked.request_id)  # delivered while still tracked: its final output ends it
+            if not tracked.is_terminal:
+                self._finish(tracked, RequestStatus.CANCELLED, "abort")
+        del self._requests[tracked.request_id]
 
     # ---- outputs, on the event loop ----------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -204,7 +222,10 @@ class AsyncEngineBase(ABC):
 
     def _die(self, reason: str) -> None:
         """The engine is gone: every live request fails with EngineDeadError, and so will new ones."""
-        if self.dead_reason is None:
+        first = self.dead_reason is None
+        if first:
             logger.error("%s", reason)
             self.dead_reason = reason
         self._fail(list(self._requests), EngineDeadError(self.dead_reason))
+        if first and self.on_dead is not None:
+            self.on_dead(reason)

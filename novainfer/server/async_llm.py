@@ -4,17 +4,23 @@ This process (the front-end) tokenizes and checks requests (Processor), sends th
 (AsyncMPClient over ZMQ), and turns each step's token ids into text, stop-string ends and RequestOutputs
 (OutputProcessor) on the event loop. The core runs the scheduler and the model without sharing this
 interpreter's lock, so the API answers while the model runs. The core's death is seen at once (its process
-sentinel is watched by the event loop): live requests fail with EngineDeadError and new ones get 503.
+sentinel is watched by the event loop): live requests fail with EngineDeadError and new ones get 503 (and the
+server exits non-zero, for its supervisor to restart it). A core that makes no step progress for step_timeout
+seconds while requests wait (frozen, e.g. SIGSTOP, or a hung device) is killed and treated the same way.
 This process never imports torch: the core loads the model's config and tokenizer and sends the tokenizer.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import time
+
+import msgspec
 
 from novainfer.config import EngineConfig
 from novainfer.engine.core_client import AsyncMPClient
-from novainfer.engine.messages import AbortTarget, EngineCoreDead, EngineCoreOutputs
+from novainfer.engine.messages import AbortTarget, EngineCoreDead, EngineCoreOutputs, SchedulerStats
 from novainfer.engine.output_processor import OutputProcessor
 from novainfer.engine.processor import Processor
 from novainfer.loader.model_info import with_model_path
@@ -43,7 +49,10 @@ class AsyncLLM(AsyncEngineBase):
                                    StructuredOutputManager(self.tokenizer, ready.vocab_size, set(ready.eos_token_ids)))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._output_task: asyncio.Task | None = None
+        self._watchdog_task: asyncio.Task | None = None
         self._stopping = False
+        self._last_message = time.monotonic()  # when the core last sent anything (each step sends)
+        self._last_stats: SchedulerStats | None = None
 
     @property
     def core_pid(self) -> int:
@@ -53,14 +62,17 @@ class AsyncLLM(AsyncEngineBase):
         self._loop = asyncio.get_running_loop()
         self._output_task = self._loop.create_task(self._output_loop())
         self._loop.add_reader(self.core.sentinel, self._on_core_exit)
+        if self.step_timeout:
+            self._watchdog_task = self._loop.create_task(self._watchdog(self.step_timeout))
 
     def shutdown(self) -> None:
         """Stop the core process (after the server's drain) and the output task."""
         self._stopping = True
         if self._loop is not None:
             self._loop.remove_reader(self.core.sentinel)
-        if self._output_task is not None:
-            self._output_task.cancel()
+        for task in (self._output_task, self._watchdog_task):
+            if task is not None:
+                task.cancel()
         self.core.shutdown()
 
     async def _add(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams) -> None:
@@ -81,6 +93,7 @@ class AsyncLLM(AsyncEngineBase):
         try:
             while True:
                 message = await self.core.get_output()
+                self._last_message = time.monotonic()
                 if isinstance(message, EngineCoreDead):
                     self._die(message.reason)
                     return
@@ -93,6 +106,7 @@ class AsyncLLM(AsyncEngineBase):
 
     def _process(self, message: EngineCoreOutputs) -> None:
         if message.scheduler_stats is not None and self.on_stats is not None:
+            self._last_stats = message.scheduler_stats
             self.on_stats(message.scheduler_stats)
         if not message.outputs:
             return
@@ -101,11 +115,45 @@ class AsyncLLM(AsyncEngineBase):
             self.core.abort_requests(to_abort)
         self._deliver(outputs)
 
+    async def _watchdog(self, timeout: float) -> None:
+        """Kill a core that sent nothing for `timeout` s while requests wait: a frozen core is a dead one."""
+        while not self.is_dead:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            live = [t.arrival_time for t in self._requests.values() if not t.is_terminal]
+            if not live:
+                continue
+            stalled = time.monotonic() - max(self._last_message, min(live))
+            if stalled > timeout:
+                self._die(f"engine loop died: the engine core process (pid {self.core.proc.pid}) made no step "
+                          f"progress for {stalled:.1f} s with {len(live)} requests waiting (--engine-step-timeout "
+                          f"{timeout:g}); it was killed")
+                self.core.proc.kill()  # SIGKILL ends a stopped process too
+
+    def _die(self, reason: str) -> None:
+        """Fail everything (the base class), then zero the core's gauges: nothing runs on a dead core."""
+        super()._die(reason)
+        if self._last_stats is not None and self.on_stats is not None:
+            self.on_stats(msgspec.structs.replace(self._last_stats, num_running_reqs=0, num_waiting_reqs=0,
+                                                  kv_cache_usage=0.0))
+            self._last_stats = None
+
     def _on_core_exit(self) -> None:
         self._loop.remove_reader(self.core.sentinel)
         if self._stopping:
             return
-        self.core.proc.join(timeout=0)
-        reason = (f"engine loop died: the engine core process (pid {self.core.proc.pid}) exited with code "
-                  f"{self.core.proc.exitcode}")
-        self._loop.call_later(DEATH_NOTICE_WAIT_S, self._die, reason)
+        self.core.proc.join(timeout=5.0)  # the sentinel can fire just before the child is reapable
+        self._loop.call_later(DEATH_NOTICE_WAIT_S, self._die, "engine loop died: the engine core process (pid "
+                              f"{self.core.proc.pid}) {exit_status(self.core.proc.exitcode)}")
+
+
+def exit_status(code: int | None) -> str:
+    """'exited with code 1', 'was killed by signal SIGKILL (-9)'; a child still unreaped says so."""
+    if code is None:
+        return "ended (its exit status could not be read)"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by signal {name} ({code})"
+    return f"exited with code {code}"

@@ -15,9 +15,18 @@ from novainfer.sampling_params import RANGES
 MAX_N = 128  # choices per prompt, as OpenAI's limit on n: a huge n would hold the engine for minutes
 MAX_LOGPROBS = 20  # per token, as OpenAI's top_logprobs and vLLM's default max_logprobs
 MAX_SEQUENCES = 1024  # prompts x n in one request: it holds one admission slot, so its work must be bounded
+# client-controlled state: each stop string is checked against every step's new text, each message rendered,
+# each session id kept; unbounded, a single request could make every step or every turn slow
+MAX_STOP = 64  # stop strings per request
+MAX_STOP_CHARS = 1024  # characters per stop string
+MAX_STOP_TOKEN_IDS = 1024
+MAX_MESSAGES = 1024  # chat messages per request
+MAX_SESSION_ID_CHARS = 256
+MAX_LOGPROB_ENTRIES = 1 << 20  # sequences x completion tokens x (logprobs + 1): entries in one response
 
 TokenId = Annotated[int, Field(ge=0)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 def _bounded(name: str, default: Any = None, **extra: Any) -> Any:
@@ -103,8 +112,8 @@ class SamplingFields(OpenAIModel):
     top_k: int | None = _bounded("top_k")
     min_p: float | None = _bounded("min_p")
     n: int = _bounded("n", 1, le=MAX_N)
-    stop: NonEmptyStr | list[NonEmptyStr] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop: StopStr | Annotated[list[StopStr], Field(max_length=MAX_STOP)] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     seed: int | None = _bounded("seed")
     presence_penalty: float | None = _bounded("presence_penalty")
     frequency_penalty: float | None = _bounded("frequency_penalty")
@@ -129,7 +138,7 @@ class SamplingFields(OpenAIModel):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    session_id: str | None = Field(None, description="NovaInfer extension: keep this conversation's history "
+    session_id: str | None = Field(None, max_length=MAX_SESSION_ID_CHARS, description="NovaInfer extension: keep this conversation's history "
                                                      "on the server so the next turn hits the prefix cache")
 
 
@@ -174,7 +183,7 @@ def _parse_arguments(arguments: str) -> Any:
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(..., min_length=1)
+    messages: list[ChatMessage] = Field(..., min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = _bounded("max_tokens")
     logprobs: bool = False
     top_logprobs: int | None = _bounded("logprobs", le=MAX_LOGPROBS)

@@ -23,6 +23,7 @@ from novainfer.server.protocol_responses import (ContentPart, FunctionCallItem, 
                                                  MessageItem, ReasoningItem, ResponsesRequest, UnsupportedItem)
 from novainfer.server.serving_completions import CompletionHandler
 from novainfer.server.sessions import Session, SessionStore
+from novainfer.server.sse import EventStream
 
 _ITEM_PREFIX = {"reasoning": "rs", "text": "msg", "call": "fc"}
 
@@ -266,8 +267,7 @@ class ResponsesHandler:
             raise
         if req.stream:
             # the background also runs when the client leaves before the body starts
-            return StreamingResponse(self._stream(run, turn, conversation), media_type="text/event-stream",
-                                     background=BackgroundTask(self._end, run, turn))
+            return EventStream(self._stream(run, turn, conversation), background=BackgroundTask(self._end, run, turn))
         try:
             async for event in turn.events():
                 run.consume(event)

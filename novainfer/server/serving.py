@@ -10,10 +10,10 @@ from fastapi import Request
 
 from novainfer.outputs import RequestOutput
 from novainfer.sampling_params import SamplingParams
-from novainfer.server.async_engine import AsyncEngineBase, EngineDeadError
+from novainfer.server.async_engine import AsyncEngineBase, DuplicateRequestError, EngineDeadError, TrackedRequest
 from novainfer.server.errors import APIError
 from novainfer.server.limits import AdmissionLimiter, OverloadedError, Slot
-from novainfer.server.protocol import SamplingFields, UsageInfo
+from novainfer.server.protocol import MAX_LOGPROB_ENTRIES, SamplingFields, UsageInfo
 from novainfer.server.sessions import SessionStore
 
 _OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -35,13 +35,19 @@ class ServedModel:
         return cls(name, engine.model_path, engine, engine.tokenizer, engine.max_model_len)
 
 
+def engine_request_ids(request_id: str, num_prompts: int) -> list[str]:
+    """The engine's request id for each prompt of one HTTP request."""
+    return [request_id] if num_prompts == 1 else [f"{request_id}-{i}" for i in range(num_prompts)]
+
+
 class Generation:
     """One admitted HTTP request's engine requests (one per prompt), released exactly once."""
 
     def __init__(self, model: ServedModel, request_id: str, prompts: list[list[int]], slot: Slot):
         self.model, self.request_id, self.prompts, self.slot = model, request_id, prompts, slot
-        self.sub_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.sub_ids = engine_request_ids(request_id, len(prompts))
         self.finals: list[RequestOutput | None] = [None] * len(prompts)
+        self.tracked: list[TrackedRequest] = []  # the engine requests this generation submitted (and releases)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, cumulative output) from every engine request, as they arrive."""
@@ -81,8 +87,8 @@ class Generation:
 
     def release(self) -> None:
         """Abort whatever still runs (client gone, error) and give the admission slot back."""
-        for request_id in self.sub_ids:
-            self.model.engine.release(request_id)
+        for tracked in self.tracked:
+            self.model.engine.release(tracked)
         self.slot.release()
 
 
@@ -139,11 +145,13 @@ class OpenAIServing:
 
     @staticmethod
     def check_logit_bias(model: ServedModel, params: SamplingParams) -> None:
-        """400 for a logit_bias key outside the vocabulary (a silently ignored bias would be a silent no-op)."""
+        """400 for a logit_bias key or stop_token_ids entry outside the vocabulary (either would be a silent
+        no-op)."""
         vocab = len(model.tokenizer)
-        bad = [t for t in (params.logit_bias or {}) if t >= vocab]
-        if bad:
-            raise APIError(400, f"logit_bias token ids must be in [0, {vocab}), got {bad[0]}", param="logit_bias")
+        for param, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise APIError(400, f"{param} token ids must be in [0, {vocab}), got {bad[0]}", param=param)
 
     @staticmethod
     def check_prompt(model: ServedModel, prompt_ids: list[int], max_tokens: int | None) -> None:
@@ -159,10 +167,35 @@ class OpenAIServing:
                                 f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion).",
                            param="max_tokens")
 
+    def check_unused(self, model: ServedModel, request_id: str, num_prompts: int) -> None:
+        """409 (before admission) when a running request already has this X-Request-Id."""
+        if any(model.engine.in_use(i) for i in engine_request_ids(request_id, num_prompts)):
+            raise self._duplicate(request_id)
+
+    @staticmethod
+    def _duplicate(request_id: str) -> APIError:
+        return APIError(409, f"X-Request-Id {request_id!r} is already used by a running request; send a unique id "
+                             f"(or none)", param="X-Request-Id", code="duplicate_request_id")
+
+    @staticmethod
+    def check_logprob_work(model: ServedModel, prompts: list[list[int]], n: int, max_tokens: int | None,
+                           logprobs: int | None, param: str) -> None:
+        """400 when sequences x completion tokens x logprobs per token passes MAX_LOGPROB_ENTRIES (the response
+        would hold that many entries)."""
+        if not logprobs:
+            return
+        tokens = sum(max_tokens if max_tokens is not None else model.max_model_len - len(p) for p in prompts)
+        entries = tokens * n * (logprobs + 1)  # the sampled token's own entry too
+        if entries > MAX_LOGPROB_ENTRIES:
+            raise APIError(400, f"n={n} x {tokens} completion tokens x ({logprobs} + 1) logprobs is {entries} "
+                                f"logprob entries; one request may ask for at most {MAX_LOGPROB_ENTRIES}",
+                           param=param)
+
     async def start(self, model: ServedModel, request_id: str, prompts: list[list[int]],
                     params: SamplingParams, prompt_texts: list[str | None]) -> Generation:
         """Admit (429 past the limits) and submit every prompt; on any refusal nothing stays queued."""
         self.check_available(model)
+        self.check_unused(model, request_id, len(prompts))
         try:
             slot = await self.limiter.acquire()
         except OverloadedError as exc:
@@ -172,10 +205,12 @@ class OpenAIServing:
         try:
             self.check_available(model)  # the drain may have begun while this request waited for its slot
             for rid, ids, text in zip(gen.sub_ids, prompts, prompt_texts):
-                await model.engine.submit(rid, {"prompt": text, "prompt_token_ids": ids}, params,
-                                          group=request_id)
+                gen.tracked.append(await model.engine.submit(rid, {"prompt": text, "prompt_token_ids": ids},
+                                                             params, group=request_id))
         except BaseException as exc:
             gen.release()
+            if isinstance(exc, DuplicateRequestError):
+                raise self._duplicate(request_id) from None
             if isinstance(exc, ValueError):
                 raise APIError(400, str(exc)) from None
             if isinstance(exc, EngineDeadError):

@@ -8,18 +8,19 @@ import time
 from typing import AsyncIterator, Callable
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.background import BackgroundTask
 
-from novainfer.server.chat_utils import apply_chat_template
 from novainfer.outputs import CompletionOutput, RequestOutput
 from novainfer.server.async_engine import EngineDeadError, RequestFailedError
+from novainfer.server.chat_templates import checked_template_kwargs, encode, render_chat
 from novainfer.server.errors import APIError, error_body
 from novainfer.server.logprobs import (chat_logprobs, completion_logprobs, join_completion_logprobs,
                                        prompt_completion_logprobs, vllm_prompt_logprobs)
 from novainfer.server.protocol import MAX_SEQUENCES, ChatCompletionRequest, CompletionRequest
 from novainfer.server.chat_output import ChatFormat, ChoiceOutput
 from novainfer.server.reasoning_parsers import get_reasoning_parser
+from novainfer.server.sse import EventStream
 from novainfer.server.serving import Generation, OpenAIServing, ServedModel, abort_on_disconnect, held_back
 from novainfer.server.sessions import continue_conversation
 from novainfer.server.structured_request import structured_outputs_params
@@ -29,8 +30,10 @@ from novainfer.server.tool_calling import ToolConfig, plan_tools, template_input
 class CompletionHandler:
     """Shared by both endpoints; chat and text differ in prompts, choice shape and logprobs shape."""
 
-    def __init__(self, serving: OpenAIServing, tools: ToolConfig | None = None, reasoning_parser: str | None = None):
+    def __init__(self, serving: OpenAIServing, tools: ToolConfig | None = None, reasoning_parser: str | None = None,
+                 trust_request_chat_template: bool = False):
         self.serving = serving
+        self.trust_request_chat_template = trust_request_chat_template  # --trust-request-chat-template
         self.tools = tools or ToolConfig()
         self.reasoning_parser = reasoning_parser  # --reasoning-parser; None: from each model's chat template
         self.formats: dict[str, ChatFormat] = {}
@@ -50,20 +53,23 @@ class CompletionHandler:
         params = self.serving.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
                                               structured_outputs=plan.structured or constraint)
         self.serving.check_logit_bias(model, params)
+        client_kwargs = checked_template_kwargs(req.chat_template_kwargs, self.trust_request_chat_template)
         messages = [m.to_template() for m in req.messages]
-        session = self.serving.sessions.get(req.session_id) if req.session_id else None
+        sessions = self.serving.sessions
+        session = sessions.find(req.session_id) if req.session_id else None  # made only once the turn succeeds
         if session is not None:
             messages = continue_conversation(session.messages, messages)
         shown, template_kwargs = template_inputs(model.tokenizer, messages, plan)
         try:
-            ids = apply_chat_template(model.tokenizer, shown, req.add_generation_prompt,
-                                      **template_kwargs, **(req.chat_template_kwargs or {}))
+            ids = await render_chat(model.tokenizer, shown, req.add_generation_prompt,
+                                    **{**template_kwargs, **client_kwargs})
         except Exception as exc:  # the model's template refused these messages (its own rules, e.g. roles)
             raise APIError(400, f"the model's chat template failed on these messages: {exc}",
                            param="messages") from None
         self.serving.check_prompt(model, ids, max_tokens)
+        self.serving.check_logprob_work(model, [ids], req.n, max_tokens, params.logprobs, "top_logprobs")
         reasoning = None
-        if fmt.reasoning_parser and (req.chat_template_kwargs or {}).get("enable_thinking", True) is not False:
+        if fmt.reasoning_parser and client_kwargs.get("enable_thinking", True) is not False:
             tail = model.tokenizer.decode(ids[-32:], skip_special_tokens=False)
             reasoning = get_reasoning_parser(fmt.reasoning_parser, tail)
             if params.structured_outputs is not None:  # the constraint holds for what follows the reasoning
@@ -75,8 +81,9 @@ class CompletionHandler:
         gen = await self.serving.start(model, request_id, [ids], params, [None])
 
         def remember(outs) -> None:
-            if session is not None:
-                session.messages = messages + [{"role": "assistant", "content": outs[0].outputs[0].text}]
+            if req.session_id:
+                sessions.get(req.session_id).messages = messages + [{"role": "assistant",
+                                                                       "content": outs[0].outputs[0].text}]
         return await self._respond(gen, req, raw, "chat", f"chatcmpl-{request_id}", remember,
                                    lambda: ChoiceOutput(plan, reasoning, trim))
 
@@ -101,20 +108,22 @@ class CompletionHandler:
                                               structured_outputs=structured_outputs_params(req))
         self.serving.check_logit_bias(model, params)
         tok = model.tokenizer
-        session = self.serving.sessions.get(req.session_id) if req.session_id else None
-        if session is not None and len(prompts) != 1:
+        sessions = self.serving.sessions
+        session = sessions.find(req.session_id) if req.session_id else None  # made only once the turn succeeds
+        if req.session_id and len(prompts) != 1:
             raise APIError(400, "session_id needs exactly one prompt", param="session_id")
         texts = [p if isinstance(p, str) else None for p in prompts]
         history = session.token_ids if session is not None else []
-        ids = [history + (tok.encode(p, add_special_tokens=not history) if isinstance(p, str) else p)
+        ids = [history + (await encode(tok, p, add_special_tokens=not history) if isinstance(p, str) else p)
                for p in prompts]
         for one in ids:
             self.serving.check_prompt(model, one, max_tokens)
+        self.serving.check_logprob_work(model, ids, req.n, max_tokens, req.logprobs, "logprobs")
         gen = await self.serving.start(model, request_id, ids, params, texts if not history else [None])
 
         def remember(outs) -> None:
-            if session is not None:
-                session.token_ids = ids[0] + list(outs[0].outputs[0].token_ids)
+            if req.session_id:
+                sessions.get(req.session_id).token_ids = ids[0] + list(outs[0].outputs[0].token_ids)
         return await self._respond(gen, req, raw, "text", f"cmpl-{request_id}", remember, None)
 
     @staticmethod
@@ -130,7 +139,7 @@ class CompletionHandler:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             body = self._stream(gen, req, kind, response_id, include_usage, remember, chat_output)
-            return StreamingResponse(body, media_type="text/event-stream", background=BackgroundTask(gen.release))
+            return EventStream(body, background=BackgroundTask(gen.release))
         watcher = asyncio.create_task(abort_on_disconnect(raw, gen))
         try:
             async for _ in gen.outputs():

@@ -18,6 +18,9 @@ from novainfer.structured_output.backend import CompiledGrammar, GrammarMatcher,
 if TYPE_CHECKING:  # compiling needs no torch (the server's front-end compiles); filling bitmasks (the core) does
     import torch
 
+# llguidance builds a regex's lexer lazily: nested bounded repeats past this fail mid-generation ("too many
+# expressions constructed") after seconds of work, so they are refused when the request arrives
+MAX_REGEX_EXPANSION = 100_000
 # bounded whitespace: exactly one space after "," and ":", none elsewhere
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -71,6 +74,10 @@ class GuidanceBackend(StructuredOutputBackend):
         if p.json_object:
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
         if p.regex is not None:
+            expansion = regex_expansion(p.regex)
+            if expansion is not None and expansion > MAX_REGEX_EXPANSION:
+                raise ValueError(f"invalid structured output constraint: the regex's bounded repeats expand to "
+                                 f"{expansion} positions; at most {MAX_REGEX_EXPANSION} are allowed")
             return llguidance.LLMatcher.grammar_from_regex(p.regex)
         if p.choice is not None:
             return llguidance.grammar_from("choice", json.dumps(p.choice))
@@ -78,3 +85,33 @@ class GuidanceBackend(StructuredOutputBackend):
             return llguidance.grammar_from("grammar", p.grammar)
         except ValueError as exc:
             raise ValueError(f"invalid structured output grammar: {exc}") from None
+
+
+def regex_expansion(pattern: str) -> int | None:
+    """How many positions the regex spells out once its bounded repeats are unrolled (an unbounded repeat counts
+    once); None when Python's parser does not read it (llguidance then judges it alone)."""
+    import re._constants as c
+    import re._parser as sre_parse
+    try:
+        tree = sre_parse.parse(pattern)
+    except Exception:  # another dialect's syntax
+        return None
+
+    def size(items) -> int:
+        total = 0
+        for op, av in items:
+            if op in (c.MAX_REPEAT, c.MIN_REPEAT, c.POSSESSIVE_REPEAT):
+                lo, hi, sub = av
+                total += max(1, lo if hi == c.MAXREPEAT else hi) * size(sub)
+            elif op is c.SUBPATTERN:
+                total += size(av[-1])
+            elif op is c.ATOMIC_GROUP:
+                total += size(av)
+            elif op is c.BRANCH:
+                total += sum(size(branch) for branch in av[1])
+            elif op in (c.ASSERT, c.ASSERT_NOT):
+                total += size(av[1])
+            else:
+                total += 1
+        return total
+    return size(tree)
