@@ -19,6 +19,7 @@ from torch import nn
 
 from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
 from novainfer.distributed import get_tp_group, shard_dim
+from novainfer.layers.quantization import gated_delta_cpu
 from novainfer.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 
 CHUNK = 64  # tokens per chunk of the chunked prefill form
@@ -199,7 +200,10 @@ class GatedDeltaNet(nn.Module):
     def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
                 continues: torch.Tensor) -> torch.Tensor:
         """One token per sequence: a decode continues its slot's state, a one-token prompt (continues False)
-        starts from zeros."""
+        starts from zeros. On the CPU in float32, one C call (layers/quantization/gated_delta_cpu.py)."""
+        if gated_delta_cpu.usable(mixed, self.conv_state, self.ssm_state):
+            return gated_delta_cpu.decode_step(mixed, self.conv_state, self.ssm_state, slots, continues,
+                                               self.conv1d.weight, g, beta, self.num_k_heads, self.head_k_dim)
         weight = self.conv1d.weight[:, 0]  # [C, K]
         prev = torch.where(continues[:, None, None], self.conv_state[slots], 0)
         window = torch.cat([prev, mixed.unsqueeze(-1).to(self.conv_state.dtype)], dim=-1)

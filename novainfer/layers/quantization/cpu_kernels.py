@@ -35,7 +35,7 @@ _SOURCES = [os.path.join(_CSRC, name) for name in ("qgemm_cpu.c", "qgemm_panel_c
                                                    "dequantize_cpu.c",
                                                    "decode_ops_cpu.c", "decode_attention_cpu.c",
                                                    "prefill_attention_cpu.c", "cpu_pool.c", "decoder_stack_cpu.c",
-                                                   "repack_panels_cpu.c")]
+                                                   "repack_panels_cpu.c", "gated_delta_cpu.c")]
 # From this many activation rows on, q4_gemm/q8_gemm run the panel kernel (faster from about 16 rows on:
 # benchmarks/qgemm_rows.py --step). Both kernels give a row the same bits, so the switch does not change results.
 PANEL_MIN_ROWS = 16
