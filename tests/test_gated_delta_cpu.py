@@ -42,9 +42,10 @@ def test_c_decode_step_equals_torch(isa, monkeypatch):
         layer.conv_state, layer.ssm_state = conv0.clone(), ssm0.clone()
         if path == "torch":
             monkeypatch.setattr(gated_delta_cpu, "usable", lambda *a: False)
-        calls = []
+        calls: list[int] = []
         real = linear_attention.gated_delta_cpu.decode_step
-        monkeypatch.setattr(linear_attention.gated_delta_cpu, "decode_step", lambda *a: calls.append(1) or real(*a))
+        monkeypatch.setattr(linear_attention.gated_delta_cpu, "decode_step",
+                            lambda *a, calls=calls, real=real: calls.append(1) or real(*a))
         results[path] = (run(layer, *args), layer.conv_state.clone(), layer.ssm_state.clone())
         assert len(calls) == (path == "c")
     gated_delta_cpu.set_isa("auto")

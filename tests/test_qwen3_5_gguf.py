@@ -8,8 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.gguf_checkpoint import (QWEN35_SHAPES, convert_hf_to_gguf, llama_cpp_converter, llama_quantize,
-                                        write_qwen35_hf)
+from benchmarks.gguf_checkpoint import (
+    QWEN35_SHAPES,
+    convert_hf_to_gguf,
+    llama_cpp_converter,
+    llama_quantize,
+    write_qwen35_hf,
+)
 from novainfer.layers.quantization import cpu_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX2+FMA and a C compiler")

@@ -19,8 +19,8 @@ from torch import nn
 
 from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
 from novainfer.distributed import get_tp_group, shard_dim
-from novainfer.layers.quantization import gated_delta_cpu
 from novainfer.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from novainfer.layers.quantization import gated_delta_cpu
 
 CHUNK = 64  # tokens per chunk of the chunked prefill form
 

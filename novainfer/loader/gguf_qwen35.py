@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -66,9 +67,9 @@ def hf_name(gguf_name: str, num_layers: int) -> str | None:
 
 def check_keys(metadata: dict[str, Any]) -> None:
     """Refuse, naming it, a qwen35.* key whose meaning this reader does not implement."""
-    for key in metadata:
+    for key, value in metadata.items():
         if key.startswith(ARCH + ".") and key[len(ARCH) + 1:] not in KNOWN_KEYS:
-            raise NotImplementedError(f"GGUF metadata {key}={metadata[key]!r} is not supported for qwen35 files")
+            raise NotImplementedError(f"GGUF metadata {key}={value!r} is not supported for qwen35 files")
 
 
 def config_kwargs(field: Any) -> dict[str, Any]:
@@ -141,9 +142,7 @@ class Qwen35Tensors:
             yield name, data - np.float32(1)
         elif name.endswith(".A_log"):
             yield name, np.log(-data[self._grouped(1)]).astype(np.float32)
-        elif name.endswith(".dt_bias"):
-            yield name, data[self._grouped(1)]
-        elif name.endswith((".in_proj_a.weight", ".in_proj_b.weight")):
+        elif name.endswith((".dt_bias", ".in_proj_a.weight", ".in_proj_b.weight")):
             yield name, data[self._grouped(1)]
         elif name.endswith(".in_proj_z.weight"):
             yield name, data[self._grouped(self.dv)]
