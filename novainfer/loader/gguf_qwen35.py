@@ -156,7 +156,7 @@ class Qwen35Tensors:
             yield prefix + "q.weight", data[:qk]
             yield prefix + "k.weight", data[qk:2 * qk]
             yield prefix + "v.weight", data[2 * qk:][self._grouped(self.dv)]
-        elif name.endswith(".out_proj.weight"):
+        elif name.endswith(".out_proj.weight") and self.nv != self.nk:
             if data.dtype == np.uint8:  # whole blocks per value head (keep_quantized checked)
                 rows = data.shape[0]
                 cols = self._grouped(self.dv // block)
