@@ -275,6 +275,7 @@ def write_qwen35_hf(path: str, shape: Qwen35Shape, seed: int = 0, dtype: str = "
     import torch
     import transformers
 
+    from tests.test_qwen3_5 import randomize
     from tests.tiny_models import make_tokenizer
     tokenizer = make_tokenizer(400)
     eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id
@@ -293,14 +294,8 @@ def write_qwen35_hf(path: str, shape: Qwen35Shape, seed: int = 0, dtype: str = "
         config = transformers.Qwen3_5TextConfig(intermediate_size=shape.intermediate, **common)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    randomize(model)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.2)
-            elif name.endswith(("A_log", "dt_bias")):
-                p.copy_(torch.randn_like(p) * 0.5)
-            elif name.endswith("mlp.gate.weight"):
-                p.mul_(3.0)
         model.get_output_embeddings().weight.mul_(4.0)  # logits of std ~3: clear greedy choices
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)

@@ -16,18 +16,11 @@ from benchmarks.gguf_checkpoint import (
     write_qwen35_hf,
 )
 from novainfer.layers.quantization import cpu_kernels
+from tests.test_qwen3_5 import one_thread  # noqa: F401  (the module's autouse fixture: one torch thread)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="needs AVX2+FMA and a C compiler")
 PROMPT = [5, 9, 300, 7, 150, 12, 44, 80]
 N = 12
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
