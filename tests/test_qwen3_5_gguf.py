@@ -1,7 +1,7 @@
 """Qwen3.5 GGUF files made by llama.cpp's own converter (and quantizer) from a tiny random HF checkpoint with two
-key heads serving four value heads (so the converter's value-head reordering bites): the f32 file gives the
-HF checkpoint's and transformers' greedy tokens; the Q8_0 / Q4_K_M files, kept quantized, agree with the float32
-reference on their own dequantized weights in >= 99% of teacher-forced top-1 tokens and, where llama_cpp is
+key heads serving four value heads (so the converter's value-head reordering bites): the f32 file (dense and
+MoE) gives the HF checkpoint's and transformers' greedy tokens; the Q8_0 / Q4_K_M files, kept quantized, agree
+with the float32 reference on their own dequantized weights in >= 99% of teacher-forced top-1 tokens and, where llama_cpp is
 installed, are no further from it in KL than llama.cpp is on the same file; unknown metadata is refused."""
 from __future__ import annotations
 
@@ -29,22 +29,25 @@ def files(tmp_path_factory):
         pytest.skip("llama.cpp's converter (llama-cpp-python sdist) could not be fetched")
     root = tmp_path_factory.mktemp("qwen35-gguf")
     hf = write_qwen35_hf(str(root / "hf"), QWEN35_SHAPES["tiny"])
+    moe = write_qwen35_hf(str(root / "moe-hf"), QWEN35_SHAPES["tiny-moe"])
     return {"hf": hf, "f32": convert_hf_to_gguf(hf, str(root / "f32.gguf"), "f32"),
-            "q8_0": convert_hf_to_gguf(hf, str(root / "q8_0.gguf"), "q8_0")}
+            "q8_0": convert_hf_to_gguf(hf, str(root / "q8_0.gguf"), "q8_0"),
+            "moe-hf": moe, "moe-f32": convert_hf_to_gguf(moe, str(root / "moe-f32.gguf"), "f32")}
 
 
-def test_f32_gguf_greedy_matches_its_hf_checkpoint_and_transformers(files):
+@pytest.mark.parametrize("model", ["", "moe-"], ids=["qwen35", "qwen35moe"])
+def test_f32_gguf_greedy_matches_its_hf_checkpoint_and_transformers(model, files):
     from transformers import AutoModelForCausalLM
 
     from novainfer import LLM, SamplingParams
     params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
     greedy = {}
     for key in ("f32", "hf"):
-        llm = LLM(files[key], dtype="float32", max_model_len=256, block_size=4, max_num_batched_tokens=5)
+        llm = LLM(files[model + key], dtype="float32", max_model_len=256, block_size=4, max_num_batched_tokens=5)
         greedy[key] = list(llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
                            .token_ids)
         llm.llm_engine.shutdown()
-    hf = AutoModelForCausalLM.from_pretrained(files["hf"], dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(files[model + "hf"], dtype=torch.float32).eval()
     with torch.inference_mode():
         ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=N, min_new_tokens=N, do_sample=False)[0]
     assert greedy["f32"] == greedy["hf"] == ref[len(PROMPT):].tolist()

@@ -25,6 +25,7 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
     "qwen35": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig"),  # loader/gguf_qwen35.py
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig"),
 }
 
 # per-layer GGUF tensor name -> HF name (after "model.layers.N.")
@@ -64,7 +65,6 @@ def load_gguf_config(path: str) -> Any:
         architectures=[hf_arch],
         vocab_size=int(reader.field(f"{arch}.vocab_size", int(embed.shape[1]))),
         hidden_size=hidden,
-        intermediate_size=int(reader.field(f"{arch}.feed_forward_length")),
         num_hidden_layers=int(reader.field(f"{arch}.block_count")),
         num_attention_heads=num_heads,
         num_key_value_heads=int(reader.field(f"{arch}.attention.head_count_kv", num_heads)),
@@ -77,9 +77,11 @@ def load_gguf_config(path: str) -> Any:
         eos_token_id=reader.field("tokenizer.ggml.eos_token_id"),
         pad_token_id=reader.field("tokenizer.ggml.padding_token_id"),
     )
-    if arch == gguf_qwen35.ARCH:
+    if arch in gguf_qwen35.ARCHS:
         gguf_qwen35.check_keys(reader.metadata)
         kwargs.update(gguf_qwen35.config_kwargs(reader.field))
+    else:
+        kwargs["intermediate_size"] = int(reader.field(f"{arch}.feed_forward_length"))
     return getattr(transformers, config_cls)(**kwargs)
 
 
@@ -161,7 +163,7 @@ def _tensor_names(path: str):
     """The HF-name function for the file's architecture, and for qwen35 the transforms that undo its converter's
     (None for the others)."""
     reader = _reader(path)
-    if reader.field("general.architecture") == gguf_qwen35.ARCH:
+    if reader.field("general.architecture") in gguf_qwen35.ARCHS:
         fixer = gguf_qwen35.Qwen35Tensors(load_gguf_config(path))
         return fixer.hf_name, fixer
     return hf_name, None

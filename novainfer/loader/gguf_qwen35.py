@@ -1,4 +1,5 @@
-"""llama.cpp's `qwen35` GGUF files (Qwen3.5 dense) read back into the HF layout models/qwen3_5.py loads.
+"""llama.cpp's `qwen35` / `qwen35moe` GGUF files (Qwen3.5 dense and MoE) read back into the HF layout
+models/qwen3_5.py loads.
 
 convert_hf_to_gguf.py (llama.cpp, as vendored by llama-cpp-python 0.3.36) writes a Qwen3.5 checkpoint with these
 changes, undone here tensor by tensor:
@@ -8,6 +9,7 @@ changes, undone here tensor by tensor:
     [k0v0, k0v1, k1v0, k1v1] to tiled [k0v0, k1v0, k0v1, k1v1]: the v rows of attn_qkv, the rows of attn_gate
     (in_proj_z), ssm_alpha / ssm_beta, the entries of ssm_a / ssm_dt, the v channels of ssm_conv1d and the
     columns of ssm_out (out_proj).
+The MoE's [E, out, in] expert stacks load dequantized, split into one tensor per expert (the HF names).
 Row permutations apply to quantized blocks as they are (a row's blocks move whole); a column permutation of
 ssm_out moves whole blocks when a value head spans whole blocks, else that tensor loads dequantized.
 The metadata maps to a Qwen3_5TextConfig; a qwen35.* key this reader does not know is refused, naming it.
@@ -24,6 +26,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 ARCH = "qwen35"
+ARCHS = ("qwen35", "qwen35moe")  # Qwen3.5 dense and MoE
 # per-layer GGUF tensor (name before its ".weight"/".bias", or the whole name) -> HF name after "model.layers.N."
 LAYER_NAMES = {
     "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
@@ -37,6 +40,13 @@ LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # qwen35moe: [E, ...] expert stacks (split per expert by fix), the router, the gated shared expert
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight", "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight", "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
 GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                 "output.weight": "lm_head.weight"}
@@ -52,6 +62,7 @@ KNOWN_KEYS = {
     "rope.freq_base", "rope.dimension_count", "rope.dimension_sections", "ssm.conv_kernel", "ssm.state_size",
     "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size", "attention.recurrent_layers",
     "full_attention_interval", "nextn_predict_layers", "vocab_size",
+    "expert_count", "expert_used_count", "expert_feed_forward_length", "expert_shared_feed_forward_length",
 }
 
 
@@ -67,15 +78,17 @@ def hf_name(gguf_name: str, num_layers: int) -> str | None:
 
 
 def check_keys(metadata: dict[str, Any]) -> None:
-    """Refuse, naming it, a qwen35.* key whose meaning this reader does not implement."""
+    """Refuse, naming it, a qwen35.* / qwen35moe.* key whose meaning this reader does not implement."""
+    arch = metadata["general.architecture"]
     for key, value in metadata.items():
-        if key.startswith(ARCH + ".") and key[len(ARCH) + 1:] not in KNOWN_KEYS:
-            raise NotImplementedError(f"GGUF metadata {key}={value!r} is not supported for qwen35 files")
+        if key.startswith(arch + ".") and key[len(arch) + 1:] not in KNOWN_KEYS:
+            raise NotImplementedError(f"GGUF metadata {key}={value!r} is not supported for {arch} files")
 
 
 def config_kwargs(field: Any) -> dict[str, Any]:
-    """Qwen3_5TextConfig keyword arguments from the file's qwen35.* metadata (field(key, default) reads it)."""
-    a = ARCH
+    """Qwen3_5(Moe)TextConfig keyword arguments from the file's qwen35.* / qwen35moe.* metadata (field(key,
+    default) reads it)."""
+    a = field("general.architecture")
     nextn = int(field(f"{a}.nextn_predict_layers", 0))
     layers = int(field(f"{a}.block_count")) - nextn  # the MTP blocks follow the decoder's
     head_dim = int(field(f"{a}.attention.key_length"))
@@ -89,9 +102,15 @@ def config_kwargs(field: Any) -> dict[str, Any]:
     rotary = int(field(f"{a}.rope.dimension_count", head_dim))
     # rope.dimension_sections (mRoPE) needs no handling: for text the three position rows are equal, and
     # interleaved mRoPE with equal rows is plain rotary over rope.dimension_count
+    if a == "qwen35moe":
+        mlp = {"num_experts": int(field(f"{a}.expert_count")),
+               "num_experts_per_tok": int(field(f"{a}.expert_used_count")),
+               "moe_intermediate_size": int(field(f"{a}.expert_feed_forward_length")),
+               "shared_expert_intermediate_size": int(field(f"{a}.expert_shared_feed_forward_length"))}
+    else:
+        mlp = {"intermediate_size": int(field(f"{a}.feed_forward_length"))}
     return dict(
-        num_hidden_layers=layers, head_dim=head_dim,
-        intermediate_size=int(field(f"{a}.feed_forward_length")),
+        num_hidden_layers=layers, head_dim=head_dim, **mlp,
         layer_types=["linear_attention" if r else "full_attention" for r in recurrent],
         full_attention_interval=int(field(f"{a}.full_attention_interval", 4)),
         linear_conv_kernel_dim=int(field(f"{a}.ssm.conv_kernel")),
@@ -112,12 +131,15 @@ class Qwen35Tensors:
         self.nk, self.nv = config.linear_num_key_heads, config.linear_num_value_heads
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
         self.num_layers = config.num_hidden_layers
+        self.num_experts = getattr(config, "num_experts", 0)
 
     def hf_name(self, gguf_name: str) -> str | None:
         return hf_name(gguf_name, self.num_layers)
 
     def count(self, name: str) -> int:
         """How many HF tensors fix() makes of this one (in_proj_qkv: its three shards)."""
+        if ".mlp.experts." in name:
+            return self.num_experts
         return 3 if name.endswith(".in_proj_qkv.weight") else 1
 
     def _grouped(self, width: int) -> np.ndarray:
@@ -151,6 +173,10 @@ class Qwen35Tensors:
             qk = 2 * self.nk * self.dk
             data = np.concatenate([data[:qk], data[qk:][self._grouped(self.dv)]])
             yield name, data.reshape(data.shape[0], 1, data.shape[-1])
+        elif ".mlp.experts." in name:  # [E, out, in] dequantized: one tensor per expert
+            prefix, _, part = name.rpartition(".experts.")
+            for e in range(data.shape[0]):
+                yield f"{prefix}.experts.{e}.{part}", data[e]
         elif name.endswith(".in_proj_qkv.weight"):  # three shards of one fused parameter (in_proj_q/_k/_v)
             qk = self.nk * self.dk
             prefix = name[:-len("qkv.weight")]
