@@ -1,8 +1,8 @@
 """Qwen3.5 GGUF files made by llama.cpp's own converter (and quantizer) from a tiny random HF checkpoint with two
 key heads serving four value heads (so the converter's value-head reordering bites): the f32 file (dense and
 MoE) gives the HF checkpoint's and transformers' greedy tokens; the Q8_0 / Q4_K_M files, kept quantized, agree
-with the float32 reference on their own dequantized weights in >= 99% of teacher-forced top-1 tokens and, where llama_cpp is
-installed, are no further from it in KL than llama.cpp is on the same file; unknown metadata is refused."""
+with the float32 reference on their own dequantized weights in >= 99% of teacher-forced top-1 tokens and, where
+llama_cpp is installed, are no further from it in KL than llama.cpp is on the same file; unknown metadata is refused."""
 from __future__ import annotations
 
 import pytest
