@@ -148,3 +148,157 @@ def write_qwen2_q4_k_m(path: str, shape: Qwen2Shape, seed: int = 0) -> str:
     w.close()
     os.replace(tmp, path)
     return path
+
+
+# ---- GGUF files made by llama.cpp's own converter and quantizer ----------------------------------------------
+LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp holds convert_hf_to_gguf.py, conversion/, gguf-py/
+# the converter names a BPE pre-tokenizer by the hash of a test string's tokens; a tiny test tokenizer hashes to
+# none it knows, so the runner pins this one (GPT-2's split regex: the tiny tokenizers' ByteLevel pre-tokenizer)
+TEST_PRE_TOKENIZER = "gpt-2"
+LLAMA_FTYPES = {"Q8_0": 7, "Q4_K_M": 15, "Q4_0": 2, "Q6_K": 18}  # llama_ftype values for llama_model_quantize
+_CONVERT_RUNNER = """
+import runpy, sys
+src, pre = sys.argv[1], sys.argv[2]
+sys.path[:0] = [src, src + "/gguf-py"]
+import conversion.base
+conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+sys.argv = [src + "/convert_hf_to_gguf.py"] + sys.argv[3:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def llama_cpp_converter(download: bool = True) -> str | None:
+    """The vendor/llama.cpp folder of llama-cpp-python's sdist: $NOVAINFER_LLAMA_CPP_SRC, else a copy under
+    CACHE_DIR, fetched once with `pip download` (76 MB, the converter sources kept); None if unobtainable."""
+    import shutil
+    import subprocess
+    import sys
+    import tarfile
+    import tempfile
+
+    from novainfer.config import CACHE_DIR
+    env = os.environ.get("NOVAINFER_LLAMA_CPP_SRC")
+    if env:
+        return env if os.path.isfile(os.path.join(env, "convert_hf_to_gguf.py")) else None
+    dest = os.path.join(CACHE_DIR, f"llama.cpp-{LLAMA_CPP_PYTHON}")
+    if os.path.isfile(os.path.join(dest, "convert_hf_to_gguf.py")):
+        return dest
+    if not download:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps", "-d", tmp,
+               f"llama-cpp-python=={LLAMA_CPP_PYTHON}"]
+        if subprocess.run(cmd, capture_output=True).returncode != 0:
+            return None
+        sdist = os.path.join(tmp, f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz")
+        inner = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
+        keep = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(inner)
+                       and m.name[len(inner):].startswith(keep) and (m.isfile() or m.isdir())]
+            tar.extractall(tmp, members=members, filter="data")
+        part = dest + ".part"
+        shutil.rmtree(part, ignore_errors=True)
+        shutil.copytree(os.path.join(tmp, inner), part)
+        os.replace(part, dest)
+    return dest
+
+
+def convert_hf_to_gguf(hf_dir: str, out: str, outtype: str = "f32", pre_tokenizer: str = TEST_PRE_TOKENIZER) -> str:
+    """Run llama.cpp's convert_hf_to_gguf.py (its own gguf-py) on an HF folder: outtype f32, f16, bf16 or q8_0."""
+    import subprocess
+    import sys
+    src = llama_cpp_converter()
+    if src is None:
+        raise RuntimeError(f"llama.cpp's converter (llama-cpp-python=={LLAMA_CPP_PYTHON} sdist) is unavailable")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["NO_LOCAL_GGUF"] = "1"  # the runner puts the sdist's gguf-py first itself
+    # --no-mtp: the random checkpoints have no multi-token-prediction head (NovaInfer never uses one)
+    cmd = [sys.executable, "-c", _CONVERT_RUNNER, src, pre_tokenizer, hf_dir, "--outfile", out, "--outtype",
+           outtype, "--no-mtp"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0 or not os.path.isfile(out):
+        raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{proc.stderr[-3000:]}")
+    return out
+
+
+def llama_quantize(src: str, out: str, ftype: str = "Q4_K_M", threads: int = 2) -> str:
+    """llama.cpp's quantizer (llama_model_quantize through llama_cpp's binding) from a float GGUF."""
+    import llama_cpp
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMA_FTYPES[ftype]
+    params.nthread = threads
+    rc = llama_cpp.llama_model_quantize(src.encode(), out.encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({src} -> {ftype}) returned {rc}")
+    return out
+
+
+@dataclass(frozen=True)
+class Qwen35Shape:
+    """The Qwen3.5 text-model hyper-parameters of a random checkpoint (every 4th layer full attention)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    linear_k_heads: int
+    linear_v_heads: int
+    linear_k_dim: int
+    linear_v_dim: int
+    vocab: int
+    tie: bool = True
+    experts: int = 0  # > 0: Qwen3.5-MoE (every layer sparse, with a shared expert)
+
+
+QWEN35_SHAPES = {
+    # Qwen3.5-0.8B's text model (the vision tower left out): 6 of 24 layers full attention
+    "qwen3.5-0.8b": Qwen35Shape(layers=24, hidden=1024, heads=8, kv_heads=2, head_dim=256, intermediate=3584,
+                                linear_k_heads=16, linear_v_heads=16, linear_k_dim=128, linear_v_dim=128,
+                                vocab=248320),
+    # rows of 256 where the K-quants need them; two key heads serve four value heads (the converter reorders them);
+    # llama.cpp takes the value head size to equal the key head size (ssm.state_size)
+    "tiny": Qwen35Shape(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, linear_k_heads=2,
+                        linear_v_heads=4, linear_k_dim=64, linear_v_dim=64, vocab=512, tie=False),
+    "tiny-moe": Qwen35Shape(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=256,
+                            linear_k_heads=2, linear_v_heads=4, linear_k_dim=64, linear_v_dim=64, vocab=512,
+                            tie=False, experts=4),
+}
+
+
+def write_qwen35_hf(path: str, shape: Qwen35Shape, seed: int = 0, dtype: str = "float32") -> str:
+    """A random Qwen3.5 (or -MoE) ForCausalLM checkpoint with the tests' byte-level BPE tokenizer (the config's
+    vocab_size pads it), its norm offsets, decays and routers moved off their initial values so every converter
+    transform bites."""
+    import torch
+    import transformers
+
+    from tests.tiny_hybrid import randomize
+    from tests.tiny_models import make_tokenizer
+    tokenizer = make_tokenizer(400)
+    eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id
+    common = dict(vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+                  num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+                  max_position_embeddings=4096, rms_norm_eps=1e-6, linear_conv_kernel_dim=4,
+                  linear_key_head_dim=shape.linear_k_dim, linear_value_head_dim=shape.linear_v_dim,
+                  linear_num_key_heads=shape.linear_k_heads, linear_num_value_heads=shape.linear_v_heads,
+                  initializer_range=0.05, eos_token_id=eos, pad_token_id=pad, bos_token_id=None,
+                  tie_word_embeddings=shape.tie)
+    if shape.experts:
+        config = transformers.Qwen3_5MoeTextConfig(num_experts=shape.experts, num_experts_per_tok=2,
+                                                   moe_intermediate_size=shape.intermediate,
+                                                   shared_expert_intermediate_size=shape.intermediate, **common)
+    else:
+        config = transformers.Qwen3_5TextConfig(intermediate_size=shape.intermediate, **common)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    randomize(model)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4.0)  # logits of std ~3: clear greedy choices
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    transformers.GenerationConfig(eos_token_id=[eos, pad]).save_pretrained(path)
+    return path

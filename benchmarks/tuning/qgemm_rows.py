@@ -45,7 +45,7 @@ import torch  # noqa: E402
 
 from novainfer.kernels.cpu import library, qgemm  # noqa: E402
 
-CSRC = "novainfer/layers/quantization/csrc"
+CSRC = "novainfer/kernels/cpu/csrc"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

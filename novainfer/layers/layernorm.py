@@ -50,7 +50,11 @@ class GemmaRMSNorm(RMSNorm):
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x), or with a residual: (norm(x + residual), x + residual); the torch path on every device."""
+        """norm(x), or with a residual: (norm(x + residual), x + residual); on the quantized CPU path in float32
+        the C op of RMSNorm with the weight 1 + w (equal in float32), else torch."""
+        if self.fused_cpu and cpu_ops.usable(x) and self.weight.dtype == torch.float32:
+            out, res = cpu_ops.add_rms_norm(x, residual, 1.0 + self.weight, self.eps)
+            return out if residual is None else (out, res)
         if residual is None:
             return self._norm(x)
         x = x + residual

@@ -28,6 +28,7 @@ from novainfer.distributed import get_tp_group, shard_dim
 from novainfer.kernels.gated_delta_rule import (causal_conv1d_triton, causal_conv1d_update_triton,
                                                 chunk_gated_delta_rule_triton, fused_recurrent_gated_delta_rule_triton)
 from novainfer.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from novainfer.kernels.cpu import gated_delta as gated_delta_cpu
 
 CHUNK = 64  # tokens per chunk of the chunked prefill form
 
@@ -318,7 +319,10 @@ class GatedDeltaNet(nn.Module):
     def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
                 continues: torch.Tensor) -> torch.Tensor:
         """One token per sequence: a decode continues its slot's state, a one-token prompt (continues False)
-        starts from zeros."""
+        starts from zeros. On the CPU in float32, one C call (kernels/cpu/gated_delta.py)."""
+        if gated_delta_cpu.usable(mixed, self.conv_state, self.ssm_state):
+            return gated_delta_cpu.decode_step(mixed, self.conv_state, self.ssm_state, slots, continues,
+                                               self.conv1d.weight, g, beta, self.num_k_heads, self.head_k_dim)
         weight = self.conv1d.weight[:, 0]  # [C, K]
         prev = torch.where(continues[:, None, None], self.conv_state[slots].transpose(1, 2), 0)
         window = torch.cat([prev, mixed.unsqueeze(-1).to(self.conv_state.dtype)], dim=-1)

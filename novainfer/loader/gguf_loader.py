@@ -13,9 +13,10 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
+from novainfer.loader import gguf_qwen35
 from novainfer.loader.gguf_file import GGUFFile
 
 # GGUF architecture -> (HF architecture, transformers config class name)
@@ -23,6 +24,8 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "LlamaConfig"),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
+    "qwen35": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig"),  # loader/gguf_qwen35.py
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig"),
 }
 
 # per-layer GGUF tensor name -> HF name (after "model.layers.N.")
@@ -62,7 +65,6 @@ def load_gguf_config(path: str) -> Any:
         architectures=[hf_arch],
         vocab_size=int(reader.field(f"{arch}.vocab_size", int(embed.shape[1]))),
         hidden_size=hidden,
-        intermediate_size=int(reader.field(f"{arch}.feed_forward_length")),
         num_hidden_layers=int(reader.field(f"{arch}.block_count")),
         num_attention_heads=num_heads,
         num_key_value_heads=int(reader.field(f"{arch}.attention.head_count_kv", num_heads)),
@@ -75,6 +77,11 @@ def load_gguf_config(path: str) -> Any:
         eos_token_id=reader.field("tokenizer.ggml.eos_token_id"),
         pad_token_id=reader.field("tokenizer.ggml.padding_token_id"),
     )
+    if arch in gguf_qwen35.ARCHS:
+        gguf_qwen35.check_keys(reader.metadata)
+        kwargs.update(gguf_qwen35.config_kwargs(reader.field))
+    else:
+        kwargs["intermediate_size"] = int(reader.field(f"{arch}.feed_forward_length"))
     return getattr(transformers, config_cls)(**kwargs)
 
 
@@ -155,9 +162,21 @@ def _read_bytes(path: str, tensor) -> np.ndarray:
     return buf
 
 
+def _tensor_names(path: str):
+    """The HF-name function for the file's architecture, and for qwen35 the transforms that undo its converter's
+    (None for the others)."""
+    reader = _reader(path)
+    if reader.field("general.architecture") in gguf_qwen35.ARCHS:
+        fixer = gguf_qwen35.Qwen35Tensors(load_gguf_config(path))
+        return fixer.hf_name, fixer
+    return hf_name, None
+
+
 def count_gguf_weights(path: str) -> int:
     """How many tensors iter_gguf_weights yields (for the progress bar)."""
-    return sum(1 for t in _reader(path).tensors if hf_name(t.name) is not None)
+    name_of, fixer = _tensor_names(path)
+    names = [name_of(t.name) for t in _reader(path).tensors]
+    return sum(1 if fixer is None else fixer.count(n) for n in names if n is not None)
 
 
 def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
@@ -172,15 +191,18 @@ def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple
     num_heads = int(reader.field(f"{arch}.attention.head_count"))
     num_kv_heads = int(reader.field(f"{arch}.attention.head_count_kv", num_heads))
     logged: set[str] = set()
+    name_of, fixer = _tensor_names(path)
     file_map = reader.open_map()  # unmapped once the last tensor view is gone: no file pages stay resident
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = name_of(tensor.name)
         if name is None:
             continue
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
         qtype = GGMLQuantizationType(tensor.tensor_type)
         quantized = qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
-        if keep_quantized and quantized and len(shape) == 2 and qtype in SUPPORTED:
+        block = GGML_QUANT_SIZES[qtype][0]
+        if (keep_quantized and quantized and len(shape) == 2 and qtype in SUPPORTED
+                and (fixer is None or fixer.keep_quantized(name, shape, block))):
             data = _read_bytes(path, tensor).reshape(shape[0], -1)  # one row of blocks per output row
         else:
             if keep_quantized and quantized and qtype.name not in logged:
@@ -197,7 +219,10 @@ def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple
             data = unpermute_rotary_rows(data, num_heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
             data = unpermute_rotary_rows(data, num_kv_heads)
-        if data.dtype == np.uint8:
-            yield name, GGUFQuantTensor(tensor.name, np.ascontiguousarray(data), qtype, shape)
-        else:
-            yield name, torch.from_numpy(data.copy())  # the reader memory-maps the file read-only
+        parts = [(name, data)] if fixer is None else fixer.fix(name, data, block)
+        for name, data in parts:
+            if data.dtype == np.uint8:
+                shape = (data.shape[0], shape[-1])
+                yield name, GGUFQuantTensor(tensor.name, np.ascontiguousarray(data), qtype, shape)
+            else:
+                yield name, torch.from_numpy(data.copy())  # the reader memory-maps the file read-only

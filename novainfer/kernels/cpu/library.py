@@ -21,7 +21,7 @@ _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _HEADERS = ["cpu_pool.h", "cpu_kernels.h", "simd_cpu.h", "panel_cpu.h", "qgemm_jobs.h"]
 _SOURCES = ["qgemm_cpu.c", "qgemm_panel_cpu.c", "quantize_rows_cpu.c", "qgemm_avx512.c", "dequantize_cpu.c",
             "decode_ops_cpu.c", "decode_attention_cpu.c", "prefill_attention_cpu.c", "cpu_pool.c",
-            "decoder_stack_cpu.c", "repack_panels_cpu.c"]
+            "decoder_stack_cpu.c", "repack_panels_cpu.c", "gated_delta_cpu.c"]
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 

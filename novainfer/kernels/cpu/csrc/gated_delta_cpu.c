@@ -1,0 +1,149 @@
+/* The Gated DeltaNet decode step (one token per sequence) in float32: the causal-conv window update, SiLU,
+ * q/k L2 normalisation and the gated delta rule on each value head's [Dk, Dv] state, for B sequences whose
+ * states live in slots (layers/linear_attention.py: GatedDeltaNet._decode is the torch reference).
+ *
+ * Per value head h (key head h / (nv / nk): value heads are grouped by key head), with S its state:
+ *   S *= exp(g);  u = beta (v - S^T k);  S += k u^T;  out = S^T q
+ * done in two sweeps over S's rows (decay + S^T k, then the update + S^T q). gated_delta_head_ref is the
+ * scalar form; an AVX-512 form of the same sweeps runs where the CPU has AVX-512F (picked at run time). */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_pool.h"
+
+typedef struct {
+    const float *mixed; int64_t mixed_stride;
+    float *conv_state, *ssm_state; const int64_t *slots; const uint8_t *continues;
+    const float *conv_w, *g, *beta;
+    int C, K, nk, nv, dk, dv;
+    float *conv_out; /* scratch [B, C]: q (normalised, scaled), k (normalised), v */
+    float *out;      /* [B, nv, dv] */
+} gdn_job;
+
+static void l2_normalize(float *x, int n, float scale) {
+    float ss = 0.f;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    const float r = scale / sqrtf(ss + 1e-6f);
+    for (int i = 0; i < n; i++) x[i] *= r;
+}
+
+/* Sequence b: its conv window shifted by the new input, the conv output (SiLU) into conv_out. */
+static void conv_seq(void *arg, int b) {
+    const gdn_job *j = arg;
+    const int C = j->C, K = j->K, W = K - 1;
+    const float *x = j->mixed + (size_t)b * j->mixed_stride;
+    float *win = j->conv_state + (size_t)j->slots[b] * C * W;
+    float *co = j->conv_out + (size_t)b * C;
+    const int keep = j->continues[b];
+    for (int c = 0; c < C; c++) {
+        float *wc = win + (size_t)c * W;
+        const float *w = j->conv_w + (size_t)c * K;
+        float acc = 0.f;
+        for (int t = 0; t < W; t++) acc += (keep ? wc[t] : 0.f) * w[t];
+        acc += x[c] * w[W];
+        for (int t = 0; t + 1 < W; t++) wc[t] = keep ? wc[t + 1] : 0.f;
+        if (W > 0) wc[W - 1] = x[c];
+        co[c] = acc / (1.f + expf(-acc));
+    }
+    const int key_dim = j->nk * j->dk;
+    for (int h = 0; h < j->nk; h++) {
+        l2_normalize(co + (size_t)h * j->dk, j->dk, 1.f / sqrtf((float)j->dk));
+        l2_normalize(co + key_dim + (size_t)h * j->dk, j->dk, 1.f);
+    }
+}
+
+void gated_delta_head_ref(float *S, const float *q, const float *k, const float *v, float decay, float beta,
+                          float *out, int dk, int dv) {
+    float kv[dv], u[dv];
+    for (int c = 0; c < dv; c++) kv[c] = out[c] = 0.f;
+    for (int i = 0; i < dk; i++) {
+        float *row = S + (size_t)i * dv;
+        for (int c = 0; c < dv; c++) {
+            row[c] *= decay;
+            kv[c] += row[c] * k[i];
+        }
+    }
+    for (int c = 0; c < dv; c++) u[c] = beta * (v[c] - kv[c]);
+    for (int i = 0; i < dk; i++) {
+        float *row = S + (size_t)i * dv;
+        for (int c = 0; c < dv; c++) {
+            row[c] += k[i] * u[c];
+            out[c] += row[c] * q[i];
+        }
+    }
+}
+
+/* The same sweeps 16 values at a time (dv a multiple of 16). */
+__attribute__((target("avx512f")))
+static void gated_delta_head_avx512(float *S, const float *q, const float *k, const float *v, float decay,
+                                    float beta, float *out, int dk, int dv) {
+    float kv[dv];
+    const __m512 vd = _mm512_set1_ps(decay), vb = _mm512_set1_ps(beta);
+    for (int c = 0; c < dv; c += 16) _mm512_storeu_ps(kv + c, _mm512_setzero_ps());
+    for (int i = 0; i < dk; i++) {
+        float *row = S + (size_t)i * dv;
+        const __m512 ki = _mm512_set1_ps(k[i]);
+        for (int c = 0; c < dv; c += 16) {
+            const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(row + c), vd);
+            _mm512_storeu_ps(row + c, s);
+            _mm512_storeu_ps(kv + c, _mm512_fmadd_ps(s, ki, _mm512_loadu_ps(kv + c)));
+        }
+    }
+    for (int c = 0; c < dv; c += 16) {  /* kv becomes u */
+        _mm512_storeu_ps(kv + c, _mm512_mul_ps(vb, _mm512_sub_ps(_mm512_loadu_ps(v + c), _mm512_loadu_ps(kv + c))));
+        _mm512_storeu_ps(out + c, _mm512_setzero_ps());
+    }
+    for (int i = 0; i < dk; i++) {
+        float *row = S + (size_t)i * dv;
+        const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+        for (int c = 0; c < dv; c += 16) {
+            const __m512 s = _mm512_fmadd_ps(ki, _mm512_loadu_ps(kv + c), _mm512_loadu_ps(row + c));
+            _mm512_storeu_ps(row + c, s);
+            _mm512_storeu_ps(out + c, _mm512_fmadd_ps(s, qi, _mm512_loadu_ps(out + c)));
+        }
+    }
+}
+
+static int use_avx512 = -1;  /* -1: not yet probed; set_gated_delta_isa overrides */
+
+/* (sequence, value head) pair `task`: that head's state updated in its slot, its output written. */
+static void head_task(void *arg, int task) {
+    const gdn_job *j = arg;
+    const int b = task / j->nv, h = task % j->nv, rep = j->nv / j->nk, kh = h / rep;
+    const int key_dim = j->nk * j->dk;
+    const float *co = j->conv_out + (size_t)b * j->C;
+    float *S = j->ssm_state + ((size_t)j->slots[b] * j->nv + h) * j->dk * j->dv;
+    if (!j->continues[b]) memset(S, 0, sizeof(float) * j->dk * j->dv);
+    const float decay = expf(j->g[(size_t)b * j->nv + h]), beta = j->beta[(size_t)b * j->nv + h];
+    const float *q = co + (size_t)kh * j->dk, *k = co + key_dim + (size_t)kh * j->dk;
+    const float *v = co + 2 * key_dim + (size_t)h * j->dv;
+    float *out = j->out + ((size_t)b * j->nv + h) * j->dv;
+    if (use_avx512 && j->dv % 16 == 0)
+        gated_delta_head_avx512(S, q, k, v, decay, beta, out, j->dk, j->dv);
+    else
+        gated_delta_head_ref(S, q, k, v, decay, beta, out, j->dk, j->dv);
+}
+
+/* isa: 0 scalar, 1 AVX-512 (where the CPU has it), -1 the best available; returns whether AVX-512 is used. */
+int set_gated_delta_isa(int isa) {
+    __builtin_cpu_init();
+    const int has = __builtin_cpu_supports("avx512f");
+    use_avx512 = isa == 0 ? 0 : has;
+    return use_avx512;
+}
+
+/* One decode step of B sequences. mixed [B, C] (row stride mixed_stride), conv_state [slots, C, K-1],
+ * ssm_state [slots, nv, dk, dv], conv_w [C, K], g and beta [B, nv]; continues[b] 0: the sequence starts from
+ * zero states. conv_out is scratch of B * C floats; out [B, nv, dv]. */
+void gated_delta_decode(const float *mixed, int64_t mixed_stride, float *conv_state, float *ssm_state,
+                        const int64_t *slots, const uint8_t *continues, int B, const float *conv_w, const float *g,
+                        const float *beta, int C, int K, int nk, int nv, int dk, int dv, float *conv_out, float *out,
+                        int nthreads) {
+    if (use_avx512 < 0) set_gated_delta_isa(-1);
+    gdn_job j = {mixed, mixed_stride, conv_state, ssm_state, slots, continues, conv_w, g, beta, C, K, nk, nv, dk, dv,
+                 conv_out, out};
+    pool_run(conv_seq, &j, B, nthreads < B ? nthreads : B);
+    pool_run(head_task, &j, B * nv, nthreads);
+}
