@@ -176,7 +176,7 @@ def llama_cpp_converter(download: bool = True) -> str | None:
     import tarfile
     import tempfile
 
-    from novainfer.config import CACHE_DIR
+    from novainfer.platform import CACHE_DIR
     env = os.environ.get("NOVAINFER_LLAMA_CPP_SRC")
     if env:
         return env if os.path.isfile(os.path.join(env, "convert_hf_to_gguf.py")) else None

@@ -32,7 +32,7 @@ def test_c_decode_step_equals_torch(isa, monkeypatch):
     layer = GatedDeltaNet(Config())
     for p in layer.parameters():
         p.data.normal_(0, 0.3)
-    conv0 = torch.randn(5, layer.conv_dim, 3)
+    conv0 = torch.randn(5, *layer.state_shapes()[0])
     ssm0 = torch.randn(5, 4, 16, 32) * 0.3
     x = torch.randn(3, 48)
     # slots 3 and 0 continue (seq_lens > 1); slot 1 starts a one-token prompt over stale state

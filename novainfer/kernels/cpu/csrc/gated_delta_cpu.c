@@ -34,17 +34,16 @@ static void conv_seq(void *arg, int b) {
     const gdn_job *j = arg;
     const int C = j->C, K = j->K, W = K - 1;
     const float *x = j->mixed + (size_t)b * j->mixed_stride;
-    float *win = j->conv_state + (size_t)j->slots[b] * C * W;
+    float *win = j->conv_state + (size_t)j->slots[b] * C * W;  /* [W][C]: the last W inputs, oldest first */
     float *co = j->conv_out + (size_t)b * C;
     const int keep = j->continues[b];
     for (int c = 0; c < C; c++) {
-        float *wc = win + (size_t)c * W;
         const float *w = j->conv_w + (size_t)c * K;
         float acc = 0.f;
-        for (int t = 0; t < W; t++) acc += (keep ? wc[t] : 0.f) * w[t];
+        for (int t = 0; t < W; t++) acc += (keep ? win[(size_t)t * C + c] : 0.f) * w[t];
         acc += x[c] * w[W];
-        for (int t = 0; t + 1 < W; t++) wc[t] = keep ? wc[t + 1] : 0.f;
-        if (W > 0) wc[W - 1] = x[c];
+        for (int t = 0; t + 1 < W; t++) win[(size_t)t * C + c] = keep ? win[(size_t)(t + 1) * C + c] : 0.f;
+        if (W > 0) win[(size_t)(W - 1) * C + c] = x[c];
         co[c] = acc / (1.f + expf(-acc));
     }
     const int key_dim = j->nk * j->dk;
@@ -134,7 +133,7 @@ int set_gated_delta_isa(int isa) {
     return use_avx512;
 }
 
-/* One decode step of B sequences. mixed [B, C] (row stride mixed_stride), conv_state [slots, C, K-1],
+/* One decode step of B sequences. mixed [B, C] (row stride mixed_stride), conv_state [slots, K-1, C],
  * ssm_state [slots, nv, dk, dv], conv_w [C, K], g and beta [B, nv]; continues[b] 0: the sequence starts from
  * zero states. conv_out is scratch of B * C floats; out [B, nv, dv]. */
 void gated_delta_decode(const float *mixed, int64_t mixed_stride, float *conv_state, float *ssm_state,
