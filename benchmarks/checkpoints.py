@@ -6,6 +6,7 @@ so any token id decodes. Shapes in DUMMY are written config-only and loaded with
 (weights drawn in place): Qwen3-30B-A3B is ~61 GB in bf16, too much for the GPU machine's disk; the rest
 are written with transformers' save_pretrained.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,57 +18,196 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 CONFIGS = {
     # published shapes of Qwen2.5-0.5B and Qwen2.5-7B
-    "qwen2.5-0.5b": ("Qwen2Config", dict(
-        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-        vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=True)),
-    "qwen2.5-7b": ("Qwen2Config", dict(
-        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-        vocab_size=152064, max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=False)),
+    "qwen2.5-0.5b": (
+        "Qwen2Config",
+        dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen2.5-7b": (
+        "Qwen2Config",
+        dict(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            vocab_size=152064,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+        ),
+    ),
     # published shapes of SmolLM2-135M (the default model) and SmolLM2-360M: a draft and a target of one vocabulary
-    "smollm2-135m": ("LlamaConfig", dict(
-        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-        vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True)),
-    "smollm2-360m": ("LlamaConfig", dict(
-        hidden_size=960, intermediate_size=2560, num_hidden_layers=32, num_attention_heads=15, num_key_value_heads=5,
-        vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True)),
-    "tiny": ("Qwen2Config", dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=512, max_position_embeddings=4096, tie_word_embeddings=False)),
+    "smollm2-135m": (
+        "LlamaConfig",
+        dict(
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vocab_size=49152,
+            max_position_embeddings=8192,
+            rope_theta=100000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "smollm2-360m": (
+        "LlamaConfig",
+        dict(
+            hidden_size=960,
+            intermediate_size=2560,
+            num_hidden_layers=32,
+            num_attention_heads=15,
+            num_key_value_heads=5,
+            vocab_size=49152,
+            max_position_embeddings=8192,
+            rope_theta=100000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "tiny": (
+        "Qwen2Config",
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+        ),
+    ),
     # published shapes of Qwen3-30B-A3B (128 experts, 8 active) and Gemma-2-9B
-    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
-        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-        norm_topk_prob=True, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
-        tie_word_embeddings=False)),
-    "gemma-2-9b": ("Gemma2Config", dict(
-        hidden_size=3584, intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
-        num_key_value_heads=8, head_dim=256, vocab_size=256000, max_position_embeddings=8192,
-        query_pre_attn_scalar=256, sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-        hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)),
+    "qwen3-30b-a3b": (
+        "Qwen3MoeConfig",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "gemma-2-9b": (
+        "Gemma2Config",
+        dict(
+            hidden_size=3584,
+            intermediate_size=14336,
+            num_hidden_layers=42,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=256,
+            vocab_size=256000,
+            max_position_embeddings=8192,
+            query_pre_attn_scalar=256,
+            sliding_window=4096,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+        ),
+    ),
     # published shapes of Qwen3.5-9B and Qwen3.5-35B-A3B (text models; hybrid: 3 Gated DeltaNet layers to 1 gated
     # full-attention layer, DeltaNet 16 key heads / 32 value heads of dim 128, conv width 4, partial RoPE 0.25)
-    "qwen3.5-9b": ("Qwen3_5TextConfig", dict(
-        hidden_size=4096, intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
-        num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
-        vocab_size=248320, max_position_embeddings=262144, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25})),
-    "qwen3.5-35b-a3b": ("Qwen3_5MoeTextConfig", dict(
-        hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
-        moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8,
-        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_conv_kernel_dim=4, full_attention_interval=4, vocab_size=248320, max_position_embeddings=262144,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25})),
+    "qwen3.5-9b": (
+        "Qwen3_5TextConfig",
+        dict(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=32,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=256,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            full_attention_interval=4,
+            vocab_size=248320,
+            max_position_embeddings=262144,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        ),
+    ),
+    "qwen3.5-35b-a3b": (
+        "Qwen3_5MoeTextConfig",
+        dict(
+            hidden_size=2048,
+            num_hidden_layers=40,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            head_dim=256,
+            moe_intermediate_size=512,
+            shared_expert_intermediate_size=512,
+            num_experts=256,
+            num_experts_per_tok=8,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            full_attention_interval=4,
+            vocab_size=248320,
+            max_position_embeddings=262144,
+            tie_word_embeddings=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        ),
+    ),
     # small shapes for the CPU: a Qwen3-MoE (16 experts, 4 active) and a dense Qwen3 with the same active
     # parameters per token (intermediate = 4 x 256), its baseline
-    "qwen3-moe-small": ("Qwen3MoeConfig", dict(
-        hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=16, num_experts_per_tok=4,
-        norm_topk_prob=True, vocab_size=8192, max_position_embeddings=4096, tie_word_embeddings=False)),
-    "qwen3-dense-small": ("Qwen3Config", dict(
-        hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
-        head_dim=64, vocab_size=8192, max_position_embeddings=4096, tie_word_embeddings=False)),
+    "qwen3-moe-small": (
+        "Qwen3MoeConfig",
+        dict(
+            hidden_size=512,
+            intermediate_size=1024,
+            moe_intermediate_size=256,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            num_experts=16,
+            num_experts_per_tok=4,
+            norm_topk_prob=True,
+            vocab_size=8192,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "qwen3-dense-small": (
+        "Qwen3Config",
+        dict(
+            hidden_size=512,
+            intermediate_size=1024,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            vocab_size=8192,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 # no 15-70 GB write on the GPU machine
 DUMMY = {"qwen2.5-7b", "qwen3-30b-a3b", "gemma-2-9b", "qwen3.5-9b", "qwen3.5-35b-a3b"}
@@ -84,8 +224,9 @@ def make_config(key: str) -> transformers.PretrainedConfig:
     if key not in CONFIGS:
         raise SystemExit(f"unknown random config {key!r}; choose from {sorted(CONFIGS)}")
     config_cls, kwargs = CONFIGS[key]
-    return getattr(transformers, config_cls)(**kwargs, rms_norm_eps=1e-6, eos_token_id=0, pad_token_id=0,
-                                             bos_token_id=None, initializer_range=0.02)
+    return getattr(transformers, config_cls)(
+        **kwargs, rms_norm_eps=1e-6, eos_token_id=0, pad_token_id=0, bos_token_id=None, initializer_range=0.02
+    )
 
 
 def load_format(name: str) -> str:
@@ -121,4 +262,5 @@ def resolve_model(name: str, cache_dir: str = "/tmp/novainfer-bench", dtype: tor
 def config_architecture(config: transformers.PretrainedConfig) -> str:
     """The CausalLM class transformers maps this config to (what save_pretrained would record)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
     return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]

@@ -9,6 +9,7 @@ round is (n - 1) / (time for n new tokens - time for 1) on a --prompt-len prompt
 prompt, so no prefix cache helps either engine. Peak RSS is polled over the engine's process tree by this
 (parent) process and read from the child's own VmHWM; a child over --rss-limit-gb is killed, not waited on.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,36 +35,50 @@ def child(args: argparse.Namespace) -> dict:
     """One engine in this process: load it, then take the timings; returns the figures."""
     from benchmarks.throughput import make_workload
     import torch
+
     threads = torch.get_num_threads()
     seeds = iter(range(1000, 10_000))
     from benchmarks.gguf_checkpoint import SHAPES
+
     vocab = SHAPES[args.shape].vocab
     fresh = lambda n: make_workload(1, n, 1, vocab, next(seeds))[0][0]  # noqa: E731  (ids below 10,000)
     t0 = time.perf_counter()
     if args.child == "novainfer":
         from novainfer import LLM, SamplingParams
+
         llm = LLM(args.path)  # the defaults a user gets
 
         def run(prompt: list[int], n: int) -> tuple[list[int], float]:
             t = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=n,
-                                                                              ignore_eos=True), use_tqdm=False)
+            out = llm.generate(
+                [{"prompt_token_ids": prompt}],
+                SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                use_tqdm=False,
+            )
             return list(out[0].outputs[0].token_ids), time.perf_counter() - t
+
         name = "NovaInfer (LLM(path), defaults)"
 
         def top5(ids: list[int]) -> list[list[tuple[int, float]]]:
-            out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=1,
-                                                                           prompt_logprobs=5), use_tqdm=False)
-            return [sorted(((t, lp.logprob) for t, lp in d.items()), key=lambda e: -e[1])[:5]
-                    for d in out[0].prompt_logprobs[1:]]
+            out = llm.generate(
+                [{"prompt_token_ids": ids}],
+                SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5),
+                use_tqdm=False,
+            )
+            return [
+                sorted(((t, lp.logprob) for t, lp in d.items()), key=lambda e: -e[1])[:5]
+                for d in out[0].prompt_logprobs[1:]
+            ]
     else:
         from benchmarks import llamacpp_baseline
+
         lc, version = llamacpp_baseline.load(args.path, threads)
         run = lambda p, n: llamacpp_baseline.greedy(lc, p, n)  # noqa: E731
 
         def top5(ids: list[int]) -> list[list[tuple[int, float]]]:
             import llama_cpp
             import numpy as np
+
             lc.reset()
             out = []
             for tok in ids[:-1]:  # one token at a time: without logits_all only the last row is computed
@@ -74,10 +89,16 @@ def child(args: argparse.Namespace) -> dict:
                 best = np.argsort(-lp)[:5]
                 out.append([(int(t), float(lp[t])) for t in best])
             return out
+
         name = f"llama.cpp (llama-cpp-python {version})"
-    r = {"engine": name, "threads": threads, "load_s": time.perf_counter() - t0,
-         "rss_after_load_mb": proc_status_mb("VmRSS"), "rss_anon_after_load_mb": proc_status_mb("RssAnon"),
-         "rss_file_after_load_mb": proc_status_mb("RssFile")}
+    r = {
+        "engine": name,
+        "threads": threads,
+        "load_s": time.perf_counter() - t0,
+        "rss_after_load_mb": proc_status_mb("VmRSS"),
+        "rss_anon_after_load_mb": proc_status_mb("RssAnon"),
+        "rss_file_after_load_mb": proc_status_mb("RssFile"),
+    }
     r["greedy_tokens"] = run(list(range(100, 100 + args.prompt_len)), args.new_tokens)[0]  # also the warm-up
     one, full, prefill = [], [], []
     for _ in range(args.repeat):
@@ -87,17 +108,33 @@ def child(args: argparse.Namespace) -> dict:
         prefill.append(run(fresh(args.prefill_len), 1)[1])
     r["teacher_forced_top5"] = top5(make_workload(1, args.agree_len, 1, vocab, 777)[0][0])
     n = args.new_tokens - 1
-    r.update(decode_tok_s=[n / (f - o) for f, o in zip(full, one)], prefill_s=prefill, one_s=one, full_s=full,
-             vm_hwm_mb=proc_status_mb("VmHWM"), rss_end_mb=proc_status_mb("VmRSS"))
+    r.update(
+        decode_tok_s=[n / (f - o) for f, o in zip(full, one)],
+        prefill_s=prefill,
+        one_s=one,
+        full_s=full,
+        vm_hwm_mb=proc_status_mb("VmHWM"),
+        rss_end_mb=proc_status_mb("VmRSS"),
+    )
     return r
 
 
 def run_child(args: argparse.Namespace, engine: str) -> dict:
     """The engine in a child process; its process tree's RSS polled for the peak, killed over the limit."""
     out = os.path.join(os.path.dirname(os.path.abspath(args.path)), f"{engine}.json")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", engine, "--result", out,
-           *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-             if k in ("path", "prompt_len", "new_tokens", "prefill_len", "repeat", "agree_len", "shape")]]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        engine,
+        "--result",
+        out,
+        *[
+            f"--{k.replace('_', '-')}={v}"
+            for k, v in vars(args).items()
+            if k in ("path", "prompt_len", "new_tokens", "prefill_len", "repeat", "agree_len", "shape")
+        ],
+    ]
     proc = subprocess.Popen(cmd)
     peak, killed = 0.0, False
     while proc.poll() is None:
@@ -107,8 +144,11 @@ def run_child(args: argparse.Namespace, engine: str) -> dict:
             killed = True
         time.sleep(0.2)
     if killed or proc.returncode != 0:
-        return {"engine": engine, "error": f"exit {proc.returncode}" + (", killed over the RSS limit" * killed),
-                "peak_rss_polled_mb": peak}
+        return {
+            "engine": engine,
+            "error": f"exit {proc.returncode}" + (", killed over the RSS limit" * killed),
+            "peak_rss_polled_mb": peak,
+        }
     with open(out) as f:
         r = json.load(f)
     os.remove(out)
@@ -137,6 +177,7 @@ def main() -> None:
             json.dump(child(args), f)
         return
     from benchmarks.gguf_checkpoint import SHAPES, write_qwen2_q4_k_m
+
     engines = engine_list(args)
     r = {"path": args.path}
     if not os.path.exists(args.path):
@@ -166,10 +207,12 @@ def engine_list(args: argparse.Namespace) -> list[str]:
 
 
 def report(r: dict, args: argparse.Namespace) -> None:
-    print(f"\n{r['path']}: {r['file_gb']:.2f} GB; {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
-          f"{args.prefill_len}-token prefill, greedy, fresh prompt per timed run, {args.repeat} rounds\n"
-          f"| engine | load (s) | peak RSS (GiB) | batch-1 decode tok/s | prefill of {args.prefill_len} tokens (s) |\n"
-          "|---|---|---|---|---|")
+    print(
+        f"\n{r['path']}: {r['file_gb']:.2f} GB; {args.prompt_len}-token prompts, {args.new_tokens} new tokens, "
+        f"{args.prefill_len}-token prefill, greedy, fresh prompt per timed run, {args.repeat} rounds\n"
+        f"| engine | load (s) | peak RSS (GiB) | batch-1 decode tok/s | prefill of {args.prefill_len} tokens (s) |\n"
+        "|---|---|---|---|---|"
+    )
     engines = [e for e in engine_list(args) if "error" not in r[e]]
     for e in engine_list(args):
         x = r[e]
@@ -177,17 +220,21 @@ def report(r: dict, args: argparse.Namespace) -> None:
             print(f"| {e} | failed: {x['error']} | {x['peak_rss_polled_mb'] / 1024:.1f} | - | - |")
             continue
         d, p = x["decode_tok_s"], x["prefill_s"]
-        print(f"| {x['engine']}, {x['threads']} threads | {x['load_s']:.1f} | "
-              f"{max(x['peak_rss_polled_mb'], x['vm_hwm_mb']) / 1024:.2f} | {min(d):.2f}-{max(d):.2f} | "
-              f"{min(p):.1f}-{max(p):.1f} |")
+        print(
+            f"| {x['engine']}, {x['threads']} threads | {x['load_s']:.1f} | "
+            f"{max(x['peak_rss_polled_mb'], x['vm_hwm_mb']) / 1024:.2f} | {min(d):.2f}-{max(d):.2f} | "
+            f"{min(p):.1f}-{max(p):.1f} |"
+        )
     if len(engines) == 2:
         a, b = (r[e]["greedy_tokens"] for e in engines)
         same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
         print(f"greedy tokens on one prompt: the engines agree on the first {same} of {len(a)}")
         r["agreement"] = agreement(*(r[e]["teacher_forced_top5"] for e in engines))
-        print("teacher-forced on one {n}-token sequence: top-1 equal at {top1}/{n} positions, each engine's top-1 "
-              "in the other's top-5 at {in5}/{n}; where the top-1 agree, |logprob difference| mean {dlp:.3f}, "
-              "max {dlp_max:.3f}".format(**r["agreement"]))
+        print(
+            "teacher-forced on one {n}-token sequence: top-1 equal at {top1}/{n} positions, each engine's top-1 "
+            "in the other's top-5 at {in5}/{n}; where the top-1 agree, |logprob difference| mean {dlp:.3f}, "
+            "max {dlp_max:.3f}".format(**r["agreement"])
+        )
 
 
 def agreement(a: list, b: list) -> dict:
@@ -195,8 +242,13 @@ def agreement(a: list, b: list) -> dict:
     top1 = [x[0][0] == y[0][0] for x, y in zip(a, b)]
     in5 = [x[0][0] in {t for t, _ in y} and y[0][0] in {t for t, _ in x} for x, y in zip(a, b)]
     dlp = [abs(x[0][1] - y[0][1]) for x, y, same in zip(a, b, top1) if same]
-    return {"n": len(top1), "top1": sum(top1), "in5": sum(in5), "dlp": sum(dlp) / max(1, len(dlp)),
-            "dlp_max": max(dlp, default=0.0)}
+    return {
+        "n": len(top1),
+        "top1": sum(top1),
+        "in5": sum(in5),
+        "dlp": sum(dlp) / max(1, len(dlp)),
+        "dlp_max": max(dlp, default=0.0),
+    }
 
 
 if __name__ == "__main__":

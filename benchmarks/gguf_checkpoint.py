@@ -10,6 +10,7 @@ The tokenizer is the default model's (SmolLM2, byte-level BPE, 49,152 tokens) pa
 of type UNUSED to the vocabulary size, as llama.cpp's converter pads Qwen's vocabulary (a smaller vocabulary
 keeps its first tokens and their merges); llama.cpp and transformers (hence NovaInfer) both load it.
 """
+
 from __future__ import annotations
 
 import os
@@ -59,13 +60,20 @@ def tensor_plan(s: Qwen2Shape) -> list[tuple[str, tuple[int, ...], T]]:
     for i in range(s.layers):
         more = T.Q6_K if use_more_bits(i, s.layers) else T.Q4_K
         p = f"blk.{i}."
-        plan += [(p + "attn_norm.weight", (h,), T.F32), (p + "attn_q.weight", (h, h), T.Q4_K),
-                 (p + "attn_q.bias", (h,), T.F32), (p + "attn_k.weight", (kv, h), T.Q4_K),
-                 (p + "attn_k.bias", (kv,), T.F32), (p + "attn_v.weight", (kv, h), more),
-                 (p + "attn_v.bias", (kv,), T.F32), (p + "attn_output.weight", (h, h), T.Q4_K),
-                 (p + "ffn_norm.weight", (h,), T.F32), (p + "ffn_gate.weight", (s.intermediate, h), T.Q4_K),
-                 (p + "ffn_up.weight", (s.intermediate, h), T.Q4_K),
-                 (p + "ffn_down.weight", (h, s.intermediate), more)]
+        plan += [
+            (p + "attn_norm.weight", (h,), T.F32),
+            (p + "attn_q.weight", (h, h), T.Q4_K),
+            (p + "attn_q.bias", (h,), T.F32),
+            (p + "attn_k.weight", (kv, h), T.Q4_K),
+            (p + "attn_k.bias", (kv,), T.F32),
+            (p + "attn_v.weight", (kv, h), more),
+            (p + "attn_v.bias", (kv,), T.F32),
+            (p + "attn_output.weight", (h, h), T.Q4_K),
+            (p + "ffn_norm.weight", (h,), T.F32),
+            (p + "ffn_gate.weight", (s.intermediate, h), T.Q4_K),
+            (p + "ffn_up.weight", (s.intermediate, h), T.Q4_K),
+            (p + "ffn_down.weight", (h, s.intermediate), more),
+        ]
     plan += [("output_norm.weight", (h,), T.F32), ("output.weight", (s.vocab, h), T.Q6_K)]
     return plan
 
@@ -116,6 +124,7 @@ def add_tokenizer(w: GGUFWriter, source: str, vocab: int) -> None:
 def write_qwen2_q4_k_m(path: str, shape: Qwen2Shape, seed: int = 0) -> str:
     """Write the file (to a temporary name, renamed when complete) and return its path."""
     from novainfer.loader.default_model import default_model_path
+
     rng = np.random.default_rng(seed)
     plan = tensor_plan(shape)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -177,6 +186,7 @@ def llama_cpp_converter(download: bool = True) -> str | None:
     import tempfile
 
     from novainfer.platform import CACHE_DIR
+
     env = os.environ.get("NOVAINFER_LLAMA_CPP_SRC")
     if env:
         return env if os.path.isfile(os.path.join(env, "convert_hf_to_gguf.py")) else None
@@ -186,16 +196,30 @@ def llama_cpp_converter(download: bool = True) -> str | None:
     if not download:
         return None
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-binary", ":all:", "--no-deps", "-d", tmp,
-               f"llama-cpp-python=={LLAMA_CPP_PYTHON}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-binary",
+            ":all:",
+            "--no-deps",
+            "-d",
+            tmp,
+            f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+        ]
         if subprocess.run(cmd, capture_output=True).returncode != 0:
             return None
         sdist = os.path.join(tmp, f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz")
         inner = f"llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp/"
         keep = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
         with tarfile.open(sdist) as tar:
-            members = [m for m in tar.getmembers() if m.name.startswith(inner)
-                       and m.name[len(inner):].startswith(keep) and (m.isfile() or m.isdir())]
+            members = [
+                m
+                for m in tar.getmembers()
+                if m.name.startswith(inner) and m.name[len(inner) :].startswith(keep) and (m.isfile() or m.isdir())
+            ]
             tar.extractall(tmp, members=members, filter="data")
         part = dest + ".part"
         shutil.rmtree(part, ignore_errors=True)
@@ -208,14 +232,26 @@ def convert_hf_to_gguf(hf_dir: str, out: str, outtype: str = "f32", pre_tokenize
     """Run llama.cpp's convert_hf_to_gguf.py (its own gguf-py) on an HF folder: outtype f32, f16, bf16 or q8_0."""
     import subprocess
     import sys
+
     src = llama_cpp_converter()
     if src is None:
         raise RuntimeError(f"llama.cpp's converter (llama-cpp-python=={LLAMA_CPP_PYTHON} sdist) is unavailable")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["NO_LOCAL_GGUF"] = "1"  # the runner puts the sdist's gguf-py first itself
     # --no-mtp: the random checkpoints have no multi-token-prediction head (NovaInfer never uses one)
-    cmd = [sys.executable, "-c", _CONVERT_RUNNER, src, pre_tokenizer, hf_dir, "--outfile", out, "--outtype",
-           outtype, "--no-mtp"]
+    cmd = [
+        sys.executable,
+        "-c",
+        _CONVERT_RUNNER,
+        src,
+        pre_tokenizer,
+        hf_dir,
+        "--outfile",
+        out,
+        "--outtype",
+        outtype,
+        "--no-mtp",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0 or not os.path.isfile(out):
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{proc.stderr[-3000:]}")
@@ -225,6 +261,7 @@ def convert_hf_to_gguf(hf_dir: str, out: str, outtype: str = "f32", pre_tokenize
 def llama_quantize(src: str, out: str, ftype: str = "Q4_K_M", threads: int = 2) -> str:
     """llama.cpp's quantizer (llama_model_quantize through llama_cpp's binding) from a float GGUF."""
     import llama_cpp
+
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = LLAMA_FTYPES[ftype]
     params.nthread = threads
@@ -255,16 +292,50 @@ class Qwen35Shape:
 
 QWEN35_SHAPES = {
     # Qwen3.5-0.8B's text model (the vision tower left out): 6 of 24 layers full attention
-    "qwen3.5-0.8b": Qwen35Shape(layers=24, hidden=1024, heads=8, kv_heads=2, head_dim=256, intermediate=3584,
-                                linear_k_heads=16, linear_v_heads=16, linear_k_dim=128, linear_v_dim=128,
-                                vocab=248320),
+    "qwen3.5-0.8b": Qwen35Shape(
+        layers=24,
+        hidden=1024,
+        heads=8,
+        kv_heads=2,
+        head_dim=256,
+        intermediate=3584,
+        linear_k_heads=16,
+        linear_v_heads=16,
+        linear_k_dim=128,
+        linear_v_dim=128,
+        vocab=248320,
+    ),
     # rows of 256 where the K-quants need them; two key heads serve four value heads (the converter reorders them);
     # llama.cpp takes the value head size to equal the key head size (ssm.state_size)
-    "tiny": Qwen35Shape(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, linear_k_heads=2,
-                        linear_v_heads=4, linear_k_dim=64, linear_v_dim=64, vocab=512, tie=False),
-    "tiny-moe": Qwen35Shape(layers=4, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=256,
-                            linear_k_heads=2, linear_v_heads=4, linear_k_dim=64, linear_v_dim=64, vocab=512,
-                            tie=False, experts=4),
+    "tiny": Qwen35Shape(
+        layers=4,
+        hidden=256,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        intermediate=512,
+        linear_k_heads=2,
+        linear_v_heads=4,
+        linear_k_dim=64,
+        linear_v_dim=64,
+        vocab=512,
+        tie=False,
+    ),
+    "tiny-moe": Qwen35Shape(
+        layers=4,
+        hidden=256,
+        heads=4,
+        kv_heads=2,
+        head_dim=64,
+        intermediate=256,
+        linear_k_heads=2,
+        linear_v_heads=4,
+        linear_k_dim=64,
+        linear_v_dim=64,
+        vocab=512,
+        tie=False,
+        experts=4,
+    ),
 }
 
 
@@ -277,19 +348,37 @@ def write_qwen35_hf(path: str, shape: Qwen35Shape, seed: int = 0, dtype: str = "
 
     from tests.tiny_hybrid import randomize
     from tests.tiny_models import make_tokenizer
+
     tokenizer = make_tokenizer(400)
     eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.pad_token_id
-    common = dict(vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
-                  num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
-                  max_position_embeddings=4096, rms_norm_eps=1e-6, linear_conv_kernel_dim=4,
-                  linear_key_head_dim=shape.linear_k_dim, linear_value_head_dim=shape.linear_v_dim,
-                  linear_num_key_heads=shape.linear_k_heads, linear_num_value_heads=shape.linear_v_heads,
-                  initializer_range=0.05, eos_token_id=eos, pad_token_id=pad, bos_token_id=None,
-                  tie_word_embeddings=shape.tie)
+    common = dict(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=shape.linear_k_dim,
+        linear_value_head_dim=shape.linear_v_dim,
+        linear_num_key_heads=shape.linear_k_heads,
+        linear_num_value_heads=shape.linear_v_heads,
+        initializer_range=0.05,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=None,
+        tie_word_embeddings=shape.tie,
+    )
     if shape.experts:
-        config = transformers.Qwen3_5MoeTextConfig(num_experts=shape.experts, num_experts_per_tok=2,
-                                                   moe_intermediate_size=shape.intermediate,
-                                                   shared_expert_intermediate_size=shape.intermediate, **common)
+        config = transformers.Qwen3_5MoeTextConfig(
+            num_experts=shape.experts,
+            num_experts_per_tok=2,
+            moe_intermediate_size=shape.intermediate,
+            shared_expert_intermediate_size=shape.intermediate,
+            **common,
+        )
     else:
         config = transformers.Qwen3_5TextConfig(intermediate_size=shape.intermediate, **common)
     torch.manual_seed(seed)

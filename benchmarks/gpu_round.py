@@ -12,6 +12,7 @@ and one table at the end. The parts are the GPU rows of docs/PERFORMANCE.md and 
 printed either way). --dry-run: the same steps on the CPU with the tiny random shape and small workloads (the GPU
 check replaced by its CPU halves), to try the part where there is no GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,28 +27,43 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = {
     # docs/PERFORMANCE.md's one-GPU table, in one call (HF transformers covers the first 128 prompts)
     "table": [
-        ("tput 0.5b (+HF)", ["benchmarks/throughput.py", "--model", "random:qwen2.5-0.5b", "--compare-hf",
-                             "--hf-num-prompts", "128"]),
-        ("lat 0.5b (+HF)", ["benchmarks/latency.py", "--model", "random:qwen2.5-0.5b", "--repeat", "5",
-                            "--compare-hf"]),
+        (
+            "tput 0.5b (+HF)",
+            ["benchmarks/throughput.py", "--model", "random:qwen2.5-0.5b", "--compare-hf", "--hf-num-prompts", "128"],
+        ),
+        (
+            "lat 0.5b (+HF)",
+            ["benchmarks/latency.py", "--model", "random:qwen2.5-0.5b", "--repeat", "5", "--compare-hf"],
+        ),
         ("tput 7b fp8", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b", "--quantization", "fp8"]),
         ("tput 7b bf16", ["benchmarks/throughput.py", "--model", "random:qwen2.5-7b"]),
         ("lat 7b", ["benchmarks/latency.py", "--model", "random:qwen2.5-7b", "--repeat", "3"]),
     ],
-    "moe": [
-        ("tput qwen3-30b-a3b", ["benchmarks/throughput.py", "--model", "random:qwen3-30b-a3b"]),
-    ],
+    "moe": [("tput qwen3-30b-a3b", ["benchmarks/throughput.py", "--model", "random:qwen3-30b-a3b"])],
     # the overlapped step loop on and off, with the kernel and parity checks first
     "checks-0.5b": [
         ("gpu_check", ["tests/gpu/gpu_check.py"]),
-        ("tput 0.5b overlap on (+HF)", ["benchmarks/throughput.py", "--model", "random:qwen2.5-0.5b",
-                                        "--compare-hf", "--hf-num-prompts", "128", "--async-scheduling"]),
-        ("tput 0.5b overlap off", ["benchmarks/throughput.py", "--model", "random:qwen2.5-0.5b",
-                                   "--no-async-scheduling"]),
-        ("lat 0.5b overlap on (+HF)", ["benchmarks/latency.py", "--model", "random:qwen2.5-0.5b", "--compare-hf",
-                                       "--async-scheduling"]),
-        ("lat 0.5b overlap off", ["benchmarks/latency.py", "--model", "random:qwen2.5-0.5b",
-                                  "--no-async-scheduling"]),
+        (
+            "tput 0.5b overlap on (+HF)",
+            [
+                "benchmarks/throughput.py",
+                "--model",
+                "random:qwen2.5-0.5b",
+                "--compare-hf",
+                "--hf-num-prompts",
+                "128",
+                "--async-scheduling",
+            ],
+        ),
+        (
+            "tput 0.5b overlap off",
+            ["benchmarks/throughput.py", "--model", "random:qwen2.5-0.5b", "--no-async-scheduling"],
+        ),
+        (
+            "lat 0.5b overlap on (+HF)",
+            ["benchmarks/latency.py", "--model", "random:qwen2.5-0.5b", "--compare-hf", "--async-scheduling"],
+        ),
+        ("lat 0.5b overlap off", ["benchmarks/latency.py", "--model", "random:qwen2.5-0.5b", "--no-async-scheduling"]),
     ],
     # quantization="fp8" against bf16; the fp8 checks first, the rest of gpu_check last
     "fp8": [
@@ -63,12 +79,35 @@ PARTS = {
     ],
     # the default model's n-gram speed-up (its GGUF at --gguf), then a draft-model run
     "speculation": [
-        ("spec ngram default model b1 b32", ["benchmarks/speculation.py", "--device", "cuda", "--model", "{gguf}",
-                                             "--batch", "1", "32", "--max-tokens", "128"]),
-        ("spec draft 360m-135m b1", ["benchmarks/speculation.py", "--device", "cuda", "--model",
-                                     "random:smollm2-360m", "--max-tokens", "64", "--speculative-config",
-                                     '{"method": "draft_model", "model": "random:smollm2-135m", '
-                                     '"num_speculative_tokens": 4}']),
+        (
+            "spec ngram default model b1 b32",
+            [
+                "benchmarks/speculation.py",
+                "--device",
+                "cuda",
+                "--model",
+                "{gguf}",
+                "--batch",
+                "1",
+                "32",
+                "--max-tokens",
+                "128",
+            ],
+        ),
+        (
+            "spec draft 360m-135m b1",
+            [
+                "benchmarks/speculation.py",
+                "--device",
+                "cuda",
+                "--model",
+                "random:smollm2-360m",
+                "--max-tokens",
+                "64",
+                "--speculative-config",
+                '{"method": "draft_model", "model": "random:smollm2-135m", "num_speculative_tokens": 4}',
+            ],
+        ),
     ],
     # the batch-1 decode stack (fused GEMVs and attention): its checks, the tile sweep, where the step goes
     "decode-stack": [
@@ -82,14 +121,26 @@ PARTS = {
 BUDGETS = {"table": 570, "fp8": 540, "decode-stack": 570}
 # --dry-run: CPU stand-ins (tiny shapes, small workloads; the GPU check's CPU halves)
 DRY_MODELS = {"random:qwen2.5-7b": "random:tiny", "random:qwen2.5-0.5b": "random:tiny"}
-DRY_ARGS = {"benchmarks/throughput.py": ["--device", "cpu", "--num-prompts", "4", "--input-len", "16",
-                                         "--output-len", "8"],
-            "benchmarks/latency.py": ["--device", "cpu", "--prompt-len", "16", "--output-len", "8",
-                                      "--ttft-prompt-len", "32", "--repeat", "1"],
-            "benchmarks/tuning/fp8_gemm.py": ["--device", "cpu", "--shapes", "tiny", "--rows", "1", "33",
-                                              "--iters", "5"]}
-DRY_CHECK = {"--only": ["-m", "pytest", "-q", "tests/test_gpu_check_cpu.py", "tests/test_fp8_quant.py"],
-             "--skip": ["-m", "pytest", "-q", "tests/test_gpu_check_cpu.py", "-k", "not fp8"]}
+DRY_ARGS = {
+    "benchmarks/throughput.py": ["--device", "cpu", "--num-prompts", "4", "--input-len", "16", "--output-len", "8"],
+    "benchmarks/latency.py": [
+        "--device",
+        "cpu",
+        "--prompt-len",
+        "16",
+        "--output-len",
+        "8",
+        "--ttft-prompt-len",
+        "32",
+        "--repeat",
+        "1",
+    ],
+    "benchmarks/tuning/fp8_gemm.py": ["--device", "cpu", "--shapes", "tiny", "--rows", "1", "33", "--iters", "5"],
+}
+DRY_CHECK = {
+    "--only": ["-m", "pytest", "-q", "tests/test_gpu_check_cpu.py", "tests/test_fp8_quant.py"],
+    "--skip": ["-m", "pytest", "-q", "tests/test_gpu_check_cpu.py", "-k", "not fp8"],
+}
 
 
 def dry_run_command(cmd: list[str]) -> list[str]:
@@ -105,8 +156,12 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/gpu_round")
     ap.add_argument("--gguf", default="/tmp/smol.gguf", help="the default model's GGUF file on this machine")
     ap.add_argument("--timeout", type=float, default=300, help="seconds each run may take")
-    ap.add_argument("--budget", type=float, default=None,
-                    help=f"seconds for the whole part (see above); default {BUDGETS} for those parts, else none")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help=f"seconds for the whole part (see above); default {BUDGETS} for those parts, else none",
+    )
     ap.add_argument("--dry-run", action="store_true", help="CPU stand-ins of the steps (see above)")
     args = ap.parse_args()
     if args.budget is None:
@@ -129,8 +184,7 @@ def main() -> None:
         t0 = time.time()
         with open(os.path.join(args.out, slug + ".log"), "w") as log:
             try:
-                rc = subprocess.run(full, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                    timeout=left).returncode
+                rc = subprocess.run(full, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=left).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         with open(os.path.join(args.out, slug + ".log")) as f:
@@ -141,8 +195,11 @@ def main() -> None:
     print("\n| run | rc | s | result |\n|---|---|---|---|")
     for name, rc, secs, result, tail in rows:
         if isinstance(result, list):  # speculation.py: one row per engine and setting; fp8_gemm.py per shape
-            keys = ("speculative_config", "batch", "tok_s", "acceptance", "mean_accepted_length", "greedy_equal") \
-                if result and "speculative_config" in result[0] else ("shape", "M", "speedup_fp8_layer")
+            keys = (
+                ("speculative_config", "batch", "tok_s", "acceptance", "mean_accepted_length", "greedy_equal")
+                if result and "speculative_config" in result[0]
+                else ("shape", "M", "speedup_fp8_layer")
+            )
             result = [{k: r.get(k) for k in keys} for r in result]
         summary = json.dumps(result, separators=(",", ":"))[:600] if result else tail[:200]
         print(f"| {name} | {rc} | {secs:.0f} | {summary} |")

@@ -7,6 +7,7 @@ Decode tok/s = 255 / (time for 256 new tokens - time for 1), so prefill is left 
 the same prompt token ids, greedy, the same thread count, and gives every timed run a fresh prompt (so
 neither engine serves a repeat from a prefix cache); NovaInfer runs with its default settings.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,46 +44,81 @@ def main() -> None:
     ap.add_argument("--ttft-prompt-len", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                    help="plan step N+1 while step N runs (default: on with CUDA, off on the CPU)")
-    ap.add_argument("--speculative-config", type=json.loads, default=None,
-                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    ap.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan step N+1 while step N runs (default: on with CUDA, off on the CPU)",
+    )
+    ap.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--quantization", default=None, choices=["fp8", "gguf", "none"],
-                    help="fp8: the linear weights to float8 at load (vLLM's dynamic FP8); default: none for HF folders")
+    ap.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8", "gguf", "none"],
+        help="fp8: the linear weights to float8 at load (vLLM's dynamic FP8); default: none for HF folders",
+    )
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--compare-hf", action="store_true", help="with --compare-llamacpp too: a third row")
     ap.add_argument("--compare-llamacpp", action="store_true", help="llama.cpp on the same GGUF (see module doc)")
-    ap.add_argument("--compare-kwargs", type=json.loads, default=None,
-                    help="with --compare-llamacpp: one more NovaInfer row built with these LLM arguments, taking "
-                         "turns too (an A/B of one setting), e.g. '{\"enable_prefix_caching\": false}'")
-    ap.add_argument("--decode-after-first-token", action="store_true",
-                    help="with --compare-llamacpp: decode tok/s from one run per round, (n - 1) / (time of the last "
-                         "token - time of the first), not the difference of two runs (whose prefill noise swamps "
-                         "the decode time of a long prompt)")
+    ap.add_argument(
+        "--compare-kwargs",
+        type=json.loads,
+        default=None,
+        help="with --compare-llamacpp: one more NovaInfer row built with these LLM arguments, taking "
+        "turns too (an A/B of one setting), e.g. '{\"enable_prefix_caching\": false}'",
+    )
+    ap.add_argument(
+        "--decode-after-first-token",
+        action="store_true",
+        help="with --compare-llamacpp: decode tok/s from one run per round, (n - 1) / (time of the last "
+        "token - time of the first), not the difference of two runs (whose prefill noise swamps "
+        "the decode time of a long prompt)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
     if args.compare_llamacpp:
         return compare_llamacpp(args)
     from novainfer import LLM, SamplingParams
+
     path = resolve_model(args.model)
-    llm = LLM(path, enforce_eager=args.enforce_eager, device=args.device, enable_prefix_caching=False,
-              gpu_memory_utilization=args.gpu_memory_utilization, load_format=load_format(args.model),
-              async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
-              quantization=args.quantization)
+    llm = LLM(
+        path,
+        enforce_eager=args.enforce_eager,
+        device=args.device,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        load_format=load_format(args.model),
+        async_scheduling=args.async_scheduling,
+        speculative_config=args.speculative_config,
+        quantization=args.quantization,
+    )
     vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
     (prompt,), _ = make_workload(1, args.prompt_len, 1, vocab, 0)
     (long_prompt,), _ = make_workload(1, args.ttft_prompt_len, 1, vocab, 1)
 
     def gen(p: list[int], n: int):
-        return lambda: llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=n,
-                                                                              ignore_eos=True), use_tqdm=False)
+        return lambda: llm.generate(
+            [{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False
+        )
+
     t_full = timed(gen(prompt, args.output_len), args.repeat)
     t_one = timed(gen(prompt, 1), args.repeat)
     ttft = timed(gen(long_prompt, 1), args.repeat)
-    r = {"model": args.model, "device": device_name(), "decode_tok_s": (args.output_len - 1) / (t_full - t_one),
-         "ttft_ms": ttft * 1e3, "enforce_eager": args.enforce_eager, "quantization": args.quantization}
+    r = {
+        "model": args.model,
+        "device": device_name(),
+        "decode_tok_s": (args.output_len - 1) / (t_full - t_one),
+        "ttft_ms": ttft * 1e3,
+        "enforce_eager": args.enforce_eager,
+        "quantization": args.quantization,
+    }
     if args.compare_hf:
         del llm
         r.update(hf_latency(path, prompt, long_prompt, args.output_len, args.repeat))
@@ -107,6 +143,7 @@ def compare_llamacpp(args: argparse.Namespace) -> None:
     from benchmarks import llamacpp_baseline
     from novainfer import LLM, SamplingParams
     from novainfer.loader.model_loader import resolve_model_path
+
     path = resolve_model_path(None if args.model == "default" else args.model)
     threads = torch.get_num_threads()
     llm = LLM(path)  # the defaults a user gets
@@ -119,10 +156,15 @@ def compare_llamacpp(args: argparse.Namespace) -> None:
     def runner(engine: LLM):
         def nova(prompt: list[int], n: int) -> tuple[list[int], float]:
             t0 = time.perf_counter()
-            out = engine.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=n,
-                                                                                 ignore_eos=True), use_tqdm=False)
+            out = engine.generate(
+                [{"prompt_token_ids": prompt}],
+                SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                use_tqdm=False,
+            )
             return out[0].outputs[0].token_ids, time.perf_counter() - t0
+
         return nova
+
     nova = runner(llm)
 
     n_ctx = max(2048, max(args.prompt_len, args.ttft_prompt_len) + args.output_len + 16)  # long-context runs
@@ -139,17 +181,22 @@ def compare_llamacpp(args: argparse.Namespace) -> None:
         from transformers import AutoModelForCausalLM
 
         from benchmarks.hf_baseline import run
-        hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                  dtype=torch.float32).eval()
+
+        hf = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+        ).eval()
 
         def hf_run(p: list[int], n: int) -> tuple[None, float]:
             t0 = time.perf_counter()
             with torch.inference_mode():
                 run(hf, [p], [n], 0.0, 0, "cpu")
             return None, time.perf_counter() - t0
+
         engines["hf"], names["hf"] = hf_run, f"HF transformers {transformers.__version__} (float32)"
-    streamed = {"novainfer": lambda p, n: nova_after_first(llm, p, n),
-                "llamacpp": lambda p, n: llamacpp_baseline.greedy_after_first(lc, p, n)}
+    streamed = {
+        "novainfer": lambda p, n: nova_after_first(llm, p, n),
+        "llamacpp": lambda p, n: llamacpp_baseline.greedy_after_first(lc, p, n),
+    }
     if args.decode_after_first_token and set(engines) - set(streamed):
         raise SystemExit("--decode-after-first-token times NovaInfer's defaults and llama.cpp only")
     times = {k: {"one": [], "full": [], "prefill": []} for k in engines}
@@ -170,8 +217,12 @@ def compare_llamacpp(args: argparse.Namespace) -> None:
             times[key]["prefill"].append(run_engine(fresh(args.ttft_prompt_len), 1)[1] * 1e3)
     n = args.output_len - 1
     for key, t in times.items():
-        r[key] = {"decode_tok_s": [n / (f - o) for f, o in zip(t["full"], t["one"])],
-                  "decode_tok_s_best": n / (min(t["full"]) - min(t["one"])), "prefill_ms": t["prefill"], **t}
+        r[key] = {
+            "decode_tok_s": [n / (f - o) for f, o in zip(t["full"], t["one"])],
+            "decode_tok_s_best": n / (min(t["full"]) - min(t["one"])),
+            "prefill_ms": t["prefill"],
+            **t,
+        }
     r["decode_method"] = "after first token" if args.decode_after_first_token else "two runs"
     same = fresh(args.prompt_len)
     ours, theirs = nova(same, 32)[0], llamacpp_baseline.greedy(lc, same, 32)[0]
@@ -179,29 +230,40 @@ def compare_llamacpp(args: argparse.Namespace) -> None:
     llm.llm_engine.shutdown()
     if args.compare_kwargs:
         other.llm_engine.shutdown()
-    method = "from the first token to the last of one run" if args.decode_after_first_token else \
-        "as an n-token run less a 1-token run"
-    print(f"\n{args.prompt_len}-token prompts, {args.output_len} new tokens, {args.ttft_prompt_len}-token prefill, "
-          f"{threads} threads, fresh prompt per run, engines taking turns; ranges over {args.repeat} rounds; "
-          f"decode timed {method}\n"
-          f"| engine | batch-1 decode tok/s (best) | prefill of a {args.ttft_prompt_len}-token prompt (ms) |\n"
-          "|---|---|---|")
+    method = (
+        "from the first token to the last of one run"
+        if args.decode_after_first_token
+        else "as an n-token run less a 1-token run"
+    )
+    print(
+        f"\n{args.prompt_len}-token prompts, {args.output_len} new tokens, {args.ttft_prompt_len}-token prefill, "
+        f"{threads} threads, fresh prompt per run, engines taking turns; ranges over {args.repeat} rounds; "
+        f"decode timed {method}\n"
+        f"| engine | batch-1 decode tok/s (best) | prefill of a {args.ttft_prompt_len}-token prompt (ms) |\n"
+        "|---|---|---|"
+    )
     for key in engines:
         d, p = r[key]["decode_tok_s"], r[key]["prefill_ms"]
-        print(f"| {names[key]} | {min(d):.1f}-{max(d):.1f} ({r[key]['decode_tok_s_best']:.1f}) | "
-              f"{min(p):,.0f}-{max(p):,.0f} |")
+        print(
+            f"| {names[key]} | {min(d):.1f}-{max(d):.1f} ({r[key]['decode_tok_s_best']:.1f}) | "
+            f"{min(p):,.0f}-{max(p):,.0f} |"
+        )
     nv, lcr = r["novainfer"], r["llamacpp"]
     ratio = [a / b for a, b in zip(nv["decode_tok_s"], lcr["decode_tok_s"])]
     pre = [b / a for a, b in zip(nv["prefill_ms"], lcr["prefill_ms"])]
-    print(f"per round, NovaInfer / llama.cpp: decode {min(ratio):.2f}-{max(ratio):.2f}x (best "
-          f"{nv['decode_tok_s_best'] / lcr['decode_tok_s_best']:.2f}x); prefill speed-up {min(pre):.2f}-"
-          f"{max(pre):.2f}x (best {min(lcr['prefill_ms']) / min(nv['prefill_ms']):.2f}x); "
-          f"greedy tokens equal to llama.cpp's: {r['greedy_tokens_agree']}/32")
+    print(
+        f"per round, NovaInfer / llama.cpp: decode {min(ratio):.2f}-{max(ratio):.2f}x (best "
+        f"{nv['decode_tok_s_best'] / lcr['decode_tok_s_best']:.2f}x); prefill speed-up {min(pre):.2f}-"
+        f"{max(pre):.2f}x (best {min(lcr['prefill_ms']) / min(nv['prefill_ms']):.2f}x); "
+        f"greedy tokens equal to llama.cpp's: {r['greedy_tokens_agree']}/32"
+    )
     if args.compare_kwargs:
         b = r["novainfer_b"]["decode_tok_s"]
         ratio = [x / y for x, y in zip(nv["decode_tok_s"], b)]
-        print(f"per round, NovaInfer defaults / {names['novainfer_b']}: decode {min(ratio):.2f}-{max(ratio):.2f}x "
-              f"(best {nv['decode_tok_s_best'] / r['novainfer_b']['decode_tok_s_best']:.2f}x)")
+        print(
+            f"per round, NovaInfer defaults / {names['novainfer_b']}: decode {min(ratio):.2f}-{max(ratio):.2f}x "
+            f"(best {nv['decode_tok_s_best'] / r['novainfer_b']['decode_tok_s_best']:.2f}x)"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)
@@ -210,9 +272,13 @@ def compare_llamacpp(args: argparse.Namespace) -> None:
 def nova_after_first(llm, prompt: list[int], n: int) -> float:
     """Seconds from NovaInfer's first generated token to its n-th (greedy, one request, stepped by hand)."""
     from novainfer import SamplingParams
+
     engine = llm.llm_engine
-    engine.add_request(f"latency-{time.monotonic_ns()}", {"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    engine.add_request(
+        f"latency-{time.monotonic_ns()}",
+        {"prompt_token_ids": prompt},
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+    )
     first = last = None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -227,9 +293,13 @@ def hf_latency(path: str, prompt: list[int], long_prompt: list[int], n: int, rep
     from transformers import AutoModelForCausalLM
 
     from benchmarks.hf_baseline import run
+
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.bfloat16 if device == "cuda" else torch.float32).to(device).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+        .to(device)
+        .eval()
+    )
     t_full = timed(lambda: run(model, [prompt], [n], 0.0, 0, device), repeat)
     t_one = timed(lambda: run(model, [prompt], [1], 0.0, 0, device), repeat)
     ttft = timed(lambda: run(model, [long_prompt], [1], 0.0, 0, device), repeat)

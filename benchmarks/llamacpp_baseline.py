@@ -1,6 +1,7 @@
 """llama.cpp (through llama-cpp-python, when installed) on the same GGUF file and the same token ids:
 the baseline of benchmarks/latency.py --compare-llamacpp and benchmarks/throughput.py --cpu-streams.
 Never a dependency of the tests; see README for how to install it."""
+
 from __future__ import annotations
 
 import time
@@ -9,9 +10,11 @@ import time
 def load(path: str, threads: int, n_ctx: int = 2048):
     """The llama.cpp model with greedy-ready settings, and its package version (prints it)."""
     import llama_cpp
+
     print(f"llama_cpp (llama-cpp-python) version {llama_cpp.__version__}, {threads} threads")
-    return llama_cpp.Llama(path, n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
-                           verbose=False), llama_cpp.__version__
+    return llama_cpp.Llama(
+        path, n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads, verbose=False
+    ), llama_cpp.__version__
 
 
 def greedy(llm, prompt: list[int], n: int) -> tuple[list[int], float]:

@@ -5,6 +5,7 @@ independent chunks of --ctx tokens. llama.cpp's own figures on the same file and
 is installed. Example:
     python benchmarks/quant_accuracy.py --positions 2048 --json out.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def english_text() -> str:
     """The Apache-2.0 license text that ships with transformers (about 2,400 tokens), no network needed."""
     import importlib.metadata
+
     dist = importlib.metadata.distribution("transformers")
     for f in dist.files or []:
         if f.name == "LICENSE":
@@ -38,6 +40,7 @@ def novainfer_logits(path: str, chunks: list[list[int]], quantized: bool, step: 
     from novainfer.layers.attention import Attention
     from novainfer.layers.quantization.gguf_cpu import GGUFCPUConfig
     from novainfer.loader.model_loader import load_hf_config, load_model
+
     hf_config = load_hf_config(path)
     cpu = torch.device("cpu")
     model = load_model(path, hf_config, torch.float32, cpu, quant_config=GGUFCPUConfig() if quantized else None)
@@ -57,9 +60,14 @@ def novainfer_logits(path: str, chunks: list[list[int]], quantized: bool, step: 
                 q = end - start
                 meta = AttentionMetadata(
                     query_start_loc=torch.tensor([0, q], dtype=torch.int32),
-                    seq_lens=torch.tensor([end], dtype=torch.int32), slot_mapping=torch.arange(start, end),
-                    block_tables=torch.arange(blocks, dtype=torch.int32)[None], max_query_len=q, max_seq_len=end,
-                    query_start_loc_cpu=[0, q], seq_lens_cpu=[end])
+                    seq_lens=torch.tensor([end], dtype=torch.int32),
+                    slot_mapping=torch.arange(start, end),
+                    block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+                    max_query_len=q,
+                    max_seq_len=end,
+                    query_start_loc_cpu=[0, q],
+                    seq_lens_cpu=[end],
+                )
                 with attention_metadata(meta):
                     hidden = model(torch.tensor(ids[start:end]), torch.arange(start, end))
                 out.append(model.compute_logits(hidden).float())
@@ -69,13 +77,14 @@ def novainfer_logits(path: str, chunks: list[list[int]], quantized: bool, step: 
 def llamacpp_logits(path: str, chunks: list[list[int]], threads: int) -> torch.Tensor:
     """llama.cpp's logits for the same token ids (logits_all), each chunk in a fresh context."""
     from llama_cpp import Llama
+
     ctx = max(len(c) for c in chunks)
     llm = Llama(path, n_ctx=ctx, n_batch=ctx, n_threads=threads, logits_all=True, verbose=False)
     out = []
     for ids in chunks:
         llm.reset()
         llm.eval(ids)
-        out.append(torch.from_numpy(llm.scores[:len(ids)].copy()).float())
+        out.append(torch.from_numpy(llm.scores[: len(ids)].copy()).float())
     return torch.cat(out)
 
 
@@ -88,11 +97,12 @@ def kl_and_top1(ref: torch.Tensor, test: torch.Tensor) -> tuple[float, float]:
 
 def make_chunks(path: str, positions: int, ctx: int) -> list[list[int]]:
     from novainfer.loader.model_loader import load_tokenizer
+
     ids = load_tokenizer(path).encode(english_text())
     while len(ids) < positions + 1:
         ids = ids + ids
     ids = ids[:positions]
-    return [ids[i:i + ctx] for i in range(0, len(ids), ctx)]
+    return [ids[i : i + ctx] for i in range(0, len(ids), ctx)]
 
 
 def main() -> None:
@@ -101,37 +111,55 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=2048)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--decode-step", type=int, default=8,
-                    help="tokens per step for the decode-path row (under 16: the few-row GEMM of a decode step)")
+    ap.add_argument(
+        "--decode-step",
+        type=int,
+        default=8,
+        help="tokens per step for the decode-path row (under 16: the few-row GEMM of a decode step)",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-llamacpp", action="store_true", help="leave llama.cpp's figures out")
     args = ap.parse_args()
     from novainfer.loader.model_loader import resolve_model_path
+
     path = resolve_model_path(args.model)
     chunks = make_chunks(path, args.positions, args.ctx)
     t0 = time.perf_counter()
     ref = novainfer_logits(path, chunks, quantized=False)
     kl, top1 = kl_and_top1(ref, novainfer_logits(path, chunks, quantized=True))
     dkl, dtop1 = kl_and_top1(ref, novainfer_logits(path, chunks, quantized=True, step=args.decode_step))
-    r = {"model": os.path.basename(path), "positions": ref.shape[0], "ctx": args.ctx,
-         "novainfer_kl": kl, "novainfer_top1": top1, "novainfer_decode_kl": dkl, "novainfer_decode_top1": dtop1}
+    r = {
+        "model": os.path.basename(path),
+        "positions": ref.shape[0],
+        "ctx": args.ctx,
+        "novainfer_kl": kl,
+        "novainfer_top1": top1,
+        "novainfer_decode_kl": dkl,
+        "novainfer_decode_top1": dtop1,
+    }
     try:
         if args.no_llamacpp:
             raise ImportError
         import llama_cpp
+
         lc = llamacpp_logits(path, chunks, args.threads)
         r["llamacpp_version"] = llama_cpp.__version__
         r["llamacpp_kl"], r["llamacpp_top1"] = kl_and_top1(ref, lc)
     except ImportError:
         print("llama_cpp is not installed: llama.cpp's figures are left out (see README)")
     r["seconds"] = time.perf_counter() - t0
-    print(f"\nreference: float32 dequantized weights, float32 KV; {r['positions']} teacher-forced positions of "
-          f"the Apache-2.0 text in chunks of {args.ctx}\n| engine | mean KL | top-1 agreement |\n|---|---|---|")
+    print(
+        f"\nreference: float32 dequantized weights, float32 KV; {r['positions']} teacher-forced positions of "
+        f"the Apache-2.0 text in chunks of {args.ctx}\n| engine | mean KL | top-1 agreement |\n|---|---|---|"
+    )
     from novainfer.kernels.cpu.qgemm import PANEL_MIN_ROWS
+
     kernel = "few-row" if args.decode_step < PANEL_MIN_ROWS else "panel"
     print(f"| NovaInfer, prefill path (panel GEMM, int16-rounded activations, bf16 KV) | {kl:.5f} | {top1:.2%} |")
-    print(f"| NovaInfer, decode path (steps of {args.decode_step}: {kernel} GEMM, int16-rounded activations, bf16 KV) "
-          f"| {dkl:.5f} | {dtop1:.2%} |")
+    print(
+        f"| NovaInfer, decode path (steps of {args.decode_step}: {kernel} GEMM, int16-rounded activations, bf16 KV) "
+        f"| {dkl:.5f} | {dtop1:.2%} |"
+    )
     if "llamacpp_kl" in r:
         print(f"| llama.cpp {r['llamacpp_version']} | {r['llamacpp_kl']:.5f} | {r['llamacpp_top1']:.2%} |")
     if args.json:

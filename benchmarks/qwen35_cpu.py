@@ -7,6 +7,7 @@ prompt, every timed run on a fresh prompt (no prefix cache helps either engine).
 Decode tok/s is (n - 1) / (time for n new tokens - time for 1) on a --prompt-len prompt. The file is written
 once under --path (a few minutes: the random HF checkpoint, its float16 conversion, the quantization) and reused.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,12 +25,8 @@ DEFAULT_PATH = "/tmp/novainfer-bench/qwen3.5-0.8b-random-q4_k_m.gguf"
 
 def make_file(path: str, shape: str) -> None:
     """HF checkpoint (bfloat16) -> llama.cpp f16 GGUF -> Q4_K_M, the intermediate files removed."""
-    from benchmarks.gguf_checkpoint import (
-        QWEN35_SHAPES,
-        convert_hf_to_gguf,
-        llama_quantize,
-        write_qwen35_hf,
-    )
+    from benchmarks.gguf_checkpoint import QWEN35_SHAPES, convert_hf_to_gguf, llama_quantize, write_qwen35_hf
+
     work = path + ".work"
     os.makedirs(work, exist_ok=True)
     try:
@@ -46,22 +43,29 @@ def child(args: argparse.Namespace) -> dict:
     import torch
 
     from benchmarks.throughput import make_workload
+
     torch.set_num_threads(args.threads)
     seeds = iter(range(1000, 10_000))
     fresh = lambda n: make_workload(1, n, 1, 10_000, next(seeds))[0][0]  # noqa: E731
     t0 = time.perf_counter()
     if args.child == "novainfer":
         from novainfer import LLM, SamplingParams
+
         llm = LLM(args.path)
 
         def run(prompt: list[int], n: int) -> float:
             t = time.perf_counter()
-            llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                         use_tqdm=False)
+            llm.generate(
+                [{"prompt_token_ids": prompt}],
+                SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                use_tqdm=False,
+            )
             return time.perf_counter() - t
+
         name = "NovaInfer (LLM(path), defaults)"
     else:
         from benchmarks import llamacpp_baseline
+
         lc, version = llamacpp_baseline.load(args.path, args.threads, n_ctx=1024)
         run = lambda p, n: llamacpp_baseline.greedy(lc, p, n)[1]  # noqa: E731
         name = f"llama.cpp (llama-cpp-python {version})"
@@ -104,9 +108,26 @@ def main() -> None:
     results = {"file": args.path, "load_avg_at_start": os.getloadavg()}
     for engine in [e for e in args.engines.split(",") if e]:
         out = args.path + f".{engine}.json"
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", engine, "--result", out, "--path", args.path,
-               "--threads", str(args.threads), "--prompt-len", str(args.prompt_len), "--new-tokens",
-               str(args.new_tokens), "--prefill-len", str(args.prefill_len), "--repeat", str(args.repeat)]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            engine,
+            "--result",
+            out,
+            "--path",
+            args.path,
+            "--threads",
+            str(args.threads),
+            "--prompt-len",
+            str(args.prompt_len),
+            "--new-tokens",
+            str(args.new_tokens),
+            "--prefill-len",
+            str(args.prefill_len),
+            "--repeat",
+            str(args.repeat),
+        ]
         proc = subprocess.run(cmd)
         if proc.returncode != 0:
             results[engine] = {"error": f"exit {proc.returncode}"}
@@ -122,8 +143,10 @@ def main() -> None:
         r = results.get(engine)
         if r and "error" not in r:  # best of the rounds: on a shared machine the others carry other load
             decode, prefill = r["decode_tok_s"], r["prefill_ms"]
-            print(f"| {r['engine']} | {max(decode):.1f} ({', '.join(f'{x:.1f}' for x in decode)}) | "
-                  f"{min(prefill):.0f} ({', '.join(f'{x:.0f}' for x in prefill)}) |")
+            print(
+                f"| {r['engine']} | {max(decode):.1f} ({', '.join(f'{x:.1f}' for x in decode)}) | "
+                f"{min(prefill):.0f} ({', '.join(f'{x:.0f}' for x in prefill)}) |"
+            )
         elif r:
             print(f"| {engine} | {r['error']} | |")
     if args.json:

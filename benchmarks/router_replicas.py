@@ -6,6 +6,7 @@ prefix-cache hit rate per policy. Then kills one replica in the middle of a batc
 failed against that replica's in-flight requests at the kill. Routers live in their own venv (docs/DEPLOY.md):
     python -m venv /tmp/router-venv && /tmp/router-venv/bin/pip install sglang-router vllm-router
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,9 +48,25 @@ def wait_for(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
 
 def start_replica(model: str, port: int, log_dir: str, extra: list[str]) -> subprocess.Popen:
     log = open(os.path.join(log_dir, f"replica-{port}.log"), "w")
-    proc = subprocess.Popen([sys.executable, "-m", "novainfer.entrypoints.cli", "serve", model, "--device", "cpu",
-                             "--port", str(port), "--served-model-name", MODEL, *extra],
-                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "novainfer.entrypoints.cli",
+            "serve",
+            model,
+            "--device",
+            "cpu",
+            "--port",
+            str(port),
+            "--served-model-name",
+            MODEL,
+            *extra,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
     wait_for(f"http://127.0.0.1:{port}/ready", proc)
     return proc
 
@@ -63,8 +80,15 @@ def router_command(kind: str, venv: str, port: int, workers: list[str], policy: 
 
 def counters(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=5).text
-    out = dict.fromkeys(("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
-                         "vllm:num_requests_running", "vllm:num_requests_waiting"), 0.0)
+    out = dict.fromkeys(
+        (
+            "vllm:prefix_cache_hits_total",
+            "vllm:prefix_cache_queries_total",
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+        ),
+        0.0,
+    )
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name in out:
@@ -80,8 +104,10 @@ def conversations(n: int, seed: int, system_len: int) -> list[list[str]]:
 
 async def complete(http: httpx.AsyncClient, base: str, prompt: str, max_tokens: int) -> tuple[bool, str]:
     try:
-        r = await http.post(base + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
-                                                            "temperature": 0, "ignore_eos": True})
+        r = await http.post(
+            base + "/v1/completions",
+            json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+        )
         return r.status_code == 200, r.json()["choices"][0]["text"] if r.status_code == 200 else r.text[:200]
     except (httpx.HTTPError, ValueError, KeyError) as exc:
         return False, repr(exc)
@@ -123,9 +149,14 @@ async def kill_mid_batch(base: str, replicas: list[str], victim: subprocess.Pope
         results = await asyncio.gather(*tasks)
         await asyncio.sleep(args.after_kill_wait)
         after = await asyncio.gather(*(complete(http, base, p, 8) for p in prompts))
-    return {"sent": len(prompts), "in_flight_on_killed": in_flight, "failed": sum(not ok for ok, _ in results),
-            "errors": sorted({t[:120] for ok, t in results if not ok}),
-            "after_kill_ok": sum(ok for ok, _ in after), "after_kill_sent": len(after)}
+    return {
+        "sent": len(prompts),
+        "in_flight_on_killed": in_flight,
+        "failed": sum(not ok for ok, _ in results),
+        "errors": sorted({t[:120] for ok, t in results if not ok}),
+        "after_kill_ok": sum(ok for ok, _ in after),
+        "after_kill_sent": len(after),
+    }
 
 
 def main() -> None:
@@ -151,12 +182,25 @@ def main() -> None:
     ports = [free_port(), free_port()]
     replicas = [f"http://127.0.0.1:{port}" for port in ports]
     events = [(free_port(), free_port()) for _ in ports]  # KV events (PUB, replay) per replica, for kv_aware
-    kv_args = [["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{e}",
-                                                  "replay_endpoint": f"tcp://*:{r}"})] for e, r in events]
+    kv_args = [
+        [
+            "--kv-events-config",
+            json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{e}", "replay_endpoint": f"tcp://*:{r}"}),
+        ]
+        for e, r in events
+    ]
     with_events = "kv_aware" in args.policies
     procs = [start_replica(model, port, args.log_dir, kv if with_events else []) for port, kv in zip(ports, kv_args)]
-    kv_router_args = [a for u, (e, r) in zip(replicas, events) for a in (
-        "--kv-event-source", f"{u}=tcp://127.0.0.1:{e}", "--kv-event-replay-source", f"{u}=tcp://127.0.0.1:{r}")]
+    kv_router_args = [
+        a
+        for u, (e, r) in zip(replicas, events)
+        for a in (
+            "--kv-event-source",
+            f"{u}=tcp://127.0.0.1:{e}",
+            "--kv-event-replay-source",
+            f"{u}=tcp://127.0.0.1:{r}",
+        )
+    ]
     kv_router_args += ["--kv-event-block-size", "16", "--kv-event-model", model]
     router = None
     report: dict = {"router": args.router, "policies": {}}
@@ -168,18 +212,30 @@ def main() -> None:
         for i, policy in enumerate(args.policies.split(",")):
             port = free_port()
             log = open(os.path.join(args.log_dir, f"router-{policy}.log"), "w")
-            router = subprocess.Popen(router_command(args.router, args.router_venv, port, replicas, policy,
-                                                     args.router_args.split() +
-                                                     (kv_router_args if policy == "kv_aware" else [])),
-                                      stdout=log, stderr=subprocess.STDOUT)
+            router = subprocess.Popen(
+                router_command(
+                    args.router,
+                    args.router_venv,
+                    port,
+                    replicas,
+                    policy,
+                    args.router_args.split() + (kv_router_args if policy == "kv_aware" else []),
+                ),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
             base = f"http://127.0.0.1:{port}"
             wait_for(base + "/v1/models", router, 60)
             before = [counters(u) for u in replicas]
             t0 = time.monotonic()
             res = asyncio.run(multi_turn(base, args, seed=i + 1))
             rate, q = hit_rate(before, [counters(u) for u in replicas])
-            report["policies"][policy] = {"hit_rate": rate, "queries_per_replica": q, "seconds": time.monotonic() - t0,
-                                          **res}
+            report["policies"][policy] = {
+                "hit_rate": rate,
+                "queries_per_replica": q,
+                "seconds": time.monotonic() - t0,
+                **res,
+            }
             if i < len(args.policies.split(",")) - 1:
                 router.terminate()
                 router.wait(10)
@@ -195,11 +251,14 @@ def main() -> None:
     print(f"router: {args.router}   workload: {args.conversations} conversations x {args.turns} turns")
     print(f"{'policy':16s} {'prefix hit rate':>16s} {'queries/replica':>22s} {'failed':>7s}")
     for name, r in report["policies"].items():
-        print(f"{name:16s} {r['hit_rate']:16.3f} {str([int(x) for x in r['queries_per_replica']]):>22s} "
-              f"{r['failed']:7d}")
+        print(
+            f"{name:16s} {r['hit_rate']:16.3f} {str([int(x) for x in r['queries_per_replica']]):>22s} {r['failed']:7d}"
+        )
     k = report["kill"]
-    print(f"kill replica 2 mid-batch: {k['failed']}/{k['sent']} failed, {k['in_flight_on_killed']} were in flight "
-          f"on it; after the kill {k['after_kill_ok']}/{k['after_kill_sent']} succeeded")
+    print(
+        f"kill replica 2 mid-batch: {k['failed']}/{k['sent']} failed, {k['in_flight_on_killed']} were in flight "
+        f"on it; after the kill {k['after_kill_ok']}/{k['after_kill_sent']} succeeded"
+    )
     for e in k["errors"]:
         print("  error:", e)
     if args.json:

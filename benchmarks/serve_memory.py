@@ -9,6 +9,7 @@ cache), the model file's mapping, shared libraries, other files. With root, the 
 physical pages the tree maps, each once (from /proc/<pid>/pagemap): what the server holds. Example:
     python benchmarks/serve_memory.py --port 18731 --json out.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -85,9 +86,15 @@ def process_memory(pid: int) -> dict:
         cmd = f.read().replace("\0", " ").strip()
     with open(f"/proc/{pid}/comm") as f:
         comm = f.read().strip()
-    return {"pid": pid, "comm": comm, "cmd": cmd[:120], "ranges": ranges,
-            "rss": sum(c["rss"] for c in cats.values()), "pss": sum(c["pss"] for c in cats.values()),
-            "categories": {k: {kk: round(vv, 1) for kk, vv in v.items()} for k, v in sorted(cats.items())}}
+    return {
+        "pid": pid,
+        "comm": comm,
+        "cmd": cmd[:120],
+        "ranges": ranges,
+        "rss": sum(c["rss"] for c in cats.values()),
+        "pss": sum(c["pss"] for c in cats.values()),
+        "categories": {k: {kk: round(vv, 1) for kk, vv in v.items()} for k, v in sorted(cats.items())},
+    }
 
 
 def physical_pages(pid: int, ranges: list[tuple[int, int]]) -> np.ndarray | None:
@@ -114,8 +121,12 @@ def tree_memory(pid: int) -> dict:
     unique = None
     if frames and all(f is not None for f in frames):
         unique = round(np.unique(np.concatenate(frames)).size * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
-    return {"rss_mb": round(sum(p["rss"] for p in procs), 1), "pss_mb": round(sum(p["pss"] for p in procs), 1),
-            "unique_mb": unique, "processes": procs}
+    return {
+        "rss_mb": round(sum(p["rss"] for p in procs), 1),
+        "pss_mb": round(sum(p["pss"] for p in procs), 1),
+        "unique_mb": unique,
+        "processes": procs,
+    }
 
 
 def report(label: str, mem: dict) -> None:
@@ -127,13 +138,15 @@ def report(label: str, mem: dict) -> None:
 
 
 def _post(base: str, body: dict, timeout: float = 1800) -> dict:
-    req = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"{base}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     return json.loads(urllib.request.urlopen(req, timeout=timeout).read())
 
 
-def fill_cache(base: str, model: str, tokens: int, prompt_len: int, output_len: int, vocab: int,
-               concurrency: int) -> int:
+def fill_cache(
+    base: str, model: str, tokens: int, prompt_len: int, output_len: int, vocab: int, concurrency: int
+) -> int:
     """Distinct random-token prompts (no prefix-cache hits) until `tokens` KV slots have been written; the
     block manager hands out least-recently-freed blocks first, so every block gets written. Returns the
     tokens the server reported (prompt + completion)."""
@@ -151,8 +164,12 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=18731)
     ap.add_argument("--extra", nargs="*", default=[], help="extra serve flags (e.g. --dtype float32)")
     ap.add_argument("--env", nargs="*", default=[], help="extra environment for the server, KEY=VALUE")
-    ap.add_argument("--fill-tokens", type=int, default=32768, help="KV slots to write for the full-cache "
-                    "figure (the default CPU capacity); 0 skips it")
+    ap.add_argument(
+        "--fill-tokens",
+        type=int,
+        default=32768,
+        help="KV slots to write for the full-cache figure (the default CPU capacity); 0 skips it",
+    )
     ap.add_argument("--prompt-len", type=int, default=2040)
     ap.add_argument("--output-len", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=4)
@@ -185,16 +202,19 @@ def main() -> None:
         result["one_request"] = tree_memory(proc.pid)
         if args.fill_tokens:
             t1 = time.monotonic()
-            result["filled_tokens"] = fill_cache(base, model, args.fill_tokens, args.prompt_len, args.output_len,
-                                                 args.vocab_size, args.concurrency)
+            result["filled_tokens"] = fill_cache(
+                base, model, args.fill_tokens, args.prompt_len, args.output_len, args.vocab_size, args.concurrency
+            )
             result["fill_s"] = round(time.monotonic() - t1, 1)
             result["full_cache"] = tree_memory(proc.pid)
     finally:
         proc.terminate()
         proc.wait(30)
     flags = " ".join(args.extra + args.env) or "(defaults)"
-    print(f"novainfer serve {flags}: ready in {result['startup_s']} s, first request (16 tokens) "
-          f"{result['first_request_s']} s")
+    print(
+        f"novainfer serve {flags}: ready in {result['startup_s']} s, first request (16 tokens) "
+        f"{result['first_request_s']} s"
+    )
     report("idle", result["idle"])
     report("after one request", result["one_request"])
     if "full_cache" in result:

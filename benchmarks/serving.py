@@ -13,6 +13,7 @@ Reports TTFT, TPOT and ITL (mean, median and --metric-percentiles, p50 and p99 b
 output-token throughput, and how many requests the server refused with 429 (its admission bounds; with how long
 the refusal took) or failed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,20 +26,37 @@ from dataclasses import dataclass, field
 
 import httpx
 
-SEED_TEXT = ("The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in blocks; "
-             "continuous batching admits new requests at every step, and a prefix cache shares equal prompts. ")
+SEED_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in blocks; "
+    "continuous batching admits new requests at every step, and a prefix cache shares equal prompts. "
+)
 
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "color": {"enum": ["red", "green", "blue"]}, "active": {"type": "boolean"},
-    "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
-    "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
-                                                 "zip": {"type": "integer", "minimum": 10000, "maximum": 99999}},
-                "required": ["city", "zip"], "additionalProperties": False}},
-    "required": ["name", "age", "color", "active", "tags", "address"], "additionalProperties": False}
-RESPONSE_FORMATS = {"json_schema": {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
-                    "json_object": {"type": "json_object"}}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "color": {"enum": ["red", "green", "blue"]},
+        "active": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 10}, "maxItems": 3},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 16},
+                "zip": {"type": "integer", "minimum": 10000, "maximum": 99999},
+            },
+            "required": ["city", "zip"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "color", "active", "tags", "address"],
+    "additionalProperties": False,
+}
+RESPONSE_FORMATS = {
+    "json_schema": {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
+    "json_object": {"type": "json_object"},
+}
 
 
 @dataclass
@@ -53,10 +71,18 @@ class Result:
     text: str = ""
 
 
-async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], output_len: int,
-                      response_format: dict | None = None) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+async def one_request(
+    http: httpx.AsyncClient, model: str, prompt: list[int], output_len: int, response_format: dict | None = None
+) -> Result:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if response_format is not None:  # a constrained output ends where its grammar does
         body.update(response_format=response_format, ignore_eos=False)
     res, start = Result(), time.perf_counter()
@@ -93,8 +119,10 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt: list[int], ou
 def summarize(name: str, values: list[float], percentiles: tuple[float, ...] = (50, 99)) -> dict[str, float]:
     """Mean, median and percentiles (linear between ranks, as numpy and vLLM) of values (seconds) in ms."""
     ordered = sorted(values) or [0.0]
-    report = {f"mean_{name}_ms": 1000 * statistics.fmean(ordered),
-              f"median_{name}_ms": 1000 * statistics.median(ordered)}
+    report = {
+        f"mean_{name}_ms": 1000 * statistics.fmean(ordered),
+        f"median_{name}_ms": 1000 * statistics.median(ordered),
+    }
     for q in percentiles:
         pos = q / 100 * (len(ordered) - 1)
         lo = int(pos)
@@ -114,8 +142,13 @@ async def run(args: argparse.Namespace) -> dict:
         constrained = await run_load(args, RESPONSE_FORMATS[args.response_format], args.constrained_output_len)
         ratios.append(constrained["mean_tpot_ms"] / base["mean_tpot_ms"])
         report.update({f"r{r}_unconstrained_{k}": v for k, v in base.items() if "tpot" in k or k == "completed"})
-        report.update({f"r{r}_constrained_{k}": v for k, v in constrained.items()
-                       if "tpot" in k or k in ("completed", "valid_outputs", "mean_output_tokens")})
+        report.update(
+            {
+                f"r{r}_constrained_{k}": v
+                for k, v in constrained.items()
+                if "tpot" in k or k in ("completed", "valid_outputs", "mean_output_tokens")
+            }
+        )
     report["tpot_ratio_per_round"] = ", ".join(f"{x:.3f}" for x in ratios)
     report["tpot_ratio_median"] = statistics.median(ratios)
     return report
@@ -124,6 +157,7 @@ async def run(args: argparse.Namespace) -> dict:
 def count_valid(texts: list[str], response_format: str) -> int:
     """Outputs that parse as JSON objects (and, for json_schema, validate against SCHEMA)."""
     import jsonschema
+
     valid = 0
     for text in texts:
         try:
@@ -151,6 +185,7 @@ async def run_load(args: argparse.Namespace, response_format: dict | None, outpu
         async def limited(prompt: list[int]) -> Result:
             async with limit:
                 return await one_request(http, model, prompt, output_len or args.output_len, response_format)
+
         tasks, start = [], time.perf_counter()
         for prompt in prompts:
             tasks.append(asyncio.create_task(limited(prompt)))
@@ -162,13 +197,19 @@ async def run_load(args: argparse.Namespace, response_format: dict | None, outpu
     refused = [r for r in results if r.status == 429]
     tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     pct = tuple(float(q) for q in args.metric_percentiles.split(","))
-    report = {"model": model, "completed": len(done), "rate_limited_429": len(refused),
-              "failed": len(results) - len(done) - len(refused),
-              "duration_s": duration, "request_throughput": len(done) / duration,
-              "output_throughput_tok_s": sum(r.output_tokens for r in done) / duration,
-              **summarize("ttft", [r.ttft for r in done], pct), **summarize("tpot", tpots, pct),
-              **summarize("itl", [x for r in done for x in r.itl], pct),
-              **summarize("time_to_429", [r.latency for r in refused], pct)}
+    report = {
+        "model": model,
+        "completed": len(done),
+        "rate_limited_429": len(refused),
+        "failed": len(results) - len(done) - len(refused),
+        "duration_s": duration,
+        "request_throughput": len(done) / duration,
+        "output_throughput_tok_s": sum(r.output_tokens for r in done) / duration,
+        **summarize("ttft", [r.ttft for r in done], pct),
+        **summarize("tpot", tpots, pct),
+        **summarize("itl", [x for r in done for x in r.itl], pct),
+        **summarize("time_to_429", [r.latency for r in refused], pct),
+    }
     if response_format is not None:
         report["valid_outputs"] = count_valid([r.text for r in done], args.response_format)
         report["mean_output_tokens"] = statistics.fmean([r.output_tokens for r in done] or [0])
@@ -190,10 +231,18 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--metric-percentiles", default="50,99", help="comma-separated percentiles to report (vLLM's flag)")
-    p.add_argument("--response-format", default=None, choices=sorted(RESPONSE_FORMATS),
-                   help="also run the prompts constrained by this response_format and compare TPOT")
-    p.add_argument("--constrained-output-len", type=int, default=256,
-                   help="max_tokens of the constrained requests (room for the JSON to end)")
+    p.add_argument(
+        "--response-format",
+        default=None,
+        choices=sorted(RESPONSE_FORMATS),
+        help="also run the prompts constrained by this response_format and compare TPOT",
+    )
+    p.add_argument(
+        "--constrained-output-len",
+        type=int,
+        default=256,
+        help="max_tokens of the constrained requests (room for the JSON to end)",
+    )
     p.add_argument("--rounds", type=int, default=1, help="unconstrained/constrained pairs, alternated")
     p.add_argument("--json", default=None, help="also write the report to this file")
     args = p.parse_args()

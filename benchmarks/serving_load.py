@@ -10,6 +10,7 @@ percentiles; the table at the end compares the burst with the baseline of the sa
 everything twice in the same run, first with the server of another checkout (e.g. a `git worktree` of an older
 commit), then with this tree's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,18 @@ ROOT = os.path.dirname(HERE)
 
 def start_server(model: str | None, port: int, args: list[str], log: str, root: str = ROOT) -> subprocess.Popen:
     """`novainfer serve` (from the checkout at root) in a subprocess, returned once /health answers 200."""
-    cmd = [sys.executable, "-m", "novainfer.entrypoints.cli", "serve", *([model] if model else []),
-           "--served-model-name", "bench", "--port", str(port), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "novainfer.entrypoints.cli",
+        "serve",
+        *([model] if model else []),
+        "--served-model-name",
+        "bench",
+        "--port",
+        str(port),
+        *args,
+    ]
     env = dict(os.environ, PYTHONPATH=root)
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, cwd=root, env=env)
     deadline = time.monotonic() + 600
@@ -52,13 +63,25 @@ def start_server(model: str | None, port: int, args: list[str], log: str, root: 
     raise SystemExit(f"server not healthy in 600 s; see {log}")
 
 
-def load(port: int, out: str, name: str, num_prompts: int, concurrency: int | None, input_len: int,
-         output_len: int) -> dict:
+def load(
+    port: int, out: str, name: str, num_prompts: int, concurrency: int | None, input_len: int, output_len: int
+) -> dict:
     """One serving.py run; its JSON report."""
     path = os.path.join(out, f"serving_{name}.json")
-    cmd = [sys.executable, os.path.join(HERE, "serving.py"), "--base-url", f"http://127.0.0.1:{port}",
-           "--num-prompts", str(num_prompts), "--input-len", str(input_len), "--output-len", str(output_len),
-           "--json", path]
+    cmd = [
+        sys.executable,
+        os.path.join(HERE, "serving.py"),
+        "--base-url",
+        f"http://127.0.0.1:{port}",
+        "--num-prompts",
+        str(num_prompts),
+        "--input-len",
+        str(input_len),
+        "--output-len",
+        str(output_len),
+        "--json",
+        path,
+    ]
     if concurrency:
         cmd += ["--max-concurrency", str(concurrency)]
     subprocess.run(cmd, check=True)
@@ -109,23 +132,42 @@ def run_variant(label: str, model: str | None, args: argparse.Namespace, server_
         base = load(args.port, out, "c1", 8, 1, args.input_len, args.output_len)
         burst = load(args.port, out, f"burst{args.clients}", args.clients, None, args.input_len, args.output_len)
         with HealthProbe(args.port) as probe:
-            streams = load(args.port, out, f"streams{args.streams}", args.streams, args.streams, args.input_len,
-                           args.output_len)
+            streams = load(
+                args.port, out, f"streams{args.streams}", args.streams, args.streams, args.input_len, args.output_len
+            )
         health = summarize("health", probe.latencies, (50, 99))
-        health.update(max_health_ms=1000 * max(probe.latencies), health_probes=len(probe.latencies),
-                      health_failures=probe.failures)
+        health.update(
+            max_health_ms=1000 * max(probe.latencies),
+            health_probes=len(probe.latencies),
+            health_failures=probe.failures,
+        )
         metrics = httpx.get(f"http://127.0.0.1:{args.port}/metrics").text
         with open(os.path.join(out, "metrics_after.txt"), "w") as f:
             f.write(metrics)
-        idle = [line for line in metrics.splitlines() if line.startswith(
-            ("novainfer:num_requests_running", "novainfer:num_requests_waiting", "novainfer:kv_cache_usage_perc"))]
+        idle = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith(
+                ("novainfer:num_requests_running", "novainfer:num_requests_waiting", "novainfer:kv_cache_usage_perc")
+            )
+        ]
     finally:
         t_term = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
         drain = time.monotonic() - t_term
-    result = {"label": label, "server_args": server_args, "root": root, "c1": base, "burst": burst,
-              "streams": streams, "health": health, "idle_after": idle, "sigterm_exit": code, "drain_s": drain}
+    result = {
+        "label": label,
+        "server_args": server_args,
+        "root": root,
+        "c1": base,
+        "burst": burst,
+        "streams": streams,
+        "health": health,
+        "idle_after": idle,
+        "sigterm_exit": code,
+        "drain_s": drain,
+    }
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(result, f, indent=1)
     return result
@@ -133,42 +175,64 @@ def run_variant(label: str, model: str | None, args: argparse.Namespace, server_
 
 def print_tables(results: list[dict], args: argparse.Namespace) -> None:
     print(f"\nmodel {args.model}, server {args.server_args}, {args.input_len} in / {args.output_len} out")
-    print("| server | load | completed | 429 | time to 429 p50 / p99 ms | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
-          "| output tok/s |")
+    print(
+        "| server | load | completed | 429 | time to 429 p50 / p99 ms | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
+        "| output tok/s |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for res in results:
-        for name, r in (("1 client", res["c1"]), (f"{args.clients} clients at once", res["burst"]),
-                        (f"{args.streams} streams", res["streams"])):
-            to429 = (f"{r['p50_time_to_429_ms']:.1f} / {r['p99_time_to_429_ms']:.1f}"
-                     if r.get("rate_limited_429") else "-")
-            print(f"| {res['label']} | {name} | {r['completed']} | {r.get('rate_limited_429', 0)} | {to429} | "
-                  f"{r['p50_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} | {r['p50_tpot_ms']:.2f} / "
-                  f"{r['p99_tpot_ms']:.2f} | {r['output_throughput_tok_s']:.1f} |")
+        for name, r in (
+            ("1 client", res["c1"]),
+            (f"{args.clients} clients at once", res["burst"]),
+            (f"{args.streams} streams", res["streams"]),
+        ):
+            to429 = (
+                f"{r['p50_time_to_429_ms']:.1f} / {r['p99_time_to_429_ms']:.1f}" if r.get("rate_limited_429") else "-"
+            )
+            print(
+                f"| {res['label']} | {name} | {r['completed']} | {r.get('rate_limited_429', 0)} | {to429} | "
+                f"{r['p50_ttft_ms']:.1f} / {r['p99_ttft_ms']:.1f} | {r['p50_tpot_ms']:.2f} / "
+                f"{r['p99_tpot_ms']:.2f} | {r['output_throughput_tok_s']:.1f} |"
+            )
     print(f"\n| server | GET /health with {args.streams} streams: p50 / p99 / max ms | probes | not 200 |")
     print("| --- | --- | --- | --- |")
     for res in results:
         h = res["health"]
-        print(f"| {res['label']} | {h['p50_health_ms']:.1f} / {h['p99_health_ms']:.1f} / {h['max_health_ms']:.1f} | "
-              f"{h['health_probes']} | {h['health_failures']} |")
+        print(
+            f"| {res['label']} | {h['p50_health_ms']:.1f} / {h['p99_health_ms']:.1f} / {h['max_health_ms']:.1f} | "
+            f"{h['health_probes']} | {h['health_failures']} |"
+        )
     for res in results:
-        print(f"[{res['label']}] after the loads:", "; ".join(res["idle_after"]),
-              f"| SIGTERM: exit code {res['sigterm_exit']} after {res['drain_s']:.1f} s")
+        print(
+            f"[{res['label']}] after the loads:",
+            "; ".join(res["idle_after"]),
+            f"| SIGTERM: exit code {res['sigterm_exit']} after {res['drain_s']:.1f} s",
+        )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="random:qwen2.5-0.5b", help="a path, random:<config>, or default (the "
-                                                                  "model that ships with the install)")
+    p.add_argument(
+        "--model",
+        default="random:qwen2.5-0.5b",
+        help="a path, random:<config>, or default (the model that ships with the install)",
+    )
     p.add_argument("--out", default="/tmp/serving_load")
     p.add_argument("--port", type=int, default=18500)
     p.add_argument("--clients", type=int, default=256)
     p.add_argument("--streams", type=int, default=64, help="streams generating while /health is probed")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--server-args", default="--max-num-seqs 32 --max-concurrent-requests 64 --max-queue-len 64",
-                   help="the limits under test")
-    p.add_argument("--baseline-root", default=None,
-                   help="first run everything with the server of this checkout (an older commit), then this tree's")
+    p.add_argument(
+        "--server-args",
+        default="--max-num-seqs 32 --max-concurrent-requests 64 --max-queue-len 64",
+        help="the limits under test",
+    )
+    p.add_argument(
+        "--baseline-root",
+        default=None,
+        help="first run everything with the server of this checkout (an older commit), then this tree's",
+    )
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     model = None if args.model == "default" else resolve_model(args.model)

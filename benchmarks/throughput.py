@@ -5,6 +5,7 @@ Default workload: nano-vllm's bench shape (256 prompts of 100-1024 random tokens
 each, ignore_eos, temperature 0.6, seed 0). Example:
     python benchmarks/throughput.py --model random:qwen2.5-0.5b --compare-hf --json out.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,38 +47,63 @@ def main() -> None:
     ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     ap.add_argument("--distributed-executor-backend", default="uni", choices=["uni", "mp"])
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                    help="plan step N+1 while step N runs (default: on with CUDA, off on the CPU)")
-    ap.add_argument("--speculative-config", type=json.loads, default=None,
-                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    ap.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="plan step N+1 while step N runs (default: on with CUDA, off on the CPU)",
+    )
+    ap.add_argument(
+        "--speculative-config",
+        type=json.loads,
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--quantization", default=None, choices=["fp8", "gguf", "none"],
-                    help="fp8: the linear weights to float8 at load (vLLM's dynamic FP8); default: none for HF folders")
+    ap.add_argument(
+        "--quantization",
+        default=None,
+        choices=["fp8", "gguf", "none"],
+        help="fp8: the linear weights to float8 at load (vLLM's dynamic FP8); default: none for HF folders",
+    )
     ap.add_argument("--compare-hf", action="store_true", help="also run transformers on the same prompts")
     ap.add_argument("--hf-num-prompts", type=int, default=None, help="HF on the first N prompts only")
     ap.add_argument("--hf-batch-size", type=int, default=64)
     ap.add_argument("--json", default=None, help="write the results here")
-    ap.add_argument("--cpu-streams", type=int, default=0,
-                    help="CPU many-streams mode: N concurrent greedy streams of the default (or given GGUF) model "
-                         "with default settings against llama.cpp's single stream on the same file")
+    ap.add_argument(
+        "--cpu-streams",
+        type=int,
+        default=0,
+        help="CPU many-streams mode: N concurrent greedy streams of the default (or given GGUF) model "
+        "with default settings against llama.cpp's single stream on the same file",
+    )
     args = ap.parse_args()
     if args.cpu_streams:
         return cpu_streams(args)
 
     from novainfer import LLM, SamplingParams
+
     path = resolve_model(args.model)
-    llm = LLM(path, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-              device=args.device, max_model_len=args.max_model_len, tensor_parallel_size=args.tensor_parallel_size,
-              distributed_executor_backend=args.distributed_executor_backend, master_port=0,
-              load_format=load_format(args.model),
-              async_scheduling=args.async_scheduling, speculative_config=args.speculative_config,
-              quantization=args.quantization)
+    llm = LLM(
+        path,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+        master_port=0,
+        load_format=load_format(args.model),
+        async_scheduling=args.async_scheduling,
+        speculative_config=args.speculative_config,
+        quantization=args.quantization,
+    )
     engine = llm.llm_engine
     vocab = engine.config.model_config.hf_config.vocab_size
     prompts, out_lens = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
-    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, seed=None)
-              for n in out_lens]
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=n, seed=None) for n in out_lens]
     inputs = [{"prompt_token_ids": p} for p in prompts]
     llm.generate([{"prompt_token_ids": prompts[0][:32]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     sync()
@@ -87,20 +113,32 @@ def main() -> None:
     elapsed = time.perf_counter() - t0
     gen = sum(len(o.outputs[0].token_ids) for o in outs)
     assert gen == sum(out_lens), "every request must produce exactly its max_tokens (ignore_eos)"
-    result = {"model": args.model, "num_prompts": len(prompts), "input_tokens": sum(map(len, prompts)),
-              "output_tokens": gen, "novainfer_s": elapsed, "novainfer_tok_s": gen / elapsed,
-              "kv_cache_tokens": engine.block_manager.num_blocks * engine.config.cache_config.block_size,
-              "device": device_name(), "tensor_parallel_size": args.tensor_parallel_size,
-              "quantization": args.quantization,
-              "distributed_executor_backend": args.distributed_executor_backend,
-              "async_scheduling": engine.engine_core.async_scheduling}
+    result = {
+        "model": args.model,
+        "num_prompts": len(prompts),
+        "input_tokens": sum(map(len, prompts)),
+        "output_tokens": gen,
+        "novainfer_s": elapsed,
+        "novainfer_tok_s": gen / elapsed,
+        "kv_cache_tokens": engine.block_manager.num_blocks * engine.config.cache_config.block_size,
+        "device": device_name(),
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "quantization": args.quantization,
+        "distributed_executor_backend": args.distributed_executor_backend,
+        "async_scheduling": engine.engine_core.async_scheduling,
+    }
     engine.shutdown()
     if args.compare_hf:
         del llm, engine, outs
         n = args.hf_num_prompts or len(prompts)
         hf_s, hf_tokens = hf_generate(path, prompts[:n], out_lens[:n], args.hf_batch_size, args.temperature)
-        result.update(hf_prompts=n, hf_s=hf_s, hf_output_tokens=hf_tokens, hf_tok_s=hf_tokens / hf_s,
-                      ratio=result["novainfer_tok_s"] / (hf_tokens / hf_s))
+        result.update(
+            hf_prompts=n,
+            hf_s=hf_s,
+            hf_output_tokens=hf_tokens,
+            hf_tok_s=hf_tokens / hf_s,
+            ratio=result["novainfer_tok_s"] / (hf_tokens / hf_s),
+        )
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:
@@ -115,6 +153,7 @@ def cpu_streams(args: argparse.Namespace) -> None:
     from benchmarks import llamacpp_baseline
     from novainfer import LLM, SamplingParams
     from novainfer.loader.model_loader import resolve_model_path
+
     path = resolve_model_path(None if args.model in ("default", "random:qwen2.5-0.5b") else args.model)
     n_in, n_out, threads = args.input_len or 128, args.output_len or 128, torch.get_num_threads()
     llm = LLM(path)
@@ -131,14 +170,22 @@ def cpu_streams(args: argparse.Namespace) -> None:
     lc, version = llamacpp_baseline.load(path, threads)
     llamacpp_baseline.greedy(lc, prompts[-1][:16], 4)
     toks, lc_s = llamacpp_baseline.greedy(lc, prompts[-1], n_out)
-    r = {"model": path, "threads": threads, "streams": args.cpu_streams, "novainfer_tok_s": gen / elapsed,
-         "llamacpp_version": version, "llamacpp_single_stream_tok_s": len(toks) / lc_s}
+    r = {
+        "model": path,
+        "threads": threads,
+        "streams": args.cpu_streams,
+        "novainfer_tok_s": gen / elapsed,
+        "llamacpp_version": version,
+        "llamacpp_single_stream_tok_s": len(toks) / lc_s,
+    }
     r["ratio"] = r["novainfer_tok_s"] / r["llamacpp_single_stream_tok_s"]
-    print(f"\n{n_in}-token prompts, {n_out} greedy tokens each (prefill included), {threads} threads\n"
-          f"| engine | streams | output tok/s |\n|---|---|---|\n"
-          f"| NovaInfer (defaults) | {args.cpu_streams} | {r['novainfer_tok_s']:.1f} |\n"
-          f"| llama.cpp {version} | 1 | {r['llamacpp_single_stream_tok_s']:.1f} |\n"
-          f"ratio: {r['ratio']:.2f}x")
+    print(
+        f"\n{n_in}-token prompts, {n_out} greedy tokens each (prefill included), {threads} threads\n"
+        f"| engine | streams | output tok/s |\n|---|---|---|\n"
+        f"| NovaInfer (defaults) | {args.cpu_streams} | {r['novainfer_tok_s']:.1f} |\n"
+        f"| llama.cpp {version} | 1 | {r['llamacpp_single_stream_tok_s']:.1f} |\n"
+        f"ratio: {r['ratio']:.2f}x"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)
@@ -146,26 +193,34 @@ def cpu_streams(args: argparse.Namespace) -> None:
 
 def sync() -> None:
     import torch
+
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
 
 def device_name() -> str:
     import torch
+
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def print_table(r: dict) -> None:
     print("\n| engine | prompts | output tokens | time (s) | output tok/s |\n|---|---|---|---|---|")
-    print(f"| NovaInfer | {r['num_prompts']} | {r['output_tokens']} | {r['novainfer_s']:.2f} | "
-          f"{r['novainfer_tok_s']:,.0f} |")
+    print(
+        f"| NovaInfer | {r['num_prompts']} | {r['output_tokens']} | {r['novainfer_s']:.2f} | "
+        f"{r['novainfer_tok_s']:,.0f} |"
+    )
     if "hf_s" in r:
-        print(f"| HF transformers | {r['hf_prompts']} | {r['hf_output_tokens']} | {r['hf_s']:.2f} | "
-              f"{r['hf_tok_s']:,.0f} |")
+        print(
+            f"| HF transformers | {r['hf_prompts']} | {r['hf_output_tokens']} | {r['hf_s']:.2f} | "
+            f"{r['hf_tok_s']:,.0f} |"
+        )
         print(f"ratio NovaInfer / HF: {r['ratio']:.1f}x")
-    print(f"device: {r['device']}; tp={r['tensor_parallel_size']} ({r['distributed_executor_backend']}); "
-          f"quantization: {r['quantization'] or 'none'}; KV cache per rank: {r['kv_cache_tokens']:,} tokens; "
-          f"async scheduling: {'on' if r.get('async_scheduling') else 'off'}")
+    print(
+        f"device: {r['device']}; tp={r['tensor_parallel_size']} ({r['distributed_executor_backend']}); "
+        f"quantization: {r['quantization'] or 'none'}; KV cache per rank: {r['kv_cache_tokens']:,} tokens; "
+        f"async scheduling: {'on' if r.get('async_scheduling') else 'off'}"
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ whose effect is smaller than the machine's drift: a kernel, a weight layout, a s
 
 Each run gets `--json <file>`; the given keys of every run's JSON are printed per tree (all values, median).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,16 +32,26 @@ def export_tree(commit: str) -> str:
 
 def run_in(tree: str, script: list[str], out_json: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)}
-    subprocess.run([sys.executable, *script, "--json", out_json], cwd=tree, env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, *script, "--json", out_json],
+        cwd=tree,
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     with open(out_json) as f:
         return json.load(f)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", required=True, help="the older commit, or a folder holding its files (where there is "
-                    "no git history: a lent machine gets the working tree only)")
+    ap.add_argument(
+        "--base",
+        required=True,
+        help="the older commit, or a folder holding its files (where there is "
+        "no git history: a lent machine gets the working tree only)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--key", action="append", required=True, help="a top-level key of the script's JSON")
     ap.add_argument("--json", default=None, help="write every run's results here")
@@ -56,8 +67,10 @@ def main() -> None:
             for r in range(args.rounds):
                 for name, tree in trees.items():
                     runs[name].append(run_in(tree, script, os.path.join(tmp, "out.json")))
-                    print(f"round {r + 1} {name}: " + ", ".join(f"{k} {runs[name][-1].get(k)}" for k in args.key),
-                          flush=True)
+                    print(
+                        f"round {r + 1} {name}: " + ", ".join(f"{k} {runs[name][-1].get(k)}" for k in args.key),
+                        flush=True,
+                    )
     finally:
         if not given:
             shutil.rmtree(base, ignore_errors=True)

@@ -1,4 +1,5 @@
 """What generation returns, with vLLM's names: RequestOutput holding one CompletionOutput per sample."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

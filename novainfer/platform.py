@@ -1,5 +1,6 @@
 """What this machine offers: a CUDA build of torch and its driver, the CPU's flags (AVX2, AVX-512, BF16, VNNI, AMX)
 and the default CPU dtype they imply, where built files are cached. Imports nothing of the package, nor torch."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -33,6 +34,7 @@ def torch_has_cuda_build() -> bool:
 def cuda_driver_loads() -> bool:
     """The CUDA driver library can be loaded (no GPU is touched)."""
     import ctypes
+
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:
@@ -57,4 +59,5 @@ def default_cpu_dtype() -> torch.dtype:
     """A dense CPU model's dtype when none was asked for: bfloat16 where the CPU multiplies it natively
     (AVX512-BF16 or AMX), float32 elsewhere (a quantization config's activation_dtype comes first)."""
     import torch
+
     return torch.bfloat16 if cpu_flags() & {"avx512_bf16", "amx_bf16"} else torch.float32

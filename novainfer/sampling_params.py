@@ -1,4 +1,5 @@
 """SamplingParams: how to pick each next token and when to stop, with vLLM's field names and defaults."""
+
 from __future__ import annotations
 
 import enum
@@ -33,8 +34,10 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [f.name for f in fields(self) if f.name in _KINDS and getattr(self, f.name) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
-                             f"got {given or 'none'}")
+            raise ValueError(
+                f"structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                f"got {given or 'none'}"
+            )
         if isinstance(self.json, str):
             try:
                 self.json = json.loads(self.json)
@@ -167,7 +170,7 @@ RANGES: dict[str, Range] = {
     "top_k": Range(integer=True, low=-1),
     "min_p": Range(low=0.0, high=1.0),
     # a 64-bit generator seed; larger ones would fail the whole step
-    "seed": Range(integer=True, low=-(2 ** 63), high=2 ** 63 - 1, nullable=True),
+    "seed": Range(integer=True, low=-(2**63), high=2**63 - 1, nullable=True),
     "max_tokens": Range(integer=True, low=1, nullable=True),
     "min_tokens": Range(integer=True, low=0),
     "logprobs": Range(integer=True, low=0, nullable=True),

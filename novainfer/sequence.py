@@ -1,4 +1,5 @@
 """A Sequence is one stream of tokens being generated; its KV lives in the blocks of its block table."""
+
 from __future__ import annotations
 
 import enum
@@ -20,8 +21,14 @@ class Sequence:
 
     _ids = itertools.count()
 
-    def __init__(self, token_ids: list[int], sampling_params: "SamplingParams", request_id: str = "",
-                 index: int = 0, arrival_time: float = 0.0):
+    def __init__(
+        self,
+        token_ids: list[int],
+        sampling_params: "SamplingParams",
+        request_id: str = "",
+        index: int = 0,
+        arrival_time: float = 0.0,
+    ):
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
         self.index = index  # which of the request's n completions this is
@@ -57,11 +64,11 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
+        return self.token_ids[: self.num_prompt_tokens]
 
     @property
     def num_output_tokens(self) -> int:
@@ -82,5 +89,7 @@ class Sequence:
             self.num_pending_tokens -= 1
 
     def __repr__(self) -> str:
-        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.value}, "
-                f"len={len(self)}, computed={self.num_computed_tokens}, blocks={self.block_table})")
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.value}, "
+            f"len={len(self)}, computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )

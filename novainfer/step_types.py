@@ -1,5 +1,6 @@
 """The messages of one engine step (SchedulerOutput in, ModelRunnerOutput out, DraftRequests), kept apart from
 the modules that make them so that engine, executor, worker and spec_decode import this one, never each other."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -22,8 +23,9 @@ class ScheduledSequence:
         self.num_new_tokens = num_new_tokens  # including spec_token_ids, the guesses this step verifies
         self.start = seq.num_computed_tokens  # position of the step's first token for this sequence
         self.spec_token_ids = spec_token_ids or []
-        self.samples = self.start + num_new_tokens - len(self.spec_token_ids) \
-            == len(seq.token_ids) + seq.num_pending_tokens
+        self.samples = (
+            self.start + num_new_tokens - len(self.spec_token_ids) == len(seq.token_ids) + seq.num_pending_tokens
+        )
 
     def __repr__(self) -> str:
         return f"ScheduledSequence({self.seq!r}, num_new_tokens={self.num_new_tokens}, samples={self.samples})"

@@ -1,4 +1,5 @@
 """Starts `novainfer serve` as a real subprocess on a free loopback port, for the server tests."""
+
 from __future__ import annotations
 
 import os
@@ -28,16 +29,26 @@ class RemoteServer:
     """`python -m novainfer.entrypoints.cli serve ...` (or another module's main) until stop(); url is the
     server's base URL."""
 
-    def __init__(self, args: list[str], log_path: str, timeout: float = 60.0, env: dict[str, str] | None = None,
-                 module: str = "novainfer.entrypoints.cli"):
+    def __init__(
+        self,
+        args: list[str],
+        log_path: str,
+        timeout: float = 60.0,
+        env: dict[str, str] | None = None,
+        module: str = "novainfer.entrypoints.cli",
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = dict(os.environ, **(env or {}), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", module, "serve", *args,
-                                      "--port", str(self.port), "--device", "cpu"],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, "serve", *args, "--port", str(self.port), "--device", "cpu"],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -72,8 +83,10 @@ class RemoteServer:
         """Wait until no request runs or waits; returns the KV-cache usage then."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.metric("novainfer:num_requests_running") == 0 and \
-                    self.metric("novainfer:num_requests_waiting") == 0:
+            if (
+                self.metric("novainfer:num_requests_running") == 0
+                and self.metric("novainfer:num_requests_waiting") == 0
+            ):
                 return self.metric("novainfer:kv_cache_usage_perc")
             time.sleep(0.05)
         raise TimeoutError("requests still running")

@@ -4,6 +4,7 @@ official anthropic client, unchanged: every answer is parsed into the client's o
 The reference is the chat completions path of the same server: a message must carry the text, usage and tool
 calls that /v1/chat/completions gives for the equivalent messages under greedy decoding.
 """
+
 import json
 
 import anthropic
@@ -16,18 +17,27 @@ from tests.server_utils import FLOAT32, RemoteServer
 
 MODEL = "tiny"
 KEY = "test-key-anthropic"
-CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}},
-        "required": ["city"], "additionalProperties": False}
+CITY = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 WEATHER = {"name": "get_weather", "description": "The weather in a city", "input_schema": CITY}
-CHAT_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                                 "parameters": CITY}}
+CHAT_WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "The weather in a city", "parameters": CITY},
+}
 GREEDY = {"temperature": 0}  # the current anthropic client no longer names temperature; older ones send it
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    srv = RemoteServer([tiny_llama, "--served-model-name", MODEL, *FLOAT32],
-                       str(tmp_path_factory.mktemp("anthropic") / "server.log"), env={"NOVAINFER_API_KEY": KEY})
+    srv = RemoteServer(
+        [tiny_llama, "--served-model-name", MODEL, *FLOAT32],
+        str(tmp_path_factory.mktemp("anthropic") / "server.log"),
+        env={"NOVAINFER_API_KEY": KEY},
+    )
     yield srv
     srv.stop()
 
@@ -43,10 +53,19 @@ def chat(server):
 
 
 def test_text_message_matches_the_chat_path(client, chat):
-    msg = client.messages.create(model=MODEL, max_tokens=6, system="Be brief.", extra_body=GREEDY,
-                                 messages=[{"role": "user", "content": "Hello there"}])
-    ref = chat.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, messages=[
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}])
+    msg = client.messages.create(
+        model=MODEL,
+        max_tokens=6,
+        system="Be brief.",
+        extra_body=GREEDY,
+        messages=[{"role": "user", "content": "Hello there"}],
+    )
+    ref = chat.chat.completions.create(
+        model=MODEL,
+        max_tokens=6,
+        temperature=0,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
+    )
     assert msg.type == "message" and msg.role == "assistant" and msg.model == MODEL
     assert [b.type for b in msg.content] == ["text"] and msg.content[0].text == ref.choices[0].message.content
     assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == ref.usage.prompt_tokens
@@ -57,17 +76,20 @@ def test_text_message_matches_the_chat_path(client, chat):
 def test_system_blocks_equal_a_system_string(client):
     kw = dict(model=MODEL, max_tokens=4, extra_body=GREEDY, messages=[{"role": "user", "content": "Hi"}])
     as_string = client.messages.create(system="Be brief. Be kind.", **kw)
-    as_blocks = client.messages.create(system=[{"type": "text", "text": "Be brief. "},
-                                               {"type": "text", "text": "Be kind."}], **kw)
+    as_blocks = client.messages.create(
+        system=[{"type": "text", "text": "Be brief. "}, {"type": "text", "text": "Be kind."}], **kw
+    )
     assert as_blocks.content[0].text == as_string.content[0].text
 
 
 def test_stop_sequence(client, chat):
     ask = [{"role": "user", "content": "Hello"}]
-    ref = chat.chat.completions.create(model=MODEL, max_tokens=30, temperature=0, messages=ask,
-                                       stop=["a", "e", "o", "i"])
-    msg = client.messages.create(model=MODEL, max_tokens=30, messages=ask, stop_sequences=["a", "e", "o", "i"],
-                                 extra_body=GREEDY)
+    ref = chat.chat.completions.create(
+        model=MODEL, max_tokens=30, temperature=0, messages=ask, stop=["a", "e", "o", "i"]
+    )
+    msg = client.messages.create(
+        model=MODEL, max_tokens=30, messages=ask, stop_sequences=["a", "e", "o", "i"], extra_body=GREEDY
+    )
     assert msg.content[0].text == ref.choices[0].message.content
     assert ref.choices[0].finish_reason == "stop"  # 30 tokens of this model always meet a vowel
     assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == ref.choices[0].model_extra["stop_reason"]
@@ -79,8 +101,19 @@ def test_stream_events_and_final_message(client, server):
     with client.messages.stream(**kw, extra_body=GREEDY) as stream:
         events = list(stream)
         final = stream.get_final_message()
-    raw = [e for e in events if e.type in ("message_start", "content_block_start", "content_block_delta",
-                                           "content_block_stop", "message_delta", "message_stop")]
+    raw = [
+        e
+        for e in events
+        if e.type
+        in (
+            "message_start",
+            "content_block_start",
+            "content_block_delta",
+            "content_block_stop",
+            "message_delta",
+            "message_stop",
+        )
+    ]
     assert [e.type for e in raw[:2]] == ["message_start", "content_block_start"]
     assert [e.type for e in raw[-3:]] == ["content_block_stop", "message_delta", "message_stop"]
     assert {e.delta.type for e in raw if e.type == "content_block_delta"} == {"text_delta"}
@@ -88,33 +121,61 @@ def test_stream_events_and_final_message(client, server):
     assert final.content[0].text == whole.content[0].text and final.stop_reason == whole.stop_reason
     assert final.usage.output_tokens == whole.usage.output_tokens
     # the wire: a ping follows message_start, and every event names itself
-    body = httpx.post(server.url + "/v1/messages", json={**kw, **GREEDY, "max_tokens": 3, "stream": True},
-                      headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"}).text
-    names = [line[len("event: "):] for line in body.splitlines() if line.startswith("event: ")]
+    body = httpx.post(
+        server.url + "/v1/messages",
+        json={**kw, **GREEDY, "max_tokens": 3, "stream": True},
+        headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
+    ).text
+    names = [line[len("event: ") :] for line in body.splitlines() if line.startswith("event: ")]
     assert names[:3] == ["message_start", "ping", "content_block_start"] and names[-1] == "message_stop"
 
 
 def test_forced_tool_use_and_tool_result_round_trip(client, chat):
     ask = [{"role": "user", "content": "Weather in Paris?"}]
-    msg = client.messages.create(model=MODEL, max_tokens=30, messages=ask, tools=[WEATHER],
-                                 tool_choice={"type": "tool", "name": "get_weather"})
+    msg = client.messages.create(
+        model=MODEL, max_tokens=30, messages=ask, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"}
+    )
     use = msg.content[0]
     assert msg.stop_reason == "tool_use" and use.type == "tool_use" and use.name == "get_weather"
     jsonschema.validate(use.input, CITY)
-    turn = [*ask, {"role": "assistant", "content": msg.content},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}]
+    turn = [
+        *ask,
+        {"role": "assistant", "content": msg.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]},
+    ]
     answer = client.messages.create(model=MODEL, max_tokens=5, messages=turn, extra_body=GREEDY)
-    ref = chat.chat.completions.create(model=MODEL, max_tokens=5, temperature=0, messages=[
-        *ask, {"role": "assistant", "content": None, "tool_calls": [{"id": use.id, "type": "function", "function": {
-            "name": use.name, "arguments": json.dumps(use.input)}}]},
-        {"role": "tool", "tool_call_id": use.id, "content": "sunny"}])
+    ref = chat.chat.completions.create(
+        model=MODEL,
+        max_tokens=5,
+        temperature=0,
+        messages=[
+            *ask,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": use.id,
+                        "type": "function",
+                        "function": {"name": use.name, "arguments": json.dumps(use.input)},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": use.id, "content": "sunny"},
+        ],
+    )
     assert answer.content[0].text == ref.choices[0].message.content
     assert answer.usage.input_tokens + answer.usage.cache_read_input_tokens == ref.usage.prompt_tokens
 
 
 def test_streamed_tool_use_with_any(client):
-    with client.messages.stream(model=MODEL, max_tokens=60, messages=[{"role": "user", "content": "Weather?"}],
-                                tools=[WEATHER], tool_choice={"type": "any", "disable_parallel_tool_use": True}) as s:
+    with client.messages.stream(
+        model=MODEL,
+        max_tokens=60,
+        messages=[{"role": "user", "content": "Weather?"}],
+        tools=[WEATHER],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+    ) as s:
         events = list(s)
         final = s.get_final_message()
     start = next(e for e in events if e.type == "content_block_start")
@@ -125,25 +186,51 @@ def test_streamed_tool_use_with_any(client):
 
 
 def test_count_tokens_equals_the_prompt_that_runs(client):
-    kw = dict(model=MODEL, system="Be brief.", messages=[{"role": "user", "content": "Weather in Rome?"}],
-              tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"})
+    kw = dict(
+        model=MODEL,
+        system="Be brief.",
+        messages=[{"role": "user", "content": "Weather in Rome?"}],
+        tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )
     counted = client.messages.count_tokens(**kw)
     ran = client.messages.create(max_tokens=30, **kw)
     assert counted.input_tokens == ran.usage.input_tokens + ran.usage.cache_read_input_tokens > 0
 
 
 def test_thinking_is_accepted(client):
-    msg = client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}],
-                                 thinking={"type": "enabled", "budget_tokens": 1024})
+    msg = client.messages.create(
+        model=MODEL,
+        max_tokens=4,
+        messages=[{"role": "user", "content": "Hi"}],
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )
     assert [b.type for b in msg.content] == ["text"]  # the tiny model has no reasoning to show
 
 
-@pytest.mark.parametrize("kw, named", [
-    (dict(messages=[{"role": "user", "content": [{"type": "image", "source": {
-        "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]), "messages[0].content[0].type"),
-    (dict(extra_body={"mcp_servers": []}), "mcp_servers"),
-    (dict(tool_choice={"type": "any"}), "tool_choice"),
-])
+@pytest.mark.parametrize(
+    "kw, named",
+    [
+        (
+            dict(
+                messages=[
+                    {
+                        "role": "user",
+                        "content": [
+                            {
+                                "type": "image",
+                                "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="},
+                            }
+                        ],
+                    }
+                ]
+            ),
+            "messages[0].content[0].type",
+        ),
+        (dict(extra_body={"mcp_servers": []}), "mcp_servers"),
+        (dict(tool_choice={"type": "any"}), "tool_choice"),
+    ],
+)
 def test_unsupported_fields_are_a_400_in_anthropic_shape(client, kw, named):
     kw = {"messages": [{"role": "user", "content": "Hi"}], **kw}
     with pytest.raises(anthropic.BadRequestError) as err:
@@ -162,6 +249,7 @@ def test_api_key_headers_and_error_shape(server):
     assert err.value.body["error"]["type"] == "authentication_error"
     r = httpx.post(server.url + "/v1/messages", headers={"x-api-key": KEY}, json={**ask, "max_tokens": None})
     assert r.status_code == 400 and r.json()["type"] == "error" and "max_tokens" in r.json()["error"]["message"]
-    r = httpx.post(server.url + "/v1/chat/completions", headers={"x-api-key": KEY},
-                   json={"model": MODEL, "messages": []})
+    r = httpx.post(
+        server.url + "/v1/chat/completions", headers={"x-api-key": KEY}, json={"model": MODEL, "messages": []}
+    )
     assert r.status_code == 400 and "error" in r.json() and "type" not in r.json()  # OpenAI's shape there

@@ -1,6 +1,7 @@
 """The Responses and Messages translators on a chat turn with reasoning, text and a tool call (which the tiny
 random models never produce): every event and final object must validate against the official clients' types,
 and the chat path's `reasoning_content` must become a reasoning item / a thinking block."""
+
 import asyncio
 import json
 
@@ -17,47 +18,97 @@ from novainfer.server.protocol_responses import ResponsesRequest
 from novainfer.server.responses import ResponseRun
 from tests.tiny_models import make_tokenizer
 
-USAGE = {"prompt_tokens": 20, "completion_tokens": 9, "total_tokens": 29,
-         "prompt_tokens_details": {"cached_tokens": 16}}
+USAGE = {
+    "prompt_tokens": 20,
+    "completion_tokens": 9,
+    "total_tokens": 29,
+    "prompt_tokens_details": {"cached_tokens": 16},
+}
 CHUNKS = [  # what /v1/chat/completions streams for such a turn (a reasoning parser and a named tool call)
     {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
     {"choices": [{"index": 0, "delta": {"reasoning_content": "The user wants "}, "finish_reason": None}]},
     {"choices": [{"index": 0, "delta": {"reasoning_content": "the weather."}, "finish_reason": None}]},
     {"choices": [{"index": 0, "delta": {"content": "Let me look."}, "finish_reason": None}]},
-    {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {
-        "name": "get_weather", "arguments": '{"city": '}}]}, "finish_reason": None}]},
-    {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]},
-                  "finish_reason": None}]},
+    {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": '},
+                        }
+                    ]
+                },
+                "finish_reason": None,
+            }
+        ]
+    },
+    {
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]},
+                "finish_reason": None,
+            }
+        ]
+    },
     {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls", "stop_reason": None}]},
     {"choices": [], "usage": USAGE},
 ]
-WHOLE = {"choices": [{"index": 0, "finish_reason": "tool_calls", "stop_reason": None, "message": {
-    "role": "assistant", "reasoning_content": "The user wants the weather.", "content": "Let me look.",
-    "tool_calls": [{"id": "call_1", "type": "function",
-                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}}], "usage": USAGE}
+WHOLE = {
+    "choices": [
+        {
+            "index": 0,
+            "finish_reason": "tool_calls",
+            "stop_reason": None,
+            "message": {
+                "role": "assistant",
+                "reasoning_content": "The user wants the weather.",
+                "content": "Let me look.",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+        }
+    ],
+    "usage": USAGE,
+}
 
 
 def turn_events(streamed: bool) -> list:
     """The pieces ChatTurn reads from the chat path's answer, streamed (SSE chunks) or whole."""
     if streamed:
+
         async def body():
             for chunk in CHUNKS:
                 yield "data: " + json.dumps(chunk) + "\n\n"
             yield "data: [DONE]\n\n"
+
         response = StreamingResponse(body())
     else:
         response = JSONResponse(WHOLE)
 
     async def collect() -> list:
         return [e async for e in ChatTurn(response, "r1").events()]
+
     return asyncio.run(collect())
 
 
 @pytest.mark.parametrize("streamed", [True, False])
 def test_chat_turn_reads_reasoning_text_and_calls(streamed):
     events = turn_events(streamed)
-    assert "".join(e.text for e in events if isinstance(e, Piece) and e.kind == "reasoning") == \
-        "The user wants the weather."
+    assert (
+        "".join(e.text for e in events if isinstance(e, Piece) and e.kind == "reasoning")
+        == "The user wants the weather."
+    )
     assert "".join(e.text for e in events if isinstance(e, Piece) and e.kind == "text") == "Let me look."
     calls = [e for e in events if isinstance(e, Piece) and e.kind == "call"]
     assert calls[0].call_id == "call_1" and calls[0].name == "get_weather"
@@ -66,15 +117,18 @@ def test_chat_turn_reads_reasoning_text_and_calls(streamed):
 
 
 def test_responses_items_and_events_validate_against_openai_types():
-    req = ResponsesRequest.model_validate({"input": "Weather?", "tools": [{"type": "function", "name": "get_weather",
-                                                                         "parameters": {"type": "object"}}]})
+    req = ResponsesRequest.model_validate(
+        {"input": "Weather?", "tools": [{"type": "function", "name": "get_weather", "parameters": {"type": "object"}}]}
+    )
     run = ResponseRun(req, "resp_1", "m", make_tokenizer())
     events = [e for piece in turn_events(True) for e in run.consume(piece)]
     adapter = pydantic.TypeAdapter(ResponseStreamEvent)
     for i, event in enumerate(events):
         adapter.validate_python({**event, "sequence_number": i})
     assert [e["type"] for e in events if e["type"].endswith(".added")] == [
-        "response.output_item.added", "response.content_part.added"] * 2 + ["response.output_item.added"]
+        "response.output_item.added",
+        "response.content_part.added",
+    ] * 2 + ["response.output_item.added"]
     final = Response.model_validate(events[-1]["response"])
     assert events[-1]["type"] == "response.completed" and final.status == "completed"
     reasoning, message, call = final.output
@@ -86,8 +140,13 @@ def test_responses_items_and_events_validate_against_openai_types():
 
 @pytest.mark.parametrize("thinking", [{"type": "enabled", "budget_tokens": 2048}, None])
 def test_messages_blocks_and_events_validate_against_anthropic_types(thinking):
-    req = MessagesRequest.model_validate({"max_tokens": 50, "messages": [{"role": "user", "content": "Weather?"}],
-                                          **({"thinking": thinking} if thinking else {})})
+    req = MessagesRequest.model_validate(
+        {
+            "max_tokens": 50,
+            "messages": [{"role": "user", "content": "Weather?"}],
+            **({"thinking": thinking} if thinking else {}),
+        }
+    )
     run = MessageRun(req, "msg_1", "m")
     events = [("message_start", {"type": "message_start", "message": run.message()})]
     events += [e for piece in turn_events(False) for e in run.consume(piece)]

@@ -1,6 +1,7 @@
 """Async scheduling (step N+1 planned and launched before step N is read back) returns exactly what the
 synchronous loop returns: no extra token, equal usage counts, the same tokens under preemption, chunked
 prefill, seeds, penalties, aborts and request faults."""
+
 import pytest
 
 from novainfer import LLM, SamplingParams
@@ -8,8 +9,14 @@ from novainfer.config import EngineConfig
 from novainfer.engine.llm_engine import LLMEngine
 from tests import faults
 
-PROMPTS = ["Hello, my name is", "The capital of France is", "def add(a, b):", "Paged attention stores keys",
-           "héllo wörld", "The quick brown fox jumps over the lazy dog"]
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "def add(a, b):",
+    "Paged attention stores keys",
+    "héllo wörld",
+    "The quick brown fox jumps over the lazy dog",
+]
 
 
 def make(path: str, overlap: bool, **kw) -> LLM:
@@ -35,9 +42,11 @@ def test_stop_conditions_return_the_same_tokens_and_counts(pair):
     sync, overlap = pair
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     toks = sync.generate(PROMPTS[:1], greedy, use_tqdm=False)[0].outputs[0]
-    cases = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
-             SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[toks.token_ids[3]]),
-             SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[toks.text[4:7]])]
+    cases = [
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[toks.token_ids[3]]),
+        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[toks.text[4:7]]),
+    ]
     for params in cases:
         a, b = run(sync, PROMPTS, params), run(overlap, PROMPTS, params)
         assert a == b, params
@@ -65,13 +74,22 @@ def test_extra_token_of_a_finished_sequence_is_dropped(pair):
 
 def test_seeds_penalties_min_tokens_and_n_match(pair):
     sync, overlap = pair
-    params = [SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True, repetition_penalty=1.3,
-                             presence_penalty=0.5, frequency_penalty=0.3),
-              SamplingParams(temperature=1.0, seed=3, max_tokens=12, min_tokens=6, top_k=20, top_p=0.9),
-              SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=10, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True),
-              SamplingParams(temperature=1.0, seed=21, max_tokens=12, ignore_eos=True, min_p=0.05)]
+    params = [
+        SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True),
+        SamplingParams(
+            temperature=0.8,
+            seed=5,
+            max_tokens=12,
+            ignore_eos=True,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            frequency_penalty=0.3,
+        ),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=12, min_tokens=6, top_k=20, top_p=0.9),
+        SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=21, max_tokens=12, ignore_eos=True, min_p=0.05),
+    ]
     assert run(sync, PROMPTS, params) == run(overlap, PROMPTS, params)
 
 
@@ -88,8 +106,9 @@ def test_abort_mid_stream_frees_blocks_and_leaves_the_rest(tiny_qwen2):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     results = []
     for overlap in (False, True):
-        engine = LLMEngine(EngineConfig.from_kwargs(tiny_qwen2, dtype="float32", device="cpu", block_size=4,
-                                                    async_scheduling=overlap))
+        engine = LLMEngine(
+            EngineConfig.from_kwargs(tiny_qwen2, dtype="float32", device="cpu", block_size=4, async_scheduling=overlap)
+        )
         for i, prompt in enumerate(PROMPTS[:3]):
             engine.add_request(str(i), prompt, params)
         finished = {}
@@ -114,8 +133,9 @@ def test_request_fault_fails_it_alone(tiny_qwen2, stage, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     results = []
     for overlap in (False, True):
-        engine = LLMEngine(EngineConfig.from_kwargs(tiny_qwen2, dtype="float32", device="cpu", block_size=4,
-                                                    async_scheduling=overlap))
+        engine = LLMEngine(
+            EngineConfig.from_kwargs(tiny_qwen2, dtype="float32", device="cpu", block_size=4, async_scheduling=overlap)
+        )
         for i, prompt in enumerate(PROMPTS[:3]):
             engine.add_request(f"ok-{i}", prompt, params)
         engine.step()
@@ -138,6 +158,7 @@ def test_a_dropped_engine_is_freed_at_once(tiny_qwen2, overlap):
     until the collector runs: a second LLM in the same process sizes its GPU cache from free memory."""
     import gc
     import weakref
+
     llm = make(tiny_qwen2, overlap)
     llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6), use_tqdm=False)
     runner = weakref.ref(llm.llm_engine.executor.workers[0].model_runner)

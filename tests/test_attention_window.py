@@ -3,6 +3,7 @@ Triton decode/prefill kernels (TRITON_INTERPRET=1 on the CPU) against the torch 
 
 Windows shorter and longer than the context, GQA, a cached prefix, split-K decode, and a window edge that
 falls inside a prefill block (rows whose first tiles are all masked)."""
+
 from __future__ import annotations
 
 import math
@@ -23,7 +24,7 @@ def brute_force(q, k_cache, v_cache, meta, scale, window, cap):
     out = torch.empty(q.shape, dtype=torch.float64)
     for i, seq_len in enumerate(meta.seq_lens_cpu):
         start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
-        blocks = meta.block_tables[i, :math.ceil(seq_len / bs)]
+        blocks = meta.block_tables[i, : math.ceil(seq_len / bs)]
         k = k_cache[blocks].reshape(-1, kvh, q.shape[2])[:seq_len].double()
         v = v_cache[blocks].reshape(-1, kvh, q.shape[2])[:seq_len].double()
         for t in range(start, end):
@@ -52,8 +53,9 @@ def test_torch_reference_matches_brute_force(window, cap):
 def test_decode_kernel_window_and_soft_cap(window, cap, num_splits):
     ctx = [0, 3, 4, 13, 22]
     q, kc, vc, bt, qsl, sl, meta = make_case(12, ctx, [1] * len(ctx), 6, 2)
-    out = kernels.decode_attention(q, kc, vc, bt, sl, 0.25, num_splits=num_splits, sliding_window=window,
-                                   logits_soft_cap=cap)
+    out = kernels.decode_attention(
+        q, kc, vc, bt, sl, 0.25, num_splits=num_splits, sliding_window=window, logits_soft_cap=cap
+    )
     ref = torch_backend.paged_attention(q, kc, vc, meta, 0.25, window, cap)
     assert rel_err(out, ref) < 1e-5
 
@@ -64,7 +66,8 @@ def test_prefill_kernel_window_and_soft_cap(window, cap):
     ctx, qlen = [0, 8, 5, 30], [21, 5, 1, 9]
     q, kc, vc, bt, qsl, sl, meta = make_case(13, ctx, qlen, 4, 2)
     out = torch.full_like(q, float("nan"))
-    kernels.prefill_attention(q, kc, vc, bt, qsl, sl, max(qlen), 0.3, out=out, sliding_window=window,
-                              logits_soft_cap=cap)
+    kernels.prefill_attention(
+        q, kc, vc, bt, qsl, sl, max(qlen), 0.3, out=out, sliding_window=window, logits_soft_cap=cap
+    )
     assert not out.isnan().any()
     assert rel_err(out, torch_backend.paged_attention(q, kc, vc, meta, 0.3, window, cap)) < 1e-5

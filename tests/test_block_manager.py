@@ -1,4 +1,5 @@
 """BlockManager and Scheduler bookkeeping, without a model."""
+
 from novainfer.config import SchedulerConfig
 from novainfer.engine.block_manager import BlockManager, hash_block
 from novainfer.engine.scheduler import Scheduler

@@ -5,6 +5,7 @@ tokens applied at once or one step late as with async scheduling): one over Bloc
 that grows tables block by block and rehashes every full block with the numpy formula. Block tables, hashes,
 the prefix cache and the free list must be equal after every step.
 """
+
 import random
 
 import numpy as np
@@ -37,7 +38,7 @@ class ReferenceBlockManager(BlockManager):
             return
         num_full = min(total, len(seq)) // self.block_size
         for i in range(len(seq.block_hashes), num_full):
-            tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             prev = reference_hash(tokens, seq.block_hashes[-1] if seq.block_hashes else -1)
             seq.block_hashes.append(prev)
             block = self.blocks[seq.block_table[i]]
@@ -50,29 +51,39 @@ def test_hash_block_equals_the_numpy_formula():
     rng = random.Random(0)
     prev = -1
     for n in (1, 4, 16, 33):
-        tokens = [rng.randrange(0, 2 ** 31) for _ in range(n)]
+        tokens = [rng.randrange(0, 2**31) for _ in range(n)]
         assert hash_block(tokens, prev) == reference_hash(tokens, prev)
         prev = hash_block(tokens, prev)
-    assert hash_block([0, 2 ** 40], -(2 ** 63)) == reference_hash([0, 2 ** 40], -(2 ** 63))
+    assert hash_block([0, 2**40], -(2**63)) == reference_hash([0, 2**40], -(2**63))
 
 
 def state(sched: Scheduler) -> tuple:
     bm = sched.block_manager
-    seqs = [(s.request_id, s.status.value, s.num_computed_tokens, list(s.block_table), list(s.block_hashes))
-            for s in list(sched.running) + list(sched.waiting)]
+    seqs = [
+        (s.request_id, s.status.value, s.num_computed_tokens, list(s.block_table), list(s.block_hashes))
+        for s in list(sched.running) + list(sched.waiting)
+    ]
     blocks = [(b.ref_count, b.hash, list(b.token_ids)) for b in bm.blocks]
     return seqs, blocks, dict(bm.hash_to_block_id), list(bm.free_block_ids)
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2 ** 32 - 1), block_size=st.sampled_from([1, 2, 4, 16]),
-       num_blocks=st.integers(4, 40), budget=st.integers(1, 48), overlap=st.booleans(),
-       caching=st.booleans(), lookahead=st.sampled_from([0, 3]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    block_size=st.sampled_from([1, 2, 4, 16]),
+    num_blocks=st.integers(4, 40),
+    budget=st.integers(1, 48),
+    overlap=st.booleans(),
+    caching=st.booleans(),
+    lookahead=st.sampled_from([0, 3]),
+)
 def test_fast_allocate_equals_reference(seed, block_size, num_blocks, budget, overlap, caching, lookahead):
     rng = random.Random(seed)
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget)
-    pair = [Scheduler(cfg, cls(num_blocks, block_size, caching), lookahead)  # lookahead: a draft model's slots
-            for cls in (BlockManager, ReferenceBlockManager)]
+    pair = [
+        Scheduler(cfg, cls(num_blocks, block_size, caching), lookahead)  # lookahead: a draft model's slots
+        for cls in (BlockManager, ReferenceBlockManager)
+    ]
     prefixes = [[rng.randrange(50) for _ in range(rng.randrange(1, 20))] for _ in range(3)]
     for i in range(6):
         prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(0, 10))]
@@ -83,17 +94,21 @@ def test_fast_allocate_equals_reference(seed, block_size, num_blocks, budget, ov
         if not pair[0].has_unfinished():
             break
         outs = [sched.schedule() for sched in pair]
-        assert [[(s.seq.request_id, s.num_new_tokens) for s in o.scheduled] for o in outs] == \
-            [[(s.seq.request_id, s.num_new_tokens) for s in outs[1].scheduled]] * 2
+        assert [[(s.seq.request_id, s.num_new_tokens) for s in o.scheduled] for o in outs] == [
+            [(s.seq.request_id, s.num_new_tokens) for s in outs[1].scheduled]
+        ] * 2
         assert state(pair[0]) == state(pair[1])
         for s in pair[0].running:  # and what the definition says, as planned (before this step's tokens arrive)
             bm = pair[0].block_manager  # a draft model's lookahead slots may hold blocks past the computed tokens
-            assert bm.blocks_needed(s.num_computed_tokens) <= len(s.block_table) \
+            assert (
+                bm.blocks_needed(s.num_computed_tokens)
+                <= len(s.block_table)
                 <= bm.blocks_needed(s.num_computed_tokens + lookahead)
+            )
             num_full = min(s.num_computed_tokens, len(s)) // block_size if caching else 0
             chain, prev = [], -1
             for i in range(num_full):
-                prev = reference_hash(s.token_ids[i * block_size:(i + 1) * block_size], prev)
+                prev = reference_hash(s.token_ids[i * block_size : (i + 1) * block_size], prev)
                 chain.append(prev)
             assert s.block_hashes == chain
         token, finish = rng.randrange(50), rng.random() < 0.1

@@ -1,5 +1,6 @@
 """The command line's user errors: one clear message on stderr (two for a usage error), a non-zero exit, no
 traceback unless --debug or NOVAINFER_DEBUG=1; and the offline API's refusals name the field or architecture."""
+
 import os
 import socket
 import subprocess
@@ -10,16 +11,25 @@ import pytest
 from novainfer import LLM, SamplingParams
 from tests.server_utils import ROOT
 
-GPT2_CONFIG = '{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 32, "n_head": 2, ' \
+GPT2_CONFIG = (
+    '{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 32, "n_head": 2, '
     '"n_layer": 1, "vocab_size": 100, "bos_token_id": 0, "eos_token_id": 0}'
+)
 
 
 def cli(*args: str, env: dict | None = None, stdin: str = "") -> subprocess.CompletedProcess:
     """`novainfer ARGS` as a subprocess on the CPU."""
     full = {k: v for k, v in os.environ.items() if k != "NOVAINFER_DEBUG"}
     full.update(NOVAINFER_DEVICE="cpu", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "novainfer.entrypoints.cli", *args], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT, env=full, input=stdin)
+    return subprocess.run(
+        [sys.executable, "-m", "novainfer.entrypoints.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=full,
+        input=stdin,
+    )
 
 
 def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
@@ -41,17 +51,30 @@ def corrupt_gguf(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("args, code, message", [
-    (["serve", "/no/such/model"], 1, "novainfer serve: error: model path '/no/such/model' does not exist"),
-    (["generate", "--max-num-seqs", "0", "hi"], 1, "novainfer generate: error: max_num_seqs must be >= 1, got 0"),
-    (["serve", "--max-num-seqs", "lots"], 2, "novainfer serve: error: argument --max-num-seqs: invalid int value"),
-    (["serve", "--distributed-executor-backend", "ray"], 2, "novainfer serve: error: argument "
-     "--distributed-executor-backend: distributed_executor_backend='ray' is not implemented; use 'uni'"),
-    (["generate", "--dtype", "float8", "hi"], 2, "novainfer generate: error: argument --dtype: invalid choice: "
-     "'float8'"),
-    (["generate", "The", "capital", "of"], 2, "novainfer generate: error: generate takes one prompt, got 3 words: "
-     "quote the prompt"),
-])
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["serve", "/no/such/model"], 1, "novainfer serve: error: model path '/no/such/model' does not exist"),
+        (["generate", "--max-num-seqs", "0", "hi"], 1, "novainfer generate: error: max_num_seqs must be >= 1, got 0"),
+        (["serve", "--max-num-seqs", "lots"], 2, "novainfer serve: error: argument --max-num-seqs: invalid int value"),
+        (
+            ["serve", "--distributed-executor-backend", "ray"],
+            2,
+            "novainfer serve: error: argument "
+            "--distributed-executor-backend: distributed_executor_backend='ray' is not implemented; use 'uni'",
+        ),
+        (
+            ["generate", "--dtype", "float8", "hi"],
+            2,
+            "novainfer generate: error: argument --dtype: invalid choice: 'float8'",
+        ),
+        (
+            ["generate", "The", "capital", "of"],
+            2,
+            "novainfer generate: error: generate takes one prompt, got 3 words: quote the prompt",
+        ),
+    ],
+)
 def test_user_errors_are_one_message(args, code, message):
     proc = cli(*args)
     lines = error_lines(proc)
@@ -64,8 +87,10 @@ def test_user_errors_are_one_message(args, code, message):
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_bad_model_files_are_one_message(command, corrupt_gguf, gpt2):
     """generate fails in this process, serve in its engine core process: the same one line either way."""
-    for path, message in ((corrupt_gguf, f"GGUF file {corrupt_gguf} is corrupt or truncated"),
-                          (gpt2, "unsupported model architecture ['GPT2LMHeadModel']")):
+    for path, message in (
+        (corrupt_gguf, f"GGUF file {corrupt_gguf} is corrupt or truncated"),
+        (gpt2, "unsupported model architecture ['GPT2LMHeadModel']"),
+    ):
         proc = cli(command, *(["--model", path, "hi"] if command == "generate" else [path, "--port", "0"]))
         lines = error_lines(proc)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -80,7 +105,8 @@ def test_port_in_use_is_one_message_before_loading():
         proc = cli("serve", "/no/such/model", "--port", str(port))  # the port is checked before the model
     assert proc.returncode == 1 and error_lines(proc) == [
         f"novainfer serve: error: cannot listen on 127.0.0.1:{port}: Address already in use (choose another "
-        "with --port)"], proc.stderr
+        "with --port)"
+    ], proc.stderr
 
 
 @pytest.mark.parametrize("how", [["--debug"], ["serve", "--debug"], "env"])
@@ -96,6 +122,7 @@ def test_debug_shows_the_traceback(how):
 
 def test_version():
     import novainfer
+
     for flag in ("--version", "-V"):
         proc = cli(flag)
         assert proc.returncode == 0 and proc.stdout == f"novainfer {novainfer.__version__}\n"
@@ -108,8 +135,9 @@ def test_generate_prompts_one_per_option_labelled(tiny_qwen2):
     one = cli("generate", *flags, prompts[1])
     piped = cli("generate", *flags, stdin=prompts[1])
     llm = LLM(tiny_qwen2, dtype="float32", device="cpu")
-    texts = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0),
-                                                     use_tqdm=False)]
+    texts = [
+        o.outputs[0].text for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    ]
     assert several.returncode == 0, several.stderr
     assert several.stdout == f"--- [1/2] {prompts[0]}\n{texts[0]}\n--- [2/2] {prompts[1]}\n{texts[1]}\n"
     assert one.stdout == piped.stdout == f"{texts[1]}\n"
@@ -138,8 +166,13 @@ def test_mp_tensor_parallel_llm_exits_silently(tiny_qwen2, tmp_path):
     """An mp LLM left alive at exit stops its ranks cleanly: no worker traceback, no leaked semaphore."""
     script = tmp_path / "mp_llm.py"
     script.write_text(MP_SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), tiny_qwen2], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    proc = subprocess.run(
+        [sys.executable, str(script), tiny_qwen2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("[") and "Traceback" not in proc.stderr and "leaked" not in proc.stderr, \
-        proc.stderr
+    assert proc.stdout.startswith("[") and "Traceback" not in proc.stderr and "leaked" not in proc.stderr, proc.stderr

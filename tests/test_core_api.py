@@ -1,4 +1,5 @@
 """The llama.cpp-style core API on the SLOT cache, against transformers' logits and recomputation (fp32, CPU)."""
+
 import logging
 
 import numpy as np
@@ -22,6 +23,7 @@ def hf_models():
         if path not in cache:
             cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         return cache[path]
+
     return get
 
 
@@ -97,8 +99,9 @@ def test_output_rows_are_the_flagged_tokens_in_order(tiny_qwen2, hf_models):
     batch.add(11, 10, [0], logits=True)
     assert ctx.decode(batch) == Status.OK
     assert ctx.get_logits().data_ptr() == ptr and ctx.n_outputs() == 1 and ctx.output_ids().tolist() == [0]
-    torch.testing.assert_close(ctx.get_logits_ith(0), hf_logits(hf_models(tiny_qwen2), PROMPT + [11])[-1],
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        ctx.get_logits_ith(0), hf_logits(hf_models(tiny_qwen2), PROMPT + [11])[-1], atol=ATOL, rtol=0
+    )
 
 
 def test_get_one_tracks_positions_and_outputs_the_last_token(tiny_qwen2, hf_models):
@@ -107,8 +110,7 @@ def test_get_one_tracks_positions_and_outputs_the_last_token(tiny_qwen2, hf_mode
     assert ctx.decode(Batch.get_one(PROMPT[6:])) == Status.OK
     assert ctx.kv_seq_pos_max(0) == len(PROMPT) - 1 and ctx.n_outputs() == 1
     assert ctx.output_ids().tolist() == [len(PROMPT) - 7]
-    torch.testing.assert_close(ctx.get_logits_ith(-1), hf_logits(hf_models(tiny_qwen2), PROMPT)[-1],
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(ctx.get_logits_ith(-1), hf_logits(hf_models(tiny_qwen2), PROMPT)[-1], atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("n_ubatch", [512, 3])  # 3: the batch runs as several forwards
@@ -145,8 +147,7 @@ def test_token_with_two_seq_ids_sees_both_sequences(tiny_qwen2, hf_models):
     v1, _ = resolve_batch(seq_batch({1: [q]}, start={1: 7}), 4, ctx.vocab_size, ctx.max_pos, ctx.cache.seq_pos_max)
     cells, visible = ctx.cache.visible_cells(v1)
     assert sorted(cells[visible[0]].tolist()) == [4, 5, 6]
-    v2, _ = resolve_batch(seq_batch({0: [q]}, start={0: 7}), 4, ctx.vocab_size, ctx.max_pos,
-                          ctx.cache.seq_pos_max)
+    v2, _ = resolve_batch(seq_batch({0: [q]}, start={0: 7}), 4, ctx.vocab_size, ctx.max_pos, ctx.cache.seq_pos_max)
     cells, visible = ctx.cache.visible_cells(v2)
     assert sorted(cells[visible[0]].tolist()) == list(range(7))
     batch.clear()
@@ -212,8 +213,9 @@ def test_kv_seq_add_matches_recompute_at_shifted_positions(fixture, request, hf_
     for i, t in enumerate(PROMPT + [11]):
         batch.add(t, start + i, [0])
     assert fresh.decode(batch) == Status.OK
-    torch.testing.assert_close(ctx.kv_data[:, :, :len(PROMPT) + 1], fresh.kv_data[:, :, :len(PROMPT) + 1],
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        ctx.kv_data[:, :, : len(PROMPT) + 1], fresh.kv_data[:, :, : len(PROMPT) + 1], atol=ATOL, rtol=0
+    )
 
 
 def test_ranges_are_half_open_with_open_ends(tiny_qwen2):
@@ -245,23 +247,34 @@ def test_kv_seq_keep_drops_other_sequences(tiny_qwen2, hf_models):
     assert ctx.decode(Batch.get_one([7])) == Status.OK  # sequence 0 starts over, alone
     torch.testing.assert_close(ctx.get_logits_ith(-1), hf_logits(hf, [7])[-1], atol=ATOL, rtol=0)
     assert ctx.decode(seq_batch({1: [8]}, start={1: 5})) == Status.OK
-    torch.testing.assert_close(ctx.get_logits_ith(-1), hf_logits(hf, PROMPT[:3] + [300, 12, 8])[-1],
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(ctx.get_logits_ith(-1), hf_logits(hf, PROMPT[:3] + [300, 12, 8])[-1], atol=ATOL, rtol=0)
 
 
 def test_empty_and_no_hit_ranges_are_no_ops(tiny_qwen2):
     ctx = Context(tiny_qwen2, n_cells=16, n_seq_max=2)
     assert ctx.decode(Batch.get_one(PROMPT[:6])) == Status.OK
     state = cache_state(ctx)
-    for op in (lambda: ctx.kv_seq_rm(0, 3, 3), lambda: ctx.kv_seq_rm(0, 4, 2), lambda: ctx.kv_seq_rm(0, 6, 100),
-               lambda: ctx.kv_seq_rm(1, 0, -1), lambda: ctx.kv_seq_cp(1, 0, 5, 5),
-               lambda: ctx.kv_seq_cp(1, 0, 20, -1), lambda: ctx.kv_seq_add(0, 2, 2, 5),
-               lambda: ctx.kv_seq_add(0, 50, -1, 5), lambda: ctx.kv_seq_add(1, 0, -1, 5),
-               lambda: ctx.kv_seq_add(0, 0, -1, 0), lambda: ctx.kv_seq_keep(0)):
+    for op in (
+        lambda: ctx.kv_seq_rm(0, 3, 3),
+        lambda: ctx.kv_seq_rm(0, 4, 2),
+        lambda: ctx.kv_seq_rm(0, 6, 100),
+        lambda: ctx.kv_seq_rm(1, 0, -1),
+        lambda: ctx.kv_seq_cp(1, 0, 5, 5),
+        lambda: ctx.kv_seq_cp(1, 0, 20, -1),
+        lambda: ctx.kv_seq_add(0, 2, 2, 5),
+        lambda: ctx.kv_seq_add(0, 50, -1, 5),
+        lambda: ctx.kv_seq_add(1, 0, -1, 5),
+        lambda: ctx.kv_seq_add(0, 0, -1, 0),
+        lambda: ctx.kv_seq_keep(0),
+    ):
         assert op() == Status.OK
         assert_same_state(ctx, state)
-    for op in (lambda: ctx.kv_seq_rm(2, 0, -1), lambda: ctx.kv_seq_cp(5, 0, 0, -1),
-               lambda: ctx.kv_seq_add(-1, 0, -1, 1), lambda: ctx.kv_seq_keep(9)):
+    for op in (
+        lambda: ctx.kv_seq_rm(2, 0, -1),
+        lambda: ctx.kv_seq_cp(5, 0, 0, -1),
+        lambda: ctx.kv_seq_add(-1, 0, -1, 1),
+        lambda: ctx.kv_seq_keep(9),
+    ):
         assert op() == Status.INVALID_INPUT
         assert_same_state(ctx, state)
     assert ctx.kv_seq_pos_max(1) == -1 and ctx.kv_seq_pos_max(7) == -1
@@ -277,8 +290,9 @@ def test_full_cache_fails_with_1_and_changes_nothing(tiny_qwen2, hf_models):
     torch.testing.assert_close(ctx.get_logits(), logits, atol=0, rtol=0)  # previous outputs still readable
     # one sequence may take every cell: no per-sequence quota
     assert ctx.decode(Batch.get_one(PROMPT[6:8])) == Status.OK and ctx.cache.n_used == 8
-    torch.testing.assert_close(ctx.get_logits_ith(-1), hf_logits(hf_models(tiny_qwen2), PROMPT[:8])[-1],
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(
+        ctx.get_logits_ith(-1), hf_logits(hf_models(tiny_qwen2), PROMPT[:8])[-1], atol=ATOL, rtol=0
+    )
     state = cache_state(ctx)
     assert ctx.decode(Batch.get_one([1])) == Status.NO_KV_SLOT
     assert_same_state(ctx, state)
@@ -289,9 +303,14 @@ def test_invalid_batches_return_minus_1_with_a_reason(tiny_qwen2, caplog):
     ctx = Context(tiny_qwen2, n_cells=16, n_seq_max=2)
     assert ctx.decode(Batch.get_one(PROMPT[:4])) == Status.OK
     state = cache_state(ctx)
-    cases = {"empty": Batch.init(4), "vocabulary": Batch.get_one([ctx.vocab_size]),
-             "n_seq_max": seq_batch({2: [5]}), "already reaches 3": seq_batch({0: [5]}, start={0: 2}),
-             "must rise": seq_batch({1: [5, 6]}), "beyond the model": seq_batch({1: [5]}, start={1: ctx.max_pos})}
+    cases = {
+        "empty": Batch.init(4),
+        "vocabulary": Batch.get_one([ctx.vocab_size]),
+        "n_seq_max": seq_batch({2: [5]}),
+        "already reaches 3": seq_batch({0: [5]}, start={0: 2}),
+        "must rise": seq_batch({1: [5, 6]}),
+        "beyond the model": seq_batch({1: [5]}, start={1: ctx.max_pos}),
+    }
     cases["must rise"].pos[1] = 0  # second token of sequence 1 goes back to pos 0
     for reason, batch in cases.items():
         caplog.clear()
@@ -318,13 +337,13 @@ def test_abort_and_forward_failure_leave_the_cache_as_it_was(tiny_qwen2, hf_mode
 
     def boom(*args, **kwargs):
         raise RuntimeError("injected")
+
     monkeypatch.setattr(ctx.model, "compute_logits", boom)
     assert ctx.decode(Batch.get_one(PROMPT[4:6])) == Status.COMPUTE_FAILED
     assert np.array_equal(ctx.cache.pos, pos) and np.array_equal(ctx.cache.seqs, seqs)
     monkeypatch.undo()
     assert ctx.decode(Batch.get_one(PROMPT[4:])) == Status.OK and ctx.kv_seq_pos_max(0) == len(PROMPT) - 1
-    torch.testing.assert_close(ctx.get_logits_ith(-1), hf_logits(hf_models(tiny_qwen2), PROMPT)[-1],
-                               atol=ATOL, rtol=0)
+    torch.testing.assert_close(ctx.get_logits_ith(-1), hf_logits(hf_models(tiny_qwen2), PROMPT)[-1], atol=ATOL, rtol=0)
 
 
 def test_batch_init_and_add():
@@ -343,6 +362,7 @@ def test_batch_init_and_add():
 def test_example_shares_the_system_prompt_and_matches_transformers(tiny_qwen2):
     import importlib.util
     import pathlib
+
     path = pathlib.Path(__file__).parent.parent / "examples" / "core_api.py"
     spec = importlib.util.spec_from_file_location("core_api_example", path)
     example = importlib.util.module_from_spec(spec)
@@ -351,4 +371,4 @@ def test_example_shares_the_system_prompt_and_matches_transformers(tiny_qwen2):
     assert len(prompts) == len(example.QUESTIONS) > 1
     for s, ids in prompts.items():
         ref = hf_greedy(tiny_qwen2, system + ids, 6)
-        assert generated[s] == ref[:len(generated[s])], s
+        assert generated[s] == ref[: len(generated[s])], s

@@ -3,6 +3,7 @@ layer-by-layer path it replaces: the same hidden states to the bit on tiny rando
 repacked format, qwen2 with q/k/v biases) for one sequence, a batch of ragged contexts and a verify step's per-token
 rows, and close to the dequantized float32 model; the steps and models it leaves to the layers; ngram speculation's
 and the default model's greedy tokens unchanged with it on or off."""
+
 import numpy as np
 import pytest
 import torch
@@ -23,18 +24,40 @@ pytestmark = pytest.mark.skipif(not library.available(), reason="needs AVX2+FMA 
 HIDDEN, INTER, HEADS, KV_HEADS, LAYERS, BS = 256, 512, 4, 2, 3, 4
 # per layer: GGUF type of each weight (q4 and int8 layouts; groups of 32 and 16; with and without zeros)
 LAYER_TYPES = [
-    {"attn_q": T.Q4_1, "attn_k": T.Q4_1, "attn_v": T.Q4_1, "attn_output": T.Q8_0, "ffn_gate": T.Q4_K,
-     "ffn_up": T.Q4_K, "ffn_down": T.Q6_K},
-    {"attn_q": T.Q4_0, "attn_k": T.Q6_K, "attn_v": T.Q8_0, "attn_output": T.Q5_K, "ffn_gate": T.Q4_0,
-     "ffn_up": T.Q4_1, "ffn_down": T.Q8_0},
-    {"attn_q": T.Q8_0, "attn_k": T.Q8_0, "attn_v": T.Q8_0, "attn_output": T.Q4_K, "ffn_gate": T.Q6_K,
-     "ffn_up": T.Q6_K, "ffn_down": T.Q4_1},
+    {
+        "attn_q": T.Q4_1,
+        "attn_k": T.Q4_1,
+        "attn_v": T.Q4_1,
+        "attn_output": T.Q8_0,
+        "ffn_gate": T.Q4_K,
+        "ffn_up": T.Q4_K,
+        "ffn_down": T.Q6_K,
+    },
+    {
+        "attn_q": T.Q4_0,
+        "attn_k": T.Q6_K,
+        "attn_v": T.Q8_0,
+        "attn_output": T.Q5_K,
+        "ffn_gate": T.Q4_0,
+        "ffn_up": T.Q4_1,
+        "ffn_down": T.Q8_0,
+    },
+    {
+        "attn_q": T.Q8_0,
+        "attn_k": T.Q8_0,
+        "attn_v": T.Q8_0,
+        "attn_output": T.Q4_K,
+        "ffn_gate": T.Q6_K,
+        "ffn_up": T.Q6_K,
+        "ffn_down": T.Q4_1,
+    },
 ]
 
 
 def write_gguf(path, arch: str, vocab: int, seed: int = 0) -> str:
     """A random GQA model of LAYERS layers in the given GGUF architecture (qwen2 gets q/k/v biases)."""
     import gguf
+
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(256)
@@ -46,12 +69,19 @@ def write_gguf(path, arch: str, vocab: int, seed: int = 0) -> str:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     head_dim = HIDDEN // HEADS
-    w.add_tensor("token_embd.weight", quantize(rng.standard_normal((vocab, HIDDEN)).astype(np.float32), T.Q8_0),
-                 raw_dtype=T.Q8_0)
+    w.add_tensor(
+        "token_embd.weight", quantize(rng.standard_normal((vocab, HIDDEN)).astype(np.float32), T.Q8_0), raw_dtype=T.Q8_0
+    )
     w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
-    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * head_dim, HIDDEN),
-              "attn_v": (KV_HEADS * head_dim, HIDDEN), "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (INTER, HIDDEN),
-              "ffn_up": (INTER, HIDDEN), "ffn_down": (HIDDEN, INTER)}
+    shapes = {
+        "attn_q": (HIDDEN, HIDDEN),
+        "attn_k": (KV_HEADS * head_dim, HIDDEN),
+        "attn_v": (KV_HEADS * head_dim, HIDDEN),
+        "attn_output": (HIDDEN, HIDDEN),
+        "ffn_gate": (INTER, HIDDEN),
+        "ffn_up": (INTER, HIDDEN),
+        "ffn_down": (HIDDEN, INTER),
+    }
     for i, types in enumerate(LAYER_TYPES[:LAYERS]):
         for norm in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
@@ -77,6 +107,7 @@ def tokenizer_dir(tmp_path_factory):
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def tiny_gguf(request, tmp_path_factory, tokenizer_dir):
     from transformers import AutoTokenizer
+
     vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir))
     return write_gguf(tmp_path_factory.mktemp(request.param) / "tiny.gguf", request.param, vocab)
 
@@ -87,12 +118,15 @@ def load(path: str, quantized: bool = True, num_blocks: int = 40):
     from novainfer.layers.attention import Attention
     from novainfer.layers.quantization.gguf_cpu import GGUFCPUConfig
     from novainfer.loader.model_loader import load_hf_config, load_model
+
     cpu = torch.device("cpu")
-    model = load_model(path, load_hf_config(path), torch.float32, cpu, quant_config=GGUFCPUConfig() if quantized
-                       else None)
+    model = load_model(
+        path, load_hf_config(path), torch.float32, cpu, quant_config=GGUFCPUConfig() if quantized else None
+    )
     layers = [m for m in model.modules() if isinstance(m, Attention)]
-    model.kv = allocate_kv_cache(layers, num_blocks, BS, torch.bfloat16 if quantized else torch.float32, cpu,
-                                 cpu_backend)
+    model.kv = allocate_kv_cache(
+        layers, num_blocks, BS, torch.bfloat16 if quantized else torch.float32, cpu, cpu_backend
+    )
     model.stack = select_decode_strategy(model, cpu_backend)  # as the runner picks it, with the KV cache
     return model
 
@@ -106,10 +140,16 @@ def step_meta(tables: list[list[int]], starts: list[int], counts: list[int]) -> 
     assert all(s + c <= BS * len(t) for s, c, t in zip(starts, counts, tables))  # no write past a table
     bt = torch.tensor([t + [0] * (8 - len(t)) for t in tables], dtype=torch.int32)
     slots = bt[rows, pos // BS].long() * BS + pos % BS
-    return AttentionMetadata(query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-                             seq_lens=torch.tensor(lens, dtype=torch.int32), slot_mapping=slots, block_tables=bt,
-                             max_query_len=max(counts), max_seq_len=max(lens), query_start_loc_cpu=qsl,
-                             seq_lens_cpu=lens), pos
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        slot_mapping=slots,
+        block_tables=bt,
+        max_query_len=max(counts),
+        max_seq_len=max(lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=lens,
+    ), pos
 
 
 def forward(model, ids, pos, meta, stack: bool) -> torch.Tensor:
@@ -180,6 +220,7 @@ def test_a_verify_steps_per_token_rows_equal_the_layer_path(tiny_gguf):
 
 def test_steps_and_models_it_does_not_take_run_the_layers(tiny_gguf):
     from novainfer.layers.activation import GeluAndMul
+
     model = load(tiny_gguf, num_blocks=80)
     stack = model.stack
     ids = torch.tensor([3, 1])
@@ -202,6 +243,7 @@ def test_a_new_kv_cache_is_rebound_the_old_one_freed_a_float32_one_left_to_the_l
     import gc
     import weakref
     from novainfer.layers.attention import Attention
+
     model = load(tiny_gguf)
     vocab = model.config.vocab_size
     layers = [m for m in model.modules() if isinstance(m, Attention)]
@@ -221,12 +263,18 @@ def test_a_new_kv_cache_is_rebound_the_old_one_freed_a_float32_one_left_to_the_l
 
 BAD_INDICES = [  # (what to break in a 4-sequence decode step over 40 blocks of 4, the error it must name)
     (lambda m: m.slot_mapping.__setitem__(1, 40 * BS), r"KV slot 160 \(token 1\) is outside the cache of 160 slots"),
-    (lambda m: m.block_tables.__setitem__((2, 0), -1),
-     r"block id -1 \(sequence 2, block table entry 0\) is outside the cache of 40 blocks"),
-    (lambda m: m.block_tables.__setitem__((3, 2), 40),
-     r"block id 40 \(sequence 3, block table entry 2\) is outside the cache of 40 blocks"),
-    (lambda m: m.seq_lens.__setitem__(0, 8 * BS + 1),
-     r"sequence 0's length 33 is outside \[1, 32\] \(its block table holds 8 blocks of 4 tokens\)"),
+    (
+        lambda m: m.block_tables.__setitem__((2, 0), -1),
+        r"block id -1 \(sequence 2, block table entry 0\) is outside the cache of 40 blocks",
+    ),
+    (
+        lambda m: m.block_tables.__setitem__((3, 2), 40),
+        r"block id 40 \(sequence 3, block table entry 2\) is outside the cache of 40 blocks",
+    ),
+    (
+        lambda m: m.seq_lens.__setitem__(0, 8 * BS + 1),
+        r"sequence 0's length 33 is outside \[1, 32\] \(its block table holds 8 blocks of 4 tokens\)",
+    ),
 ]
 
 
@@ -253,6 +301,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [40
 
 def test_ngram_speculation_greedy_tokens_equal_with_the_stack_on_or_off(tiny_gguf, tokenizer_dir):
     from novainfer import LLM, SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     out = {}
     for spec in (None, NGRAM):
@@ -268,12 +317,17 @@ def test_ngram_speculation_greedy_tokens_equal_with_the_stack_on_or_off(tiny_ggu
 
                 def spy(*args):
                     out, meta = real(*args), get_attention_metadata()
-                    kind = "verify" if meta.per_token is not None else "decode" if meta.max_query_len == 1 else "prefill"
+                    kind = (
+                        "verify" if meta.per_token is not None else "decode" if meta.max_query_len == 1 else "prefill"
+                    )
                     taken.append((kind, out is not None))
                     return out
+
                 runner.decode_strategy.forward = spy
-            out[spec is not None, stack] = [o.outputs[0].token_ids for o in llm.generate(
-                [{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+            out[spec is not None, stack] = [
+                o.outputs[0].token_ids
+                for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+            ]
             if stack:  # every decode and verify step went through the stack, no prefill did
                 assert all(ran == (kind != "prefill") for kind, ran in taken)
                 assert {kind for kind, _ in taken} == {"prefill", "decode", "verify"} if spec else {"prefill", "decode"}
@@ -283,6 +337,7 @@ def test_ngram_speculation_greedy_tokens_equal_with_the_stack_on_or_off(tiny_ggu
 
 def test_default_model_greedy_text_equal_with_the_stack_on_or_off():
     from novainfer import LLM, SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = ["The capital of France is", "List three colours:", "def add(a, b):"]
     llm = LLM(max_model_len=256, block_size=16, enable_prefix_caching=False)
@@ -303,6 +358,7 @@ def test_default_model_computes_in_float32_on_a_bf16_cpu(monkeypatch):
     from novainfer import LLM, SamplingParams
     from novainfer import platform
     from novainfer.platform import default_cpu_dtype
+
     flags = platform.cpu_flags() | {"avx512_bf16", "amx_bf16"}
     monkeypatch.setattr(platform, "cpu_flags", lambda: flags)
     assert default_cpu_dtype() == torch.bfloat16  # a dense model on this CPU

@@ -2,6 +2,7 @@
 interleave, the prefill attention's 6-row register tiles and the vectorised bf16 KV store, each against an
 independent reference (float64 matmul of the dequantized weight, torch SDPA, torch's bfloat16 cast) and bit for
 bit where the project needs the same bits (1 vs 2 threads, the few-row kernel, torch's rounding)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -35,7 +36,7 @@ def test_panel_gemm_chunks_give_the_same_bits_on_one_or_two_threads(n, m):
     ref = x.double() @ w.dequantize().double().T
     assert (two.double() - ref).norm() < 1e-4 * ref.norm()
     for r in (0, m - 1):  # a row through the few-row kernel: the same bits
-        assert torch.equal(qgemm.quant_gemm(x[r:r + 1], w)[0], two[r])
+        assert torch.equal(qgemm.quant_gemm(x[r : r + 1], w)[0], two[r])
 
 
 @pytest.mark.parametrize("nh,nkv,n", [(4, 2, 37), (8, 1, 21), (10, 5, 50), (6, 6, 33)])
@@ -45,11 +46,10 @@ def test_prefill_attention_row_tiles_of_any_group_size(nh, nkv, n):
     d = 64
     q, k_cache, v_cache, meta = make_step([n], [n], nh, nkv, d, seed=nh + n)
     out = cpu_backend.paged_attention(q, k_cache, v_cache, meta, 0.125)
-    blocks = meta.block_tables[0, :(n + BS - 1) // BS]
+    blocks = meta.block_tables[0, : (n + BS - 1) // BS]
     k = k_cache[blocks].reshape(-1, nkv, d)[:n].double().transpose(0, 1).repeat_interleave(nh // nkv, 0)
     v = v_cache[blocks].reshape(-1, nkv, d)[:n].double().transpose(0, 1).repeat_interleave(nh // nkv, 0)
-    ref = F.scaled_dot_product_attention(q.transpose(0, 1).double(), k, v, is_causal=True,
-                                         scale=0.125).transpose(0, 1)
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1).double(), k, v, is_causal=True, scale=0.125).transpose(0, 1)
     torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -58,8 +58,22 @@ def test_store_kv_bf16_rounds_like_torch_bit_for_bit(width):
     # width 12: one vector of 8 and a scalar tail of 4; values: ties to even either way, NaNs, infinities,
     # signed zeros, subnormals, the largest floats (which round to infinity) and random ones
     tie_even = torch.tensor([0x3F808000, 0x3F818000, 0x00008000, 0x7F7F8000], dtype=torch.int32).view(torch.float32)
-    special = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-45,
-                            3.4028235e38, -3.4028235e38, 1.0, -2.5])
+    special = torch.tensor(
+        [
+            float("nan"),
+            -float("nan"),
+            float("inf"),
+            -float("inf"),
+            0.0,
+            -0.0,
+            1e-40,
+            -1e-45,
+            3.4028235e38,
+            -3.4028235e38,
+            1.0,
+            -2.5,
+        ]
+    )
     vals = torch.cat([tie_even, special, torch.randn(64) * 1e3])
     t = (vals.numel() + width - 1) // width
     kv = torch.cat([vals, torch.randn(t * width - vals.numel())]).view(t, 1, width)

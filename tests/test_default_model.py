@@ -1,5 +1,6 @@
 """The default model (SmolLM2-135M-Instruct, GGUF Q4_1): our GGUF reader and the engine agree with
 transformers' own GGUF loading, weight for weight and token for token."""
+
 import os
 import subprocess
 import sys
@@ -23,8 +24,9 @@ def gguf_path():
 
 @pytest.fixture(scope="module")
 def hf_model(gguf_path):
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
-                                                dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +36,20 @@ def default_llm():
 
 def test_config_matches_transformers(gguf_path, hf_model):
     ours, ref = load_gguf_config(gguf_path), hf_model.config
-    for key in ["hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "intermediate_size", "vocab_size", "rms_norm_eps", "tie_word_embeddings"]:
+    for key in [
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+    ]:
         assert getattr(ours, key) == pytest.approx(getattr(ref, key)), key
     assert ours.architectures == ["LlamaForCausalLM"]
     from novainfer.layers.rotary import rope_parameters
+
     assert rope_parameters(ours)["rope_theta"] == rope_parameters(ref)["rope_theta"] == 100000.0
 
 
@@ -53,31 +64,48 @@ def test_weights_match_transformers(gguf_path, hf_model):
 
 def test_tokenizer_and_chat_template(gguf_path, default_llm):
     tok = load_gguf_tokenizer(gguf_path)
-    ids = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True,
-                                  return_dict=True)["input_ids"]
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
     assert ids and tok.decode(ids).rstrip().endswith("<|im_start|>assistant")
     assert default_llm.get_tokenizer().encode("Hello world") == tok.encode("Hello world")
 
 
 def test_greedy_chat_matches_transformers(default_llm, hf_model):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    out = default_llm.chat(messages, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
-                           use_tqdm=False)[0]
+    out = default_llm.chat(messages, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy_with(hf_model, out.prompt_token_ids, 32)
     assert "Paris" in out.outputs[0].text
 
 
 def test_cli_generate_uses_default_model():
-    proc = subprocess.run([sys.executable, "-m", "novainfer.entrypoints.cli", "generate",
-                           "The capital of France is", "--max-tokens", "8", "--max-model-len", "256"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "novainfer.entrypoints.cli",
+            "generate",
+            "The capital of France is",
+            "--max-tokens",
+            "8",
+            "--max-model-len",
+            "256",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
 
 
 def test_cli_chat_loop_answers_and_exits():
-    proc = subprocess.run([sys.executable, "-m", "novainfer.entrypoints.cli", "chat", "--max-tokens", "16",
-                           "--max-model-len", "512"], input="What is the capital of France?\n\n",
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "novainfer.entrypoints.cli", "chat", "--max-tokens", "16", "--max-model-len", "512"],
+        input="What is the capital of France?\n\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout

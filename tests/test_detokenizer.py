@@ -1,4 +1,5 @@
 """Incremental detokenization never shows half a character, and stop strings are found across deltas."""
+
 from novainfer.engine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from tests.tiny_models import make_tokenizer
 
@@ -61,10 +62,14 @@ def test_last_token_completing_one_character_and_starting_another_ends_as_decode
     """Streamed (step) and deferred (flush) text end alike and equal tokenizer.decode of the ids: the complete
     character, then the dangling byte as U+FFFD (it used to vanish at the finish)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
+
     tok = make_tokenizer()
     byte_of = {c: b for b, c in bytes_to_unicode().items()}
-    raw = {i: bytes(byte_of[c] for c in tok.convert_ids_to_tokens(i)) for i in range(len(tok))
-           if all(c in byte_of for c in tok.convert_ids_to_tokens(i))}
+    raw = {
+        i: bytes(byte_of[c] for c in tok.convert_ids_to_tokens(i))
+        for i in range(len(tok))
+        if all(c in byte_of for c in tok.convert_ids_to_tokens(i))
+    }
     # a token of two non-ASCII bytes, the first a continuation byte, like '¸ĸ' (0xB8 0x96): after 0xC7 it ends
     # 'Ǹ' and leaves a byte that no later token can make whole
     tail = next(i for i, b in raw.items() if len(b) == 2 and 0x80 <= b[0] < 0xC0 and b[1] >= 0x80)
@@ -87,6 +92,7 @@ def test_byte_level_prefix_reuse_gives_the_plain_deltas():
     random ids, valid text or stray bytes, must give the same deltas as decoding both windows every step,
     and end as tokenizer.decode does."""
     import random
+
     tok = make_tokenizer()
     rng = random.Random(0)
     text_ids = tok.encode(TEXT)

@@ -1,5 +1,6 @@
 """The draft model's runner (worker/draft_model_runner.py): its greedy guesses equal transformers' greedy
 continuation of the draft checkpoint, batched, chunked and incremental over its own paged KV cache."""
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,9 @@ VOCAB = 400  # make_tiny_model's tokenizer
 @pytest.fixture(scope="module")
 def tiny_draft(tmp_path_factory):
     """Same tokenizer and vocabulary as the tiny target, another architecture, one layer, one KV head."""
-    return make_tiny_model(str(tmp_path_factory.mktemp("draft")), "llama", seed=5, layers=1, num_heads=2,
-                           num_kv_heads=1)
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("draft")), "llama", seed=5, layers=1, num_heads=2, num_kv_heads=1
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +39,14 @@ def hf_draft(tiny_draft):
 
 
 def make_worker(target: str, draft: str, **kw) -> Worker:
-    config = EngineConfig.from_kwargs(target, dtype="float32", block_size=BLOCK_SIZE, num_gpu_blocks=NUM_BLOCKS,
-                                      speculative_config={"method": "draft_model", "num_speculative_tokens": 4,
-                                                          "model": draft}, **kw)
+    config = EngineConfig.from_kwargs(
+        target,
+        dtype="float32",
+        block_size=BLOCK_SIZE,
+        num_gpu_blocks=NUM_BLOCKS,
+        speculative_config={"method": "draft_model", "num_speculative_tokens": 4, "model": draft},
+        **kw,
+    )
     config, _, _ = load_model_info(config)
     worker = Worker(config, config.model_config.hf_config)
     worker.init_device()
@@ -98,8 +105,9 @@ def test_incremental_reads_its_own_cache(worker, hf_draft):
     fix = (first[0][2] + 1) % VOCAB
     full0, new0 = ps[0] + first[0][:2] + [fix], [fix]
     full1, new1 = ps[1] + first[1] + [11], [first[1][3], 11]
-    second = worker.propose_draft_tokens([DraftRequest(0, len(ps[0]) + 2, new0, bts[0], 5),
-                                          DraftRequest(1, len(ps[1]) + k - 1, new1, bts[1], 3)])
+    second = worker.propose_draft_tokens(
+        [DraftRequest(0, len(ps[0]) + 2, new0, bts[0], 5), DraftRequest(1, len(ps[1]) + k - 1, new1, bts[1], 3)]
+    )
     assert second == [hf_greedy_with(hf_draft, full0, 5), hf_greedy_with(hf_draft, full1, 3)]
 
 
@@ -166,8 +174,15 @@ def test_bad_requests_are_refused(worker):
 
 def test_missing_draft_fails_at_start_up(tiny_qwen2, tmp_path):
     with pytest.raises(ValueError, match="speculative_config.model"):
-        LLM(tiny_qwen2, dtype="float32", speculative_config={"method": "draft_model", "num_speculative_tokens": 2,
-                                                             "model": str(tmp_path / "nothing")})
+        LLM(
+            tiny_qwen2,
+            dtype="float32",
+            speculative_config={
+                "method": "draft_model",
+                "num_speculative_tokens": 2,
+                "model": str(tmp_path / "nothing"),
+            },
+        )
 
 
 def test_draft_with_another_vocabulary_fails(tiny_qwen2, tmp_path):

@@ -1,6 +1,7 @@
 """quantization="fp8" (layers/quantization/fp8.py) on the CPU: the layer against a float64 reference of the
 dequantized operands (tight) and against the unquantized linear (loose); whole tiny models through LLM against
 the unquantized model; configurations fp8 cannot serve are refused with the reason."""
+
 from __future__ import annotations
 
 import random
@@ -64,8 +65,9 @@ def test_fused_layers_scale_each_output_row():
     """qkv and gate_up load shard by shard; each fused row gets the scale of its own row."""
     g = torch.Generator().manual_seed(0)
     qkv = fp8_layer(QKVParallelLinear, 64, 16, 4, 2, bias=False)
-    shards = {s: torch.randn(rows, 64, generator=g) * (1 + i) for i, (s, rows) in enumerate([("q", 64), ("k", 32),
-                                                                                             ("v", 32)])}
+    shards = {
+        s: torch.randn(rows, 64, generator=g) * (1 + i) for i, (s, rows) in enumerate([("q", 64), ("k", 32), ("v", 32)])
+    }
     for s, t in shards.items():
         qkv.weight.weight_loader(qkv.weight, t, s)
     gate_up = fp8_layer(MergedColumnParallelLinear, 64, [48, 48])
@@ -126,8 +128,12 @@ def test_other_families_run_in_fp8(tmp_path, arch):
 
 def test_dummy_weights_are_quantized_after_they_are_drawn(tmp_path):
     path = make_tiny_model(str(tmp_path / "qwen2"), "qwen2", seed=4)
-    models = [LLM(path, device="cpu", dtype="float32", load_format="dummy", quantization=q)
-              .llm_engine.executor.workers[0].model_runner.model for q in (None, "fp8")]
+    models = [
+        LLM(path, device="cpu", dtype="float32", load_format="dummy", quantization=q)
+        .llm_engine.executor.workers[0]
+        .model_runner.model
+        for q in (None, "fp8")
+    ]
     dense, fp8 = (m.model.layers[1].mlp.down_proj for m in models)
     assert fp8.weight.dtype == FP8_DTYPE
     deq = fp8.weight.double() * fp8.weight_scale.double().T
@@ -141,6 +147,7 @@ def test_refused_configurations(tmp_path):
         LLM(str(tmp_path), quantization="fp4", device="cpu")
     from novainfer.config import ModelConfig
     from novainfer.layers.quantization.selector import get_quant_config
+
     with pytest.raises(ValueError, match="is a GGUF file, quantized already"):  # a draft model's config
         get_quant_config(ModelConfig(model=str(tmp_path / "draft.gguf"), quantization="fp8"), CPU)
     moe = make_tiny_model(str(tmp_path / "moe"), "qwen3_moe", seed=5)
@@ -160,6 +167,7 @@ def test_old_gpu_is_refused(monkeypatch):
 
 def test_cli_accepts_fp8():
     from novainfer.entrypoints.cli import build_parser
+
     args = build_parser().parse_args(["serve", "some-model", "--quantization", "fp8"])
     assert args.quantization == "fp8"
 
@@ -172,9 +180,10 @@ def test_triton_per_token_kernel_matches_torch(m, k):
     pytest.importorskip("triton")
     from novainfer.kernels.fp8_quant import per_token_quant_fp8
     from novainfer.layers.quantization.fp8 import FP8_MAX, MIN_SCALE
+
     g = torch.Generator().manual_seed(k)
     wide = (torch.randn(m, k + 24, generator=g) * torch.logspace(-3, 2, k + 24)).to(torch.bfloat16)
-    x = wide[:, 8:8 + k]
+    x = wide[:, 8 : 8 + k]
     x[1] = 0
     want_q, want_s = quantize_rows(x)
     quotients, scale = per_token_quant_fp8(x, FP8_MAX, MIN_SCALE, out_dtype=torch.float32)
@@ -186,16 +195,20 @@ def test_triton_per_token_kernel_matches_torch(m, k):
 def test_cuda_quantizer_falls_back_to_torch_ops(monkeypatch, caplog):
     """A Triton kernel that fails or disagrees on the start-up probe is replaced by the torch ops, with a warning."""
     from novainfer.layers.quantization import fp8
+
     monkeypatch.setattr(fp8, "quantize_rows_triton", fp8.quantize_rows)
     assert fp8.cuda_quantizer(CPU) is fp8.quantize_rows_triton  # agrees: the kernel is used
+
     # scales a float32 ulp apart (CUDA torch multiplies by 1/448, the kernel divides): still the kernel
     def ulp(x):
         return fp8.quantize_rows(x)[0], torch.nextafter(fp8.quantize_rows(x)[1], torch.tensor(1.0))
+
     monkeypatch.setattr(fp8, "quantize_rows_triton", ulp)
     assert fp8.cuda_quantizer(CPU) is fp8.quantize_rows_triton
 
     def broken(x):
         raise RuntimeError("no kernel image")
+
     monkeypatch.setattr(fp8, "quantize_rows_triton", broken)
     assert fp8.cuda_quantizer(CPU) is fp8.quantize_rows
     monkeypatch.setattr(fp8, "quantize_rows_triton", lambda x: (fp8.quantize_rows(x)[0], fp8.quantize_rows(x)[1] * 2))
@@ -203,7 +216,8 @@ def test_cuda_quantizer_falls_back_to_torch_ops(monkeypatch, caplog):
     assert [r.message for r in caplog.records if "torch ops instead" in r.message][-2:] == [
         "fp8: the Triton per-token quantization kernel is not used (RuntimeError: no kernel image); torch ops instead",
         "fp8: the Triton per-token quantization kernel is not used (its result differs from the torch ops' by more "
-        "than rounding); torch ops instead"]
+        "than rounding); torch ops instead",
+    ]
 
 
 def test_tensor_parallel_shards_keep_their_own_scales(tmp_path):

@@ -1,6 +1,7 @@
 """Mixture-of-experts pieces: routing and the torch experts against transformers' own modules, the Triton
 grouped-GEMM kernel (TRITON_INTERPRET=1 on the CPU) against the torch reference, and tensor-parallel
 shards of the expert weights summing to the whole."""
+
 from __future__ import annotations
 
 import pytest
@@ -26,8 +27,9 @@ def uneven_case(seed: int, tokens: int, top_k: int):
 
 
 def hf_config(top_k: int, norm: bool) -> Qwen2MoeConfig:
-    return Qwen2MoeConfig(hidden_size=H, moe_intermediate_size=INTER, num_experts=E, num_experts_per_tok=top_k,
-                          norm_topk_prob=norm)
+    return Qwen2MoeConfig(
+        hidden_size=H, moe_intermediate_size=INTER, num_experts=E, num_experts_per_tok=top_k, norm_topk_prob=norm
+    )
 
 
 @pytest.mark.parametrize("top_k,norm", [(1, False), (2, True), (3, False)])
@@ -61,6 +63,7 @@ def test_triton_grouped_gemm_matches_torch_reference(tokens, top_k):
 @pytest.mark.parametrize("tokens,top_k", [(1, 1), (9, 3), (40, 2)])
 def test_grouped_cpu_path_matches_torch_reference(tokens, top_k):
     from novainfer.layers.fused_moe.moe_torch import fused_experts_grouped
+
     x, logits, w13, w2 = uneven_case(tokens, tokens, top_k)
     weights, ids = select_experts(logits, top_k, renormalize=False)
     ref = fused_experts_torch(x, w13, w2, weights, ids, SiluAndMul())
@@ -69,6 +72,7 @@ def test_grouped_cpu_path_matches_torch_reference(tokens, top_k):
 
 def test_align_pads_each_expert_to_whole_blocks():
     from novainfer.kernels.fused_moe import align_by_expert
+
     ids = torch.tensor([[2, 0], [2, 1], [2, 0]])  # pairs 0..5 -> experts 2,0,2,1,2,0
     sorted_ids, block_experts, num_padded = align_by_expert(ids, 4, 4)
     assert num_padded.item() == 12  # experts 0, 1, 2 take one block of 4 each; expert 3 none

@@ -5,6 +5,7 @@ matches the documented schema, an OpenAI error object with every 4xx, and a well
 chunks, no error chunk, then `[DONE]`) when it streams. `make test` runs the bounded Hypothesis profile
 (tests/conftest.py), `make fuzz` the long one (`--hypothesis-profile=fuzz`).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,9 +18,13 @@ from schemathesis import GenerationMode
 from schemathesis.config import SchemathesisConfig
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
-                                               response_headers_conformance, response_schema_conformance,
-                                               status_code_conformance)
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from tests.server_utils import RemoteServer
 
@@ -55,36 +60,47 @@ def well_formed_stream(ctx, response, case) -> bool | None:
     assert not response.stream_cut_short, "the stream did not end within the request timeout"
     events = [e for e in response.content.decode().split("\n\n") if e]
     if case.path in NAMED_EVENTS:
-        names = [e.split("\n", 1)[0][len("event: "):] for e in events]
+        names = [e.split("\n", 1)[0][len("event: ") :] for e in events]
         assert all(e.startswith("event: ") for e in events) and names[-1] in NAMED_EVENTS[case.path], names[-3:]
         assert "error" not in names, f"the stream carried an error: {events[-1]!r}"
         return None
     assert events and events[-1] == "data: [DONE]", f"the stream does not end with [DONE]: {events[-1:]!r}"
     for event in events[:-1]:
         assert event.startswith("data: "), f"not an SSE data event: {event!r}"
-        chunk = json.loads(event[len("data: "):])
+        chunk = json.loads(event[len("data: ") :])
         assert "error" not in chunk, f"the stream carried an error: {chunk!r}"
         assert chunk["object"] in ("chat.completion.chunk", "text_completion") and chunk["model"] == MODEL
     return None
 
 
 NAMED_EVENTS = {"/v1/responses": ("response.completed", "response.incomplete"), "/v1/messages": ("message_stop",)}
-CHECKS = [schemathesis.checks.not_a_server_error, status_code_conformance, content_type_conformance,
-          response_headers_conformance, response_schema_conformance, negative_data_rejection,
-          openai_error_object, well_formed_stream]
+CHECKS = [
+    schemathesis.checks.not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+    openai_error_object,
+    well_formed_stream,
+]
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_qwen2, tmp_path_factory):
     """A short context (128 tokens) keeps every accepted request fast, so many cases fit in the budget."""
-    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, "--max-model-len", "128"],
-                       str(tmp_path_factory.mktemp("fuzz") / "server.log"))
+    srv = RemoteServer(
+        [tiny_qwen2, "--served-model-name", MODEL, "--max-model-len", "128"],
+        str(tmp_path_factory.mktemp("fuzz") / "server.log"),
+    )
     yield srv
     by_status = Counter()
     for (_, status), count in STATUSES.items():
         by_status[status] += count
-    print(f"\nschema fuzzing: {sum(STATUSES.values())} requests, by status {dict(sorted(by_status.items()))}; "
-          f"server log {srv.log_path}")
+    print(
+        f"\nschema fuzzing: {sum(STATUSES.values())} requests, by status {dict(sorted(by_status.items()))}; "
+        f"server log {srv.log_path}"
+    )
     srv.stop()
 
 
@@ -113,16 +129,29 @@ def fuzz_operation(operation) -> None:
     def run(case) -> None:
         response = case.call_and_validate(checks=CHECKS, timeout=60)
         STATUSES[operation.label, response.status_code] += 1
+
     run()
 
 
 # Every documented operation, one test each (so each has its own timeout and report line); the test below
 # keeps this list equal to what /openapi.json documents.
-OPERATIONS = ["POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "POST /v1/responses",
-              "GET /v1/responses/{response_id}", "DELETE /v1/responses/{response_id}",
-              "POST /v1/responses/{response_id}/cancel", "POST /v1/messages", "POST /v1/messages/count_tokens",
-              "POST /v1/requests/{request_id}/cancel", "POST /tokenize", "POST /detokenize", "GET /health",
-              "GET /metrics", "GET /version"]
+OPERATIONS = [
+    "POST /v1/chat/completions",
+    "POST /v1/completions",
+    "GET /v1/models",
+    "POST /v1/responses",
+    "GET /v1/responses/{response_id}",
+    "DELETE /v1/responses/{response_id}",
+    "POST /v1/responses/{response_id}/cancel",
+    "POST /v1/messages",
+    "POST /v1/messages/count_tokens",
+    "POST /v1/requests/{request_id}/cancel",
+    "POST /tokenize",
+    "POST /detokenize",
+    "GET /health",
+    "GET /metrics",
+    "GET /version",
+]
 
 
 def test_every_documented_operation_is_fuzzed(api_schema):
@@ -138,22 +167,46 @@ def test_operation_conforms_to_its_schema(api_schema, label):
 # ---- regressions: each bug the fuzzing found, as a plain request ------------------------------------------
 def post(server: RemoteServer, path: str, body: str, rid: str) -> httpx.Response:
     """POST a raw JSON body (so NaN and other non-standard literals go out as written)."""
-    return httpx.post(server.url + path, content=body.encode(), timeout=30,
-                      headers={"content-type": "application/json", "X-Request-Id": rid})
+    return httpx.post(
+        server.url + path,
+        content=body.encode(),
+        timeout=30,
+        headers={"content-type": "application/json", "X-Request-Id": rid},
+    )
 
 
 REFUSED = [  # (why, path, raw body, the param the error names)
     ("chat template of no messages raised: 500", "/tokenize", '{"messages": []}', "messages"),
-    ("unbounded n: the request ran for minutes", "/v1/completions",
-     '{"prompt": "hi", "n": 10077, "max_tokens": 4}', "n"),
-    ("NaN passed every range check and sampled garbage", "/v1/completions",
-     '{"prompt": "hi", "temperature": NaN, "max_tokens": 3}', "temperature"),
-    ("NaN top_p", "/v1/chat/completions",
-     '{"messages": [{"role": "user", "content": "hi"}], "top_p": NaN, "max_tokens": 3}', "top_p"),
-    ("Infinity presence_penalty", "/v1/completions",
-     '{"prompt": "hi", "presence_penalty": -Infinity, "max_tokens": 3}', "presence_penalty"),
-    ("a boolean was taken as the number 0.0", "/v1/chat/completions",
-     '{"messages": [{"role": "user", "content": "hi"}], "min_p": false, "max_tokens": 3}', "min_p"),
+    (
+        "unbounded n: the request ran for minutes",
+        "/v1/completions",
+        '{"prompt": "hi", "n": 10077, "max_tokens": 4}',
+        "n",
+    ),
+    (
+        "NaN passed every range check and sampled garbage",
+        "/v1/completions",
+        '{"prompt": "hi", "temperature": NaN, "max_tokens": 3}',
+        "temperature",
+    ),
+    (
+        "NaN top_p",
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": "hi"}], "top_p": NaN, "max_tokens": 3}',
+        "top_p",
+    ),
+    (
+        "Infinity presence_penalty",
+        "/v1/completions",
+        '{"prompt": "hi", "presence_penalty": -Infinity, "max_tokens": 3}',
+        "presence_penalty",
+    ),
+    (
+        "a boolean was taken as the number 0.0",
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": "hi"}], "min_p": false, "max_tokens": 3}',
+        "min_p",
+    ),
     ("a string was taken as a number", "/v1/completions", '{"prompt": "hi", "n": "2", "max_tokens": 3}', "n"),
     ("token ids are documented >= 0", "/detokenize", '{"tokens": [-1]}', "tokens.0"),
     ("param named pydantic's union member (prompt.constrained-str)", "/v1/completions", '{"prompt": []}', "prompt"),
@@ -178,8 +231,11 @@ def test_405_says_which_methods_are_allowed(fuzz_server):
 def test_health_and_metrics_answer_as_documented(fuzz_server):
     doc = httpx.get(fuzz_server.url + "/openapi.json", timeout=10).json()["paths"]
     health = httpx.get(fuzz_server.url + "/health", timeout=10)
-    assert health.status_code == 200 and health.content == b"" and "content" not in doc["/health"]["get"][
-        "responses"]["200"]
+    assert (
+        health.status_code == 200
+        and health.content == b""
+        and "content" not in doc["/health"]["get"]["responses"]["200"]
+    )
     metrics = httpx.get(fuzz_server.url + "/metrics", timeout=10)
     assert metrics.headers["content-type"].startswith("text/plain")
     assert list(doc["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
@@ -191,11 +247,14 @@ def test_unexpected_error_is_a_500_object_with_the_request_id(tiny_qwen2, monkey
     from novainfer.config import EngineConfig, ServerConfig
     from novainfer.server.api_server import build_app
     from novainfer.server.async_llm import AsyncLLM
-    app = build_app([("m", AsyncLLM(EngineConfig.from_kwargs(tiny_qwen2, device="cpu", cpu_kv_cache_tokens=256)))],
-                    ServerConfig())
+
+    app = build_app(
+        [("m", AsyncLLM(EngineConfig.from_kwargs(tiny_qwen2, device="cpu", cpu_kv_cache_tokens=256)))], ServerConfig()
+    )
 
     def broken(name):
         raise RuntimeError("injected")
+
     monkeypatch.setattr(app.state.serving, "resolve_model", broken)
     with TestClient(app, raise_server_exceptions=False) as http:
         r = http.post("/tokenize", json={"prompt": "hi"}, headers={"X-Request-Id": "boom-1"})

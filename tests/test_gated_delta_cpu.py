@@ -1,6 +1,7 @@
 """The C Gated DeltaNet decode step (csrc/gated_delta_cpu.c), scalar and AVX-512, against the layer's torch
 decode step: outputs and the conv / recurrent states left in each slot equal within 1e-5 relative, for a batch
 mixing continuing sequences and a one-token prompt that must ignore its slot's stale state."""
+
 from __future__ import annotations
 
 import pytest
@@ -44,8 +45,11 @@ def test_c_decode_step_equals_torch(isa, monkeypatch):
             monkeypatch.setattr(gated_delta_cpu, "usable", lambda *a: False)
         calls: list[int] = []
         real = linear_attention.gated_delta_cpu.decode_step
-        monkeypatch.setattr(linear_attention.gated_delta_cpu, "decode_step",
-                            lambda *a, calls=calls, real=real: calls.append(1) or real(*a))
+        monkeypatch.setattr(
+            linear_attention.gated_delta_cpu,
+            "decode_step",
+            lambda *a, calls=calls, real=real: calls.append(1) or real(*a),
+        )
         results[path] = (run(layer, *args), layer.conv_state.clone(), layer.ssm_state.clone())
         assert len(calls) == (path == "c")
     gated_delta_cpu.set_isa("auto")

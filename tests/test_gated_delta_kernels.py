@@ -1,6 +1,7 @@
 """The Gated DeltaNet kernels (novainfer/kernels/gated_delta_rule.py): the Triton kernels (TRITON_INTERPRET=1 on the
 CPU) and the torch references, both against transformers' Qwen3-Next functions, on tiny shapes: packed varlen
 sequences, states in a pool under permuted slots, grouped value heads, chunk boundaries, conv states."""
+
 from __future__ import annotations
 
 import pytest
@@ -52,9 +53,10 @@ def hf_per_sequence(fn, lens, slots, pool, q, k, v, g, beta, l2norm):
     """transformers' function on each sequence alone (batch 1): outputs packed, final states by slot."""
     outs, finals, start = [], {}, 0
     for n, length in enumerate(lens):
-        part = [x[start:start + length][None] for x in (q, k, v, g, beta)]
-        o, h = fn(*part, initial_state=pool[slots[n]][None].clone(), output_final_state=True,
-                  use_qk_l2norm_in_kernel=l2norm)
+        part = [x[start : start + length][None] for x in (q, k, v, g, beta)]
+        o, h = fn(
+            *part, initial_state=pool[slots[n]][None].clone(), output_final_state=True, use_qk_l2norm_in_kernel=l2norm
+        )
         outs.append(o[0])
         finals[slots[n]] = h[0]
         start += length
@@ -70,9 +72,16 @@ def test_recurrent_decode_batch_matches_transformers(impl, l2norm):
     ours_pool = pool.clone()
     o = RECURRENT[impl](q, k, v, g, beta, ours_pool, torch.tensor(slots, dtype=torch.int32), None, l2norm)
     initial = torch.stack([pool[s] if s >= 0 else torch.zeros_like(pool[0]) for s in slots])
-    ref_o, ref_h = torch_recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
-                                                    initial_state=initial, output_final_state=True,
-                                                    use_qk_l2norm_in_kernel=l2norm)
+    ref_o, ref_h = torch_recurrent_gated_delta_rule(
+        q[:, None],
+        k[:, None],
+        v[:, None],
+        g[:, None],
+        beta[:, None],
+        initial_state=initial,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=l2norm,
+    )
     assert close(o, ref_o[:, 0])
     for n, s in enumerate(slots):
         if s >= 0:
@@ -115,8 +124,9 @@ def test_chunked_prefill_without_l2norm_and_strong_decay_matches_recurrent():
     g = g * 16
     pool = state_pool(7, 2)
     ours_pool = pool.clone()
-    o = gdr.chunk_gated_delta_rule_triton(q, k, v, g, beta, ours_pool, torch.tensor(slots, dtype=torch.int32),
-                                          cu(lens), use_qk_l2norm=False)
+    o = gdr.chunk_gated_delta_rule_triton(
+        q, k, v, g, beta, ours_pool, torch.tensor(slots, dtype=torch.int32), cu(lens), use_qk_l2norm=False
+    )
     ref_o, finals = hf_per_sequence(torch_recurrent_gated_delta_rule, lens, slots, pool, q, k, v, g, beta, False)
     assert torch.isfinite(o).all() and close(o, ref_o) and close(ours_pool[1], finals[1])
 
@@ -170,8 +180,8 @@ def test_causal_conv1d_varlen_matches_transformers(impl, bias):
     start = 0
     for n, length in enumerate(lens):
         hf_state = states[slots[n]].t()[None].clone()  # transformers' layout: [B, D, W - 1]
-        ref = causal_conv1d_update(x[start:start + length].t()[None], hf_state, weight, b, "silu")
-        assert close(out[start:start + length], ref[0].t())
+        ref = causal_conv1d_update(x[start : start + length].t()[None], hf_state, weight, b, "silu")
+        assert close(out[start : start + length], ref[0].t())
         assert torch.equal(ours[slots[n]], hf_state[0].t())
         start += length
     assert torch.equal(ours[3], states[3])
@@ -204,16 +214,19 @@ def test_unsupported_activation_and_bad_shapes_are_refused():
         gdr.causal_conv1d_update(x, weight, b, states, torch.zeros(2, dtype=torch.int32), "gelu")
     q, k, v, g, beta = gdn_inputs(14, 2, True)
     with pytest.raises(ValueError, match="state"):
-        gdr.fused_recurrent_gated_delta_rule(q, k, v, g, beta, torch.zeros(1, HV, K, V, dtype=torch.float64),
-                                             torch.zeros(2, dtype=torch.int32))
+        gdr.fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta, torch.zeros(1, HV, K, V, dtype=torch.float64), torch.zeros(2, dtype=torch.int32)
+        )
     with pytest.raises(ValueError, match="contiguous"):  # a strided view would be updated in a copy
-        gdr.chunk_gated_delta_rule(q, k, v, g, beta, torch.zeros(1, HV, V, K).transpose(2, 3),
-                                   torch.zeros(1, dtype=torch.int32), cu([2]))
+        gdr.chunk_gated_delta_rule(
+            q, k, v, g, beta, torch.zeros(1, HV, V, K).transpose(2, 3), torch.zeros(1, dtype=torch.int32), cu([2])
+        )
 
 
 def test_gpu_check_script_smoke_runs_on_the_cpu(monkeypatch, capsys):
     """tests/gpu/gdn_check.py --smoke: the device script's checks on tiny shapes, every row must pass."""
     from tests.gpu import gdn_check
+
     monkeypatch.setattr("sys.argv", ["gdn_check.py", "--smoke"])
     for name in ("HK", "HV", "K", "V", "DEV"):
         monkeypatch.setattr(gdn_check, name, getattr(gdn_check, name))

@@ -1,4 +1,5 @@
 """The startup heap is kept out of the collector's full passes while LLM.generate runs, and given back after."""
+
 import gc
 import weakref
 
@@ -42,6 +43,7 @@ def test_a_heap_frozen_by_someone_else_stays_frozen():
 
 def test_generate_runs_frozen_and_leaves_the_engine_collectable(tiny_qwen2):
     from novainfer import LLM, SamplingParams
+
     llm = LLM(tiny_qwen2, dtype="float32", device="cpu", cpu_kv_cache_tokens=256)
     seen = []
     llm.llm_engine.step = lambda step=llm.llm_engine.step: seen.append(gc.get_freeze_count()) or step()

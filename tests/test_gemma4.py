@@ -7,19 +7,29 @@ prompts, soft-capped logits. The MoE model adds the router and experts beside th
 layer scalars and router scales are drawn away from one, so each is seen. Greedy tokens must equal
 transformers' and the chosen tokens' logprobs lie within 1e-4.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig,
-                          Gemma4VisionConfig, GenerationConfig)
+from transformers import (
+    Gemma4Config,
+    Gemma4ForCausalLM,
+    Gemma4ForConditionalGeneration,
+    Gemma4TextConfig,
+    Gemma4VisionConfig,
+    GenerationConfig,
+)
 
 from novainfer import LLM, SamplingParams
 from tests.test_model_families import one_thread  # noqa: F401  (autouse: one intra-op thread, as there)
 from tests.tiny_models import WINDOW, hf_greedy_logprobs, make_tokenizer
 
-PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. The capital of France is",
-           "def add(a, b):"]
+PROMPTS = [
+    "Hello, my name is",
+    "The quick brown fox jumps over the lazy dog. The capital of France is",
+    "def add(a, b):",
+]
 N = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0)
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention"]
@@ -27,17 +37,45 @@ LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "slid
 
 def text_config(moe: bool, vocab: int, eos: int, pad: int, **over) -> Gemma4TextConfig:
     """The tiny dense (PLE, KV sharing) or MoE config."""
-    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_attention_heads=8,
-                  num_key_value_heads=4, head_dim=16, global_head_dim=32, num_global_key_value_heads=2,
-                  attention_k_eq_v=True, max_position_embeddings=256, sliding_window=WINDOW, rms_norm_eps=1e-6,
-                  initializer_range=0.1, final_logit_softcapping=3.0, eos_token_id=eos, pad_token_id=pad,
-                  bos_token_id=None, tie_word_embeddings=True, vocab_size_per_layer_input=vocab)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        global_head_dim=32,
+        num_global_key_value_heads=2,
+        attention_k_eq_v=True,
+        max_position_embeddings=256,
+        sliding_window=WINDOW,
+        rms_norm_eps=1e-6,
+        initializer_range=0.1,
+        final_logit_softcapping=3.0,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+        vocab_size_per_layer_input=vocab,
+    )
     if moe:
-        extra = dict(num_hidden_layers=3, layer_types=LAYER_TYPES[:3], hidden_size_per_layer_input=0,
-                     enable_moe_block=True, num_experts=5, top_k_experts=2, moe_intermediate_size=16)
+        extra = dict(
+            num_hidden_layers=3,
+            layer_types=LAYER_TYPES[:3],
+            hidden_size_per_layer_input=0,
+            enable_moe_block=True,
+            num_experts=5,
+            top_k_experts=2,
+            moe_intermediate_size=16,
+        )
     else:
-        extra = dict(num_hidden_layers=5, layer_types=LAYER_TYPES, hidden_size_per_layer_input=8,
-                     num_kv_shared_layers=2, use_double_wide_mlp=True)
+        extra = dict(
+            num_hidden_layers=5,
+            layer_types=LAYER_TYPES,
+            hidden_size_per_layer_input=8,
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+        )
     return Gemma4TextConfig(**{**common, **extra, **over})
 
 
@@ -62,8 +100,14 @@ def save_tiny(path, moe: bool, multimodal: bool = False, **over) -> str:
     torch.manual_seed(5)
     config = text_config(moe, len(tok), eos, tok.pad_token_id, **over)
     if multimodal:
-        vision = Gemma4VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                    num_key_value_heads=2, head_dim=8)
+        vision = Gemma4VisionConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
         config = Gemma4Config(text_config=config.to_dict(), vision_config=vision.to_dict(), audio_config=None)
     model = (Gemma4ForConditionalGeneration if multimodal else Gemma4ForCausalLM)(config).float()
     model.config.architectures = [type(model).__name__]
@@ -152,8 +196,9 @@ def test_tensor_parallel_two_ranks_match_transformers(which, request):
     """tp=2 (uni backend, threads): heads, KV heads of both layer kinds, MLPs (double-wide too) and experts
     split; PLE tables, routers and KV-shared layers' sources per rank; tokens and logprobs as transformers'."""
     path = request.getfixturevalue(which)
-    llm = LLM(path, dtype="float32", block_size=4, tensor_parallel_size=2, distributed_executor_backend="uni",
-              master_port=0)
+    llm = LLM(
+        path, dtype="float32", block_size=4, tensor_parallel_size=2, distributed_executor_backend="uni", master_port=0
+    )
     try:
         ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
         assert_matches(llm.generate(PROMPTS, GREEDY, use_tqdm=False), reference(path, ids))
@@ -171,6 +216,7 @@ def test_tensor_parallel_refuses_indivisible_full_layer_kv_heads(tmp_path):
 def test_refuses_what_it_does_not_implement(tmp_path):
     """A config field whose meaning this model does not run fails at start-up, naming it."""
     from novainfer.models.gemma4 import check_supported
+
     path = save_tiny(tmp_path, moe=False, use_bidirectional_attention="all")
     with pytest.raises(NotImplementedError, match="use_bidirectional_attention"):
         LLM(path, dtype="float32", num_gpu_blocks=8)
@@ -186,15 +232,18 @@ def test_multimodal_checkpoint_runs_as_its_language_model(tmp_path, caplog):
     with caplog.at_level("INFO", logger="novainfer.models.gemma4"):
         llm = LLM(path, dtype="float32", block_size=4, num_gpu_blocks=32)
     assert [r.message for r in caplog.records if "vision/audio" in r.message] == [
-        "Gemma 4: skipped 16 vision/audio weights (the language model runs alone)"]
+        "Gemma 4: skipped 16 vision/audio weights (the language model runs alone)"
+    ]
     ids = llm.get_tokenizer().encode(PROMPTS[1])
     got = llm.generate(PROMPTS[1:2], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     model = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     assert got[0].outputs[0].token_ids == hf_greedy(model, ids, 12)
 
 
-GEMMA_TEMPLATE = ("{% for m in messages %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
-                  "{{ m['content'] }}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+GEMMA_TEMPLATE = (
+    "{% for m in messages %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ m['content'] }}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
 
 
 def test_chat_template_and_end_of_turn_stop(tmp_path):
@@ -222,7 +271,7 @@ def test_chat_template_and_end_of_turn_stop(tmp_path):
     llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_gpu_blocks=32)
     out = llm.chat(messages, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
     assert out.prompt_token_ids == ids
-    assert out.outputs[0].token_ids == ref[:ref.index(eot) + 1]
+    assert out.outputs[0].token_ids == ref[: ref.index(eot) + 1]
     assert out.outputs[0].finish_reason == "stop"
 
 
@@ -239,6 +288,7 @@ def test_core_api_context(dense):
     """The llama.cpp-style Context (SLOT cache: one cell per token) with the mixed-shape cache and KV-shared
     layers: a prompt past the window, then token by token; moving keys is refused (rope differs per layer)."""
     from novainfer.core import Context
+
     ctx = Context(dense, n_cells=64, dtype="float32", device="cpu")
     ids = [ctx.tokenizer.encode(p) for p in PROMPTS]
     out, nxt = [], ctx.infer(ids[1])

@@ -1,6 +1,7 @@
 """A tiny qwen2-shape GGUF in llama.cpp's Q4_K_M mix (benchmarks/gguf_checkpoint.py, the writer of the 7B
 benchmark): NovaInfer's default quantized path gives transformers' greedy tokens on it; the repack in row
 chunks equals gguf's own dequantization; the loader repacks a layer as soon as its shards are in."""
+
 import weakref
 
 import numpy as np
@@ -37,29 +38,33 @@ def test_greedy_tokens_match_transformers_on_the_same_file(tiny_gguf):
     from transformers import AutoModelForCausalLM
 
     from novainfer import LLM, SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     greedy = {}
     for dtype in (None, "float32"):  # the defaults (GGUF blocks kept quantized, bf16 KV), the exact path
         llm = LLM(tiny_gguf, max_model_len=256, dtype=dtype)
-        greedy[dtype] = list(llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
-                             .token_ids)
+        greedy[dtype] = list(
+            llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0].token_ids
+        )
         llm.llm_engine.shutdown()
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(tiny_gguf), gguf_file=os.path.basename(tiny_gguf),
-                                              dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(tiny_gguf), gguf_file=os.path.basename(tiny_gguf), dtype=torch.float32
+    ).eval()
     with torch.inference_mode():
         ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, min_new_tokens=12)[0]
-        logits = hf(torch.tensor([PROMPT + greedy[None]])).logits[0, len(PROMPT) - 1:-1]
-    assert greedy["float32"] == ref[len(PROMPT):].tolist()
+        logits = hf(torch.tensor([PROMPT + greedy[None]])).logits[0, len(PROMPT) - 1 : -1]
+    assert greedy["float32"] == ref[len(PROMPT) :].tolist()
     # the default path's KV cache is bfloat16 (logits off by up to ~0.2 here, std 4), so on a near-tie it may
     # pick the runner-up: each of its tokens must be within 0.5 of transformers' best logit on its own prefix
     chosen = logits[torch.arange(12), torch.tensor(greedy[None])]
-    assert (chosen >= logits.amax(-1) - 0.5).all(), (greedy[None], ref[len(PROMPT):].tolist())
+    assert (chosen >= logits.amax(-1) - 0.5).all(), (greedy[None], ref[len(PROMPT) :].tolist())
     assert (chosen == logits.amax(-1)).sum() >= 9  # and mostly the very best (near-ties are rare)
 
 
 @pytest.mark.parametrize("qtype", sorted(gguf_repack.BLOCK, key=int), ids=lambda t: t.name)
 def test_repack_in_row_chunks_is_exact(qtype, monkeypatch):
     from tests.test_quantized_cpu import random_blocks as format_blocks
+
     n, k = 7, 512
     blocks = format_blocks(qtype, n, k)
     per, nbytes = gguf_repack.BLOCK[qtype]
@@ -73,6 +78,7 @@ def test_loader_repacks_each_layer_as_its_shards_arrive(tiny_gguf, monkeypatch):
     from novainfer.layers.quantization.gguf_cpu import GGUFCPUConfig
     from novainfer.loader import gguf_loader
     from novainfer.loader.model_loader import load_hf_config, load_model
+
     read, most_alive = [], [0]
     real = gguf_loader._read_bytes
 
@@ -81,9 +87,11 @@ def test_loader_repacks_each_layer_as_its_shards_arrive(tiny_gguf, monkeypatch):
         read.append(weakref.ref(buf))
         most_alive[0] = max(most_alive[0], sum(r() is not None for r in read))
         return buf
+
     monkeypatch.setattr(gguf_loader, "_read_bytes", tracked)
-    model = load_model(tiny_gguf, load_hf_config(tiny_gguf), torch.float32, torch.device("cpu"),
-                       quant_config=GGUFCPUConfig())
+    model = load_model(
+        tiny_gguf, load_hf_config(tiny_gguf), torch.float32, torch.device("cpu"), quant_config=GGUFCPUConfig()
+    )
     assert len(read) == 2 + 2 * 7  # every matrix came through _read_bytes
     assert most_alive[0] <= 3  # q, k, v of one layer at most; never the whole file's blocks
     assert all(r() is None for r in read)
@@ -99,12 +107,31 @@ def test_gguf_7b_benchmark_runs_on_the_tiny_shape(tmp_path):
     import os
     import subprocess
     import sys
+
     pytest.importorskip("llama_cpp")  # the comparison engine; not a dependency of the tests
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path, out = tmp_path / "tiny.gguf", tmp_path / "r.json"
-    cmd = [sys.executable, os.path.join(root, "benchmarks", "gguf_7b.py"), "--shape", "tiny", "--path", str(path),
-           "--repeat", "1", "--prompt-len", "8", "--new-tokens", "4", "--prefill-len", "32", "--agree-len", "16",
-           "--delete", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        os.path.join(root, "benchmarks", "gguf_7b.py"),
+        "--shape",
+        "tiny",
+        "--path",
+        str(path),
+        "--repeat",
+        "1",
+        "--prompt-len",
+        "8",
+        "--new-tokens",
+        "4",
+        "--prefill-len",
+        "32",
+        "--agree-len",
+        "16",
+        "--delete",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())

@@ -1,5 +1,6 @@
 """The CPU halves of the model families' GPU checks (tests/gpu/family_checks.py): the same functions on tiny shapes,
 float32, Triton interpreted; every check they record must pass."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,9 +19,16 @@ def ledger():
 def test_moe_and_window_checks_run_on_the_cpu(ledger):
     pytest.importorskip("triton")
     from tests.gpu.family_checks import moe_kernel_checks, window_kernel_checks
+
     moe_kernel_checks("cpu", torch.float32, shapes=[("tiny", 6, 2, 32, 48)], token_counts=[1, 9], tol=1e-5)
-    window_kernel_checks("cpu", torch.float32, shapes=[("tiny", 4, 2, 16, 6, 2.0), ("tiny-full", 4, 2, 16, 64, None)],
-                         contexts=[0, 5, 13], block_size=4, tol=1e-5)
+    window_kernel_checks(
+        "cpu",
+        torch.float32,
+        shapes=[("tiny", 4, 2, 16, 6, 2.0), ("tiny-full", 4, 2, 16, 64, None)],
+        contexts=[0, 5, 13],
+        block_size=4,
+        tol=1e-5,
+    )
     assert len(ledger) == 2 + 2 * 3 and all(ok for *_, ok in ledger), ledger
 
 
@@ -28,6 +36,7 @@ def test_fp8_checks_run_on_the_cpu(ledger, tmp_path):
     """The fp8 group's layer check (bf16 and float32) and logits check on tiny shapes; every row must pass."""
     from tests.gpu.fp8_checks import fp8_layer_checks, fp8_logits_check
     from tests.tiny_models import make_tiny_model
+
     shapes = [("tiny-qkv", 64, 128, True), ("tiny-down", 128, 64, False)]
     fp8_layer_checks("cpu", torch.bfloat16, shapes=shapes, rows=(1, 7, 33))
     fp8_layer_checks("cpu", torch.float32, shapes=shapes, rows=(1, 7, 33), tight=1e-5)
@@ -40,5 +49,6 @@ def test_sampling_kernel_checks_run_on_the_cpu(ledger):
     """The one-pass Gumbel-max sampler (kernels/sampling.py), interpreted: greedy rows equal torch.argmax (ties
     within and across blocks), random rows' draws follow softmax(logits / T); every row must pass."""
     from tests.gpu.sampling_checks import sampling_kernel_checks
+
     sampling_kernel_checks("cpu")
     assert len(ledger) == 4 and all(ok for *_, ok in ledger), ledger

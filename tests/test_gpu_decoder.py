@@ -1,6 +1,7 @@
 """The batch-1 fused decode stack (worker/gpu_decode_stack.py) on the CPU, its Triton kernels interpreted
 (TRITON_INTERPRET=1, set in conftest.py): the GEMVs with their fused ops against torch, and the whole
 engine's greedy tokens with the stack against transformers'."""
+
 from __future__ import annotations
 
 import pytest
@@ -65,6 +66,7 @@ def test_engine_with_stack_matches_transformers(fixture, request):
 def test_stack_refuses_layers_it_does_not_fuse(tiny_qwen3):
     """Qwen3 normalises q and k per head: not a piece the stack fuses, so its model keeps the layer path."""
     from novainfer import LLM
+
     llm = LLM(tiny_qwen3, dtype="float32", attention_backend="triton", block_size=4, enforce_eager=True)
     runner = llm.llm_engine.executor.workers[0].model_runner
     assert not supports(runner.model.model) and runner.decode_strategy is None
@@ -74,6 +76,7 @@ def test_stack_waits_for_a_graph_by_default(tiny_qwen2):
     """As the runner enables it (graphs_only): eager one-token steps keep the layer-by-layer kernels, since a
     Triton launch from Python costs more host time than the kernels it replaces; only a graph capture takes it."""
     from novainfer import LLM, SamplingParams
+
     llm = LLM(tiny_qwen2, dtype="float32", attention_backend="triton", block_size=4, enforce_eager=True)
     assert isinstance(llm.llm_engine.executor.workers[0].model_runner.decode_strategy, GPUDecodeStack)
     with counting_stack_calls() as calls:

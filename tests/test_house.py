@@ -1,6 +1,7 @@
 """The package's structure: no import circles between its modules, counting imports inside functions too;
 import-linter's contracts (pyproject.toml: the packages' layers, models and layers apart from the engine) and
-ruff's lint rules hold over the tree."""
+ruff's lint rules and formatting hold over the tree."""
+
 from __future__ import annotations
 
 import ast
@@ -29,7 +30,7 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(parts + ([base] if base else []))
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
             else:
@@ -92,8 +93,9 @@ def test_no_import_cycles():
 def _tool(name: str, *args: str) -> subprocess.CompletedProcess:
     """Run a tool of this interpreter's environment at the checkout's root, with this checkout first on the path."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([str(Path(sys.executable).parent / name), *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [str(Path(sys.executable).parent / name), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_import_contracts_hold():
@@ -103,4 +105,9 @@ def test_import_contracts_hold():
 
 def test_ruff_finds_nothing():
     proc = _tool("ruff", "check", "--no-cache", "novainfer", "tests", "benchmarks")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_ruff_format_keeps_the_tree_formatted():
+    proc = _tool("ruff", "format", "--check", "--no-cache", "novainfer", "tests", "benchmarks")
     assert proc.returncode == 0, proc.stdout + proc.stderr

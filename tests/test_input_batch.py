@@ -1,5 +1,6 @@
 """The persistent input batch against tables rebuilt from scratch, under random joins, growth, new tables
 and leaves; and the runner's vectorized step inputs against a plain per-token reference."""
+
 import random
 
 import numpy as np
@@ -14,7 +15,7 @@ def check_rows(batch: InputBatch, tables: dict[int, list[int]]) -> None:
         row = batch.row_of[seq_id]
         assert batch.seq_ids[row] == seq_id
         assert batch.num_blocks[row] == len(table)
-        assert batch.block_tables[row, :len(table)].tolist() == table
+        assert batch.block_tables[row, : len(table)].tolist() == table
 
 
 def test_rows_follow_random_joins_growth_and_leaves():
@@ -50,6 +51,7 @@ def test_rows_follow_random_joins_growth_and_leaves():
 def test_gather_equals_row_per_sequence():
     """gather() (one pass, row() only for new or grown tables) keeps the same rows as calling row() for each."""
     from types import SimpleNamespace as NS
+
     rng = random.Random(1)
     by_row, by_gather = InputBatch(4, 32), InputBatch(4, 32)
     seqs: dict[int, NS] = {}
@@ -68,8 +70,10 @@ def test_gather_equals_row_per_sequence():
                 table.append(rng.randrange(1000))
         else:
             rng.choice(list(seqs.values())).block_table = [rng.randrange(1000) for _ in range(rng.randint(0, 5))]
-        step = [NS(seq=seq, start=rng.randrange(100), num_new_tokens=rng.randint(1, 9))
-                for seq in rng.sample(list(seqs.values()), k=min(len(seqs), 3))]
+        step = [
+            NS(seq=seq, start=rng.randrange(100), num_new_tokens=rng.randint(1, 9))
+            for seq in rng.sample(list(seqs.values()), k=min(len(seqs), 3))
+        ]
         rows, starts, counts = by_gather.gather(step)
         assert rows.tolist() == [by_row.row(s.seq.seq_id, s.seq.block_table) for s in step]
         assert starts.tolist() == [s.start for s in step] and counts.tolist() == [s.num_new_tokens for s in step]
@@ -95,6 +99,7 @@ def test_runner_step_inputs_match_reference(tmp_path):
     """Mixed prefill chunks and decodes: ids, positions, slots, offsets and tables as the per-token loop had them."""
     from novainfer import LLM, SamplingParams
     from tests.tiny_models import make_tiny_model
+
     path = make_tiny_model(str(tmp_path / "m"))
     llm = LLM(path, dtype="float32", device="cpu", max_num_batched_tokens=40, block_size=4, cpu_kv_cache_tokens=512)
     engine = llm.llm_engine
@@ -118,7 +123,7 @@ def test_runner_step_inputs_match_reference(tmp_path):
         assert inp.input_ids.tolist() == ids and inp.positions.tolist() == pos
         assert inp.slot_mapping.tolist() == slots and inp.query_start_loc == qsl
         for row, table in zip(inp.block_tables.tolist(), tables):
-            assert row[:len(table)] == table
+            assert row[: len(table)] == table
         engine.step()  # runs the same step (preparing it again is idempotent)
         del engine.scheduler.schedule
         seen += 1

@@ -1,6 +1,7 @@
 """The start-up kernel warm-up (worker/kernel_warmup.py) on the CPU, the Triton kernels interpreted: it runs the
 short-query prefill path (the small tiles a fresh machine otherwise compiled mid-run) into the cache's first
 block only, and the engine's greedy tokens afterwards still equal transformers'."""
+
 from __future__ import annotations
 
 import pytest

@@ -3,6 +3,7 @@
 Shapes are small but cover GQA, a cached prefix, sequences that end exactly on and just past a block
 boundary, shuffled (non-contiguous) block tables, and padding slots (-1) that must not be written.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,15 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BLOCK_SIZE = 4
 
 
-def make_case(seed: int, ctx_lens: list[int], q_lens: list[int], num_heads: int, num_kv_heads: int,
-              head_dim: int = 16, dtype=torch.float32):
+def make_case(
+    seed: int,
+    ctx_lens: list[int],
+    q_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int = 16,
+    dtype=torch.float32,
+):
     """A random cache holding each sequence's context, and a query batch of q_lens new tokens per sequence."""
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
@@ -28,7 +36,7 @@ def make_case(seed: int, ctx_lens: list[int], q_lens: list[int], num_heads: int,
     perm = torch.randperm(num_blocks, generator=g).tolist()  # shuffled physical blocks
     tables, used = [], 0
     for nb in blocks_per_seq:
-        tables.append(perm[used:used + nb])
+        tables.append(perm[used : used + nb])
         used += nb
     width = max(blocks_per_seq)
     bt = torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32)
@@ -40,12 +48,25 @@ def make_case(seed: int, ctx_lens: list[int], q_lens: list[int], num_heads: int,
     for n in q_lens:
         qsl.append(qsl[-1] + n)
     meta = AttentionMetadata(
-        query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        slot_mapping=torch.zeros(0, dtype=torch.long), block_tables=bt.long(), max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        block_tables=bt.long(),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+    )
     to = dict(device=DEVICE)
-    return (q.to(**to), k_cache.to(**to), v_cache.to(**to), bt.to(**to),
-            meta.query_start_loc.to(**to), meta.seq_lens.to(**to), meta)
+    return (
+        q.to(**to),
+        k_cache.to(**to),
+        v_cache.to(**to),
+        bt.to(**to),
+        meta.query_start_loc.to(**to),
+        meta.seq_lens.to(**to),
+        meta,
+    )
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -128,8 +149,17 @@ def test_decode_with_rope_equals_rotary_store_then_decode():
     for splits in (1, 4):
         kc2.copy_(kc), vc2.copy_(vc)
         ref = kernels.decode_attention(rq, kc, vc, bt, sl, 0.25, num_splits=splits, min_split_keys=16)
-        out = kernels.decode_attention(q, kc2, vc2, bt, sl, 0.25, num_splits=splits, min_split_keys=16,
-                                       rope=kernels.DecodeRope(positions, cos, sin, k, v, slots.to(DEVICE)))
+        out = kernels.decode_attention(
+            q,
+            kc2,
+            vc2,
+            bt,
+            sl,
+            0.25,
+            num_splits=splits,
+            min_split_keys=16,
+            rope=kernels.DecodeRope(positions, cos, sin, k, v, slots.to(DEVICE)),
+        )
         assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
         assert rel_err(out[:3].cpu(), ref[:3].cpu()) < 1e-6
 
@@ -145,8 +175,8 @@ def test_store_kv_matches_reference_and_skips_padding():
     g = torch.Generator().manual_seed(4)
     num_blocks, kvh, hd = 6, 2, 16
     qkv = torch.randn(5, (4 + 2 * kvh) * hd, generator=g)  # keys/values are strided views, as in the model
-    key = qkv[:, 4 * hd:(4 + kvh) * hd].view(5, kvh, hd)
-    value = qkv[:, (4 + kvh) * hd:].view(5, kvh, hd)
+    key = qkv[:, 4 * hd : (4 + kvh) * hd].view(5, kvh, hd)
+    value = qkv[:, (4 + kvh) * hd :].view(5, kvh, hd)
     slots = torch.tensor([3, -1, 9, 10, 23])  # a padding slot, a block boundary (9 -> 10), the last slot
     caches = [torch.randn(num_blocks, BLOCK_SIZE, kvh, hd, generator=g) for _ in range(2)]
     ref_k, ref_v = caches[0].clone(), caches[1].clone()
@@ -205,8 +235,9 @@ def test_fused_elementwise_kernels_match_torch_layers(dtype):
     q, k = qkv[:, :96].view(5, 6, 16), qkv[:, 96:128].view(5, 2, 16)
     positions = torch.tensor([0, 3, 17, 63, 1])
     ref_q, ref_k = rope(positions, q, k)
-    out_q, out_k = fused_ops.rotary_embedding(positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE),
-                                              rope.cos_cache.to(DEVICE), rope.sin_cache.to(DEVICE))
+    out_q, out_k = fused_ops.rotary_embedding(
+        positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE), rope.cos_cache.to(DEVICE), rope.sin_cache.to(DEVICE)
+    )
     assert rel_err(out_q.cpu(), ref_q) <= max(tol, 1e-6) and rel_err(out_k.cpu(), ref_k) <= max(tol, 1e-6)
 
     gate_up = torch.randn(4, 2 * 40, generator=g).to(dtype)

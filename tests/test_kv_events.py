@@ -1,5 +1,6 @@
 """KV-cache events read by a subscriber written from vLLM's published schema (not our structs): the blocks
 stored minus removed equal the prefix cache's blocks, and the replay socket resends what a subscriber missed."""
+
 import time
 from typing import Union
 
@@ -91,9 +92,19 @@ def test_events_track_the_prefix_cache_and_replay(tiny_qwen2):
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     sub.connect(f"tcp://127.0.0.1:{pub_port}")
     # 8 blocks of 16 tokens: the later prompts evict the earlier ones' blocks
-    llm = LLM(tiny_qwen2, device="cpu", num_gpu_blocks=8, max_num_seqs=2, kv_events_config={
-        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub_port}",
-        "replay_endpoint": f"tcp://*:{replay_port}", "topic": "kv"})
+    llm = LLM(
+        tiny_qwen2,
+        device="cpu",
+        num_gpu_blocks=8,
+        max_num_seqs=2,
+        kv_events_config={
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{pub_port}",
+            "replay_endpoint": f"tcp://*:{replay_port}",
+            "topic": "kv",
+        },
+    )
     bm = llm.llm_engine.engine_core.block_manager
     time.sleep(0.5)  # the subscription reaches the publisher (ZMQ's slow joiner)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -2,16 +2,24 @@
 tensors: the chunked prefill form and the batched decode step, from zero and from a carried state, and the
 layer's forward split into chunks and decodes against one pass over the whole sequence; the layer's Triton path
 (the kernels interpreted on the CPU) against its torch path, step by step on the same slots."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers.models.qwen3_next.modeling_qwen3_next import (torch_chunk_gated_delta_rule,
-                                                                torch_recurrent_gated_delta_rule)
+from transformers.models.qwen3_next.modeling_qwen3_next import (
+    torch_chunk_gated_delta_rule,
+    torch_recurrent_gated_delta_rule,
+)
 
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata
-from novainfer.layers.linear_attention import (GatedDeltaNet, StateSlotsMetadata, gated_delta_chunked,
-                                               gated_delta_step, l2_normalize)
+from novainfer.layers.linear_attention import (
+    GatedDeltaNet,
+    StateSlotsMetadata,
+    gated_delta_chunked,
+    gated_delta_step,
+    l2_normalize,
+)
 
 
 def random_inputs(length: int, k_heads: int = 2, v_heads: int = 4, dk: int = 8, dv: int = 6, seed: int = 0):
@@ -35,9 +43,16 @@ def ours_inputs(q: torch.Tensor, k: torch.Tensor, rep: int):
 def test_chunked_matches_transformers(length, chunk, with_state):
     q, k, v, g, beta, state = random_inputs(length)
     init = state if with_state else torch.zeros_like(state)
-    ref, ref_state = torch_chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None],
-                                                  initial_state=init[None], output_final_state=True,
-                                                  use_qk_l2norm_in_kernel=True)
+    ref, ref_state = torch_chunk_gated_delta_rule(
+        q[None],
+        k[None],
+        v[None],
+        g[None],
+        beta[None],
+        initial_state=init[None],
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
     qn, kn = ours_inputs(q, k, 2)
     out, final = gated_delta_chunked(qn, kn, v, g, beta, init, chunk=chunk)
     torch.testing.assert_close(out, ref[0], atol=1e-5, rtol=1e-4)
@@ -47,9 +62,16 @@ def test_chunked_matches_transformers(length, chunk, with_state):
 def test_decode_step_matches_transformers_recurrence():
     batch = [random_inputs(1, seed=s) for s in range(3)]
     q, k, v, g, beta, state = (torch.stack([b[i][0] if i < 5 else b[i] for b in batch]) for i in range(6))
-    ref, ref_state = torch_recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None],
-                                                      beta[:, None], initial_state=state, output_final_state=True,
-                                                      use_qk_l2norm_in_kernel=True)
+    ref, ref_state = torch_recurrent_gated_delta_rule(
+        q[:, None],
+        k[:, None],
+        v[:, None],
+        g[:, None],
+        beta[:, None],
+        initial_state=state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
     qn, kn = ours_inputs(q, k, 2)
     out, final = gated_delta_step(qn, kn, v, g, beta, state)
     torch.testing.assert_close(out, ref[:, 0], atol=1e-5, rtol=1e-4)
@@ -62,16 +84,31 @@ class TinyConfig:
     linear_conv_kernel_dim = 4
 
 
-def run(layer: GatedDeltaNet, x: torch.Tensor, lens: list[int], seq_lens: list[int], slots: list[int] | None,
-        restores: dict[int, int] | None = None, saves: dict[int, tuple[int, int]] | None = None):
+def run(
+    layer: GatedDeltaNet,
+    x: torch.Tensor,
+    lens: list[int],
+    seq_lens: list[int],
+    slots: list[int] | None,
+    restores: dict[int, int] | None = None,
+    saves: dict[int, tuple[int, int]] | None = None,
+):
     qsl = [0]
     for n in lens:
         qsl.append(qsl[-1] + n)
-    meta = AttentionMetadata(query_start_loc=torch.tensor(qsl), seq_lens=torch.tensor(seq_lens),
-                             slot_mapping=torch.zeros(0), block_tables=torch.zeros(0), max_query_len=max(lens),
-                             max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
-                             state_slots=None if slots is None else
-                             StateSlotsMetadata(torch.tensor(slots), slots, restores or {}, saves or {}))
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl),
+        seq_lens=torch.tensor(seq_lens),
+        slot_mapping=torch.zeros(0),
+        block_tables=torch.zeros(0),
+        max_query_len=max(lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        state_slots=None
+        if slots is None
+        else StateSlotsMetadata(torch.tensor(slots), slots, restores or {}, saves or {}),
+    )
     with attention_metadata(meta), torch.no_grad():
         return layer(x)
 
@@ -128,19 +165,35 @@ def tiny_layer(seed: int, slots: int) -> GatedDeltaNet:
     return layer
 
 
-def mix(layer: GatedDeltaNet, x: torch.Tensor, lens: list[int], seq_lens: list[int], slots: list[int] | None,
-        use_triton: bool, restores: dict[int, int] | None = None, saves: dict[int, tuple[int, int]] | None = None):
+def mix(
+    layer: GatedDeltaNet,
+    x: torch.Tensor,
+    lens: list[int],
+    seq_lens: list[int],
+    slots: list[int] | None,
+    use_triton: bool,
+    restores: dict[int, int] | None = None,
+    saves: dict[int, tuple[int, int]] | None = None,
+):
     """The layer's conv + delta rule on x's projections, the fresh sequences' slots zeroed first as the runner does."""
     qsl = [0]
     for n in lens:
         qsl.append(qsl[-1] + n)
     fresh = [i for i in range(len(lens)) if seq_lens[i] == lens[i]]
-    state = None if slots is None else StateSlotsMetadata(torch.tensor(slots), slots, restores or {}, saves or {},
-                                                          fresh)
-    meta = AttentionMetadata(query_start_loc=torch.tensor(qsl), seq_lens=torch.tensor(seq_lens),
-                             slot_mapping=torch.zeros(0), block_tables=torch.zeros(0), max_query_len=max(lens),
-                             max_seq_len=max(seq_lens), query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens,
-                             state_slots=state)
+    state = (
+        None if slots is None else StateSlotsMetadata(torch.tensor(slots), slots, restores or {}, saves or {}, fresh)
+    )
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl),
+        seq_lens=torch.tensor(seq_lens),
+        slot_mapping=torch.zeros(0),
+        block_tables=torch.zeros(0),
+        max_query_len=max(lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        state_slots=state,
+    )
     if state is not None:
         state.zero_fresh(layer.conv_state, layer.ssm_state)
     return layer.mix(*project(layer, x), meta, use_triton=use_triton).float()
@@ -180,6 +233,7 @@ def test_graph_decode_inputs_pad_state_slots():
     """A decode graph's static inputs carry the slots; the rows padded up to the captured batch size get slot -1,
     which the kernels neither read nor write: the real rows and every slot equal the torch path's."""
     from novainfer.worker.cuda_graph import DecodeGraphs
+
     torch_layer, triton_layer = tiny_layer(7, 4), tiny_layer(7, 4)
     prefill = torch.randn(6, 32, generator=torch.Generator().manual_seed(8))
     for layer, use_triton in ((torch_layer, False), (triton_layer, True)):
@@ -187,8 +241,14 @@ def test_graph_decode_inputs_pad_state_slots():
     graphs = DecodeGraphs(triton_layer, 4, 2, 32, torch.float32, torch.device("cpu"), lambda bs: 1, state_slots=True)
     n = 3
     zeros = torch.zeros(n, dtype=torch.long)
-    graphs.load_inputs(zeros, zeros, zeros, torch.tensor([3, 4, 2], dtype=torch.int32),
-                       torch.zeros(n, 2, dtype=torch.int32), torch.tensor([2, 0, 3]))
+    graphs.load_inputs(
+        zeros,
+        zeros,
+        zeros,
+        torch.tensor([3, 4, 2], dtype=torch.int32),
+        torch.zeros(n, 2, dtype=torch.int32),
+        torch.tensor([2, 0, 3]),
+    )
     meta = graphs.metadata(4)
     assert meta.state_slots.slots.tolist() == [2, 0, 3, -1] and meta.max_query_len == 1
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(9))
@@ -205,6 +265,7 @@ def test_state_cache_zeroes_only_fresh_slots():
     from types import SimpleNamespace
 
     from novainfer.worker.state_cache import StateCache
+
     layers = [tiny_layer(0, 1), tiny_layer(1, 1)]
     cache = StateCache(layers, torch.float32, torch.device("cpu"), num_slots=3, num_checkpoints=1)
     cache.allocate()
@@ -214,6 +275,7 @@ def test_state_cache_zeroes_only_fresh_slots():
     def scheduled(slot: int, start: int):
         seq = SimpleNamespace(state_slot=slot, state_restore=None, state_save=None)
         return SimpleNamespace(seq=seq, start=start, num_new_tokens=4)
+
     meta = StateCache.step_metadata([scheduled(2, 0), scheduled(0, 5), scheduled(1, 0)])
     assert meta.slots_cpu == [2, 0, 1] and meta.fresh == [0, 2]
     cache.zero_fresh(meta)

@@ -1,4 +1,5 @@
 """Loading errors name what is wrong; n > 1 shares the prompt's blocks; aborts free everything."""
+
 import json
 import os
 import shutil
@@ -21,9 +22,12 @@ def test_unsupported_architecture_lists_supported(tiny_qwen2, tmp_path):
     cfg = json.load(open(cfg_path))
     cfg["architectures"] = ["MambaForCausalLM"]
     json.dump(cfg, open(cfg_path, "w"))
-    with pytest.raises(ValueError, match="MambaForCausalLM.*supported: Gemma2ForCausalLM, Gemma3ForCausalLM, "
-                                         "Gemma4ForCausalLM, Gemma4ForConditionalGeneration, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, "
-                                         "Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
+    with pytest.raises(
+        ValueError,
+        match="MambaForCausalLM.*supported: Gemma2ForCausalLM, Gemma3ForCausalLM, "
+        "Gemma4ForCausalLM, Gemma4ForConditionalGeneration, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, "
+        "Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM",
+    ):
         LLM(path)
 
 
@@ -78,5 +82,11 @@ def test_abort_frees_blocks_and_reports_abort(tiny_qwen2):
 def test_bf16_dtype_runs(tiny_qwen2):
     llm = LLM(tiny_qwen2, dtype="bfloat16")
     assert llm.llm_engine.executor.workers[0].model_runner.kv_cache.dtype == torch.bfloat16
-    assert len(llm.generate(["Hello"], SamplingParams(max_tokens=4, ignore_eos=True),
-                            use_tqdm=False)[0].outputs[0].token_ids) == 4
+    assert (
+        len(
+            llm.generate(["Hello"], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+            .outputs[0]
+            .token_ids
+        )
+        == 4
+    )

@@ -1,6 +1,7 @@
 """What the serve memory cuts rely on: the lean GGUF reader reads what gguf-py's GGUFReader reads (metadata,
 tensor table, tensor data) and names the file when it is cut short; a loaded model keeps no mapping of its
 GGUF file; the layers of a model share one rotary table; trimming the C heap gives freed pages back."""
+
 import os
 import sys
 
@@ -105,6 +106,7 @@ def _rss_mb() -> float:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim, /proc")
 def test_trim_returns_freed_heap_pages_to_the_system():
     from novainfer.engine.malloc_heap import trim_malloc_heap
+
     if not trim_malloc_heap():
         pytest.skip("the C library has no malloc_trim")
     chunks = [torch.ones(16 << 10) for _ in range(2048)]  # 64 KB each: below the mmap threshold, in the heap

@@ -6,6 +6,7 @@ Each prompt set holds one prompt longer than the sliding window of the windowed 
 WINDOW); MoE models have more experts than top-k and routers scaled so routing is uneven. Tensor parallelism
 (uni backend, threads) gives tp 1's tokens for one MoE and one Gemma model.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -39,6 +40,7 @@ def family_path(tmp_path_factory):
         if arch not in paths:
             paths[arch] = make_tiny_model(str(tmp_path_factory.mktemp(arch)), arch, seed=17)
         return paths[arch]
+
     return build
 
 
@@ -69,8 +71,14 @@ def test_tensor_parallel_two_ranks_equal_one(arch, backend, family_path):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     tokens = {}
     for tp in (1, 2):
-        llm = LLM(path, dtype="float32", block_size=4, tensor_parallel_size=tp, distributed_executor_backend=backend,
-                  master_port=0)
+        llm = LLM(
+            path,
+            dtype="float32",
+            block_size=4,
+            tensor_parallel_size=tp,
+            distributed_executor_backend=backend,
+            master_port=0,
+        )
         try:
             tokens[tp] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
         finally:
@@ -83,6 +91,7 @@ def test_moe_routing_is_uneven(arch, family_path, monkeypatch):
     """The tiny MoE checkpoints route unevenly (some experts far busier than others), so the parity tests
     exercise experts with many tokens, with one, and idle ones."""
     import novainfer.layers.fused_moe.layer as moe_layer
+
     chosen: list[torch.Tensor] = []
     select = moe_layer.select_experts
     monkeypatch.setattr(moe_layer, "select_experts", lambda *a: chosen.append(select(*a)[1]) or select(*a))
@@ -97,6 +106,7 @@ def test_moe_routing_is_uneven(arch, family_path, monkeypatch):
 def test_one_all_reduce_per_moe_layer(family_path, monkeypatch):
     """tp=2 Qwen2-MoE: o_proj and the MoE block (routed + shared experts) reduce once each per layer."""
     from novainfer.distributed.parallel_state import ThreadGroup
+
     calls: list[int] = []
     reduce = ThreadGroup.all_reduce
     monkeypatch.setattr(ThreadGroup, "all_reduce", lambda self, x: calls.append(self.rank) or reduce(self, x))
@@ -120,12 +130,23 @@ def test_triton_backend_window_and_soft_cap_in_the_engine(family_path):
 
 def test_registry_lists_every_family_and_refuses_the_rest():
     from types import SimpleNamespace
-    for arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "MistralForCausalLM",
-                 "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"):
+
+    for arch in (
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "MixtralForCausalLM",
+        "MistralForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Phi3ForCausalLM",
+    ):
         assert get_model_class(SimpleNamespace(architectures=[arch])) is MODEL_REGISTRY[arch]
-    with pytest.raises(ValueError, match="unsupported model architecture.*supported: Gemma2ForCausalLM, "
-                                         "Gemma3ForCausalLM, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, "
-                                         "LlamaForCausalLM, MistralForCausalLM"):
+    with pytest.raises(
+        ValueError,
+        match="unsupported model architecture.*supported: Gemma2ForCausalLM, "
+        "Gemma3ForCausalLM, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, "
+        "LlamaForCausalLM, MistralForCausalLM",
+    ):
         get_model_class(SimpleNamespace(architectures=["FalconForCausalLM"]))
 
 
@@ -134,6 +155,7 @@ def test_core_api_slot_cache_honours_the_window(arch, family_path):
     """The llama.cpp-style Context (SLOT cache, visibility masks) with windowed, soft-capped layers: the prompt
     is longer than the window, then token by token; greedy tokens equal transformers'."""
     from novainfer.core import Context
+
     path = family_path(arch)
     ctx = Context(path, n_cells=64, dtype="float32", device="cpu")
     prompt = ctx.tokenizer.encode(PROMPTS[1])
@@ -149,6 +171,7 @@ def test_core_api_refuses_to_move_keys_of_per_layer_rope(family_path):
     """Gemma 3's sliding and global layers rotate with different bases: kv_seq_add cannot shift their keys
     with one rotation, so it refuses instead of corrupting the cache (Gemma 2 shares one base and may)."""
     from novainfer.core import Context
+
     for arch, moves in (("gemma3", False), ("gemma2", True)):
         ctx = Context(family_path(arch), n_cells=32, dtype="float32", device="cpu")
         ctx.infer(ctx.tokenizer.encode("Hello, my name is"))
@@ -170,6 +193,6 @@ def test_longrope_prompt_longer_than_the_original_length(family_path):
     assert 32 < len(prompt) < 32 + WINDOW  # the last token's window still reaches rows below 32
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     got = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0]
-    (ref_tokens, ref_lps), = hf_reference(path, [prompt], 12)
+    ((ref_tokens, ref_lps),) = hf_reference(path, [prompt], 12)
     assert got.token_ids == ref_tokens
     assert max(abs(got.logprobs[i][t].logprob - lp) for i, (t, lp) in enumerate(zip(ref_tokens, ref_lps))) < 1e-4

@@ -2,6 +2,7 @@
 greedy output is token-identical to tp=1's synchronous loop and to the mp synchronous loop, with sequences
 ending at different steps (max_tokens, a stop token, an abort); a dead worker or a failing step is named,
 and no process is left."""
+
 import os
 import signal
 import threading
@@ -17,8 +18,12 @@ from novainfer.executor.step_pipeline import StepPipeline
 from tests import faults
 from tests.tiny_models import make_tiny_model
 
-PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. The capital of France is",
-           "def add(a, b):", "Paged attention stores keys and values in fixed-size blocks"]
+PROMPTS = [
+    "Hello, my name is",
+    "The quick brown fox jumps over the lazy dog. The capital of France is",
+    "def add(a, b):",
+    "Paged attention stores keys and values in fixed-size blocks",
+]
 MAX_TOKENS = [20, 7, 13, 16]
 # chunked prefill, mixed prefill/decode steps, and a KV cache small enough that sequences are preempted
 ENGINE = dict(block_size=4, max_num_batched_tokens=16, dtype="float32", cpu_kv_cache_tokens=96)
@@ -28,8 +33,9 @@ MP = dict(tensor_parallel_size=2, distributed_executor_backend="mp", master_port
 @pytest.fixture(scope="module")
 def tp_model(tmp_path_factory):
     """8 heads / 4 KV heads: splits over 2 ranks."""
-    return make_tiny_model(str(tmp_path_factory.mktemp("qwen2_tp_overlap")), "qwen2", seed=5, num_heads=8,
-                           num_kv_heads=4, head_dim=8)
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("qwen2_tp_overlap")), "qwen2", seed=5, num_heads=8, num_kv_heads=4, head_dim=8
+    )
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +96,17 @@ def test_overlapped_mp_matches_tp1_and_the_sync_loop(tp1, mp_overlap):
         executor.check_health()
         assert inflight.done
         profiles.append(executor.collective_rpc("profile"))
+
     ref = scenario(tp1.llm_engine, stop_token)
     assert ref["3"][1:] == ("stop", stop_token) and [len(ref[k][0]) for k in "12"] == MAX_TOKENS[1:3]
     assert scenario(mp_overlap.llm_engine, stop_token, check_health_between_steps) == ref
     assert [[r["rank"] for r in p] for p in profiles] == [[0, 1], [0, 1]]
     # seeded sampling: each rank samples for itself and feeds its own token to the next step, so the overlapped
     # loop matches the synchronous one (where every rank gets rank 0's tokens) only if the ranks agree
-    sampled = [SamplingParams(temperature=1.0, top_p=0.9, seed=7 + i, max_tokens=n, ignore_eos=True)
-               for i, n in enumerate(MAX_TOKENS)]
+    sampled = [
+        SamplingParams(temperature=1.0, top_p=0.9, seed=7 + i, max_tokens=n, ignore_eos=True)
+        for i, n in enumerate(MAX_TOKENS)
+    ]
     sampled[2] = SamplingParams(temperature=0.8, seed=3, max_tokens=13, presence_penalty=0.5, ignore_eos=True)
     overlapped = [o.outputs[0].token_ids for o in mp_overlap.generate(PROMPTS, sampled, use_tqdm=False)]
     core.async_scheduling = False  # the same workers, the synchronous loop (execute_model)
@@ -148,6 +157,7 @@ def test_a_failing_step_stops_the_workers_and_names_the_rank(tp_model, monkeypat
             msg.rows.append((10**9, 0, 1, True, [1], [0], []))
             broken.append(msg)
         return msg
+
     monkeypatch.setattr(executor.packer, "pack", pack_one_broken)
     try:
         for i in range(3):
@@ -251,14 +261,17 @@ def test_step_pipeline_answers_in_order_and_keeps_two_steps_in_flight():
         pipeline.close()
 
 
-@pytest.mark.parametrize("kwargs, want", [
-    (dict(distributed_executor_backend="mp", tensor_parallel_size=2, device="cuda"), True),  # the tp=2 bench line
-    (dict(distributed_executor_backend="mp", tensor_parallel_size=2, nnodes=2, device="cuda"), True),
-    (dict(distributed_executor_backend="mp", tensor_parallel_size=2, device="cpu"), False),  # off on the CPU...
-    (dict(distributed_executor_backend="mp", tensor_parallel_size=2, device="cpu", async_scheduling=True), True),
-    (dict(distributed_executor_backend="uni", tensor_parallel_size=1, device="cuda"), True),
-    (dict(distributed_executor_backend="uni", tensor_parallel_size=2, device="cuda"), False),  # threads: no overlap
-    (dict(distributed_executor_backend="uni", tensor_parallel_size=2, device="cpu", async_scheduling=True), False),
-])
+@pytest.mark.parametrize(
+    "kwargs, want",
+    [
+        (dict(distributed_executor_backend="mp", tensor_parallel_size=2, device="cuda"), True),  # the tp=2 bench line
+        (dict(distributed_executor_backend="mp", tensor_parallel_size=2, nnodes=2, device="cuda"), True),
+        (dict(distributed_executor_backend="mp", tensor_parallel_size=2, device="cpu"), False),  # off on the CPU...
+        (dict(distributed_executor_backend="mp", tensor_parallel_size=2, device="cpu", async_scheduling=True), True),
+        (dict(distributed_executor_backend="uni", tensor_parallel_size=1, device="cuda"), True),
+        (dict(distributed_executor_backend="uni", tensor_parallel_size=2, device="cuda"), False),  # threads: no overlap
+        (dict(distributed_executor_backend="uni", tensor_parallel_size=2, device="cpu", async_scheduling=True), False),
+    ],
+)
 def test_which_executors_overlap_by_default(kwargs, want):
     assert EngineConfig.from_kwargs("unused", **kwargs).use_async_scheduling() is want

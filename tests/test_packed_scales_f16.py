@@ -1,6 +1,7 @@
 """float16 scales and zeros in PackedWeight (kernels/cpu/repack.py): chosen per tensor only where every
 value round-trips exactly, and every C kernel that reads them (few-row GEMM, panel GEMM, dequantize, the decoder
 stack) gives the same bits as with the same values in float32."""
+
 import numpy as np
 import pytest
 import torch
@@ -17,12 +18,16 @@ RNG = np.random.default_rng(7)
 
 def random_packed(kind: str, group: int, zeros: bool, n: int, k: int) -> PackedWeight:
     """Random quants with float16 scales/zeros of mixed magnitudes (subnormals included)."""
-    q = (torch.from_numpy(RNG.integers(0, 256, (n, k // 2), dtype=np.uint8)) if kind == "q4"
-         else torch.from_numpy(RNG.integers(-128, 128, (n, k), dtype=np.int8)))
+    q = (
+        torch.from_numpy(RNG.integers(0, 256, (n, k // 2), dtype=np.uint8))
+        if kind == "q4"
+        else torch.from_numpy(RNG.integers(-128, 128, (n, k), dtype=np.int8))
+    )
 
     def f16() -> torch.Tensor:
         v = RNG.standard_normal((n, k // group)) * 10.0 ** RNG.integers(-7, 3, (n, k // group))
         return torch.from_numpy(v.astype(np.float16))
+
     return PackedWeight.from_rows(kind, q, f16(), f16() if zeros else None, group, (n, k))
 
 
@@ -31,8 +36,11 @@ def _keep_float32(scales: np.ndarray, zeros: np.ndarray | None) -> tuple:
     return scales, zeros
 
 
-@pytest.mark.parametrize("qtype, f16", [(T.Q4_0, True), (T.Q4_1, True), (T.Q8_0, True), (T.Q4_K, None),
-                                        (T.Q5_K, None), (T.Q6_K, None)], ids=lambda v: getattr(v, "name", str(v)))
+@pytest.mark.parametrize(
+    "qtype, f16",
+    [(T.Q4_0, True), (T.Q4_1, True), (T.Q8_0, True), (T.Q4_K, None), (T.Q5_K, None), (T.Q6_K, None)],
+    ids=lambda v: getattr(v, "name", str(v)),
+)
 def test_repack_keeps_float16_only_where_exact(qtype, f16, monkeypatch):
     blocks = random_blocks(qtype, 9, 256)
     w = repack(blocks, qtype, (9, 256))
@@ -96,6 +104,7 @@ def test_every_kernel_gives_the_float32_scales_bits(kind, group, zeros):
 
 def test_decoder_stack_gives_the_float32_scales_bits(tmp_path, monkeypatch):
     from tests.test_cpu_decoder_stack import TABLES, PROMPT_LENS, forward, load, prefill, step_meta, write_gguf
+
     path = write_gguf(tmp_path / "tiny.gguf", "llama", 300)
     outs = []
     for f16 in (True, False):

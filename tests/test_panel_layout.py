@@ -1,6 +1,7 @@
 """The panel layout of the CPU kernels' weights (kernels/cpu/panel_layout.py, csrc/panel_cpu.h): exact
 round trips from and to rows, the byte order the C header documents, and fused weights stacked from whole
 panels or through rows giving the same weight."""
+
 import numpy as np
 import pytest
 import torch

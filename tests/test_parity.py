@@ -1,4 +1,5 @@
 """Greedy decoding matches Hugging Face transformers token for token (float32, CPU)."""
+
 import pytest
 
 from novainfer import LLM, SamplingParams
@@ -91,6 +92,7 @@ def test_unservable_prompts_are_rejected(tiny_qwen2):
 
 def test_max_model_len_stops_generation(tiny_qwen2):
     llm = LLM(tiny_qwen2, dtype="float32", block_size=4, max_model_len=20)
-    out = llm.generate([[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [[5, 6, 7, 8, 9]], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False
+    )[0]
     assert len(out.outputs[0].token_ids) == 15 and out.outputs[0].finish_reason == "length"

@@ -3,6 +3,7 @@
 Invalid input is refused (ValueError naming the field; decode's -1), never another exception; valid input is
 accepted; a refused decode leaves cell metadata and K/V byte-identical.
 """
+
 import math
 
 import numpy as np
@@ -16,17 +17,32 @@ from novainfer.core import Batch, Context, Status
 
 # ---- SamplingParams ----------------------------------------------------------------------------------
 # The documented ranges (vLLM's), written out here as the oracle: (integer, low, high, low excluded, None ok)
-SPEC = {"n": (True, 1, None, False, False), "presence_penalty": (False, -2, 2, False, False),
-        "frequency_penalty": (False, -2, 2, False, False), "repetition_penalty": (False, 0, None, True, False),
-        "temperature": (False, 0, None, False, False), "top_p": (False, 0, 1, True, False),
-        "top_k": (True, -1, None, False, False), "min_p": (False, 0, 1, False, False),
-        "seed": (True, -2 ** 63, 2 ** 63 - 1, False, True), "max_tokens": (True, 1, None, False, True),
-        "min_tokens": (True, 0, None, False, False), "logprobs": (True, 0, None, False, True),
-        "prompt_logprobs": (True, 0, None, False, True)}
+SPEC = {
+    "n": (True, 1, None, False, False),
+    "presence_penalty": (False, -2, 2, False, False),
+    "frequency_penalty": (False, -2, 2, False, False),
+    "repetition_penalty": (False, 0, None, True, False),
+    "temperature": (False, 0, None, False, False),
+    "top_p": (False, 0, 1, True, False),
+    "top_k": (True, -1, None, False, False),
+    "min_p": (False, 0, 1, False, False),
+    "seed": (True, -(2**63), 2**63 - 1, False, True),
+    "max_tokens": (True, 1, None, False, True),
+    "min_tokens": (True, 0, None, False, False),
+    "logprobs": (True, 0, None, False, True),
+    "prompt_logprobs": (True, 0, None, False, True),
+}
 
-ANY_VALUE = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-2 ** 80, 2 ** 80),
-                      st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=3),
-                      st.lists(st.integers(-3, 3), max_size=2), st.dictionaries(st.text(max_size=2), st.integers()))
+ANY_VALUE = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.integers(-(2**80), 2**80),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=3),
+    st.lists(st.integers(-3, 3), max_size=2),
+    st.dictionaries(st.text(max_size=2), st.integers()),
+)
 
 
 def in_spec(name: str, value: object) -> bool:
@@ -58,8 +74,11 @@ def test_each_numeric_field_is_accepted_exactly_within_its_range(name, value):
 FIELDS = sorted(SPEC) + ["stop", "stop_token_ids"]
 
 
-@given(kw=st.dictionaries(st.sampled_from(FIELDS), st.one_of(ANY_VALUE, st.lists(st.text(max_size=3), max_size=3)),
-                          max_size=5))
+@given(
+    kw=st.dictionaries(
+        st.sampled_from(FIELDS), st.one_of(ANY_VALUE, st.lists(st.text(max_size=3), max_size=3)), max_size=5
+    )
+)
 def test_any_combination_is_accepted_whole_or_refused_naming_a_given_field(kw):
     try:
         params = SamplingParams(**kw)
@@ -91,8 +110,7 @@ def fresh(ctx: Context) -> tuple:
 
 def unchanged(ctx: Context, state: tuple) -> bool:
     pos, seqs, kv = state
-    return np.array_equal(ctx.cache.pos, pos) and np.array_equal(ctx.cache.seqs, seqs) and torch.equal(ctx.kv_data,
-                                                                                                          kv)
+    return np.array_equal(ctx.cache.pos, pos) and np.array_equal(ctx.cache.seqs, seqs) and torch.equal(ctx.kv_data, kv)
 
 
 @st.composite
@@ -142,11 +160,14 @@ def test_a_valid_batch_is_decoded_into_its_cells(ctx, batch):
     fresh(ctx)
     assert ctx.decode(batch) == Status.OK
     assert ctx.cache.n_used == len(PREFIX) + batch.n_tokens
-    assert ctx.n_outputs() == int(batch.logits[:batch.n_tokens].sum())
+    assert ctx.n_outputs() == int(batch.logits[: batch.n_tokens].sum())
     for i in range(batch.n_tokens):
-        ids = sorted(batch.seq_id[i, :batch.n_seq_id[i]].tolist())
-        cells = [c for c in range(CELLS) if ctx.cache.pos[c] == batch.pos[i] and
-                 np.flatnonzero(ctx.cache.seqs[c]).tolist() == ids]
+        ids = sorted(batch.seq_id[i, : batch.n_seq_id[i]].tolist())
+        cells = [
+            c
+            for c in range(CELLS)
+            if ctx.cache.pos[c] == batch.pos[i] and np.flatnonzero(ctx.cache.seqs[c]).tolist() == ids
+        ]
         assert len(cells) == 1, (i, ids)
 
 
@@ -165,16 +186,26 @@ def test_a_broken_batch_is_refused_and_changes_nothing(ctx, batch, how, data):
     assert unchanged(ctx, state)
 
 
-COLUMN = st.one_of(st.none(), st.lists(st.integers(-2 ** 40, 2 ** 40), max_size=6).map(np.array),
-                   st.lists(st.integers(-3, 500), max_size=6).map(np.array),
-                   st.lists(st.floats(-3, 500), max_size=6).map(np.array),
-                   st.lists(st.lists(st.integers(-2, 4), min_size=1, max_size=4), min_size=1, max_size=6)
-                   .map(lambda rows: np.array([r[:1] * 4 for r in rows])))
+COLUMN = st.one_of(
+    st.none(),
+    st.lists(st.integers(-(2**40), 2**40), max_size=6).map(np.array),
+    st.lists(st.integers(-3, 500), max_size=6).map(np.array),
+    st.lists(st.floats(-3, 500), max_size=6).map(np.array),
+    st.lists(st.lists(st.integers(-2, 4), min_size=1, max_size=4), min_size=1, max_size=6).map(
+        lambda rows: np.array([r[:1] * 4 for r in rows])
+    ),
+)
 
 
 @SETTINGS
-@given(token=COLUMN.filter(lambda c: c is not None), pos=COLUMN, n_seq_id=COLUMN, seq_id=COLUMN, logits=COLUMN,
-       n_tokens=st.integers(-2, 8))
+@given(
+    token=COLUMN.filter(lambda c: c is not None),
+    pos=COLUMN,
+    n_seq_id=COLUMN,
+    seq_id=COLUMN,
+    logits=COLUMN,
+    n_tokens=st.integers(-2, 8),
+)
 def test_any_columns_are_decoded_or_refused_never_raised(ctx, token, pos, n_seq_id, seq_id, logits, n_tokens):
     state = fresh(ctx)
     rc = ctx.decode(Batch(token, pos, n_seq_id, seq_id, logits, n_tokens))
@@ -185,8 +216,11 @@ def test_any_columns_are_decoded_or_refused_never_raised(ctx, token, pos, n_seq_
         assert ctx.cache.n_used == len(PREFIX) + n_tokens
 
 
-@given(token=st.one_of(st.integers(), st.floats(), st.text(max_size=2)), pos=st.one_of(st.integers(), st.none()),
-       seq_ids=st.lists(st.one_of(st.integers(), st.floats()), max_size=3))
+@given(
+    token=st.one_of(st.integers(), st.floats(), st.text(max_size=2)),
+    pos=st.one_of(st.integers(), st.none()),
+    seq_ids=st.lists(st.one_of(st.integers(), st.floats()), max_size=3),
+)
 def test_batch_add_appends_whole_or_refuses(token, pos, seq_ids):
     batch = Batch.init(2, n_seq_max=2)
     batch.add(7, 0, [0])
@@ -195,11 +229,13 @@ def test_batch_add_appends_whole_or_refuses(token, pos, seq_ids):
         batch.add(token, pos, seq_ids)
     except ValueError:
         assert batch.n_tokens == 1
-        assert all(np.array_equal(a[:1], b[:1]) for a, b in zip(before, (batch.token, batch.pos, batch.n_seq_id,
-                                                                           batch.seq_id, batch.logits)))
+        assert all(
+            np.array_equal(a[:1], b[:1])
+            for a, b in zip(before, (batch.token, batch.pos, batch.n_seq_id, batch.seq_id, batch.logits))
+        )
         return
     assert batch.n_tokens == 2 and batch.token[1] == token and batch.pos[1] == pos
-    assert batch.seq_id[1, :batch.n_seq_id[1]].tolist() == seq_ids
+    assert batch.seq_id[1, : batch.n_seq_id[1]].tolist() == seq_ids
 
 
 @given(tokens=st.lists(st.one_of(st.integers(), st.floats(), st.text(max_size=1)), max_size=4))
@@ -207,6 +243,6 @@ def test_get_one_takes_int64_token_ids_or_refuses(tokens):
     try:
         batch = Batch.get_one(tokens)
     except ValueError:
-        assert any(not isinstance(t, int) or not -2 ** 63 <= t < 2 ** 63 for t in tokens)
+        assert any(not isinstance(t, int) or not -(2**63) <= t < 2**63 for t in tokens)
         return
     assert batch.token.tolist() == tokens and batch.n_tokens == len(tokens)

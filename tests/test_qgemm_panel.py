@@ -4,6 +4,7 @@ not depend on which kernel its batch picks), row results independent of the batc
 the row count from which the GEMM entry points switch to it. Each GGUF format's accuracy bound at 9 and 17
 rows (through this kernel) is in test_quantized_cpu.py. Both kernels' AVX-512 VNNI tiles (csrc/qgemm_avx512.c,
 the default where the CPU has them) give the same bits as their AVX2 tiles."""
+
 import numpy as np
 import pytest
 import torch
@@ -25,8 +26,11 @@ def few_row_kernel():
 
 
 # K = 576: 18 groups, past the last multiple of 8 (the scale transposes' tail); K-quants come in 256s
-@pytest.mark.parametrize("qtype,k", [(T.Q4_1, 512), (T.Q4_1, 576), (T.Q4_0, 576), (T.Q8_0, 512), (T.Q8_0, 576),
-                                     (T.Q5_K, 512), (T.Q6_K, 512)], ids=lambda v: getattr(v, "name", str(v)))
+@pytest.mark.parametrize(
+    "qtype,k",
+    [(T.Q4_1, 512), (T.Q4_1, 576), (T.Q4_0, 576), (T.Q8_0, 512), (T.Q8_0, 576), (T.Q5_K, 512), (T.Q6_K, 512)],
+    ids=lambda v: getattr(v, "name", str(v)),
+)
 def test_panel_matches_dequantize_then_matmul_and_the_few_row_kernel_bit_for_bit(qtype, k, few_row_kernel):
     n = 37  # a partial panel of 16 outputs and a partial few-row tile of 8; several groups (Q6_K: groups of 16)
     w = repack(random_blocks(qtype, n, k), qtype, (n, k))
@@ -50,9 +54,9 @@ def test_panel_rows_do_not_depend_on_the_batch_or_threads():
         torch.set_num_threads(1)
         assert torch.equal(qgemm.quant_gemm(x, w, panel=True), batch)
         for r in (0, 3, m - 1):  # a row alone, as the first row of a tile, as the last
-            assert torch.equal(qgemm.quant_gemm(x[r:r + 1], w, panel=True)[0], batch[r])
+            assert torch.equal(qgemm.quant_gemm(x[r : r + 1], w, panel=True)[0], batch[r])
             s = min(r, 6)  # in PANEL_MIN_ROWS rows, which the entry point hands to the panel kernel
-            assert torch.equal(qgemm.quant_gemm(x[s:s + qgemm.PANEL_MIN_ROWS], w)[r - s], batch[r])
+            assert torch.equal(qgemm.quant_gemm(x[s : s + qgemm.PANEL_MIN_ROWS], w)[r - s], batch[r])
     finally:
         torch.set_num_threads(prev)
 
@@ -81,8 +85,9 @@ def avx2_and_avx512():
     qgemm.set_gemm_isa("auto")
 
 
-@pytest.mark.parametrize("qtype,k", [(T.Q4_1, 576), (T.Q4_0, 512), (T.Q8_0, 576), (T.Q6_K, 512)],
-                         ids=lambda v: getattr(v, "name", str(v)))
+@pytest.mark.parametrize(
+    "qtype,k", [(T.Q4_1, 576), (T.Q4_0, 512), (T.Q8_0, 576), (T.Q6_K, 512)], ids=lambda v: getattr(v, "name", str(v))
+)
 def test_avx512_tiles_give_the_avx2_tiles_bits(qtype, k, avx2_and_avx512, few_row_kernel):
     n = 37  # a partial last panel (a masked store)
     w = repack(random_blocks(qtype, n, k), qtype, (n, k))

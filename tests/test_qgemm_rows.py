@@ -1,6 +1,7 @@
 """The quantized CPU GEMM at every small row count (the register-blocked tiles' edges: 1-3 activation rows,
 1-3 leftover weight rows): each format against dequantize-then-matmul, and each row's result bit-identical
 whatever the batch it is computed in (the greedy-identity of speculation and batching rests on that)."""
+
 import numpy as np
 import pytest
 import torch
@@ -45,10 +46,11 @@ def test_a_row_gives_the_same_bits_alone_or_in_any_batch(qtype, k, threads):
     x = torch.randn(max(ROWS), k)
     library.set_num_threads(threads)
     try:
-        alone = torch.cat([qgemm.quant_gemm(x[i:i + 1].contiguous(), w) for i in range(len(x))])
+        alone = torch.cat([qgemm.quant_gemm(x[i : i + 1].contiguous(), w) for i in range(len(x))])
         for m in ROWS:
             for start in {0, len(x) - m}:  # each row lands at another place in the 3-row tiles
-                assert torch.equal(qgemm.quant_gemm(x[start:start + m].contiguous(), w),
-                                   alone[start:start + m]), f"M={m} from row {start}"
+                assert torch.equal(qgemm.quant_gemm(x[start : start + m].contiguous(), w), alone[start : start + m]), (
+                    f"M={m} from row {start}"
+                )
     finally:
         library.set_num_threads(None)

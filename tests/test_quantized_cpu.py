@@ -1,6 +1,7 @@
 """GGUF weights kept quantized on the CPU: each format's kernel against dequantize-then-matmul, the default
 model's greedy text alone and batched, its KL against the float32 dequantized reference, the fallback for a
 type without a kernel, and clear errors for truncated or corrupt files."""
+
 import logging
 
 import numpy as np
@@ -27,8 +28,9 @@ def random_blocks(qtype: T, n: int, k: int, rng: np.random.Generator = RNG) -> n
     per, nbytes = BLOCK[qtype]
     b = rng.integers(0, 256, (n, k // per, nbytes), dtype=np.uint8)
     for off in D_OFFSETS[qtype]:
-        b[..., off:off + 2] = np.float16(rng.uniform(1e-3, 1e-2, (n, k // per))).view(np.uint8).reshape(
-            n, k // per, 2)
+        b[..., off : off + 2] = (
+            np.float16(rng.uniform(1e-3, 1e-2, (n, k // per))).view(np.uint8).reshape(n, k // per, 2)
+        )
     return b.reshape(n, -1)
 
 
@@ -58,6 +60,7 @@ def test_repack_is_exact_and_kernel_matches_dequantize_then_matmul(qtype, n, k):
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_1, T.Q6_K], ids=lambda t: t.name)
 def test_embedding_lookup_equals_the_dequantized_rows(qtype):
     from novainfer.layers.quantization.gguf_cpu import GGUFCPULinearMethod
+
     blocks = random_blocks(qtype, 300, 256)
     layer = torch.nn.Module()
     method = GGUFCPULinearMethod()
@@ -98,6 +101,7 @@ def test_mixed_types_merge_into_one_exact_layer():
 @pytest.fixture(scope="module")
 def fast_llm():
     from novainfer import LLM
+
     return LLM(max_model_len=512, block_size=16)  # the defaults: quantized weights, bf16 KV, cpu attention
 
 
@@ -107,6 +111,7 @@ def test_defaults_keep_the_default_model_quantized():
     from novainfer.layers.quantization.selector import get_quant_config
     from novainfer.loader.default_model import default_model_path
     from novainfer.loader.model_loader import load_hf_config, load_model
+
     path, cpu = default_model_path(), torch.device("cpu")
     assert get_quant_config(ModelConfig(model=path, dtype=torch.float32), cpu) is None  # the exact path
     assert get_quant_config(ModelConfig(model=path, quantization="none"), cpu) is None
@@ -121,9 +126,18 @@ def test_defaults_keep_the_default_model_quantized():
 
 def test_greedy_text_same_alone_and_in_a_batch_of_8(fast_llm):
     from novainfer import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    prompts = ["The capital of France is", "List three colours:", "Once upon a time", "def add(a, b):",
-               "The sea is", "Water boils at", "My favourite book", "Translate 'cat' to French:"]
+    prompts = [
+        "The capital of France is",
+        "List three colours:",
+        "Once upon a time",
+        "def add(a, b):",
+        "The sea is",
+        "Water boils at",
+        "My favourite book",
+        "Translate 'cat' to French:",
+    ]
     alone = fast_llm.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids
     batch = fast_llm.generate(prompts, params, use_tqdm=False)
     assert batch[0].outputs[0].token_ids == alone
@@ -133,6 +147,7 @@ def test_greedy_text_same_alone_and_in_a_batch_of_8(fast_llm):
 def test_kl_to_float32_reference_is_small():
     from benchmarks.quant_accuracy import kl_and_top1, make_chunks, novainfer_logits
     from novainfer.loader.default_model import default_model_path
+
     path = default_model_path()
     chunks = make_chunks(path, 160, 160)
     ref = novainfer_logits(path, chunks, quantized=False)
@@ -145,6 +160,7 @@ def test_kl_to_float32_reference_is_small():
 def write_tiny_gguf(path, types: dict[str, T]) -> None:
     """A 1-layer llama GGUF with random weights; `types` gives the tensor type per GGUF base name."""
     import gguf
+
     hidden, inter, vocab, heads = 64, 128, 96, 4
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(128)
@@ -155,10 +171,19 @@ def write_tiny_gguf(path, types: dict[str, T]) -> None:
     w.add_head_count_kv(heads)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
-    shapes = {"token_embd": (vocab, hidden), "output_norm": (hidden,), "blk.0.attn_norm": (hidden,),
-              "blk.0.ffn_norm": (hidden,), "blk.0.attn_q": (hidden, hidden), "blk.0.attn_k": (hidden, hidden),
-              "blk.0.attn_v": (hidden, hidden), "blk.0.attn_output": (hidden, hidden),
-              "blk.0.ffn_gate": (inter, hidden), "blk.0.ffn_up": (inter, hidden), "blk.0.ffn_down": (hidden, inter)}
+    shapes = {
+        "token_embd": (vocab, hidden),
+        "output_norm": (hidden,),
+        "blk.0.attn_norm": (hidden,),
+        "blk.0.ffn_norm": (hidden,),
+        "blk.0.attn_q": (hidden, hidden),
+        "blk.0.attn_k": (hidden, hidden),
+        "blk.0.attn_v": (hidden, hidden),
+        "blk.0.attn_output": (hidden, hidden),
+        "blk.0.ffn_gate": (inter, hidden),
+        "blk.0.ffn_up": (inter, hidden),
+        "blk.0.ffn_down": (hidden, inter),
+    }
     for name, shape in shapes.items():
         data = RNG.standard_normal(shape).astype(np.float32) * 0.1
         qtype = types.get(name, T.F32 if len(shape) == 1 else T.Q8_0)
@@ -174,6 +199,7 @@ def write_tiny_gguf(path, types: dict[str, T]) -> None:
 
 def tiny_logits(path, quantized: bool) -> torch.Tensor:
     from benchmarks.quant_accuracy import novainfer_logits
+
     return novainfer_logits(str(path), [[1, 5, 9, 3, 7]], quantized)
 
 
@@ -190,11 +216,12 @@ def test_unsupported_type_falls_back_to_dequantized_with_one_log_line(tmp_path, 
 
 def test_truncated_gguf_names_the_file_and_tensor(tmp_path):
     from novainfer.loader import gguf_loader
+
     good = tmp_path / "good.gguf"
     write_tiny_gguf(good, {})
     raw = good.read_bytes()
     cut = tmp_path / "cut.gguf"
-    cut.write_bytes(raw[:len(raw) - 3000])
+    cut.write_bytes(raw[: len(raw) - 3000])
     with pytest.raises(ValueError, match=r"cut\.gguf is corrupt or truncated"):
         gguf_loader.load_gguf_config(str(cut))
     junk = tmp_path / "junk.gguf"

@@ -4,6 +4,7 @@ mixed-length prompts in small chunks (the recurrent state carried across chunk b
 decodes in one step), each prompt alone, preemption under a tiny cache with fewer state slots than prompts,
 prefix-cache hits restoring state checkpoints, tensor parallelism over the DeltaNet heads, a ForConditionalGeneration
 checkpoint run as its language model; speculation, unknown layer types and the core API refused."""
+
 from __future__ import annotations
 
 import json
@@ -40,6 +41,7 @@ def model_path(tmp_path_factory):
         if key not in paths:
             paths[key] = build(str(tmp_path_factory.mktemp(key)), arch, conditional)
         return paths[key]
+
     return get
 
 
@@ -146,8 +148,14 @@ def test_mp_backend_carries_the_state_slots(model_path):
     """The mp executor's step wire sends each sequence's slot and checkpoint copies to the worker process:
     chunked prompts, a prefix hit (the second prompt extends the first) and preemption, as transformers."""
     path = model_path("qwen3_5")
-    llm = LLM(path, dtype="float32", distributed_executor_backend="mp", block_size=4, num_gpu_blocks=14,
-              max_num_batched_tokens=8)
+    llm = LLM(
+        path,
+        dtype="float32",
+        distributed_executor_backend="mp",
+        block_size=4,
+        num_gpu_blocks=14,
+        max_num_batched_tokens=8,
+    )
     tok = llm.get_tokenizer()
     base = tok.encode(PROMPTS[1])
     prompts = [base, base + tok.encode(" Paris is"), tok.encode(PROMPTS[0])]
@@ -178,6 +186,7 @@ def test_tensor_parallel_refuses_indivisible_deltanet_heads(model_path, tmp_path
 
 def test_core_api_refuses_hybrid_models(model_path):
     from novainfer.core.context import Context
+
     with pytest.raises(NotImplementedError, match="linear-attention"):
         Context(model_path("qwen3_5"), n_cells=64, dtype="float32")
 
@@ -185,11 +194,13 @@ def test_core_api_refuses_hybrid_models(model_path):
 def test_speculation_is_refused(model_path, tiny_qwen2):
     """On a hybrid target (a rejected guess would have advanced the recurrent state), and a hybrid draft model."""
     with pytest.raises(ValueError, match="recurrent state"):
-        LLM(model_path("qwen3_5"), dtype="float32", speculative_config={"method": "ngram",
-                                                                        "num_speculative_tokens": 2})
+        LLM(model_path("qwen3_5"), dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="linear-attention layers, which a draft model cannot have"):
-        LLM(tiny_qwen2, dtype="float32", speculative_config={"method": "draft_model", "model": model_path("qwen3_5"),
-                                                             "num_speculative_tokens": 2})
+        LLM(
+            tiny_qwen2,
+            dtype="float32",
+            speculative_config={"method": "draft_model", "model": model_path("qwen3_5"), "num_speculative_tokens": 2},
+        )
 
 
 def test_unknown_layer_type_is_refused(model_path, tmp_path):
@@ -198,7 +209,6 @@ def test_unknown_layer_type_is_refused(model_path, tmp_path):
     path = with_config(src, tmp_path, layer_types=["sliding_attention"] + types[1:])
     with pytest.raises(NotImplementedError, match="layer_types"):
         LLM(path, dtype="float32")
-
 
 
 def test_ungated_attention_is_refused(model_path, tmp_path):

@@ -3,6 +3,7 @@ key heads serving four value heads (so the converter's value-head reordering bit
 MoE) gives the HF checkpoint's and transformers' greedy tokens; the Q8_0 / Q4_K_M files, kept quantized, agree
 with the float32 reference on their own dequantized weights in >= 99% of teacher-forced top-1 tokens and, where
 llama_cpp is installed, are no further from it in KL than llama.cpp is on the same file; unknown metadata is refused."""
+
 from __future__ import annotations
 
 import pytest
@@ -30,9 +31,13 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen35-gguf")
     hf = write_qwen35_hf(str(root / "hf"), QWEN35_SHAPES["tiny"])
     moe = write_qwen35_hf(str(root / "moe-hf"), QWEN35_SHAPES["tiny-moe"])
-    return {"hf": hf, "f32": convert_hf_to_gguf(hf, str(root / "f32.gguf"), "f32"),
-            "q8_0": convert_hf_to_gguf(hf, str(root / "q8_0.gguf"), "q8_0"),
-            "moe-hf": moe, "moe-f32": convert_hf_to_gguf(moe, str(root / "moe-f32.gguf"), "f32")}
+    return {
+        "hf": hf,
+        "f32": convert_hf_to_gguf(hf, str(root / "f32.gguf"), "f32"),
+        "q8_0": convert_hf_to_gguf(hf, str(root / "q8_0.gguf"), "q8_0"),
+        "moe-hf": moe,
+        "moe-f32": convert_hf_to_gguf(moe, str(root / "moe-f32.gguf"), "f32"),
+    }
 
 
 @pytest.mark.parametrize("model", ["", "moe-"], ids=["qwen35", "qwen35moe"])
@@ -40,22 +45,23 @@ def test_f32_gguf_greedy_matches_its_hf_checkpoint_and_transformers(model, files
     from transformers import AutoModelForCausalLM
 
     from novainfer import LLM, SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
     greedy = {}
     for key in ("f32", "hf"):
         llm = LLM(files[model + key], dtype="float32", max_model_len=256, block_size=4, max_num_batched_tokens=5)
-        greedy[key] = list(llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0]
-                           .token_ids)
+        greedy[key] = list(llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0].token_ids)
         llm.llm_engine.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(files[model + "hf"], dtype=torch.float32).eval()
     with torch.inference_mode():
         ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=N, min_new_tokens=N, do_sample=False)[0]
-    assert greedy["f32"] == greedy["hf"] == ref[len(PROMPT):].tolist()
+    assert greedy["f32"] == greedy["hf"] == ref[len(PROMPT) :].tolist()
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_k_m"])
 def test_quantized_file_agrees_with_its_float32_reference(qtype, files, tmp_path):
     from benchmarks.quant_accuracy import kl_and_top1, novainfer_logits
+
     if qtype == "q4_k_m":
         pytest.importorskip("llama_cpp")  # llama.cpp's quantizer; not a test dependency
         path = llama_quantize(files["f32"], str(tmp_path / "q4_k_m.gguf"), "Q4_K_M")
@@ -68,6 +74,7 @@ def test_quantized_file_agrees_with_its_float32_reference(qtype, files, tmp_path
     assert top1 >= 0.99, (kl, top1)
     try:
         from benchmarks.quant_accuracy import llamacpp_logits
+
         llama_kl, llama_top1 = kl_and_top1(ref, llamacpp_logits(path, chunks, 1))
     except ImportError:
         return
@@ -79,6 +86,7 @@ def test_weights_stay_quantized_and_reordered_blocks_load(files):
     column reorder moves blocks); the 4-row alpha / beta projections load dense."""
     from novainfer.layers.quantization.gguf_cpu import GGUFCPUConfig
     from novainfer.loader.model_loader import load_hf_config, load_model
+
     path = files["q8_0"]
     model = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"), quant_config=GGUFCPUConfig())
     mixer = model.model.layers[0].linear_attn
@@ -93,6 +101,7 @@ def test_weights_stay_quantized_and_reordered_blocks_load(files):
 
 def test_unknown_qwen35_metadata_is_refused(files, monkeypatch):
     from novainfer.loader import gguf_loader
+
     monkeypatch.setitem(gguf_loader._reader(files["f32"]).metadata, "qwen35.rope.scaling.type", "yarn")
     with pytest.raises(NotImplementedError, match="qwen35.rope.scaling.type"):
         gguf_loader.load_gguf_config(files["f32"])

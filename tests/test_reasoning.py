@@ -1,6 +1,7 @@
 """The grammar gate of thinking models: a constraint starts after `</think>` (free reasoning before it, the
 grammar's bitmask after it, rebuilt the same from the tokens), and constrained greedy output is the same with the
 overlapped loop and with speculative decoding as without."""
+
 import json
 from types import SimpleNamespace
 
@@ -15,9 +16,15 @@ from novainfer.structured_output import StructuredOutputManager
 from tests.thinking_model import make_thinking_model
 from tests.tiny_models import make_tokenizer
 
-SCHEMA = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
-                                           "days": {"type": "integer", "minimum": 1, "maximum": 9}},
-          "required": ["unit", "days"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+    },
+    "required": ["unit", "days"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +33,9 @@ def thinking(tmp_path_factory):
 
 
 def _seq(tokens: list[int], state) -> SimpleNamespace:
-    return SimpleNamespace(seq_id=0, grammar=state, output_token_ids=tokens, num_output_tokens=len(tokens),
-                           min_tokens_blocked=[])
+    return SimpleNamespace(
+        seq_id=0, grammar=state, output_token_ids=tokens, num_output_tokens=len(tokens), min_tokens_blocked=[]
+    )
 
 
 def _allowed(mask: torch.Tensor, vocab: int) -> set[int]:
@@ -66,8 +74,12 @@ def _outputs(path: str, **kw) -> list[list[int]]:
     llm = LLM(path, dtype="float32", device="cpu", block_size=4, num_gpu_blocks=128, **kw)
     tok_end = llm.get_tokenizer().convert_tokens_to_ids("</think>")
     prompt = "<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n<think>\n"
-    gated = SamplingParams(temperature=0, max_tokens=48, logit_bias={tok_end: 2.0},
-                           structured_outputs=StructuredOutputsParams(json=SCHEMA, after_tokens=[tok_end]))
+    gated = SamplingParams(
+        temperature=0,
+        max_tokens=48,
+        logit_bias={tok_end: 2.0},
+        structured_outputs=StructuredOutputsParams(json=SCHEMA, after_tokens=[tok_end]),
+    )
     free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     outs = llm.generate([prompt, prompt + "a b a b a b"], [gated, free], use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs], outs[0].outputs[0].text
@@ -84,8 +96,9 @@ def baseline(thinking):
 
 
 def test_gated_structured_output_is_identical_with_speculation(thinking, baseline):
-    spec, _ = _outputs(thinking, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                     "prompt_lookup_max": 2})
+    spec, _ = _outputs(
+        thinking, speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
+    )
     assert spec == baseline
 
 
@@ -99,7 +112,8 @@ def test_gated_structured_output_is_identical_with_the_overlapped_loop(thinking,
 def test_min_tokens_yields_to_a_grammar_at_its_end(thinking, choice, min_tokens):
     """A grammar that allows only its end (eos) wins over min_tokens: the output ends there, with no error."""
     llm = LLM(thinking, dtype="float32", device="cpu")
-    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=min_tokens,
-                            structured_outputs=StructuredOutputsParams(choice=[choice]))
+    params = SamplingParams(
+        temperature=0, max_tokens=8, min_tokens=min_tokens, structured_outputs=StructuredOutputsParams(choice=[choice])
+    )
     out = llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0]
     assert (out.text, out.finish_reason) == (choice, "stop")

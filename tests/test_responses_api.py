@@ -4,6 +4,7 @@ client and the openai-agents SDK, unchanged: every answer is parsed into the cli
 The reference is the chat completions path of the same server: a response must carry the text, usage and tool
 calls that /v1/chat/completions gives for the equivalent messages under greedy decoding.
 """
+
 import asyncio
 import json
 from typing import Literal
@@ -17,19 +18,26 @@ import pytest
 from tests.server_utils import FLOAT32, RemoteServer
 
 MODEL = "tiny"
-CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}},
-        "required": ["city"], "additionalProperties": False}
+CITY = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": CITY}
 CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
 FORCED = {"type": "function", "name": "get_weather"}
-LONG = ("Paged attention stores keys and values in fixed-size blocks of the cache, so a second turn that "
-        "starts with the first one reuses its blocks. Tell me more about the cache.")
+LONG = (
+    "Paged attention stores keys and values in fixed-size blocks of the cache, so a second turn that "
+    "starts with the first one reuses its blocks. Tell me more about the cache."
+)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
-    srv = RemoteServer([tiny_llama, "--served-model-name", MODEL, *FLOAT32],
-                       str(tmp_path_factory.mktemp("responses") / "server.log"))
+    srv = RemoteServer(
+        [tiny_llama, "--served-model-name", MODEL, *FLOAT32], str(tmp_path_factory.mktemp("responses") / "server.log")
+    )
     yield srv
     srv.stop()
 
@@ -40,10 +48,15 @@ def client(server):
 
 
 def test_text_response_matches_the_chat_path(client):
-    resp = client.responses.create(model=MODEL, instructions="Be brief.", input="Hello there", temperature=0,
-                                   max_output_tokens=6)
-    chat = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=6, messages=[
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}])
+    resp = client.responses.create(
+        model=MODEL, instructions="Be brief.", input="Hello there", temperature=0, max_output_tokens=6
+    )
+    chat = client.chat.completions.create(
+        model=MODEL,
+        temperature=0,
+        max_tokens=6,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}],
+    )
     assert resp.object == "response" and resp.model == MODEL and resp.instructions == "Be brief."
     assert resp.output_text == chat.choices[0].message.content
     assert resp.output[0].type == "message" and resp.output[0].content[0].type == "output_text"
@@ -57,17 +70,29 @@ def test_text_response_matches_the_chat_path(client):
 
 
 def test_streamed_json_schema_response_follows_the_documented_events(client):
-    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "n": {"enum": [1, 2]}},
-              "required": ["color", "n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green"]}, "n": {"enum": [1, 2]}},
+        "required": ["color", "n"],
+        "additionalProperties": False,
+    }
     fmt = {"format": {"type": "json_schema", "name": "pick", "schema": schema, "strict": True}}
     with client.responses.stream(model=MODEL, input="Pick one", text=fmt, max_output_tokens=40) as stream:
         events = list(stream)
         final = stream.get_final_response()
     types = [e.type for e in events]
-    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                         "response.content_part.added"]
-    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.completed"]
+    assert types[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert types[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert set(types[4:-4]) == {"response.output_text.delta"}
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -78,47 +103,75 @@ def test_streamed_json_schema_response_follows_the_documented_events(client):
 
 
 def test_forced_function_call_then_its_output_continues_the_stored_conversation(client):
-    first = client.responses.create(model=MODEL, input="Weather in Paris?", tools=[WEATHER], tool_choice=FORCED,
-                                    max_output_tokens=30)
+    first = client.responses.create(
+        model=MODEL, input="Weather in Paris?", tools=[WEATHER], tool_choice=FORCED, max_output_tokens=30
+    )
     call = first.output[0]
     assert first.status == "completed" and len(first.output) == 1
     assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
     jsonschema.validate(json.loads(call.arguments), CITY)
-    second = client.responses.create(model=MODEL, previous_response_id=first.id, temperature=0, max_output_tokens=5,
-                                     input=[{"type": "function_call_output", "call_id": call.call_id,
-                                             "output": "sunny"}])
+    second = client.responses.create(
+        model=MODEL,
+        previous_response_id=first.id,
+        temperature=0,
+        max_output_tokens=5,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+    )
     assert second.previous_response_id == first.id
     # the same conversation through chat completions: the stored turn was re-rendered, not dropped
-    chat = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=5, messages=[
-        {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
-        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}])
+    chat = client.chat.completions.create(
+        model=MODEL,
+        temperature=0,
+        max_tokens=5,
+        messages=[
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call.call_id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"},
+        ],
+    )
     assert second.usage.input_tokens == chat.usage.prompt_tokens
     assert second.output_text == chat.choices[0].message.content
 
 
 def test_previous_response_id_hits_the_prefix_cache(client):
     first = client.responses.create(model=MODEL, input=LONG, temperature=0, max_output_tokens=4)
-    second = client.responses.create(model=MODEL, input="And then?", previous_response_id=first.id, temperature=0,
-                                     max_output_tokens=4)
-    chat = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=4, messages=[
-        {"role": "user", "content": LONG}, {"role": "assistant", "content": first.output_text},
-        {"role": "user", "content": "And then?"}])
+    second = client.responses.create(
+        model=MODEL, input="And then?", previous_response_id=first.id, temperature=0, max_output_tokens=4
+    )
+    chat = client.chat.completions.create(
+        model=MODEL,
+        temperature=0,
+        max_tokens=4,
+        messages=[
+            {"role": "user", "content": LONG},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And then?"},
+        ],
+    )
     assert second.usage.input_tokens == chat.usage.prompt_tokens
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 2 > 0
     assert second.output_text == chat.choices[0].message.content
 
 
 def test_streamed_function_call_arguments(client):
-    with client.responses.stream(model=MODEL, input="Weather?", tools=[WEATHER], tool_choice=FORCED,
-                                 max_output_tokens=30) as stream:
+    with client.responses.stream(
+        model=MODEL, input="Weather?", tools=[WEATHER], tool_choice=FORCED, max_output_tokens=30
+    ) as stream:
         events = list(stream)
         final = stream.get_final_response()
     types = [e.type for e in events]
     assert types[2] == "response.output_item.added" and events[2].item.type == "function_call"
-    assert types[-3:] == ["response.function_call_arguments.done", "response.output_item.done",
-                          "response.completed"]
+    assert types[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
     pieces = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert pieces == events[-3].arguments == final.output[0].arguments
     jsonschema.validate(json.loads(pieces), CITY)
@@ -155,15 +208,20 @@ def test_cancel_a_streaming_response(server, client):
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
 
 
-@pytest.mark.parametrize("kw, named", [
-    (dict(tools=[{"type": "web_search"}]), "tools[0].type"),
-    (dict(background=True), "background"),
-    (dict(conversation="conv_1"), "conversation"),
-    (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]),
-     "input[0].content[0].type"),
-    (dict(include=["reasoning.encrypted_content"]), "include"),
-    (dict(tool_choice={"type": "web_search_preview"}, tools=[WEATHER]), "tool_choice"),
-])
+@pytest.mark.parametrize(
+    "kw, named",
+    [
+        (dict(tools=[{"type": "web_search"}]), "tools[0].type"),
+        (dict(background=True), "background"),
+        (dict(conversation="conv_1"), "conversation"),
+        (
+            dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]),
+            "input[0].content[0].type",
+        ),
+        (dict(include=["reasoning.encrypted_content"]), "include"),
+        (dict(tool_choice={"type": "web_search_preview"}, tools=[WEATHER]), "tool_choice"),
+    ],
+)
 def test_unsupported_fields_are_a_400_naming_them(client, kw, named):
     kw = {"input": "Hi", **kw}
     with pytest.raises(openai.BadRequestError) as err:
@@ -182,12 +240,19 @@ def test_agents_sdk_runs_a_function_tool_to_completion(server):
         return f"sunny in {city}"
 
     async def run() -> object:
-        model = agents.OpenAIResponsesModel(model=MODEL, openai_client=openai.AsyncOpenAI(
-            base_url=server.url + "/v1", api_key="unused", max_retries=0))
-        agent = agents.Agent(name="weather", instructions="Use the tool.", tools=[get_weather], model=model,
-                             model_settings=agents.ModelSettings(tool_choice="get_weather", max_tokens=40),
-                             tool_use_behavior="stop_on_first_tool")
+        model = agents.OpenAIResponsesModel(
+            model=MODEL, openai_client=openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        )
+        agent = agents.Agent(
+            name="weather",
+            instructions="Use the tool.",
+            tools=[get_weather],
+            model=model,
+            model_settings=agents.ModelSettings(tool_choice="get_weather", max_tokens=40),
+            tool_use_behavior="stop_on_first_tool",
+        )
         return await agents.Runner.run(agent, "Weather in Paris?")
+
     result = asyncio.run(run())
     assert len(calls) == 1 and calls[0] in ("Paris", "Rome")
     assert result.final_output == f"sunny in {calls[0]}"
@@ -201,11 +266,22 @@ def test_error_shape_and_validation(server):
     assert r.status_code == 400 and "input" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 400, "stream": True, "temperature": 0}),
-    ("/v1/messages", {"model": MODEL, "max_tokens": 400, "stream": True, "temperature": 0,
-                      "messages": [{"role": "user", "content": "Hi"}]}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 400, "stream": True, "temperature": 0}),
+        (
+            "/v1/messages",
+            {
+                "model": MODEL,
+                "max_tokens": 400,
+                "stream": True,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": "Hi"}],
+            },
+        ),
+    ],
+)
 def test_client_leaving_a_stream_aborts_its_generation(server, path, body):
     aborts = server.metric("novainfer:request_success_total", finished_reason="abort")
     with httpx.Client(base_url=server.url, timeout=30) as http:

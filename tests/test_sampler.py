@@ -1,4 +1,5 @@
 """The batched Sampler against direct per-row reference computations."""
+
 import torch
 
 from novainfer.layers.sampler import Sampler
@@ -29,13 +30,19 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     torch.manual_seed(0)
     steps = [torch.randn(4, V) for _ in range(6)]
     solo = torch.Generator().manual_seed(5)
-    alone = [run(s[1:2], [SamplingRow(SamplingParams(temperature=1.0), [], [], solo)]).sampled_token_ids.item()
-             for s in steps]
+    alone = [
+        run(s[1:2], [SamplingRow(SamplingParams(temperature=1.0), [], [], solo)]).sampled_token_ids.item()
+        for s in steps
+    ]
     gen = torch.Generator().manual_seed(5)
     mixed = []
     for s in steps:
-        rows = [row(temperature=0.7), SamplingRow(SamplingParams(temperature=1.0), [], [], gen),
-                row(gen_seed=9, temperature=2.0), row(temperature=0)]
+        rows = [
+            row(temperature=0.7),
+            SamplingRow(SamplingParams(temperature=1.0), [], [], gen),
+            row(gen_seed=9, temperature=2.0),
+            row(temperature=0),
+        ]
         mixed.append(run(s, rows).sampled_token_ids[1].item())
     assert alone == mixed
 
@@ -102,6 +109,7 @@ def test_cpu_draw_follows_unnormalised_probs_and_never_draws_a_zero():
     (min-p leaves them so), zero entries, the last one included, never come out, and a seeded row's draws
     repeat with its seed."""
     from scipy.stats import chisquare
+
     torch.manual_seed(0)
     p = torch.tensor([0.0, 0.3, 0.0, 0.1, 0.2, 0.0])  # sums to 0.6
     n = 20000
@@ -110,8 +118,12 @@ def test_cpu_draw_follows_unnormalised_probs_and_never_draws_a_zero():
     counts = torch.bincount(out, minlength=6)
     assert counts[[0, 2, 5]].sum() == 0
     assert chisquare(counts[[1, 3, 4]].numpy(), (p[[1, 3, 4]] / 0.6).numpy() * n).pvalue > 0.01
-    seeded = [Sampler.draw(p.expand(8, 6).contiguous(), SamplingMetadata.build([row(gen_seed=3, temperature=1.0)] * 8,
-                                                                               6, "cpu")) for _ in range(2)]
+    seeded = [
+        Sampler.draw(
+            p.expand(8, 6).contiguous(), SamplingMetadata.build([row(gen_seed=3, temperature=1.0)] * 8, 6, "cpu")
+        )
+        for _ in range(2)
+    ]
     assert torch.equal(seeded[0], seeded[1])
 
 
@@ -120,14 +132,21 @@ def test_cpu_top_k_top_p_among_candidates_equal_the_full_sort():
     sort gives; rows whose set might not (top-k past 1,024, a nucleus wider than the candidates, no filter at
     all) are flagged for the full sort, and the Sampler's draws stay inside each row's support either way."""
     from novainfer.layers.sampler_candidates import CANDIDATES, candidate_probs
+
     torch.manual_seed(0)
     vocab = 3000
     peaked = torch.randn(vocab) * 4
     flat = torch.randn(vocab) * 0.01
-    cases = [(peaked, dict(top_k=50), True), (peaked, dict(top_p=0.9), True),
-             (peaked, dict(top_k=200, top_p=0.5, min_p=0.05), True), (peaked, dict(top_k=2000), False),
-             (flat, dict(top_p=0.9), False), (flat, dict(top_k=10, top_p=0.9), True), (peaked, dict(), False),
-             (peaked, dict(min_p=0.1, top_p=0.95), True)]
+    cases = [
+        (peaked, dict(top_k=50), True),
+        (peaked, dict(top_p=0.9), True),
+        (peaked, dict(top_k=200, top_p=0.5, min_p=0.05), True),
+        (peaked, dict(top_k=2000), False),
+        (flat, dict(top_p=0.9), False),
+        (flat, dict(top_k=10, top_p=0.9), True),
+        (peaked, dict(), False),
+        (peaked, dict(min_p=0.1, top_p=0.95), True),
+    ]
     logits = torch.stack([c[0] for c in cases])
     rows = [row(temperature=0.8, **c[1]) for c in cases]
     meta = SamplingMetadata.build(rows, vocab, "cpu")

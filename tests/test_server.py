@@ -3,6 +3,7 @@
 References are independent: the offline LLM (same checkpoint, same greedy decoding) for expected text and
 logprobs, the tokenizer for token counts, and the server's own non-streamed answer for streamed ones.
 """
+
 import asyncio
 import json
 import os
@@ -21,8 +22,9 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2, tmp_path_factory):
-    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, *FLOAT32],
-                       str(tmp_path_factory.mktemp("server") / "server.log"))
+    srv = RemoteServer(
+        [tiny_qwen2, "--served-model-name", MODEL, *FLOAT32], str(tmp_path_factory.mktemp("server") / "server.log")
+    )
     yield srv
     srv.stop()
 
@@ -58,19 +60,25 @@ def test_chat_matches_offline_llm(client, offline):
 
 
 def test_text_parts_equal_string_content(client):
-    as_text = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "The quick fox"}],
-                                             **GREEDY)
+    as_text = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "The quick fox"}], **GREEDY
+    )
     as_parts = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "The quick"},
-                                                            {"type": "text", "text": " fox"}]}], **GREEDY)
+        model=MODEL,
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "The quick"}, {"type": "text", "text": " fox"}]}
+        ],
+        **GREEDY,
+    )
     assert as_parts.choices[0].message.content == as_text.choices[0].message.content
 
 
 def test_completions_string_list_and_token_ids(client, offline):
     prompts = ["The capital of France is", "def add(a, b):"]
     ids = offline.get_tokenizer().encode("Paged attention")
-    ref = offline.generate(prompts + [ids], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                           use_tqdm=False)
+    ref = offline.generate(
+        prompts + [ids], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )
     one = client.completions.create(model=MODEL, prompt=prompts[0], **GREEDY)
     assert one.choices[0].text == ref[0].outputs[0].text and one.object == "text_completion"
     many = client.completions.create(model=MODEL, prompt=prompts, **GREEDY)
@@ -89,8 +97,11 @@ def test_completion_default_max_tokens_is_16(client):
 def test_chat_stream_chunks_in_openai_order(client):
     messages = [{"role": "user", "content": "Tell me about paged attention"}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, **GREEDY)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, stream=True,
-                                                 stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finish) == 1 and finish[0].choices[0].finish_reason == "length"
@@ -110,8 +121,14 @@ def test_completion_stream_equals_whole(client):
 
 
 def test_n2_and_seed_reproducibility(client):
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Hello"}], n=2, temperature=1.0, max_tokens=12,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hello"}],
+        n=2,
+        temperature=1.0,
+        max_tokens=12,
+        extra_body={"ignore_eos": True},
+    )
     a = client.chat.completions.create(seed=1234, **kw)
     b = client.chat.completions.create(seed=1234, **kw)
     c = client.chat.completions.create(seed=99, **kw)
@@ -138,7 +155,7 @@ def test_stop_string_whole_and_streamed(client):
             break
     assert stop is not None
     cut = client.completions.create(stop=[stop], **kw).choices[0]
-    assert cut.text == full.text[:offset - 1] and cut.finish_reason == "stop"
+    assert cut.text == full.text[: offset - 1] and cut.finish_reason == "stop"
     streamed = list(client.completions.create(stream=True, stop=[stop], **kw))
     assert "".join(c.choices[0].text for c in streamed) == cut.text  # the stop string never leaks into a delta
 
@@ -146,16 +163,16 @@ def test_stop_string_whole_and_streamed(client):
 def test_chat_logprobs_match_offline(client, offline):
     messages = [{"role": "user", "content": "Hello"}]
     resp = client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, top_logprobs=3, **GREEDY)
-    ref = offline.chat(messages, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3),
-                       use_tqdm=False)[0].outputs[0]
+    ref = offline.chat(
+        messages, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3), use_tqdm=False
+    )[0].outputs[0]
     content = resp.choices[0].logprobs.content
     assert len(content) == 12
     for entry, tid, lp in zip(content, ref.token_ids, ref.logprobs):
         assert entry.logprob == pytest.approx(lp[tid].logprob, abs=1e-4)
         assert len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-6)  # greedy took the best
-        assert [t.logprob for t in entry.top_logprobs] == sorted([t.logprob for t in entry.top_logprobs],
-                                                                 reverse=True)
+        assert [t.logprob for t in entry.top_logprobs] == sorted([t.logprob for t in entry.top_logprobs], reverse=True)
 
 
 def test_completion_logprobs_shape(client):
@@ -163,12 +180,12 @@ def test_completion_logprobs_shape(client):
     lp = resp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
     assert "".join(lp.tokens) == resp.choices[0].text
-    assert all(len(t) <= 2 and max(t.values()) == pytest.approx(x) for t, x in zip(lp.top_logprobs,
-                                                                                  lp.token_logprobs))
+    assert all(len(t) <= 2 and max(t.values()) == pytest.approx(x) for t, x in zip(lp.top_logprobs, lp.token_logprobs))
 
 
 def test_32_concurrent_streams_equal_their_greedy_text(server):
     """Async client, chat for even requests and completions for odd ones, all streamed at once."""
+
     async def main():
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         prompts = [f"Request number {i}: the quick brown fox" for i in range(32)]
@@ -176,8 +193,9 @@ def test_32_concurrent_streams_equal_their_greedy_text(server):
         def create(i: int, **kw):
             if i % 2:
                 return client.completions.create(model=MODEL, prompt=prompts[i], **GREEDY, **kw)
-            return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompts[i]}],
-                                                  **GREEDY, **kw)
+            return client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": prompts[i]}], **GREEDY, **kw
+            )
 
         def text(choice) -> str:
             return choice.text if hasattr(choice, "text") else (choice.delta.content or "")
@@ -186,10 +204,12 @@ def test_32_concurrent_streams_equal_their_greedy_text(server):
             chunks = [c async for c in await create(i, stream=True)]
             finishes = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
             return chunks[0].id, "".join(text(c.choices[0]) for c in chunks), finishes
+
         streamed = await asyncio.gather(*(stream(i) for i in range(32)))
         whole = await asyncio.gather(*(create(i) for i in range(32)))
         await client.close()
         return streamed, whole
+
     streamed, whole = asyncio.run(main())
     assert len({s[0] for s in streamed}) == 32  # none lost, none duplicated
     for i, ((_, text, finishes), ref) in enumerate(zip(streamed, whole)):
@@ -199,8 +219,15 @@ def test_32_concurrent_streams_equal_their_greedy_text(server):
 
 
 def _slow_stream_body(**extra):
-    return {"model": MODEL, "prompt": "Hello", "max_tokens": 480, "temperature": 0, "ignore_eos": True,
-            "stream": True, **extra}
+    return {
+        "model": MODEL,
+        "prompt": "Hello",
+        "max_tokens": 480,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        **extra,
+    }
 
 
 @pytest.mark.parametrize("by", ["x-request-id", "response id"])
@@ -208,9 +235,19 @@ def test_cancel_endpoint_stops_stream_and_frees_kv(server, by):
     aborts = server.metric("novainfer:request_success_total", finished_reason="abort")
     events = []
     with httpx.Client(base_url=server.url, timeout=30) as http:
-        with http.stream("POST", "/v1/chat/completions", headers={"X-Request-Id": "cancel-me"},
-                         json={"model": MODEL, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 480,
-                               "temperature": 0, "ignore_eos": True, "stream": True}) as resp:
+        with http.stream(
+            "POST",
+            "/v1/chat/completions",
+            headers={"X-Request-Id": "cancel-me"},
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Hello"}],
+                "max_tokens": 480,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        ) as resp:
             assert resp.headers["x-request-id"] == "cancel-me"
             for line in resp.iter_lines():
                 if not line.startswith("data: "):
@@ -252,8 +289,12 @@ def test_non_streaming_client_that_leaves_is_aborted(server):
 
 
 def test_session_second_turn_hits_prefix_cache(client, server):
-    first = [{"role": "user", "content": "Paged attention stores keys and values in fixed-size blocks. "
-                                          "Tell me more about the cache."}]
+    first = [
+        {
+            "role": "user",
+            "content": "Paged attention stores keys and values in fixed-size blocks. Tell me more about the cache.",
+        }
+    ]
     kw = dict(model=MODEL, temperature=0, max_tokens=8, extra_body={"session_id": "sess-1", "ignore_eos": True})
     t1 = client.chat.completions.create(messages=first, **kw)
     second = [{"role": "user", "content": "And then?"}]
@@ -262,28 +303,45 @@ def test_session_second_turn_hits_prefix_cache(client, server):
     expected = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": conversation}).json()
     assert t2.usage.prompt_tokens == expected["count"]  # the server kept the first turn
     assert t2.usage.prompt_tokens_details.cached_tokens > 0
-    fresh = client.chat.completions.create(messages=second, model=MODEL, temperature=0, max_tokens=8,
-                                           extra_body={"session_id": "sess-2", "ignore_eos": True})
+    fresh = client.chat.completions.create(
+        messages=second,
+        model=MODEL,
+        temperature=0,
+        max_tokens=8,
+        extra_body={"session_id": "sess-2", "ignore_eos": True},
+    )
     assert fresh.usage.prompt_tokens < t2.usage.prompt_tokens
 
 
 BAD_INPUTS = [
     ("bad json", "/v1/chat/completions", b'{"model": "tiny", "messages": [', 400),
     ("negative max_tokens", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400),
-    ("temperature < 0", "/v1/chat/completions",
-     {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -0.5}, 400),
+    (
+        "temperature < 0",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -0.5},
+        400,
+    ),
     ("top_p > 1", "/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400),
     ("empty messages", "/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
     ("missing prompt", "/v1/completions", {"model": MODEL}, 400),
     ("unknown role", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400),
     ("prompt too long", "/v1/completions", {"model": MODEL, "prompt": "hello world " * 400}, 400),
-    ("prompt plus max_tokens too long", "/v1/completions",
-     {"model": MODEL, "prompt": "hello world " * 30, "max_tokens": 500}, 400),
-    ("token id outside the vocabulary", "/v1/completions", {"model": MODEL, "prompt": [1, 2, 10 ** 6]}, 400),
-    ("seed beyond 64 bits", "/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 2 ** 70}, 400),
+    (
+        "prompt plus max_tokens too long",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hello world " * 30, "max_tokens": 500},
+        400,
+    ),
+    ("token id outside the vocabulary", "/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**6]}, 400),
+    ("seed beyond 64 bits", "/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 2**70}, 400),
     ("too many logprobs", "/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 1000}, 400),
-    ("too many top_logprobs", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                                        "logprobs": True, "top_logprobs": 50}, 400),
+    (
+        "too many top_logprobs",
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50},
+        400,
+    ),
     ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404),
 ]
 
@@ -312,11 +370,11 @@ def test_metrics_move_as_requests_complete(server, client):
     before_ttft = server.metric("novainfer:time_to_first_token_seconds_count", model_name=MODEL)
     resp = client.completions.create(model=MODEL, prompt="The quick brown fox", **GREEDY)
     server.wait_idle()
-    assert server.metric("novainfer:prompt_tokens_total", model_name=MODEL) == before_prompt + \
-        resp.usage.prompt_tokens
+    assert server.metric("novainfer:prompt_tokens_total", model_name=MODEL) == before_prompt + resp.usage.prompt_tokens
     assert server.metric("novainfer:generation_tokens_total", model_name=MODEL) == before_gen + 12
-    assert server.metric("novainfer:request_success_total", model_name=MODEL, finished_reason="length") == \
-        before_len + 1
+    assert (
+        server.metric("novainfer:request_success_total", model_name=MODEL, finished_reason="length") == before_len + 1
+    )
     assert server.metric("novainfer:time_to_first_token_seconds_count", model_name=MODEL) == before_ttft + 1
     assert server.metric("novainfer:prefix_cache_queries_total", model_name=MODEL) > 0
     assert '"event": "request_finished"' in server.log()
@@ -331,8 +389,14 @@ def test_tokenize_detokenize_version_health_openapi(server, offline):
     assert httpx.get(server.url + "/version").json()["version"]
     assert httpx.get(server.url + "/health").status_code == 200
     spec = httpx.get(server.url + "/openapi.json").json()
-    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize",
-                 "/v1/requests/{request_id}/cancel"):
+    for path in (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/v1/requests/{request_id}/cancel",
+    ):
         assert path in spec["paths"]
     assert all("422" not in op["responses"] for ops in spec["paths"].values() for op in ops.values())
     assert "400" in spec["paths"]["/v1/completions"]["post"]["responses"]
@@ -345,9 +409,29 @@ def test_tokenize_detokenize_version_health_openapi(server, offline):
 
 def test_serving_benchmark_reports_latencies(server, tmp_path):
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "serving.py"), "--base-url", server.url,
-                    "--num-prompts", "6", "--request-rate", "50", "--max-concurrency", "4", "--input-len", "16",
-                    "--output-len", "8", "--json", str(out)], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "serving.py"),
+            "--base-url",
+            server.url,
+            "--num-prompts",
+            "6",
+            "--request-rate",
+            "50",
+            "--max-concurrency",
+            "4",
+            "--input-len",
+            "16",
+            "--output-len",
+            "8",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     report = json.loads(out.read_text())
     assert report["completed"] == 6 and report["failed"] == 0
     assert report["output_throughput_tok_s"] > 0

@@ -4,6 +4,7 @@ The core is a child process of the server (one per --model); its death is seen a
 with an error chunk and [DONE]); it leaves by itself when the server dies; garbage on either socket is
 logged and dropped. References for text are the offline LLM's greedy answers on the same checkpoint.
 """
+
 import json
 import os
 import re
@@ -34,8 +35,14 @@ def _cores(srv: RemoteServer) -> list[tuple[int, str, str]]:
 
 
 def _complete(srv: RemoteServer, model: str, max_tokens: int = 8, stream: bool = False, timeout: float = 30):
-    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": stream}
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     return httpx.post(srv.url + "/v1/completions", json=body, timeout=timeout)
 
 
@@ -51,8 +58,11 @@ def _gone(pid: int, within: float) -> bool:
 @pytest.fixture(scope="module")
 def reference(tiny_qwen2) -> str:
     llm = LLM(tiny_qwen2, device="cpu")
-    return llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0].text
+    return (
+        llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +80,11 @@ def test_each_model_has_its_own_core_process(two_models, reference):
         assert pid != two_models.proc.pid and core.ppid() == two_models.proc.pid and core.is_running()
     for model in ("a", "b"):
         assert _complete(two_models, model).json()["choices"][0]["text"] == reference
-    chunks = [json.loads(line[6:]) for line in _complete(two_models, "b", stream=True).text.splitlines()
-              if line.startswith("data: {")]
+    chunks = [
+        json.loads(line[6:])
+        for line in _complete(two_models, "b", stream=True).text.splitlines()
+        if line.startswith("data: {")
+    ]
     assert "".join(c["choices"][0]["text"] for c in chunks) == reference
 
 
@@ -102,11 +115,15 @@ def test_garbage_on_either_socket_is_dropped(two_models, reference):
 def test_killed_core_fails_the_stream_at_once_and_the_server_exits_1(tiny_qwen2, tmp_path_factory):
     srv = _server(tmp_path_factory, tiny_qwen2, "--served-model-name", "tiny")
     try:
-        (pid, _, _), = _cores(srv)
-        with httpx.Client(timeout=30) as http, http.stream(
-                "POST", srv.url + "/v1/completions",
-                json={"model": "tiny", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True}) \
-                as in_flight:
+        ((pid, _, _),) = _cores(srv)
+        with (
+            httpx.Client(timeout=30) as http,
+            http.stream(
+                "POST",
+                srv.url + "/v1/completions",
+                json={"model": "tiny", "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True, "stream": True},
+            ) as in_flight,
+        ):
             lines = in_flight.iter_lines()
             assert "choices" in next(line for line in lines if line.startswith("data: "))
             os.kill(pid, signal.SIGKILL)
@@ -124,7 +141,7 @@ def test_killed_core_fails_the_stream_at_once_and_the_server_exits_1(tiny_qwen2,
 
 def test_core_leaves_when_the_server_dies(tiny_qwen2, tmp_path_factory):
     srv = _server(tmp_path_factory, tiny_qwen2, "--served-model-name", "tiny")
-    (pid, _, _), = _cores(srv)
+    ((pid, _, _),) = _cores(srv)
     try:
         assert _complete(srv, "tiny").status_code == 200
         srv.proc.kill()  # no chance to stop its core
@@ -139,11 +156,23 @@ def test_core_leaves_when_the_server_dies(tiny_qwen2, tmp_path_factory):
 def test_tp_workers_are_the_cores_children_and_sigterm_stops_them(tmp_path_factory):
     """mp backend, tp 2, with the overlapped loop (the default on CUDA): the ranks are the core's children;
     SIGTERM stops the server, its core and the ranks."""
-    model = make_tiny_model(str(tmp_path_factory.mktemp("qwen2_tp")), "qwen2", seed=5, num_heads=8, num_kv_heads=4,
-                            head_dim=8)
-    srv = _server(tmp_path_factory, model, "--served-model-name", "tiny", "--tensor-parallel-size", "2",
-                  "--distributed-executor-backend", "mp", "--master-port", "0", "--async-scheduling")
-    (pid, _, _), = _cores(srv)
+    model = make_tiny_model(
+        str(tmp_path_factory.mktemp("qwen2_tp")), "qwen2", seed=5, num_heads=8, num_kv_heads=4, head_dim=8
+    )
+    srv = _server(
+        tmp_path_factory,
+        model,
+        "--served-model-name",
+        "tiny",
+        "--tensor-parallel-size",
+        "2",
+        "--distributed-executor-backend",
+        "mp",
+        "--master-port",
+        "0",
+        "--async-scheduling",
+    )
+    ((pid, _, _),) = _cores(srv)
     try:
         assert _complete(srv, "tiny").status_code == 200 and "async_scheduling=True" in srv.log()
         ranks = [p for p in psutil.Process(pid).children() if "resource_tracker" not in " ".join(p.cmdline())]

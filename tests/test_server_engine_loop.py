@@ -1,5 +1,6 @@
 """The server's request lifecycle (TrackedRequest). The engine loop's failure handling is tested against a real
 server in test_server_faults.py."""
+
 import logging
 
 import pytest

@@ -4,6 +4,7 @@ Faults come from the test-only hook (tests/faults.py, in a server's engine core 
 requests whose id starts with PREFIX fail at STAGE. References for text are the same server's answers to the
 prompts alone.
 """
+
 import asyncio
 import json
 import signal
@@ -25,22 +26,31 @@ PROMPTS = ["The cat sat on", "Once upon a time", "Numbers: one two", "Hello, my 
 
 def _server(model: str, tmp_path_factory, *args: str, fault: str | None = None) -> RemoteServer:
     """A `novainfer serve` subprocess; fault: "STAGE:PREFIX" injected in its engine core."""
-    return RemoteServer([model, "--served-model-name", MODEL, *FLOAT32, *args],
-                        str(tmp_path_factory.mktemp("server") / "server.log"),
-                        **(dict(module="tests.fault_server", env={"NOVAINFER_TEST_FAULT": fault}) if fault else {}))
+    return RemoteServer(
+        [model, "--served-model-name", MODEL, *FLOAT32, *args],
+        str(tmp_path_factory.mktemp("server") / "server.log"),
+        **(dict(module="tests.fault_server", env={"NOVAINFER_TEST_FAULT": fault}) if fault else {}),
+    )
 
 
-def _complete(url: str, prompt: str, max_tokens: int, request_id: str | None = None,
-              stream: bool = False) -> httpx.Response:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": stream}
+def _complete(
+    url: str, prompt: str, max_tokens: int, request_id: str | None = None, stream: bool = False
+) -> httpx.Response:
+    body = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     headers = {"X-Request-Id": request_id} if request_id else {}
     return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
 
 
 def _sse_events(text: str) -> list:
     """The `data:` payloads of an SSE body, JSON-decoded ([DONE] kept as the string)."""
-    lines = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    lines = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
     return [x if x == "[DONE]" else json.loads(x) for x in lines]
 
 
@@ -63,6 +73,7 @@ def test_engine_fails_only_the_faulty_request(tiny_qwen2, stage, monkeypatch):
         while engine.has_unfinished_requests():
             done.update({o.request_id: o for o in engine.step() if o.finished})
         return done
+
     alone = {p: run({f"ref-{i}": p})[f"ref-{i}"].outputs[0].text for i, p in enumerate(PROMPTS[:3])}
     # two requests decode for two steps, then the bad one joins their batch
     outs = run({"ok-0": PROMPTS[0], "ok-1": PROMPTS[1]}, after_steps=2, late={"bad-2": PROMPTS[2]})
@@ -91,23 +102,37 @@ def test_fault_in_a_batch_fails_that_request_alone(faulty_server):
 
         async def good(i: int) -> str:
             text = ""
-            stream = await client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=64, temperature=0,
-                                                     stream=True, extra_body={"ignore_eos": True})
+            stream = await client.completions.create(
+                model=MODEL,
+                prompt=PROMPTS[i],
+                max_tokens=64,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             async for chunk in stream:
                 text += chunk.choices[0].text if chunk.choices else ""
                 started[i].set()
             finished_at[i] = time.monotonic()
             return text
+
         async with httpx.AsyncClient(timeout=30) as http:  # made first: the bad request goes out the moment
             tasks = [asyncio.create_task(good(i)) for i in range(3)]  # all three are streaming
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
-            bad = await http.post(url + "/v1/completions", headers={"X-Request-Id": "fault-1"},
-                                  json={"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 8})
+            bad = await http.post(
+                url + "/v1/completions",
+                headers={"X-Request-Id": "fault-1"},
+                json={"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 8},
+            )
             failed_at = time.monotonic()
-            bad_stream = await http.post(url + "/v1/completions", headers={"X-Request-Id": "fault-2"},
-                                         json={"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 8, "stream": True})
+            bad_stream = await http.post(
+                url + "/v1/completions",
+                headers={"X-Request-Id": "fault-2"},
+                json={"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 8, "stream": True},
+            )
         texts = await asyncio.wait_for(asyncio.gather(*tasks), 60)
         return bad, bad_stream, texts, failed_at, finished_at
+
     bad, bad_stream, texts, failed_at, finished_at = asyncio.run(scenario())
     assert bad.status_code == 500, bad.text
     error = bad.json()["error"]
@@ -131,10 +156,14 @@ def test_dead_engine_loop_fails_in_flight_requests_and_the_server_exits_non_zero
     try:
         url = srv.url
         assert _complete(url, PROMPTS[0], 4).status_code == 200
-        with httpx.Client(timeout=30) as http, http.stream(
-                "POST", url + "/v1/completions",
-                json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True, "stream": True}) \
-                as in_flight:
+        with (
+            httpx.Client(timeout=30) as http,
+            http.stream(
+                "POST",
+                url + "/v1/completions",
+                json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True, "stream": True},
+            ) as in_flight,
+        ):
             lines = in_flight.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             assert "choices" in first
@@ -163,11 +192,19 @@ def test_sigterm_drains_then_exits_zero(tiny_qwen2, tmp_path_factory):
 
     async def scenario():
         async with httpx.AsyncClient(timeout=60) as http:
+
             async def stream(max_tokens: int) -> str:
-                body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": max_tokens, "ignore_eos": True,
-                        "temperature": 0, "stream": True}
+                body = {
+                    "model": MODEL,
+                    "prompt": PROMPTS[0],
+                    "max_tokens": max_tokens,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                    "stream": True,
+                }
                 async with http.stream("POST", url + "/v1/completions", json=body) as resp:
                     return "\n".join([line async for line in resp.aiter_lines()])
+
             # one sequence runs at a time: the long ones can't all finish in 1.5 s (12 x 480 tokens; a fast core
             # decodes 4 x 480 of the tiny model in that time), the short one is first
             short = asyncio.create_task(stream(4))
@@ -183,6 +220,7 @@ def test_sigterm_drains_then_exits_zero(tiny_qwen2, tmp_path_factory):
                 late = "refused"
             bodies = await asyncio.wait_for(asyncio.gather(short, *longs), 30)
             return t0, late, bodies
+
     try:
         t0, late, bodies = asyncio.run(scenario())
         code = srv.proc.wait(timeout=20)

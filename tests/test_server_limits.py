@@ -1,4 +1,5 @@
 """A server with an API key, tight admission limits and two models: 401, 429 with Retry-After, routing."""
+
 import asyncio
 
 import httpx
@@ -13,9 +14,23 @@ KEY = "sk-test-key"
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2, tiny_llama, tmp_path_factory):
-    srv = RemoteServer([tiny_qwen2, "--model", tiny_llama, "--served-model-name", "qwen", "llama",
-                        "--api-key", KEY, "--max-concurrent-requests", "1", "--max-queue-len", "1"],
-                       str(tmp_path_factory.mktemp("server_limits") / "server.log"))
+    srv = RemoteServer(
+        [
+            tiny_qwen2,
+            "--model",
+            tiny_llama,
+            "--served-model-name",
+            "qwen",
+            "llama",
+            "--api-key",
+            KEY,
+            "--max-concurrent-requests",
+            "1",
+            "--max-queue-len",
+            "1",
+        ],
+        str(tmp_path_factory.mktemp("server_limits") / "server.log"),
+    )
     yield srv
     srv.stop()
 
@@ -42,8 +57,13 @@ def test_requests_route_by_model(server, tiny_qwen2, tiny_llama):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     for name, path in (("qwen", tiny_qwen2), ("llama", tiny_llama)):
         ref = LLM(path, device="cpu").generate(["Hello, my name is"], params, use_tqdm=False)[0].outputs[0].text
-        got = client.completions.create(model=name, prompt="Hello, my name is", temperature=0, max_tokens=10,
-                                        extra_body={"ignore_eos": True}).choices[0].text
+        got = (
+            client.completions.create(
+                model=name, prompt="Hello, my name is", temperature=0, max_tokens=10, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+        )
         assert got == ref, name
     with pytest.raises(openai.NotFoundError, match="qwen, llama"):
         client.completions.create(model="missing", prompt="hi")
@@ -53,9 +73,11 @@ def test_overload_gets_429_with_retry_after_then_recovers(server):
     body = {"model": "qwen", "prompt": "Hello", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
 
     async def main():
-        async with httpx.AsyncClient(base_url=server.url, timeout=60,
-                                     headers={"Authorization": f"Bearer {KEY}"}) as http:
+        async with httpx.AsyncClient(
+            base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {KEY}"}
+        ) as http:
             return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(5)))
+
     responses = asyncio.run(main())
     statuses = sorted(r.status_code for r in responses)
     # one runs, one waits in the queue of length 1, the rest are refused at once: nothing queues unboundedly

@@ -4,6 +4,7 @@ cache too small for its load, each against a real `novainfer serve` with a tiny 
 The reference for every prompt is the text it gets alone: the offline LLM on the same checkpoint with
 max_num_seqs=1, so each request runs by itself in its batch (greedy, ignore_eos, the same max_tokens).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -46,17 +47,28 @@ class Outcome:
 def alone(tiny_qwen2) -> dict[str, str]:
     """Each prompt's greedy text when it runs alone (max_num_seqs=1: never batched with another request)."""
     llm = LLM(tiny_qwen2, device="cpu", max_num_seqs=1, dtype="float32")
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                        use_tqdm=False)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
     return {p: o.outputs[0].text for p, o in zip(PROMPTS, outs)}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2, tmp_path_factory):
     """The issue's server: 32 sequences per batch, 64 requests in flight and 64 queued, then 429."""
-    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, *FLOAT32, "--max-num-seqs", str(MAX_NUM_SEQS),
-                        "--max-concurrent-requests", str(MAX_CONCURRENT), "--max-queue-len", str(MAX_QUEUE)],
-                       str(tmp_path_factory.mktemp("server_load") / "server.log"))
+    srv = RemoteServer(
+        [
+            tiny_qwen2,
+            "--served-model-name",
+            MODEL,
+            *FLOAT32,
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            "--max-concurrent-requests",
+            str(MAX_CONCURRENT),
+            "--max-queue-len",
+            str(MAX_QUEUE),
+        ],
+        str(tmp_path_factory.mktemp("server_load") / "server.log"),
+    )
     yield srv
     srv.stop()
 
@@ -65,22 +77,34 @@ async def stream_completion(client: openai.AsyncOpenAI, prompt: str) -> Outcome:
     """Stream one greedy completion; a 429 is an outcome, any other error fails the test."""
     start = time.monotonic()
     try:
-        stream = await client.completions.create(model=MODEL, prompt=prompt, stream=True, temperature=0,
-                                                 max_tokens=MAX_TOKENS, extra_body={"ignore_eos": True})
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            stream=True,
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            extra_body={"ignore_eos": True},
+        )
         chunks = [c async for c in stream]
     except openai.RateLimitError as exc:
         return Outcome(429, time.monotonic() - start, retry_after=exc.response.headers.get("retry-after"))
-    return Outcome(200, time.monotonic() - start, "".join(c.choices[0].text for c in chunks),
-                   tuple(c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason))
+    return Outcome(
+        200,
+        time.monotonic() - start,
+        "".join(c.choices[0].text for c in chunks),
+        tuple(c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason),
+    )
 
 
 def burst(server: RemoteServer, prompts: list[str]) -> list[Outcome]:
     """Every prompt streamed by its own concurrent client, all started at once; a client past NO_HANG_S fails."""
+
     async def main() -> list[Outcome]:
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                                      timeout=NO_HANG_S) as client:
-            return await asyncio.wait_for(asyncio.gather(*(stream_completion(client, p) for p in prompts)),
-                                          NO_HANG_S)
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=NO_HANG_S
+        ) as client:
+            return await asyncio.wait_for(asyncio.gather(*(stream_completion(client, p) for p in prompts)), NO_HANG_S)
+
     return asyncio.run(main())
 
 
@@ -92,8 +116,10 @@ def test_256_streaming_clients_complete_alone_text_or_get_prompt_429(server, alo
     refused = [o for o in outcomes if o.status == 429]
     slowest_429 = max((o.seconds for o in refused), default=0.0)
     slowest_done = max(o.seconds for _, o in done)
-    print(f"\n{len(done)} completed (slowest {slowest_done:.2f} s), {len(refused)} got 429 (slowest "
-          f"{slowest_429:.2f} s), burst took {elapsed:.1f} s")
+    print(
+        f"\n{len(done)} completed (slowest {slowest_done:.2f} s), {len(refused)} got 429 (slowest "
+        f"{slowest_429:.2f} s), burst took {elapsed:.1f} s"
+    )
     assert len(done) + len(refused) == NUM_CLIENTS
     # a refusal needs every slot taken and the queue full, so the first MAX_CONCURRENT + MAX_QUEUE never are
     assert len(done) >= MAX_CONCURRENT + MAX_QUEUE and refused, (len(done), len(refused))
@@ -105,8 +131,8 @@ def test_256_streaming_clients_complete_alone_text_or_get_prompt_429(server, alo
     assert slowest_429 < min(PROMPT_429_S, slowest_done), (slowest_429, slowest_done)
     assert server.wait_idle() == 0.0
     # every admission slot came back: a full second burst's first MAX_CONCURRENT + MAX_QUEUE are all admitted
-    again = burst(server, PROMPTS[:MAX_CONCURRENT + MAX_QUEUE])
-    assert [o.text for o in again] == [alone[p] for p in PROMPTS[:MAX_CONCURRENT + MAX_QUEUE]]
+    again = burst(server, PROMPTS[: MAX_CONCURRENT + MAX_QUEUE])
+    assert [o.text for o in again] == [alone[p] for p in PROMPTS[: MAX_CONCURRENT + MAX_QUEUE]]
     assert server.wait_idle() == 0.0
 
 
@@ -129,8 +155,10 @@ def test_disconnect_storm_leaves_no_blocks_in_use(server, alone):
     async def main() -> list[int]:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
         async with httpx.AsyncClient(base_url=server.url, timeout=NO_HANG_S, limits=limits) as http:
-            return await asyncio.wait_for(asyncio.gather(*(drop_after_two_chunks(http, i) for i in range(100))),
-                                          NO_HANG_S)
+            return await asyncio.wait_for(
+                asyncio.gather(*(drop_after_two_chunks(http, i) for i in range(100))), NO_HANG_S
+            )
+
     assert asyncio.run(main()) == [2] * 100
     assert server.wait_idle() == 0.0
     assert server.metric("novainfer:request_success_total", finished_reason="abort") == aborts + 100
@@ -144,8 +172,19 @@ def test_disconnect_storm_leaves_no_blocks_in_use(server, alone):
 
 def test_kv_exhaustion_preempts_and_recomputes(tiny_qwen2, alone, tmp_path):
     prompts = PROMPTS[:MAX_NUM_SEQS]
-    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, *FLOAT32, "--max-num-seqs", str(MAX_NUM_SEQS),
-                        "--num-gpu-blocks-override", str(KV_BLOCKS)], str(tmp_path / "server.log"))
+    srv = RemoteServer(
+        [
+            tiny_qwen2,
+            "--served-model-name",
+            MODEL,
+            *FLOAT32,
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            "--num-gpu-blocks-override",
+            str(KV_BLOCKS),
+        ],
+        str(tmp_path / "server.log"),
+    )
     try:
         outcomes = burst(srv, prompts)
         assert [o.status for o in outcomes] == [200] * len(prompts)
@@ -163,9 +202,25 @@ def test_kv_exhaustion_preempts_and_recomputes(tiny_qwen2, alone, tmp_path):
 def test_serving_benchmark_counts_429s_under_this_load(server, tmp_path):
     """benchmarks/serving.py under the issue's load: 256 streams at once; refusals counted apart from failures."""
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "serving.py"), "--base-url", server.url,
-                    "--num-prompts", str(NUM_CLIENTS), "--input-len", "8", "--output-len", "8", "--json", str(out)],
-                   check=True, capture_output=True, timeout=NO_HANG_S)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "serving.py"),
+            "--base-url",
+            server.url,
+            "--num-prompts",
+            str(NUM_CLIENTS),
+            "--input-len",
+            "8",
+            "--output-len",
+            "8",
+            "--json",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=NO_HANG_S,
+    )
     report = json.loads(out.read_text())
     assert report["failed"] == 0 and report["completed"] + report["rate_limited_429"] == NUM_CLIENTS
     assert report["completed"] >= MAX_CONCURRENT + MAX_QUEUE

@@ -1,5 +1,6 @@
 """Reliability findings of 2026-11-27 against a real `novainfer serve`: duplicate X-Request-Id, client chat
 templates, stalled SSE readers, bounds on client-controlled state, slowloris, and small input checks."""
+
 import json
 import socket
 import threading
@@ -15,10 +16,24 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2, tmp_path_factory):
-    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, "--max-concurrent-requests", "2",
-                        "--max-queue-len", "0", "--stream-write-timeout", "2",
-                        "--max-sessions", "1", "--request-header-timeout", "2"],
-                       str(tmp_path_factory.mktemp("server") / "server.log"))
+    srv = RemoteServer(
+        [
+            tiny_qwen2,
+            "--served-model-name",
+            MODEL,
+            "--max-concurrent-requests",
+            "2",
+            "--max-queue-len",
+            "0",
+            "--stream-write-timeout",
+            "2",
+            "--max-sessions",
+            "1",
+            "--request-header-timeout",
+            "2",
+        ],
+        str(tmp_path_factory.mktemp("server") / "server.log"),
+    )
     yield srv
     srv.stop()
 
@@ -29,25 +44,32 @@ def _error(resp: httpx.Response, status: int) -> dict:
 
 
 def _sse(lines) -> list:
-    return [line[len("data: "):] for line in lines if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in lines if line.startswith("data: ")]
 
 
 def _complete(url: str, max_tokens: int = 4, **extra) -> httpx.Response:
-    return httpx.post(url + "/v1/completions", timeout=30,
-                      json={"model": MODEL, "prompt": "Hi", "max_tokens": max_tokens, **extra})
+    return httpx.post(
+        url + "/v1/completions", timeout=30, json={"model": MODEL, "prompt": "Hi", "max_tokens": max_tokens, **extra}
+    )
 
 
 # ---- 1. a reused X-Request-Id -------------------------------------------------------------------------------
 def test_duplicate_request_id_is_409_and_the_first_request_is_untouched(server):
     url = server.url
     body = {"model": MODEL, "prompt": "Hi", "max_tokens": 300, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/completions", json=body,
-                                                       headers={"X-Request-Id": "dup"}) as first:
+    with (
+        httpx.Client(timeout=60) as http,
+        http.stream("POST", url + "/v1/completions", json=body, headers={"X-Request-Id": "dup"}) as first,
+    ):
         lines = first.iter_lines()
         assert "choices" in next(line for line in lines if line.startswith("data: "))
         for headers in ({"X-Request-Id": "dup"},):
-            second = httpx.post(url + "/v1/completions", headers=headers, timeout=30,
-                                json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+            second = httpx.post(
+                url + "/v1/completions",
+                headers=headers,
+                timeout=30,
+                json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+            )
             error = _error(second, 409)
             assert "dup" in error["message"] and second.headers["x-request-id"] == "dup"
         events = _sse(lines)
@@ -62,15 +84,26 @@ def test_duplicate_of_a_non_streaming_request_leaves_its_slot_to_come_back(serve
     url, results = server.url, {}
 
     def run(name: str, rid: str, max_tokens: int) -> None:
-        results[name] = httpx.post(url + "/v1/completions", headers={"X-Request-Id": rid}, timeout=60,
-                                   json={"model": MODEL, "prompt": "Hi", "max_tokens": max_tokens,
-                                         "ignore_eos": True})
-    threads = [threading.Thread(target=run, args=("a", "same", 200)), threading.Thread(target=run, args=("b", "other", 200))]
+        results[name] = httpx.post(
+            url + "/v1/completions",
+            headers={"X-Request-Id": rid},
+            timeout=60,
+            json={"model": MODEL, "prompt": "Hi", "max_tokens": max_tokens, "ignore_eos": True},
+        )
+
+    threads = [
+        threading.Thread(target=run, args=("a", "same", 200)),
+        threading.Thread(target=run, args=("b", "other", 200)),
+    ]
     for t in threads:
         t.start()
     time.sleep(0.5)
-    dup = httpx.post(url + "/v1/completions", headers={"X-Request-Id": "same"}, timeout=30,
-                     json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    dup = httpx.post(
+        url + "/v1/completions",
+        headers={"X-Request-Id": "same"},
+        timeout=30,
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+    )
     for t in threads:
         t.join()
     assert dup.status_code == 409
@@ -85,10 +118,12 @@ def _parallel(url: str, k: int, timeout: float = 30) -> list[httpx.Response]:
 
     def one(i: int) -> None:
         try:
-            out[i] = httpx.post(url + "/v1/completions", timeout=timeout,
-                                json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+            out[i] = httpx.post(
+                url + "/v1/completions", timeout=timeout, json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+            )
         except httpx.TimeoutException as exc:
             out[i] = exc
+
     threads = [threading.Thread(target=one, args=(i,)) for i in range(k)]
     for t in threads:
         t.start()
@@ -102,13 +137,21 @@ LOOP_TEMPLATE = "{% for i in range(3000) %}{% for j in range(10000) %}{% endfor 
 
 
 def _chat(url: str, **extra) -> httpx.Response:
-    return httpx.post(url + "/v1/chat/completions", timeout=60,
-                      json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **extra})
+    return httpx.post(
+        url + "/v1/chat/completions",
+        timeout=60,
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, **extra},
+    )
 
 
-@pytest.mark.parametrize("kwargs, param", [({"chat_template": "{{ 'a ' * 5000000 }}"}, "chat_template"),
-                                           ({"chat_template": LOOP_TEMPLATE}, "chat_template"),
-                                           ({"tokenize": False}, "tokenize")])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"chat_template": "{{ 'a ' * 5000000 }}"}, "chat_template"),
+        ({"chat_template": LOOP_TEMPLATE}, "chat_template"),
+        ({"tokenize": False}, "tokenize"),
+    ],
+)
 def test_client_chat_template_is_refused_by_default(server, kwargs, param):
     t0 = time.monotonic()
     error = _error(_chat(server.url, chat_template_kwargs=kwargs), 400)
@@ -119,8 +162,10 @@ def test_client_chat_template_is_refused_by_default(server, kwargs, param):
 
 @pytest.fixture(scope="module")
 def trusting(tiny_qwen2, tmp_path_factory):
-    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, "--trust-request-chat-template"],
-                       str(tmp_path_factory.mktemp("server") / "server.log"))
+    srv = RemoteServer(
+        [tiny_qwen2, "--served-model-name", MODEL, "--trust-request-chat-template"],
+        str(tmp_path_factory.mktemp("server") / "server.log"),
+    )
     yield srv
     srv.stop()
 
@@ -131,6 +176,7 @@ def test_trusted_client_template_renders_off_the_event_loop(trusting):
 
     def run() -> None:
         slow["resp"] = _chat(url, chat_template_kwargs={"chat_template": LOOP_TEMPLATE})
+
     thread = threading.Thread(target=run)
     t0 = time.monotonic()
     thread.start()
@@ -143,8 +189,11 @@ def test_trusted_client_template_renders_off_the_event_loop(trusting):
         time.sleep(0.05)
     thread.join()
     assert slow["resp"].status_code == 200, slow["resp"].text
-    assert slow["resp"].json()["usage"]["prompt_tokens"] == len(httpx.post(
-        url + "/tokenize", json={"model": MODEL, "prompt": "Hi", "add_special_tokens": False}).json()["tokens"])
+    assert slow["resp"].json()["usage"]["prompt_tokens"] == len(
+        httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "Hi", "add_special_tokens": False}).json()[
+            "tokens"
+        ]
+    )
     took = time.monotonic() - t0  # a template on the event loop made /health wait for all of it
     assert took > 1.0 and worst < min(1.5, took / 3), (took, worst)
 
@@ -153,13 +202,25 @@ def test_trusted_client_template_renders_off_the_event_loop(trusting):
 def test_stalled_sse_reader_is_dropped_and_its_slot_freed(server):
     """A client that sends a large streaming request and never reads is cut off after --stream-write-timeout;
     a concurrent request completes meanwhile, and both admission slots are free afterwards."""
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 400,
-                       "ignore_eos": True, "n": 16, "logprobs": True, "top_logprobs": 20, "stream": True}).encode()
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "n": 16,
+            "logprobs": True,
+            "top_logprobs": 20,
+            "stream": True,
+        }
+    ).encode()
     stalled = socket.socket()
     stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     stalled.connect(("127.0.0.1", server.port))
-    stalled.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    stalled.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     try:
         t0 = time.monotonic()
         assert _complete(server.url, 4).status_code == 200
@@ -167,7 +228,7 @@ def test_stalled_sse_reader_is_dropped_and_its_slot_freed(server):
         server.wait_idle(timeout=30)  # the engine is done with it (about 11 MB of events: past any socket buffer)
         time.sleep(3)  # the write timeout is 2 s
         t0 = time.monotonic()
-        codes = [getattr(r, 'status_code', r) for r in _parallel(server.url, 2, timeout=10)]
+        codes = [getattr(r, "status_code", r) for r in _parallel(server.url, 2, timeout=10)]
         assert codes == [200, 200] and time.monotonic() - t0 < 5.0
         assert server.wait_idle() == 0
         assert "stream-write-timeout" in server.log()
@@ -178,6 +239,7 @@ def test_stalled_sse_reader_is_dropped_and_its_slot_freed(server):
 # ---- 5. engine supervision ---------------------------------------------------------------------------------
 def _core_pid(srv: RemoteServer) -> int:
     import re
+
     return int(re.search(r"engine core process pid=(\d+) started", srv.log()).group(1))
 
 
@@ -192,6 +254,7 @@ def _alive(pid: int) -> bool:
 
 def _stream_in_flight(url: str, out: dict) -> threading.Thread:
     """A long stream in a thread; out["events"] gets its SSE data lines."""
+
     def run() -> None:
         body = {"model": MODEL, "prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "stream": True}
         try:
@@ -199,6 +262,7 @@ def _stream_in_flight(url: str, out: dict) -> threading.Thread:
                 out["events"] = _sse(resp.iter_lines())
         except httpx.HTTPError as exc:
             out["error"] = exc
+
     thread = threading.Thread(target=run)
     thread.start()
     return thread
@@ -207,8 +271,11 @@ def _stream_in_flight(url: str, out: dict) -> threading.Thread:
 def test_core_killed_fails_in_flight_requests_and_the_server_exits_non_zero(tiny_qwen2, tmp_path_factory):
     import os
     import signal
-    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, "--max-num-seqs", "1"],
-                       str(tmp_path_factory.mktemp("server") / "server.log"))
+
+    srv = RemoteServer(
+        [tiny_qwen2, "--served-model-name", MODEL, "--max-num-seqs", "1"],
+        str(tmp_path_factory.mktemp("server") / "server.log"),
+    )
     try:
         pid, out = _core_pid(srv), {}
         thread = _stream_in_flight(srv.url, out)
@@ -230,8 +297,11 @@ def test_core_killed_fails_in_flight_requests_and_the_server_exits_non_zero(tiny
 def test_frozen_core_turns_health_503_within_the_step_timeout(tiny_qwen2, tmp_path_factory):
     import os
     import signal
-    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, "--engine-step-timeout", "3"],
-                       str(tmp_path_factory.mktemp("server") / "server.log"))
+
+    srv = RemoteServer(
+        [tiny_qwen2, "--served-model-name", MODEL, "--engine-step-timeout", "3"],
+        str(tmp_path_factory.mktemp("server") / "server.log"),
+    )
     pid = _core_pid(srv)
     try:
         assert _complete(srv.url).status_code == 200
@@ -269,11 +339,14 @@ def test_session_id_is_bounded_and_a_refused_request_makes_no_session(server):
     assert again.json()["usage"]["prompt_tokens"] > history
 
 
-@pytest.mark.parametrize("extra, param, limit", [
-    ({"stop": [f"s{i}" for i in range(65)]}, "stop", "64"),
-    ({"stop": ["x" * 1025]}, "stop", "1024"),
-    ({"stop_token_ids": list(range(1025))}, "stop_token_ids", "1024"),
-])
+@pytest.mark.parametrize(
+    "extra, param, limit",
+    [
+        ({"stop": [f"s{i}" for i in range(65)]}, "stop", "64"),
+        ({"stop": ["x" * 1025]}, "stop", "1024"),
+        ({"stop_token_ids": list(range(1025))}, "stop_token_ids", "1024"),
+    ],
+)
 def test_stop_lists_are_bounded(server, extra, param, limit):
     error = _error(_complete(server.url, **extra), 400)
     assert error["param"].startswith(param) and limit in error["message"]
@@ -281,16 +354,26 @@ def test_stop_lists_are_bounded(server, extra, param, limit):
 
 def test_message_count_is_bounded(server):
     messages = [{"role": "user", "content": "a"}] * 1025
-    resp = httpx.post(server.url + "/v1/chat/completions", timeout=30,
-                      json={"model": MODEL, "messages": messages, "max_tokens": 1})
+    resp = httpx.post(
+        server.url + "/v1/chat/completions", timeout=30, json={"model": MODEL, "messages": messages, "max_tokens": 1}
+    )
     error = _error(resp, 400)
     assert error["param"] == "messages" and "1024" in error["message"]
 
 
 def test_logprob_work_is_bounded(server):
-    resp = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
-        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 128, "max_tokens": 450,
-        "logprobs": True, "top_logprobs": 20})
+    resp = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=30,
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "n": 128,
+            "max_tokens": 450,
+            "logprobs": True,
+            "top_logprobs": 20,
+        },
+    )
     error = _error(resp, 400)
     assert error["param"] == "top_logprobs" and "1048576" in error["message"]
 
@@ -348,9 +431,12 @@ def test_metrics_name_the_served_model_not_its_path(server, tiny_qwen2):
 
 
 def test_a_second_authorization_header_is_400(server):
-    resp = httpx.post(server.url + "/v1/completions", timeout=30,
-                      headers=[("Authorization", "Bearer a"), ("Authorization", "Bearer b")],
-                      json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    resp = httpx.post(
+        server.url + "/v1/completions",
+        timeout=30,
+        headers=[("Authorization", "Bearer a"), ("Authorization", "Bearer b")],
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+    )
     error = _error(resp, 400)
     assert "Authorization" in error["message"]
 
@@ -359,6 +445,7 @@ def test_ipc_directory_of_a_killed_front_end_is_removed_at_the_next_start(tiny_q
     import os
     import re
     import signal
+
     logs = tmp_path_factory.mktemp("server")
     killed = RemoteServer([tiny_qwen2], str(logs / "killed.log"))
     directory = os.path.dirname(re.search(r"input ipc://(\S+)/input", killed.log()).group(1) + "/input")

@@ -1,4 +1,5 @@
 """SessionStore bounds (LRU count, idle expiry) and how a turn continues a stored conversation."""
+
 import time
 
 from novainfer.server.sessions import SessionStore, continue_conversation

@@ -1,6 +1,7 @@
 """Speculative decoding returns what decoding without it returns: greedy tokens equal (and equal to
 transformers'), in mixed batches, with prefix caching, under preemption and chunked prefill, with stops
 inside an accepted run; sampled tokens keep the target's distribution (chi-square); counters add up."""
+
 import numpy as np
 import pytest
 import torch
@@ -16,8 +17,12 @@ from tests.tiny_models import hf_greedy, make_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 # repetitive prompts: a random tiny model soon loops, and prompt lookup then guesses right
-PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [40, 41, 42],
-           [100, 200, 300, 100, 200, 300, 100, 200, 300, 100, 200, 300, 100, 200, 300, 100, 200, 300]]
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11, 5, 6, 7],
+    [1, 2, 3, 4, 1, 2, 3, 4, 1, 2],
+    [40, 41, 42],
+    [100, 200, 300, 100, 200, 300, 100, 200, 300, 100, 200, 300, 100, 200, 300, 100, 200, 300],
+]
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
@@ -43,8 +48,9 @@ def ngram(tiny_qwen2):
 @pytest.fixture(scope="module")
 def tiny_draft(tmp_path_factory):
     """Another architecture and other weights, the same tokenizer: its guesses are often wrong."""
-    return make_tiny_model(str(tmp_path_factory.mktemp("draft")), "llama", seed=5, layers=1, num_heads=2,
-                           num_kv_heads=1)
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("draft")), "llama", seed=5, layers=1, num_heads=2, num_kv_heads=1
+    )
 
 
 @pytest.fixture(scope="module", params=["ngram", "draft=target", "draft=other"])
@@ -75,14 +81,16 @@ def test_ngram_lookup_equals_a_brute_force_search():
     def brute(t: list[int], min_n: int, max_n: int, k: int) -> list[int]:
         for n in range(max_n, min_n - 1, -1):
             for end in range(len(t) - 2, n - 2, -1):  # latest earlier match first
-                if t[end - n + 1:end + 1] == t[len(t) - n:]:
-                    return t[end + 1:end + 1 + k]
+                if t[end - n + 1 : end + 1] == t[len(t) - n :]:
+                    return t[end + 1 : end + 1 + k]
         return []
+
     def brute_scaled(t: list[int], min_n: int, max_n: int, k: int) -> list[int]:
         for n in range(max_n, min_n - 1, -1):  # as above, at most 2^(n-1) tokens for a match of n
-            if (out := brute(t, n, n, k)):
-                return out[:2 ** (n - 1)]
+            if out := brute(t, n, n, k):
+                return out[: 2 ** (n - 1)]
         return []
+
     rng = np.random.default_rng(0)
     for _ in range(3000):
         t = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 30))).tolist()
@@ -134,9 +142,12 @@ def test_counters_add_up(tiny_qwen2):
 def test_mixed_batch_with_requests_that_do_not_speculate(plain, any_spec):
     """Greedy, seeded sampling, min_tokens (which keeps a sequence from guessing) and n=2 in one batch."""
     eos = sorted(plain.llm_engine.eos_token_ids)[0]
-    params = [GREEDY, SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=30, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=12, min_tokens=10, logit_bias={eos: 100.0}),
-              SamplingParams(temperature=0, max_tokens=25, n=2, ignore_eos=True)]
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.8, top_k=20, seed=7, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=10, logit_bias={eos: 100.0}),
+        SamplingParams(temperature=0, max_tokens=25, n=2, ignore_eos=True),
+    ]
     ref = tokens(plain, PROMPTS, params)
     got = tokens(any_spec, PROMPTS, params)
     assert got[0] == ref[0] and got[2] == ref[2] and got[3] == got[4] == ref[3] == ref[4]
@@ -146,8 +157,9 @@ def test_mixed_batch_with_requests_that_do_not_speculate(plain, any_spec):
 
 
 def test_penalties_and_logprobs_match(plain, ngram):
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3,
-                            frequency_penalty=0.2, logprobs=3)
+    params = SamplingParams(
+        temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.2, logprobs=3
+    )
     ref = plain.generate(PROMPTS, params, use_tqdm=False)
     got = ngram.generate(PROMPTS, params, use_tqdm=False)
     for r, g in zip(ref, got):
@@ -165,14 +177,20 @@ def test_stops_inside_an_accepted_run_cut_it_there(plain, any_spec):
     stop_id = full[9]
     first = full.index(stop_id)
     text = plain.generate(PROMPTS[1:2], GREEDY, use_tqdm=False)[0].outputs[0].text
-    cases = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_id]),
-             SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
-             SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[text[12:16]])]
+    cases = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_id]),
+        SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[text[12:16]]),
+    ]
     for params in cases:
         r = plain.generate(PROMPTS[1:2], params, use_tqdm=False)[0].outputs[0]
         g = ngram.generate(PROMPTS[1:2], params, use_tqdm=False)[0].outputs[0]
-        assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == \
-            (r.token_ids, r.text, r.finish_reason, r.stop_reason)
+        assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == (
+            r.token_ids,
+            r.text,
+            r.finish_reason,
+            r.stop_reason,
+        )
     assert len(tokens(ngram, PROMPTS[1:2], cases[0])[0]) == first + 1
 
 
@@ -180,8 +198,9 @@ def test_stops_inside_an_accepted_run_cut_it_there(plain, any_spec):
 def test_prefix_caching_preemption_and_chunked_prefill(tiny_qwen2, spec_config):
     long = [p * 4 for p in PROMPTS]  # 12..72 tokens
     kw = dict(max_num_batched_tokens=16, num_gpu_blocks=40, enable_prefix_caching=True)
-    config = NGRAM if spec_config == "ngram" else {"method": "draft_model", "model": tiny_qwen2,
-                                                   "num_speculative_tokens": 3}
+    config = (
+        NGRAM if spec_config == "ngram" else {"method": "draft_model", "model": tiny_qwen2, "num_speculative_tokens": 3}
+    )
     plain, spec = make(tiny_qwen2, **kw), make(tiny_qwen2, config, **kw)
     ref = tokens(plain, long, GREEDY)
     got = tokens(spec, long, GREEDY)
@@ -194,14 +213,19 @@ def test_prefix_caching_preemption_and_chunked_prefill(tiny_qwen2, spec_config):
     assert cached.get_metrics()["prefix_cache_hits"] > 0
 
 
-@pytest.mark.parametrize("bad, field", [
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
-    ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
-    ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
-     "prompt_lookup_min"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "model"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            "prompt_lookup_min",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "lookahead"),
+    ],
+)
 def test_bad_configurations_fail_at_start_naming_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
         EngineConfig.from_kwargs("unused", speculative_config=bad)
@@ -258,10 +282,20 @@ def test_sampled_tokens_keep_their_distribution_end_to_end(tiny_qwen2, plain):
     verifier that accepted them without the coin flip would skew every position toward the argmax."""
     spec = make(tiny_qwen2, {"method": "draft_model", "model": tiny_qwen2, "num_speculative_tokens": 3})
     prompt, n = PROMPTS[3], 200  # 4 tokens each: at most 3 guesses checked, each accepted with p(argmax)
-    ref = np.array(tokens(plain, [prompt] * n, [SamplingParams(temperature=1.0, top_k=3, seed=s, max_tokens=4,
-                                                               ignore_eos=True) for s in range(n)]))
-    got = np.array(tokens(spec, [prompt] * n, [SamplingParams(temperature=1.0, top_k=3, seed=1000 + s, max_tokens=4,
-                                                              ignore_eos=True) for s in range(n)]))
+    ref = np.array(
+        tokens(
+            plain,
+            [prompt] * n,
+            [SamplingParams(temperature=1.0, top_k=3, seed=s, max_tokens=4, ignore_eos=True) for s in range(n)],
+        )
+    )
+    got = np.array(
+        tokens(
+            spec,
+            [prompt] * n,
+            [SamplingParams(temperature=1.0, top_k=3, seed=1000 + s, max_tokens=4, ignore_eos=True) for s in range(n)],
+        )
+    )
     m = spec.get_metrics()
     assert m["spec_num_accepted_tokens"] > n // 2, "too few guesses accepted for the test to mean anything"
     for pos in range(1, 4):
@@ -278,19 +312,27 @@ def test_server_speculates_streams_and_counts(tiny_qwen2, plain, tmp_path):
     import openai
 
     from tests.server_utils import RemoteServer
-    srv = RemoteServer([tiny_qwen2, "--served-model-name", "tiny", "--dtype", "float32",
-                        "--speculative-config", json.dumps(NGRAM)], str(tmp_path / "server.log"))
+
+    srv = RemoteServer(
+        [tiny_qwen2, "--served-model-name", "tiny", "--dtype", "float32", "--speculative-config", json.dumps(NGRAM)],
+        str(tmp_path / "server.log"),
+    )
     try:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
         tok = plain.get_tokenizer()
         prompt = tok.decode(PROMPTS[3])
-        want = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
-                              use_tqdm=False)[0].outputs[0].text
-        resp = client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=30,
-                                         extra_body={"ignore_eos": True})
+        want = (
+            plain.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)[0]
+            .outputs[0]
+            .text
+        )
+        resp = client.completions.create(
+            model="tiny", prompt=prompt, temperature=0, max_tokens=30, extra_body={"ignore_eos": True}
+        )
         assert resp.choices[0].text == want and resp.usage.completion_tokens == 30
-        chunks = client.completions.create(model="tiny", prompt=prompt, temperature=0, max_tokens=30, stream=True,
-                                           extra_body={"ignore_eos": True})
+        chunks = client.completions.create(
+            model="tiny", prompt=prompt, temperature=0, max_tokens=30, stream=True, extra_body={"ignore_eos": True}
+        )
         assert "".join(c.choices[0].text for c in chunks if c.choices) == want
         srv.wait_idle()
         accepted = srv.metric("novainfer:spec_decode_num_accepted_tokens_total", model_name="tiny")
@@ -298,8 +340,9 @@ def test_server_speculates_streams_and_counts(tiny_qwen2, plain, tmp_path):
         emitted = srv.metric("novainfer:spec_decode_num_emitted_tokens_total", model_name="tiny")
         assert 0 < accepted <= srv.metric("novainfer:spec_decode_num_draft_tokens_total", model_name="tiny")
         assert emitted == drafts + accepted
-        assert srv.metric("novainfer:spec_decode_mean_accepted_length", model_name="tiny") == \
-            pytest.approx(emitted / drafts)
+        assert srv.metric("novainfer:spec_decode_mean_accepted_length", model_name="tiny") == pytest.approx(
+            emitted / drafts
+        )
     finally:
         srv.stop()
 

@@ -1,6 +1,7 @@
 """Structured outputs, logit_bias, prompt logprobs and the finished text, offline (LLM) on tiny random models,
 checked against independent references: jsonschema / re for constraints, transformers for log-probabilities,
 the tokenizer's decode for text; plus the tool-call parsers on hand-written model outputs."""
+
 import json
 import re
 
@@ -12,13 +13,23 @@ from novainfer import LLM, SamplingParams
 from novainfer.sampling_params import StructuredOutputsParams
 from novainfer.server.tool_parsers import get_tool_parser
 
-SCHEMA = {"type": "object", "properties": {
-    "color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
-    "n": {"type": "integer", "minimum": 0, "maximum": 9},
-    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
-    "inner": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 1, "maximum": 3}},
-              "required": ["x"], "additionalProperties": False}},
-    "required": ["color", "ok", "n", "tags", "inner"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 9},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+        "inner": {
+            "type": "object",
+            "properties": {"x": {"type": "integer", "minimum": 1, "maximum": 3}},
+            "required": ["x"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["color", "ok", "n", "tags", "inner"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +39,9 @@ def llm(tiny_llama):
 
 
 def test_json_schema_holds_for_random_samples_with_preemption_and_unconstrained_neighbours(llm):
-    constrained = SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=100,
-                                 structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    constrained = SamplingParams(
+        n=3, temperature=1.0, seed=0, max_tokens=100, structured_outputs=StructuredOutputsParams(json=SCHEMA)
+    )
     free = SamplingParams(n=2, temperature=1.0, seed=1, max_tokens=40, ignore_eos=True)
     outs = llm.generate(["Hello", "The quick brown fox", "Hello"], [constrained, free, constrained], use_tqdm=False)
     engine = llm.llm_engine
@@ -42,13 +54,27 @@ def test_json_schema_holds_for_random_samples_with_preemption_and_unconstrained_
 
 
 def test_regex_choice_and_grammar_hold(llm):
-    regex = SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=30,
-                           structured_outputs=StructuredOutputsParams(regex=r"[a-c]{2,4}-\d\d"))
-    choice = SamplingParams(n=6, temperature=1.0, seed=3, max_tokens=10,
-                            structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"]))
-    grammar = SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=30,
-                             structured_outputs=StructuredOutputsParams(grammar='start: "(" NUM ("+" NUM)* ")"\n'
-                                                                                'NUM: /[0-9]/'))
+    regex = SamplingParams(
+        n=3,
+        temperature=1.0,
+        seed=2,
+        max_tokens=30,
+        structured_outputs=StructuredOutputsParams(regex=r"[a-c]{2,4}-\d\d"),
+    )
+    choice = SamplingParams(
+        n=6,
+        temperature=1.0,
+        seed=3,
+        max_tokens=10,
+        structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"]),
+    )
+    grammar = SamplingParams(
+        n=3,
+        temperature=1.0,
+        seed=4,
+        max_tokens=30,
+        structured_outputs=StructuredOutputsParams(grammar='start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]/'),
+    )
     r, c, g = llm.generate(["Hi", "Hi", "Hi"], [regex, choice, grammar], use_tqdm=False)
     assert all(re.fullmatch(r"[a-c]{2,4}-\d\d", o.text) for o in r.outputs), [o.text for o in r.outputs]
     assert all(o.text in ("yes", "no", "maybe") for o in c.outputs)
@@ -67,6 +93,7 @@ def test_grammar_state_is_rebuilt_from_the_tokens(llm):
     """A matcher ahead of its sequence (a rollback: the sequence lost tokens it had accepted) is rebuilt from
     the sequence's output tokens: its mask then equals a fresh matcher's after those tokens."""
     from types import SimpleNamespace
+
     mgr = llm.llm_engine.structured_output
     tok = llm.get_tokenizer()
     grammar = mgr.compile(StructuredOutputsParams(choice=["abc abc abc"]))
@@ -77,8 +104,10 @@ def test_grammar_state_is_rebuilt_from_the_tokens(llm):
         mgr.accept(rolled, ids[:i])
     for i in range(1, 2):
         mgr.accept(fresh, ids[:i])
-    seqs = [SimpleNamespace(seq_id=s, grammar=g, num_output_tokens=1, output_token_ids=ids[:1], min_tokens_blocked=())
-            for s, g in ((1, rolled), (2, fresh))]
+    seqs = [
+        SimpleNamespace(seq_id=s, grammar=g, num_output_tokens=1, output_token_ids=ids[:1], min_tokens_blocked=())
+        for s, g in ((1, rolled), (2, fresh))
+    ]
     masks = mgr.grammar_bitmask(seqs)
     assert masks.seq_ids == [1, 2] and rolled.num_accepted == 1
     assert torch.equal(masks.bitmask[0], masks.bitmask[1])
@@ -88,16 +117,23 @@ def test_grammar_state_is_rebuilt_from_the_tokens(llm):
 def test_logit_bias_bans_and_forces(llm):
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     base = llm.generate(["Hello"], greedy, use_tqdm=False)[0].outputs[0].token_ids
-    banned = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
-                                                    logit_bias={base[0]: -100}), use_tqdm=False)[0]
+    banned = llm.generate(
+        ["Hello"],
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={base[0]: -100}),
+        use_tqdm=False,
+    )[0]
     assert base[0] not in banned.outputs[0].token_ids
-    forced = llm.generate(["Hello"], SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True,
-                                                    logit_bias={17: 100}), use_tqdm=False)[0]
+    forced = llm.generate(
+        ["Hello"],
+        SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True, logit_bias={17: 100}),
+        use_tqdm=False,
+    )[0]
     assert forced.outputs[0].token_ids == [17] * 6
 
 
 def test_prompt_logprobs_match_transformers_across_chunks_and_cache_hits(tiny_llama):
     from transformers import AutoModelForCausalLM
+
     llm = LLM(tiny_llama, device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=8)
     tok = llm.get_tokenizer()
     prompt = "The quick brown fox jumps over the lazy dog and the cat"
@@ -125,15 +161,27 @@ def test_finished_text_equals_decode_of_the_output_ids(tiny_qwen2):
         assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("parser,text,content,calls", [
-    ("hermes", 'Sure.<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "g", '
-               '"arguments": {}}</tool_call>', "Sure.", [("f", {"a": 1}), ("g", {})]),
-    ("hermes", 'no call here', "no call here", []),
-    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": [1, 2]}}', None, [("f", {"a": [1, 2]})]),
-    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"q": "x"}}; {"name": "g", "parameters": {}}', None,
-     [("f", {"q": "x"}), ("g", {})]),
-    ("llama3_json", 'The answer is {"name": 1}', 'The answer is {"name": 1}', []),
-])
+@pytest.mark.parametrize(
+    "parser,text,content,calls",
+    [
+        (
+            "hermes",
+            'Sure.<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "g", '
+            '"arguments": {}}</tool_call>',
+            "Sure.",
+            [("f", {"a": 1}), ("g", {})],
+        ),
+        ("hermes", "no call here", "no call here", []),
+        ("hermes", '<tool_call>{"name": "f", "arguments": {"a": [1, 2]}}', None, [("f", {"a": [1, 2]})]),
+        (
+            "llama3_json",
+            '<|python_tag|>{"name": "f", "parameters": {"q": "x"}}; {"name": "g", "parameters": {}}',
+            None,
+            [("f", {"q": "x"}), ("g", {})],
+        ),
+        ("llama3_json", 'The answer is {"name": 1}', 'The answer is {"name": 1}', []),
+    ],
+)
 def test_tool_parsers(parser, text, content, calls):
     got_content, got = get_tool_parser(parser).extract(text)
     assert got_content == content

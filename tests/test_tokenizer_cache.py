@@ -1,6 +1,7 @@
 """The tokenizer converted from a GGUF file is saved under CACHE_DIR after the first load (the conversion takes
 ~9 s for the default model on the 2-core machine) and read back from there, the same tokenizer as
 transformers' own conversion; a damaged entry is converted again."""
+
 import os
 
 import pytest
@@ -19,9 +20,15 @@ def same_tokenizer(a, b) -> None:
         ids = a(text).input_ids
         assert a.decode(ids) == b.decode(ids)
     chat = [{"role": "user", "content": "What is 2 + 2?"}]
-    assert a.apply_chat_template(chat, add_generation_prompt=True) == b.apply_chat_template(chat, add_generation_prompt=True)
-    assert (a.eos_token_id, a.bos_token_id, len(a), a.all_special_tokens) == \
-        (b.eos_token_id, b.bos_token_id, len(b), b.all_special_tokens)
+    assert a.apply_chat_template(chat, add_generation_prompt=True) == b.apply_chat_template(
+        chat, add_generation_prompt=True
+    )
+    assert (a.eos_token_id, a.bos_token_id, len(a), a.all_special_tokens) == (
+        b.eos_token_id,
+        b.bos_token_id,
+        len(b),
+        b.all_special_tokens,
+    )
 
 
 @pytest.fixture
@@ -34,6 +41,7 @@ def conversions(tmp_path, monkeypatch):
         if kwargs.get("gguf_file"):
             calls.append(kwargs["gguf_file"])
         return real(*args, **kwargs)
+
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", spy)
     return calls
 

@@ -6,6 +6,7 @@ output, errors the tiny model cannot produce) it answers the page's request itse
 everything else goes to the server. `ignore_eos` is added to the page's requests (with `route.continue_`) where
 a test needs an answer of a known length.
 """
+
 import json
 import os
 import re
@@ -20,8 +21,10 @@ from playwright.sync_api import expect, sync_playwright  # noqa: E402
 from tests.server_utils import FLOAT32, ROOT, RemoteServer  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium (make browser)")]
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="needs Debian's chromium (make browser)"),
+]
 
 MODEL = "tiny"
 API_KEY = "webui-test-key"
@@ -34,8 +37,10 @@ CHAT = "**/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2, tmp_path_factory):
-    srv = RemoteServer([tiny_qwen2, "--served-model-name", MODEL, *FLOAT32, "--max-model-len", "512", "--api-key", API_KEY],
-                       str(tmp_path_factory.mktemp("webui") / "server.log"))
+    srv = RemoteServer(
+        [tiny_qwen2, "--served-model-name", MODEL, *FLOAT32, "--max-model-len", "512", "--api-key", API_KEY],
+        str(tmp_path_factory.mktemp("webui") / "server.log"),
+    )
     yield srv
     srv.stop()
 
@@ -44,9 +49,18 @@ def server(tiny_qwen2, tmp_path_factory):
 def browser():
     with sync_playwright() as p:
         chromium = p.chromium.launch(
-            executable_path=CHROMIUM, headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+            executable_path=CHROMIUM,
+            headless=True,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
+        )
         yield chromium
         chromium.close()
 
@@ -76,14 +90,20 @@ def page(browser, server):
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------
-def configure(page, *, api_key=None, system=None, temperature=None, top_p=None, max_tokens=None, stream=None,
-              theme=None):
+def configure(
+    page, *, api_key=None, system=None, temperature=None, top_p=None, max_tokens=None, stream=None, theme=None
+):
     """Fill the settings dialog as a user would."""
     page.get_by_role("button", name="Settings").click()
     dialog = page.locator("#settings-dialog")
     expect(dialog).to_be_visible()
-    for label, value in (("API key", api_key), ("System prompt", system), ("Temperature", temperature),
-                         ("Top p", top_p), ("Max tokens", max_tokens)):
+    for label, value in (
+        ("API key", api_key),
+        ("System prompt", system),
+        ("Temperature", temperature),
+        ("Top p", top_p),
+        ("Max tokens", max_tokens),
+    ):
         if value is not None:
             dialog.get_by_label(label, exact=True).fill(value)
     if stream is not None:
@@ -126,34 +146,69 @@ def active_messages(page):
 
 def force_ignore_eos(page):
     """The page's chat requests go to the server with ignore_eos, so answers run to max_tokens."""
+
     def add_ignore_eos(route):
         route.continue_(post_data=json.dumps({**route.request.post_data_json, "ignore_eos": True}))
+
     page.route(CHAT, add_ignore_eos)
 
 
 def sse_body(*pieces, usage=None, error=None, reasoning=()):
     """An OpenAI-style SSE stream carrying the given text pieces (after reasoning pieces, as a thinking model's)."""
-    chunks = [{"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": MODEL,
-               "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}]
-    chunks += [{"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": MODEL, "choices": [
-        {"index": 0, "delta": {"reasoning_content": r, "reasoning": r}, "finish_reason": None}]} for r in reasoning]
-    chunks += [{"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": MODEL,
-                "choices": [{"index": 0, "delta": {"content": p}, "finish_reason": None}]} for p in pieces]
+    chunks = [
+        {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion.chunk",
+            "model": MODEL,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+        }
+    ]
+    chunks += [
+        {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion.chunk",
+            "model": MODEL,
+            "choices": [{"index": 0, "delta": {"reasoning_content": r, "reasoning": r}, "finish_reason": None}],
+        }
+        for r in reasoning
+    ]
+    chunks += [
+        {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion.chunk",
+            "model": MODEL,
+            "choices": [{"index": 0, "delta": {"content": p}, "finish_reason": None}],
+        }
+        for p in pieces
+    ]
     if error is not None:
         chunks.append({"error": error})
     else:
-        chunks.append({"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": MODEL,
-                       "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+        chunks.append(
+            {
+                "id": "chatcmpl-fake",
+                "object": "chat.completion.chunk",
+                "model": MODEL,
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+            }
+        )
         if usage is not None:
-            chunks.append({"id": "chatcmpl-fake", "object": "chat.completion.chunk", "model": MODEL, "choices": [],
-                           "usage": usage})
+            chunks.append(
+                {
+                    "id": "chatcmpl-fake",
+                    "object": "chat.completion.chunk",
+                    "model": MODEL,
+                    "choices": [],
+                    "usage": usage,
+                }
+            )
     return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
 
 
 def fulfil_sse(body, request_id="fake-request"):
     def handler(route):
-        route.fulfill(status=200, body=body, headers={"Content-Type": "text/event-stream",
-                                                        "X-Request-Id": request_id})
+        route.fulfill(status=200, body=body, headers={"Content-Type": "text/event-stream", "X-Request-Id": request_id})
+
     return handler
 
 
@@ -209,7 +264,8 @@ def test_answer_streams_token_by_token_with_stats(page, server):
     expect(stats.locator(".stat-speed")).to_have_text(re.compile(r"^\d+\.\d tok/s$"))
     expect(stats.locator(".stat-ttft")).to_have_text(re.compile(r"^TTFT \d+(\.\d+)? m?s$"))
     expect(stats.locator(".stat-cached")).to_have_text(
-        f"prefix cache {usage['prompt_tokens_details']['cached_tokens']}/{usage['prompt_tokens']}")
+        f"prefix cache {usage['prompt_tokens_details']['cached_tokens']}/{usage['prompt_tokens']}"
+    )
     expect(stats.locator(".stat-request")).to_have_attribute("title", f"request id {response.headers['x-request-id']}")
 
 
@@ -343,13 +399,23 @@ def test_model_output_is_shown_as_text_and_markdown_renders_safely(page):
     dialogs = []
     page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
     payload = "<img src=x onerror=alert(1)>"
-    page.route(CHAT, fulfil_sse(sse_body(
-        f"Look: {payload} and <script>alert(2)</script>\n\n",
-        "```html\n<b>not bold</b>\n```\n\n",
-        "**real bold**, `inline <i>code</i>`, [bad](javascript:alert(3)) and [good](https://example.com/docs)\n\n",
-        "- one\n- two\n\n| a | b |\n|---|---|\n| <u>1</u> | 2 |\n",
-        usage={"prompt_tokens": 10, "completion_tokens": 40, "total_tokens": 50,
-               "prompt_tokens_details": {"cached_tokens": 0}})))
+    page.route(
+        CHAT,
+        fulfil_sse(
+            sse_body(
+                f"Look: {payload} and <script>alert(2)</script>\n\n",
+                "```html\n<b>not bold</b>\n```\n\n",
+                "**real bold**, `inline <i>code</i>`, [bad](javascript:alert(3)) and [good](https://example.com/docs)\n\n",
+                "- one\n- two\n\n| a | b |\n|---|---|\n| <u>1</u> | 2 |\n",
+                usage={
+                    "prompt_tokens": 10,
+                    "completion_tokens": 40,
+                    "total_tokens": 50,
+                    "prompt_tokens_details": {"cached_tokens": 0},
+                },
+            )
+        ),
+    )
     send(page, payload)  # the user's own text is not HTML either
 
     def check():
@@ -385,13 +451,26 @@ def test_reasoning_is_shown_collapsed_above_the_answer(page, stream):
         page.route(CHAT, fulfil_sse(sse_body("The answer is **4**.", reasoning=("Two plus two ", "<b>is</b> four."))))
     else:
         configure(page, stream=False)
-        message = {"role": "assistant", "content": "The answer is **4**.",
-                   "reasoning_content": "Two plus two <b>is</b> four.", "reasoning": "Two plus two <b>is</b> four."}
-        body = {"id": "chatcmpl-fake", "object": "chat.completion", "created": 0, "model": MODEL,
-                "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}}
-        page.route(CHAT, lambda route: route.fulfill(status=200, body=json.dumps(body),
-                                                     headers={"Content-Type": "application/json"}))
+        message = {
+            "role": "assistant",
+            "content": "The answer is **4**.",
+            "reasoning_content": "Two plus two <b>is</b> four.",
+            "reasoning": "Two plus two <b>is</b> four.",
+        }
+        body = {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion",
+            "created": 0,
+            "model": MODEL,
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12},
+        }
+        page.route(
+            CHAT,
+            lambda route: route.fulfill(
+                status=200, body=json.dumps(body), headers={"Content-Type": "application/json"}
+            ),
+        )
     send(page, "2+2?")
 
     def check():
@@ -430,10 +509,25 @@ def test_errors_show_request_id_and_the_page_recovers(page, server):
     expect(answers(page)).to_have_count(0)
 
     # 429 with Retry-After
-    page.route(CHAT, lambda route: route.fulfill(
-        status=429, headers={"X-Request-Id": "rid-429", "Retry-After": "3"}, content_type="application/json",
-        body=json.dumps({"error": {"message": "Server busy: 512 requests queued", "type": "rate_limit_error",
-                                   "param": None, "code": "rate_limit_exceeded", "request_id": "rid-429"}})))
+    page.route(
+        CHAT,
+        lambda route: route.fulfill(
+            status=429,
+            headers={"X-Request-Id": "rid-429", "Retry-After": "3"},
+            content_type="application/json",
+            body=json.dumps(
+                {
+                    "error": {
+                        "message": "Server busy: 512 requests queued",
+                        "type": "rate_limit_error",
+                        "param": None,
+                        "code": "rate_limit_exceeded",
+                        "request_id": "rid-429",
+                    }
+                }
+            ),
+        ),
+    )
     send(page, "busy?")
     wait_idle_page(page)
     expect(last_error()).to_contain_text("Server busy: 512 requests queued")
@@ -443,8 +537,14 @@ def test_errors_show_request_id_and_the_page_recovers(page, server):
     page.unroute(CHAT)
 
     # a 502 from a proxy, not JSON: the status text and the header's id
-    page.route(CHAT, lambda route: route.fulfill(status=502, body="<html>Bad gateway</html>",
-                                                headers={"X-Request-Id": "rid-502", "Content-Type": "text/html"}))
+    page.route(
+        CHAT,
+        lambda route: route.fulfill(
+            status=502,
+            body="<html>Bad gateway</html>",
+            headers={"X-Request-Id": "rid-502", "Content-Type": "text/html"},
+        ),
+    )
     send(page, "proxy?")
     wait_idle_page(page)
     expect(last_error()).to_contain_text("502")
@@ -462,9 +562,22 @@ def test_errors_show_request_id_and_the_page_recovers(page, server):
     page.unroute(CHAT)
 
     # an error in the middle of a stream: the partial answer stays, marked incomplete
-    page.route(CHAT, fulfil_sse(sse_body("partial answer ", error={
-        "message": "the engine died", "type": "service_unavailable", "param": None, "code": 503,
-        "request_id": "rid-stream"}), request_id="rid-stream"))
+    page.route(
+        CHAT,
+        fulfil_sse(
+            sse_body(
+                "partial answer ",
+                error={
+                    "message": "the engine died",
+                    "type": "service_unavailable",
+                    "param": None,
+                    "code": 503,
+                    "request_id": "rid-stream",
+                },
+            ),
+            request_id="rid-stream",
+        ),
+    )
     send(page, "stream then fail")
     wait_idle_page(page)
     expect(answers(page).last.locator(".content")).to_have_text("partial answer")
@@ -502,8 +615,7 @@ def test_settings_persist_and_api_key_is_sent(browser, server):
         expect(page.locator("#thread article.error .request-id")).to_have_text(info.value.headers["x-request-id"])
 
         system = "You are a terse assistant."
-        configure(page, api_key=API_KEY, system=system, temperature="0.3", top_p="0.9", max_tokens="12",
-                  stream=False)
+        configure(page, api_key=API_KEY, system=system, temperature="0.3", top_p="0.9", max_tokens="12", stream=False)
         expect(page.locator("#model-select option")).to_have_text([MODEL])
         expect(page.locator("#model-select")).to_have_value(MODEL)
         page.reload()
@@ -548,7 +660,8 @@ def test_settings_persist_and_api_key_is_sent(browser, server):
 def test_cached_prompt_tokens_shown_on_second_turn(page, server):
     # a unique system prompt long enough to fill several 16-token KV blocks
     system = f"{uuid.uuid4().hex} You are NovaInfer, a helpful assistant. " + " ".join(
-        ["The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in blocks."] * 4)
+        ["The quick brown fox jumps over the lazy dog. Paged attention stores keys and values in blocks."] * 4
+    )
     configure(page, system=system)
     with page.expect_response(CHAT) as first:
         send(page, "first turn")
@@ -574,14 +687,18 @@ def test_cached_prompt_tokens_shown_on_second_turn(page, server):
 # ---- layout, themes, keyboard -----------------------------------------------------------------------------
 DEMO_ANSWER = [
     "Stream the answer with `stream: true` and read the server-sent events as they arrive:\n\n",
-    "```python\nfrom openai import OpenAI\n\nclient = OpenAI(base_url=\"http://127.0.0.1:8000/v1\", api_key=\"-\")\n",
-    "stream = client.chat.completions.create(\n    model=\"tiny\", stream=True,\n",
-    "    messages=[{\"role\": \"user\", \"content\": \"Hello!\"}])\nfor chunk in stream:\n",
-    "    print(chunk.choices[0].delta.content or \"\", end=\"\")\n```\n\n",
+    '```python\nfrom openai import OpenAI\n\nclient = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="-")\n',
+    'stream = client.chat.completions.create(\n    model="tiny", stream=True,\n',
+    '    messages=[{"role": "user", "content": "Hello!"}])\nfor chunk in stream:\n',
+    '    print(chunk.choices[0].delta.content or "", end="")\n```\n\n',
     "- **session_id** keeps the conversation on the server\n- the usage chunk reports `cached_tokens`\n",
 ]
-DEMO_USAGE = {"prompt_tokens": 231, "completion_tokens": 96, "total_tokens": 327,
-              "prompt_tokens_details": {"cached_tokens": 208}}
+DEMO_USAGE = {
+    "prompt_tokens": 231,
+    "completion_tokens": 96,
+    "total_tokens": 327,
+    "prompt_tokens_details": {"cached_tokens": 208},
+}
 
 
 def no_horizontal_overflow(page):
@@ -600,9 +717,20 @@ def test_desktop_and_phone_layouts_light_and_dark(browser, server):
     page = open_page(browser, server, color_scheme="light")
     try:
         configure(page, api_key=API_KEY)
-        page.route(CHAT, fulfil_sse(sse_body("Sure: what would you like to know?", usage={
-            "prompt_tokens": 14, "completion_tokens": 9, "total_tokens": 23,
-            "prompt_tokens_details": {"cached_tokens": 0}})))
+        page.route(
+            CHAT,
+            fulfil_sse(
+                sse_body(
+                    "Sure: what would you like to know?",
+                    usage={
+                        "prompt_tokens": 14,
+                        "completion_tokens": 9,
+                        "total_tokens": 23,
+                        "prompt_tokens_details": {"cached_tokens": 0},
+                    },
+                )
+            ),
+        )
         send(page, "Hi! Can you help me with the NovaInfer API?")
         wait_idle_page(page)
         page.get_by_role("button", name="New chat").click()
@@ -644,8 +772,9 @@ def test_desktop_and_phone_layouts_light_and_dark(browser, server):
         page.context.close()
 
     # phone: the conversation list is a drawer, nothing overflows sideways, the input stays on screen
-    page = open_page(browser, server, viewport=PHONE, storage_state=storage, is_mobile=True, has_touch=True,
-                     device_scale_factor=2)
+    page = open_page(
+        browser, server, viewport=PHONE, storage_state=storage, is_mobile=True, has_touch=True, device_scale_factor=2
+    )
     try:
         expect(page.locator("#thread article.assistant")).to_have_count(1)
         expect(page.locator("#sidebar")).not_to_be_in_viewport()
@@ -663,7 +792,8 @@ def test_desktop_and_phone_layouts_light_and_dark(browser, server):
         page.locator("#conversation-list .conversation-open").filter(has_text="Hi! Can you help").click()
         expect(page.locator("#sidebar")).not_to_be_in_viewport()
         expect(page.locator("#thread article.user .bubble")).to_have_text(
-            ["Hi! Can you help me with the NovaInfer API?"])
+            ["Hi! Can you help me with the NovaInfer API?"]
+        )
         assert no_horizontal_overflow(page)
     finally:
         page.context.close()

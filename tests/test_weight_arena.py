@@ -1,4 +1,5 @@
 """The huge-page weight arena moves packed CPU weights without changing a value or a result."""
+
 import torch
 
 from novainfer.kernels.cpu.qgemm import quant_gemm

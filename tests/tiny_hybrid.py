@@ -1,6 +1,7 @@
 """Tiny random hybrid checkpoints (Qwen3.5 dense and MoE, Qwen3-Next: Gated DeltaNet + gated attention) and the
 prompts run on them, for tests/test_qwen3_5.py and tests/gpu/qwen35_checks.py (no pytest here: the GPU machine may
 lack it)."""
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,11 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 from tests.tiny_models import make_tokenizer
 
-PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. The capital of France is",
-           "def add(a, b):"]
+PROMPTS = [
+    "Hello, my name is",
+    "The quick brown fox jumps over the lazy dog. The capital of France is",
+    "def add(a, b):",
+]
 MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 CONFIGS = {  # layer 3 is full attention, 0-2 linear (the 3:1 plan); two key heads serve four value heads
     "qwen3_5": ("Qwen3_5TextConfig", dict(intermediate_size=96)),
@@ -25,10 +29,25 @@ CONFIGS = {  # layer 3 is full attention, 0-2 linear (the 3:1 plan); two key hea
 def text_config(arch: str, vocab: int, eos: int, pad: int) -> transformers.PretrainedConfig:
     cls, extra = CONFIGS[arch]
     return getattr(transformers, cls)(
-        vocab_size=vocab, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6, linear_conv_kernel_dim=4,
-        linear_key_head_dim=16, linear_value_head_dim=24, linear_num_key_heads=2, linear_num_value_heads=4,
-        initializer_range=0.1, eos_token_id=eos, pad_token_id=pad, bos_token_id=None, **extra)
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        initializer_range=0.1,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=None,
+        **extra,
+    )
 
 
 def randomize(model: torch.nn.Module) -> None:
@@ -50,8 +69,15 @@ def build(path: str, arch: str, conditional: bool = False) -> str:
     text = text_config(arch, len(tokenizer), eos, pad)
     torch.manual_seed(3)
     if conditional:
-        vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
-                      num_position_embeddings=16)
+        vision = dict(
+            depth=1,
+            hidden_size=32,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=64,
+            patch_size=4,
+            num_position_embeddings=16,
+        )
         config = transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=True)
         model = transformers.Qwen3_5ForConditionalGeneration(config).float()
     else:
@@ -60,8 +86,10 @@ def build(path: str, arch: str, conditional: bool = False) -> str:
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)
     # the multi-token-prediction head real checkpoints ship: never used, skipped on load
-    save_file({"mtp.fc.weight": torch.randn(64, 128), "mtp.layers.0.input_layernorm.weight": torch.zeros(64)},
-              os.path.join(path, "mtp.safetensors"))
+    save_file(
+        {"mtp.fc.weight": torch.randn(64, 128), "mtp.layers.0.input_layernorm.weight": torch.zeros(64)},
+        os.path.join(path, "mtp.safetensors"),
+    )
     tokenizer.save_pretrained(path)
     GenerationConfig(eos_token_id=[eos, pad]).save_pretrained(path)
     return path

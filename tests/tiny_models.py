@@ -1,4 +1,5 @@
 """Builds tiny random-weight checkpoints (HF folders) and a tokenizer made with `tokenizers`, for tests."""
+
 from __future__ import annotations
 
 import os
@@ -6,11 +7,19 @@ import os
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 import transformers
-from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, PreTrainedTokenizerFast,
-                          Qwen2Config, Qwen3Config)
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
     "Hello, my name is NovaInfer and I generate text one token at a time.",
@@ -25,11 +34,13 @@ def make_tokenizer(vocab_size: int = 400, extra_tokens: tuple[str, ...] = ()) ->
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token=None
+    )
     fast.chat_template = CHATML
     if extra_tokens:  # added (not special) tokens, as Qwen's <think> and <tool_call>
         fast.add_tokens(list(extra_tokens))
@@ -40,31 +51,77 @@ WINDOW = 7  # the sliding window of the tiny windowed models: test prompts run p
 # the new families: transformers config class and what makes each one itself (tiny, so every feature bites)
 FAMILIES = {
     "mistral": ("MistralConfig", dict(sliding_window=WINDOW)),
-    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=0.5,
-                                    final_logit_softcapping=2.0, sliding_window=WINDOW, tie_word_embeddings=True,
-                                    layer_types=["sliding_attention", "full_attention"])),
-    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
-                                        tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention"],
-                                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
-                                                                            "rope_theta": 1e6},
-                                                         "sliding_attention": {"rope_type": "default",
-                                                                               "rope_theta": 1e4}})),
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=0.5,
+            final_logit_softcapping=2.0,
+            sliding_window=WINDOW,
+            tie_word_embeddings=True,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=WINDOW,
+            tie_word_embeddings=True,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        ),
+    ),
     # LongRoPE: decoding runs past original_max_position_embeddings into the long factors
-    "phi3": ("Phi3Config", dict(original_max_position_embeddings=32, rope_scaling={
-        "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
-        "long_factor": [2.0 + 0.5 * i for i in range(8)]}, sliding_window=WINDOW + 5)),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
-                                         shared_expert_intermediate_size=48, norm_topk_prob=False,
-                                         mlp_only_layers=[1])),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
-                                         norm_topk_prob=True, head_dim=16)),
+    "phi3": (
+        "Phi3Config",
+        dict(
+            original_max_position_embeddings=32,
+            rope_scaling={
+                "rope_type": "longrope",
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [2.0 + 0.5 * i for i in range(8)],
+            },
+            sliding_window=WINDOW + 5,
+        ),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16),
+    ),
     "mixtral": ("MixtralConfig", dict(num_local_experts=5, num_experts_per_tok=2, intermediate_size=48)),
 }
 
 
-def make_tiny_model(path: str, arch: str = "qwen2", tie: bool = False, seed: int = 0, layers: int = 2,
-                    vocab_size: int = 400, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
-                    extra_tokens: tuple[str, ...] = (), chat_template: str | None = None) -> str:
+def make_tiny_model(
+    path: str,
+    arch: str = "qwen2",
+    tie: bool = False,
+    seed: int = 0,
+    layers: int = 2,
+    vocab_size: int = 400,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    extra_tokens: tuple[str, ...] = (),
+    chat_template: str | None = None,
+) -> str:
     """Save a random tiny model of the given architecture (qwen2, llama, qwen3 or a FAMILIES key) plus
     tokenizer to path.
 
@@ -75,17 +132,34 @@ def make_tiny_model(path: str, arch: str = "qwen2", tie: bool = False, seed: int
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     vocab = len(tokenizer)
-    common = dict(vocab_size=vocab, hidden_size=num_heads * head_dim, intermediate_size=128, num_hidden_layers=layers,
-                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, tie_word_embeddings=tie, initializer_range=0.1,
-                  eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                  pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=num_heads * head_dim,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+        initializer_range=0.1,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
     if arch == "qwen2":
         config = Qwen2Config(**common)
     elif arch == "llama":
-        config = LlamaConfig(**common, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                     "high_freq_factor": 4.0,
-                                                     "original_max_position_embeddings": 128})
+        config = LlamaConfig(
+            **common,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+        )
     elif arch == "qwen3":
         config = Qwen3Config(**common, head_dim=32)
     elif arch in FAMILIES:

@@ -3,6 +3,7 @@ each sequence's context from its blocks and calls scaled_dot_product_attention),
 
     python benchmarks/tuning/attention_backends.py        # GPU; prints median times from triton.testing.do_bench
 """
+
 from __future__ import annotations
 
 import os
@@ -17,14 +18,15 @@ from novainfer.attention import torch_backend, triton_backend  # noqa: E402
 from novainfer.attention.metadata import AttentionMetadata  # noqa: E402
 
 
-def make(ctx: list[int], q_lens: list[int], heads: int = 14, kv_heads: int = 2, hd: int = 64, bs: int = 16,
-         dev: str = "cuda"):
+def make(
+    ctx: list[int], q_lens: list[int], heads: int = 14, kv_heads: int = 2, hd: int = 64, bs: int = 16, dev: str = "cuda"
+):
     seq_lens = [c + q for c, q in zip(ctx, q_lens)]
     nb = [(s + bs - 1) // bs for s in seq_lens]
     perm = torch.randperm(sum(nb), device=dev).to(torch.int32)
     width, tables, used = max(nb), [], 0
     for n in nb:
-        tables.append(torch.cat([perm[used:used + n], perm.new_zeros(width - n)]))
+        tables.append(torch.cat([perm[used : used + n], perm.new_zeros(width - n)]))
         used += n
     kc = torch.randn(sum(nb), bs, kv_heads, hd, device=dev, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
@@ -32,15 +34,23 @@ def make(ctx: list[int], q_lens: list[int], heads: int = 14, kv_heads: int = 2, 
     qsl = [0]
     for n in q_lens:
         qsl.append(qsl[-1] + n)
-    meta = AttentionMetadata(torch.tensor(qsl, dtype=torch.int32, device=dev),
-                             torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-                             torch.zeros(0, dtype=torch.long, device=dev), torch.stack(tables), max(q_lens),
-                             max(seq_lens), qsl, seq_lens, num_splits=1)
+    meta = AttentionMetadata(
+        torch.tensor(qsl, dtype=torch.int32, device=dev),
+        torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+        torch.zeros(0, dtype=torch.long, device=dev),
+        torch.stack(tables),
+        max(q_lens),
+        max(seq_lens),
+        qsl,
+        seq_lens,
+        num_splits=1,
+    )
     return q, kc, vc, meta
 
 
 def main() -> None:
     from triton.testing import do_bench
+
     cases = {
         "decode, 64 seqs x 1024 context": ([1023] * 64, [1] * 64),
         "decode, 256 seqs x 600 context": ([599] * 256, [1] * 256),

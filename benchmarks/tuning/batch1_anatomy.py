@@ -7,6 +7,7 @@ device does per engine step when nothing overlaps); (3) the engine's batch-1 gre
 off; (4) torch.profiler over engine steps: kernels launched and device-busy time per step. If (3) is close to
 (2) the step is device-bound; if well above, the host loop is the bound.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,6 +23,7 @@ from benchmarks.checkpoints import resolve_model  # noqa: E402
 
 def _per_call_ms(fn, n: int) -> float:
     import torch
+
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
@@ -34,6 +36,7 @@ def _per_call_ms(fn, n: int) -> float:
 
 def _engine_tok_s(llm, prompt: list[int], n: int) -> float:
     from novainfer import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
     t0 = time.perf_counter()
@@ -46,13 +49,18 @@ def main() -> None:
     ap.add_argument("--model", default="random:qwen2.5-0.5b")
     ap.add_argument("--output-len", type=int, default=512)
     ap.add_argument("--out", "--json", dest="out", default=None, help="write the figures as JSON here")
-    ap.add_argument("--kwargs", type=json.loads, default={},
-                    help="engine settings for every run, e.g. '{\"gpu_decode_stack\": false}'")
+    ap.add_argument(
+        "--kwargs",
+        type=json.loads,
+        default={},
+        help="engine settings for every run, e.g. '{\"gpu_decode_stack\": false}'",
+    )
     args = ap.parse_args()
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from novainfer import LLM, SamplingParams
+
     path = resolve_model(args.model)
     prompt = list(range(100, 132))
     res: dict[str, float] = {}
@@ -68,6 +76,7 @@ def main() -> None:
                 def full() -> None:
                     hidden = graphs.replay(1)
                     model.compute_logits(hidden).float().argmax(-1).item()
+
                 res["replay_logits_argmax_sync_ms"] = _per_call_ms(full, 500)
             params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
             engine = llm.llm_engine

@@ -9,6 +9,7 @@ A batch is the bench shape (prompts and outputs of 100-1024 tokens, seed 0) at d
 output is longer than t, each with prompt + t tokens of context. The ceiling column is torch.sum over as many
 contiguous bytes (a plain read).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,8 +58,10 @@ def main() -> None:
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
     tiles, splits = (TILES, SPLITS) if not args.dry_run else (TILES[:2], SPLITS[:2])
     saved, rows = dict(paged_attention.DECODE_TILES), []
-    print("| heads | batch | ctx sum | setting (BLOCK_N, warps, stages; splits, min keys) | us | GB/s | "
-          "vs current | max abs diff |\n|---|---|---|---|---|---|---|---|")
+    print(
+        "| heads | batch | ctx sum | setting (BLOCK_N, warps, stages; splits, min keys) | us | GB/s | "
+        "vs current | max abs diff |\n|---|---|---|---|---|---|---|---|"
+    )
     for name, (heads, kv_heads, hd) in HEADS.items():
         steps = STEPS if not args.dry_run else [950]
         if args.dry_run:
@@ -68,13 +71,17 @@ def main() -> None:
             q, kc, vc, meta = make([c - 1 for c in ctx], [1] * len(ctx), heads, kv_heads, hd, dev=args.device)
             nbytes = sum(ctx) * kv_heads * hd * 2 * kc.element_size()
             flat = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dev).normal_()
-            ceiling = nbytes / timed(lambda: flat.sum(dtype=torch.float32), dev, args.iters) / 1e3 \
-                if dev.type == "cuda" else float("nan")
+            ceiling = (
+                nbytes / timed(lambda: flat.sum(dtype=torch.float32), dev, args.iters) / 1e3
+                if dev.type == "cuda"
+                else float("nan")
+            )
             cur_splits = current_splits(len(ctx), kv_heads, num_sms)
 
             def run(ns: int, msk: int) -> torch.Tensor:
-                return paged_attention.decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, hd ** -0.5,
-                                                        num_splits=ns, min_split_keys=msk)
+                return paged_attention.decode_attention(
+                    q, kc, vc, meta.block_tables, meta.seq_lens, hd**-0.5, num_splits=ns, min_split_keys=msk
+                )
 
             def measure(tile, ns, msk, ref, base):
                 paged_attention.DECODE_TILES.clear()
@@ -90,10 +97,25 @@ def main() -> None:
                     paged_attention.DECODE_TILES.clear()
                     paged_attention.DECODE_TILES.update(saved)
                 gbs = nbytes / us / 1e3
-                rows.append({"heads": name, "batch": len(ctx), "ctx": sum(ctx), "tile": tile, "splits": ns,
-                             "min_split_keys": msk, "us": us, "gbs": gbs, "diff": diff, "ceiling_gbs": ceiling})
-                print(f"| {name} | {len(ctx)} | {sum(ctx):,} | {tile}; {ns}, {msk} | {us:,.1f} | {gbs:,.0f} | "
-                      f"{(base or us) / us:.2f}x | {diff:.1e} |", flush=True)
+                rows.append(
+                    {
+                        "heads": name,
+                        "batch": len(ctx),
+                        "ctx": sum(ctx),
+                        "tile": tile,
+                        "splits": ns,
+                        "min_split_keys": msk,
+                        "us": us,
+                        "gbs": gbs,
+                        "diff": diff,
+                        "ceiling_gbs": ceiling,
+                    }
+                )
+                print(
+                    f"| {name} | {len(ctx)} | {sum(ctx):,} | {tile}; {ns}, {msk} | {us:,.1f} | {gbs:,.0f} | "
+                    f"{(base or us) / us:.2f}x | {diff:.1e} |",
+                    flush=True,
+                )
                 return out, us
 
             cur_tile = paged_attention.decode_tiles(hd)

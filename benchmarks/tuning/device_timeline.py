@@ -11,6 +11,7 @@ the host interval, the device busy and idle time inside it and each kernel kind'
 from its schedule() to the next one's; with the overlapped loop a step's kernels run in the next interval, which
 the per-kind averages absorb.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,14 +29,26 @@ from benchmarks.checkpoints import load_format, resolve_model  # noqa: E402
 from benchmarks.throughput import make_workload, sync  # noqa: E402
 
 # kernel kind by a name fragment, first match wins
-KINDS = [("gemm", ("nvjet", "gemm", "cutlass", "xmma", "splitk", "_scaled_mm", "gemv")),
-         ("prefill_attn", ("_prefill_kernel",)), ("decode_attn", ("_decode_kernel",)),
-         ("moe", ("moe",)), ("norm", ("rms_norm",)), ("silu_mul", ("silu",)), ("rotary", ("rotary",)),
-         ("kv_store", ("store_kv", "kv_store", "reshape_and_cache")), ("fp8_quant", ("fp8",)),
-         ("sampler", ("gumbel", "sampl", "argmax", "softmax", "exponential", "topk", "sort")),
-         ("memcpy", ("memcpy",)), ("memset", ("memset",))]
-BATCH_BINS = [(192, "decode, batch >= 192"), (128, "decode, batch 128-191"), (64, "decode, batch 64-127"),
-              (0, "decode, batch < 64")]
+KINDS = [
+    ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "splitk", "_scaled_mm", "gemv")),
+    ("prefill_attn", ("_prefill_kernel",)),
+    ("decode_attn", ("_decode_kernel",)),
+    ("moe", ("moe",)),
+    ("norm", ("rms_norm",)),
+    ("silu_mul", ("silu",)),
+    ("rotary", ("rotary",)),
+    ("kv_store", ("store_kv", "kv_store", "reshape_and_cache")),
+    ("fp8_quant", ("fp8",)),
+    ("sampler", ("gumbel", "sampl", "argmax", "softmax", "exponential", "topk", "sort")),
+    ("memcpy", ("memcpy",)),
+    ("memset", ("memset",)),
+]
+BATCH_BINS = [
+    (192, "decode, batch >= 192"),
+    (128, "decode, batch 128-191"),
+    (64, "decode, batch 64-127"),
+    (0, "decode, batch < 64"),
+]
 
 
 def kind_of(name: str) -> str:
@@ -83,8 +96,13 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from novainfer import LLM, SamplingParams
-    llm = LLM(resolve_model(args.model), device=args.device, load_format=load_format(args.model),
-              quantization=args.quantization)
+
+    llm = LLM(
+        resolve_model(args.model),
+        device=args.device,
+        load_format=load_format(args.model),
+        quantization=args.quantization,
+    )
     core = llm.llm_engine.engine_core
     vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=4), use_tqdm=False)
@@ -119,15 +137,21 @@ def main() -> None:
     core.schedule = schedule
     end_ns = stop_ns[0]  # the last step's interval ends with the run, not with the profiler's trace processing
     want = "CUDA" if cuda else "CPU"
-    events = sorted((e.start_ns(), e.end_ns(), kind_of(e.name())) for e in prof.profiler.kineto_results.events()
-                    if str(e.device_type()).endswith(want) and e.end_ns() > e.start_ns()
-                    and (cuda or e.name().startswith("aten::")))
+    events = sorted(
+        (e.start_ns(), e.end_ns(), kind_of(e.name()))
+        for e in prof.profiler.kineto_results.events()
+        if str(e.device_type()).endswith(want) and e.end_ns() > e.start_ns() and (cuda or e.name().startswith("aten::"))
+    )
     merged = union([(s, e) for s, e, _ in events])
     busy = sum(e - s for s, e in merged)
     span = merged[-1][1] - merged[0][0] if merged else 0
     gaps = [b[0] - a[1] for a, b in zip(merged, merged[1:])]
-    gap_bins = [(0, 10_000, "< 10 us"), (10_000, 100_000, "10-100 us"), (100_000, 1_000_000, "0.1-1 ms"),
-                (1_000_000, 1 << 62, ">= 1 ms")]
+    gap_bins = [
+        (0, 10_000, "< 10 us"),
+        (10_000, 100_000, "10-100 us"),
+        (100_000, 1_000_000, "0.1-1 ms"),
+        (1_000_000, 1 << 62, ">= 1 ms"),
+    ]
     by_kind: dict[str, int] = defaultdict(int)
     for s, e, kind in events:
         by_kind[kind] += e - s
@@ -150,12 +174,16 @@ def main() -> None:
             p[events[k][2]] += events[k][1] - events[k][0]
             k += 1
 
-    print(f"\n{args.model} ({args.quantization or 'bf16'}), {args.num_prompts} prompts; device "
-          f"{torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}")
+    print(
+        f"\n{args.model} ({args.quantization or 'bf16'}), {args.num_prompts} prompts; device "
+        f"{torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}"
+    )
     print(f"unprofiled run (seed 0): {plain_s:.2f} s, {plain_tokens / plain_s:,.0f} output tok/s")
     print(f"profiled run (seed 1):   {prof_s:.2f} s, {prof_tokens / prof_s:,.0f} output tok/s, {len(steps)} steps")
-    print(f"device: first-to-last kernel {span / 1e9:.3f} s, busy (union) {busy / 1e9:.3f} s "
-          f"({busy / max(span, 1):.1%}), idle {(span - busy) / 1e9:.3f} s; {len(events):,} kernels")
+    print(
+        f"device: first-to-last kernel {span / 1e9:.3f} s, busy (union) {busy / 1e9:.3f} s "
+        f"({busy / max(span, 1):.1%}), idle {(span - busy) / 1e9:.3f} s; {len(events):,} kernels"
+    )
     print("\n| idle gap | count | total ms |\n|---|---|---|")
     for lo, hi, label in gap_bins:
         sel = [g for g in gaps if lo <= g < hi]
@@ -164,22 +192,44 @@ def main() -> None:
     for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"| {k} | {v / 1e6:,.1f} | {v / max(kernel_sum, 1):.1%} |")
     kinds = [k for k, _ in sorted(by_kind.items(), key=lambda kv: -kv[1])][:6]
-    print("\n| step kind | steps | mean batch | host ms/step | device busy ms/step | idle ms/step | "
-          + " | ".join(f"{k} ms/step" for k in kinds) + " |\n" + "|---" * (6 + len(kinds)) + "|")
+    print(
+        "\n| step kind | steps | mean batch | host ms/step | device busy ms/step | idle ms/step | "
+        + " | ".join(f"{k} ms/step" for k in kinds)
+        + " |\n"
+        + "|---" * (6 + len(kinds))
+        + "|"
+    )
     for label, p in sorted(phase.items()):
         n = p["steps"]
-        print(f"| {label} | {n:.0f} | {p['seqs'] / n:.0f} | {p['host_ns'] / n / 1e6:.2f} | "
-              f"{p['busy_ns'] / n / 1e6:.2f} | {(p['host_ns'] - p['busy_ns']) / n / 1e6:.2f} | "
-              + " | ".join(f"{p[k] / n / 1e6:.2f}" for k in kinds) + " |")
+        print(
+            f"| {label} | {n:.0f} | {p['seqs'] / n:.0f} | {p['host_ns'] / n / 1e6:.2f} | "
+            f"{p['busy_ns'] / n / 1e6:.2f} | {(p['host_ns'] - p['busy_ns']) / n / 1e6:.2f} | "
+            + " | ".join(f"{p[k] / n / 1e6:.2f}" for k in kinds)
+            + " |"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "quantization": args.quantization, "plain_s": plain_s,
-                       "plain_tok_s": plain_tokens / plain_s, "profiled_s": prof_s, "steps": len(steps),
-                       "span_s": span / 1e9, "busy_s": busy / 1e9, "kernels": len(events),
-                       "by_kind_ms": {k: v / 1e6 for k, v in by_kind.items()},
-                       "gaps": {label: [len([g for g in gaps if lo <= g < hi]),
-                                        sum(g for g in gaps if lo <= g < hi) / 1e6] for lo, hi, label in gap_bins},
-                       "phases": {label: dict(p) for label, p in phase.items()}}, f, indent=1)
+            json.dump(
+                {
+                    "model": args.model,
+                    "quantization": args.quantization,
+                    "plain_s": plain_s,
+                    "plain_tok_s": plain_tokens / plain_s,
+                    "profiled_s": prof_s,
+                    "steps": len(steps),
+                    "span_s": span / 1e9,
+                    "busy_s": busy / 1e9,
+                    "kernels": len(events),
+                    "by_kind_ms": {k: v / 1e6 for k, v in by_kind.items()},
+                    "gaps": {
+                        label: [len([g for g in gaps if lo <= g < hi]), sum(g for g in gaps if lo <= g < hi) / 1e6]
+                        for lo, hi, label in gap_bins
+                    },
+                    "phases": {label: dict(p) for label, p in phase.items()},
+                },
+                f,
+                indent=1,
+            )
     llm.llm_engine.shutdown()
 
 

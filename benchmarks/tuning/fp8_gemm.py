@@ -6,6 +6,7 @@ default dynamic FP8 on cuBLASLt) would cost instead.
     python3 benchmarks/tuning/fp8_gemm.py --device cpu --shapes tiny      # a CPU dry run
 Times: on CUDA the mean of --iters calls queued back to back after a warm-up, each variant timed alone.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,9 +23,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from novainfer.layers.quantization.fp8 import Fp8Config, fp8_linear, quantize_rows  # noqa: E402
 
-SHAPES = {"7b": [("qkv_proj", 3584, 4608), ("o_proj", 3584, 3584), ("gate_up_proj", 3584, 37888),
-                 ("down_proj", 18944, 3584)],
-          "tiny": [("tiny", 64, 128)]}
+SHAPES = {
+    "7b": [("qkv_proj", 3584, 4608), ("o_proj", 3584, 3584), ("gate_up_proj", 3584, 37888), ("down_proj", 18944, 3584)],
+    "tiny": [("tiny", 64, 128)],
+}
 
 
 def timed(fn, device: torch.device, iters: int) -> float:
@@ -61,12 +63,15 @@ def measure(device: torch.device, name: str, k: int, n: int, m: int, iters: int,
         "bf16_linear": lambda: F.linear(x, w),
         "fp8_layer": lambda: fp8_linear(x, wq, ws, None, opts),
         "quantize": lambda: opts.quantize(x),
-        "rowwise_gemm": lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16,
-                                                 use_fast_accum=opts.fast_accum),
-        "rowwise_gemm_exact_accum": lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws,
-                                                             out_dtype=torch.bfloat16),
-        "tensorwise_gemm": lambda: torch._scaled_mm(xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
-                                                    use_fast_accum=opts.fast_accum),
+        "rowwise_gemm": lambda: torch._scaled_mm(
+            xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16, use_fast_accum=opts.fast_accum
+        ),
+        "rowwise_gemm_exact_accum": lambda: torch._scaled_mm(
+            xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=torch.bfloat16
+        ),
+        "tensorwise_gemm": lambda: torch._scaled_mm(
+            xq, wq.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=opts.fast_accum
+        ),
     }
     row = {"shape": name, "M": m, "K": k, "N": n}
     for key, fn in variants.items():
@@ -95,17 +100,23 @@ def main() -> None:
     device = torch.device(args.device)
     opts = Fp8Config(device).opts
     rows = [measure(device, name, k, n, m, args.iters, opts) for name, k, n in SHAPES[args.shapes] for m in args.rows]
-    print(f"\n{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-          f"fast_accum={opts.fast_accum}, quantize={opts.quantize.__name__}; microseconds per call (median)")
-    print("| shape | M | bf16 linear | fp8 layer | quantize | row-wise GEMM | same, exact accumulation | "
-          "tensor-wise GEMM | bf16 / fp8 layer |")
+    print(
+        f"\n{torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+        f"fast_accum={opts.fast_accum}, quantize={opts.quantize.__name__}; microseconds per call (median)"
+    )
+    print(
+        "| shape | M | bf16 linear | fp8 layer | quantize | row-wise GEMM | same, exact accumulation | "
+        "tensor-wise GEMM | bf16 / fp8 layer |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     fmt = lambda v: "-" if v is None else f"{v:,.1f}"  # noqa: E731
     for r in rows:
-        print(f"| {r['shape']} | {r['M']} | {fmt(r['bf16_linear_us'])} | {fmt(r['fp8_layer_us'])} | "
-              f"{fmt(r['quantize_us'])} | {fmt(r['rowwise_gemm_us'])} | {fmt(r['rowwise_gemm_exact_accum_us'])} | "
-              f"{fmt(r['tensorwise_gemm_us'])} | "
-              f"{r.get('speedup_fp8_layer', 0):.2f}x |")
+        print(
+            f"| {r['shape']} | {r['M']} | {fmt(r['bf16_linear_us'])} | {fmt(r['fp8_layer_us'])} | "
+            f"{fmt(r['quantize_us'])} | {fmt(r['rowwise_gemm_us'])} | {fmt(r['rowwise_gemm_exact_accum_us'])} | "
+            f"{fmt(r['tensorwise_gemm_us'])} | "
+            f"{r.get('speedup_fp8_layer', 0):.2f}x |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -9,6 +9,7 @@ lengths. Each variant is captured as a CUDA graph of one call per layer over as 
 as the model has layers (so the L2 cache holds no weight from the call before, as in a real step), replayed
 back to back; microseconds per call. Prints the best tile per shape and the GEMV_TILES dict to paste.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,6 +29,7 @@ SHAPES = {  # model -> (layers, hidden, heads, kv_heads, head_dim, intermediate)
 def graph_us(fns: list, reps: int = 20) -> float:
     """Microseconds per call of a CUDA graph holding one call of each fn, replayed reps times."""
     import torch
+
     for fn in fns:
         fn()
     torch.cuda.synchronize()
@@ -52,11 +54,16 @@ def projections(model: str, dev: str) -> dict:
 
     from novainfer.kernels.fused_ops import rms_norm, silu_and_mul
     from novainfer.kernels.gemv import gemv
+
     layers, hidden, heads, kv_heads, hd, inter = SHAPES[model]
     dt = torch.bfloat16
     # name -> (N, K, norm prologue, SiLU-and-mul epilogue)
-    shapes = {"qkv": ((heads + 2 * kv_heads) * hd, hidden, True, False), "o_proj": (hidden, heads * hd, False, False),
-              "gate_up": (2 * inter, hidden, True, True), "down": (hidden, inter, False, False)}
+    shapes = {
+        "qkv": ((heads + 2 * kv_heads) * hd, hidden, True, False),
+        "o_proj": (hidden, heads * hd, False, False),
+        "gate_up": (2 * inter, hidden, True, True),
+        "down": (hidden, inter, False, False),
+    }
     out = {}
     for name, (n, k, norm, act) in shapes.items():
         ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(layers)]
@@ -72,9 +79,15 @@ def projections(model: str, dev: str) -> dict:
             if norm:
                 return gemv(x, w, norm_weight=nw, eps=1e-6, residual=r, silu_and_mul=act, tiles=t)[0]
             return gemv(x, w, tiles=t)
+
         ref = unfused(ws[0]).float()
-        row = {"n": n, "k": k, "silu_and_mul": act, "unfused_us": graph_us([lambda w=w: unfused(w) for w in ws]),
-               "tiles": {}}
+        row = {
+            "n": n,
+            "k": k,
+            "silu_and_mul": act,
+            "unfused_us": graph_us([lambda w=w: unfused(w) for w in ws]),
+            "tiles": {},
+        }
         for bn, bk, warps in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8)):
             if bn * bk > 16384 or bk > 2 * triton_pow2(k):
                 continue
@@ -102,21 +115,27 @@ def attention(model: str, dev: str, contexts: tuple[int, ...] = (64, 512, 2048, 
     from novainfer.kernels.fused_ops import rotary_embedding
     from novainfer.kernels.kv_store import store_kv
     from novainfer.kernels.paged_attention import DecodeRope, decode_attention
+
     layers, hidden, heads, kv_heads, hd, _ = SHAPES[model]
     dt, bs = torch.bfloat16, 16
     out = {}
     for ctx in contexts:
         blocks = ctx // bs + 2
-        caches = [(torch.randn(blocks, bs, kv_heads, hd, device=dev, dtype=dt),
-                   torch.randn(blocks, bs, kv_heads, hd, device=dev, dtype=dt)) for _ in range(layers)]
+        caches = [
+            (
+                torch.randn(blocks, bs, kv_heads, hd, device=dev, dtype=dt),
+                torch.randn(blocks, bs, kv_heads, hd, device=dev, dtype=dt),
+            )
+            for _ in range(layers)
+        ]
         bt = torch.arange(blocks, device=dev, dtype=torch.int32)[None]
         seq_lens = torch.tensor([ctx], device=dev, dtype=torch.int32)
         pos = torch.tensor([ctx - 1], device=dev)
         slots = pos.clone()
         qkv = torch.randn(1, (heads + 2 * kv_heads) * hd, device=dev, dtype=dt)
-        q = qkv[:, :heads * hd].view(1, heads, hd)
-        k = qkv[:, heads * hd:(heads + kv_heads) * hd].view(1, kv_heads, hd)
-        v = qkv[:, (heads + kv_heads) * hd:].view(1, kv_heads, hd)
+        q = qkv[:, : heads * hd].view(1, heads, hd)
+        k = qkv[:, heads * hd : (heads + kv_heads) * hd].view(1, kv_heads, hd)
+        v = qkv[:, (heads + kv_heads) * hd :].view(1, kv_heads, hd)
         inv = 1.0 / (1e6 ** (torch.arange(0, hd, 2, device=dev).float() / hd))
         ang = torch.arange(ctx + 1, device=dev).float()[:, None] * inv[None]
         cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
@@ -125,17 +144,24 @@ def attention(model: str, dev: str, contexts: tuple[int, ...] = (64, 512, 2048, 
         def unfused(kc, vc):
             rq, rk = rotary_embedding(pos, q, k, cos, sin)
             store_kv(rk, v, kc, vc, slots)
-            return decode_attention(rq, kc, vc, bt, seq_lens, hd ** -0.5, splits, min_split_keys=1)
+            return decode_attention(rq, kc, vc, bt, seq_lens, hd**-0.5, splits, min_split_keys=1)
 
         def fused(kc, vc):
-            return decode_attention(q, kc, vc, bt, seq_lens, hd ** -0.5, splits,
-                                    rope=DecodeRope(pos, cos, sin, k, v, slots))
+            return decode_attention(
+                q, kc, vc, bt, seq_lens, hd**-0.5, splits, rope=DecodeRope(pos, cos, sin, k, v, slots)
+            )
+
         a, b = unfused(*caches[0]), fused(*caches[0])
         err = ((a.float() - b.float()).norm() / a.float().norm()).item()
-        row = {"unfused_us": graph_us([lambda c=c: unfused(*c) for c in caches]),
-               "fused_us": graph_us([lambda c=c: fused(*c) for c in caches]), "rel_err": err}
-        print(f"| {model} attention ctx {ctx} | {row['unfused_us']:.2f} | {row['fused_us']:.2f} (err {err:.1e}) |",
-              flush=True)
+        row = {
+            "unfused_us": graph_us([lambda c=c: unfused(*c) for c in caches]),
+            "fused_us": graph_us([lambda c=c: fused(*c) for c in caches]),
+            "rel_err": err,
+        }
+        print(
+            f"| {model} attention ctx {ctx} | {row['unfused_us']:.2f} | {row['fused_us']:.2f} (err {err:.1e}) |",
+            flush=True,
+        )
         out[ctx] = row
         del caches
     return out
@@ -147,11 +173,13 @@ def main() -> None:
     ap.add_argument("--out", "--json", dest="out", default=None)
     args = ap.parse_args()
     import torch
+
     print(torch.cuda.get_device_name(), torch.__version__)
     print("| kernel | layer-by-layer (us) | fused stack (us, best tile) |\n| --- | --- | --- |")
     res = {m: {"projections": projections(m, "cuda"), "attention": attention(m, "cuda")} for m in args.models}
-    tiles = {(r["n"], r["k"], r["silu_and_mul"]): tuple(r["best"]) for m in res.values()
-             for r in m["projections"].values()}
+    tiles = {
+        (r["n"], r["k"], r["silu_and_mul"]): tuple(r["best"]) for m in res.values() for r in m["projections"].values()
+    }
     print("GEMV_TILES =", tiles)
     if args.out:
         with open(args.out, "w") as f:

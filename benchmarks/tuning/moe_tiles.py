@@ -6,6 +6,7 @@ candidate is checked against the current tiles' output first. Prints one table; 
     python3 benchmarks/tuning/moe_tiles.py                         # on a GPU
     python3 benchmarks/tuning/moe_tiles.py --tokens 16 256 16384 --experts 128 --top-k 8 --hidden 2048 --inter 768
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,8 +81,10 @@ def main() -> None:
                     best, best_ms = t, ms
                 if t[0] not in by_m or ms < by_m[t[0]][0]:
                     by_m[t[0]] = (ms, t)
-            print(f"| {tokens} | {name} | {cur} | {base:.3f} | {best} | {best_ms:.3f} | {base / best_ms:.2f}x |",
-                  flush=True)
+            print(
+                f"| {tokens} | {name} | {cur} | {base:.3f} | {best} | {best_ms:.3f} | {base / best_ms:.2f}x |",
+                flush=True,
+            )
             print("  best per BLOCK_M: " + "; ".join(f"{t} {ms:.3f}" for _, (ms, t) in sorted(by_m.items())))
 
 

@@ -10,6 +10,7 @@ steps; the next steps must raise naming that rank, quickly, with no process left
     python -c "from tests.tiny_models import make_tiny_model as m; m('/tmp/tiny-tp2', 'qwen2', num_heads=8, num_kv_heads=4, head_dim=8)"
     python benchmarks/tuning/mp_overlap_soak.py --model /tmp/tiny-tp2 --seconds 180 --kills 8
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,9 +22,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-PROMPTS = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. The capital of France is",
-           "def add(a, b):", "Paged attention stores keys and values in fixed-size blocks", "héllo wörld",
-           "The capital of France is", "numbers 0123456789 and more numbers"]
+PROMPTS = [
+    "Hello, my name is",
+    "The quick brown fox jumps over the lazy dog. The capital of France is",
+    "def add(a, b):",
+    "Paged attention stores keys and values in fixed-size blocks",
+    "héllo wörld",
+    "The capital of France is",
+    "numbers 0123456789 and more numbers",
+]
 ENGINE = dict(block_size=4, max_num_batched_tokens=16, dtype="float32", cpu_kv_cache_tokens=128, device="cpu")
 MP = dict(tensor_parallel_size=2, distributed_executor_backend="mp", master_port=0, async_scheduling=True)
 
@@ -31,6 +38,7 @@ MP = dict(tensor_parallel_size=2, distributed_executor_backend="mp", master_port
 def run_batch(engine, requests, abort_at: dict, health_at: int | None = None) -> dict:
     """Step the engine through the requests; the tokens of each one that finished other than by abort."""
     from novainfer import SamplingParams
+
     for rid, prompt, n in requests:
         engine.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     done = {}
@@ -51,6 +59,7 @@ def run_batch(engine, requests, abort_at: dict, health_at: int | None = None) ->
 
 def soak(args, rng: random.Random) -> int:
     from novainfer import LLM
+
     tp1 = LLM(args.model, async_scheduling=False, **ENGINE).llm_engine
     mp = LLM(args.model, **MP, **ENGINE).llm_engine
     batches, t0 = 0, time.monotonic()
@@ -73,6 +82,7 @@ def kill_round(args, rng: random.Random) -> tuple[int, int, float]:
     import re
 
     from novainfer import LLM, SamplingParams
+
     engine = LLM(args.model, **MP, **ENGINE).llm_engine
     try:
         for i, prompt in enumerate(PROMPTS[:3]):

@@ -8,6 +8,7 @@ Greedy output does not depend on the guesses, so one run without speculation giv
 (it matches benchmarks/speculation.py's "steps"). r is the machine's: the extra cost of one more row in a verify
 step relative to a one-token decode step (about 0 on a GPU, 0.2-0.3 on the 2-core CPU).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,9 @@ from benchmarks.speculation import PROMPTS, chat_ids  # noqa: E402
 from novainfer.spec_decode.ngram_proposer import propose_ngram  # noqa: E402
 
 
-def replay(prompts: list[list[int]], outputs: list[list[int]], k: int, min_n: int, max_n: int, scaled: bool,
-           max_tokens: int) -> tuple[list[int], list[int]]:
+def replay(
+    prompts: list[list[int]], outputs: list[list[int]], k: int, min_n: int, max_n: int, scaled: bool, max_tokens: int
+) -> tuple[list[int], list[int]]:
     """Per prompt: engine steps after the prefill, and drafted tokens, for greedy outputs `outputs`."""
     steps, drafted = [], []
     for prompt, out in zip(prompts, outputs):
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--r", type=float, nargs="+", default=[0.0, 0.1, 0.2, 0.3])
     args = ap.parse_args()
     from novainfer import LLM, SamplingParams
+
     llm = LLM(enable_prefix_caching=False)
     prompts = [chat_ids(llm.get_tokenizer(), p) for p in PROMPTS]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens), use_tqdm=False)

@@ -4,6 +4,7 @@ the bench shape's prompts: each setting's output against the current setting's (
     python3 benchmarks/tuning/prefill_tiles.py --json out.json  # GPU: Qwen2.5-7B heads (28/4 x 128), 0.5B (14/2 x 64)
     python3 benchmarks/tuning/prefill_tiles.py --device cpu --dry-run   # TRITON_INTERPRET=1, two settings, tiny shapes
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,18 @@ from benchmarks.tuning.fp8_gemm import timed  # noqa: E402
 from novainfer.kernels import paged_attention  # noqa: E402
 
 HEADS = {"7b": (28, 4, 128), "0.5b": (14, 2, 64)}
-SETTINGS = [(64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 2), (128, 32, 8, 2), (128, 64, 8, 2),
-            (128, 64, 8, 3), (128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 4, 2)]
+SETTINGS = [
+    (64, 32, 4, 3),
+    (64, 64, 4, 3),
+    (64, 64, 4, 2),
+    (64, 64, 8, 2),
+    (128, 32, 8, 2),
+    (128, 64, 8, 2),
+    (128, 64, 8, 3),
+    (128, 128, 8, 2),
+    (64, 128, 4, 2),
+    (128, 64, 4, 2),
+]
 
 
 def main() -> None:
@@ -37,13 +48,16 @@ def main() -> None:
     lens = [rng.randint(100, 1024) for _ in range(args.seqs)] if not args.dry_run else [40, 70]
     settings = SETTINGS if not args.dry_run else SETTINGS[:2]
     saved, rows = dict(paged_attention.PREFILL_TILES), []
-    print("| heads | BLOCK_M, BLOCK_N, warps, stages | us per call | vs current | max abs diff |\n|---|---|---|---|---|")
+    print(
+        "| heads | BLOCK_M, BLOCK_N, warps, stages | us per call | vs current | max abs diff |\n|---|---|---|---|---|"
+    )
     for name, (heads, kv_heads, hd) in HEADS.items():
         if args.dry_run:
             heads, kv_heads, hd = heads // 2, kv_heads // 2, 16
         q, kc, vc, meta = make([0] * len(lens), lens, heads, kv_heads, hd, dev=args.device)  # fresh prompts
-        run = lambda: paged_attention.prefill_attention(q, kc, vc, meta.block_tables, meta.query_start_loc,
-                                                        meta.seq_lens, max(lens), hd ** -0.5)
+        run = lambda: paged_attention.prefill_attention(
+            q, kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens, max(lens), hd**-0.5
+        )
         current = paged_attention.prefill_tiles(hd, max(lens))
         time_us = lambda: timed(run, torch.device(args.device), args.iters) if args.device == "cuda" else float("nan")
         ref, base = run().float(), time_us()

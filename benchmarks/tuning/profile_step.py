@@ -3,6 +3,7 @@
     python benchmarks/tuning/profile_step.py --model random:qwen2.5-0.5b --num-prompts 256 --output-len 128
 Prints the functions with the most own time, and the mean step time split into the runner's stages.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,13 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, choices=["fp8"], help="fp8: vLLM's dynamic FP8 linear layers")
     args = ap.parse_args()
     from novainfer import LLM, SamplingParams
-    llm = LLM(resolve_model(args.model), device=args.device, load_format=load_format(args.model),
-              quantization=args.quantization)
+
+    llm = LLM(
+        resolve_model(args.model),
+        device=args.device,
+        load_format=load_format(args.model),
+        quantization=args.quantization,
+    )
     vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
     prompts, outs = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, 0)
     inputs = [{"prompt_token_ids": p} for p in prompts]
@@ -43,6 +49,7 @@ def main() -> None:
     if args.torch_profiler:
         import torch
         from torch.profiler import ProfilerActivity, profile
+
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
             llm.generate(inputs, params, use_tqdm=False)
@@ -51,9 +58,13 @@ def main() -> None:
         steps = engine.step_id - steps0
         print(f"{steps} steps, {elapsed / steps * 1e3:.2f} ms/step under torch.profiler")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
-        print(prof.key_averages().table(sort_by="self_cuda_time_total" if torch.__version__ < "2.4"
-                                        else "self_device_time_total", row_limit=args.top,
-                                        max_name_column_width=60))
+        print(
+            prof.key_averages().table(
+                sort_by="self_cuda_time_total" if torch.__version__ < "2.4" else "self_device_time_total",
+                row_limit=args.top,
+                max_name_column_width=60,
+            )
+        )
         return
     prof = cProfile.Profile()
     t0 = time.perf_counter()
@@ -63,8 +74,10 @@ def main() -> None:
     sync()
     elapsed = time.perf_counter() - t0
     steps = engine.step_id - steps0
-    print(f"{steps} steps, {elapsed / steps * 1e3:.2f} ms/step under cProfile, "
-          f"{args.num_prompts * args.output_len / elapsed:,.0f} output tok/s")
+    print(
+        f"{steps} steps, {elapsed / steps * 1e3:.2f} ms/step under cProfile, "
+        f"{args.num_prompts * args.output_len / elapsed:,.0f} output tok/s"
+    )
     pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
 
 

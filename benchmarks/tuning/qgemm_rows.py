@@ -28,6 +28,7 @@ builds interleaved; it checks that both give the same bits and prints the packed
 before float16 scales gets the same values as float32 (its layout). --f32-scales: this build against itself
 with the weights' scales and zeros as float32 (what float16 scales alone change).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,12 +53,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def build_at(commit: str):
     """The kernels' library built from `commit`'s C sources (git show), with this tree's bindings."""
     tmp = tempfile.mkdtemp(prefix="qgemm-base-")
-    names = subprocess.run(["git", "ls-tree", "--name-only", f"{commit}:{CSRC}"], cwd=ROOT, check=True,
-                           capture_output=True, text=True).stdout.split()
+    names = subprocess.run(
+        ["git", "ls-tree", "--name-only", f"{commit}:{CSRC}"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.split()
     for name in names:
         with open(os.path.join(tmp, name), "wb") as f:
-            f.write(subprocess.run(["git", "show", f"{commit}:{CSRC}/{name}"], cwd=ROOT, check=True,
-                                   capture_output=True).stdout)
+            f.write(
+                subprocess.run(
+                    ["git", "show", f"{commit}:{CSRC}/{name}"], cwd=ROOT, check=True, capture_output=True
+                ).stdout
+            )
     paths = [os.path.join(tmp, n) for n in names]
     lib = qgemm.build_library([p for p in paths if p.endswith(".c")], [p for p in paths if p.endswith(".h")])
     if lib is None:
@@ -73,8 +78,9 @@ def for_build(w, lib, f32_scales: bool = False):
     if getattr(lib, "panel_layout", False):
         return w
     q, scales, zeros = w.rows()
-    return types.SimpleNamespace(kind=w.kind, qweight=q, scales=scales, zeros=zeros, group=w.group, shape=w.shape,
-                                 scale_f16=w.scale_f16)
+    return types.SimpleNamespace(
+        kind=w.kind, qweight=q, scales=scales, zeros=zeros, group=w.group, shape=w.shape, scale_f16=w.scale_f16
+    )
 
 
 def model_layers() -> dict[str, tuple]:
@@ -82,6 +88,7 @@ def model_layers() -> dict[str, tuple]:
     from novainfer.layers.quantization.gguf_cpu import GGUFCPUConfig
     from novainfer.loader.default_model import default_model_path
     from novainfer.loader.model_loader import load_hf_config, load_model
+
     path = default_model_path()
     cfg = load_hf_config(path)
     model = load_model(path, cfg, torch.float32, torch.device("cpu"), quant_config=GGUFCPUConfig())
@@ -129,8 +136,10 @@ def main() -> None:
         return crossover(args)
     libs = {"old": build_at(args.base), "new": library.library()}
     layers = model_layers()
-    print(f"base {args.base}; layers: " + ", ".join(f"{k} {w.kind} {w.shape[0]}x{w.shape[1]} (x{c})"
-                                                    for k, (w, c) in layers.items()))
+    print(
+        f"base {args.base}; layers: "
+        + ", ".join(f"{k} {w.kind} {w.shape[0]}x{w.shape[1]} (x{c})" for k, (w, c) in layers.items())
+    )
     for threads in args.threads:
         library.set_num_threads(threads)
         print(f"\nthreads {threads}: median us old / new (new/old)")
@@ -151,11 +160,17 @@ def main() -> None:
                     step[m][k] += med[k] * count
                 cells.append(f"{med['old']:8.1f}/{med['new']:8.1f} ({med['new'] / med['old']:.2f})")
             print(f"{key:>10} " + " ".join(f"{c:>22}" for c in cells))
-        print(f"{'step':>10} " + " ".join(
-            f"{step[m]['old'] / 1e3:7.2f}/{step[m]['new'] / 1e3:7.2f}ms({step[m]['new'] / step[m]['old']:.2f})"
-            for m in args.rows))
-        print(f"{'ms/row':>10} " + " ".join(
-            f"{step[m]['old'] / 1e3 / m:7.2f}/{step[m]['new'] / 1e3 / m:7.2f}ms      " for m in args.rows))
+        print(
+            f"{'step':>10} "
+            + " ".join(
+                f"{step[m]['old'] / 1e3:7.2f}/{step[m]['new'] / 1e3:7.2f}ms({step[m]['new'] / step[m]['old']:.2f})"
+                for m in args.rows
+            )
+        )
+        print(
+            f"{'ms/row':>10} "
+            + " ".join(f"{step[m]['old'] / 1e3 / m:7.2f}/{step[m]['new'] / 1e3 / m:7.2f}ms      " for m in args.rows)
+        )
     library.set_num_threads(None)
 
 
@@ -164,6 +179,7 @@ def step_weights() -> list:
     from novainfer.layers.quantization.gguf_cpu import GGUFCPUConfig
     from novainfer.loader.default_model import default_model_path
     from novainfer.loader.model_loader import load_hf_config, load_model
+
     path = default_model_path()
     model = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"), quant_config=GGUFCPUConfig())
     out = []
@@ -178,10 +194,14 @@ def decode_step(args: argparse.Namespace) -> None:
     libs = {"old": library.library() if args.f32_scales else build_at(args.base), "new": library.library()}
     weights = step_weights()
     sets = {k: [for_build(w, lib, k == "old" and args.f32_scales) for w in weights] for k, lib in libs.items()}
-    nbytes = {k: sum(t.nbytes for w in ws for t in (w.qweight, w.scales, w.zeros) if t is not None) / 1e6
-              for k, ws in sets.items()}
-    print(f"base {'this build, float32 scales' if args.f32_scales else args.base}; packed bytes a step reads: "
-          f"old {nbytes['old']:.1f} MB, new {nbytes['new']:.1f} MB")
+    nbytes = {
+        k: sum(t.nbytes for w in ws for t in (w.qweight, w.scales, w.zeros) if t is not None) / 1e6
+        for k, ws in sets.items()
+    }
+    print(
+        f"base {'this build, float32 scales' if args.f32_scales else args.base}; packed bytes a step reads: "
+        f"old {nbytes['old']:.1f} MB, new {nbytes['new']:.1f} MB"
+    )
     for m in args.rows:
         xs = [torch.randn(m, w.shape[1]) for w in weights]
         outs = {k: [qgemm.quant_gemm(x, w, libs[k]) for x, w in zip(xs, ws)] for k, ws in sets.items()}
@@ -196,10 +216,12 @@ def decode_step(args: argparse.Namespace) -> None:
                         qgemm.quant_gemm(x, w, lib)
                     res[k].append((time.perf_counter() - t) * 1e3)
             ratio = sorted(b / a for a, b in zip(res["old"], res["new"]))
-            print(f"M={m} threads {threads}: ms a step, median (min) old {statistics.median(res['old']):.2f} "
-                  f"({min(res['old']):.2f}), new {statistics.median(res['new']):.2f} ({min(res['new']):.2f}); "
-                  f"new/old per round {ratio[0]:.2f}-{ratio[-1]:.2f} (median {statistics.median(ratio):.2f}); "
-                  f"same bits: {same}")
+            print(
+                f"M={m} threads {threads}: ms a step, median (min) old {statistics.median(res['old']):.2f} "
+                f"({min(res['old']):.2f}), new {statistics.median(res['new']):.2f} ({min(res['new']):.2f}); "
+                f"new/old per round {ratio[0]:.2f}-{ratio[-1]:.2f} (median {statistics.median(ratio):.2f}); "
+                f"same bits: {same}"
+            )
     library.set_num_threads(None)
 
 
@@ -211,8 +233,10 @@ def crossover(args: argparse.Namespace) -> None:
         library.set_num_threads(threads)
         for m in args.rows:
             xs = [torch.randn(m, w.shape[1]) for w in weights]
-            same = all(torch.equal(qgemm.quant_gemm(x, w, panel=False), qgemm.quant_gemm(x, w, panel=True))
-                       for x, w in zip(xs, weights))
+            same = all(
+                torch.equal(qgemm.quant_gemm(x, w, panel=False), qgemm.quant_gemm(x, w, panel=True))
+                for x, w in zip(xs, weights)
+            )
             res = {False: [], True: []}
             for _ in range(args.repeats):
                 for panel in res:
@@ -221,8 +245,10 @@ def crossover(args: argparse.Namespace) -> None:
                         qgemm.quant_gemm(x, w, panel=panel)
                     res[panel].append((time.perf_counter() - t) * 1e3)
             few, pan = statistics.median(res[False]), statistics.median(res[True])
-            print(f"M={m} threads {threads}: ms a step, median few-row {few:.2f}, panel {pan:.2f} "
-                  f"(panel/few {pan / few:.2f}); same bits: {same}")
+            print(
+                f"M={m} threads {threads}: ms a step, median few-row {few:.2f}, panel {pan:.2f} "
+                f"(panel/few {pan / few:.2f}); same bits: {same}"
+            )
     library.set_num_threads(None)
     qgemm.set_panel_min_rows(qgemm.PANEL_MIN_ROWS)
 
@@ -230,6 +256,7 @@ def crossover(args: argparse.Namespace) -> None:
 def prefill(args: argparse.Namespace) -> None:
     """Each decoder layer shape at each row count: the panel GEMM against dequantize + torch sgemm."""
     import torch.nn.functional as F
+
     layers = {k: v for k, v in model_layers().items() if k != "lm_head"}  # a prefill's lm_head sees one row
     torch_threads = torch.get_num_threads()
     for threads in args.threads:
@@ -240,8 +267,10 @@ def prefill(args: argparse.Namespace) -> None:
             total = {"sgemm": 0.0, "panel": 0.0}
             for key, (w, count) in layers.items():
                 x = torch.randn(m, w.shape[1])
-                fns = {"sgemm": lambda: F.linear(x, qgemm.dequantize(w)),
-                       "panel": lambda: qgemm.quant_gemm(x, w, panel=True)}
+                fns = {
+                    "sgemm": lambda: F.linear(x, qgemm.dequantize(w)),
+                    "panel": lambda: qgemm.quant_gemm(x, w, panel=True),
+                }
                 inner = max(1, int(5e8 / (w.shape[0] * w.shape[1] * m)))
                 res = {k: [] for k in fns}
                 for _ in range(args.repeats):
@@ -252,10 +281,14 @@ def prefill(args: argparse.Namespace) -> None:
                 for k in total:
                     total[k] += med[k] * count
                 gf = {k: flop / v / 1e6 for k, v in med.items()}
-                print(f"M={m:5} {key:>8} {w.shape[0]}x{w.shape[1]}: {med['sgemm']:7.2f} ({gf['sgemm']:4.0f}) / "
-                      f"{med['panel']:7.2f} ({gf['panel']:4.0f})  {med['sgemm'] / med['panel']:.2f}x")
-            print(f"M={m:5} all layers: {total['sgemm']:.1f} / {total['panel']:.1f} ms "
-                  f"({total['sgemm'] / total['panel']:.2f}x)")
+                print(
+                    f"M={m:5} {key:>8} {w.shape[0]}x{w.shape[1]}: {med['sgemm']:7.2f} ({gf['sgemm']:4.0f}) / "
+                    f"{med['panel']:7.2f} ({gf['panel']:4.0f})  {med['sgemm'] / med['panel']:.2f}x"
+                )
+            print(
+                f"M={m:5} all layers: {total['sgemm']:.1f} / {total['panel']:.1f} ms "
+                f"({total['sgemm'] / total['panel']:.2f}x)"
+            )
     library.set_num_threads(None)
     torch.set_num_threads(torch_threads)
 

@@ -10,6 +10,7 @@ that grow with the pool show up.
 
     python benchmarks/tuning/scheduler_steps.py --num-blocks 366726
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,17 +42,21 @@ def main() -> None:
 
     prompts, outs = make_workload(args.num_prompts, None, None, 151_936, 0)
     bm = BlockManager(args.num_blocks, args.block_size)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=args.num_prompts,
-                                      max_num_batched_tokens=args.max_num_batched_tokens), bm)
+    sched = Scheduler(
+        SchedulerConfig(max_num_seqs=args.num_prompts, max_num_batched_tokens=args.max_num_batched_tokens), bm
+    )
     block_cpu = [0.0]
-    for name in ("allocate_slots", "can_append", "free", "find_cached_prefix", "can_admit", "admit") if args.split \
-            else ():
+    for name in (
+        ("allocate_slots", "can_append", "free", "find_cached_prefix", "can_admit", "admit") if args.split else ()
+    ):
+
         def timed(*a, _f=getattr(bm, name), **kw):
             c0 = time.thread_time()
             try:
                 return _f(*a, **kw)
             finally:
                 block_cpu[0] += time.thread_time() - c0
+
         setattr(bm, name, timed)
     for prompt, n in zip(prompts, outs):
         sched.add(Sequence(prompt, SamplingParams(max_tokens=n, ignore_eos=True)))
@@ -74,9 +79,13 @@ def main() -> None:
                 seq.append_token(1)
                 if seq.num_output_tokens >= seq.sampling_params.max_tokens:
                     sched.finish(seq)
-    row = {"num_blocks": args.num_blocks, "steps": steps, "full_decode_steps": len(decode),
-           "schedule_ms_per_decode_step": round(1e3 * sum(c for c, _ in decode) / max(1, len(decode)), 4),
-           "schedule_ms_per_step": round(1e3 * total / steps, 4)}
+    row = {
+        "num_blocks": args.num_blocks,
+        "steps": steps,
+        "full_decode_steps": len(decode),
+        "schedule_ms_per_decode_step": round(1e3 * sum(c for c, _ in decode) / max(1, len(decode)), 4),
+        "schedule_ms_per_step": round(1e3 * total / steps, 4),
+    }
     if args.split:
         row["block_manager_ms_per_decode_step"] = round(1e3 * sum(b for _, b in decode) / max(1, len(decode)), 4)
         row["block_manager_ms_per_step"] = round(1e3 * block_total / steps, 4)

@@ -10,6 +10,7 @@ machine's compiles:
 Everything after `--` goes to benchmarks/throughput.py. Prints one row per compile: when (start-up or generate),
 the kernel, its constexprs, and the seconds it took.
 """
+
 from __future__ import annotations
 
 import os
@@ -44,6 +45,7 @@ def _wrap_compile() -> None:
 
 def _wrap_generate() -> None:
     from novainfer.entrypoints.llm import LLM
+
     real = LLM.generate
 
     def generate(self, *args, **kwargs):
@@ -63,6 +65,7 @@ def main() -> None:
     _wrap_compile()
     _wrap_generate()
     from benchmarks import throughput
+
     sys.argv = ["throughput.py", *argv]
     throughput.main()
     print("\n| phase | kernel | constexprs | seconds |\n| --- | --- | --- | --- |")

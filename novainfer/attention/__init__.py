@@ -1,4 +1,5 @@
 """Attention metadata and backends: how the attention layers find this step's K/V."""
+
 from __future__ import annotations
 
 from types import ModuleType
@@ -12,6 +13,7 @@ def get_attn_backend(name: str, device: torch.device, kv_dtype: torch.dtype, dty
     """The backend a runner binds to its KV cache (EngineConfig.attention_backend): 'auto' is the Triton kernels on
     CUDA, the batched CPU decode path elsewhere."""
     from novainfer.attention import cpu_backend, torch_backend
+
     if name == "auto":
         name = "triton" if device.type == "cuda" else "cpu"
     if name == "torch" and kv_dtype == dtype:
@@ -20,5 +22,6 @@ def get_attn_backend(name: str, device: torch.device, kv_dtype: torch.dtype, dty
         return cpu_backend
     if name == "triton":
         from novainfer.attention import triton_backend
+
         return triton_backend
     raise ValueError(f"attention_backend must be auto, cpu, torch or triton; got {name!r}")

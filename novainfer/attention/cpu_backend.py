@@ -6,6 +6,7 @@ stored narrower than the activations (bfloat16 K/V under float32 activations): K
 Honours sliding_window (a query at p sees key k iff p - k < window) and logits_soft_cap
 (cap * tanh(score / cap)), the interface agreed with layers/attention.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,12 +19,12 @@ from novainfer.kernels.cpu import library, ops as cpu_ops
 
 def _c_path(x: torch.Tensor, cache: torch.Tensor) -> bool:
     """The C ops take float32 activations over a bfloat16 cache (the default CPU path)."""
-    return (cache.dtype == torch.bfloat16 and cache.is_contiguous() and cpu_ops.usable(x)
-            and library.available())
+    return cache.dtype == torch.bfloat16 and cache.is_contiguous() and cpu_ops.usable(x) and library.available()
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write the step's K/V [num_tokens, kv_heads, head_dim] into cache slots (cast to the cache's dtype)."""
     if _c_path(key, k_cache) and key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]:
         return cpu_ops.store_kv_bf16(key, value, k_cache, v_cache, slot_mapping)
@@ -32,39 +33,62 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     torch_backend.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, sliding_window: int | None = None,
-                    logits_soft_cap: float | None = None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
     """query [num_tokens, heads, head_dim] -> output of the same shape (see torch_backend.paged_attention)."""
     if meta.max_query_len == 1 and query.shape[0] == meta.num_seqs:
         return decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
     if meta.per_token is not None:  # a verify step: every token as a decode step computes it
         return decode_attention(query, k_cache, v_cache, meta.per_token, scale, sliding_window, logits_soft_cap)
     if _c_path(query, k_cache) and query.stride(1) == query.shape[2] and query.shape[2] % 16 == 0:
-        return cpu_ops.prefill_attention_bf16(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                              meta.seq_lens, scale, sliding_window, logits_soft_cap)
+        return cpu_ops.prefill_attention_bf16(
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            scale,
+            sliding_window,
+            logits_soft_cap,
+        )
     if sliding_window is None and logits_soft_cap is None and _fresh_prompts_only(meta):
         return prefill_attention(query, k_cache, v_cache, meta, scale)
-    extra = {k: v for k, v in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap))
-             if v is not None}
+    extra = {
+        k: v for k, v in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap)) if v is not None
+    }
     # prefill: the reference, which reads a narrower cache in the query's dtype (computing in bf16 made the
     # result depend on how a prompt was chunked and batched)
     return torch_backend.paged_attention(query, k_cache, v_cache, meta, scale, **extra)
 
 
-def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float, sliding_window: int | None = None,
-                     logits_soft_cap: float | None = None) -> torch.Tensor:
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
     """One new token per sequence: gather every sequence's blocks at once, mask past its length, softmax
     (in C for float32 queries over a bfloat16 cache)."""
     if _c_path(query, k_cache) and query.stride(1) == query.shape[2] and query.shape[2] % 8 == 0:
-        return cpu_ops.decode_attention_bf16(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                             sliding_window, logits_soft_cap)
+        return cpu_ops.decode_attention_bf16(
+            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, logits_soft_cap
+        )
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     max_len = meta.max_seq_len
-    tables = meta.block_tables[:, :(max_len + block_size - 1) // block_size].long()
+    tables = meta.block_tables[:, : (max_len + block_size - 1) // block_size].long()
     # [seqs, blocks, block_size, kv_heads, d] -> [seqs, kv_heads, d, ctx] / [seqs, kv_heads, ctx, d]
     k = k_cache[tables].flatten(1, 2)[:, :max_len].to(query.dtype).permute(0, 2, 3, 1)
     v = v_cache[tables].flatten(1, 2)[:, :max_len].to(query.dtype).transpose(1, 2)
@@ -89,8 +113,9 @@ def _fresh_prompts_only(meta: AttentionMetadata) -> bool:
     return all(starts[i + 1] - starts[i] == n for i, n in enumerate(seq_lens))
 
 
-def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      scale: float) -> torch.Tensor:
+def prefill_attention(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """Whole prompts: torch's causal scaled_dot_product_attention per sequence (its CPU flash kernel skips
     the masked half), over K/V read back from the cache in the query's dtype as the reference reads them.
     The reference's explicit mask and softmax took 30% of a 512-token prefill of the default model."""
@@ -98,12 +123,13 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     out = torch.empty_like(query)
     starts = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
     for i, n in enumerate(meta.seq_lens_cpu or meta.seq_lens.tolist()):
-        blocks = meta.block_tables[i, :(n + block_size - 1) // block_size]
+        blocks = meta.block_tables[i, : (n + block_size - 1) // block_size]
         k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].to(query.dtype).transpose(0, 1)
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].to(query.dtype).transpose(0, 1)
-        q = query[starts[i]:starts[i + 1]].transpose(0, 1)
+        q = query[starts[i] : starts[i + 1]].transpose(0, 1)
         # 4-D: with 3-D inputs torch takes its math path, 7x slower than the flash kernel here
-        o = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
-                                           enable_gqa=num_kv_heads != query.shape[1])
-        out[starts[i]:starts[i + 1]] = o[0].transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            q[None], k[None], v[None], is_causal=True, scale=scale, enable_gqa=num_kv_heads != query.shape[1]
+        )
+        out[starts[i] : starts[i + 1]] = o[0].transpose(0, 1)
     return out

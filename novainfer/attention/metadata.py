@@ -3,6 +3,7 @@
 The model only runs forward(input_ids, positions); whether a token is part of a prefill or a decode,
 and where its K/V go, is described here.
 """
+
 from __future__ import annotations
 
 import threading

@@ -1,4 +1,5 @@
 """Reference attention on the paged cache in plain torch: the CPU path and the GPU kernels' oracle."""
+
 from __future__ import annotations
 
 import torch
@@ -7,8 +8,9 @@ import torch.nn.functional as F
 from novainfer.attention.metadata import AttentionMetadata, SlotAttentionMetadata
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write the step's K/V [num_tokens, kv_heads, head_dim] into cache slots; slot -1 is skipped."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     valid = slot_mapping >= 0
@@ -17,8 +19,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[valid])
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-           soft_cap: float | None = None) -> torch.Tensor:
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, soft_cap: float | None = None
+) -> torch.Tensor:
     """softmax(cap(q k^T * scale) masked) v over [heads, q_len, d] x [heads, k_len, d]; mask: [q_len, k_len]."""
     if soft_cap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -28,9 +31,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                    logits_soft_cap: float | None = None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached context (the last sliding_window keys).
 
     query: [num_tokens, heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim].
@@ -63,9 +72,15 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
-def masked_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     meta: SlotAttentionMetadata, scale: float, sliding_window: int | None = None,
-                     logits_soft_cap: float | None = None) -> torch.Tensor:
+def masked_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: SlotAttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
     """Attention of every query over the candidate cells its visibility mask allows (SLOT layout).
 
     query: [num_tokens, heads, head_dim]; caches: [num_cells, 1, kv_heads, head_dim]. Each query sees at

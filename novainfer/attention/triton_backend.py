@@ -1,4 +1,5 @@
 """Attention on the paged cache with the Triton kernels: the GPU path. Same interface as torch_backend."""
+
 from __future__ import annotations
 
 import torch
@@ -10,13 +11,37 @@ from novainfer.kernels.paged_attention import decode_attention, prefill_attentio
 __all__ = ["store_kv", "paged_attention"]
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                    logits_soft_cap: float | None = None) -> torch.Tensor:
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
     """One new token per sequence takes the split-K decode kernel; anything else the prefill kernel."""
     if meta.max_query_len == 1:
-        return decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, meta.num_splits,
-                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
-    return prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
-                             meta.max_query_len, scale, sliding_window=sliding_window,
-                             logits_soft_cap=logits_soft_cap)
+        return decode_attention(
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            scale,
+            meta.num_splits,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+        )
+    return prefill_attention(
+        query,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.max_query_len,
+        scale,
+        sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap,
+    )

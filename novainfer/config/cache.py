@@ -1,4 +1,5 @@
 """CacheConfig: the paged KV cache (block size, how many blocks, prefix caching) and its dtype."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,14 +14,23 @@ class CacheConfig:
     """Paged KV cache: block size, how many blocks, prefix caching."""
 
     block_size: int = setting(16, "tokens per KV-cache block (a power of two)")
-    num_gpu_blocks: int | None = setting(None, "KV-cache blocks to allocate instead of sizing from free memory "
-                                         "(GPU) or --cpu-kv-cache-tokens (CPU); testing preemption",
-                                         flag="num-gpu-blocks-override", shown="sized from memory")
+    num_gpu_blocks: int | None = setting(
+        None,
+        "KV-cache blocks to allocate instead of sizing from free memory "
+        "(GPU) or --cpu-kv-cache-tokens (CPU); testing preemption",
+        flag="num-gpu-blocks-override",
+        shown="sized from memory",
+    )
     gpu_memory_utilization: float = setting(0.9, "fraction of GPU memory the engine may use")
-    cpu_kv_cache_tokens: int = setting(32768, "KV cache capacity on the CPU, in tokens (32k bf16 tokens of the "
-                                       "default model are 0.75 GB)")
-    cache_dtype: str = setting("auto", "auto: the model's dtype; bfloat16 on the CPU unless --dtype float32",
-                               flag="kv-cache-dtype", choices=CACHE_DTYPES)
+    cpu_kv_cache_tokens: int = setting(
+        32768, "KV cache capacity on the CPU, in tokens (32k bf16 tokens of the default model are 0.75 GB)"
+    )
+    cache_dtype: str = setting(
+        "auto",
+        "auto: the model's dtype; bfloat16 on the CPU unless --dtype float32",
+        flag="kv-cache-dtype",
+        choices=CACHE_DTYPES,
+    )
     enable_prefix_caching: bool = setting(True, "reuse the KV blocks of a prompt prefix seen before")
 
     def validate(self) -> None:
@@ -33,4 +43,3 @@ class CacheConfig:
             raise ValueError(f"cache_dtype must be auto, float32, bfloat16 or float16, got {self.cache_dtype!r}")
         if self.cpu_kv_cache_tokens < 1:
             raise ValueError(f"cpu_kv_cache_tokens must be >= 1, got {self.cpu_kv_cache_tokens}")
-

@@ -1,5 +1,6 @@
 """EngineConfig: every section the engine reads, built once from vLLM-style flat keyword arguments, checked,
 and frozen (a later change is a dataclasses.replace, never an assignment)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,8 +23,12 @@ if TYPE_CHECKING:
     import torch
 
 # the sections whose fields are flat engine arguments, in the order --help lists them
-SECTIONS = {"model_config": ModelConfig, "cache_config": CacheConfig, "scheduler_config": SchedulerConfig,
-            "parallel_config": ParallelConfig}
+SECTIONS = {
+    "model_config": ModelConfig,
+    "cache_config": CacheConfig,
+    "scheduler_config": SchedulerConfig,
+    "parallel_config": ParallelConfig,
+}
 
 
 @dataclass(frozen=True)
@@ -34,22 +39,34 @@ class EngineConfig:
     cache_config: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
-    device: str = setting("auto", "auto (CUDA when present, else the CPU), cpu, cuda or cuda:N; the "
-                          "NOVAINFER_DEVICE environment variable overrides it")
+    device: str = setting(
+        "auto",
+        "auto (CUDA when present, else the CPU), cpu, cuda or cuda:N; the "
+        "NOVAINFER_DEVICE environment variable overrides it",
+    )
     enforce_eager: bool = setting(False, "no CUDA graphs")
     trim_heap_when_idle: bool = setting(
-        True, "the engine core process gives its freed step workspaces back to the system when it goes idle "
-        "(glibc malloc_trim)")
-    attention_backend: str = setting("auto", "auto: triton on CUDA, cpu elsewhere",
-                                     choices=("auto", "cpu", "torch", "triton"))
+        True,
+        "the engine core process gives its freed step workspaces back to the system when it goes idle "
+        "(glibc malloc_trim)",
+    )
+    attention_backend: str = setting(
+        "auto", "auto: triton on CUDA, cpu elsewhere", choices=("auto", "cpu", "torch", "triton")
+    )
     speculative_config: SpeculativeConfig | None = setting(
-        None, 'speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        None,
+        'speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
         'or {"method": "draft_model", "model": DRAFT, "num_speculative_tokens": 4}',
-        type=SpeculativeConfig.from_value, shown="off")
+        type=SpeculativeConfig.from_value,
+        shown="off",
+    )
     kv_events_config: KVEventsConfig | None = setting(
-        None, 'publish KV-cache events as vLLM does, JSON: \'{"enable_kv_cache_events": true, "endpoint": '
-        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (docs/DEPLOY.md)', type=KVEventsConfig.from_value,
-        shown="off")
+        None,
+        'publish KV-cache events as vLLM does, JSON: \'{"enable_kv_cache_events": true, "endpoint": '
+        '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (docs/DEPLOY.md)',
+        type=KVEventsConfig.from_value,
+        shown="off",
+    )
 
     @classmethod
     def from_kwargs(cls, model: str | None, **kw: Any) -> "EngineConfig":
@@ -73,16 +90,22 @@ class EngineConfig:
         if "kv_events_config" in top:
             top["kv_events_config"] = KVEventsConfig.from_value(top["kv_events_config"])
         parallel = normalize_parallel_config(ParallelConfig(**parts["parallel_config"]))
-        cfg = cls(model_config=ModelConfig(model=model, **parts["model_config"]),
-                  cache_config=CacheConfig(**parts["cache_config"]),
-                  scheduler_config=SchedulerConfig(**parts["scheduler_config"]), parallel_config=parallel, **top)
+        cfg = cls(
+            model_config=ModelConfig(model=model, **parts["model_config"]),
+            cache_config=CacheConfig(**parts["cache_config"]),
+            scheduler_config=SchedulerConfig(**parts["scheduler_config"]),
+            parallel_config=parallel,
+            **top,
+        )
         cfg.validate()
         return cfg
 
     def replace(self, **sections: Any) -> "EngineConfig":
         """This config with some sections' fields changed: replace(model_config={"model": path})."""
-        changes = {name: dataclasses.replace(getattr(self, name), **fields) if isinstance(fields, dict) else fields
-                   for name, fields in sections.items()}
+        changes = {
+            name: dataclasses.replace(getattr(self, name), **fields) if isinstance(fields, dict) else fields
+            for name, fields in sections.items()
+        }
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> None:
@@ -93,8 +116,10 @@ class EngineConfig:
         if mc.quantization not in (None, *QUANTIZATIONS):
             raise ValueError(f"quantization must be gguf, fp8 or none, got {mc.quantization!r}")
         if mc.quantization == "fp8" and mc.is_gguf:
-            raise ValueError("quantization='fp8' quantizes a bf16/fp16 checkpoint at load; a GGUF file is quantized "
-                             "already (use quantization='gguf' or 'none')")
+            raise ValueError(
+                "quantization='fp8' quantizes a bf16/fp16 checkpoint at load; a GGUF file is quantized "
+                "already (use quantization='gguf' or 'none')"
+            )
         if mc.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {mc.load_format!r}")
         sc = self.speculative_config
@@ -121,7 +146,8 @@ class EngineConfig:
             if self.scheduler_config.async_scheduling:
                 logging.getLogger(__name__).warning(
                     "async_scheduling is off with the uni backend and tensor_parallel_size > 1 (its ranks are "
-                    "threads that run each step to the end); distributed_executor_backend='mp' overlaps")
+                    "threads that run each step to the end); distributed_executor_backend='mp' overlaps"
+                )
             return False
         return wanted
 
@@ -134,9 +160,13 @@ class EngineConfig:
         if s.max_num_batched_tokens is not None:
             return s.max_num_batched_tokens
         p = self.parallel_config
-        if (p.tensor_parallel_size == 1 and p.distributed_executor_backend == "uni"
-                and self.resolve_device().type == "cuda"):
+        if (
+            p.tensor_parallel_size == 1
+            and p.distributed_executor_backend == "uni"
+            and self.resolve_device().type == "cuda"
+        ):
             import torch
+
             props = torch.cuda.get_device_properties(self.resolve_device())
             if props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower():
                 return 16384
@@ -150,6 +180,7 @@ class EngineConfig:
     def resolve_device(self) -> torch.device:
         """'auto' picks CUDA when present; NOVAINFER_DEVICE overrides (documented in the README)."""
         import torch
+
         name = self._device_name()
         if name == "auto":
             name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -190,6 +221,7 @@ _DERIVED = {f.name for section in SECTIONS.values() for f in dataclasses.fields(
 def resolve_cache_dtype(cfg: EngineConfig, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV cache's dtype: as asked, else the model's; bfloat16 on the CPU unless float32 was asked for."""
     import torch
+
     name = cfg.cache_config.cache_dtype
     if name != "auto":
         return to_torch_dtype(name)

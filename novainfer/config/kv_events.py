@@ -1,4 +1,5 @@
 """KVEventsConfig: vLLM's `--kv-events-config` (engine/kv_events.py publishes what it asks for)."""
+
 from __future__ import annotations
 
 import dataclasses

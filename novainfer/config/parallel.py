@@ -1,4 +1,5 @@
 """ParallelConfig: how the model is spread over devices and processes, and the checks on it."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,8 +8,9 @@ from dataclasses import dataclass
 from novainfer.config.fields import derived, setting
 
 EXECUTOR_BACKENDS = ("uni", "mp")
-RAY_REFUSED = "distributed_executor_backend='ray' is not implemented; use 'uni' (one process) or 'mp' (one process " \
-    "per device)"
+RAY_REFUSED = (
+    "distributed_executor_backend='ray' is not implemented; use 'uni' (one process) or 'mp' (one process per device)"
+)
 
 
 def _executor_backend(text: str) -> str:
@@ -33,11 +35,15 @@ class ParallelConfig:
 
     pipeline_parallel_size: int = setting(1, "pipeline stages (only 1)", cli=False)
     tensor_parallel_size: int = setting(1, "ranks each layer is split over", short="-tp")
-    data_parallel_size: int = setting(1, "refused above 1: run one server per replica behind a router "
-                                      "(docs/DEPLOY.md)", short="-dp")
+    data_parallel_size: int = setting(
+        1, "refused above 1: run one server per replica behind a router (docs/DEPLOY.md)", short="-dp"
+    )
     distributed_executor_backend: str = setting(
-        "uni", "uni: every rank in this process; mp: one process per device (torch.distributed)",
-        choices=EXECUTOR_BACKENDS, type=_executor_backend)
+        "uni",
+        "uni: every rank in this process; mp: one process per device (torch.distributed)",
+        choices=EXECUTOR_BACKENDS,
+        type=_executor_backend,
+    )
     master_addr: str = setting("127.0.0.1", "mp: address of node 0 for the rendezvous")
     master_port: int = setting(29501, "mp: port of node 0 for the rendezvous (0: any free port, one node only)")
     node_rank: int = setting(0, "mp: this machine's index (0 runs the engine)")
@@ -46,13 +52,15 @@ class ParallelConfig:
     rank: int = derived(0)
     local_rank: int = derived(0)
     # NovaInfer's additions (not vLLM fields)
-    distributed_backend: str = setting("auto", "torch.distributed backend (auto: nccl on CUDA, gloo on the CPU)",
-                                       choices=("auto", "nccl", "gloo"))
+    distributed_backend: str = setting(
+        "auto", "torch.distributed backend (auto: nccl on CUDA, gloo on the CPU)", choices=("auto", "nccl", "gloo")
+    )
     init_method: str = setting("", "torch.distributed init method ('': tcp://master_addr:master_port)", cli=False)
     tp_group_name: str = setting("TP0", "name of the tensor-parallel group", cli=False)
     use_single_process_tp: bool = derived(True, "True for uni")
     tensor_parallel_device_ids: list[int] | None = setting(
-        None, "comma-separated CUDA device ids of this node's ranks", type=_int_list, shown="0..n-1")
+        None, "comma-separated CUDA device ids of this node's ranks", type=_int_list, shown="0..n-1"
+    )
 
     @property
     def ranks_per_node(self) -> int:
@@ -68,11 +76,14 @@ def normalize_parallel_config(cfg: ParallelConfig) -> ParallelConfig:
     if cfg.distributed_executor_backend == "ray":
         raise NotImplementedError(RAY_REFUSED)
     if cfg.distributed_executor_backend not in EXECUTOR_BACKENDS:
-        raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
-                         f"got {cfg.distributed_executor_backend!r}")
+        raise ValueError(
+            f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, got {cfg.distributed_executor_backend!r}"
+        )
     if cfg.data_parallel_size != 1:
-        raise ValueError(f"data_parallel_size={cfg.data_parallel_size}: not supported; run one `novainfer serve` per "
-                         "replica behind a router (sglang-router, vllm-router, llm-d): see docs/DEPLOY.md")
+        raise ValueError(
+            f"data_parallel_size={cfg.data_parallel_size}: not supported; run one `novainfer serve` per "
+            "replica behind a router (sglang-router, vllm-router, llm-d): see docs/DEPLOY.md"
+        )
     if int(cfg.tensor_parallel_size) < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {cfg.tensor_parallel_size}")
     if cfg.pipeline_parallel_size != 1:
@@ -83,8 +94,9 @@ def normalize_parallel_config(cfg: ParallelConfig) -> ParallelConfig:
     if cfg.nnodes < 1 or tp % cfg.nnodes:
         raise ValueError(f"nnodes={cfg.nnodes} must be >= 1 and divide tensor_parallel_size={tp}")
     if cfg.nnodes > 1 and cfg.distributed_executor_backend != "mp":
-        raise ValueError(f"nnodes={cfg.nnodes} needs distributed_executor_backend='mp', "
-                         f"got {cfg.distributed_executor_backend!r}")
+        raise ValueError(
+            f"nnodes={cfg.nnodes} needs distributed_executor_backend='mp', got {cfg.distributed_executor_backend!r}"
+        )
     if not 0 <= cfg.node_rank < cfg.nnodes:
         raise ValueError(f"node_rank must be in [0, nnodes={cfg.nnodes}), got {cfg.node_rank}")
     if not 0 <= cfg.master_port < 65536 or (cfg.master_port == 0 and cfg.nnodes > 1):
@@ -92,14 +104,20 @@ def normalize_parallel_config(cfg: ParallelConfig) -> ParallelConfig:
     local = tp // cfg.nnodes
     ids = list(range(local)) if cfg.tensor_parallel_device_ids is None else list(cfg.tensor_parallel_device_ids)
     if len(ids) != local:
-        raise ValueError(f"tensor_parallel_device_ids={ids} has length {len(ids)}, expected {local} "
-                         f"(tensor_parallel_size={tp} over nnodes={cfg.nnodes})")
+        raise ValueError(
+            f"tensor_parallel_device_ids={ids} has length {len(ids)}, expected {local} "
+            f"(tensor_parallel_size={tp} over nnodes={cfg.nnodes})"
+        )
     if len(set(ids)) != len(ids):
         raise ValueError(f"tensor_parallel_device_ids={ids} contains duplicates")
     if any(int(i) < 0 for i in ids):
         raise ValueError(f"tensor_parallel_device_ids={ids} contains a negative id")
     return dataclasses.replace(
-        cfg, tensor_parallel_size=tp, tensor_parallel_device_ids=[int(i) for i in ids],
+        cfg,
+        tensor_parallel_size=tp,
+        tensor_parallel_device_ids=[int(i) for i in ids],
         world_size=tp * cfg.pipeline_parallel_size,
         rank=cfg.node_rank * local,  # this process's first rank; each worker gets its own
-        local_rank=0, use_single_process_tp=cfg.distributed_executor_backend == "uni")
+        local_rank=0,
+        use_single_process_tp=cfg.distributed_executor_backend == "uni",
+    )

@@ -1,4 +1,5 @@
 """SpeculativeConfig: vLLM's `speculative_config` (a proposer guesses, one target forward checks)."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
         unknown = sorted(set(value) - set(cls.__dataclass_fields__))
         if unknown:
-            raise ValueError(f"speculative_config has unknown field(s) {unknown}; "
-                             f"known: {sorted(cls.__dataclass_fields__)}")
+            raise ValueError(
+                f"speculative_config has unknown field(s) {unknown}; known: {sorted(cls.__dataclass_fields__)}"
+            )
         cfg = cls(**value)
         cfg.validate()
         return cfg
@@ -45,8 +47,10 @@ class SpeculativeConfig:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
-                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+            raise ValueError(
+                "speculative_config needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}"
+            )
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.model (the draft checkpoint) is required for method 'draft_model'")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:

@@ -4,6 +4,7 @@ A Batch is what the user fills; `resolve_batch` checks it and fills the optional
 tracked per sequence, seq id 0, logits for the last token only) into a BatchView the cache and the
 forward read.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,8 +20,15 @@ class Batch:
     belongs to sequence 0, and only the last token gets a logits row.
     """
 
-    def __init__(self, token: np.ndarray, pos: np.ndarray | None, n_seq_id: np.ndarray | None,
-                 seq_id: np.ndarray | None, logits: np.ndarray | None, n_tokens: int):
+    def __init__(
+        self,
+        token: np.ndarray,
+        pos: np.ndarray | None,
+        n_seq_id: np.ndarray | None,
+        seq_id: np.ndarray | None,
+        logits: np.ndarray | None,
+        n_tokens: int,
+    ):
         self.token, self.pos, self.n_seq_id, self.seq_id, self.logits = token, pos, n_seq_id, seq_id, logits
         self.n_tokens = n_tokens
 
@@ -31,9 +39,14 @@ class Batch:
             raise NotImplementedError("embedding input (embd != 0) is not supported; pass token ids")
         if n_tokens < 1 or n_seq_max < 1:
             raise ValueError(f"Batch.init needs n_tokens >= 1 and n_seq_max >= 1, got {n_tokens}, {n_seq_max}")
-        return cls(token=np.zeros(n_tokens, np.int64), pos=np.zeros(n_tokens, np.int64),
-                   n_seq_id=np.zeros(n_tokens, np.int32), seq_id=np.zeros((n_tokens, n_seq_max), np.int64),
-                   logits=np.zeros(n_tokens, np.int8), n_tokens=0)
+        return cls(
+            token=np.zeros(n_tokens, np.int64),
+            pos=np.zeros(n_tokens, np.int64),
+            n_seq_id=np.zeros(n_tokens, np.int32),
+            seq_id=np.zeros((n_tokens, n_seq_max), np.int64),
+            logits=np.zeros(n_tokens, np.int8),
+            n_tokens=0,
+        )
 
     @classmethod
     def get_one(cls, tokens: Sequence[int]) -> "Batch":
@@ -60,7 +73,7 @@ class Batch:
         token, pos, seq_ids = _int64("token", token), _int64("pos", pos), [_int64("seq_id", s) for s in seq_ids]
         self.token[i], self.pos[i], self.logits[i] = token, pos, int(bool(logits))
         self.n_seq_id[i] = len(seq_ids)
-        self.seq_id[i, :len(seq_ids)] = seq_ids
+        self.seq_id[i, : len(seq_ids)] = seq_ids
         self.n_tokens = i + 1
 
     def clear(self) -> None:
@@ -70,8 +83,7 @@ class Batch:
 
 def _int64(name: str, value: object) -> int:
     """value as an int64 (token id, position, sequence id); ValueError for floats, bools, text or overflow."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) \
-            or not -2 ** 63 <= value < 2 ** 63:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not -(2**63) <= value < 2**63:
         raise ValueError(f"{name} must be an int64 integer, got {value!r}")
     return int(value)
 
@@ -80,8 +92,9 @@ def _column(name: str, column: object, n: int, ndim: int, kinds: str = "iu") -> 
     """The column as an array when it can describe n tokens (integers, ndim dims, >= n rows); else (None, why)."""
     a = np.asarray(column)
     if a.ndim != ndim or a.dtype.kind not in kinds or len(a) < n:
-        return None, (f"{name} must be a {ndim}-d integer array of at least n_tokens={n} rows, "
-                      f"got shape {a.shape} of {a.dtype}")
+        return None, (
+            f"{name} must be a {ndim}-d integer array of at least n_tokens={n} rows, got shape {a.shape} of {a.dtype}"
+        )
     return a, ""
 
 
@@ -103,12 +116,12 @@ class BatchView:
 
     def slice(self, start: int, end: int) -> "BatchView":
         """Tokens [start, end): one ubatch."""
-        return BatchView(self.tokens[start:end], self.pos[start:end], self.seq_mask[start:end],
-                         self.outputs[start:end])
+        return BatchView(self.tokens[start:end], self.pos[start:end], self.seq_mask[start:end], self.outputs[start:end])
 
 
-def resolve_batch(batch: Batch, n_seq_max: int, vocab_size: int, max_pos: int,
-                  seq_pos_max: Callable[[int], int]) -> tuple[BatchView | None, str]:
+def resolve_batch(
+    batch: Batch, n_seq_max: int, vocab_size: int, max_pos: int, seq_pos_max: Callable[[int], int]
+) -> tuple[BatchView | None, str]:
     """Check the batch against the context and fill the optional columns; (None, reason) when invalid.
 
     seq_pos_max(s) is the cache's last position of sequence s (-1 when empty): a sequence's positions
@@ -120,8 +133,13 @@ def resolve_batch(batch: Batch, n_seq_max: int, vocab_size: int, max_pos: int,
     if n <= 0:
         return None, "the batch is empty"
     columns = {}  # every given column is checked for shape and type before any row is read
-    for name, ndim, kinds in (("token", 1, "iu"), ("pos", 1, "iu"), ("n_seq_id", 1, "iu"), ("seq_id", 2, "iu"),
-                              ("logits", 1, "iub")):
+    for name, ndim, kinds in (
+        ("token", 1, "iu"),
+        ("pos", 1, "iu"),
+        ("n_seq_id", 1, "iu"),
+        ("seq_id", 2, "iu"),
+        ("logits", 1, "iub"),
+    ):
         if getattr(batch, name) is not None:
             columns[name], why = _column(name, getattr(batch, name), n, ndim, kinds)
             if columns[name] is None:
@@ -156,8 +174,10 @@ def resolve_batch(batch: Batch, n_seq_max: int, vocab_size: int, max_pos: int,
         pos[i] = p
         for s in ids:
             if pos[i] < next_pos[s]:
-                return None, (f"token[{i}] has pos {pos[i]} but sequence {s} already reaches {next_pos[s] - 1}: "
-                              "positions of a sequence must rise through the cache and the batch")
+                return None, (
+                    f"token[{i}] has pos {pos[i]} but sequence {s} already reaches {next_pos[s] - 1}: "
+                    "positions of a sequence must rise through the cache and the batch"
+                )
             next_pos[s] = pos[i] + 1
     if "logits" not in columns:
         outputs = np.zeros(n, dtype=bool)

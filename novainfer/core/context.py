@@ -5,6 +5,7 @@ AttentionMetadata (a visibility mask over cells) and runs the same model forward
 K/V of each layer are its cache viewed as [n_cells, 1, kv_heads, head_dim], so the attention layer's
 store_kv writes token i into cell slot_mapping[i].
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,8 +32,15 @@ logger = logging.getLogger(__name__)
 class Context:
     """One model with n_cells KV cells shared by sequences 0..n_seq_max-1 (None = the default model)."""
 
-    def __init__(self, model_path: str | None = None, n_cells: int = 4096, n_seq_max: int = 64,
-                 n_ubatch: int = 512, dtype: str | torch.dtype | None = None, device: str = "auto"):
+    def __init__(
+        self,
+        model_path: str | None = None,
+        n_cells: int = 4096,
+        n_seq_max: int = 64,
+        n_ubatch: int = 512,
+        dtype: str | torch.dtype | None = None,
+        device: str = "auto",
+    ):
         if n_ubatch < 1:
             raise ValueError(f"n_ubatch must be >= 1, got {n_ubatch}")
         self.n_ubatch = n_ubatch  # a decode runs the forward on at most n_ubatch tokens at a time
@@ -42,8 +50,10 @@ class Context:
         self.dtype = cfg.model_config.torch_dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.hf_config = load_hf_config(self.model_path)
         if is_hybrid(self.hf_config):  # its recurrent state has no per-cell form to copy, remove or shift
-            raise NotImplementedError(f"{self.hf_config.architectures[0]} has linear-attention layers, which the "
-                                      "core API's cell cache does not support; use the engine (LLM) instead")
+            raise NotImplementedError(
+                f"{self.hf_config.architectures[0]} has linear-attention layers, which the "
+                "core API's cell cache does not support; use the engine (LLM) instead"
+            )
         self.model = load_model(self.model_path, self.hf_config, self.dtype, self.device)
         self.vocab_size = int(self.hf_config.vocab_size)
         self.max_pos = int(self.hf_config.max_position_embeddings)
@@ -93,8 +103,12 @@ class Context:
             return Status.INVALID_INPUT
         slots = self.cache.find_slots(view)
         if slots is None:
-            logger.warning("decode: the batch needs %d cells but only %d of %d are free", view.n_tokens,
-                           self.n_cells - self.cache.n_used, self.n_cells)
+            logger.warning(
+                "decode: the batch needs %d cells but only %d of %d are free",
+                view.n_tokens,
+                self.n_cells - self.cache.n_used,
+                self.n_cells,
+            )
             return Status.NO_KV_SLOT
         if self._aborted():
             return Status.ABORTED
@@ -126,7 +140,8 @@ class Context:
             cells=torch.as_tensor(cells, dtype=torch.long, device=self.device),
             visible=torch.as_tensor(visible, device=self.device),
             query_pos=torch.as_tensor(view.pos, device=self.device),
-            cell_pos=torch.as_tensor(self.cache.pos[cells], device=self.device))
+            cell_pos=torch.as_tensor(self.cache.pos[cells], device=self.device),
+        )
 
     def _aborted(self) -> bool:
         if self._abort is not None and self._abort():
@@ -141,10 +156,11 @@ class Context:
             if start > 0 and self._aborted():
                 return None
             part = view.slice(start, start + self.n_ubatch)
-            meta = self.build_attention_metadata(part, SlotInfo(slots.idxs[start:start + self.n_ubatch]))
+            meta = self.build_attention_metadata(part, SlotInfo(slots.idxs[start : start + self.n_ubatch]))
             with attention_metadata(meta):
-                hidden = self.model(torch.as_tensor(part.tokens, device=self.device),
-                                    torch.as_tensor(part.pos, device=self.device))
+                hidden = self.model(
+                    torch.as_tensor(part.tokens, device=self.device), torch.as_tensor(part.pos, device=self.device)
+                )
             flagged = np.flatnonzero(part.outputs)
             if len(flagged):
                 index = torch.as_tensor(flagged, dtype=torch.long, device=self.device)
@@ -205,8 +221,10 @@ class Context:
         if not self._check_seqs("kv_seq_add", seq_id):
             return Status.INVALID_INPUT
         if delta != 0 and self.inv_freq is None:  # refused before anything moves
-            raise NotImplementedError("kv_seq_add cannot move cached keys of this model: its layers do not share "
-                                      "one set of rotary frequencies (per-layer rope bases or LongRoPE)")
+            raise NotImplementedError(
+                "kv_seq_add cannot move cached keys of this model: its layers do not share "
+                "one set of rotary frequencies (per-layer rope bases or LongRoPE)"
+            )
         if delta != 0:
             self._rotate_keys(self.cache.seq_add(seq_id, p0, p1, delta), delta)
         return Status.OK
@@ -234,9 +252,10 @@ class Context:
         bases) or frequencies depend on the position (LongRoPE): moving keys is then refused."""
         if rope_parameters(self.hf_config)["rope_type"] == "longrope":
             return None
-        freqs = [compute_inv_freq(self.hf_config, head_dim, t)[0]
-                 for t in sorted(set(getattr(self.hf_config, "layer_types", None) or []))] or \
-            [compute_inv_freq(self.hf_config, head_dim)[0]]
+        freqs = [
+            compute_inv_freq(self.hf_config, head_dim, t)[0]
+            for t in sorted(set(getattr(self.hf_config, "layer_types", None) or []))
+        ] or [compute_inv_freq(self.hf_config, head_dim)[0]]
         return freqs[0] if all(torch.equal(f, freqs[0]) for f in freqs) else None
 
     @torch.inference_mode()

@@ -5,6 +5,7 @@ pos_max are found by scanning. Allocation is two-phase: find_slots plans without
 commit_slots applies the plan. There is one global pool of cells: no eviction and no per-sequence
 quota; out of cells is a status the caller sees. The K/V tensors live with the Context.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -92,7 +93,7 @@ class SlotKvCache:
         free = np.flatnonzero(~self.used)
         if len(free) < view.n_tokens:
             return None
-        return SlotInfo(idxs=free[:view.n_tokens].copy())
+        return SlotInfo(idxs=free[: view.n_tokens].copy())
 
     def commit_slots(self, view: BatchView, slots: SlotInfo) -> None:
         """Give each planned cell its token's pos and sequence ids."""

@@ -3,6 +3,7 @@
 The buffers are reserved before the forward (output_reserve) and only grow, so the tensors handed out
 stay valid (and, for as many rows as before, at the same address) until the next decode writes them.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -28,9 +29,9 @@ class OutputBuffer:
         if n_outputs <= self.capacity:
             return
         logits = torch.empty(n_outputs, self.vocab_size, dtype=torch.float32, device=self.device)
-        logits[:self.n_outputs] = self.logits[:self.n_outputs]
+        logits[: self.n_outputs] = self.logits[: self.n_outputs]
         ids = np.empty(n_outputs, dtype=np.int32)
-        ids[:self.n_outputs] = self.ids[:self.n_outputs]
+        ids[: self.n_outputs] = self.ids[: self.n_outputs]
         self.logits, self.ids = logits, ids
 
     def store(self, flagged: np.ndarray, n_tokens: int, logits: torch.Tensor) -> None:
@@ -44,10 +45,10 @@ class OutputBuffer:
         self.row_of_token[flagged] = np.arange(n, dtype=np.int32)
 
     def get(self) -> torch.Tensor:
-        return self.logits[:self.n_outputs]
+        return self.logits[: self.n_outputs]
 
     def output_ids(self) -> np.ndarray:
-        return self.ids[:self.n_outputs]
+        return self.ids[: self.n_outputs]
 
     def get_ith(self, i: int) -> torch.Tensor:
         """Logits of batch token i; a negative i counts output rows from the end (-1: the last row)."""

@@ -7,6 +7,7 @@ Layers read the current group when they are built and keep it, so one algorithm 
   - TorchDistGroup (mp backend): one rank per process over torch.distributed (NCCL on GPU, gloo on CPU).
 The current group is thread-local (uni runs several ranks in one process), falling back to the process's.
 """
+
 from __future__ import annotations
 
 import threading

@@ -5,6 +5,7 @@ prefixes map to equal hash chains. Freed blocks keep their hash (and tokens) unt
 again, so a later request with the same prefix can pick them up. The free list is least-recently-freed
 first, which makes eviction LRU.
 """
+
 from __future__ import annotations
 
 import struct
@@ -70,7 +71,7 @@ class BlockManager:
         prev = -1
         max_blocks = (len(seq) - 1) // self.block_size
         for i in range(max_blocks):
-            tokens = seq.token_ids[i * self.block_size:(i + 1) * self.block_size]
+            tokens = seq.token_ids[i * self.block_size : (i + 1) * self.block_size]
             prev = hash_block(tokens, prev)
             block_id = self.hash_to_block_id.get(prev, -1)
             if block_id < 0 or self.blocks[block_id].token_ids != tokens:
@@ -128,7 +129,7 @@ class BlockManager:
         hashes = seq.block_hashes
         prev = hashes[-1] if hashes else -1
         for i in range(len(hashes), num_full):
-            tokens = seq.token_ids[i * block_size:(i + 1) * block_size]
+            tokens = seq.token_ids[i * block_size : (i + 1) * block_size]
             prev = hash_block(tokens, prev)
             block = self.blocks[seq.block_table[i]]
             hashes.append(prev)

@@ -7,6 +7,7 @@ detokenizes: it takes token ids and returns, per sample, the new token ids and h
 text and logprob formatting belong to the front-end (engine/output_processor.py). It runs in the caller's
 process (LLMEngine) or in a process of its own (engine/core_proc.py).
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,7 +17,13 @@ from dataclasses import dataclass
 from novainfer.config import EngineConfig
 from novainfer.engine.faults import RequestError
 from novainfer.engine.kv_events import publisher_for
-from novainfer.engine.messages import AbortTarget, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from novainfer.engine.messages import (
+    AbortTarget,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerStats,
+)
 from novainfer.engine.processor import check_request
 from novainfer.engine.scheduler import Scheduler
 from novainfer.engine.state_slots import make_block_manager
@@ -59,11 +66,13 @@ class EngineCore:
         self.executor.collective_rpc("initialize_cache", self.num_blocks)
         bs = config.cache_config.block_size
         self.max_model_len = resolve_max_model_len(config, self.num_blocks * bs)
-        self.block_manager = make_block_manager(config, mc.hf_config, self.num_blocks,
-                                                self.executor.collective_rpc(worker_num_state_slots))
+        self.block_manager = make_block_manager(
+            config, mc.hf_config, self.num_blocks, self.executor.collective_rpc(worker_num_state_slots)
+        )
         spec = config.speculative_config
-        self.scheduler = Scheduler(config.scheduler_config, self.block_manager,
-                                   spec.num_lookahead_slots if spec is not None else 0)
+        self.scheduler = Scheduler(
+            config.scheduler_config, self.block_manager, spec.num_lookahead_slots if spec is not None else 0
+        )
         self.proposer = make_proposer(spec, self.executor) if spec is not None else None
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0
         # with CUDA graphs, a proposer's short guess lists are filled up by repeating the last token (checked like
@@ -75,14 +84,21 @@ class EngineCore:
         self.num_generated_tokens = 0
         self._failed: list[EngineCoreOutput] = []  # outputs of requests a raising step failed
         self.async_scheduling = config.use_async_scheduling()
-        self.structured_output = StructuredOutputManager(lambda: load_tokenizer(mc.tokenizer or mc.model),
-                                                         self.vocab_size, self.eos_token_ids)
+        self.structured_output = StructuredOutputManager(
+            lambda: load_tokenizer(mc.tokenizer or mc.model), self.vocab_size, self.eos_token_ids
+        )
         self._inflight: InFlightStep | None = None  # with async scheduling: the launched step not yet read back
         self.kv_events = publisher_for(config)  # None unless --kv-events-config enables them (engine/kv_events.py)
         if self.kv_events is not None:
             self.block_manager.kv_events = []
-        logger.info("engine core ready: model=%s blocks=%d (%d tokens) max_model_len=%d async_scheduling=%s",
-                    mc.model, self.num_blocks, self.num_blocks * bs, self.max_model_len, self.async_scheduling)
+        logger.info(
+            "engine core ready: model=%s blocks=%d (%d tokens) max_model_len=%d async_scheduling=%s",
+            mc.model,
+            self.num_blocks,
+            self.num_blocks * bs,
+            self.max_model_len,
+            self.async_scheduling,
+        )
 
     def shutdown(self) -> None:
         """Stop the executor's workers (processes with the mp backend) and free their caches; a launched step
@@ -139,10 +155,19 @@ class EngineCore:
     def make_stats(self) -> SchedulerStats:
         sched, bm = self.scheduler, self.block_manager
         sp = self.spec_stats
-        return SchedulerStats(len({s.request_id for s in sched.running}), len({s.request_id for s in sched.waiting}),
-                              bm.usage, bm.num_prefix_queries, bm.num_prefix_hits, sched.num_preemptions,
-                              self.num_generated_tokens, sp.num_drafts, sp.num_draft_tokens, sp.num_accepted_tokens,
-                              sp.num_emitted_tokens)
+        return SchedulerStats(
+            len({s.request_id for s in sched.running}),
+            len({s.request_id for s in sched.waiting}),
+            bm.usage,
+            bm.num_prefix_queries,
+            bm.num_prefix_hits,
+            sched.num_preemptions,
+            self.num_generated_tokens,
+            sp.num_drafts,
+            sp.num_draft_tokens,
+            sp.num_accepted_tokens,
+            sp.num_emitted_tokens,
+        )
 
     # ---- one step: schedule -> execute -> update_from_output -------------------------------------
     def step(self) -> EngineCoreOutputs | None:
@@ -232,12 +257,18 @@ class EngineCore:
         if not sched.is_empty:
             self.step_id += 1
             sched.grammar_bitmask = self.structured_output.grammar_bitmask(
-                [s.seq for s in sched.scheduled if s.samples])
+                [s.seq for s in sched.scheduled if s.samples]
+            )
             if logger.isEnabledFor(logging.DEBUG):
                 decode = sum(s.num_new_tokens for s in sched.scheduled if s.start >= s.seq.num_prompt_tokens)
-                logger.debug("step_id=%d batch_size=%d num_prefill_tokens=%d num_decode_tokens=%d preempted=%d",
-                             self.step_id, len(sched.scheduled), sched.num_tokens - decode, decode,
-                             sched.num_preempted)
+                logger.debug(
+                    "step_id=%d batch_size=%d num_prefill_tokens=%d num_decode_tokens=%d preempted=%d",
+                    self.step_id,
+                    len(sched.scheduled),
+                    sched.num_tokens - decode,
+                    decode,
+                    sched.num_preempted,
+                )
         return sched
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -247,7 +278,9 @@ class EngineCore:
         """Append each sampled token to its sequence and finish the sequences that ended at the token level."""
         by_seq = {s.seq.seq_id: s.seq for s in sched.scheduled}
         outputs: list[EngineCoreOutput] = []
-        for seq_id, (start, entries) in (result.prompt_logprobs or {}).items():  # ids and logprobs; text is the front-end's
+        for seq_id, (start, entries) in (
+            result.prompt_logprobs or {}
+        ).items():  # ids and logprobs; text is the front-end's
             seq = by_seq[seq_id]
             if seq.request_id in self.requests:
                 outputs.append(EngineCoreOutput(seq.request_id, seq.index, prompt_logprobs=[start, entries]))
@@ -264,17 +297,27 @@ class EngineCore:
                 logger.exception("request_id=%s failed while applying its token", rid)
                 outputs.append(self._fail_request(rid, exc))
                 continue
-            outputs.append(EngineCoreOutput(
-                rid, seq.index, [token_id], [result.logprobs[row]] if result.logprobs else None,
-                seq.finish_reason, seq.stop_reason, seq.num_cached_tokens, seq.num_preemptions))
+            outputs.append(
+                EngineCoreOutput(
+                    rid,
+                    seq.index,
+                    [token_id],
+                    [result.logprobs[row]] if result.logprobs else None,
+                    seq.finish_reason,
+                    seq.stop_reason,
+                    seq.num_cached_tokens,
+                    seq.num_preemptions,
+                )
+            )
             if seq.is_finished and self.requests[rid].finished:
                 del self.requests[rid]
         if self.proposer is not None:
             self._propose(sched)
         return outputs
 
-    def _update_verified(self, sched: SchedulerOutput, result: ModelRunnerOutput,
-                         by_seq: dict) -> list[EngineCoreOutput]:
+    def _update_verified(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput, by_seq: dict
+    ) -> list[EngineCoreOutput]:
         """A verify step: each sequence appends its accepted guesses and the token after them, stopping at the
         first token that ends it (nothing past it is returned); rejected guesses' KV is given back."""
         outputs: list[EngineCoreOutput] = []
@@ -306,11 +349,20 @@ class EngineCore:
             if not seq.is_finished:
                 self.scheduler.rollback(seq, drafted - len(accepted))
                 self.proposer.on_verified(seq, proposed, len(accepted) if drafted else 0)
-            outputs.append(EngineCoreOutput(
-                rid, seq.index, tokens[:emitted], logprobs[:emitted] if logprobs else None,
-                seq.finish_reason, seq.stop_reason, seq.num_cached_tokens, seq.num_preemptions,
-                spec_num_draft_tokens=seq.num_spec_draft_tokens,
-                spec_num_accepted_tokens=seq.num_spec_accepted_tokens))
+            outputs.append(
+                EngineCoreOutput(
+                    rid,
+                    seq.index,
+                    tokens[:emitted],
+                    logprobs[:emitted] if logprobs else None,
+                    seq.finish_reason,
+                    seq.stop_reason,
+                    seq.num_cached_tokens,
+                    seq.num_preemptions,
+                    spec_num_draft_tokens=seq.num_spec_draft_tokens,
+                    spec_num_accepted_tokens=seq.num_spec_accepted_tokens,
+                )
+            )
             if seq.is_finished and self.requests[rid].finished:
                 del self.requests[rid]
         self._propose(sched)
@@ -420,8 +472,13 @@ class InFlightStep:
 def needs_output_history(seq: Sequence) -> bool:
     """Whether sampling this sequence's next token reads its latest token on the host (a grammar's bitmask too)."""
     p = seq.sampling_params
-    return bool(seq.min_tokens_blocked or seq.grammar is not None or p.repetition_penalty != 1.0
-                or p.frequency_penalty or p.presence_penalty)
+    return bool(
+        seq.min_tokens_blocked
+        or seq.grammar is not None
+        or p.repetition_penalty != 1.0
+        or p.frequency_penalty
+        or p.presence_penalty
+    )
 
 
 def resolve_max_model_len(config: EngineConfig, cache_tokens: int) -> int:
@@ -429,13 +486,14 @@ def resolve_max_model_len(config: EngineConfig, cache_tokens: int) -> int:
     mc = config.model_config
     model_max = mc.hf_config.max_position_embeddings
     if mc.max_model_len is not None and mc.max_model_len > model_max:
-        raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's "
-                         f"max_position_embeddings={model_max}")
+        raise ValueError(f"max_model_len={mc.max_model_len} exceeds the model's max_position_embeddings={model_max}")
     wanted = mc.max_model_len or model_max
     if wanted > cache_tokens:
         if mc.max_model_len is not None:
-            raise ValueError(f"max_model_len={wanted} needs more KV cache than fits ({cache_tokens} tokens); "
-                             "lower max_model_len or give the cache more memory")
+            raise ValueError(
+                f"max_model_len={wanted} needs more KV cache than fits ({cache_tokens} tokens); "
+                "lower max_model_len or give the cache more memory"
+            )
         logger.warning("max_model_len lowered from %d to the KV cache's %d tokens", wanted, cache_tokens)
         wanted = cache_tokens
     return wanted

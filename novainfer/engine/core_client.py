@@ -8,6 +8,7 @@ loads the model's config and tokenizer and sends the tokenizer back with its rea
 process is forked (from a process without torch: the child imports what it needs); where CUDA may be used
 it is spawned, as before (config.may_use_cuda decides without torch).
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,9 +26,18 @@ import zmq
 import zmq.asyncio
 
 from novainfer.config import EngineConfig
-from novainfer.engine.messages import (AbortTarget, CoreOutput, EngineCoreAbort, EngineCoreAdd, EngineCoreDead,
-                                       EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, MessageCodec,
-                                       request_id_of)
+from novainfer.engine.messages import (
+    AbortTarget,
+    CoreOutput,
+    EngineCoreAbort,
+    EngineCoreAdd,
+    EngineCoreDead,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    MessageCodec,
+    request_id_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +55,17 @@ class AsyncMPClient:
         self.output_address = f"ipc://{self._dir}/output"
         start_method = "spawn" if config.may_use_cuda() else "fork"
         self.proc = multiprocessing.get_context(start_method).Process(
-            target=_run_engine_core, name="novainfer-engine-core", daemon=False,  # its TP workers are its children
-            args=(config, self.input_address, self.output_address, os.getpid(),
-                  logging.getLogger().getEffectiveLevel()))
+            target=_run_engine_core,
+            name="novainfer-engine-core",
+            daemon=False,  # its TP workers are its children
+            args=(
+                config,
+                self.input_address,
+                self.output_address,
+                os.getpid(),
+                logging.getLogger().getEffectiveLevel(),
+            ),
+        )
         self.proc.start()  # before this process has a ZMQ context, which a fork must not inherit
         self._ctx = zmq.Context()
         self._output = self._ctx.socket(zmq.PULL)
@@ -56,10 +74,15 @@ class AsyncMPClient:
         self._codec = MessageCodec(CoreOutput)
         self._encoder = msgspec.msgpack.Encoder()
         self._finalizer = weakref.finalize(self, _stop, self.proc, self._ctx, self._dir, 5.0)
-        logger.info("engine core process pid=%d started (input %s, output %s)", self.proc.pid, self.input_address,
-                    self.output_address)
+        logger.info(
+            "engine core process pid=%d started (input %s, output %s)",
+            self.proc.pid,
+            self.input_address,
+            self.output_address,
+        )
         # the tokenizer's pickle needs transformers' tokenizer classes: import them while the core loads (~1 s)
         import transformers.tokenization_utils_tokenizers  # noqa: F401
+
         self.ready = self._wait_ready(startup_timeout)
         self.tokenizer = pickle.loads(self.ready.tokenizer)  # our own child's, over our private directory
         self.ready.tokenizer = b""
@@ -80,8 +103,10 @@ class AsyncMPClient:
                     raise EngineCoreStartError(message.reason)
             elif not self.proc.is_alive():
                 self.shutdown()
-                raise EngineCoreStartError(f"the engine core process exited with code {self.proc.exitcode} "
-                                           "before it was ready (see its log above)")
+                raise EngineCoreStartError(
+                    f"the engine core process exited with code {self.proc.exitcode} "
+                    "before it was ready (see its log above)"
+                )
         self.shutdown()
         raise EngineCoreStartError(f"the engine core was not ready within {timeout:.0f} s")
 
@@ -109,8 +134,12 @@ class AsyncMPClient:
         try:
             return self._codec.decode(data)
         except Exception as exc:  # msgspec's errors, or whatever a field's own check raised while decoding
-            logger.warning("request_id=%s malformed message from the engine core dropped (%d bytes): %s",
-                           request_id_of(data), len(data), exc)
+            logger.warning(
+                "request_id=%s malformed message from the engine core dropped (%d bytes): %s",
+                request_id_of(data),
+                len(data),
+                exc,
+            )
             return None
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -146,6 +175,7 @@ def _pid_alive(pid: int) -> bool:
 def _run_engine_core(*args: object) -> None:
     """The core process's target: imports the core (and with it torch) in the child only."""
     from novainfer.engine.core_proc import run_engine_core
+
     run_engine_core(*args)
 
 

@@ -6,6 +6,7 @@ decode is logged with the request id it seems to carry, answered with an error o
 and dropped. The process leaves by itself when its parent (the front-end) is gone, so no orphan keeps a
 device; SIGINT is ignored (the front-end drains, then stops the core) and SIGTERM exits cleanly.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,8 +24,17 @@ from novainfer.config import EngineConfig
 from novainfer.engine.core import EngineCore
 from novainfer.engine.gc_heap import freeze_startup_heap
 from novainfer.engine.malloc_heap import trim_malloc_heap
-from novainfer.engine.messages import (CoreInput, EngineCoreAbort, EngineCoreAdd, EngineCoreDead, EngineCoreOutput,
-                                       EngineCoreOutputs, EngineCoreReady, MessageCodec, request_id_of)
+from novainfer.engine.messages import (
+    CoreInput,
+    EngineCoreAbort,
+    EngineCoreAdd,
+    EngineCoreDead,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    MessageCodec,
+    request_id_of,
+)
 from novainfer.loader.model_info import load_model_info
 
 logger = logging.getLogger(__name__)
@@ -124,19 +134,25 @@ def _on_sigterm(*_: object) -> None:
     raise SystemExit(0)
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str, parent_pid: int,
-                    log_level: int) -> None:
+def run_engine_core(
+    config: EngineConfig, input_address: str, output_address: str, parent_pid: int, log_level: int
+) -> None:
     """The core process's entry point (started by engine/core_client.py). It loads the model's config and
     tokenizer itself (the front-end never imports torch, which transformers' loaders do) and sends the
     tokenizer back, pickled, in its ready message."""
-    logging.basicConfig(level=log_level, stream=sys.stderr, force=True,  # not the front-end's handlers (fork)
-                        format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
+    logging.basicConfig(
+        level=log_level,
+        stream=sys.stderr,
+        force=True,  # not the front-end's handlers (fork)
+        format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s",
+    )
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_sigterm)
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
     if config.resolve_device().type == "cpu":
         torch.set_num_threads(cpu_threads())
         from novainfer.kernels.cpu import library
+
         library.set_num_threads(len(os.sched_getaffinity(0)))  # their pool copes with a busy front-end
     ctx = zmq.Context()
     out_socket = ctx.socket(zmq.PUSH)
@@ -148,8 +164,14 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     try:
         config, tokenizer, eos_token_ids = load_model_info(config)
         core = EngineCore(config, eos_token_ids)
-        ready = EngineCoreReady(os.getpid(), core.max_model_len, core.num_blocks, core.vocab_size,
-                                sorted(eos_token_ids), pickle.dumps(tokenizer))
+        ready = EngineCoreReady(
+            os.getpid(),
+            core.max_model_len,
+            core.num_blocks,
+            core.vocab_size,
+            sorted(eos_token_ids),
+            pickle.dumps(tokenizer),
+        )
         del tokenizer  # structured outputs load their own when the first constrained request comes (as before)
         freeze_startup_heap()
         in_socket = ctx.socket(zmq.PULL)
@@ -166,8 +188,11 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         else:  # most often the user's model or settings: the front-end reports the message, traceback on demand
             if os.environ.get("NOVAINFER_DEBUG"):
                 logger.exception("engine core failed to start")
-            reason = str(exc) if isinstance(exc, (ValueError, OSError, NotImplementedError)) else \
-                f"{type(exc).__name__}: {exc}"
+            reason = (
+                str(exc)
+                if isinstance(exc, (ValueError, OSError, NotImplementedError))
+                else f"{type(exc).__name__}: {exc}"
+            )
         out_socket.send(encoder.encode(EngineCoreDead(reason)))
         raise SystemExit(1) from None
     finally:

@@ -4,6 +4,7 @@ Byte-level BPE can split one character over several tokens; decoding them one by
 Like vLLM, we decode a short window of tokens (from prefix_offset) and only release the text past
 read_offset once it no longer ends in an incomplete character.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -12,8 +13,13 @@ _INCOMPLETE = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True,
-                 spaces_between_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
@@ -31,8 +37,11 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if self._backend is not None:
             return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )
 
     def step(self, new_token_ids: list[int]) -> str:
         """Append tokens; return the text they complete (may be '' while a character is incomplete)."""
@@ -47,7 +56,7 @@ class IncrementalDetokenizer:
 
         Streamed and deferred outputs thus end with the same text, even when the last token both completes
         one character and starts another."""
-        unseen = output_token_ids[self.num_output_tokens:]
+        unseen = output_token_ids[self.num_output_tokens :]
         self.token_ids.extend(unseen)
         self.num_output_tokens += len(unseen)
         self._release(final=True)
@@ -56,11 +65,11 @@ class IncrementalDetokenizer:
         """Move the text decoded past read_offset into output_text, unless it ends mid-character."""
         prefix = self._prefix_text
         if prefix is None:
-            prefix = self._prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.token_ids[self.prefix_offset:])
+            prefix = self._prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset :])
         if len(full) <= len(prefix) or (full.endswith(_INCOMPLETE) and not final):
             return ""
-        delta = full[len(prefix):]
+        delta = full[len(prefix) :]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         # byte-level BPE decodes a run of tokens as their concatenated bytes; when the window's bytes before and
         # after the new tokens were both valid UTF-8, the new window's text is the delta itself: one decode call
@@ -71,8 +80,9 @@ class IncrementalDetokenizer:
         return delta
 
 
-def check_stop_strings(output_text: str, new_char_count: int, stop: list[str],
-                       include_stop_str_in_output: bool) -> tuple[str, int] | None:
+def check_stop_strings(
+    output_text: str, new_char_count: int, stop: list[str], include_stop_str_in_output: bool
+) -> tuple[str, int] | None:
     """Find a stop string that ends in this step's new text; return it and the length to truncate to."""
     if new_char_count == 0:
         return None
@@ -101,4 +111,5 @@ def is_byte_level(backend: Any) -> bool:
     """Whether a Rust tokenizer's decoder is plain byte-level BPE (GPT-2, Llama 3, Qwen2): the text of a run of
     tokens is their bytes as UTF-8, with nothing stripped or replaced."""
     from tokenizers import decoders
+
     return isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)

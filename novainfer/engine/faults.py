@@ -4,6 +4,7 @@ A step can fail because of one request (its inputs, its detokenization, its stop
 raises RequestError naming the request, so the engine fails that request alone and the rest of the batch
 goes on.
 """
+
 from __future__ import annotations
 
 

@@ -5,6 +5,7 @@ blocks on an H200); a full collection walks them all, 0.2-0.5 s in which no step
 hundred steps' worth of surviving allocations. Frozen objects are skipped by collections (they are still freed
 by reference counting), as vLLM does once its engine core has started.
 """
+
 from __future__ import annotations
 
 import gc

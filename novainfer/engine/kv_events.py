@@ -9,6 +9,7 @@ big-endian, payload] on a ZMQ PUB socket. A ROUTER socket answers [empty, start 
 on, each as [empty, seq, payload], then [empty, -1 as 8 signed bytes, b""]. The step never blocks: the queue is bounded
 and a full queue drops the batch (a gap in seq the subscriber can replay).
 """
+
 from __future__ import annotations
 
 import logging
@@ -64,8 +65,15 @@ def wire_hash(block_hash: int) -> int:
 
 def stored(block_hash: int, parent: int | None, token_ids: list[int], block_size: int) -> BlockStored:
     """The event for one full block entering the prefix cache."""
-    return BlockStored([wire_hash(block_hash)], None if parent is None else wire_hash(parent), token_ids, block_size,
-                       None, MEDIUM, None)
+    return BlockStored(
+        [wire_hash(block_hash)],
+        None if parent is None else wire_hash(parent),
+        token_ids,
+        block_size,
+        None,
+        MEDIUM,
+        None,
+    )
 
 
 def removed(block_hash: int) -> BlockRemoved:
@@ -92,8 +100,9 @@ class KVEventPublisher:
         self._thread.start()
         self._started.wait()
         if self._error is not None:  # a taken port: refuse at start-up, naming the field
-            raise ValueError(f"kv_events_config: cannot open {config.endpoint} / {config.replay_endpoint}: "
-                             f"{self._error}") from self._error
+            raise ValueError(
+                f"kv_events_config: cannot open {config.endpoint} / {config.replay_endpoint}: {self._error}"
+            ) from self._error
 
     def publish(self, events: list[KVCacheEvent]) -> None:
         """Queue one step's events; never blocks (a full queue drops them and counts the drop)."""

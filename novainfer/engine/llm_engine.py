@@ -4,6 +4,7 @@ It is the three pieces the server runs apart, called in turn: Processor (tokeniz
 EngineCore (schedule, execute, token-level stops) and OutputProcessor (text, stop strings, outputs). A
 stop-string hit aborts the sample in the core right away, as the server's front-end does over ZMQ.
 """
+
 from __future__ import annotations
 
 from novainfer.config import EngineConfig
@@ -27,8 +28,9 @@ class LLMEngine:
         self.engine_core = EngineCore(config, eos)
         self.max_model_len = self.engine_core.max_model_len
         self.engine_core.structured_output.tokenizer = self.tokenizer  # in one process: load it once
-        self.processor = Processor(self.tokenizer, self.max_model_len, self.engine_core.vocab_size,
-                                   self.engine_core.structured_output)
+        self.processor = Processor(
+            self.tokenizer, self.max_model_len, self.engine_core.vocab_size, self.engine_core.structured_output
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
 
     def shutdown(self) -> None:
@@ -74,8 +76,9 @@ class LLMEngine:
         return self.engine_core.requests
 
     # ---- requests --------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+    ) -> None:
         """Queue a request; an unservable one raises ValueError before anything is queued."""
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")

@@ -6,6 +6,7 @@ for the GEMM) are freed when the step ends, but glibc keeps the freed pages in i
 goes idle (EngineConfig.trim_heap_when_idle), so a quiet server holds its weights, KV cache and libraries,
 not its last burst's workspaces; the next burst faults the pages back in, once.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -36,6 +37,9 @@ def trim_malloc_heap() -> bool:
         return False
     start = time.perf_counter()
     released = trim(0)
-    logger.debug("malloc_trim: %s in %.1f ms", "released memory" if released else "nothing to release",
-                 (time.perf_counter() - start) * 1e3)
+    logger.debug(
+        "malloc_trim: %s in %.1f ms",
+        "released memory" if released else "nothing to release",
+        (time.perf_counter() - start) * 1e3,
+    )
     return True

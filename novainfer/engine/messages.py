@@ -11,6 +11,7 @@ front-end the very object the core loaded (class, special tokens, chat template)
     core -> front-end   EngineCoreReady (once, after loading), EngineCoreOutputs (per step, with stats),
                         EngineCoreDead (the core's loop broke; it exits after sending it)
 """
+
 from __future__ import annotations
 
 from typing import Any, Union

@@ -1,6 +1,7 @@
 """OutputProcessor: the front-end's half of a step. It applies the core's new token ids to each request:
 incremental detokenization, stop strings (a hit is returned as a sample for the core to abort, so its
 blocks are freed at once), logprob formatting, and RequestOutput assembly."""
+
 from __future__ import annotations
 
 import enum
@@ -69,16 +70,35 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, arrival_time: float) -> None:
-        samples = [SampleState(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
-                                                         params.spaces_between_special_tokens))
-                   for i in range(params.n)]
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> None:
+        samples = [
+            SampleState(
+                i,
+                IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.spaces_between_special_tokens
+                ),
+            )
+            for i in range(params.n)
+        ]
         final_only = params.output_kind == RequestOutputKind.FINAL_ONLY
         self.requests[request_id] = RequestState(
-            request_id, prompt, prompt_token_ids, params, samples, arrival_time,
+            request_id,
+            prompt,
+            prompt_token_ids,
+            params,
+            samples,
+            arrival_time,
             prompt_logprobs=[None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None,
-            final_only=final_only, text_deferred=final_only and not params.stop)
+            final_only=final_only,
+            text_deferred=final_only and not params.stop,
+        )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Forget a request; its final output (finish_reason "abort"), or None when it is unknown."""
@@ -175,7 +195,7 @@ class OutputProcessor:
             if p.stop and out.finish_reason != "stop" and len(sample.token_ids) >= p.min_tokens:
                 hit = check_stop_strings(detok.output_text, len(new_text), p.stop, p.include_stop_str_in_output)
                 if hit is not None:
-                    detok.output_text = detok.output_text[:hit[1]]
+                    detok.output_text = detok.output_text[: hit[1]]
                     sample.finish_reason, sample.stop_reason = "stop", hit[0]
                     return out.finish_reason is None
         sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
@@ -187,8 +207,9 @@ class OutputProcessor:
             return
         for pos, entry in enumerate(entries, start + 1):
             if pos < len(req.prompt_logprobs) and req.prompt_logprobs[pos] is None:
-                req.prompt_logprobs[pos] = {tid: Logprob(lp, rank, self.tokenizer.decode([tid]))
-                                            for tid, lp, rank in entry}
+                req.prompt_logprobs[pos] = {
+                    tid: Logprob(lp, rank, self.tokenizer.decode([tid])) for tid, lp, rank in entry
+                }
 
     def _fail(self, req: RequestState, error: str) -> RequestOutput:
         self.requests.pop(req.request_id, None)
@@ -206,18 +227,33 @@ class OutputProcessor:
                 finished = False
             elif not isinstance(s.stop_reason, str):  # a stop string already cut it
                 s.detokenizer.flush(s.token_ids)
-            completions.append(CompletionOutput(
-                index=s.index, text=s.detokenizer.output_text, token_ids=list(s.token_ids),
-                cumulative_logprob=s.cumulative_logprob if want_lp else None,
-                logprobs=list(s.logprobs) if want_lp else None,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+            completions.append(
+                CompletionOutput(
+                    index=s.index,
+                    text=s.detokenizer.output_text,
+                    token_ids=list(s.token_ids),
+                    cumulative_logprob=s.cumulative_logprob if want_lp else None,
+                    logprobs=list(s.logprobs) if want_lp else None,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                )
+            )
         samples = req.samples
         preemptions = samples[0].num_preemptions if len(samples) == 1 else sum(s.num_preemptions for s in samples)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished,
-                             num_cached_tokens=req.num_cached_tokens, error=req.error,
-                             prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
-                             metrics={"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
-                                      "num_preemptions": preemptions,
-                                      "spec_num_draft_tokens": sum(s.spec_num_draft_tokens for s in req.samples),
-                                      "spec_num_accepted_tokens": sum(s.spec_num_accepted_tokens
-                                                                      for s in req.samples)})
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            completions,
+            finished,
+            num_cached_tokens=req.num_cached_tokens,
+            error=req.error,
+            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
+            metrics={
+                "arrival_time": req.arrival_time,
+                "first_token_time": req.first_token_time,
+                "num_preemptions": preemptions,
+                "spec_num_draft_tokens": sum(s.spec_num_draft_tokens for s in req.samples),
+                "spec_num_accepted_tokens": sum(s.spec_num_accepted_tokens for s in req.samples),
+            },
+        )

@@ -1,5 +1,6 @@
 """Front-end input processing: a prompt (text, token ids or a dict of them) becomes a checked, tokenized
 EngineCoreRequest. The engine core runs the same checks on what it receives (check_request)."""
+
 from __future__ import annotations
 
 import time
@@ -17,8 +18,9 @@ def check_request(token_ids: list[int], params: SamplingParams, max_model_len: i
     if not token_ids:
         raise ValueError("the prompt is empty")
     if len(token_ids) >= max_model_len:
-        raise ValueError(f"prompt has {len(token_ids)} tokens, which leaves no room to generate within "
-                         f"max_model_len={max_model_len}")
+        raise ValueError(
+            f"prompt has {len(token_ids)} tokens, which leaves no room to generate within max_model_len={max_model_len}"
+        )
     if any(not 0 <= t < vocab_size for t in token_ids):
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
 
@@ -26,13 +28,19 @@ def check_request(token_ids: list[int], params: SamplingParams, max_model_len: i
 class Processor:
     """Tokenizes prompts and checks them against the served model's limits."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
-                 structured_output: StructuredOutputManager | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        max_model_len: int,
+        vocab_size: int,
+        structured_output: StructuredOutputManager | None = None,
+    ):
         self.tokenizer, self.max_model_len, self.vocab_size = tokenizer, max_model_len, vocab_size
         self.structured_output = structured_output  # compiles constraints here, so a bad one fails before queueing
 
-    def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                arrival_time: float | None = None) -> tuple[str | None, EngineCoreRequest]:
+    def process(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+    ) -> tuple[str | None, EngineCoreRequest]:
         """(prompt text if any, the request for the core); ValueError when it cannot be served."""
         text, token_ids = self._tokenize(prompt)
         check_request(token_ids, params, self.max_model_len, self.vocab_size)

@@ -6,6 +6,7 @@ sequences are then admitted in arrival order while the budget, max_num_seqs and 
 reusing cached prefix blocks. When blocks run out the newest running sequence is preempted: its
 blocks are freed and it waits at the head of the queue to be recomputed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -50,7 +51,7 @@ class Scheduler:
             n = min(len(seq.token_ids) + seq.num_pending_tokens - seq.num_computed_tokens, budget)
             spec = seq.spec_token_ids
             if spec:  # a decode step that also verifies the proposer's guesses, as many as the budget leaves
-                spec = spec[:budget - n] if n == 1 else []
+                spec = spec[: budget - n] if n == 1 else []
                 n += len(spec)
             if len(seq.block_table) * block_size < seq.num_computed_tokens + n + lookahead:  # needs another block
                 while not bm.can_append(seq, n + lookahead):
@@ -66,8 +67,7 @@ class Scheduler:
             i += 1
 
         # 2. admit waiting sequences (not in a step that had to preempt: memory is short)
-        while self.waiting and budget > 0 and not out.num_preempted \
-                and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and not out.num_preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending_tokens:  # preempted while a launched step samples its next token: wait for it
                 break

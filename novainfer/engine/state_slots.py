@@ -7,6 +7,7 @@ which starts from a zero state, or from a prefix hit's checkpoint). The slot tra
 Sequence (state_slot). A prefix-cache hit needs the recurrent state at the hit position: checkpoints of it are
 kept at the last full block of each prompt, and a hit is shortened to the last checkpointed block.
 """
+
 from __future__ import annotations
 
 import logging
@@ -84,8 +85,9 @@ class HybridBlockManager(BlockManager):
         self.checkpoints.clear()
 
 
-def make_block_manager(config: Any, hf_config: Any, num_blocks: int,
-                       state_slots: list[tuple[int, int]]) -> BlockManager:
+def make_block_manager(
+    config: Any, hf_config: Any, num_blocks: int, state_slots: list[tuple[int, int]]
+) -> BlockManager:
     """The engine's block manager: for a hybrid model (each rank reporting (slots, checkpoints) > 0) with state
     slots and checkpoints, the fewest any rank has; else the plain one."""
     cc = config.cache_config
@@ -93,9 +95,13 @@ def make_block_manager(config: Any, hf_config: Any, num_blocks: int,
     if num_slots <= 0:
         return BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
     if cc.enable_prefix_caching and not num_checkpoints:
-        logger.info("prefix caching is off: %s has linear-attention layers and the cache budget leaves no room "
-                    "for their state checkpoints", (getattr(hf_config, "architectures", None) or ["the model"])[0])
+        logger.info(
+            "prefix caching is off: %s has linear-attention layers and the cache budget leaves no room "
+            "for their state checkpoints",
+            (getattr(hf_config, "architectures", None) or ["the model"])[0],
+        )
     num_checkpoints = num_checkpoints if cc.enable_prefix_caching else 0
-    logger.info("linear-attention state: %d sequence slots, %d prefix-cache checkpoint slots", num_slots,
-                num_checkpoints)
+    logger.info(
+        "linear-attention state: %d sequence slots, %d prefix-cache checkpoint slots", num_slots, num_checkpoints
+    )
     return HybridBlockManager(num_blocks, cc.block_size, num_slots, num_checkpoints)

@@ -3,6 +3,7 @@
 A user's mistake (a bad path, flag value or file, a busy port) ends the command with a one-line message on
 stderr and exit code 1 (2 for a usage error); `--debug` or NOVAINFER_DEBUG=1 shows the traceback instead.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed)
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
 
 
 DEBUG_ENV = "NOVAINFER_DEBUG"
@@ -47,12 +49,15 @@ class Parser(argparse.ArgumentParser):
 def cmd_generate(args: argparse.Namespace) -> int:
     """Complete each prompt (one positional, or --prompt repeated, or stdin); several are labelled."""
     if args.extra_words:
-        args.parser.error(f"generate takes one prompt, got {1 + len(args.extra_words)} words: quote the prompt "
-                          "(\"...\") or give each prompt with --prompt")
+        args.parser.error(
+            f"generate takes one prompt, got {1 + len(args.extra_words)} words: quote the prompt "
+            '("...") or give each prompt with --prompt'
+        )
     prompts = args.prompts + ([args.prompt] if args.prompt is not None else [])
     if not prompts:
         prompts = [sys.stdin.read()]
     from novainfer import LLM
+
     llm = LLM(args.model, **engine_kwargs(args))
     outputs = llm.generate(prompts, sampling_params(args), use_tqdm=False)
     for i, out in enumerate(outputs, 1):
@@ -65,12 +70,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _shorten(text: str, width: int = 60) -> str:
     """A prompt on one line, cut to width characters."""
     line = " ".join(text.split())
-    return line if len(line) <= width else line[:width - 3] + "..."
+    return line if len(line) <= width else line[: width - 3] + "..."
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     """Read a line, answer it with the whole conversation as context; an empty line or EOF quits."""
     from novainfer import LLM
+
     llm = LLM(args.model, **engine_kwargs(args))
     messages = [{"role": "system", "content": args.system}] if args.system else []
     params = sampling_params(args)
@@ -90,10 +96,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """`vllm serve`'s server flags where they apply, plus NovaInfer's limits and sessions."""
-    p.add_argument("--model", dest="more_models", action="append", default=[],
-                   help="another model to serve (repeatable); requests route by their `model` field")
-    p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="API names of the models, in order (default: the paths as given)")
+    p.add_argument(
+        "--model",
+        dest="more_models",
+        action="append",
+        default=[],
+        help="another model to serve (repeatable); requests route by their `model` field",
+    )
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="API names of the models, in order (default: the paths as given)",
+    )
     p.add_argument("--api-key-file", default=None, help="read the API key from the first line of this file")
     add_field_flags(p.add_argument_group("server", "the HTTP server's settings"), dataclasses.fields(ServerConfig))
 
@@ -102,8 +117,11 @@ def check_parsers(tool_call_parser: str | None, reasoning_parser: str | None) ->
     """Refuse a parser name the server does not have, before any model loads."""
     from novainfer.server.reasoning_parsers import REASONING_PARSERS
     from novainfer.server.tool_parsers import TOOL_PARSERS
-    for flag, name, known in (("--tool-call-parser", tool_call_parser, TOOL_PARSERS),
-                              ("--reasoning-parser", reasoning_parser, REASONING_PARSERS)):
+
+    for flag, name, known in (
+        ("--tool-call-parser", tool_call_parser, TOOL_PARSERS),
+        ("--reasoning-parser", reasoning_parser, REASONING_PARSERS),
+    ):
         if name is not None and name not in known:
             raise ValueError(f"{flag} {name!r} is not one of {', '.join(sorted(known))}")
 
@@ -115,6 +133,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from novainfer.server.api_server import RequestIdFilter, build_app
     from novainfer.server.async_llm import AsyncLLM
     from novainfer.server.launcher import run_server
+
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())
     paths = ([args.model] if args.model or not args.more_models else []) + args.more_models
@@ -122,16 +141,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if len(names) != len(paths) or len(set(names)) != len(names):
         raise ValueError(f"--served-model-name needs one distinct name per model: {len(paths)} models, names {names}")
     check_parsers(args.tool_call_parser, args.reasoning_parser)
-    config = dataclasses.replace(ServerConfig(**field_values(ServerConfig, args)),
-                                 api_key=ServerConfig.resolve_api_key(args.api_key, args.api_key_file))
+    config = dataclasses.replace(
+        ServerConfig(**field_values(ServerConfig, args)),
+        api_key=ServerConfig.resolve_api_key(args.api_key, args.api_key_file),
+    )
     _check_port_free(args.host, args.port)  # before minutes of loading, not after
     # this process never imports torch: each model's engine core, a process of its own, does
-    engines = [(name, AsyncLLM(EngineConfig.from_kwargs(path, **engine_kwargs(args))))
-               for name, path in zip(names, paths)]
+    engines = [
+        (name, AsyncLLM(EngineConfig.from_kwargs(path, **engine_kwargs(args)))) for name, path in zip(names, paths)
+    ]
     app = build_app(engines, config)
     base = f"http://{args.host}:{args.port}"
-    print(f"NovaInfer serving {', '.join(names)}\n  web page: {base}/\n  OpenAI API: {base}/v1  "
-          f"(schema {base}/openapi.json, metrics {base}/metrics)", flush=True)
+    print(
+        f"NovaInfer serving {', '.join(names)}\n  web page: {base}/\n  OpenAI API: {base}/v1  "
+        f"(schema {base}/openapi.json, metrics {base}/metrics)",
+        flush=True,
+    )
     return run_server(app, config, args.log_level)
 
 
@@ -149,18 +174,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="novainfer", description="NovaInfer LLM inference engine")
     parser.add_argument("-V", "--version", action="version", version=f"novainfer {novainfer.__version__}")
     parser.add_argument("--log-level", default=None, help="default: INFO for serve, WARNING otherwise")
-    parser.add_argument("--debug", action="store_true", default=False,
-                        help=f"show the traceback of an error (as {DEBUG_ENV}=1 does)")
+    parser.add_argument(
+        "--debug", action="store_true", default=False, help=f"show the traceback of an error (as {DEBUG_ENV}=1 does)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
     add_engine_args(serve, model_positional=True)
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
     gen = sub.add_parser("generate", help="complete one or more prompts")
-    gen.add_argument("prompt", nargs="?", default=None, help="the prompt, quoted (read from stdin when no prompt "
-                     "is given)")
-    gen.add_argument("--prompt", dest="prompts", action="append", default=[], metavar="TEXT",
-                     help="a prompt; repeat for several, completed as one batch")
+    gen.add_argument(
+        "prompt", nargs="?", default=None, help="the prompt, quoted (read from stdin when no prompt is given)"
+    )
+    gen.add_argument(
+        "--prompt",
+        dest="prompts",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a prompt; repeat for several, completed as one batch",
+    )
     gen.add_argument("extra_words", nargs="*", help=argparse.SUPPRESS)
     chat = sub.add_parser("chat", help="chat in the terminal with the model's chat template")
     chat.add_argument("--system", default=None, help="system prompt")
@@ -177,8 +210,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.log_level = (args.log_level or ("INFO" if args.command == "serve" else "WARNING")).upper()
-    fmt = "%(asctime)s %(levelname)s [%(request_id)s] %(name)s: %(message)s" if args.command == "serve" \
+    fmt = (
+        "%(asctime)s %(levelname)s [%(request_id)s] %(name)s: %(message)s"
+        if args.command == "serve"
         else "%(levelname)s %(name)s: %(message)s"
+    )
     logging.basicConfig(level=args.log_level, format=fmt)
     if args.debug:
         os.environ[DEBUG_ENV] = "1"  # the engine core process, a child, reads it too
@@ -190,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get(DEBUG_ENV):
             raise
         from novainfer.engine.core_client import EngineCoreStartError  # its message is the core's error
+
         user_error = (ValueError, OSError, NotImplementedError, EngineCoreStartError)
         message = str(e) if isinstance(e, user_error) and str(e) else f"{type(e).__name__}: {e}"
         print(f"novainfer {args.command}: error: {message}", file=sys.stderr, flush=True)

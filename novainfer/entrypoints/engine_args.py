@@ -1,5 +1,6 @@
 """The CLI's engine (and server) flags, generated from the config fields (config/fields.py): one flag per setting, its
 name the field's (vLLM's: --max-num-seqs) unless the field names another, its default and help the field's."""
+
 from __future__ import annotations
 
 import argparse
@@ -40,6 +41,7 @@ def _user_error(parse: Any) -> Any:
             return parse(text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
+
     return checked
 
 
@@ -66,17 +68,30 @@ def add_field_flags(group: Any, fields: list[dataclasses.Field]) -> None:
         if kind is bool:
             group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_)
         else:
-            group.add_argument(*names, dest=f.name, type=_user_error(kind), default=default,
-                               choices=meta.get("choices"), nargs=meta.get("nargs"), help=help_)
+            group.add_argument(
+                *names,
+                dest=f.name,
+                type=_user_error(kind),
+                default=default,
+                choices=meta.get("choices"),
+                nargs=meta.get("nargs"),
+                help=help_,
+            )
 
 
 def field_values(cls: type, args: argparse.Namespace) -> dict[str, Any]:
     """The flags' values of cls's fields, as its keyword arguments."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-            if f.metadata.get("cli", True) and hasattr(args, f.name)}
+    return {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("cli", True) and hasattr(args, f.name)
+    }
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags' values as LLM(...) / EngineConfig.from_kwargs keyword arguments."""
-    return {f.name: getattr(args, f.name) for _, f in engine_arg_fields()
-            if f.metadata.get("cli", True) and hasattr(args, f.name)}
+    return {
+        f.name: getattr(args, f.name)
+        for _, f in engine_arg_fields()
+        if f.metadata.get("cli", True) and hasattr(args, f.name)
+    }

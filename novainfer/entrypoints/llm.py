@@ -1,4 +1,5 @@
 """The offline API, named as vLLM's: LLM(model).generate(prompts, SamplingParams) and LLM.chat(messages)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,9 +42,12 @@ class LLM:
             metrics["spec_mean_accepted_length"] = stats.spec_num_emitted_tokens / stats.spec_num_drafts
         return metrics
 
-    def generate(self, prompts: PromptType | Seq[PromptType],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -83,13 +87,23 @@ class LLM:
                 engine.abort_request(request_id)  # no-op for finished ones; frees the rest after an error
         return results  # type: ignore[return-value]
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
-        prompts = [{"prompt_token_ids": apply_chat_template(tokenizer, conv, add_generation_prompt,
-                                                            **(chat_template_kwargs or {}))}
-                   for conv in conversations]
+        prompts = [
+            {
+                "prompt_token_ids": apply_chat_template(
+                    tokenizer, conv, add_generation_prompt, **(chat_template_kwargs or {})
+                )
+            }
+            for conv in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -1,4 +1,5 @@
 """Executors: how the engine's steps reach the workers (one process, or one process per rank)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -13,9 +14,11 @@ def get_executor_class(config: EngineConfig) -> type[Executor]:
     backend = config.parallel_config.distributed_executor_backend
     if backend == "uni":
         from novainfer.executor.uniproc import UniProcExecutor
+
         return UniProcExecutor
     if backend == "mp":
         from novainfer.executor.multiproc import MultiprocExecutor
+
         return MultiprocExecutor
     if backend == "ray":
         raise NotImplementedError("distributed_executor_backend='ray' is not implemented; use 'uni' or 'mp'")

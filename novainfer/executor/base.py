@@ -1,4 +1,5 @@
 """The interface the engine uses to run steps, whatever the number of workers and processes."""
+
 from __future__ import annotations
 
 import logging
@@ -22,13 +23,19 @@ class Executor(ABC):
         # fail before any worker starts when the model is not supported or cannot be split (every rank would
         # fail the same way)
         from novainfer.models.registry import get_model_class
+
         get_model_class(hf_config)
         device = config.resolve_device()
         device_id = pc.tensor_parallel_device_ids[0] if device.type == "cuda" else device.type
         check_tp_divisibility(hf_config, pc.tensor_parallel_size, pc.rank, device_id)
-        logger.info("executor backend=%s tp_size=%d world_size=%d nnodes=%d device_ids=%s",
-                    pc.distributed_executor_backend, pc.tensor_parallel_size, pc.world_size, pc.nnodes,
-                    pc.tensor_parallel_device_ids)
+        logger.info(
+            "executor backend=%s tp_size=%d world_size=%d nnodes=%d device_ids=%s",
+            pc.distributed_executor_backend,
+            pc.tensor_parallel_size,
+            pc.world_size,
+            pc.nnodes,
+            pc.tensor_parallel_device_ids,
+        )
 
     @abstractmethod
     def collective_rpc(self, method: str | Callable, *args: Any) -> list[Any]:

@@ -9,6 +9,7 @@ With async scheduling, execute_model_async sends a step without waiting for the 
 launch it at once and rank 0 answers each step when it is done, in order (executor/step_pipeline.py).
 RemoteStep.get() reads replies up to its own; any other call reads the outstanding step replies first.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,8 +40,12 @@ def start_local_workers(config: EngineConfig, hf_config: Any) -> tuple[list, Any
         child_conn = None
         if rank == 0:
             driver_conn, child_conn = ctx.Pipe()
-        p = ctx.Process(target=run_worker, name=f"novainfer-tp-rank{rank}", daemon=True,
-                        args=(child_conn, config, hf_config, rank, local_rank, logging.getLogger().getEffectiveLevel()))
+        p = ctx.Process(
+            target=run_worker,
+            name=f"novainfer-tp-rank{rank}",
+            daemon=True,
+            args=(child_conn, config, hf_config, rank, local_rank, logging.getLogger().getEffectiveLevel()),
+        )
         p.start()
         p.tp_rank = rank
         procs.append(p)
@@ -66,8 +71,10 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, hf_config: Any):
         super().__init__(config, hf_config)
         if config.parallel_config.node_rank != 0:
-            raise ValueError(f"node_rank={config.parallel_config.node_rank}: only node 0 runs the engine; "
-                             "start the other nodes with `python -m novainfer.executor.node_worker`")
+            raise ValueError(
+                f"node_rank={config.parallel_config.node_rank}: only node 0 runs the engine; "
+                "start the other nodes with `python -m novainfer.executor.node_worker`"
+            )
         self._init_executor()
 
     def _distributed_args(self) -> tuple[str, int, int]:
@@ -145,8 +152,9 @@ class MultiprocExecutor(Executor):
         for rank, ok, payload in replies:
             if ok:
                 continue
-            exc = RuntimeError(f"tensor-parallel worker rank={rank} failed in {getattr(method, '__name__', method)}"
-                               f":\n{payload}")
+            exc = RuntimeError(
+                f"tensor-parallel worker rank={rank} failed in {getattr(method, '__name__', method)}:\n{payload}"
+            )
             if not gathered:  # the other ranks' replies were not collected: they may be stuck in a collective
                 dead = self._first_dead(0.5)  # a peer that died makes the others fail: name the peer
                 if dead is not None:
@@ -164,8 +172,10 @@ class MultiprocExecutor(Executor):
 
     def _raise_dead(self, proc) -> None:
         proc.join(1)
-        exc = RuntimeError(f"tensor-parallel worker rank={proc.tp_rank} (pid {proc.pid}) died with exit code "
-                           f"{proc.exitcode}; the engine's workers were stopped")
+        exc = RuntimeError(
+            f"tensor-parallel worker rank={proc.tp_rank} (pid {proc.pid}) died with exit code "
+            f"{proc.exitcode}; the engine's workers were stopped"
+        )
         self.shutdown(timeout=1.0, cause=exc)  # the survivors may be stuck in a collective with the dead rank
         raise exc
 

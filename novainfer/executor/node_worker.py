@@ -6,6 +6,7 @@ each other node runs, with the same model and engine flags:
 Its ranks join node 0's group, follow rank 0's calls and exit when the engine shuts down; the exit
 status is non-zero when a rank failed.
 """
+
 from __future__ import annotations
 
 import argparse

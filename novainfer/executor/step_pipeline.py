@@ -9,6 +9,7 @@ other ranks it only waits, so a step that raises there ends the process (the dri
 At most two steps are in flight per rank: the runner fills step N+2's host buffers where step N's were, so
 step N must be done first (on rank 0 the driver has already read it by then; a lagging peer may not have).
 """
+
 from __future__ import annotations
 
 import logging

@@ -6,6 +6,7 @@ since it last sent it and its block table only when the table changed; each work
 Sequence per live sequence and rebuilds the SchedulerOutput the runner expects. Mirrors are dropped with
 the scheduler's finished_seq_ids.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ class StepPacker:
             if state is None:
                 state = self.sent[seq.seq_id] = [0, None, -1]
                 new.append((seq.seq_id, seq.index, seq.sampling_params, seq.num_prompt_tokens))
-            tokens = seq.token_ids[state[0]:]
+            tokens = seq.token_ids[state[0] :]
             state[0] = len(seq.token_ids)
             table = seq.block_table
             if table is state[1] and len(table) == state[2]:
@@ -52,8 +53,9 @@ class StepPacker:
                 state[1], state[2] = table, len(table)
                 table = list(table)
             state = (seq.state_slot, seq.state_restore, seq.state_save) if seq.state_slot >= 0 else None
-            rows.append((seq.seq_id, s.start, s.num_new_tokens, s.samples, tokens, table,
-                         seq.min_tokens_blocked, state))
+            rows.append(
+                (seq.seq_id, s.start, s.num_new_tokens, s.samples, tokens, table, seq.min_tokens_blocked, state)
+            )
         return StepMessage(new, rows, list(sched.finished_seq_ids), sched.num_preempted, sched.grammar_bitmask)
 
 
@@ -70,8 +72,15 @@ class StepReceiver:
             self.seqs.pop(seq_id, None)
         for seq_id, index, params, num_prompt_tokens in msg.new_seqs:
             mirror = Sequence.__new__(Sequence)
-            vars(mirror).update(self._template, seq_id=seq_id, index=index, sampling_params=params,
-                                num_prompt_tokens=num_prompt_tokens, token_ids=[], block_table=[])
+            vars(mirror).update(
+                self._template,
+                seq_id=seq_id,
+                index=index,
+                sampling_params=params,
+                num_prompt_tokens=num_prompt_tokens,
+                token_ids=[],
+                block_table=[],
+            )
             self.seqs[seq_id] = mirror
         scheduled = []
         for seq_id, computed, num_new, samples, tokens, table, blocked, state in msg.rows:

@@ -5,6 +5,7 @@ tp_size == 1: one worker called directly. tp_size > 1: one thread per rank, each
 in that thread shard for it) and the shared in-process all-reduce. Torch releases the GIL in its kernels,
 so ranks overlap. Decode CUDA graphs are off with tp_size > 1 (a thread barrier cannot be captured).
 """
+
 from __future__ import annotations
 
 import threading
@@ -35,8 +36,18 @@ class UniProcExecutor(Executor):
             self.threads: list[ThreadPoolExecutor] = []
         else:
             self.reducer = InProcessReducer(tp)
-            self.workers = [Worker(self.config, self.hf_config, r, r, init_method, is_driver_worker=r == 0,
-                                   group=ThreadGroup(r, tp, self.reducer)) for r in range(tp)]
+            self.workers = [
+                Worker(
+                    self.config,
+                    self.hf_config,
+                    r,
+                    r,
+                    init_method,
+                    is_driver_worker=r == 0,
+                    group=ThreadGroup(r, tp, self.reducer),
+                )
+                for r in range(tp)
+            ]
             self.threads = [ThreadPoolExecutor(1, thread_name_prefix=f"novainfer-tp{r}") for r in range(tp)]
         self.collective_rpc("init_device")
         self.collective_rpc("load_model")
@@ -44,6 +55,7 @@ class UniProcExecutor(Executor):
     def collective_rpc(self, method: str | Callable, *args: Any) -> list[Any]:
         def call(w: Worker) -> Callable:
             return getattr(w, method) if isinstance(method, str) else partial(method, w)
+
         if len(self.workers) == 1:
             return [call(self.workers[0])(*args)]
         if not self.threads:
@@ -57,8 +69,7 @@ class UniProcExecutor(Executor):
         if failures:
             self.reducer.barrier.reset()
             # the rank that failed first, not the ones woken by the broken barrier
-            rank, exc = next((f for f in failures if not isinstance(f[1], threading.BrokenBarrierError)),
-                             failures[0])
+            rank, exc = next((f for f in failures if not isinstance(f[1], threading.BrokenBarrierError)), failures[0])
             exc.add_note(f"raised by tensor-parallel rank {rank} in {method} (uni backend)")
             raise exc
         return [f.result() for f in futures]

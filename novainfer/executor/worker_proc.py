@@ -10,6 +10,7 @@ With async scheduling the driver sends "launch_step": every rank launches the st
 call at once; the step is read back, and answered by rank 0, on the StepPipeline's thread
 (executor/step_pipeline.py). Any other call first waits for the launched steps.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,14 +29,21 @@ logger = logging.getLogger(__name__)
 Reply = tuple[int, bool, Any]  # (rank, ok, result or formatted traceback)
 
 
-def run_worker(conn: multiprocessing.connection.Connection | None, config: EngineConfig, hf_config: Any,
-               rank: int, local_rank: int, log_level: int) -> None:
+def run_worker(
+    conn: multiprocessing.connection.Connection | None,
+    config: EngineConfig,
+    hf_config: Any,
+    rank: int,
+    local_rank: int,
+    log_level: int,
+) -> None:
     """Process entry point (spawned). conn is the pipe to the driver, for rank 0 only."""
     logging.basicConfig(level=log_level, format=f"%(levelname)s [rank {rank}] %(name)s: %(message)s")
     pc = config.parallel_config
     if config.resolve_device().type == "cpu":  # share the cores instead of oversubscribing them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // pc.ranks_per_node))
     from novainfer.worker.worker import Worker
+
     worker = Worker(config, hf_config, rank, local_rank, pc.distributed_init_method, is_driver_worker=rank == 0)
     try:
         worker.init_device()
@@ -60,11 +68,13 @@ def _object_group() -> Any:
     """The group calls are broadcast over: a gloo group (CPU objects) of its own, never the model's, since the
     main thread broadcasts the next call while a launched step's all-reduces run on the runner's step thread."""
     import torch.distributed as dist
+
     return dist.new_group(backend="gloo")
 
 
 def _serve(conn, worker, objects) -> None:
     from novainfer.executor.step_pipeline import StepPipeline
+
     pipeline = StepPipeline(worker.rank, conn.send if worker.rank == 0 else None, worker.device)
     try:
         _serve_calls(conn, worker, objects, pipeline)
@@ -76,6 +86,7 @@ def _serve_calls(conn, worker, objects, pipeline) -> None:
     import torch.distributed as dist
 
     from novainfer.executor.step_wire import StepReceiver
+
     world = worker.group.size
     steps = StepReceiver(worker)
     while True:

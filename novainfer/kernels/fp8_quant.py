@@ -5,6 +5,7 @@ cast); this reads a row once (twice past ONE_PASS_MAX: its amax, then the quanti
 once as float8. The torch version, fp8.quantize_rows, is its reference: the same float32 amax, scale amax/448 floored at 1/(448*512),
 correctly rounded division (div_rn), clamp to +-448, then the cast (round to nearest even on sm_89+).
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _per_token_fp8_kernel(x_ptr, out_ptr, scale_ptr, x_stride, out_stride, n, FP8_MAX: tl.constexpr,
-                          MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+def _per_token_fp8_kernel(
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    x_stride,
+    out_stride,
+    n,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     if ONE_PASS:  # the row fits one block: read once, keep it in registers
@@ -42,8 +53,9 @@ def _per_token_fp8_kernel(x_ptr, out_ptr, scale_ptr, x_stride, out_stride, n, FP
 ONE_PASS_MAX = 8192  # rows up to this long are read once (a 7B's hidden size); longer ones twice, 4096 at a time
 
 
-def per_token_quant_fp8(x: torch.Tensor, fp8_max: float, min_scale: float,
-                        out_dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_quant_fp8(
+    x: torch.Tensor, fp8_max: float, min_scale: float, out_dtype: torch.dtype = torch.float8_e4m3fn
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (rows with unit stride) -> (x quantized [M, K] in out_dtype, float32 scales [M, 1]).
 
     out_dtype float32 returns the clamped quotients before the cast (the CPU interpreter's float8 cast does not
@@ -56,7 +68,17 @@ def per_token_quant_fp8(x: torch.Tensor, fp8_max: float, min_scale: float,
     if m:
         one_pass = k <= ONE_PASS_MAX
         block = triton.next_power_of_2(k) if one_pass else 4096
-        _per_token_fp8_kernel[(m,)](x, out, scale, x.stride(0), out.stride(0), k, FP8_MAX=fp8_max,
-                                    MIN_SCALE=min_scale, BLOCK=block, ONE_PASS=one_pass,
-                                    num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16)
+        _per_token_fp8_kernel[(m,)](
+            x,
+            out,
+            scale,
+            x.stride(0),
+            out.stride(0),
+            k,
+            FP8_MAX=fp8_max,
+            MIN_SCALE=min_scale,
+            BLOCK=block,
+            ONE_PASS=one_pass,
+            num_warps=4 if block <= 1024 else 8 if block <= 4096 else 16,
+        )
     return out, scale

@@ -9,6 +9,7 @@
    rows are summed.
 The torch reference is layers/fused_moe/moe_torch.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,10 +19,28 @@ from torch import nn
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, block_experts_ptr,
-                         num_padded_ptr, N, K, num_valid, stride_am, stride_be, stride_bn, stride_cm,
-                         A_ROW_DIV: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+def _grouped_gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    topk_weights_ptr,
+    sorted_ids_ptr,
+    block_experts_ptr,
+    num_padded_ptr,
+    N,
+    K,
+    num_valid,
+    stride_am,
+    stride_be,
+    stride_bn,
+    stride_cm,
+    A_ROW_DIV: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """C[pair] = A[pair // A_ROW_DIV] @ B[expert]^T (times the pair's routing weight) for one block of pairs."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -38,16 +57,23 @@ def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kmask = (k0 + kk) < K
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :],
-                    other=0.0)
-        b = tl.load(b_ptr + expert * stride_be + cols[None, :] * stride_bn + (k0 + kk)[:, None],
-                    mask=nmask[None, :] & kmask[:, None], other=0.0)
+        a = tl.load(
+            a_ptr + a_rows[:, None] * stride_am + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0
+        )
+        b = tl.load(
+            b_ptr + expert * stride_be + cols[None, :] * stride_bn + (k0 + kk)[:, None],
+            mask=nmask[None, :] & kmask[:, None],
+            other=0.0,
+        )
         acc += tl.dot(a, b, input_precision=PRECISION)
     if MUL_ROUTED_WEIGHT:
         w = tl.load(topk_weights_ptr + pair, mask=mmask, other=0.0)
         acc = acc * w[:, None]
-    tl.store(c_ptr + pair.to(tl.int64)[:, None] * stride_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=mmask[:, None] & nmask[None, :])
+    tl.store(
+        c_ptr + pair.to(tl.int64)[:, None] * stride_cm + cols[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=mmask[:, None] & nmask[None, :],
+    )
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -88,16 +114,26 @@ _too_big: set[tuple[int, int, int, int, int]] = set()  # tiles this GPU could no
 def moe_tiles(num_pairs: int, num_experts: int, n: int, k: int, down: bool) -> tuple[int, int, int, int, int]:
     """Tiles of one grouped GEMM ([pairs, k] x [n, k]^T per expert), narrowed to a small N or K."""
     per_expert = num_pairs / num_experts
-    block_m, block_n, block_k, warps, stages = next(
-        t for bound, t in sorted(MOE_TILES.items()) if per_expert <= bound)[int(down)]
+    block_m, block_n, block_k, warps, stages = next(t for bound, t in sorted(MOE_TILES.items()) if per_expert <= bound)[
+        int(down)
+    ]
     narrow = min(block_n, max(32, triton.next_power_of_2(n))), min(block_k, max(32, triton.next_power_of_2(k)))
     tiles = (block_m, *narrow, warps, stages)
     return (block_m, *FALLBACK_TILES[1:]) if tiles in _too_big else tiles
 
 
-def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_ids, block_experts, num_padded,
-                  num_pairs: int, a_row_div: int, topk_weights: torch.Tensor | None,
-                  tiles: tuple[int, int, int, int, int]) -> None:
+def _grouped_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out: torch.Tensor,
+    sorted_ids,
+    block_experts,
+    num_padded,
+    num_pairs: int,
+    a_row_div: int,
+    topk_weights: torch.Tensor | None,
+    tiles: tuple[int, int, int, int, int],
+) -> None:
     assert a.stride(1) == 1 and b.stride(2) == 1 and out.stride(1) == 1
     args = (a, b, out, sorted_ids, block_experts, num_padded, num_pairs, a_row_div, topk_weights)
     try:
@@ -112,15 +148,39 @@ def _launch(a, b, out, sorted_ids, block_experts, num_padded, num_pairs, a_row_d
     block_m, block_n, block_k, warps, stages = tiles
     grid = (sorted_ids.numel() // block_m, triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
-        a, b, out, topk_weights if topk_weights is not None else out, sorted_ids, block_experts, num_padded,
-        n, k, num_pairs, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
-        A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=topk_weights is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=block_k, PRECISION="ieee" if a.dtype == torch.float32 else "tf32", num_warps=warps,
-        num_stages=stages)
+        a,
+        b,
+        out,
+        topk_weights if topk_weights is not None else out,
+        sorted_ids,
+        block_experts,
+        num_padded,
+        n,
+        k,
+        num_pairs,
+        a.stride(0),
+        b.stride(0),
+        b.stride(1),
+        out.stride(0),
+        A_ROW_DIV=a_row_div,
+        MUL_ROUTED_WEIGHT=topk_weights is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=warps,
+        num_stages=stages,
+    )
 
 
-def fused_experts(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, act_and_mul: nn.Module) -> torch.Tensor:
+def fused_experts(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act_and_mul: nn.Module,
+) -> torch.Tensor:
     """Same contract as layers/fused_moe/moe_torch.fused_experts_torch: [tokens, hidden] -> [tokens, hidden]."""
     tokens, hidden = hidden_states.shape
     top_k, num_experts = topk_ids.shape[1], w13.shape[0]

@@ -5,6 +5,7 @@ that kernel count rather than by memory, so each becomes one Triton kernel here.
 novainfer/layers/ are their references (and the CPU path); the rounding follows them: sums and the
 norm in float32, results rounded to the activation dtype where Hugging Face rounds.
 """
+
 from __future__ import annotations
 
 import torch
@@ -13,8 +14,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, x_stride, res_stride, out_stride, res_out_stride,
-                     n, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    x_stride,
+    res_stride,
+    out_stride,
+    res_out_stride,
+    n,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -35,23 +49,50 @@ def rms_scale(x, w, rstd):
     return (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """norm(x) * weight, or with a residual (norm(x + residual) * weight, x + residual); x: [rows, hidden]."""
     rows, n = x.shape
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else out
     res = residual if residual is not None else x
     if rows:
-        _rms_norm_kernel[(rows,)](x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0),
-                                  res_out.stride(0), n, eps, HAS_RESIDUAL=residual is not None,
-                                  BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
+        _rms_norm_kernel[(rows,)](
+            x,
+            res,
+            weight,
+            out,
+            res_out,
+            x.stride(0),
+            res.stride(0),
+            out.stride(0),
+            res_out.stride(0),
+            n,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=triton.next_power_of_2(n),
+            num_warps=4 if n <= 4096 else 8,
+        )
     return out if residual is None else (out, res_out)
 
 
 @triton.jit
-def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, q_stride, k_stride,
-                   NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rotary_kernel(
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    q_stride,
+    k_stride,
+    NUM_Q: tl.constexpr,
+    NUM_K: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     token = tl.program_id(0)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     d = tl.arange(0, HALF)
@@ -83,19 +124,34 @@ def rope_mix(x, cos, x_rot, sin):
     return (a + b).to(dt)
 
 
-def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
-                     sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_embedding(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary on q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] (rows may be strided);
     returns new contiguous tensors."""
     tokens, num_q, head_dim = q.shape
     num_k = k.shape[1]
     assert q.stride(1) == head_dim and q.stride(2) == 1 and k.stride(1) == head_dim and k.stride(2) == 1
-    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
-                                                                                    device=k.device)
+    q_out, k_out = (
+        torch.empty(q.shape, dtype=q.dtype, device=q.device),
+        torch.empty(k.shape, dtype=k.dtype, device=k.device),
+    )
     if tokens:
-        _rotary_kernel[(tokens,)](positions, q, k, cos_cache, sin_cache, q_out, k_out, q.stride(0), k.stride(0),
-                                  NUM_Q=num_q, NUM_K=num_k, HALF=head_dim // 2,
-                                  BLOCK_H=triton.next_power_of_2(max(num_q, num_k)))
+        _rotary_kernel[(tokens,)](
+            positions,
+            q,
+            k,
+            cos_cache,
+            sin_cache,
+            q_out,
+            k_out,
+            q.stride(0),
+            k.stride(0),
+            NUM_Q=num_q,
+            NUM_K=num_k,
+            HALF=head_dim // 2,
+            BLOCK_H=triton.next_power_of_2(max(num_q, num_k)),
+        )
     return q_out, k_out
 
 

@@ -18,6 +18,7 @@ reads a zero state and writes none.
 
 Each public function runs the Triton kernel on CUDA tensors and the torch reference otherwise.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -36,26 +37,33 @@ def _bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     return list(itertools.pairwise(cu_seqlens.tolist()))
 
 
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  state: torch.Tensor) -> None:
+def _check_shapes(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> None:
     tokens, hk, dk = k.shape
     hv, dv = v.shape[1:]
     if q.shape != k.shape or v.shape[0] != tokens or hv % hk:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need q = k = [T, H_k, K], "
-                         "v [T, H_v, V] with H_v a multiple of H_k")
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need q = k = [T, H_k, K], "
+            "v [T, H_v, V] with H_v a multiple of H_k"
+        )
     if g.shape != (tokens, hv) or beta.shape != (tokens, hv):
         raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be [T, H_v] = [{tokens}, {hv}]")
     if state.shape[1:] != (hv, dk, dv) or state.dtype != torch.float32 or not state.is_contiguous():
-        raise ValueError(f"state {tuple(state.shape)} {state.dtype}: need a contiguous [num_slots, {hv}, {dk}, {dv}] "
-                         "float32 pool (it is updated in place)")
+        raise ValueError(
+            f"state {tuple(state.shape)} {state.dtype}: need a contiguous [num_slots, {hv}, {dk}, {dv}] "
+            "float32 pool (it is updated in place)"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # torch references (the CPU path)
 # ----------------------------------------------------------------------------------------------------------------
 
-def _prep_qk(q: torch.Tensor, k: torch.Tensor, groups: int, l2norm: bool,
-             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+
+def _prep_qk(
+    q: torch.Tensor, k: torch.Tensor, groups: int, l2norm: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k in fp32, L2-normalised if asked, q scaled, each key head repeated for its value heads: [T, H_v, K]."""
     q, k = q.float(), k.float()
     if l2norm:
@@ -64,8 +72,9 @@ def _prep_qk(q: torch.Tensor, k: torch.Tensor, groups: int, l2norm: bool,
     return (q * scale).repeat_interleave(groups, 1), k.repeat_interleave(groups, 1)
 
 
-def _recurrent_step(h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                    beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _recurrent_step(
+    h: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the gated delta rule for a batch: h [B, H, K, V], q/k [B, H, K], v [B, H, V], g/beta [B, H]."""
     h = h * g.exp()[..., None, None]
     delta = (v - torch.einsum("bhkv,bhk->bhv", h, k)) * beta[..., None]
@@ -79,14 +88,22 @@ def _gather_states(state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return state[slots.clamp(min=0).long()] * valid
 
 
-def fused_recurrent_gated_delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                                           beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
-                                           cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = True,
-                                           scale: float | None = None) -> torch.Tensor:
+def fused_recurrent_gated_delta_rule_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Torch reference of fused_recurrent_gated_delta_rule (token by token; decode batches in one step)."""
     _check_shapes(q, k, v, g, beta, state)
     groups, dk = v.shape[1] // k.shape[1], k.shape[2]
-    qf, kf = _prep_qk(q, k, groups, use_qk_l2norm, dk ** -0.5 if scale is None else scale)
+    qf, kf = _prep_qk(q, k, groups, use_qk_l2norm, dk**-0.5 if scale is None else scale)
     vf, gf, bf = v.float(), g.float(), beta.float()
     if cu_seqlens is None:  # one token per sequence: the whole batch in one step
         o, h = _recurrent_step(_gather_states(state, slots), qf, kf, vf, gf, bf)
@@ -95,17 +112,18 @@ def fused_recurrent_gated_delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: 
         return o.to(q.dtype)
     o = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     for n, (s, e) in enumerate(_bounds(cu_seqlens)):
-        h = _gather_states(state, slots[n:n + 1])
+        h = _gather_states(state, slots[n : n + 1])
         for t in range(s, e):
-            out, h = _recurrent_step(h, qf[t:t + 1], kf[t:t + 1], vf[t:t + 1], gf[t:t + 1], bf[t:t + 1])
+            out, h = _recurrent_step(h, qf[t : t + 1], kf[t : t + 1], vf[t : t + 1], gf[t : t + 1], bf[t : t + 1])
             o[t] = out[0]
         if slots[n] >= 0:
             state[int(slots[n])] = h[0]
     return o.to(q.dtype)
 
 
-def _chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, h: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk in the WY form, heads first: q/k [H, C, K], v [H, C, V], g/beta [H, C], h [H, K, V] -> (o, h)."""
     c = q.shape[1]
     gc = g.cumsum(-1)
@@ -123,14 +141,22 @@ def _chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     return o, h
 
 
-def chunk_gated_delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                                 beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
-                                 cu_seqlens: torch.Tensor, use_qk_l2norm: bool = True,
-                                 scale: float | None = None) -> torch.Tensor:
+def chunk_gated_delta_rule_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Torch reference of chunk_gated_delta_rule: each sequence in chunks of 64 tokens."""
     _check_shapes(q, k, v, g, beta, state)
     groups, dk = v.shape[1] // k.shape[1], k.shape[2]
-    qf, kf = _prep_qk(q, k, groups, use_qk_l2norm, dk ** -0.5 if scale is None else scale)
+    qf, kf = _prep_qk(q, k, groups, use_qk_l2norm, dk**-0.5 if scale is None else scale)
     vf, gf, bf = v.float(), g.float(), beta.float()
     o = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     for n, (s, e) in enumerate(_bounds(cu_seqlens)):
@@ -152,8 +178,15 @@ def _check_activation(activation: str | None) -> None:
         raise ValueError(f"conv1d activation {activation!r} is not supported (only 'silu' or None)")
 
 
-def causal_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
-                        slots: torch.Tensor, cu_seqlens: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
+def causal_conv1d_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
     """Torch reference of causal_conv1d: each sequence continues from its slot's conv state."""
     _check_activation(activation)
     width = weight.shape[1]
@@ -161,16 +194,22 @@ def causal_conv1d_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     for n, (s, e) in enumerate(_bounds(cu_seqlens)):
         slot = int(slots[n])
         seq = torch.cat([conv_state[slot].to(x.dtype), x[s:e]])  # [W - 1 + L, D]
-        y = F.conv1d(seq.t().float()[None], weight.float()[:, None], None if bias is None else bias.float(),
-                     groups=x.shape[1])[0].t()
+        y = F.conv1d(
+            seq.t().float()[None], weight.float()[:, None], None if bias is None else bias.float(), groups=x.shape[1]
+        )[0].t()
         out[s:e] = _activate(y, activation).to(x.dtype)
-        conv_state[slot] = seq[seq.shape[0] - (width - 1):]
+        conv_state[slot] = seq[seq.shape[0] - (width - 1) :]
     return out
 
 
-def causal_conv1d_update_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                               conv_state: torch.Tensor, slots: torch.Tensor,
-                               activation: str | None = "silu") -> torch.Tensor:
+def causal_conv1d_update_torch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
     """Torch reference of causal_conv1d_update: one token per sequence."""
     _check_activation(activation)
     window = torch.cat([_gather_states(conv_state, slots).to(x.dtype), x[:, None]], 1)  # [N, W, D]
@@ -186,21 +225,47 @@ def causal_conv1d_update_torch(x: torch.Tensor, weight: torch.Tensor, bias: torc
 # Triton kernels (the CUDA path)
 # ----------------------------------------------------------------------------------------------------------------
 
+
 @triton.jit
 def _load_qk(ptr, rows, row_mask, stride, head, offs_k, K: tl.constexpr, L2NORM: tl.constexpr, eps):
     """Rows of one key head as fp32 [rows, BK], L2-normalised if asked."""
-    x = tl.load(ptr + rows[:, None] * stride + head * K + offs_k[None, :],
-                mask=row_mask[:, None] & (offs_k < K)[None, :], other=0.0).to(tl.float32)
+    x = tl.load(
+        ptr + rows[:, None] * stride + head * K + offs_k[None, :],
+        mask=row_mask[:, None] & (offs_k < K)[None, :],
+        other=0.0,
+    ).to(tl.float32)
     if L2NORM:
         x = x * tl.rsqrt(tl.sum(x * x, 1) + eps)[:, None]
     return x
 
 
 @triton.jit
-def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, slots_ptr, cu_ptr, scale, eps,
-                      stride_q, stride_k, stride_v, stride_g, stride_b,
-                      HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, VARLEN: tl.constexpr, L2NORM: tl.constexpr):
+def _recurrent_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    o_ptr,
+    state_ptr,
+    slots_ptr,
+    cu_ptr,
+    scale,
+    eps,
+    stride_q,
+    stride_k,
+    stride_v,
+    stride_g,
+    stride_b,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    VARLEN: tl.constexpr,
+    L2NORM: tl.constexpr,
+):
     pid = tl.program_id(0)
     n, hv = pid // HV, pid % HV
     hk = hv // (HV // HK)
@@ -236,10 +301,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.shape[0] == 0 or x[0].is_contiguous() else x.contiguous()
 
 
-def fused_recurrent_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                                            beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
-                                            cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = True,
-                                            scale: float | None = None) -> torch.Tensor:
+def fused_recurrent_gated_delta_rule_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Triton fused_recurrent_gated_delta_rule: a program per (sequence, value head, V block) keeps S in registers."""
     _check_shapes(q, k, v, g, beta, state)
     q, k, v, g, beta = (_rows(x) for x in (q, k, v, g, beta))
@@ -251,19 +324,63 @@ def fused_recurrent_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v:
         return o
     bv = min(triton.next_power_of_2(dv), 32)
     _recurrent_kernel[(seqs * hv, triton.cdiv(dv, bv))](
-        q, k, v, g, beta, o, state, slots, slots if cu_seqlens is None else cu_seqlens,
-        dk ** -0.5 if scale is None else scale, L2_EPS, q.stride(0), k.stride(0), v.stride(0), g.stride(0),
-        beta.stride(0), HK=hk, HV=hv, K=dk, V=dv, BK=triton.next_power_of_2(dk), BV=bv,
-        VARLEN=cu_seqlens is not None, L2NORM=use_qk_l2norm, num_warps=4 if dk * bv >= 4096 else 2)
+        q,
+        k,
+        v,
+        g,
+        beta,
+        o,
+        state,
+        slots,
+        slots if cu_seqlens is None else cu_seqlens,
+        dk**-0.5 if scale is None else scale,
+        L2_EPS,
+        q.stride(0),
+        k.stride(0),
+        v.stride(0),
+        g.stride(0),
+        beta.stride(0),
+        HK=hk,
+        HV=hv,
+        K=dk,
+        V=dv,
+        BK=triton.next_power_of_2(dk),
+        BV=bv,
+        VARLEN=cu_seqlens is not None,
+        L2NORM=use_qk_l2norm,
+        num_warps=4 if dk * bv >= 4096 else 2,
+    )
     return o
 
 
 @triton.jit
-def _chunk_prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, gc_ptr, chunk_start_ptr, chunk_end_ptr, eps,
-                          stride_k, stride_v, stride_g, stride_b,
-                          HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                          BV: tl.constexpr, C: tl.constexpr, LOG_C: tl.constexpr, L2NORM: tl.constexpr,
-                          PRECISION: tl.constexpr, INV_PRECISION: tl.constexpr):
+def _chunk_prepare_kernel(
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    w_ptr,
+    u_ptr,
+    gc_ptr,
+    chunk_start_ptr,
+    chunk_end_ptr,
+    eps,
+    stride_k,
+    stride_v,
+    stride_g,
+    stride_b,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    C: tl.constexpr,
+    LOG_C: tl.constexpr,
+    L2NORM: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INV_PRECISION: tl.constexpr,
+):
     """Per (chunk, value head): the decay's in-chunk cumsum gc, and the WY pair u = L^-1 (beta v),
     w = L^-1 (beta exp(gc) k) with L = I + strictly_lower(beta_i k_i.k_j exp(gc_i - gc_j))."""
     c, hv = tl.program_id(0), tl.program_id(1)
@@ -286,25 +403,49 @@ def _chunk_prepare_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, gc_ptr, c
         # [[T0, 0], [-T1 A10 T0, T1]] = T - T A_off T, A_off holding only the A10 blocks; all matmuls, no row loop
         inv = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
         for level in tl.static_range(LOG_C):
-            a_off = tl.where((i[:, None] >> (level + 1) == i[None, :] >> (level + 1))
-                             & (i[:, None] >> level != i[None, :] >> level), a, 0.0)
+            a_off = tl.where(
+                (i[:, None] >> (level + 1) == i[None, :] >> (level + 1)) & (i[:, None] >> level != i[None, :] >> level),
+                a,
+                0.0,
+            )
             inv -= tl.dot(tl.dot(inv, a_off, input_precision=INV_PRECISION), inv, input_precision=INV_PRECISION)
-        v = tl.load(v_ptr + rows[:, None] * stride_v + hv * V + offs_v[None, :],
-                    mask=live[:, None] & (offs_v < V)[None, :], other=0.0).to(tl.float32)
+        v = tl.load(
+            v_ptr + rows[:, None] * stride_v + hv * V + offs_v[None, :],
+            mask=live[:, None] & (offs_v < V)[None, :],
+            other=0.0,
+        ).to(tl.float32)
         u = tl.dot(inv, v * beta[:, None], input_precision=PRECISION)
         w = tl.dot(inv, k * (beta * tl.exp(gc))[:, None], input_precision=PRECISION)
-        tl.store(u_ptr + (rows[:, None] * HV + hv) * V + offs_v[None, :], u,
-                 mask=live[:, None] & (offs_v < V)[None, :])
-        tl.store(w_ptr + (rows[:, None] * HV + hv) * K + offs_k[None, :], w,
-                 mask=live[:, None] & (offs_k < K)[None, :])
+        tl.store(u_ptr + (rows[:, None] * HV + hv) * V + offs_v[None, :], u, mask=live[:, None] & (offs_v < V)[None, :])
+        tl.store(w_ptr + (rows[:, None] * HV + hv) * K + offs_k[None, :], w, mask=live[:, None] & (offs_k < K)[None, :])
         tl.store(gc_ptr + rows * HV + hv, gc, mask=live)
 
 
 @triton.jit
-def _chunk_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gc_ptr, o_ptr, state_ptr, slots_ptr, cu_ptr, scale, eps,
-                       stride_q, stride_k,
-                       HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                       BV: tl.constexpr, C: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr):
+def _chunk_scan_kernel(
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    u_ptr,
+    gc_ptr,
+    o_ptr,
+    state_ptr,
+    slots_ptr,
+    cu_ptr,
+    scale,
+    eps,
+    stride_q,
+    stride_k,
+    HK: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    C: tl.constexpr,
+    L2NORM: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Per (sequence, value head, V block): the scan over chunks. With v' = u - w S, a chunk's output is
     (q exp(gc)) S + (q k^T * causal decay) v' and the state becomes exp(gc_last) S + (k exp(gc_last - gc))^T v'."""
     n, hv = tl.program_id(0), tl.program_id(1)
@@ -326,17 +467,26 @@ def _chunk_scan_kernel(q_ptr, k_ptr, w_ptr, u_ptr, gc_ptr, o_ptr, state_ptr, slo
         k = _load_qk(k_ptr, rows, live, stride_k, hk, offs_k, K, L2NORM, eps)
         gc = tl.load(gc_ptr + rows * HV + hv, mask=live, other=0.0)
         last = tl.sum(tl.where(rows == tl.minimum(c0 + C, end) - 1, gc, 0.0), 0)
-        w = tl.load(w_ptr + (rows[:, None] * HV + hv) * K + offs_k[None, :],
-                    mask=live[:, None] & (offs_k < K)[None, :], other=0.0)
-        u = tl.load(u_ptr + (rows[:, None] * HV + hv) * V + offs_v[None, :],
-                    mask=live[:, None] & (offs_v < V)[None, :], other=0.0)
+        w = tl.load(
+            w_ptr + (rows[:, None] * HV + hv) * K + offs_k[None, :],
+            mask=live[:, None] & (offs_k < K)[None, :],
+            other=0.0,
+        )
+        u = tl.load(
+            u_ptr + (rows[:, None] * HV + hv) * V + offs_v[None, :],
+            mask=live[:, None] & (offs_v < V)[None, :],
+            other=0.0,
+        )
         v_new = u - tl.dot(w, h, input_precision=PRECISION)
         attn = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         attn = attn * tl.exp(tl.where(causal & live[:, None], gc[:, None] - gc[None, :], float("-inf")))
         o = tl.dot(q * tl.exp(gc)[:, None], h, input_precision=PRECISION)
         o += tl.dot(attn, v_new, input_precision=PRECISION)
-        tl.store(o_ptr + (rows[:, None] * HV + hv) * V + offs_v[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=live[:, None] & (offs_v < V)[None, :])
+        tl.store(
+            o_ptr + (rows[:, None] * HV + hv) * V + offs_v[None, :],
+            o.to(o_ptr.dtype.element_ty),
+            mask=live[:, None] & (offs_v < V)[None, :],
+        )
         k_decayed = k * tl.where(live, tl.exp(last - gc), 0.0)[:, None]
         h = h * tl.exp(last) + tl.dot(tl.trans(k_decayed), v_new, input_precision=PRECISION)
     tl.store(s_ptrs, h, mask=mask_kv)
@@ -359,10 +509,18 @@ def _chunk_table(cu_seqlens: torch.Tensor, tokens: int) -> tuple[torch.Tensor, t
     return torch.where(real, start, 0).int(), torch.where(real, end, 0).int()
 
 
-def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                                  beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
-                                  cu_seqlens: torch.Tensor, use_qk_l2norm: bool = True,
-                                  scale: float | None = None) -> torch.Tensor:
+def chunk_gated_delta_rule_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Triton chunk_gated_delta_rule: a parallel pass over all chunks (WY pairs), then a scan per sequence."""
     _check_shapes(q, k, v, g, beta, state)
     q, k, v, g, beta = (_rows(x) for x in (q, k, v, g, beta))
@@ -378,17 +536,64 @@ def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     bk, precision = triton.next_power_of_2(dk), "ieee" if q.dtype == torch.float32 else "tf32"
     chunk_start, chunk_end = _chunk_table(cu_seqlens, tokens)
     _chunk_prepare_kernel[(chunk_start.numel(), hv)](
-        k, v, g, beta, w, u, gc, chunk_start, chunk_end, L2_EPS, k.stride(0), v.stride(0), g.stride(0),
-        beta.stride(0), HK=hk, HV=hv, K=dk, V=dv, BK=bk, BV=triton.next_power_of_2(dv), C=CHUNK,
-        LOG_C=CHUNK.bit_length() - 1, L2NORM=use_qk_l2norm, PRECISION=precision,
-        INV_PRECISION="ieee" if precision == "ieee" else "tf32x3", num_warps=8, num_stages=1)
+        k,
+        v,
+        g,
+        beta,
+        w,
+        u,
+        gc,
+        chunk_start,
+        chunk_end,
+        L2_EPS,
+        k.stride(0),
+        v.stride(0),
+        g.stride(0),
+        beta.stride(0),
+        HK=hk,
+        HV=hv,
+        K=dk,
+        V=dv,
+        BK=bk,
+        BV=triton.next_power_of_2(dv),
+        C=CHUNK,
+        LOG_C=CHUNK.bit_length() - 1,
+        L2NORM=use_qk_l2norm,
+        PRECISION=precision,
+        INV_PRECISION="ieee" if precision == "ieee" else "tf32x3",
+        num_warps=8,
+        num_stages=1,
+    )
     programs = seqs * hv * triton.cdiv(dv, 64)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
     bv = min(triton.next_power_of_2(dv), 64 if programs >= sms else 32)
-    args = (q, k, w, u, gc, o, state, slots, cu_seqlens, dk ** -0.5 if scale is None else scale, L2_EPS,
-            q.stride(0), k.stride(0))
-    meta = {"HK": hk, "HV": hv, "K": dk, "V": dv, "BK": bk, "BV": bv, "C": CHUNK, "L2NORM": use_qk_l2norm,
-            "PRECISION": precision, "num_warps": 8 if bv == 64 else 4}
+    args = (
+        q,
+        k,
+        w,
+        u,
+        gc,
+        o,
+        state,
+        slots,
+        cu_seqlens,
+        dk**-0.5 if scale is None else scale,
+        L2_EPS,
+        q.stride(0),
+        k.stride(0),
+    )
+    meta = {
+        "HK": hk,
+        "HV": hv,
+        "K": dk,
+        "V": dv,
+        "BK": bk,
+        "BV": bv,
+        "C": CHUNK,
+        "L2NORM": use_qk_l2norm,
+        "PRECISION": precision,
+        "num_warps": 8 if bv == 64 else 4,
+    }
     try:
         _chunk_scan_kernel[(seqs, hv, triton.cdiv(dv, bv))](*args, **meta)
     except triton.runtime.errors.OutOfResources:  # the loop's pipelined loads overflow a smaller shared memory
@@ -397,9 +602,25 @@ def chunk_gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 
 @triton.jit
-def _conv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, state_ptr, seq_ptr, cu_ptr, slots_ptr, tokens, dim, stride_x,
-                 stride_s, W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BT: tl.constexpr,
-                 BD: tl.constexpr):
+def _conv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    state_ptr,
+    seq_ptr,
+    cu_ptr,
+    slots_ptr,
+    tokens,
+    dim,
+    stride_x,
+    stride_s,
+    W: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BT: tl.constexpr,
+    BD: tl.constexpr,
+):
     """Outputs of BT tokens x BD channels; a tap before its sequence's first token reads the slot's conv state."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -415,18 +636,25 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, state_ptr, seq_ptr, cu_ptr, slots
         inside = (p >= start)[:, None]
         m = mt[:, None] & md[None, :]
         xv = tl.load(x_ptr + p.to(tl.int64)[:, None] * stride_x + d[None, :], mask=m & inside, other=0.0)
-        sv = tl.load(state_ptr + slot[:, None] * stride_s + (p - start + W - 1)[:, None] * dim + d[None, :],
-                     mask=m & ~inside, other=0.0)
+        sv = tl.load(
+            state_ptr + slot[:, None] * stride_s + (p - start + W - 1)[:, None] * dim + d[None, :],
+            mask=m & ~inside,
+            other=0.0,
+        )
         acc += (xv.to(tl.float32) + sv.to(tl.float32)) * tl.load(w_ptr + d * W + j, mask=md, other=0.0)[None, :]
     if SILU:
         acc = acc * tl.sigmoid(acc)
-    tl.store(out_ptr + t.to(tl.int64)[:, None] * dim + d[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mt[:, None] & md[None, :])
+    tl.store(
+        out_ptr + t.to(tl.int64)[:, None] * dim + d[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=mt[:, None] & md[None, :],
+    )
 
 
 @triton.jit
-def _conv_state_kernel(x_ptr, state_ptr, cu_ptr, slots_ptr, dim, stride_x, stride_s, W: tl.constexpr,
-                       BW: tl.constexpr, BD: tl.constexpr):
+def _conv_state_kernel(
+    x_ptr, state_ptr, cu_ptr, slots_ptr, dim, stride_x, stride_s, W: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr
+):
     """A sequence's new conv state: its last W - 1 inputs, reaching into the old state when it is shorter."""
     n = tl.program_id(0)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -445,15 +673,27 @@ def _conv_state_kernel(x_ptr, state_ptr, cu_ptr, slots_ptr, dim, stride_x, strid
 
 def _check_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, activation: str | None) -> None:
     _check_activation(activation)
-    if (weight.shape[0] != x.shape[1] or conv_state.shape[1:] != (weight.shape[1] - 1, x.shape[1])
-            or conv_state.shape[0] and not conv_state[0].is_contiguous()):
-        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, conv_state {tuple(conv_state.shape)}: "
-                         "need x [T, D], weight [D, W], conv_state [num_slots, W - 1, D] with each slot contiguous")
+    if (
+        weight.shape[0] != x.shape[1]
+        or conv_state.shape[1:] != (weight.shape[1] - 1, x.shape[1])
+        or conv_state.shape[0]
+        and not conv_state[0].is_contiguous()
+    ):
+        raise ValueError(
+            f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, conv_state {tuple(conv_state.shape)}: "
+            "need x [T, D], weight [D, W], conv_state [num_slots, W - 1, D] with each slot contiguous"
+        )
 
 
-def causal_conv1d_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
-                         slots: torch.Tensor, cu_seqlens: torch.Tensor,
-                         activation: str | None = "silu") -> torch.Tensor:
+def causal_conv1d_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
     """Triton causal_conv1d: the conv over all tokens, then each sequence's new conv state (a second launch, so no
     program overwrites a state another still reads)."""
     _check_conv(x, weight, conv_state, activation)
@@ -468,19 +708,58 @@ def causal_conv1d_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     seq_of_token = torch.searchsorted(cu_seqlens[1:].long(), torch.arange(tokens, device=x.device), right=True)
     bt, bd = 16, min(triton.next_power_of_2(dim), 256)
     _conv_kernel[(triton.cdiv(tokens, bt), triton.cdiv(dim, bd))](
-        x, weight, bias if bias is not None else weight, out, conv_state, seq_of_token, cu_seqlens, slots, tokens,
-        dim, x.stride(0), conv_state.stride(0), W=width, HAS_BIAS=bias is not None, SILU=activation == "silu",
-        BT=bt, BD=bd, num_warps=4)
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        conv_state,
+        seq_of_token,
+        cu_seqlens,
+        slots,
+        tokens,
+        dim,
+        x.stride(0),
+        conv_state.stride(0),
+        W=width,
+        HAS_BIAS=bias is not None,
+        SILU=activation == "silu",
+        BT=bt,
+        BD=bd,
+        num_warps=4,
+    )
     _conv_state_kernel[(seqs, triton.cdiv(dim, bd))](
-        x, conv_state, cu_seqlens, slots, dim, x.stride(0), conv_state.stride(0), W=width,
-        BW=triton.next_power_of_2(width - 1), BD=bd, num_warps=4)
+        x,
+        conv_state,
+        cu_seqlens,
+        slots,
+        dim,
+        x.stride(0),
+        conv_state.stride(0),
+        W=width,
+        BW=triton.next_power_of_2(width - 1),
+        BD=bd,
+        num_warps=4,
+    )
     return out
 
 
 @triton.jit
-def _conv_update_kernel(x_ptr, w_ptr, b_ptr, out_ptr, state_ptr, slots_ptr, dim, stride_x, stride_s,
-                        W: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                        BD: tl.constexpr):
+def _conv_update_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    state_ptr,
+    slots_ptr,
+    dim,
+    stride_x,
+    stride_s,
+    W: tl.constexpr,
+    BW: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BD: tl.constexpr,
+):
     """One token per sequence: window = [conv state, x], output = SiLU(window . weight), state = window[1:]."""
     n = tl.program_id(0)
     d = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -502,13 +781,19 @@ def _conv_update_kernel(x_ptr, w_ptr, b_ptr, out_ptr, state_ptr, slots_ptr, dim,
     tl.store(out_ptr + n * dim + d, acc.to(out_ptr.dtype.element_ty), mask=md)
     shifted = tl.where((j + 1 == W - 1)[:, None], xv[None, :], shifted)
     tl.debug_barrier()  # row j+1 is read by one thread and overwritten by another: every read before any write
-    tl.store(base + j[:, None] * dim, shifted.to(state_ptr.dtype.element_ty),
-             mask=(j < W - 1)[:, None] & md[None, :] & valid)
+    tl.store(
+        base + j[:, None] * dim, shifted.to(state_ptr.dtype.element_ty), mask=(j < W - 1)[:, None] & md[None, :] & valid
+    )
 
 
-def causal_conv1d_update_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                conv_state: torch.Tensor, slots: torch.Tensor,
-                                activation: str | None = "silu") -> torch.Tensor:
+def causal_conv1d_update_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
     """Triton causal_conv1d_update: a program per (sequence, channel block)."""
     _check_conv(x, weight, conv_state, activation)
     if x.stride(1) != 1:
@@ -521,9 +806,22 @@ def causal_conv1d_update_triton(x: torch.Tensor, weight: torch.Tensor, bias: tor
         return out
     bd = min(triton.next_power_of_2(dim), 512)
     _conv_update_kernel[(seqs, triton.cdiv(dim, bd))](
-        x, weight, bias if bias is not None else weight, out, conv_state, slots, dim, x.stride(0),
-        conv_state.stride(0), W=width, BW=triton.next_power_of_2(width), HAS_BIAS=bias is not None,
-        SILU=activation == "silu", BD=bd, num_warps=4)
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        conv_state,
+        slots,
+        dim,
+        x.stride(0),
+        conv_state.stride(0),
+        W=width,
+        BW=triton.next_power_of_2(width),
+        HAS_BIAS=bias is not None,
+        SILU=activation == "silu",
+        BD=bd,
+        num_warps=4,
+    )
     return out
 
 
@@ -531,35 +829,66 @@ def causal_conv1d_update_triton(x: torch.Tensor, weight: torch.Tensor, bias: tor
 # the public entry points: Triton on CUDA tensors, the torch reference otherwise
 # ----------------------------------------------------------------------------------------------------------------
 
-def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                                     beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
-                                     cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = True,
-                                     scale: float | None = None) -> torch.Tensor:
+
+def fused_recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Gated delta rule token by token: o [T, H_v, V]; state[slots] updated in place. Without cu_seqlens each token
     is one sequence (decode); with it, each sequence's tokens run in order (a simple prefill)."""
     impl = fused_recurrent_gated_delta_rule_triton if q.is_cuda else fused_recurrent_gated_delta_rule_torch
     return impl(q, k, v, g, beta, state, slots, cu_seqlens, use_qk_l2norm, scale)
 
 
-def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
-                           use_qk_l2norm: bool = True, scale: float | None = None) -> torch.Tensor:
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    use_qk_l2norm: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Gated delta rule for prefill in chunks of 64 tokens: o [T, H_v, V]; each sequence starts from
     state[slots[n]] and leaves its final state there."""
     impl = chunk_gated_delta_rule_triton if q.is_cuda else chunk_gated_delta_rule_torch
     return impl(q, k, v, g, beta, state, slots, cu_seqlens, use_qk_l2norm, scale)
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
-                  slots: torch.Tensor, cu_seqlens: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
     """Depthwise causal conv over packed sequences, x [T, D], weight [D, W]: each sequence continues from
     conv_state[slots[n]] and leaves its last W - 1 inputs there."""
     impl = causal_conv1d_triton if x.is_cuda else causal_conv1d_torch
     return impl(x, weight, bias, conv_state, slots, cu_seqlens, activation)
 
 
-def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
-                         slots: torch.Tensor, activation: str | None = "silu") -> torch.Tensor:
+def causal_conv1d_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    slots: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
     """Depthwise causal conv for decode, x [N, D] one token per sequence; conv_state[slots] shifted in place."""
     impl = causal_conv1d_update_triton if x.is_cuda else causal_conv1d_update_torch
     return impl(x, weight, bias, conv_state, slots, activation)

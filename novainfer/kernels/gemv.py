@@ -13,6 +13,7 @@ unfused GEMM's output is), so they equal the unfused path's bit for bit but for 
 summation order. Tile shapes come from GEMV_TILES (benchmarks/gemv_tiles.py sweeps them on a GPU); the
 torch reference is act(linear(norm(x))).
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,9 +24,24 @@ from novainfer.kernels.fused_ops import rms_scale, silu_mul
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr, N, K, eps,
-                 NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    res_ptr,
+    norm_w_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    res_out_ptr,
+    N,
+    K,
+    eps,
+    NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output rows (with SILU_MUL: gate's; up's are N further)
     rmask = rows < N
@@ -74,9 +90,14 @@ def _gemv_kernel(x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_p
 # (N, K, silu_and_mul) of the weight -> (BLOCK_N, BLOCK_K, num_warps), the fastest of benchmarks/gemv_tiles.py's
 # sweep on an H200 (2026-11-24) for Qwen2.5-0.5B's and -7B's projections; other shapes take gemv_tiles()'s rule
 GEMV_TILES: dict[tuple[int, int, bool], tuple[int, int, int]] = {
-    (1152, 896, False): (2, 1024, 4), (896, 896, False): (2, 1024, 4), (9728, 896, True): (4, 1024, 4),
-    (896, 4864, False): (1, 2048, 8), (4608, 3584, False): (4, 512, 4),
-    (3584, 3584, False): (1, 2048, 2), (37888, 3584, True): (4, 512, 2), (3584, 18944, False): (2, 1024, 4),
+    (1152, 896, False): (2, 1024, 4),
+    (896, 896, False): (2, 1024, 4),
+    (9728, 896, True): (4, 1024, 4),
+    (896, 4864, False): (1, 2048, 8),
+    (4608, 3584, False): (4, 512, 4),
+    (3584, 3584, False): (1, 2048, 2),
+    (37888, 3584, True): (4, 512, 2),
+    (3584, 18944, False): (2, 1024, 4),
 }
 
 
@@ -91,10 +112,17 @@ def gemv_tiles(n: int, k: int, silu_and_mul: bool = False) -> tuple[int, int, in
     return min(2, triton.next_power_of_2(n)), block_k, 4
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-         norm_weight: torch.Tensor | None = None, eps: float = 0.0, residual: torch.Tensor | None = None,
-         silu_and_mul: bool = False,
-         tiles: tuple[int, int, int] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    residual: torch.Tensor | None = None,
+    silu_and_mul: bool = False,
+    tiles: tuple[int, int, int] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """weight @ x (+ bias) for one row x: [1, K]; weight [N, K] contiguous.
 
     norm_weight (with eps, and an optional residual, which makes it return (y, x + residual)): x is RMS-normed
@@ -107,8 +135,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     res_out = torch.empty_like(x) if residual is not None else out
     block_n, block_k, warps = tiles or gemv_tiles(n, k, silu_and_mul)
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](
-        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
-        bias if bias is not None else x, out, res_out, n_out, k, eps, NORM=norm_weight is not None,
-        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, SILU_MUL=silu_and_mul, BLOCK_N=block_n,
-        BLOCK_K=block_k, num_warps=warps)
+        x,
+        residual if residual is not None else x,
+        norm_weight if norm_weight is not None else x,
+        weight,
+        bias if bias is not None else x,
+        out,
+        res_out,
+        n_out,
+        k,
+        eps,
+        NORM=norm_weight is not None,
+        HAS_RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None,
+        SILU_MUL=silu_and_mul,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+    )
     return out if residual is None else (out, res_out)

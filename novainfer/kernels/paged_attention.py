@@ -16,6 +16,7 @@ Both honour a per-layer sliding window (a query at p sees keys k with p - window
 start at the window's first tile, so a long context costs only the window) and logit soft-capping
 (cap * tanh(score / cap) before the softmax, Gemma 2). The torch reference is attention/torch_backend.py.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -28,8 +29,20 @@ from novainfer.kernels.fused_ops import rope_mix
 
 
 @triton.jit
-def _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, bt_stride, seq, kvh, pos, pmask, d,
-                  NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _load_kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    bt_stride,
+    seq,
+    kvh,
+    pos,
+    pmask,
+    d,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
     blk = tl.load(block_tables_ptr + seq * bt_stride + pos // BLOCK_SIZE, mask=pmask, other=0).to(tl.int64)
     slot = blk * BLOCK_SIZE + pos % BLOCK_SIZE
     offs = (slot * NUM_KV_HEADS + kvh)[:, None] * HEAD_DIM + d[None, :]
@@ -59,13 +72,44 @@ def _attend_tile(q, k, v, valid, m, l, acc, scale, soft_cap, HAS_SOFT_CAP: tl.co
 # a block table's width changes from step to step: specializing on it (divisible by 16 or not) compiled a second
 # variant of each kernel during a fresh machine's first timed run (benchmarks/triton_compiles.py)
 @triton.jit(do_not_specialize=["bt_stride"])
-def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr,
-                   part_ml_ptr, counter_ptr, pos_ptr, cos_ptr, sin_ptr, k_new_ptr, v_new_ptr, slot_ptr,
-                   scale, window, soft_cap, q_stride_t, q_stride_h, kv_new_stride, bt_stride, o_stride_t, o_stride_h,
-                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, SPLIT_TILES: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                   HAS_SOFT_CAP: tl.constexpr, ROPE: tl.constexpr, PRECISION: tl.constexpr):
+def _decode_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    counter_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    k_new_ptr,
+    v_new_ptr,
+    slot_ptr,
+    scale,
+    window,
+    soft_cap,
+    q_stride_t,
+    q_stride_h,
+    kv_new_stride,
+    bt_stride,
+    o_stride_t,
+    o_stride_h,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLIT_TILES: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
+    ROPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -82,16 +126,31 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
         gmask = g < GROUP
         heads = kvh * GROUP + g
         d = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + d[None, :], mask=gmask[:, None],
-                    other=0.0)
+        q = tl.load(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h + d[None, :], mask=gmask[:, None], other=0.0)
         if ROPE:  # rotate q here; the split holding the newest key rotates it and stores it and its value
-            q = _rope_rows(q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h, q, gmask[:, None], pos_ptr + seq,
-                           cos_ptr, sin_ptr, d[None, :], HEAD_DIM)
+            q = _rope_rows(
+                q_ptr + seq * q_stride_t + heads[:, None] * q_stride_h,
+                q,
+                gmask[:, None],
+                pos_ptr + seq,
+                cos_ptr,
+                sin_ptr,
+                d[None, :],
+                HEAD_DIM,
+            )
             if split == used - 1:
                 kv_off = seq * kv_new_stride + kvh * HEAD_DIM + d
                 k_new = tl.load(k_new_ptr + kv_off)
-                k_new = _rope_rows(k_new_ptr + seq * kv_new_stride + kvh * HEAD_DIM, k_new, d >= 0, pos_ptr + seq,
-                                   cos_ptr, sin_ptr, d, HEAD_DIM)
+                k_new = _rope_rows(
+                    k_new_ptr + seq * kv_new_stride + kvh * HEAD_DIM,
+                    k_new,
+                    d >= 0,
+                    pos_ptr + seq,
+                    cos_ptr,
+                    sin_ptr,
+                    d,
+                    HEAD_DIM,
+                )
                 slot = tl.load(slot_ptr + seq).to(tl.int64)
                 cache_off = (slot * NUM_KV_HEADS + kvh) * HEAD_DIM + d
                 smask = d < tl.where(slot >= 0, HEAD_DIM, 0)  # a padding row (slot -1) writes nothing
@@ -108,8 +167,20 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_p
         for t in range(tile_start, tile_end):
             pos = t * BLOCK_N + n
             pmask = (pos < seq_len) & (pos >= kv_start)
-            k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, bt_stride, seq, kvh, pos, pmask, d,
-                                 NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+            k, v = _load_kv_tile(
+                k_cache_ptr,
+                v_cache_ptr,
+                block_tables_ptr,
+                bt_stride,
+                seq,
+                kvh,
+                pos,
+                pmask,
+                d,
+                NUM_KV_HEADS,
+                HEAD_DIM,
+                BLOCK_SIZE,
+            )
             m, l, acc = _attend_tile(q, k, v, pmask[None, :], m, l, acc, scale, soft_cap, HAS_SOFT_CAP, PRECISION)
 
         o_ptrs = out_ptr + seq * o_stride_t + heads[:, None] * o_stride_h + d[None, :]
@@ -140,8 +211,7 @@ def _rope_rows(x_ptr, x, mask, pos_ptr, cos_ptr, sin_ptr, d, HEAD_DIM: tl.conste
 
 
 @triton.jit
-def _merge_splits(part_acc_ptr, part_ml_ptr, row, gmask, used, d, NUM_SPLITS: tl.constexpr,
-                  HEAD_DIM: tl.constexpr):
+def _merge_splits(part_acc_ptr, part_ml_ptr, row, gmask, used, d, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """The softmax-weighted sum of the used splits' partial results for each head's rows (loads bypass L1:
     other programs wrote them)."""
     s = tl.arange(0, NUM_SPLITS)
@@ -159,18 +229,43 @@ def _merge_splits(part_acc_ptr, part_ml_ptr, row, gmask, used, d, NUM_SPLITS: tl
         rows = row[:, None] + s0 + c[None, :]
         mc = tl.load(part_ml_ptr + rows * 2, mask=cmask, other=float("-inf"), cache_modifier=".cg")
         wc = tl.where(mc > float("-inf"), tl.exp(mc - m_ref[:, None]), 0.0)
-        a = tl.load(part_acc_ptr + (rows * HEAD_DIM)[:, :, None] + d[None, None, :], mask=cmask[:, :, None],
-                    other=0.0, cache_modifier=".cg")
+        a = tl.load(
+            part_acc_ptr + (rows * HEAD_DIM)[:, :, None] + d[None, None, :],
+            mask=cmask[:, :, None],
+            other=0.0,
+            cache_modifier=".cg",
+        )
         out += tl.sum(a * wc[:, :, None], 1)
     return out / denom[:, None]
 
 
 @triton.jit(do_not_specialize=["bt_stride"])
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
-                    scale, window, soft_cap, q_stride_t, q_stride_h, bt_stride, o_stride_t, o_stride_h,
-                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HAS_WINDOW: tl.constexpr, HAS_SOFT_CAP: tl.constexpr, PRECISION: tl.constexpr):
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    scale,
+    window,
+    soft_cap,
+    q_stride_t,
+    q_stride_h,
+    bt_stride,
+    o_stride_t,
+    o_stride_h,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     seq = tl.program_id(0)
     mblk = tl.program_id(1)
     head = tl.program_id(2)
@@ -183,8 +278,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
     rmask = rows < q_len
     q_pos = context + rows
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (q_start + rows)[:, None] * q_stride_t + head * q_stride_h + d[None, :],
-                mask=rmask[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + (q_start + rows)[:, None] * q_stride_t + head * q_stride_h + d[None, :], mask=rmask[:, None], other=0.0
+    )
     # keys visible to the last row of this block; nothing when the block lies past the sequence's queries
     kv_end = tl.where(mblk * BLOCK_M < q_len, tl.minimum(seq_len, context + (mblk + 1) * BLOCK_M), 0)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -196,15 +292,30 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_sta
     for start in range((kv_start // BLOCK_N) * BLOCK_N, kv_end, BLOCK_N):
         pos = start + n
         pmask = pos < kv_end
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, bt_stride, seq, kvh, pos, pmask, d,
-                             NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+        k, v = _load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            block_tables_ptr,
+            bt_stride,
+            seq,
+            kvh,
+            pos,
+            pmask,
+            d,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            BLOCK_SIZE,
+        )
         valid = pmask[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             valid = valid & (q_pos[:, None] - pos[None, :] < window)
         m, l, acc = _attend_tile(q, k, v, valid, m, l, acc, scale, soft_cap, HAS_SOFT_CAP, PRECISION)
     out = acc / tl.where(rmask, l, 1.0)[:, None]
-    tl.store(out_ptr + (q_start + rows)[:, None] * o_stride_t + head * o_stride_h + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+    tl.store(
+        out_ptr + (q_start + rows)[:, None] * o_stride_t + head * o_stride_h + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=rmask[:, None],
+    )
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -225,6 +336,7 @@ class DecodeRope(NamedTuple):
     """What decode_attention needs to rotate q and the new key and store the new key/value itself:
     positions [num_seqs], the rotary cos/sin tables [max_pos, head_dim] (float32), key/value
     [num_seqs, kv_heads, head_dim] as the projection wrote them (rows may be strided), slot_mapping [num_seqs]."""
+
     positions: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
@@ -233,11 +345,20 @@ class DecodeRope(NamedTuple):
     slot_mapping: torch.Tensor
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, num_splits: int = 1,
-                     out: torch.Tensor | None = None, sliding_window: int | None = None,
-                     logits_soft_cap: float | None = None, rope: DecodeRope | None = None,
-                     min_split_keys: int = 64) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int = 1,
+    out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    rope: DecodeRope | None = None,
+    min_split_keys: int = 64,
+) -> torch.Tensor:
     """q: [num_seqs, heads, head_dim], one new token per sequence; returns the same shape.
 
     The new token's K/V are already in the cache, or, with rope, are rotated (q too) and stored here.
@@ -266,14 +387,40 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     tile_n, num_warps, num_stages = decode_tiles(head_dim)
     block_n = max(16, min(tile_n, 8 * block_size))
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml, counters, *r, scale,
-        sliding_window or 0, logits_soft_cap or 1.0, q.stride(0), q.stride(1),
-        rope.key.stride(0) if rope is not None else 0, block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        SPLIT_TILES=max(1, min_split_keys // block_n), HAS_WINDOW=sliding_window is not None,
-        HAS_SOFT_CAP=logits_soft_cap is not None, ROPE=rope is not None, PRECISION=_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_acc,
+        part_ml,
+        counters,
+        *r,
+        scale,
+        sliding_window or 0,
+        logits_soft_cap or 1.0,
+        q.stride(0),
+        q.stride(1),
+        rope.key.stride(0) if rope is not None else 0,
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        NUM_SPLITS=num_splits,
+        SPLIT_TILES=max(1, min_split_keys // block_n),
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SOFT_CAP=logits_soft_cap is not None,
+        ROPE=rope is not None,
+        PRECISION=_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return out
 
 
@@ -309,10 +456,19 @@ def prefill_tiles(head_dim: int, max_query_len: int) -> tuple[int, int, int, int
     return (block_m if max_query_len > 32 else 16), block_n, warps, stages
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, scale: float,
-                      out: torch.Tensor | None = None, sliding_window: int | None = None,
-                      logits_soft_cap: float | None = None) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
     """Causal attention of each sequence's new tokens (packed in q: [tokens, heads, head_dim]) over its context
     (its last sliding_window keys when a window is given)."""
     num_heads, head_dim, block_size, num_kv_heads = _check(q, k_cache)
@@ -323,10 +479,31 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_m, block_n, num_warps, num_stages = prefill_tiles(head_dim, max_query_len)
     grid = (num_seqs, triton.cdiv(max_query_len, block_m), num_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale, sliding_window or 0,
-        logits_soft_cap or 1.0, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        NUM_KV_HEADS=num_kv_heads, GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None,
-        HAS_SOFT_CAP=logits_soft_cap is not None, PRECISION=_precision(q.dtype), num_warps=num_warps,
-        num_stages=num_stages)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        scale,
+        sliding_window or 0,
+        logits_soft_cap or 1.0,
+        q.stride(0),
+        q.stride(1),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        NUM_KV_HEADS=num_kv_heads,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SOFT_CAP=logits_soft_cap is not None,
+        PRECISION=_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     return out

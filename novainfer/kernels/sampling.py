@@ -10,6 +10,7 @@ Each row is split into chunks, one program each (256 rows alone leave most SMs i
 each Philox call yields 4 uniforms; the chunks' maxima are reduced on the host side with torch (first chunk
 wins a tie, so the first maximal index overall).
 """
+
 from __future__ import annotations
 
 import torch
@@ -27,8 +28,9 @@ def _max_update(x, first, best, best_idx):
 
 
 @triton.jit(do_not_specialize=["seed"])  # a new seed every call: specializing on its value recompiled (~1 s)
-def _gumbel_argmax_kernel(logits_ptr, stride, temperature_ptr, greedy_ptr, max_ptr, idx_ptr, vocab, chunk, seed,
-                          Q: tl.constexpr):
+def _gumbel_argmax_kernel(
+    logits_ptr, stride, temperature_ptr, greedy_ptr, max_ptr, idx_ptr, vocab, chunk, seed, Q: tl.constexpr
+):
     row = tl.program_id(0)
     split = tl.program_id(1)
     nsplit = tl.num_programs(1)
@@ -60,8 +62,14 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temperature_ptr, greedy_ptr, max_p
     tl.store(idx_ptr + row * nsplit + split, best_idx)
 
 
-def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, is_greedy: torch.Tensor,
-                  seed: int | None = None, chunk: int = 8192, block: int = 512) -> torch.Tensor:
+def gumbel_sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    is_greedy: torch.Tensor,
+    seed: int | None = None,
+    chunk: int = 8192,
+    block: int = 512,
+) -> torch.Tensor:
     """Token ids [rows] int64: row r's argmax if is_greedy[r], else a draw from softmax(logits[r] / temperature[r]).
     seed: the noise's Philox seed (default: drawn from torch's CPU generator, so torch.manual_seed repeats runs);
     chunk: vocabulary entries per program, read 4 blocks (a power of two) at a time."""
@@ -74,9 +82,18 @@ def gumbel_sample(logits: torch.Tensor, temperature: torch.Tensor, is_greedy: to
     nsplit = triton.cdiv(vocab, chunk)
     maxima = torch.empty(rows, nsplit, dtype=torch.float32, device=logits.device)
     idx = torch.empty(rows, nsplit, dtype=torch.int64, device=logits.device)
-    _gumbel_argmax_kernel[(rows, nsplit)](logits, logits.stride(0), temperature.float().contiguous(),
-                                          is_greedy.to(torch.int8).contiguous(), maxima, idx, vocab, chunk, seed,
-                                          Q=block)
+    _gumbel_argmax_kernel[(rows, nsplit)](
+        logits,
+        logits.stride(0),
+        temperature.float().contiguous(),
+        is_greedy.to(torch.int8).contiguous(),
+        maxima,
+        idx,
+        vocab,
+        chunk,
+        seed,
+        Q=block,
+    )
     if nsplit == 1:
         return idx.view(rows)
     return idx.gather(1, maxima.argmax(dim=1, keepdim=True)).view(rows)

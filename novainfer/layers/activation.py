@@ -1,4 +1,5 @@
 """SiLU-gated activation for the fused gate/up projection."""
+
 from __future__ import annotations
 
 import torch
@@ -19,6 +20,7 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and x.dim() == 2:
             from novainfer.kernels.fused_ops import silu_and_mul
+
             return silu_and_mul(x)
         if self.fused_cpu and cpu_ops.usable(x):
             return cpu_ops.silu_and_mul(x)

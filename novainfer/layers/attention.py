@@ -1,4 +1,5 @@
 """The attention layer: stores this step's K/V in the paged cache, then attends over the context."""
+
 from __future__ import annotations
 
 import torch
@@ -18,9 +19,16 @@ class Attention(nn.Module):
     such a layer takes no k/v, stores nothing and is given no cache of its own.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                 kv_source: Attention | None = None):
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+        kv_source: Attention | None = None,
+    ):
         super().__init__()
         self.__dict__["kv_source"] = kv_source  # a plain reference: not registered as a submodule of this one
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads

@@ -1,4 +1,5 @@
 """Token embedding and LM head. Both are replicated on every rank."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """RMSNorm, optionally fused with the residual add that precedes it."""
+
 from __future__ import annotations
 
 import torch
@@ -26,6 +27,7 @@ class RMSNorm(nn.Module):
         """norm(x), or with a residual: (norm(x + residual), x + residual). One Triton kernel on the GPU."""
         if x.is_cuda and x.dim() == 2:
             from novainfer.kernels.fused_ops import rms_norm
+
             return rms_norm(x, self.weight, self.eps, residual)
         if self.fused_cpu and cpu_ops.usable(x) and self.weight.dtype == torch.float32:
             out, res = cpu_ops.add_rms_norm(x, residual, self.weight, self.eps)

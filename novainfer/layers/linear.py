@@ -5,6 +5,7 @@ the input dim (dim 1) and all-reduce their output: two all-reduces per decoder l
 Fused layers (QKV, gate/up) shard each HF tensor on its own, then place it in its slice of the fused
 weight. Each layer keeps the group current when it was built (see parallel_state).
 """
+
 from __future__ import annotations
 
 import torch
@@ -98,8 +99,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     shard_order = ["q", "k", "v"]
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False):
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         tp = get_tp_size()
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp, "num_attention_heads")
@@ -139,6 +139,8 @@ class RowParallelLinear(LinearBase):
 
 def _copy_checked(target: torch.Tensor, loaded: torch.Tensor, param: nn.Parameter) -> None:
     if target.shape != loaded.shape:
-        raise ValueError(f"weight shape mismatch: expected local_shape={tuple(target.shape)}, "
-                         f"got {tuple(loaded.shape)} (parameter of shape {tuple(param.shape)})")
+        raise ValueError(
+            f"weight shape mismatch: expected local_shape={tuple(target.shape)}, "
+            f"got {tuple(loaded.shape)} (parameter of shape {tuple(param.shape)})"
+        )
     target.copy_(loaded)

@@ -12,6 +12,7 @@ runner (worker/state_cache.py); which slot a sequence owns comes with the step's
 A sequence whose step starts at position 0 starts from a zero state (the kernels read its slot, which the runner
 zeroes first: StateSlotsMetadata.fresh).
 """
+
 from __future__ import annotations
 
 import functools
@@ -25,8 +26,12 @@ from torch import nn
 
 from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
 from novainfer.distributed import get_tp_group, shard_dim
-from novainfer.kernels.gated_delta_rule import (causal_conv1d_triton, causal_conv1d_update_triton,
-                                                chunk_gated_delta_rule_triton, fused_recurrent_gated_delta_rule_triton)
+from novainfer.kernels.gated_delta_rule import (
+    causal_conv1d_triton,
+    causal_conv1d_update_triton,
+    chunk_gated_delta_rule_triton,
+    fused_recurrent_gated_delta_rule_triton,
+)
 from novainfer.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from novainfer.kernels.cpu import gated_delta as gated_delta_cpu
 
@@ -51,8 +56,9 @@ class StateSlotsMetadata:
 
     def on(self, device: torch.device) -> "StateSlotsMetadata":
         """This step's metadata with the slot tensor uploaded (asynchronously from pinned memory)."""
-        return StateSlotsMetadata(self.slots.to(device, non_blocking=True), self.slots_cpu, self.restores, self.saves,
-                                  self.fresh)
+        return StateSlotsMetadata(
+            self.slots.to(device, non_blocking=True), self.slots_cpu, self.restores, self.saves, self.fresh
+        )
 
     def zero_fresh(self, *pools: torch.Tensor, dim: int = 0) -> None:
         """Zero the fresh sequences' slots (along dim) of each pool; a no-op, and no upload, without any."""
@@ -77,8 +83,15 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+def gated_delta_chunked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's delta rule over L tokens, chunk by chunk, in float32.
 
     q, k: [L, H, Dk] (normalised and scaled already), v: [L, H, Dv], g, beta: [L, H], state: [H, Dk, Dv].
@@ -108,8 +121,9 @@ def gated_delta_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     return out.transpose(0, 1), s
 
 
-def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gated_delta_step(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of B sequences: q, k [B, H, Dk], v [B, H, Dv], g, beta [B, H], state [B, H, Dk, Dv] (float32).
     Returns (out [B, H, Dv], new state)."""
     s = state * g.float().exp()[..., None, None]
@@ -150,8 +164,9 @@ class GatedDeltaNet(nn.Module):
         num_k_heads, num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         if num_v_heads % num_k_heads:
-            raise ValueError(f"linear_num_value_heads={num_v_heads} must be a multiple of "
-                             f"linear_num_key_heads={num_k_heads}")
+            raise ValueError(
+                f"linear_num_value_heads={num_v_heads} must be a multiple of linear_num_key_heads={num_k_heads}"
+            )
         group = get_tp_group()
         self.tp_rank, self.tp_size = group.rank, group.size
         for name, heads in (("linear_num_key_heads", num_k_heads), ("linear_num_value_heads", num_v_heads)):
@@ -167,8 +182,9 @@ class GatedDeltaNet(nn.Module):
         hidden = config.hidden_size
         tp = self.tp_size
         # one checkpoint tensor, three column-parallel parts (split by the model: in_proj_q / _k / _v)
-        self.in_proj_qkv = MergedColumnParallelLinear(hidden, [tp * self.key_dim, tp * self.key_dim,
-                                                               tp * self.value_dim])
+        self.in_proj_qkv = MergedColumnParallelLinear(
+            hidden, [tp * self.key_dim, tp * self.key_dim, tp * self.value_dim]
+        )
         self.in_proj_z = ColumnParallelLinear(hidden, tp * self.value_dim)
         self.in_proj_b = ColumnParallelLinear(hidden, tp * self.num_v_heads)
         self.in_proj_a = ColumnParallelLinear(hidden, tp * self.num_v_heads)
@@ -188,10 +204,12 @@ class GatedDeltaNet(nn.Module):
 
     def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         """This rank's q, k and v channels of the conv weight, as in_proj_qkv holds them."""
-        parts = loaded.split([self.tp_size * self.key_dim, self.tp_size * self.key_dim,
-                              self.tp_size * self.value_dim])
-        param.data.copy_(torch.cat([shard_dim(p, 0, self.tp_rank, self.tp_size, (p.shape[0] // self.tp_size,
-                                                                                   *p.shape[1:])) for p in parts]))
+        parts = loaded.split([self.tp_size * self.key_dim, self.tp_size * self.key_dim, self.tp_size * self.value_dim])
+        param.data.copy_(
+            torch.cat(
+                [shard_dim(p, 0, self.tp_rank, self.tp_size, (p.shape[0] // self.tp_size, *p.shape[1:])) for p in parts]
+            )
+        )
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per slot: the conv window's shape and the recurrent state's shape."""
@@ -210,47 +228,74 @@ class GatedDeltaNet(nn.Module):
         out = self.norm(out.to(hidden_states.dtype), z)
         return self.out_proj(out.reshape(num_tokens, self.value_dim))
 
-    def mix(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata,
-            use_triton: bool) -> torch.Tensor:
+    def mix(
+        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata, use_triton: bool
+    ) -> torch.Tensor:
         """The conv and the delta rule of a step's tokens, [T, v_heads, v_dim]: the Triton kernels (on CUDA; tests
         call them on the CPU under TRITON_INTERPRET) or the torch reference."""
         state = meta.state_slots
         decode = meta.max_query_len == 1 and state is not None and not state.restores and not state.saves
         if use_triton:
-            return self._decode_kernels(mixed, g, beta, state.slots) if decode else \
-                self._prefill_kernels(mixed, g, beta, meta)
+            return (
+                self._decode_kernels(mixed, g, beta, state.slots)
+                if decode
+                else self._prefill_kernels(mixed, g, beta, meta)
+            )
         if decode:
-            return self._decode(mixed, g, beta, state.slots, meta.seq_lens[:mixed.shape[0]] > 1)
+            return self._decode(mixed, g, beta, state.slots, meta.seq_lens[: mixed.shape[0]] > 1)
         return self._prefill(mixed, g, beta, meta)
 
     def _split(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views of the conv output [T, conv_dim] as the kernels take them: q, k [T, k_heads, k_dim], v."""
         n = conv.shape[0]
         q, k, v = conv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        return (q.view(n, self.num_k_heads, self.head_k_dim), k.view(n, self.num_k_heads, self.head_k_dim),
-                v.view(n, self.num_v_heads, self.head_v_dim))
+        return (
+            q.view(n, self.num_k_heads, self.head_k_dim),
+            k.view(n, self.num_k_heads, self.head_k_dim),
+            v.view(n, self.num_v_heads, self.head_v_dim),
+        )
 
-    def _decode_kernels(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                        slots: torch.Tensor) -> torch.Tensor:
+    def _decode_kernels(
+        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor
+    ) -> torch.Tensor:
         """One token per sequence on the slot pools in place (a fresh sequence's slot was zeroed; a negative slot is
         a graph's padding row); nothing here reads the device, so a CUDA graph captures it."""
         conv = causal_conv1d_update_triton(mixed, self.conv1d.weight[:, 0], None, self.conv_state, slots)
         return fused_recurrent_gated_delta_rule_triton(*self._split(conv), g, beta, self.ssm_state, slots)
 
-    def _chunk_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    pool: torch.Tensor, slots: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    def _chunk_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        pool: torch.Tensor,
+        slots: torch.Tensor,
+        cu: torch.Tensor,
+    ) -> torch.Tensor:
         """The chunked delta rule over packed sequences from and back into pool[slots]: fla's on CUDA when it
         imports (its states gathered and scattered), else ours in place; ours in float32 (fla's matmuls are TF32)."""
         fla = fla_chunk_rule() if q.is_cuda and q.dtype != torch.float32 else None
         if fla is None:
             return chunk_gated_delta_rule_triton(q, k, v, g, beta, pool, slots, cu)
-        o, final = fla(q[None], k[None], v[None], g=g[None], beta=beta.to(q.dtype)[None], initial_state=pool[slots],
-                       output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu.long())
+        o, final = fla(
+            q[None],
+            k[None],
+            v[None],
+            g=g[None],
+            beta=beta.to(q.dtype)[None],
+            initial_state=pool[slots],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu.long(),
+        )
         pool[slots] = final
         return o[0]
 
-    def _prefill_kernels(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         meta: AttentionMetadata) -> torch.Tensor:
+    def _prefill_kernels(
+        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """All sequences' runs batched into one conv and one chunked-rule launch per wave. A save at a cut splits
         its sequence into two runs in consecutive waves, the state copied to the checkpoint in between; a restore
         is copied in before the sequence's first wave, after an earlier sequence of the step saves it."""
@@ -310,19 +355,30 @@ class GatedDeltaNet(nn.Module):
         n = conv_out.shape[0]
         q, k, v = conv_out.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         rep = self.num_v_heads // self.num_k_heads
-        q = l2_normalize(q.view(n, self.num_k_heads, self.head_k_dim)) * self.head_k_dim ** -0.5
+        q = l2_normalize(q.view(n, self.num_k_heads, self.head_k_dim)) * self.head_k_dim**-0.5
         k = l2_normalize(k.view(n, self.num_k_heads, self.head_k_dim))
         if rep > 1:
             q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
         return q, k, v.view(n, self.num_v_heads, self.head_v_dim)
 
-    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
-                continues: torch.Tensor) -> torch.Tensor:
+    def _decode(
+        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor, continues: torch.Tensor
+    ) -> torch.Tensor:
         """One token per sequence: a decode continues its slot's state, a one-token prompt (continues False)
         starts from zeros. On the CPU in float32, one C call (kernels/cpu/gated_delta.py)."""
         if gated_delta_cpu.usable(mixed, self.conv_state, self.ssm_state):
-            return gated_delta_cpu.decode_step(mixed, self.conv_state, self.ssm_state, slots, continues,
-                                               self.conv1d.weight, g, beta, self.num_k_heads, self.head_k_dim)
+            return gated_delta_cpu.decode_step(
+                mixed,
+                self.conv_state,
+                self.ssm_state,
+                slots,
+                continues,
+                self.conv1d.weight,
+                g,
+                beta,
+                self.num_k_heads,
+                self.head_k_dim,
+            )
         weight = self.conv1d.weight[:, 0]  # [C, K]
         prev = torch.where(continues[:, None, None], self.conv_state[slots].transpose(1, 2), 0)
         window = torch.cat([prev, mixed.unsqueeze(-1).to(self.conv_state.dtype)], dim=-1)
@@ -334,8 +390,9 @@ class GatedDeltaNet(nn.Module):
         self.ssm_state[slots] = new_state
         return out
 
-    def _prefill(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
+    def _prefill(
+        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """Sequence by sequence: the conv over the slot's window plus this step's tokens, then the chunked rule."""
         qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
         if qsl is None or seq_lens is None:
@@ -363,13 +420,13 @@ class GatedDeltaNet(nn.Module):
             cut, ckpt = state.saves.get(i, (hi - lo, -1)) if slots is not None else (hi - lo, -1)
             parts = [(0, cut, ckpt), (cut, hi - lo, -1)] if 0 < cut < hi - lo else [(0, hi - lo, ckpt)]
             for a, b, save_to in parts:  # split at a checkpoint to save the state there
-                o, s = gated_delta_chunked(q[a:b], k[a:b], v[a:b], g[lo + a:lo + b], beta[lo + a:lo + b], s)
-                out[lo + a:lo + b] = o
+                o, s = gated_delta_chunked(q[a:b], k[a:b], v[a:b], g[lo + a : lo + b], beta[lo + a : lo + b], s)
+                out[lo + a : lo + b] = o
                 if save_to >= 0:
-                    self.conv_state[save_to] = window[:, b:b + self.kernel - 1].t().to(self.conv_state.dtype)
+                    self.conv_state[save_to] = window[:, b : b + self.kernel - 1].t().to(self.conv_state.dtype)
                     self.ssm_state[save_to] = s
             if slots is not None:
-                self.conv_state[slots[i]] = window[:, -(self.kernel - 1):].t().to(self.conv_state.dtype)
+                self.conv_state[slots[i]] = window[:, -(self.kernel - 1) :].t().to(self.conv_state.dtype)
                 self.ssm_state[slots[i]] = s
         return out
 

@@ -3,6 +3,7 @@
 Models whose layers differ in rope (Gemma 3: local and global bases) name a layer_type; the config then
 holds one parameter set per layer type. LongRoPE (Phi-3) keeps a short and a long table.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -29,12 +30,14 @@ def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict:
 
 
 def _is_per_layer_type(hf_config: Any, layer_type: str | None) -> bool:
-    return layer_type is not None and isinstance((getattr(hf_config, "rope_parameters", None) or {}).get(layer_type),
-                                                 dict)
+    return layer_type is not None and isinstance(
+        (getattr(hf_config, "rope_parameters", None) or {}).get(layer_type), dict
+    )
 
 
-def compute_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = None,
-                     **init_kwargs: Any) -> tuple[torch.Tensor, float]:
+def compute_inv_freq(
+    hf_config: Any, head_dim: int, layer_type: str | None = None, **init_kwargs: Any
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the cos/sin scaling factor, using transformers' rope formulas for scaled types."""
     params = rope_parameters(hf_config, layer_type)
     # proportional rope (Gemma 4) rotates the first part of the head only, by zero frequencies past it
@@ -46,6 +49,7 @@ def compute_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = Non
     if params["rope_type"] == "dynamic":
         raise NotImplementedError("dynamic rope scaling is not supported")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     if params["rope_type"] not in ROPE_INIT_FUNCTIONS:
         raise NotImplementedError(f"rope_type {params['rope_type']!r} is not supported")
     if _is_per_layer_type(hf_config, layer_type):
@@ -93,6 +97,7 @@ class RotaryEmbedding(nn.Module):
         """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]. One Triton kernel on the GPU."""
         if q.is_cuda:
             from novainfer.kernels.fused_ops import rotary_embedding
+
             return rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache)
         if self.fused_cpu and cpu_ops.usable(q) and cpu_ops.usable(k) and self.cos_cache.dtype == torch.float32:
             cpu_ops.rotary_neox_(positions, q, k, self.cos_cache, self.sin_cache)
@@ -115,23 +120,26 @@ class LongRopeRotaryEmbedding(RotaryEmbedding):
     def __init__(self, head_dim: int, max_position: int, hf_config: Any, layer_type: str | None = None):
         nn.Module.__init__(self)
         params = rope_parameters(hf_config, layer_type)
-        self.original = int(params.get("original_max_position_embeddings")
-                            or getattr(hf_config, "original_max_position_embeddings"))
+        self.original = int(
+            params.get("original_max_position_embeddings") or getattr(hf_config, "original_max_position_embeddings")
+        )
         self.max_position = max_position
         short_cos, short_sin = _cos_sin(*compute_inv_freq(hf_config, head_dim, layer_type), max_position)
-        long_cos, long_sin = _cos_sin(*compute_inv_freq(hf_config, head_dim, layer_type, seq_len=self.original + 1),
-                                      max_position)
+        long_cos, long_sin = _cos_sin(
+            *compute_inv_freq(hf_config, head_dim, layer_type, seq_len=self.original + 1), max_position
+        )
         self.register_buffer("cos_cache", torch.cat([short_cos, long_cos]), persistent=False)
         self.register_buffer("sin_cache", torch.cat([short_sin, long_sin]), persistent=False)
         self.fused_cpu = False  # the C rotation reads one table; this one picks a half per sequence
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
+
         meta = get_attention_metadata()
         if not isinstance(meta, AttentionMetadata):  # SLOT layout: no sequence lengths, per token
             last = positions
         elif meta.max_query_len == 1:  # decode (and its CUDA graphs): one token per sequence
-            last = meta.seq_lens[:positions.shape[0]] - 1
+            last = meta.seq_lens[: positions.shape[0]] - 1
         else:
             q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
             last = torch.repeat_interleave(meta.seq_lens - 1, q_lens, output_size=positions.shape[0])
@@ -140,6 +148,9 @@ class LongRopeRotaryEmbedding(RotaryEmbedding):
 
 def get_rope(head_dim: int, max_position: int, hf_config: Any, layer_type: str | None = None) -> RotaryEmbedding:
     """The rotary module the config's rope type needs (vLLM's name)."""
-    cls = LongRopeRotaryEmbedding if rope_parameters(hf_config, layer_type)["rope_type"] == "longrope" \
+    cls = (
+        LongRopeRotaryEmbedding
+        if rope_parameters(hf_config, layer_type)["rope_type"] == "longrope"
         else RotaryEmbedding
+    )
     return cls(head_dim, max_position, hf_config, layer_type)

@@ -9,6 +9,7 @@ on what else is in the batch. Logprobs are the raw model's. On CUDA,
 when no row uses top-k, top-p, min-p or a seed, one Triton pass samples every row (the same distribution by
 the Gumbel-max trick: kernels/sampling.py) instead of ~7 passes over the [rows, vocab] logits.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -22,14 +23,19 @@ from novainfer.layers.sampling_metadata import SamplerOutput, SamplingMetadata
 
 
 class Sampler(nn.Module):
-    def forward(self, logits: torch.Tensor, meta: SamplingMetadata,
-                token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None) -> SamplerOutput:
+    def forward(
+        self,
+        logits: torch.Tensor,
+        meta: SamplingMetadata,
+        token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> SamplerOutput:
         """token_bitmask: (row indices, int32 bitmask rows on the logits' device) of the grammar-constrained rows."""
         logits, raw_logprobs = self.process_logits(logits, meta, token_bitmask)
         if meta.all_greedy:
             sampled = logits.argmax(dim=-1)
         elif logits.is_cuda and self.plain_temperature(meta):
             from novainfer.kernels.sampling import gumbel_sample  # Triton: imported where CUDA runs it
+
             sampled = gumbel_sample(logits, meta.temperature, meta.is_greedy)
         else:
             sampled = torch.where(meta.is_greedy, logits.argmax(dim=-1), self.sample_random(logits, meta))
@@ -38,15 +44,22 @@ class Sampler(nn.Module):
             self.gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs, out)
         return out
 
-    def process_logits(self, logits: torch.Tensor, meta: SamplingMetadata,
-                       token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def process_logits(
+        self,
+        logits: torch.Tensor,
+        meta: SamplingMetadata,
+        token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits after logit_bias, min_tokens blocking, penalties and the grammar's bitmask (greedy rows take
         their argmax), and the raw model's logprobs when a row wants logprobs."""
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
-        if meta.logit_bias is not None or meta.blocked is not None or meta.repetition_penalty is not None \
-                or meta.frequency_penalty is not None:
+        if (
+            meta.logit_bias is not None
+            or meta.blocked is not None
+            or meta.repetition_penalty is not None
+            or meta.frequency_penalty is not None
+        ):
             logits = self.apply_penalties(logits.clone(), meta)
         if token_bitmask is not None:
             logits = apply_token_bitmask(logits, *token_bitmask)
@@ -55,8 +68,9 @@ class Sampler(nn.Module):
     @staticmethod
     def plain_temperature(meta: SamplingMetadata) -> bool:
         """No row filters its distribution (top-k, top-p, min-p) or draws from its own seeded generator."""
-        return meta.top_k is None and meta.top_p is None and meta.min_p is None and \
-            all(g is None for g in meta.generators)
+        return (
+            meta.top_k is None and meta.top_p is None and meta.min_p is None and all(g is None for g in meta.generators)
+        )
 
     @staticmethod
     def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -6,6 +6,7 @@ keeps its CANDIDATES highest logits (torch.topk), and the masks are applied to t
 a row whose kept set lies among them: its top-k is at most CANDIDATES, or its top-p nucleus closes within them
 (measured against the whole vocabulary's softmax). Any other row takes the full sort (Sampler.probs).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -16,8 +17,9 @@ from novainfer.layers.sampling_metadata import SamplingMetadata
 CANDIDATES = 1024
 
 
-def candidate_probs(scaled: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
-                    min_p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def candidate_probs(
+    scaled: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For logits already divided by temperature: each row's distribution over its candidates (top-k, top-p
     and min-p applied as Sampler.probs applies them), the candidates' token ids, and which rows it is exact for."""
     rows, vocab = scaled.shape
@@ -46,16 +48,20 @@ def rows_of(meta: SamplingMetadata, rows: torch.Tensor) -> SamplingMetadata:
     """The sampling parameters of some rows (what Sampler.probs and Sampler.draw read)."""
     pick = rows.tolist()
     return dataclasses.replace(
-        meta, temperature=meta.temperature[rows], is_greedy=meta.is_greedy[rows],
-        top_k=None if meta.top_k is None else meta.top_k[rows], top_p=None if meta.top_p is None else meta.top_p[rows],
-        min_p=None if meta.min_p is None else meta.min_p[rows], generators=[meta.generators[i] for i in pick])
+        meta,
+        temperature=meta.temperature[rows],
+        is_greedy=meta.is_greedy[rows],
+        top_k=None if meta.top_k is None else meta.top_k[rows],
+        top_p=None if meta.top_p is None else meta.top_p[rows],
+        min_p=None if meta.min_p is None else meta.min_p[rows],
+        generators=[meta.generators[i] for i in pick],
+    )
 
 
 def sample_top_k_top_p(sampler_cls: type, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """One token per row (CPU; sampler_cls: the Sampler, whose probs and draw it calls): drawn among the
     candidates where that is exact, from the full sort elsewhere."""
-    probs, ids, resolved = candidate_probs(logits / meta.temperature.unsqueeze(1), meta.top_k, meta.top_p,
-                                           meta.min_p)
+    probs, ids, resolved = candidate_probs(logits / meta.temperature.unsqueeze(1), meta.top_k, meta.top_p, meta.min_p)
     out = torch.empty(logits.shape[0], dtype=torch.long)
     fast, slow = resolved.nonzero().squeeze(1), (~resolved).nonzero().squeeze(1)
     if fast.numel():

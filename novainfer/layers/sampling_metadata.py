@@ -1,5 +1,6 @@
 """What the sampler takes and gives: each row's parameters (SamplingRow), the batch's tensors
 (SamplingMetadata) and the sampled tokens (SamplerOutput); apart from sampler.py so its helpers can read them."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -60,8 +61,11 @@ class SamplingMetadata:
         bias = [(i, t, b) for i, p in enumerate(ps) for t, b in (p.logit_bias or {}).items() if t < vocab_size]
         logit_bias = None
         if bias:
-            logit_bias = (column([b[0] for b in bias], torch.long), column([b[1] for b in bias], torch.long),
-                          column([b[2] for b in bias]))
+            logit_bias = (
+                column([b[0] for b in bias], torch.long),
+                column([b[1] for b in bias], torch.long),
+                column([b[2] for b in bias]),
+            )
         blocked = None
         if blocked_pairs:
             idx = torch.tensor(blocked_pairs, dtype=torch.long, device=device)
@@ -76,7 +80,10 @@ class SamplingMetadata:
             repetition_penalty=column([p.repetition_penalty for p in ps], unsqueeze=True) if use_rep else None,
             frequency_penalty=column([p.frequency_penalty for p in ps], unsqueeze=True) if use_freq_pres else None,
             presence_penalty=column([p.presence_penalty for p in ps], unsqueeze=True) if use_freq_pres else None,
-            output_counts=counts, seen_mask=seen, blocked=blocked, logit_bias=logit_bias,
+            output_counts=counts,
+            seen_mask=seen,
+            blocked=blocked,
+            logit_bias=logit_bias,
             generators=[r.generator for r in rows],
             max_num_logprobs=max((p.logprobs for p in ps if p.logprobs is not None), default=-1),
         )

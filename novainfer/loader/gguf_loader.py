@@ -1,5 +1,6 @@
 """Reads GGUF files: the HF config from its metadata, the tokenizer through transformers, and the
 tensors dequantised with the gguf package and renamed to Hugging Face parameter names."""
+
 from __future__ import annotations
 
 import hashlib
@@ -30,10 +31,17 @@ ARCHITECTURES = {
 
 # per-layer GGUF tensor name -> HF name (after "model.layers.N.")
 LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
 }
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -101,6 +109,7 @@ def load_gguf_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     from novainfer.platform import CACHE_DIR
+
     path = os.path.abspath(path)
     st = os.stat(path)
     key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}".encode()).hexdigest()[:16]
@@ -111,11 +120,15 @@ def load_gguf_tokenizer(path: str) -> Any:
             os.utime(cached)  # most recently used: kept longest
             return tokenizer
         except Exception as e:  # a damaged cache entry: convert again and overwrite it
-            logger.warning("cached tokenizer of %s at %s does not load (%s); converting the GGUF's again", path,
-                           cached, e)
+            logger.warning(
+                "cached tokenizer of %s at %s does not load (%s); converting the GGUF's again", path, cached, e
+            )
     # a warning, so the command line (which logs warnings only) says why its first seconds are silent
-    logger.warning("converting the tokenizer of %s from GGUF (first load only; cached in %s)", os.path.basename(path),
-                   os.path.dirname(cached))
+    logger.warning(
+        "converting the tokenizer of %s from GGUF (first load only; cached in %s)",
+        os.path.basename(path),
+        os.path.dirname(cached),
+    )
     tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     try:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
@@ -126,8 +139,11 @@ def load_gguf_tokenizer(path: str) -> Any:
             os.replace(tmp, cached)  # whole or not at all: a concurrent loader sees no entry or a complete one
         finally:
             shutil.rmtree(tmp, ignore_errors=True)  # left only when another loader's entry got there first
-        entries = sorted((e for e in os.scandir(os.path.dirname(cached)) if not e.name.startswith("tmp-")),
-                         key=lambda e: e.stat().st_mtime, reverse=True)
+        entries = sorted(
+            (e for e in os.scandir(os.path.dirname(cached)) if not e.name.startswith("tmp-")),
+            key=lambda e: e.stat().st_mtime,
+            reverse=True,
+        )
         for old in entries[TOKENIZER_CACHE_ENTRIES:]:  # bounded: tests convert many small temporary files
             shutil.rmtree(old.path, ignore_errors=True)
     except OSError as e:  # a read-only home, or that race: this process keeps its conversion
@@ -201,20 +217,30 @@ def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple
         qtype = GGMLQuantizationType(tensor.tensor_type)
         quantized = qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
         block = GGML_QUANT_SIZES[qtype][0]
-        if (keep_quantized and quantized and len(shape) == 2 and qtype in SUPPORTED
-                and (fixer is None or fixer.keep_quantized(name, shape, block))):
+        if (
+            keep_quantized
+            and quantized
+            and len(shape) == 2
+            and qtype in SUPPORTED
+            and (fixer is None or fixer.keep_quantized(name, shape, block))
+        ):
             data = _read_bytes(path, tensor).reshape(shape[0], -1)  # one row of blocks per output row
         else:
             if keep_quantized and quantized and qtype.name not in logged:
                 logged.add(qtype.name)
-                logger.info("GGUF tensor type %s has no quantized CPU kernel; its tensors (first: %s) load "
-                            "dequantized", qtype.name, tensor.name)
+                logger.info(
+                    "GGUF tensor type %s has no quantized CPU kernel; its tensors (first: %s) load dequantized",
+                    qtype.name,
+                    tensor.name,
+                )
             try:
-                data = np.asarray(dequantize(reader.tensor_data(file_map, tensor), tensor.tensor_type),
-                                  dtype=np.float32).reshape(shape)
+                data = np.asarray(
+                    dequantize(reader.tensor_data(file_map, tensor), tensor.tensor_type), dtype=np.float32
+                ).reshape(shape)
             except Exception as exc:
-                raise ValueError(f"GGUF file {path}: tensor {tensor.name} of type {qtype.name} cannot be "
-                                 f"dequantized: {exc}") from None
+                raise ValueError(
+                    f"GGUF file {path}: tensor {tensor.name} of type {qtype.name} cannot be dequantized: {exc}"
+                ) from None
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
             data = unpermute_rotary_rows(data, num_heads)
         elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):

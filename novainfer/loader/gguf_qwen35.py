@@ -14,6 +14,7 @@ Row permutations apply to quantized blocks as they are (a row's blocks move whol
 ssm_out moves whole blocks when a value head spans whole blocks, else that tensor loads dequantized.
 The metadata maps to a Qwen3_5TextConfig; a qwen35.* key this reader does not know is refused, naming it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,40 +30,78 @@ ARCH = "qwen35"
 ARCHS = ("qwen35", "qwen35moe")  # Qwen3.5 dense and MoE
 # per-layer GGUF tensor (name before its ".weight"/".bias", or the whole name) -> HF name after "model.layers.N."
 LAYER_NAMES = {
-    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight", "attn_gate.weight": "linear_attn.in_proj_z.weight",
-    "ssm_alpha.weight": "linear_attn.in_proj_a.weight", "ssm_beta.weight": "linear_attn.in_proj_b.weight",
-    "ssm_a": "linear_attn.A_log", "ssm_dt.bias": "linear_attn.dt_bias",
+    "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+    "attn_gate.weight": "linear_attn.in_proj_z.weight",
+    "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+    "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt.bias": "linear_attn.dt_bias",
     "ssm_conv1d.weight": "linear_attn.conv1d.weight",
-    "ssm_norm.weight": "linear_attn.norm.weight", "ssm_out.weight": "linear_attn.out_proj.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     # qwen35moe: [E, ...] expert stacks (split per expert by fix), the router, the gated shared expert
-    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight", "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
-    "ffn_down_exps.weight": "mlp.experts.down_proj.weight", "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
+    "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
+    "ffn_down_exps.weight": "mlp.experts.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
     "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
-GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                "output.weight": "lm_head.weight"}
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 # stored as 1 + w by the converter
-SHIFTED_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight",
-                 "model.norm.weight")
+SHIFTED_NORMS = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "q_norm.weight",
+    "k_norm.weight",
+    "model.norm.weight",
+)
 SMALL_ROWS = 16  # 2-D tensors of fewer output rows (ssm_alpha / ssm_beta) load dequantized
 
 # qwen35.* metadata this reader maps (or checks); any other qwen35.* key is refused
 KNOWN_KEYS = {
-    "block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
-    "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.layer_norm_rms_epsilon",
-    "rope.freq_base", "rope.dimension_count", "rope.dimension_sections", "ssm.conv_kernel", "ssm.state_size",
-    "ssm.group_count", "ssm.time_step_rank", "ssm.inner_size", "attention.recurrent_layers",
-    "full_attention_interval", "nextn_predict_layers", "vocab_size",
-    "expert_count", "expert_used_count", "expert_feed_forward_length", "expert_shared_feed_forward_length",
+    "block_count",
+    "context_length",
+    "embedding_length",
+    "feed_forward_length",
+    "attention.head_count",
+    "attention.head_count_kv",
+    "attention.key_length",
+    "attention.value_length",
+    "attention.layer_norm_rms_epsilon",
+    "rope.freq_base",
+    "rope.dimension_count",
+    "rope.dimension_sections",
+    "ssm.conv_kernel",
+    "ssm.state_size",
+    "ssm.group_count",
+    "ssm.time_step_rank",
+    "ssm.inner_size",
+    "attention.recurrent_layers",
+    "full_attention_interval",
+    "nextn_predict_layers",
+    "vocab_size",
+    "expert_count",
+    "expert_used_count",
+    "expert_feed_forward_length",
+    "expert_shared_feed_forward_length",
 }
 
 
@@ -81,7 +120,7 @@ def check_keys(metadata: dict[str, Any]) -> None:
     """Refuse, naming it, a qwen35.* / qwen35moe.* key whose meaning this reader does not implement."""
     arch = metadata["general.architecture"]
     for key, value in metadata.items():
-        if key.startswith(arch + ".") and key[len(arch) + 1:] not in KNOWN_KEYS:
+        if key.startswith(arch + ".") and key[len(arch) + 1 :] not in KNOWN_KEYS:
             raise NotImplementedError(f"GGUF metadata {key}={value!r} is not supported for {arch} files")
 
 
@@ -93,8 +132,10 @@ def config_kwargs(field: Any) -> dict[str, Any]:
     layers = int(field(f"{a}.block_count")) - nextn  # the MTP blocks follow the decoder's
     head_dim = int(field(f"{a}.attention.key_length"))
     if int(field(f"{a}.attention.value_length", head_dim)) != head_dim:
-        raise NotImplementedError(f"{a}.attention.value_length={field(f'{a}.attention.value_length')} differs "
-                                  f"from {a}.attention.key_length={head_dim}")
+        raise NotImplementedError(
+            f"{a}.attention.value_length={field(f'{a}.attention.value_length')} differs "
+            f"from {a}.attention.key_length={head_dim}"
+        )
     recurrent = list(field(f"{a}.attention.recurrent_layers"))[:layers]
     if len(recurrent) != layers:
         raise ValueError(f"{a}.attention.recurrent_layers lists {len(recurrent)} layers, expected {layers}")
@@ -103,14 +144,18 @@ def config_kwargs(field: Any) -> dict[str, Any]:
     # rope.dimension_sections (mRoPE) needs no handling: for text the three position rows are equal, and
     # interleaved mRoPE with equal rows is plain rotary over rope.dimension_count
     if a == "qwen35moe":
-        mlp = {"num_experts": int(field(f"{a}.expert_count")),
-               "num_experts_per_tok": int(field(f"{a}.expert_used_count")),
-               "moe_intermediate_size": int(field(f"{a}.expert_feed_forward_length")),
-               "shared_expert_intermediate_size": int(field(f"{a}.expert_shared_feed_forward_length"))}
+        mlp = {
+            "num_experts": int(field(f"{a}.expert_count")),
+            "num_experts_per_tok": int(field(f"{a}.expert_used_count")),
+            "moe_intermediate_size": int(field(f"{a}.expert_feed_forward_length")),
+            "shared_expert_intermediate_size": int(field(f"{a}.expert_shared_feed_forward_length")),
+        }
     else:
         mlp = {"intermediate_size": int(field(f"{a}.feed_forward_length"))}
     return dict(
-        num_hidden_layers=layers, head_dim=head_dim, **mlp,
+        num_hidden_layers=layers,
+        head_dim=head_dim,
+        **mlp,
         layer_types=["linear_attention" if r else "full_attention" for r in recurrent],
         full_attention_interval=int(field(f"{a}.full_attention_interval", 4)),
         linear_conv_kernel_dim=int(field(f"{a}.ssm.conv_kernel")),
@@ -118,8 +163,11 @@ def config_kwargs(field: Any) -> dict[str, Any]:
         linear_num_key_heads=int(field(f"{a}.ssm.group_count")),
         linear_num_value_heads=v_heads,
         linear_value_head_dim=int(field(f"{a}.ssm.inner_size")) // v_heads,
-        rope_parameters={"rope_type": "default", "rope_theta": float(field(f"{a}.rope.freq_base", 1e7)),
-                         "partial_rotary_factor": rotary / head_dim},
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": float(field(f"{a}.rope.freq_base", 1e7)),
+            "partial_rotary_factor": rotary / head_dim,
+        },
         hidden_act="silu",
     )
 
@@ -179,10 +227,10 @@ class Qwen35Tensors:
                 yield f"{prefix}.experts.{e}.{part}", data[e]
         elif name.endswith(".in_proj_qkv.weight"):  # three shards of one fused parameter (in_proj_q/_k/_v)
             qk = self.nk * self.dk
-            prefix = name[:-len("qkv.weight")]
+            prefix = name[: -len("qkv.weight")]
             yield prefix + "q.weight", data[:qk]
-            yield prefix + "k.weight", data[qk:2 * qk]
-            yield prefix + "v.weight", data[2 * qk:][self._grouped(self.dv)]
+            yield prefix + "k.weight", data[qk : 2 * qk]
+            yield prefix + "v.weight", data[2 * qk :][self._grouped(self.dv)]
         elif name.endswith(".out_proj.weight") and self.nv != self.nk:
             if data.dtype == np.uint8:  # whole blocks per value head (keep_quantized checked)
                 rows = data.shape[0]

@@ -1,6 +1,7 @@
 """What a model path says without building the model: the path itself, the HF config, the tokenizer, the eos
 ids. Nothing here imports torch at import time, so the server's front-end can resolve the path with it; the
 config and the tokenizer are loaded by the engine core (transformers' config module imports torch)."""
+
 from __future__ import annotations
 
 import os
@@ -14,18 +15,22 @@ def resolve_model_path(model: str | None) -> str:
     """None means the default model shipped with the install."""
     if model is None:
         from novainfer.loader.default_model import default_model_path
+
         return default_model_path()
     if not os.path.exists(model):
-        raise FileNotFoundError(f"model path {model!r} does not exist (give an HF folder or a .gguf file; "
-                                "no model hub is used)")
+        raise FileNotFoundError(
+            f"model path {model!r} does not exist (give an HF folder or a .gguf file; no model hub is used)"
+        )
     return model
 
 
 def load_hf_config(model: str) -> Any:
     if model.endswith(".gguf"):
         from novainfer.loader.gguf_loader import load_gguf_config
+
         return load_gguf_config(model)
     from transformers import AutoConfig
+
     return language_model_config(AutoConfig.from_pretrained(model))
 
 
@@ -38,6 +43,7 @@ def language_model_config(config: Any) -> Any:
     text = getattr(config, "text_config", None)
     if text is not None:
         from novainfer.models.registry import MODEL_REGISTRY
+
         archs = list(getattr(config, "architectures", None) or [])
         if any(arch in MODEL_REGISTRY for arch in archs):
             text.architectures = archs
@@ -51,8 +57,10 @@ def language_model_config(config: Any) -> Any:
 def load_tokenizer(model: str) -> Any:
     if model.endswith(".gguf"):
         from novainfer.loader.gguf_loader import load_gguf_tokenizer
+
         return load_gguf_tokenizer(model)
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(model)
 
 
@@ -63,6 +71,7 @@ def eos_token_ids(model: str, hf_config: Any, tokenizer: Any) -> set[int]:
     gen_path = os.path.join(model, "generation_config.json")
     if os.path.isdir(model) and os.path.exists(gen_path):
         from transformers import GenerationConfig
+
         sources.append(GenerationConfig.from_pretrained(model).eos_token_id)
     for src in sources:
         if isinstance(src, int):

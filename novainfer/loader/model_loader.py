@@ -1,5 +1,6 @@
 """Turns a model path (HF folder or .gguf file) into a loaded model; the path, config, tokenizer and eos ids
 come from loader/model_info.py (re-exported here for the callers that load a model too)."""
+
 from __future__ import annotations
 
 import logging
@@ -22,13 +23,21 @@ _build_lock = threading.Lock()  # the default dtype and device are process state
 def _iter_weights(model: str, keep_quantized: bool = False):
     if model.endswith(".gguf"):
         from novainfer.loader.gguf_loader import count_gguf_weights, iter_gguf_weights
+
         return iter_gguf_weights(model, keep_quantized), count_gguf_weights(model)
     from novainfer.loader.safetensors_loader import count_safetensors_weights, iter_safetensors_weights
+
     return iter_safetensors_weights(model), count_safetensors_weights(model)
 
 
-def load_model(model: str, hf_config: Any, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", quant_config: QuantizationConfig | None = None) -> nn.Module:
+def load_model(
+    model: str,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    quant_config: QuantizationConfig | None = None,
+) -> nn.Module:
     """Build the model on device and fill every parameter through its weight_loader (load_format "dummy":
     random values in place, nothing read); with a quant_config its layers keep the checkpoint's GGUF blocks
     quantized (on the CPU) or quantize the weights once loaded or drawn (fp8).
@@ -55,6 +64,7 @@ def load_model(model: str, hf_config: Any, dtype: torch.dtype, device: torch.dev
         for name, t in bar:
             current[0] = name
             yield name, t.to(device=device, dtype=dtype)
+
     try:
         missing = net.load_weights(named())
     except ShardError as exc:

@@ -1,4 +1,5 @@
 """Reads the tensors of a Hugging Face folder's *.safetensors shards, one at a time."""
+
 from __future__ import annotations
 
 import glob

@@ -4,6 +4,7 @@ Embeddings scaled by sqrt(hidden_size), RMSNorm with (1 + weight), norms before 
 attention and the MLP, a GELU-tanh MLP, attention scaled by query_pre_attn_scalar^-0.5 with logit
 soft-capping, a sliding window on the config's sliding layers, and soft-capped final logits.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -33,15 +34,21 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
     def make_model(self, config: Any) -> LlamaModel:
-        return LlamaModel(config, self.make_layer, embed_scale=config.hidden_size ** 0.5, norm_cls=GemmaRMSNorm)
+        return LlamaModel(config, self.make_layer, embed_scale=config.hidden_size**0.5, norm_cls=GemmaRMSNorm)
 
     def make_layer(self, config: Any, layer_idx: int) -> nn.Module:
         return Gemma2DecoderLayer(config, self.make_attention(config, layer_idx), self.make_mlp(config, layer_idx))
 
     def make_attention(self, config: Any, layer_idx: int) -> nn.Module:
-        return LlamaAttention(config, layer_idx, qkv_bias=getattr(config, "attention_bias", False),
-                              qk_norm=self.qk_norm, scale=config.query_pre_attn_scalar ** -0.5,
-                              logits_soft_cap=getattr(config, "attn_logit_softcapping", None), norm_cls=GemmaRMSNorm)
+        return LlamaAttention(
+            config,
+            layer_idx,
+            qkv_bias=getattr(config, "attention_bias", False),
+            qk_norm=self.qk_norm,
+            scale=config.query_pre_attn_scalar**-0.5,
+            logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
+            norm_cls=GemmaRMSNorm,
+        )
 
     def make_mlp(self, config: Any, layer_idx: int) -> nn.Module:
         act = getattr(config, "hidden_activation", None) or config.hidden_act

@@ -9,6 +9,7 @@ type (Attention's kv_source) and, with use_double_wide_mlp, has an MLP twice as 
 the residual after the MLP. MoE models run a dense MLP and routed experts side by side in every layer. Each
 layer's output is scaled by its layer_scalar; final logits are soft-capped.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,14 @@ from novainfer.layers.embedding import VocabParallelEmbedding
 from novainfer.layers.fused_moe import FusedMoE
 from novainfer.layers.fused_moe.routing import select_experts
 from novainfer.layers.layernorm import GemmaRMSNorm
-from novainfer.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                     ReplicatedLinear, RowParallelLinear, _divide)
+from novainfer.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    _divide,
+)
 from novainfer.layers.rotary import get_rope
 from novainfer.models.llama import LlamaMLP, sliding_window_of
 from novainfer.models.moe import MoeForCausalLM
@@ -64,8 +71,10 @@ def check_supported(config: Any) -> None:
     spec = vars(config).get("_heterogeneity_spec")  # transformers' per_layer_config: what differs per layer
     unread = sorted(set(getattr(spec, "per_layer_attributes", ())) - {"head_dim", "num_key_value_heads"})
     if unread:
-        raise NotImplementedError(f"Gemma 4 per_layer_config overrides {unread}: only head_dim and "
-                                  "num_key_value_heads may differ per layer here")
+        raise NotImplementedError(
+            f"Gemma 4 per_layer_config overrides {unread}: only head_dim and "
+            "num_key_value_heads may differ per layer here"
+        )
     shared = config.num_kv_shared_layers or 0
     if shared >= config.num_hidden_layers:
         raise NotImplementedError(f"num_kv_shared_layers={shared} leaves no layer that computes K/V")
@@ -132,8 +141,14 @@ class Gemma4Attention(nn.Module):
         self.q_norm = Gemma4RMSNorm(self.head_dim, config.rms_norm_eps)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias)
         self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config, layer_type)
-        self.attn = Attention(self.num_heads, self.head_dim, 1.0, self.num_kv_heads,
-                              sliding_window=sliding_window_of(config, layer_type), kv_source=kv_source)
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            1.0,
+            self.num_kv_heads,
+            sliding_window=sliding_window_of(config, layer_type),
+            kv_source=kv_source,
+        )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.shared:
@@ -162,7 +177,7 @@ class Gemma4Router(nn.Module):
         self.proj = ReplicatedLinear(config.hidden_size, config.num_experts)
         self.scale = nn.Parameter(torch.ones(config.hidden_size), requires_grad=False)
         self.per_expert_scale = nn.Parameter(torch.ones(config.num_experts), requires_grad=False)
-        self.root_size, self.top_k = config.hidden_size ** -0.5, config.top_k_experts
+        self.root_size, self.top_k = config.hidden_size**-0.5, config.top_k_experts
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.proj(self.norm(hidden_states) * self.scale * self.root_size)
@@ -181,8 +196,12 @@ class Gemma4DecoderLayer(nn.Module):
         act = getattr(config, "hidden_activation", None) or config.hidden_act
         wide = 2 if config.use_double_wide_mlp and kv_source is not None else 1
         self.mlp = LlamaMLP(h, config.intermediate_size * wide, act)
-        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm"):
+        for name in (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ):
             setattr(self, name, Gemma4RMSNorm(h, eps))
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
         self.gelu = _GELU[act]
@@ -195,14 +214,16 @@ class Gemma4DecoderLayer(nn.Module):
         if self.moe:
             self.tp_group = get_tp_group()
             self.router = Gemma4Router(config)
-            self.experts = FusedMoE(config.num_experts, config.top_k_experts, h, config.moe_intermediate_size,
-                                    True, act)
+            self.experts = FusedMoE(
+                config.num_experts, config.top_k_experts, h, config.moe_intermediate_size, True, act
+            )
             self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(h, eps)
             self.post_feedforward_layernorm_1 = Gemma4RMSNorm(h, eps)
             self.post_feedforward_layernorm_2 = Gemma4RMSNorm(h, eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                per_layer_input: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, per_layer_input: torch.Tensor | None
+    ) -> torch.Tensor:
         attn = self.self_attn(positions, self.input_layernorm(hidden_states))
         residual = hidden_states + self.post_attention_layernorm(attn)
         out = self.mlp(self.pre_feedforward_layernorm(residual))
@@ -227,7 +248,7 @@ class Gemma4Model(nn.Module):
         h, eps = config.hidden_size, config.rms_norm_eps
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, h)
         # rounded to the model's dtype, as transformers rounds it
-        self.register_buffer("embed_scale", torch.tensor(h ** 0.5), persistent=False)
+        self.register_buffer("embed_scale", torch.tensor(h**0.5), persistent=False)
         sources = kv_source_layers(config)
         layers: list[Gemma4DecoderLayer] = []
         for i in range(config.num_hidden_layers):
@@ -239,10 +260,10 @@ class Gemma4Model(nn.Module):
         if self.ple_size:
             width = config.num_hidden_layers * self.ple_size
             self.embed_tokens_per_layer = VocabParallelEmbedding(config.vocab_size_per_layer_input, width)
-            self.register_buffer("ple_embed_scale", torch.tensor(self.ple_size ** 0.5), persistent=False)
+            self.register_buffer("ple_embed_scale", torch.tensor(self.ple_size**0.5), persistent=False)
             self.per_layer_model_projection = ReplicatedLinear(h, width)
             self.per_layer_projection_norm = Gemma4RMSNorm(self.ple_size, eps)
-            self.projection_scale = h ** -0.5
+            self.projection_scale = h**-0.5
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[tokens, layers, ple_size]: the token's own per-layer embedding averaged with a projection of its
@@ -250,8 +271,9 @@ class Gemma4Model(nn.Module):
         shape = (input_ids.shape[0], len(self.layers), self.ple_size)
         own = (self.embed_tokens_per_layer(input_ids) * self.ple_embed_scale).reshape(shape)
         projected = self.per_layer_projection_norm(
-            (self.per_layer_model_projection(embeds) * self.projection_scale).reshape(shape))
-        return (projected + own) * 2.0 ** -0.5
+            (self.per_layer_model_projection(embeds) * self.projection_scale).reshape(shape)
+        )
+        return (projected + own) * 2.0**-0.5
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids) * self.embed_scale
@@ -271,8 +293,11 @@ class Gemma4ForCausalLM(MoeForCausalLM):
         self.multimodal = any("ConditionalGeneration" in a for a in getattr(config, "architectures", None) or [])
         self.shared_layers = set(kv_source_layers(config))
         first_shared = config.num_hidden_layers - len(self.shared_layers)
-        self.k_eq_v_layers = {i for i, t in enumerate(config.layer_types[:first_shared])
-                              if config.attention_k_eq_v and t != "sliding_attention"}
+        self.k_eq_v_layers = {
+            i
+            for i, t in enumerate(config.layer_types[:first_shared])
+            if config.attention_k_eq_v and t != "sliding_attention"
+        }
 
     def make_model(self, config: Any) -> Gemma4Model:
         return Gemma4Model(config)
@@ -285,7 +310,7 @@ class Gemma4ForCausalLM(MoeForCausalLM):
         for name, tensor in weights:
             if self.multimodal:
                 if name.startswith(_MULTIMODAL_PREFIX):
-                    name = "model." + name[len(_MULTIMODAL_PREFIX):]
+                    name = "model." + name[len(_MULTIMODAL_PREFIX) :]
                 elif name != "lm_head.weight":
                     skipped += 1
                     continue
@@ -303,7 +328,7 @@ class Gemma4ForCausalLM(MoeForCausalLM):
     @staticmethod
     def _per_expert(name: str, tensor: torch.Tensor):
         """experts.gate_up_proj [E, 2I, H] / experts.down_proj [E, H, I] as experts.e.<proj>.weight."""
-        prefix = name[:name.rindex(".") + 1]
+        prefix = name[: name.rindex(".") + 1]
         for e in range(tensor.shape[0]):
             if name.endswith("gate_up_proj"):
                 gate, up = tensor[e].chunk(2, dim=0)
@@ -314,8 +339,11 @@ class Gemma4ForCausalLM(MoeForCausalLM):
 
     def expected_weight_names(self) -> set[str]:
         """A k_eq_v layer has no v_proj."""
-        return {n for n in super().expected_weight_names()
-                if not (".self_attn.v_proj." in n and int(n.split(".")[2]) in self.k_eq_v_layers)}
+        return {
+            n
+            for n in super().expected_weight_names()
+            if not (".self_attn.v_proj." in n and int(n.split(".")[2]) in self.k_eq_v_layers)
+        }
 
     def param_target(self, name: str) -> tuple[str, Any]:
         """A KV-shared layer's own q_proj is not fused into a qkv_proj."""

@@ -5,6 +5,7 @@ each head of q and k before rotary. Other families build on the same pieces thro
 (their own attention scale, soft-cap, norms, MLP or MoE per layer); the sliding window and the rotary
 base of a layer come from the config (layer_types, sliding_window, rope_parameters).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable
@@ -36,22 +37,37 @@ def sliding_window_of(config: Any, layer_type: str | None) -> int | None:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, layer_idx: int = 0, qkv_bias: bool = False, qk_norm: bool = False,
-                 scale: float | None = None, logits_soft_cap: float | None = None,
-                 norm_cls: type[RMSNorm] = RMSNorm):
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int = 0,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        scale: float | None = None,
+        logits_soft_cap: float | None = None,
+        norm_cls: type[RMSNorm] = RMSNorm,
+    ):
         super().__init__()
         layer_type = layer_type_of(config, layer_idx)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                          num_kv_heads, bias=qkv_bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads, num_kv_heads, bias=qkv_bias
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
-                                        bias=getattr(config, "o_proj_bias", False))
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=getattr(config, "o_proj_bias", False)
+        )
         self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config, layer_type)
-        self.attn = Attention(self.num_heads, self.head_dim, scale or self.head_dim ** -0.5, self.num_kv_heads,
-                              sliding_window=sliding_window_of(config, layer_type), logits_soft_cap=logits_soft_cap)
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            scale or self.head_dim**-0.5,
+            self.num_kv_heads,
+            sliding_window=sliding_window_of(config, layer_type),
+            logits_soft_cap=logits_soft_cap,
+        )
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = norm_cls(self.head_dim, config.rms_norm_eps)
@@ -71,8 +87,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """down(act(gate) * up); reduce_results=False leaves the tensor-parallel sum to the caller."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu",
-                 reduce_results: bool = True):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", reduce_results: bool = True):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce_results=reduce_results)
@@ -106,15 +121,21 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding (times embed_scale, when given), the decoder layers make_layer builds, the final norm."""
 
-    def __init__(self, config: Any, make_layer: Callable[[Any, int], nn.Module], embed_scale: float | None = None,
-                 norm_cls: type[RMSNorm] = RMSNorm):
+    def __init__(
+        self,
+        config: Any,
+        make_layer: Callable[[Any, int], nn.Module],
+        embed_scale: float | None = None,
+        norm_cls: type[RMSNorm] = RMSNorm,
+    ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = norm_cls(config.hidden_size, config.rms_norm_eps)
         # rounded to the model's dtype as transformers rounds it (Gemma: sqrt(hidden_size))
-        self.register_buffer("embed_scale", None if embed_scale is None else torch.tensor(embed_scale),
-                             persistent=False)
+        self.register_buffer(
+            "embed_scale", None if embed_scale is None else torch.tensor(embed_scale), persistent=False
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
@@ -131,8 +152,11 @@ class LlamaForCausalLM(nn.Module):
     qk_norm = False
     # HF checkpoint name -> (our fused parameter, shard id)
     packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
     }
     checkpoint_renames: dict[str, str] = {}  # HF name fragment -> ours, where a family names a module otherwise
 

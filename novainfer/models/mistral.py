@@ -1,4 +1,5 @@
 """Mistral: the Llama decoder with a sliding window on every layer (config.sliding_window; None = full)."""
+
 from novainfer.models.llama import LlamaForCausalLM
 
 

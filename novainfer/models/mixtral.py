@@ -1,5 +1,6 @@
 """Mixtral: the Llama decoder with every MLP a block of experts (top-k renormalised); the checkpoint calls
 the block block_sparse_moe and an expert's gate, down and up w1, w2 and w3."""
+
 from __future__ import annotations
 
 from typing import Any

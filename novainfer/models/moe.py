@@ -5,6 +5,7 @@ A block routes each token to its top-k experts (FusedMoE), optionally adds a sha
 sigmoid gate (Qwen2-MoE), and all-reduces the sum once: the shared expert's down projection and the
 experts both leave their tensor-parallel partial sums unreduced.
 """
+
 from __future__ import annotations
 
 import re
@@ -25,15 +26,17 @@ def num_experts_of(config: Any) -> int:
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, config: Any, intermediate_size: int, renormalize: bool,
-                 shared_intermediate_size: int | None = None):
+    def __init__(
+        self, config: Any, intermediate_size: int, renormalize: bool, shared_intermediate_size: int | None = None
+    ):
         super().__init__()
         self.tp_group = get_tp_group()
         act = getattr(config, "hidden_act", "silu")
         num_experts = num_experts_of(config)
         self.gate = ReplicatedLinear(config.hidden_size, num_experts)
-        self.experts = FusedMoE(num_experts, config.num_experts_per_tok, config.hidden_size, intermediate_size,
-                                renormalize, act)
+        self.experts = FusedMoE(
+            num_experts, config.num_experts_per_tok, config.hidden_size, intermediate_size, renormalize, act
+        )
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate_size:
             self.shared_expert = LlamaMLP(config.hidden_size, shared_intermediate_size, act, reduce_results=False)
@@ -59,16 +62,20 @@ class MoeForCausalLM(LlamaForCausalLM):
         mapping = expert_params_mapping(*self.expert_projections)
         if m and m.group(2) in mapping:
             param, kind = mapping[m.group(2)]
-            return f"{name[:m.start()]}.experts.{param}", (int(m.group(1)), kind)
+            return f"{name[: m.start()]}.experts.{param}", (int(m.group(1)), kind)
         return super().param_target(name)
 
     def checkpoint_names(self, param_name: str) -> list[str]:
         mapping = expert_params_mapping(*self.expert_projections)
         for param in ("w13_weight", "w2_weight"):
             if param_name.endswith(f".experts.{param}"):
-                prefix = param_name[:-len(param)]
-                names = [f"{prefix}{e}.{hf}.weight" for e in range(num_experts_of(self.config))
-                         for hf, (p, _) in mapping.items() if p == param]
+                prefix = param_name[: -len(param)]
+                names = [
+                    f"{prefix}{e}.{hf}.weight"
+                    for e in range(num_experts_of(self.config))
+                    for hf, (p, _) in mapping.items()
+                    if p == param
+                ]
                 for hf, ours in self.checkpoint_renames.items():
                     names = [n.replace(ours, hf) for n in names]
                 return names

@@ -1,5 +1,6 @@
 """Phi-3: the Llama decoder; the checkpoint fuses qkv_proj and gate_up_proj, rope may be LongRoPE
 (layers/rotary.py) and a sliding window may apply to every layer."""
+
 from __future__ import annotations
 
 from typing import Iterable, Iterator
@@ -19,8 +20,10 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         for name, tensor in weights:
             if ".qkv_proj." in name:
                 if tensor.shape[0] != q_size + 2 * kv_size:
-                    raise ValueError(f"weight shape mismatch: {name} has {tensor.shape[0]} rows, expected "
-                                     f"q + k + v = {q_size + 2 * kv_size}")
+                    raise ValueError(
+                        f"weight shape mismatch: {name} has {tensor.shape[0]} rows, expected "
+                        f"q + k + v = {q_size + 2 * kv_size}"
+                    )
                 for part, t in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q_size, kv_size, kv_size])):
                     yield name.replace(".qkv_proj.", f".{part}."), t
             elif ".gate_up_proj." in name:

@@ -1,4 +1,5 @@
 """Qwen2 / Qwen2.5: the Llama decoder with a bias on the q/k/v projections."""
+
 from novainfer.models.llama import LlamaForCausalLM
 
 

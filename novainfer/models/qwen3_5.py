@@ -9,6 +9,7 @@ expert (models/moe.py). Qwen3-Next ships the DeltaNet input projections fused pe
 (in_proj_qkvz, in_proj_ba); they are split into Qwen3.5's layout on load. mtp.* weights (the multi-token
 prediction head) are not used; a ForConditionalGeneration checkpoint loads its language model only.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,8 +46,10 @@ class PartialRotaryEmbedding(RotaryEmbedding):
         nn.Module.__init__(self)
         params = rope_parameters(hf_config)
         if params["rope_type"] != "default":
-            raise NotImplementedError(f"rope_parameters.rope_type={params['rope_type']!r} is not supported "
-                                      "for Qwen3.5/Qwen3-Next (only 'default')")
+            raise NotImplementedError(
+                f"rope_parameters.rope_type={params['rope_type']!r} is not supported "
+                "for Qwen3.5/Qwen3-Next (only 'default')"
+            )
         self.rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         base = params["rope_theta"]
         steps = torch.arange(0, self.rotary_dim, 2, dtype=torch.float, device="cpu")  # the tables start on the CPU
@@ -81,12 +84,12 @@ class GatedAttention(nn.Module):
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = PartialRotaryEmbedding(self.head_dim, config.max_position_embeddings, config)
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qg, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         qg = qg.reshape(-1, self.num_heads, 2 * self.head_dim)
-        q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:].reshape(-1, self.num_heads * self.head_dim)
+        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :].reshape(-1, self.num_heads * self.head_dim)
         q = self.q_norm(q.contiguous())
         k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
         q, k = self.rotary_emb(positions, q, k)
@@ -122,8 +125,12 @@ class Qwen3_5ForCausalLM(MoeForCausalLM):
     weight_prefix = ""  # ForConditionalGeneration: "model.language_model." in place of "model."
 
     # in_proj_qkv is one checkpoint tensor; split_fused_weights cuts it into q, k and v for the rank's shards
-    packed_modules_mapping = {**MoeForCausalLM.packed_modules_mapping, "in_proj_q": ("in_proj_qkv", 0),
-                              "in_proj_k": ("in_proj_qkv", 1), "in_proj_v": ("in_proj_qkv", 2)}
+    packed_modules_mapping = {
+        **MoeForCausalLM.packed_modules_mapping,
+        "in_proj_q": ("in_proj_qkv", 0),
+        "in_proj_k": ("in_proj_qkv", 1),
+        "in_proj_v": ("in_proj_qkv", 2),
+    }
 
     def __init__(self, config: Any):
         check_hybrid_config(config)
@@ -139,8 +146,9 @@ class Qwen3_5ForCausalLM(MoeForCausalLM):
         act = getattr(config, "hidden_act", "silu")
         if not self.moe or not self.sparse_layer(config, layer_idx):
             return LlamaMLP(config.hidden_size, config.intermediate_size, act)
-        return SparseMoeBlock(config, config.moe_intermediate_size, self.renormalize(config),
-                              config.shared_expert_intermediate_size)
+        return SparseMoeBlock(
+            config, config.moe_intermediate_size, self.renormalize(config), config.shared_expert_intermediate_size
+        )
 
     def sparse_layer(self, config: Any, layer_idx: int) -> bool:
         """Whether the layer's MLP is the MoE block (for an MoE model)."""
@@ -160,7 +168,7 @@ class Qwen3_5ForCausalLM(MoeForCausalLM):
         skipped_vision = 0
         for name, tensor in weights:
             if self.weight_prefix and name.startswith(self.weight_prefix):
-                name = "model." + name[len(self.weight_prefix):]
+                name = "model." + name[len(self.weight_prefix) :]
             if name.startswith(SKIPPED_PREFIXES):
                 skipped_vision += "visual." in name
                 continue
@@ -177,16 +185,16 @@ class Qwen3_5ForCausalLM(MoeForCausalLM):
         for name, tensor in weights:
             if name.endswith(".in_proj_qkvz.weight"):
                 q, k, v, z = tensor.view(nk, 2 * dk + 2 * rep * dv, -1).split([dk, dk, rep * dv, rep * dv], dim=1)
-                prefix = name[:-len("qkvz.weight")]
+                prefix = name[: -len("qkvz.weight")]
                 for part, x in zip("qkvz", (q, k, v, z)):
                     yield f"{prefix}{part}.weight", x.reshape(-1, tensor.shape[-1])
             elif name.endswith(".in_proj_ba.weight"):
                 b, a = tensor.view(nk, 2 * rep, -1).split([rep, rep], dim=1)
-                prefix = name[:-len("ba.weight")]
+                prefix = name[: -len("ba.weight")]
                 yield prefix + "b.weight", b.reshape(-1, tensor.shape[-1])
                 yield prefix + "a.weight", a.reshape(-1, tensor.shape[-1])
             elif name.endswith(".in_proj_qkv.weight"):
-                prefix = name[:-len("qkv.weight")]
+                prefix = name[: -len("qkv.weight")]
                 for part, x in zip("qkv", tensor.split([nk * dk, nk * dk, nk * rep * dv])):
                     yield f"{prefix}{part}.weight", x
             else:
@@ -222,17 +230,18 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
     weight_prefix = "model.language_model."
 
 
-
 def check_hybrid_config(config: Any) -> None:
     """Refuse, naming the field, what these models do not implement."""
     types = list(getattr(config, "layer_types", None) or [])
     unknown = sorted(set(types) - {LINEAR, FULL})
     if unknown or len(types) != config.num_hidden_layers:
-        raise NotImplementedError(f"layer_types={types}: expected {config.num_hidden_layers} entries of "
-                                  f"{LINEAR!r} / {FULL!r}")
+        raise NotImplementedError(
+            f"layer_types={types}: expected {config.num_hidden_layers} entries of {LINEAR!r} / {FULL!r}"
+        )
     for field in ("sliding_window", "use_sliding_window"):
         if getattr(config, field, None):
             raise NotImplementedError(f"{field}={getattr(config, field)!r} is not supported for Qwen3.5/Qwen3-Next")
     if getattr(config, "attn_output_gate", True) is not True:  # vLLM's name: q_proj without the gate half
-        raise NotImplementedError(f"attn_output_gate={config.attn_output_gate!r} is not supported (the full-attention "
-                                  "layers are gated)")
+        raise NotImplementedError(
+            f"attn_output_gate={config.attn_output_gate!r} is not supported (the full-attention layers are gated)"
+        )

@@ -1,4 +1,5 @@
 """Maps config.architectures to model classes: a new model registers here and nowhere else."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -15,8 +16,13 @@ from novainfer.models.phi3 import Phi3ForCausalLM
 from novainfer.models.qwen2 import Qwen2ForCausalLM
 from novainfer.models.qwen2_moe import Qwen2MoeForCausalLM
 from novainfer.models.qwen3 import Qwen3ForCausalLM
-from novainfer.models.qwen3_5 import (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM,
-                                      Qwen3_5MoeForConditionalGeneration, Qwen3NextForCausalLM)
+from novainfer.models.qwen3_5 import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3NextForCausalLM,
+)
 from novainfer.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -45,5 +51,6 @@ def get_model_class(hf_config: Any) -> type[nn.Module]:
     for arch in archs:
         if arch in MODEL_REGISTRY:
             return MODEL_REGISTRY[arch]
-    raise ValueError(f"unsupported model architecture {archs or '(none given)'}; "
-                     f"supported: {', '.join(sorted(MODEL_REGISTRY))}")
+    raise ValueError(
+        f"unsupported model architecture {archs or '(none given)'}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+    )

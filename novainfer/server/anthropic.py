@@ -1,6 +1,7 @@
 """Anthropic's Messages API (POST /v1/messages, POST /v1/messages/count_tokens) over the chat completions path:
 content blocks become chat messages, the chat turn's pieces become content blocks and Anthropic's SSE events;
 errors on these routes take Anthropic's shape."""
+
 from __future__ import annotations
 
 import json
@@ -15,17 +16,32 @@ from novainfer.server.chat_utils import apply_chat_template
 from novainfer.server.chat_turn import ChatTurn, Finish, Piece, chat_request
 from novainfer.server.errors import APIError
 from novainfer.server.protocol import ChatCompletionRequest
-from novainfer.server.protocol_anthropic import (AnthropicErrorInfo, AnthropicErrorResponse, CountTokensRequest,
-                                                 MessagesRequest, TextBlock, ToolResultBlock, ToolUseBlock,
-                                                 UnsupportedBlock)
+from novainfer.server.protocol_anthropic import (
+    AnthropicErrorInfo,
+    AnthropicErrorResponse,
+    CountTokensRequest,
+    MessagesRequest,
+    TextBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+    UnsupportedBlock,
+)
 from novainfer.server.serving_completions import CompletionHandler
 from novainfer.server.sse import EventStream
 from novainfer.server.tool_calling import plan_tools, template_inputs
 
 PATH_PREFIX = "/v1/messages"
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-                503: "overloaded_error", 529: "overloaded_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -58,13 +74,22 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
         text, calls, results = "", [], []
         for j, block in enumerate(msg.content):
             if isinstance(block, UnsupportedBlock):
-                raise APIError(400, f"messages[{i}].content[{j}].type: {block.type!r} blocks are not supported "
-                                    "(text, tool_use and tool_result only)", param=f"messages[{i}].content[{j}].type")
+                raise APIError(
+                    400,
+                    f"messages[{i}].content[{j}].type: {block.type!r} blocks are not supported "
+                    "(text, tool_use and tool_result only)",
+                    param=f"messages[{i}].content[{j}].type",
+                )
             if isinstance(block, TextBlock):
                 text += block.text
             elif isinstance(block, ToolUseBlock):
-                calls.append({"id": block.id, "type": "function",
-                              "function": {"name": block.name, "arguments": json.dumps(block.input)}})
+                calls.append(
+                    {
+                        "id": block.id,
+                        "type": "function",
+                        "function": {"name": block.name, "arguments": json.dumps(block.input)},
+                    }
+                )
             elif isinstance(block, ToolResultBlock):
                 results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content)})
             # thinking / redacted_thinking: past thinking, which chat templates leave out of the prompt
@@ -82,28 +107,49 @@ def _tool_fields(req: CountTokensRequest) -> dict[str, Any]:
         if req.tool_choice is not None and req.tool_choice.type != "none":
             raise APIError(400, "tool_choice needs tools", param="tool_choice")
         return {}
-    tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
-                                               "parameters": t.input_schema, "strict": t.strict}} for t in req.tools]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": t.name,
+                "description": t.description,
+                "parameters": t.input_schema,
+                "strict": t.strict,
+            },
+        }
+        for t in req.tools
+    ]
     choice, parallel = req.tool_choice, None
     kind = choice.type if choice is not None else "auto"
     if kind == "tool":
         if not choice.name:
-            raise APIError(400, "tool_choice.name: a tool choice of type 'tool' needs the tool's name",
-                           param="tool_choice.name")
+            raise APIError(
+                400, "tool_choice.name: a tool choice of type 'tool' needs the tool's name", param="tool_choice.name"
+            )
         mapped: Any = {"type": "function", "function": {"name": choice.name}}
     else:
         mapped = {"auto": "auto", "any": "required", "none": "none"}[kind]
     if choice is not None and choice.disable_parallel_tool_use:
         parallel = False
-    return {"tools": [{**t, "function": {k: v for k, v in t["function"].items() if v is not None}} for t in tools],
-            "tool_choice": mapped, "parallel_tool_calls": parallel}
+    return {
+        "tools": [{**t, "function": {k: v for k, v in t["function"].items() if v is not None}} for t in tools],
+        "tool_choice": mapped,
+        "parallel_tool_calls": parallel,
+    }
 
 
 def _chat_request(req: CountTokensRequest, **fields: Any) -> ChatCompletionRequest:
     fmt = req.output_config.format if req.output_config else None
     response_format = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}} if fmt else None
-    return chat_request({"model": req.model, "messages": chat_messages(req), "response_format": response_format,
-                         **_tool_fields(req), **fields})
+    return chat_request(
+        {
+            "model": req.model,
+            "messages": chat_messages(req),
+            "response_format": response_format,
+            **_tool_fields(req),
+            **fields,
+        }
+    )
 
 
 class MessageRun:
@@ -121,9 +167,16 @@ class MessageRun:
 
     def message(self) -> dict:
         """The Message object as it stands."""
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": list(self.blocks), "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence,
-                "usage": self.usage}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": list(self.blocks),
+            "stop_reason": self.stop_reason,
+            "stop_sequence": self.stop_sequence,
+            "usage": self.usage,
+        }
 
     def consume(self, event: Piece | Finish) -> list[tuple[str, dict]]:
         """(event name, data) for this piece (or the finish); the blocks are updated as they go."""
@@ -151,16 +204,24 @@ class MessageRun:
 
     def _start(self, piece: Piece) -> list[tuple[str, dict]]:
         if piece.kind == "call":
-            block = {"type": "tool_use", "id": piece.call_id or f"toolu_{uuid.uuid4().hex}", "name": piece.name or "",
-                     "input": {}}
+            block = {
+                "type": "tool_use",
+                "id": piece.call_id or f"toolu_{uuid.uuid4().hex}",
+                "name": piece.name or "",
+                "input": {},
+            }
         elif piece.kind == "text":
             block = {"type": "text", "text": ""}
         else:
             block = {"type": "thinking", "thinking": "", "signature": ""}
         self.blocks.append(block)
         self.arguments.append("")
-        return [("content_block_start", {"type": "content_block_start", "index": len(self.blocks) - 1,
-                                         "content_block": dict(block)})]
+        return [
+            (
+                "content_block_start",
+                {"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": dict(block)},
+            )
+        ]
 
     def _close(self) -> list[tuple[str, dict]]:
         if self.open is None:
@@ -186,12 +247,23 @@ class MessageRun:
         else:
             self.stop_reason = _STOP_REASONS.get(finish.reason or "", "end_turn")
         cached = (finish.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        self.usage = {"input_tokens": finish.usage.get("prompt_tokens", 0) - cached,
-                      "output_tokens": finish.usage.get("completion_tokens", 0),
-                      "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
-        return out + [("message_delta", {"type": "message_delta", "usage": self.usage, "delta": {
-                           "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence}}),
-                      ("message_stop", {"type": "message_stop"})]
+        self.usage = {
+            "input_tokens": finish.usage.get("prompt_tokens", 0) - cached,
+            "output_tokens": finish.usage.get("completion_tokens", 0),
+            "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0,
+        }
+        return out + [
+            (
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "usage": self.usage,
+                    "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
+                },
+            ),
+            ("message_stop", {"type": "message_stop"}),
+        ]
 
 
 class MessagesHandler:
@@ -202,8 +274,15 @@ class MessagesHandler:
 
     async def create(self, req: MessagesRequest, request_id: str, raw: Request) -> JSONResponse | StreamingResponse:
         """Run the request as one chat turn; the Message object, or Anthropic's SSE events with `stream: true`."""
-        chat_req = _chat_request(req, max_completion_tokens=req.max_tokens, stop=req.stop_sequences,
-                                 temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, stream=req.stream)
+        chat_req = _chat_request(
+            req,
+            max_completion_tokens=req.max_tokens,
+            stop=req.stop_sequences,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            stream=req.stream,
+        )
         model = self.chat.serving.resolve_model(req.model)
         run = MessageRun(req, f"msg_{request_id}", model.name)
         turn = await ChatTurn.start(self.chat, chat_req, request_id, raw)
@@ -218,6 +297,7 @@ class MessagesHandler:
     async def _stream(run: MessageRun, turn: ChatTurn) -> AsyncIterator[str]:
         def sse(name: str, data: dict) -> str:
             return f"event: {name}\ndata: {json.dumps(data)}\n\n"
+
         try:
             yield sse("message_start", {"type": "message_start", "message": run.message()})
             yield sse("ping", {"type": "ping"})
@@ -236,6 +316,7 @@ class MessagesHandler:
         try:
             ids = apply_chat_template(model.tokenizer, shown, True, **kwargs)
         except Exception as exc:  # the model's template refused these messages (its own rules, e.g. roles)
-            raise APIError(400, f"the model's chat template failed on these messages: {exc}",
-                           param="messages") from None
+            raise APIError(
+                400, f"the model's chat template failed on these messages: {exc}", param="messages"
+            ) from None
         return {"input_tokens": len(ids)}

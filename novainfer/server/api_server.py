@@ -1,4 +1,5 @@
 """The FastAPI app: OpenAI routes, request ids, API key, errors in OpenAI's shape, metrics; and `serve`."""
+
 from __future__ import annotations
 
 import contextlib
@@ -30,9 +31,19 @@ from novainfer.server.errors import APIError, error_body, error_response
 from novainfer.server.limits import AdmissionLimiter
 from novainfer.server.metrics import ServerMetrics
 from novainfer.server.router_compat import drop_router_defaults
-from novainfer.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                       CompletionResponse, DetokenizeRequest, DetokenizeResponse, ErrorResponse,
-                                       ModelCard, ModelList, TokenizeRequest, TokenizeResponse)
+from novainfer.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from novainfer.server.protocol_anthropic import AnthropicErrorResponse, CountTokensRequest, MessagesRequest
 from novainfer.server.protocol_responses import ResponsesRequest
 from novainfer.server.responses import ResponsesHandler
@@ -49,24 +60,48 @@ _VALID_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII without space
 _UNION_MEMBER = re.compile(r"^(constrained-)?(str|int|float|bool|none|list\[.*\]|dict\[.*\])$|^function-")
 _PUBLIC_PATHS = ("/health", "/ready", "/v2/health/ready", "/metrics", "/version", "/openapi.json", "/webui/")
 # 413: a body over --max-request-body-bytes; 500: a request whose engine step fails (naming its request_id)
-_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse}
-                                            for code in (400, 401, 404, 409, 413, 429, 500, 503)}
-_STREAMING = {200: {"description": "The completion; with `stream: true`, SSE chunks (`data: {json}`) then "
-                                   "`data: [DONE]`",
-                    # in OpenAPI 3.1 an event stream's schema describes each event
-                    "content": {"text/event-stream": {"schema": {
-                        "type": "object", "required": ["data"],
-                        "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE] last"}}}}}},
-            **_ERRORS}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 429, 500, 503)
+}
+_STREAMING = {
+    200: {
+        "description": "The completion; with `stream: true`, SSE chunks (`data: {json}`) then `data: [DONE]`",
+        # in OpenAPI 3.1 an event stream's schema describes each event
+        "content": {
+            "text/event-stream": {
+                "schema": {
+                    "type": "object",
+                    "required": ["data"],
+                    "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE] last"}},
+                }
+            }
+        },
+    },
+    **_ERRORS,
+}
 _ANTHROPIC_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": AnthropicErrorResponse} for code in _ERRORS}
 
 
 def _events(description: str, errors: dict[int | str, dict[str, Any]]) -> dict[int | str, dict[str, Any]]:
     """The documented answers of a route whose `stream: true` answers with named SSE events."""
-    return {200: {"description": description, "content": {"text/event-stream": {"schema": {
-        "type": "object", "required": ["event", "data"], "properties": {
-            "event": {"type": "string"}, "data": {"type": "string", "description": "the event as JSON"}}}}}},
-            **errors}
+    return {
+        200: {
+            "description": description,
+            "content": {
+                "text/event-stream": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["event", "data"],
+                        "properties": {
+                            "event": {"type": "string"},
+                            "data": {"type": "string", "description": "the event as JSON"},
+                        },
+                    }
+                }
+            },
+        },
+        **errors,
+    }
 
 
 WEBUI_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "webui")
@@ -108,27 +143,42 @@ class RequestContextMiddleware:
 
         async def refuse(status: int, message: str, code: str) -> None:
             logger.info("%d %s: %s", status, path, message)
-            body = anthropic.error_body(status, message, request_id) if path.startswith(anthropic.PATH_PREFIX) \
+            body = (
+                anthropic.error_body(status, message, request_id)
+                if path.startswith(anthropic.PATH_PREFIX)
                 else error_body(status, message, request_id, code=code)
+            )
             await JSONResponse(body, status_code=status)(scope, receive, send_with_id)
+
         try:
-            repeated = [n.decode("latin-1") for n in (b"authorization", b"x-api-key")
-                        if sum(1 for k, _ in scope.get("headers") or [] if k == n) > 1]
+            repeated = [
+                n.decode("latin-1")
+                for n in (b"authorization", b"x-api-key")
+                if sum(1 for k, _ in scope.get("headers") or [] if k == n) > 1
+            ]
             if repeated:  # which one a proxy or this server would read differs: refuse rather than guess
-                return await refuse(400, f"the {repeated[0].title()} header is repeated; send it once",
-                                    "invalid_request_error")
+                return await refuse(
+                    400, f"the {repeated[0].title()} header is repeated; send it once", "invalid_request_error"
+                )
             if self.key_digest and path != "/" and not path.startswith(_PUBLIC_PATHS):
                 given = hashlib.sha256(headers.get(b"authorization", b"")).digest()
                 given_x = hashlib.sha256(b"Bearer " + headers.get(b"x-api-key", b"")).digest()  # Anthropic's header
-                if not (secrets.compare_digest(given, self.key_digest) | secrets.compare_digest(given_x,
-                                                                                                self.key_digest)):
-                    return await refuse(401, "Invalid or missing API key: send 'Authorization: Bearer <key>' or "
-                                             "'x-api-key: <key>'", "invalid_api_key")
+                if not (
+                    secrets.compare_digest(given, self.key_digest) | secrets.compare_digest(given_x, self.key_digest)
+                ):
+                    return await refuse(
+                        401,
+                        "Invalid or missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                        "invalid_api_key",
+                    )
             if scope.get("method") in ("POST", "PUT", "PATCH"):
                 body = await self._read_body(headers, receive)
                 if body is None:
-                    return await refuse(413, f"Request body too large: the limit is {self.max_body_bytes} bytes "
-                                             "(--max-request-body-bytes)", "request_too_large")
+                    return await refuse(
+                        413,
+                        f"Request body too large: the limit is {self.max_body_bytes} bytes (--max-request-body-bytes)",
+                        "request_too_large",
+                    )
                 receive = _replay(drop_router_defaults(path, body), receive)
             await self.app(scope, receive, send_with_id)
         except ClientStalledError as exc:  # returning with the response unfinished makes uvicorn close it
@@ -161,6 +211,7 @@ def _replay(body: bytes, receive: Any) -> Any:
 
     async def replayed() -> dict:
         return pending.pop() if pending else await receive()
+
     return replayed
 
 
@@ -180,6 +231,7 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
             metrics.record_finished(model, tracked, reason, time.monotonic())
         finally:
             REQUEST_ID.reset(token)
+
     served = []
     for name, engine in engines:
         engine.on_stats = lambda stats, n=name: metrics.observe_stats(n, stats)
@@ -189,8 +241,12 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
         engine.step_timeout = config.engine_step_timeout
         served.append(ServedModel.create(name, engine))
     serving = OpenAIServing(served, limiter, SessionStore(config.max_sessions, config.session_ttl))
-    handler = CompletionHandler(serving, ToolConfig(config.enable_auto_tool_choice, config.tool_call_parser),
-                                config.reasoning_parser, config.trust_request_chat_template)
+    handler = CompletionHandler(
+        serving,
+        ToolConfig(config.enable_auto_tool_choice, config.tool_call_parser),
+        config.reasoning_parser,
+        config.trust_request_chat_template,
+    )
     responses = ResponsesHandler(handler, SessionStore(config.max_sessions, config.session_ttl))
     messages = MessagesHandler(handler)
 
@@ -205,14 +261,27 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
             m.engine.shutdown()
 
     # no /docs or /redoc: their pages load Swagger UI and ReDoc from a CDN, blank offline; /openapi.json stays
-    app = FastAPI(title="NovaInfer OpenAI-compatible API", version=novainfer.__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None)
-    app.add_middleware(RequestContextMiddleware, api_key=config.api_key, max_body_bytes=config.max_request_body_bytes,
-                       write_timeout=config.stream_write_timeout)
+    app = FastAPI(
+        title="NovaInfer OpenAI-compatible API",
+        version=novainfer.__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.add_middleware(
+        RequestContextMiddleware,
+        api_key=config.api_key,
+        max_body_bytes=config.max_request_body_bytes,
+        write_timeout=config.stream_write_timeout,
+    )
     if config.allowed_origins:  # off by default; outermost, so preflights and 401/413 answers carry its headers
-        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins, allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
-                           expose_headers=["X-Request-Id", "Retry-After"])
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=config.allowed_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+            expose_headers=["X-Request-Id", "Retry-After"],
+        )
     app.state.serving, app.state.metrics, app.state.ready = serving, metrics, False
 
     @app.exception_handler(APIError)
@@ -232,7 +301,7 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
         loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not _UNION_MEMBER.match(str(p)))
         message = f"{loc or 'body'}: {first.get('msg', 'invalid request')}"
         if first.get("type") == "extra_forbidden":  # no silent ignores: README, "Request fields"
-            message = f"{loc}: this server does not support the field `{loc}` (README, \"Request fields\")"
+            message = f'{loc}: this server does not support the field `{loc}` (README, "Request fields")'
         return await on_api_error(request, APIError(400, message, param=loc or None))
 
     @app.exception_handler(StarletteHTTPException)
@@ -258,8 +327,12 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
         """OpenAI text completions over a string, a list of strings, or token ids."""
         return await handler.completion(body, _request_id(request), request)
 
-    @app.post("/v1/responses", responses=_events("The Response; with `stream: true`, SSE events `response.created` "
-                                                 "... `response.completed`", _ERRORS))
+    @app.post(
+        "/v1/responses",
+        responses=_events(
+            "The Response; with `stream: true`, SSE events `response.created` ... `response.completed`", _ERRORS
+        ),
+    )
     async def create_response(body: ResponsesRequest, request: Request):
         """OpenAI Responses API over the chat path; `stream: true` answers with SSE events."""
         return await responses.create(body, _request_id(request), request)
@@ -276,8 +349,12 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
     async def cancel_response(response_id: str) -> dict:
         return await responses.cancel(response_id)
 
-    @app.post("/v1/messages", responses=_events("The Message; with `stream: true`, SSE events `message_start` ... "
-                                                "`message_stop`", _ANTHROPIC_ERRORS))
+    @app.post(
+        "/v1/messages",
+        responses=_events(
+            "The Message; with `stream: true`, SSE events `message_start` ... `message_stop`", _ANTHROPIC_ERRORS
+        ),
+    )
     async def create_message(body: MessagesRequest, request: Request):
         """Anthropic Messages API over the chat path; `stream: true` answers with Anthropic's SSE events."""
         return await messages.create(body, _request_id(request), request)
@@ -318,8 +395,11 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
             raise APIError(400, f"tokens must be in [0, {len(m.tokenizer)})", param="tokens")
         return DetokenizeResponse(prompt=m.tokenizer.decode(body.tokens))
 
-    @app.get("/health", response_class=Response, responses={200: {"description": "Every engine is alive (empty "
-                                                                                 "body)"}, 503: _ERRORS[503]})
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={200: {"description": "Every engine is alive (empty body)"}, 503: _ERRORS[503]},
+    )
     async def health() -> Response:
         if serving.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
@@ -328,14 +408,16 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
             raise APIError(503, f"engine dead for {', '.join(dead)}")
         return Response(status_code=200)
 
-    @app.get("/ready", response_class=Response, responses={200: {"description": "Accepting requests (empty body)"},
-                                                            503: _ERRORS[503]})
+    @app.get(
+        "/ready",
+        response_class=Response,
+        responses={200: {"description": "Accepting requests (empty body)"}, 503: _ERRORS[503]},
+    )
     @app.get("/v2/health/ready", response_class=Response, include_in_schema=False)  # KServe's name for it
     async def ready() -> Response:
         """Readiness (Kubernetes readinessProbe, routers): 503 from SIGTERM on, before the drain begins."""
         if not app.state.ready or serving.draining:
-            raise APIError(503, "the server is not accepting requests (starting or shutting down)",
-                           code="not_ready")
+            raise APIError(503, "the server is not accepting requests (starting or shutting down)", code="not_ready")
         await health()
         return Response(status_code=200)
 
@@ -354,8 +436,10 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
             with open(page, encoding="utf-8") as f:
                 return HTMLResponse(f.read())
         names = ", ".join(m.name for m in served)
-        return HTMLResponse(f"<h1>NovaInfer</h1><p>Serving {names}. OpenAI API under <code>/v1</code>; "
-                            f"see <a href='/openapi.json'>/openapi.json</a> and <a href='/metrics'>/metrics</a>.</p>")
+        return HTMLResponse(
+            f"<h1>NovaInfer</h1><p>Serving {names}. OpenAI API under <code>/v1</code>; "
+            f"see <a href='/openapi.json'>/openapi.json</a> and <a href='/metrics'>/metrics</a>.</p>"
+        )
 
     # The page's scripts and styles; they load without the API key (the page sends the key the user typed).
     app.mount("/webui", StaticFiles(directory=WEBUI_DIR, check_dir=False), name="webui")
@@ -367,11 +451,17 @@ def _openapi_without_422(app: FastAPI) -> dict:
     """FastAPI documents validation failures as 422; this server answers them with 400 (as vLLM does)."""
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
+
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         for operations in schema.get("paths", {}).values():
             for op in operations.values():
                 if op.get("responses", {}).pop("422", None) is not None:
-                    op["responses"].setdefault("400", {"description": "Invalid request", "content": {
-                        "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}})
+                    op["responses"].setdefault(
+                        "400",
+                        {
+                            "description": "Invalid request",
+                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+                        },
+                    )
         app.openapi_schema = schema
     return app.openapi_schema

@@ -5,6 +5,7 @@ an illegal transition is refused and logged.
 AsyncEngineBase holds that request side; AsyncLLM (server/async_llm.py) builds on it and talks to an engine
 core in its own process.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,10 +26,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _TERMINAL = {RequestStatus.FINISHED, RequestStatus.CANCELLED, RequestStatus.FAILED}
-_ALLOWED = {
-    RequestStatus.QUEUED: {RequestStatus.RUNNING} | _TERMINAL,
-    RequestStatus.RUNNING: set(_TERMINAL),
-}
+_ALLOWED = {RequestStatus.QUEUED: {RequestStatus.RUNNING} | _TERMINAL, RequestStatus.RUNNING: set(_TERMINAL)}
 
 
 class EngineDeadError(RuntimeError):
@@ -67,8 +65,9 @@ class TrackedRequest:
         """Raise (and log) IllegalTransitionError unless the lifecycle allows moving to `new` now."""
         if new == self.status == RequestStatus.RUNNING or new in _ALLOWED.get(self.status, ()):
             return
-        logger.warning("request_id=%s illegal transition %s -> %s refused", self.request_id,
-                       self.status.value, new.value)
+        logger.warning(
+            "request_id=%s illegal transition %s -> %s refused", self.request_id, self.status.value, new.value
+        )
         raise IllegalTransitionError(f"request {self.request_id}: {self.status.value} -> {new.value}")
 
     def transition(self, new: RequestStatus) -> None:
@@ -121,8 +120,9 @@ class AsyncEngineBase(ABC):
         return self.dead_reason is not None
 
     # ---- the public API (event loop side) ---------------------------------------------------------
-    async def submit(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams,
-                     group: str | None = None) -> TrackedRequest:
+    async def submit(
+        self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams, group: str | None = None
+    ) -> TrackedRequest:
         """Queue a request; its TrackedRequest is what release() takes. DuplicateRequestError while a live
         request has that id, ValueError if the engine refuses it, EngineDeadError if the engine died."""
         if self.is_dead:

@@ -9,6 +9,7 @@ server exits non-zero, for its supervisor to restart it). A core that makes no s
 seconds while requests wait (frozen, e.g. SIGSTOP, or a hung device) is killed and treated the same way.
 This process never imports torch: the core loads the model's config and tokenizer and sends the tokenizer.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,8 +36,9 @@ DEATH_NOTICE_WAIT_S = 0.1  # after the process ends: time for its last message (
 class AsyncLLM(AsyncEngineBase):
     """submit / stream / cancel over an engine core process."""
 
-    def __init__(self, config: EngineConfig, on_stats: StatsHook | None = None,
-                 on_finished: FinishedHook | None = None):
+    def __init__(
+        self, config: EngineConfig, on_stats: StatsHook | None = None, on_finished: FinishedHook | None = None
+    ):
         super().__init__(on_stats, on_finished)
         config = with_model_path(config)  # a bad path fails here, before the core process starts
         self.model_path = config.model_config.model
@@ -45,8 +47,12 @@ class AsyncLLM(AsyncEngineBase):
         self.tokenizer = self.core.tokenizer
         ready = self.core.ready
         self.max_model_len, self.num_blocks = ready.max_model_len, ready.num_blocks
-        self.processor = Processor(self.tokenizer, self.max_model_len, ready.vocab_size,
-                                   StructuredOutputManager(self.tokenizer, ready.vocab_size, set(ready.eos_token_ids)))
+        self.processor = Processor(
+            self.tokenizer,
+            self.max_model_len,
+            ready.vocab_size,
+            StructuredOutputManager(self.tokenizer, ready.vocab_size, set(ready.eos_token_ids)),
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._output_task: asyncio.Task | None = None
         self._watchdog_task: asyncio.Task | None = None
@@ -124,17 +130,20 @@ class AsyncLLM(AsyncEngineBase):
                 continue
             stalled = time.monotonic() - max(self._last_message, min(live))
             if stalled > timeout:
-                self._die(f"engine loop died: the engine core process (pid {self.core.proc.pid}) made no step "
-                          f"progress for {stalled:.1f} s with {len(live)} requests waiting (--engine-step-timeout "
-                          f"{timeout:g}); it was killed")
+                self._die(
+                    f"engine loop died: the engine core process (pid {self.core.proc.pid}) made no step "
+                    f"progress for {stalled:.1f} s with {len(live)} requests waiting (--engine-step-timeout "
+                    f"{timeout:g}); it was killed"
+                )
                 self.core.proc.kill()  # SIGKILL ends a stopped process too
 
     def _die(self, reason: str) -> None:
         """Fail everything (the base class), then zero the core's gauges: nothing runs on a dead core."""
         super()._die(reason)
         if self._last_stats is not None and self.on_stats is not None:
-            self.on_stats(msgspec.structs.replace(self._last_stats, num_running_reqs=0, num_waiting_reqs=0,
-                                                  kv_cache_usage=0.0))
+            self.on_stats(
+                msgspec.structs.replace(self._last_stats, num_running_reqs=0, num_waiting_reqs=0, kv_cache_usage=0.0)
+            )
             self._last_stats = None
 
     def _on_core_exit(self) -> None:
@@ -142,8 +151,12 @@ class AsyncLLM(AsyncEngineBase):
         if self._stopping:
             return
         self.core.proc.join(timeout=5.0)  # the sentinel can fire just before the child is reapable
-        self._loop.call_later(DEATH_NOTICE_WAIT_S, self._die, "engine loop died: the engine core process (pid "
-                              f"{self.core.proc.pid}) {exit_status(self.core.proc.exitcode)}")
+        self._loop.call_later(
+            DEATH_NOTICE_WAIT_S,
+            self._die,
+            "engine loop died: the engine core process (pid "
+            f"{self.core.proc.pid}) {exit_status(self.core.proc.exitcode)}",
+        )
 
 
 def exit_status(code: int | None) -> str:

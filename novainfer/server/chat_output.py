@@ -1,6 +1,7 @@
 """A chat choice's output as OpenAI's message: reasoning split out (`reasoning_content`, and vLLM's newer
 `reasoning`), tool calls parsed, whole or as stream deltas. The model's formats are found once per served
 model (ChatFormat), the parsers are made per request."""
+
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ def _architectures(path: str) -> list[str]:
     if not os.path.exists(config):
         try:
             from huggingface_hub import try_to_load_from_cache
+
             cached = try_to_load_from_cache(path, "config.json")
         except Exception:  # not a repo id
             cached = None
@@ -47,10 +49,13 @@ class ChatFormat:
     def of(cls, tokenizer: Any, path: str, tool_flag: str | None, reasoning_flag: str | None) -> "ChatFormat":
         template = getattr(tokenizer, "chat_template", None)
         template = template if isinstance(template, str) else json.dumps(template or "")
-        fmt = cls(tool_flag or choose_tool_parser(template, _architectures(path)),
-                  reasoning_flag or choose_reasoning_parser(template))
-        logger.info("chat format of %s: tool-call parser %s, reasoning parser %s", path, fmt.tool_parser,
-                    fmt.reasoning_parser)
+        fmt = cls(
+            tool_flag or choose_tool_parser(template, _architectures(path)),
+            reasoning_flag or choose_reasoning_parser(template),
+        )
+        logger.info(
+            "chat format of %s: tool-call parser %s, reasoning parser %s", path, fmt.tool_parser, fmt.reasoning_parser
+        )
         return fmt
 
 
@@ -70,7 +75,7 @@ class ChoiceOutput:
             end = next((t for t in self.trim if text.endswith(t)), None)
             if end is None:
                 return text
-            text = text[:-len(end)]
+            text = text[: -len(end)]
         return text
 
     def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
@@ -97,7 +102,7 @@ class ChoiceOutput:
         reasoning, rest = self.reasoning.split(text, final=finished) if self.reasoning else (None, text)
         out = []
         if reasoning is not None and len(reasoning) > self.sent_reasoning:
-            piece = reasoning[self.sent_reasoning:]
+            piece = reasoning[self.sent_reasoning :]
             out.append({"reasoning_content": piece, "reasoning": piece})
             self.sent_reasoning = len(reasoning)
         if rest is None:
@@ -105,7 +110,7 @@ class ChoiceOutput:
         if self.tools is not None:
             return out + self.tools.deltas(rest, finished, cut=reason == "length")
         if len(rest) > self.sent_content:
-            out.append({"content": rest[self.sent_content:]})
+            out.append({"content": rest[self.sent_content :]})
             self.sent_content = len(rest)
         return out
 

@@ -5,6 +5,7 @@ The turn is a ChatCompletionRequest handed to CompletionHandler.chat, so templat
 sampling, limits, metrics and cancellation are the chat path's own; this module only reads back the chat
 completion (or its SSE chunks) that the chat path produced.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,9 @@ class ChatTurn:
         self.response, self.request_id = response, request_id
 
     @classmethod
-    async def start(cls, handler: CompletionHandler, req: ChatCompletionRequest, request_id: str,
-                    raw: Request) -> "ChatTurn":
+    async def start(
+        cls, handler: CompletionHandler, req: ChatCompletionRequest, request_id: str, raw: Request
+    ) -> "ChatTurn":
         """Run req through the chat path (streamed, with usage, when req.stream; the whole completion otherwise)."""
         if req.stream:
             req = req.model_copy(update={"stream_options": StreamOptions(include_usage=True)})
@@ -76,7 +78,7 @@ class ChatTurn:
         body, finish, usage = self.response.body_iterator, Finish(None), {}
         try:
             async for line in body:
-                data = (line if isinstance(line, str) else line.decode())[len("data: "):].strip()
+                data = (line if isinstance(line, str) else line.decode())[len("data: ") :].strip()
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
@@ -121,4 +123,3 @@ def _completion_events(body: dict) -> list[Piece | Finish]:
     for i, call in enumerate(message.get("tool_calls") or []):
         events.append(Piece("call", call["function"]["arguments"], i, call["id"], call["function"]["name"]))
     return [*events, Finish(choice["finish_reason"], choice.get("stop_reason"), body["usage"])]
-

@@ -5,6 +5,7 @@ client that sends a partial request head, a byte now and then, holds a connectio
 Here a connection that has not sent a whole request head within `header_timeout` seconds of connecting, or of
 its previous response, is closed, however it trickles.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,11 @@ class HeaderDeadlineProtocol(H11Protocol):
     def _head_deadline_passed(self) -> None:
         self._head_deadline = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():  # no whole head yet
-            logger.info("%s: closed, no whole request head within %g s (--request-header-timeout)",
-                        "%s:%d" % self.client if self.client else "client", self.header_timeout)
+            logger.info(
+                "%s: closed, no whole request head within %g s (--request-header-timeout)",
+                "%s:%d" % self.client if self.client else "client",
+                self.header_timeout,
+            )
             self.transport.close()
 
 

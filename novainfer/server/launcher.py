@@ -9,6 +9,7 @@ When an engine dies (its core process ended or froze: the app sets `app.state.fa
 already failed with an error; the server shuts down the same way and `run_server` returns 1, so a supervisor
 (systemd, Kubernetes) restarts it instead of keeping a process that answers 503 forever.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -53,8 +54,11 @@ class DrainingServer(uvicorn.Server):
             except RuntimeError:  # the signal arrived outside the loop (start-up): nothing to drain
                 loop = None
             if loop is not None:
-                logger.info("signal %d: draining, in-flight requests have %.1f s before they are aborted",
-                            sig, self.shutdown_timeout)
+                logger.info(
+                    "signal %d: draining, in-flight requests have %.1f s before they are aborted",
+                    sig,
+                    self.shutdown_timeout,
+                )
                 loop.call_soon(self.app.state.serving.begin_drain, self.shutdown_timeout)
         super().handle_exit(sig, frame)
 
@@ -75,10 +79,15 @@ def run_server(app: FastAPI, config: ServerConfig, log_level: str) -> int:
     # so that second delivery must not kill the process with a signal status instead of exit code 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_config=None,
-                               http=header_deadline_protocol(config.request_header_timeout),
-                               log_level=log_level.lower(),
-                               timeout_graceful_shutdown=int(config.shutdown_timeout) + 5)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_config=None,
+        http=header_deadline_protocol(config.request_header_timeout),
+        log_level=log_level.lower(),
+        timeout_graceful_shutdown=int(config.shutdown_timeout) + 5,
+    )
     DrainingServer(uv_config, app, config.shutdown_timeout, config.drain_delay).run()
     if getattr(app.state, "fatal", None):
         logger.error("server stopped because an engine died")

@@ -2,6 +2,7 @@
 
 A request past both bounds is refused at once (HTTP 429 with Retry-After), so nothing queues unboundedly.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,8 +31,9 @@ class Slot:
 class AdmissionLimiter:
     def __init__(self, max_concurrent: int, max_queue_len: int, retry_after: int = 1):
         if max_concurrent < 1 or max_queue_len < 0:
-            raise ValueError(f"max_concurrent_requests must be >= 1 and max_queue_len >= 0, "
-                             f"got {max_concurrent} and {max_queue_len}")
+            raise ValueError(
+                f"max_concurrent_requests must be >= 1 and max_queue_len >= 0, got {max_concurrent} and {max_queue_len}"
+            )
         self.max_concurrent = max_concurrent
         self.max_queue_len = max_queue_len
         self.retry_after = retry_after
@@ -45,9 +47,12 @@ class AdmissionLimiter:
     async def acquire(self) -> Slot:
         """Wait for a slot if the queue has room; raise OverloadedError if it has none."""
         if self._semaphore.locked() and self.num_waiting >= self.max_queue_len:
-            raise OverloadedError(f"server is at capacity: {self.num_active} requests in flight "
-                                  f"(max_concurrent_requests={self.max_concurrent}) and {self.num_waiting} "
-                                  f"queued (max_queue_len={self.max_queue_len}); retry later", self.retry_after)
+            raise OverloadedError(
+                f"server is at capacity: {self.num_active} requests in flight "
+                f"(max_concurrent_requests={self.max_concurrent}) and {self.num_waiting} "
+                f"queued (max_queue_len={self.max_queue_len}); retry later",
+                self.retry_after,
+            )
         self.num_waiting += 1
         try:
             await self._semaphore.acquire()

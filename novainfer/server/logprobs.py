@@ -1,4 +1,5 @@
 """The engine's per-token logprobs in OpenAI's two shapes (chat's `content` list, completions' columns)."""
+
 from __future__ import annotations
 
 from novainfer.outputs import Logprob
@@ -19,14 +20,23 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: in
     content = []
     for tid, entry in zip(token_ids, entries):
         lp = entry[tid]
-        content.append({"token": _text(lp), "logprob": lp.logprob, "bytes": list(_text(lp).encode()),
-                        "top_logprobs": [{"token": _text(t), "logprob": t.logprob, "bytes": list(_text(t).encode())}
-                                         for _, t in _top(entry, k)]})
+        content.append(
+            {
+                "token": _text(lp),
+                "logprob": lp.logprob,
+                "bytes": list(_text(lp).encode()),
+                "top_logprobs": [
+                    {"token": _text(t), "logprob": t.logprob, "bytes": list(_text(t).encode())}
+                    for _, t in _top(entry, k)
+                ],
+            }
+        )
     return {"content": content}
 
 
-def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]], k: int,
-                        text_offset: int = 0) -> dict | None:
+def completion_logprobs(
+    token_ids: list[int], entries: list[dict[int, Logprob]], k: int, text_offset: int = 0
+) -> dict | None:
     """{"tokens", "token_logprobs", "top_logprobs", "text_offset"} for the given sampled tokens."""
     if not token_ids:
         return None
@@ -41,8 +51,9 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[int, Logprob]],
     return out
 
 
-def prompt_completion_logprobs(prompt_ids: list[int], entries: list[dict[int, Logprob] | None], k: int,
-                               tokenizer) -> dict:
+def prompt_completion_logprobs(
+    prompt_ids: list[int], entries: list[dict[int, Logprob] | None], k: int, tokenizer
+) -> dict:
     """The prompt's tokens in completions' column shape for `echo`: the first has no logprob (null), as OpenAI."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = 0
@@ -60,13 +71,21 @@ def join_completion_logprobs(first: dict, second: dict | None, shift: int) -> di
     """Columns of `second` (its text offsets moved by shift characters) appended to `first`."""
     if second is None:
         return first
-    return {"tokens": first["tokens"] + second["tokens"],
-            "token_logprobs": first["token_logprobs"] + second["token_logprobs"],
-            "top_logprobs": first["top_logprobs"] + second["top_logprobs"],
-            "text_offset": first["text_offset"] + [o + shift for o in second["text_offset"]]}
+    return {
+        "tokens": first["tokens"] + second["tokens"],
+        "token_logprobs": first["token_logprobs"] + second["token_logprobs"],
+        "top_logprobs": first["top_logprobs"] + second["top_logprobs"],
+        "text_offset": first["text_offset"] + [o + shift for o in second["text_offset"]],
+    }
 
 
 def vllm_prompt_logprobs(entries: list[dict[int, Logprob] | None]) -> list[dict | None]:
     """The `prompt_logprobs` extra field in vLLM's shape: per prompt token, {token id: {logprob, rank, decoded_token}}."""
-    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-                                    for t, lp in e.items()} for e in entries]
+    return [
+        None
+        if e is None
+        else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for t, lp in e.items()
+        }
+        for e in entries
+    ]

@@ -3,6 +3,7 @@
 Sampling value ranges come from SamplingParams' RANGES, so /openapi.json publishes the bounds the engine
 enforces; MAX_N, MAX_LOGPROBS and MAX_SEQUENCES are the server's own limits on one request's work.
 """
+
 from __future__ import annotations
 
 import time
@@ -138,8 +139,12 @@ class SamplingFields(OpenAIModel):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    session_id: str | None = Field(None, max_length=MAX_SESSION_ID_CHARS, description="NovaInfer extension: keep this conversation's history "
-                                                     "on the server so the next turn hits the prefix cache")
+    session_id: str | None = Field(
+        None,
+        max_length=MAX_SESSION_ID_CHARS,
+        description="NovaInfer extension: keep this conversation's history "
+        "on the server so the next turn hits the prefix cache",
+    )
 
 
 class TextPart(OpenAIModel):
@@ -166,9 +171,14 @@ class ChatMessage(OpenAIModel):
         if self.name is not None:
             msg["name"] = self.name
         if self.tool_calls:
-            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _parse_arguments(c.function.arguments)}}
-                for c in self.tool_calls]
+            msg["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _parse_arguments(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
         if self.tool_call_id is not None:
             msg["tool_call_id"] = self.tool_call_id
         return msg
@@ -176,6 +186,7 @@ class ChatMessage(OpenAIModel):
 
 def _parse_arguments(arguments: str) -> Any:
     import json
+
     try:
         return json.loads(arguments)
     except ValueError:
@@ -197,9 +208,12 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: NonEmptyStr | Annotated[list[NonEmptyStr], Field(min_length=1)] | \
-        Annotated[list[TokenId], Field(min_length=1)] | \
-        Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
     logprobs: int | None = _bounded("logprobs", le=MAX_LOGPROBS)
     echo: bool = False
     prompt_logprobs: int | None = _bounded("prompt_logprobs", le=MAX_LOGPROBS)
@@ -216,8 +230,9 @@ class UsageInfo(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
-    reasoning_content: str | None = Field(None, description="a thinking model's reasoning (the text of its "
-                                                            "<think> block); only for such models")
+    reasoning_content: str | None = Field(
+        None, description="a thinking model's reasoning (the text of its <think> block); only for such models"
+    )
     reasoning: str | None = Field(None, description="the same text under vLLM's newer name")
     tool_calls: list[ToolCall] | None = Field(None, description="the complete calls; absent when there are none")
 

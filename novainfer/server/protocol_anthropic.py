@@ -1,5 +1,6 @@
 """Pydantic schemas of Anthropic's Messages API requests (POST /v1/messages, POST /v1/messages/count_tokens): the
 fields this server serves; any other field is a 400 naming it."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
@@ -63,8 +64,16 @@ class UnsupportedBlock(OpenAIModel):
     type: str = not_one_of(_KNOWN_BLOCKS)
 
 
-ContentBlock = by_type({"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResultBlock,
-                        "thinking": ThinkingBlock, "redacted_thinking": RedactedThinkingBlock}, UnsupportedBlock)
+ContentBlock = by_type(
+    {
+        "text": TextBlock,
+        "tool_use": ToolUseBlock,
+        "tool_result": ToolResultBlock,
+        "thinking": ThinkingBlock,
+        "redacted_thinking": RedactedThinkingBlock,
+    },
+    UnsupportedBlock,
+)
 
 
 class AnthropicMessage(OpenAIModel):

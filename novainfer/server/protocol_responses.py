@@ -1,5 +1,6 @@
 """Pydantic schemas of OpenAI's Responses API requests (POST /v1/responses): the fields this server serves;
 any other field is a 400 naming it, as on the chat routes."""
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
@@ -14,9 +15,11 @@ _STATUS = Literal["in_progress", "completed", "incomplete"]
 def by_type(members: dict[str, Any], other: Any, missing: str | None = None) -> Any:
     """A union of models chosen by the value's `type` (`missing` when it has none); any other type is `other`,
     a catch-all model that lets the handler answer a 400 naming the unsupported type."""
+
     def tag(value: Any) -> str:
         kind = value.get("type", missing) if isinstance(value, dict) else getattr(value, "type", missing)
         return kind if kind in members else "other"
+
     options = [Annotated[model, Tag(name)] for name, model in members.items()] + [Annotated[other, Tag("other")]]
     return Annotated[Union[tuple(options)], Discriminator(tag)]
 
@@ -24,6 +27,8 @@ def by_type(members: dict[str, Any], other: Any, missing: str | None = None) -> 
 def not_one_of(known: tuple[str, ...]) -> Any:
     """A catch-all's `type` field: its published schema excludes the known types, so a oneOf has one match."""
     return Field(..., json_schema_extra={"not": {"enum": list(known)}})
+
+
 _KNOWN_PARTS = ("input_text", "output_text")
 _KNOWN_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
 
@@ -101,9 +106,16 @@ class UnsupportedItem(OpenAIModel):
     type: str = not_one_of(_KNOWN_ITEMS)
 
 
-InputItem = by_type({"message": MessageItem, "function_call": FunctionCallItem,
-                     "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem},
-                    UnsupportedItem, missing="message")
+InputItem = by_type(
+    {
+        "message": MessageItem,
+        "function_call": FunctionCallItem,
+        "function_call_output": FunctionCallOutputItem,
+        "reasoning": ReasoningItem,
+    },
+    UnsupportedItem,
+    missing="message",
+)
 
 
 class FunctionTool(OpenAIModel):

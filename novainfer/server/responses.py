@@ -4,6 +4,7 @@ completions path: input items become chat messages, the chat turn's pieces becom
 A stored response keeps its whole conversation (a SessionStore entry: bounded LRU with a TTL), so a request with
 previous_response_id re-renders the same messages and its prompt hits the prefix cache.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -19,8 +20,16 @@ from pydantic import ValidationError
 
 from novainfer.server.chat_turn import ChatTurn, Finish, Piece, chat_request
 from novainfer.server.errors import APIError
-from novainfer.server.protocol_responses import (ContentPart, FunctionCallItem, FunctionCallOutputItem, FunctionTool,
-                                                 MessageItem, ReasoningItem, ResponsesRequest, UnsupportedItem)
+from novainfer.server.protocol_responses import (
+    ContentPart,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionTool,
+    MessageItem,
+    ReasoningItem,
+    ResponsesRequest,
+    UnsupportedItem,
+)
 from novainfer.server.serving_completions import CompletionHandler
 from novainfer.server.sessions import Session, SessionStore
 from novainfer.server.sse import EventStream
@@ -34,8 +43,11 @@ def _text(content: str | list[ContentPart], where: str) -> str:
         return content
     for j, part in enumerate(content):
         if part.type not in ("input_text", "output_text"):
-            raise APIError(400, f"{where}[{j}].type: content parts of type {part.type!r} are not supported "
-                                "(text only)", param=f"{where}[{j}].type")
+            raise APIError(
+                400,
+                f"{where}[{j}].type: content parts of type {part.type!r} are not supported (text only)",
+                param=f"{where}[{j}].type",
+            )
     return "".join(part.text for part in content)
 
 
@@ -45,21 +57,26 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         if isinstance(item, UnsupportedItem):
-            raise APIError(400, f"input[{i}].type: input items of type {item.type!r} are not supported",
-                           param=f"input[{i}].type")
+            raise APIError(
+                400, f"input[{i}].type: input items of type {item.type!r} are not supported", param=f"input[{i}].type"
+            )
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": _text(item.content, f"input[{i}].content")})
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function",
-                    "function": {"name": item.name, "arguments": item.arguments}}
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
-            messages.append({"role": "tool", "tool_call_id": item.call_id,
-                             "content": _text(item.output, f"input[{i}].output")})
+            messages.append(
+                {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, f"input[{i}].output")}
+            )
         else:
             assert isinstance(item, ReasoningItem)  # past reasoning: chat templates leave it out of the prompt
     return messages
@@ -68,11 +85,13 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
 def _refuse_unsupported(req: ResponsesRequest) -> None:
     """400 naming a field whose value asks for what this server does not do."""
     if req.background:
-        raise APIError(400, "background: background responses are not supported; send background false",
-                       param="background")
+        raise APIError(
+            400, "background: background responses are not supported; send background false", param="background"
+        )
     if req.include:
-        raise APIError(400, f"include: {req.include[0]!r} is not supported (no extra output data is produced)",
-                       param="include")
+        raise APIError(
+            400, f"include: {req.include[0]!r} is not supported (no extra output data is produced)", param="include"
+        )
     if req.top_logprobs:
         raise APIError(400, "top_logprobs: log-probabilities are not served on /v1/responses", param="top_logprobs")
 
@@ -82,8 +101,11 @@ def _chat_tools(req: ResponsesRequest) -> tuple[list[dict] | None, Any]:
     tools = []
     for i, tool in enumerate(req.tools or []):
         if tool.get("type") != "function":
-            raise APIError(400, f"tools[{i}].type: built-in tool {tool.get('type')!r} is not supported; "
-                                "only function tools", param=f"tools[{i}].type")
+            raise APIError(
+                400,
+                f"tools[{i}].type: built-in tool {tool.get('type')!r} is not supported; only function tools",
+                param=f"tools[{i}].type",
+            )
         try:
             fn = FunctionTool.model_validate(tool)
         except ValidationError as exc:
@@ -94,8 +116,12 @@ def _chat_tools(req: ResponsesRequest) -> tuple[list[dict] | None, Any]:
     choice = req.tool_choice
     if isinstance(choice, dict):
         if choice.get("type") != "function" or not isinstance(choice.get("name"), str) or len(choice) != 2:
-            raise APIError(400, f"tool_choice: {choice!r} is not supported; give 'none', 'auto', 'required' or "
-                                "{'type': 'function', 'name': ...}", param="tool_choice")
+            raise APIError(
+                400,
+                f"tool_choice: {choice!r} is not supported; give 'none', 'auto', 'required' or "
+                "{'type': 'function', 'name': ...}",
+                param="tool_choice",
+            )
         choice = {"type": "function", "function": {"name": choice["name"]}}
     return tools or None, choice
 
@@ -106,8 +132,12 @@ def _response_format(req: ResponsesRequest) -> dict | None:
         return None
     if fmt.type == "json_object":
         return {"type": "json_object"}
-    schema = {"name": fmt.name or "response", "schema": fmt.schema_, "description": fmt.description,
-              "strict": fmt.strict}
+    schema = {
+        "name": fmt.name or "response",
+        "schema": fmt.schema_,
+        "description": fmt.description,
+        "strict": fmt.strict,
+    }
     return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
 
 
@@ -124,19 +154,37 @@ class ResponseRun:
     def snapshot(self) -> dict:
         """The Response object as it stands."""
         fmt = self.req.text.format if self.req.text and self.req.text.format else None
-        tools = [{"type": "function", "parameters": None, "strict": None, **t["function"]}
-                 for t in (_chat_tools(self.req)[0] or [])]
+        tools = [
+            {"type": "function", "parameters": None, "strict": None, **t["function"]}
+            for t in (_chat_tools(self.req)[0] or [])
+        ]
         choice = self.req.tool_choice if self.req.tool_choice is not None else "auto"
-        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": self.status,
-                "error": self.error, "incomplete_details": self.incomplete, "instructions": self.req.instructions,
-                "max_output_tokens": self.req.max_output_tokens, "model": self.model, "output": list(self.items),
-                "parallel_tool_calls": self.req.parallel_tool_calls is not False,
-                "previous_response_id": self.req.previous_response_id, "temperature": self.req.temperature,
-                "top_p": self.req.top_p, "tool_choice": choice, "tools": tools, "store": self.req.store,
-                "background": False, "truncation": "disabled", "metadata": self.req.metadata or {},
-                "user": self.req.user, "usage": self.usage,
-                "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
-                "completed_at": int(time.time()) if self.status == "completed" else None}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": self.status,
+            "error": self.error,
+            "incomplete_details": self.incomplete,
+            "instructions": self.req.instructions,
+            "max_output_tokens": self.req.max_output_tokens,
+            "model": self.model,
+            "output": list(self.items),
+            "parallel_tool_calls": self.req.parallel_tool_calls is not False,
+            "previous_response_id": self.req.previous_response_id,
+            "temperature": self.req.temperature,
+            "top_p": self.req.top_p,
+            "tool_choice": choice,
+            "tools": tools,
+            "store": self.req.store,
+            "background": False,
+            "truncation": "disabled",
+            "metadata": self.req.metadata or {},
+            "user": self.req.user,
+            "usage": self.usage,
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
+            "completed_at": int(time.time()) if self.status == "completed" else None,
+        }
 
     def consume(self, event: Piece | Finish) -> list[dict]:
         """The stream events this piece (or the finish) makes; the items are updated as they go."""
@@ -152,20 +200,37 @@ class ResponseRun:
         if event.kind == "call":
             item["arguments"] += event.text
             if event.text:
-                out.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
-                            "output_index": index, "delta": event.text})
+                out.append(
+                    {
+                        "type": "response.function_call_arguments.delta",
+                        "item_id": item["id"],
+                        "output_index": index,
+                        "delta": event.text,
+                    }
+                )
             return out
         item["content"][0]["text"] += event.text
         kind = "output_text" if event.kind == "text" else "reasoning_text"
-        delta = {"type": f"response.{kind}.delta", "item_id": item["id"], "output_index": index, "content_index": 0,
-                 "delta": event.text}
+        delta = {
+            "type": f"response.{kind}.delta",
+            "item_id": item["id"],
+            "output_index": index,
+            "content_index": 0,
+            "delta": event.text,
+        }
         return out + [{**delta, "logprobs": []} if event.kind == "text" else delta]
 
     def _add(self, piece: Piece) -> list[dict]:
         item_id = f"{_ITEM_PREFIX[piece.kind]}_{uuid.uuid4().hex}"
         if piece.kind == "call":
-            item = {"id": item_id, "type": "function_call", "call_id": piece.call_id or f"call_{uuid.uuid4().hex}",
-                    "name": piece.name or "", "arguments": "", "status": "in_progress"}
+            item = {
+                "id": item_id,
+                "type": "function_call",
+                "call_id": piece.call_id or f"call_{uuid.uuid4().hex}",
+                "name": piece.name or "",
+                "arguments": "",
+                "status": "in_progress",
+            }
         elif piece.kind == "text":
             item = {"id": item_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
         else:
@@ -176,8 +241,15 @@ class ResponseRun:
         if piece.kind != "call":
             part = _part(piece.kind, "")
             item["content"].append(dict(part))
-            out.append({"type": "response.content_part.added", "item_id": item_id, "output_index": index,
-                        "content_index": 0, "part": part})
+            out.append(
+                {
+                    "type": "response.content_part.added",
+                    "item_id": item_id,
+                    "output_index": index,
+                    "content_index": 0,
+                    "part": part,
+                }
+            )
         return out
 
     def _close(self, status: str) -> list[dict]:
@@ -192,8 +264,10 @@ class ResponseRun:
             text = item["content"][0]["text"]
             kind = "output_text" if item["type"] == "message" else "reasoning_text"
             done = {"type": f"response.{kind}.done", **where, "content_index": 0, "text": text}
-            out = [{**done, "logprobs": []} if kind == "output_text" else done,
-                   {"type": "response.content_part.done", **where, "content_index": 0, "part": item["content"][0]}]
+            out = [
+                {**done, "logprobs": []} if kind == "output_text" else done,
+                {"type": "response.content_part.done", **where, "content_index": 0, "part": item["content"][0]},
+            ]
         return out + [{"type": "response.output_item.done", "output_index": index, "item": item}]
 
     def _finish(self, finish: Finish) -> list[dict]:
@@ -213,23 +287,33 @@ class ResponseRun:
             return None
         reasoning = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "reasoning")
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        return {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-                "total_tokens": usage["total_tokens"],
-                "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-                "output_tokens_details": {"reasoning_tokens": len(self.tokenizer.encode(
-                    reasoning, add_special_tokens=False)) if reasoning else 0}}
+        return {
+            "input_tokens": usage["prompt_tokens"],
+            "output_tokens": usage["completion_tokens"],
+            "total_tokens": usage["total_tokens"],
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens_details": {
+                "reasoning_tokens": len(self.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+            },
+        }
 
     def history(self) -> list[dict]:
         """The output as chat messages, for the conversation kept under this response's id."""
         text = "".join(i["content"][0]["text"] for i in self.items if i["type"] == "message")
-        calls = [{"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
-                 for i in self.items if i["type"] == "function_call"]
+        calls = [
+            {"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+            for i in self.items
+            if i["type"] == "function_call"
+        ]
         return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
 
 
 def _part(kind: str, text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []} if kind == "text" \
+    return (
+        {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        if kind == "text"
         else {"type": "reasoning_text", "text": text}
+    )
 
 
 class ResponsesHandler:
@@ -246,17 +330,31 @@ class ResponsesHandler:
         if req.previous_response_id is not None:
             previous = self.store.find(req.previous_response_id)
             if previous is None:
-                raise APIError(400, f"previous_response_id: no stored response {req.previous_response_id!r} "
-                                    "(never stored, deleted, or expired)", param="previous_response_id")
+                raise APIError(
+                    400,
+                    f"previous_response_id: no stored response {req.previous_response_id!r} "
+                    "(never stored, deleted, or expired)",
+                    param="previous_response_id",
+                )
             history = previous.messages
         conversation = history + input_messages(req)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         tools, tool_choice = _chat_tools(req)
-        chat_req = chat_request({
-            "model": req.model, "messages": system + conversation, "max_completion_tokens": req.max_output_tokens,
-            "temperature": req.temperature, "top_p": req.top_p, "tools": tools, "tool_choice": tool_choice,
-            "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req),
-            "stream": req.stream, "user": req.user})
+        chat_req = chat_request(
+            {
+                "model": req.model,
+                "messages": system + conversation,
+                "max_completion_tokens": req.max_output_tokens,
+                "temperature": req.temperature,
+                "top_p": req.top_p,
+                "tools": tools,
+                "tool_choice": tool_choice,
+                "parallel_tool_calls": req.parallel_tool_calls,
+                "response_format": _response_format(req),
+                "stream": req.stream,
+                "user": req.user,
+            }
+        )
         model = self.chat.serving.resolve_model(req.model)
         run = ResponseRun(req, f"resp_{request_id}", model.name, model.tokenizer)
         self.running[run.id] = (run, model.engine, request_id)
@@ -282,6 +380,7 @@ class ResponsesHandler:
         def sse(event: dict) -> str:
             event["sequence_number"] = next(numbers)
             return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
         try:
             yield sse({"type": "response.created", "response": run.snapshot()})
             yield sse({"type": "response.in_progress", "response": run.snapshot()})
@@ -321,8 +420,11 @@ class ResponsesHandler:
         """Abort a response in progress; its status becomes "cancelled"."""
         if response_id not in self.running:
             self.retrieve(response_id)  # 404 when unknown
-            raise APIError(400, f"response {response_id!r} is not in progress; only a response in progress can be "
-                                "cancelled", param="response_id")
+            raise APIError(
+                400,
+                f"response {response_id!r} is not in progress; only a response in progress can be cancelled",
+                param="response_id",
+            )
         run, engine, request_id = self.running[response_id]
         await engine.cancel(request_id)
         return {**run.snapshot(), "status": "cancelled"}

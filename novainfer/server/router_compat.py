@@ -5,15 +5,24 @@ so every forwarded body carries SGLang's extension fields at their defaults (e.g
 "return_hidden_states": false). At exactly those values they ask for what this server does anyway, so they are
 dropped before validation; any other value stays and is refused by validation, naming the field.
 """
+
 from __future__ import annotations
 
 import json
 
 from novainfer.server.protocol import ChatCompletionRequest, CompletionRequest
 
-ROUTER_DEFAULTS = {"no_stop_trim": False, "return_hidden_states": False, "separate_reasoning": True,
-                   "stream_reasoning": True, "include_reasoning": True, "continue_final_message": False,
-                   "skip_special_tokens": True, "echo": False, "logprobs": False}
+ROUTER_DEFAULTS = {
+    "no_stop_trim": False,
+    "return_hidden_states": False,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "include_reasoning": True,
+    "continue_final_message": False,
+    "skip_special_tokens": True,
+    "echo": False,
+    "logprobs": False,
+}
 _MODELS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 
 
@@ -28,8 +37,11 @@ def drop_router_defaults(path: str, body: bytes) -> bytes:
         return body  # validation answers it
     if not isinstance(data, dict):
         return body
-    drop = [k for k, default in ROUTER_DEFAULTS.items() if k not in model.model_fields and k in data
-            and type(data[k]) is type(default) and data[k] == default]
+    drop = [
+        k
+        for k, default in ROUTER_DEFAULTS.items()
+        if k not in model.model_fields and k in data and type(data[k]) is type(default) and data[k] == default
+    ]
     if not drop:
         return body
     for k in drop:

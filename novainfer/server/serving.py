@@ -1,5 +1,6 @@
 """What chat and text completions share: model routing, sampling parameters, prompt checks, admission,
 submitting to the engine, merging streams, usage, and aborting on client disconnect."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,15 @@ from novainfer.server.limits import AdmissionLimiter, OverloadedError, Slot
 from novainfer.server.protocol import MAX_LOGPROB_ENTRIES, SamplingFields, UsageInfo
 from novainfer.server.sessions import SessionStore
 
-_OPTIONAL_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                      "repetition_penalty")
+_OPTIONAL_SAMPLING = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 
 @dataclass
@@ -82,8 +90,12 @@ class Generation:
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
         cached = sum(o.num_cached_tokens for o in outs)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                         prompt_tokens_details={"cached_tokens": cached})
+        return UsageInfo(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details={"cached_tokens": cached},
+        )
 
     def release(self) -> None:
         """Abort whatever still runs (client gone, error) and give the admission slot back."""
@@ -122,24 +134,38 @@ class OpenAIServing:
         if name is None:
             return next(iter(self.models.values()))
         if name not in self.models:
-            raise APIError(404, f"The model `{name}` does not exist. Served models: {', '.join(self.models)}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist. Served models: {', '.join(self.models)}",
+                param="model",
+                code="model_not_found",
+            )
         return self.models[name]
 
     @staticmethod
-    def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
-                        **extra: Any) -> SamplingParams:
+    def sampling_params(
+        req: SamplingFields, max_tokens: int | None, logprobs: int | None, **extra: Any
+    ) -> SamplingParams:
         """SamplingParams from the request (extra: what the endpoint decides, e.g. structured_outputs,
         prompt_logprobs); its ValueError (naming the field) becomes a 400."""
-        kw: dict[str, Any] = {name: getattr(req, name) for name in _OPTIONAL_SAMPLING
-                              if getattr(req, name) is not None}
+        kw: dict[str, Any] = {name: getattr(req, name) for name in _OPTIONAL_SAMPLING if getattr(req, name) is not None}
         try:
-            return SamplingParams(n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens, stop=req.stop,
-                                  stop_token_ids=req.stop_token_ids, seed=req.seed, ignore_eos=req.ignore_eos,
-                                  logprobs=logprobs, logit_bias=req.logit_bias,
-                                  skip_special_tokens=req.skip_special_tokens,
-                                  spaces_between_special_tokens=req.spaces_between_special_tokens,
-                                  include_stop_str_in_output=req.include_stop_str_in_output, **kw, **extra)
+            return SamplingParams(
+                n=req.n,
+                max_tokens=max_tokens,
+                min_tokens=req.min_tokens,
+                stop=req.stop,
+                stop_token_ids=req.stop_token_ids,
+                seed=req.seed,
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
+                logit_bias=req.logit_bias,
+                skip_special_tokens=req.skip_special_tokens,
+                spaces_between_special_tokens=req.spaces_between_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                **kw,
+                **extra,
+            )
         except ValueError as exc:
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
 
@@ -160,12 +186,19 @@ class OpenAIServing:
         if n == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
         if n >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your prompt "
-                                f"has {n} tokens, which leaves no room for the completion.", param="prompt")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"has {n} tokens, which leaves no room for the completion.",
+                param="prompt",
+            )
         if max_tokens is not None and n + max_tokens > limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion).",
-                           param="max_tokens")
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion).",
+                param="max_tokens",
+            )
 
     def check_unused(self, model: ServedModel, request_id: str, num_prompts: int) -> None:
         """409 (before admission) when a running request already has this X-Request-Id."""
@@ -174,12 +207,17 @@ class OpenAIServing:
 
     @staticmethod
     def _duplicate(request_id: str) -> APIError:
-        return APIError(409, f"X-Request-Id {request_id!r} is already used by a running request; send a unique id "
-                             f"(or none)", param="X-Request-Id", code="duplicate_request_id")
+        return APIError(
+            409,
+            f"X-Request-Id {request_id!r} is already used by a running request; send a unique id (or none)",
+            param="X-Request-Id",
+            code="duplicate_request_id",
+        )
 
     @staticmethod
-    def check_logprob_work(model: ServedModel, prompts: list[list[int]], n: int, max_tokens: int | None,
-                           logprobs: int | None, param: str) -> None:
+    def check_logprob_work(
+        model: ServedModel, prompts: list[list[int]], n: int, max_tokens: int | None, logprobs: int | None, param: str
+    ) -> None:
         """400 when sequences x completion tokens x logprobs per token passes MAX_LOGPROB_ENTRIES (the response
         would hold that many entries)."""
         if not logprobs:
@@ -187,26 +225,37 @@ class OpenAIServing:
         tokens = sum(max_tokens if max_tokens is not None else model.max_model_len - len(p) for p in prompts)
         entries = tokens * n * (logprobs + 1)  # the sampled token's own entry too
         if entries > MAX_LOGPROB_ENTRIES:
-            raise APIError(400, f"n={n} x {tokens} completion tokens x ({logprobs} + 1) logprobs is {entries} "
-                                f"logprob entries; one request may ask for at most {MAX_LOGPROB_ENTRIES}",
-                           param=param)
+            raise APIError(
+                400,
+                f"n={n} x {tokens} completion tokens x ({logprobs} + 1) logprobs is {entries} "
+                f"logprob entries; one request may ask for at most {MAX_LOGPROB_ENTRIES}",
+                param=param,
+            )
 
-    async def start(self, model: ServedModel, request_id: str, prompts: list[list[int]],
-                    params: SamplingParams, prompt_texts: list[str | None]) -> Generation:
+    async def start(
+        self,
+        model: ServedModel,
+        request_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        prompt_texts: list[str | None],
+    ) -> Generation:
         """Admit (429 past the limits) and submit every prompt; on any refusal nothing stays queued."""
         self.check_available(model)
         self.check_unused(model, request_id, len(prompts))
         try:
             slot = await self.limiter.acquire()
         except OverloadedError as exc:
-            raise APIError(429, str(exc), code="rate_limit_exceeded",
-                           headers={"Retry-After": str(exc.retry_after)}) from None
+            raise APIError(
+                429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": str(exc.retry_after)}
+            ) from None
         gen = Generation(model, request_id, prompts, slot)
         try:
             self.check_available(model)  # the drain may have begun while this request waited for its slot
             for rid, ids, text in zip(gen.sub_ids, prompts, prompt_texts):
-                gen.tracked.append(await model.engine.submit(rid, {"prompt": text, "prompt_token_ids": ids},
-                                                             params, group=request_id))
+                gen.tracked.append(
+                    await model.engine.submit(rid, {"prompt": text, "prompt_token_ids": ids}, params, group=request_id)
+                )
         except BaseException as exc:
             gen.release()
             if isinstance(exc, DuplicateRequestError):

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions and POST /v1/completions: the request to the engine, the engine's outputs
 to OpenAI's response objects, whole or as SSE chunks."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,13 @@ from novainfer.outputs import CompletionOutput, RequestOutput
 from novainfer.server.async_engine import EngineDeadError, RequestFailedError
 from novainfer.server.chat_templates import checked_template_kwargs, encode, render_chat
 from novainfer.server.errors import APIError, error_body
-from novainfer.server.logprobs import (chat_logprobs, completion_logprobs, join_completion_logprobs,
-                                       prompt_completion_logprobs, vllm_prompt_logprobs)
+from novainfer.server.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    join_completion_logprobs,
+    prompt_completion_logprobs,
+    vllm_prompt_logprobs,
+)
 from novainfer.server.protocol import MAX_SEQUENCES, ChatCompletionRequest, CompletionRequest
 from novainfer.server.chat_output import ChatFormat, ChoiceOutput
 from novainfer.server.reasoning_parsers import get_reasoning_parser
@@ -30,8 +36,13 @@ from novainfer.server.tool_calling import ToolConfig, plan_tools, template_input
 class CompletionHandler:
     """Shared by both endpoints; chat and text differ in prompts, choice shape and logprobs shape."""
 
-    def __init__(self, serving: OpenAIServing, tools: ToolConfig | None = None, reasoning_parser: str | None = None,
-                 trust_request_chat_template: bool = False):
+    def __init__(
+        self,
+        serving: OpenAIServing,
+        tools: ToolConfig | None = None,
+        reasoning_parser: str | None = None,
+        trust_request_chat_template: bool = False,
+    ):
         self.serving = serving
         self.trust_request_chat_template = trust_request_chat_template  # --trust-request-chat-template
         self.tools = tools or ToolConfig()
@@ -46,12 +57,22 @@ class CompletionHandler:
         plan = plan_tools(req, self.tools, fmt.tool_parser, model.tokenizer)
         constraint = structured_outputs_params(req)
         if plan.structured is not None and constraint is not None:
-            what = ("strict tools" if plan.mode == "auto" else
-                    f"tool_choice {req.tool_choice if isinstance(req.tool_choice, str) else 'named'}")
-            raise APIError(400, f"{what} already constrain(s) the output; drop response_format / structured_outputs",
-                           param="tool_choice")
-        params = self.serving.sampling_params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None,
-                                              structured_outputs=plan.structured or constraint)
+            what = (
+                "strict tools"
+                if plan.mode == "auto"
+                else f"tool_choice {req.tool_choice if isinstance(req.tool_choice, str) else 'named'}"
+            )
+            raise APIError(
+                400,
+                f"{what} already constrain(s) the output; drop response_format / structured_outputs",
+                param="tool_choice",
+            )
+        params = self.serving.sampling_params(
+            req,
+            max_tokens,
+            (req.top_logprobs or 0) if req.logprobs else None,
+            structured_outputs=plan.structured or constraint,
+        )
         self.serving.check_logit_bias(model, params)
         client_kwargs = checked_template_kwargs(req.chat_template_kwargs, self.trust_request_chat_template)
         messages = [m.to_template() for m in req.messages]
@@ -61,11 +82,13 @@ class CompletionHandler:
             messages = continue_conversation(session.messages, messages)
         shown, template_kwargs = template_inputs(model.tokenizer, messages, plan)
         try:
-            ids = await render_chat(model.tokenizer, shown, req.add_generation_prompt,
-                                    **{**template_kwargs, **client_kwargs})
+            ids = await render_chat(
+                model.tokenizer, shown, req.add_generation_prompt, **{**template_kwargs, **client_kwargs}
+            )
         except Exception as exc:  # the model's template refused these messages (its own rules, e.g. roles)
-            raise APIError(400, f"the model's chat template failed on these messages: {exc}",
-                           param="messages") from None
+            raise APIError(
+                400, f"the model's chat template failed on these messages: {exc}", param="messages"
+            ) from None
         self.serving.check_prompt(model, ids, max_tokens)
         self.serving.check_logprob_work(model, [ids], req.n, max_tokens, params.logprobs, "top_logprobs")
         reasoning = None
@@ -82,30 +105,39 @@ class CompletionHandler:
 
         def remember(outs) -> None:
             if req.session_id:
-                sessions.get(req.session_id).messages = messages + [{"role": "assistant",
-                                                                       "content": outs[0].outputs[0].text}]
-        return await self._respond(gen, req, raw, "chat", f"chatcmpl-{request_id}", remember,
-                                   lambda: ChoiceOutput(plan, reasoning, trim))
+                sessions.get(req.session_id).messages = messages + [
+                    {"role": "assistant", "content": outs[0].outputs[0].text}
+                ]
+
+        return await self._respond(
+            gen, req, raw, "chat", f"chatcmpl-{request_id}", remember, lambda: ChoiceOutput(plan, reasoning, trim)
+        )
 
     def chat_format(self, model: ServedModel) -> ChatFormat:
         """The model's tool-call and reasoning formats, found on its first chat request."""
         if model.name not in self.formats:
-            self.formats[model.name] = ChatFormat.of(model.tokenizer, model.path, self.tools.tool_call_parser,
-                                                     self.reasoning_parser)
+            self.formats[model.name] = ChatFormat.of(
+                model.tokenizer, model.path, self.tools.tool_call_parser, self.reasoning_parser
+            )
         return self.formats[model.name]
 
     async def completion(self, req: CompletionRequest, request_id: str, raw: Request):
         model = self.serving.resolve_model(req.model)
         prompts = self._prompts(req.prompt)
         if len(prompts) * req.n > MAX_SEQUENCES:
-            raise APIError(400, f"{len(prompts)} prompts x n={req.n} is {len(prompts) * req.n} sequences; "
-                                f"one request may ask for at most {MAX_SEQUENCES}", param="n")
+            raise APIError(
+                400,
+                f"{len(prompts)} prompts x n={req.n} is {len(prompts) * req.n} sequences; "
+                f"one request may ask for at most {MAX_SEQUENCES}",
+                param="n",
+            )
         max_tokens = 16 if "max_tokens" not in req.model_fields_set else req.max_tokens  # OpenAI's default
         prompt_lp = req.prompt_logprobs
         if req.echo and req.logprobs is not None:  # echo + logprobs: the prompt's tokens come with theirs
             prompt_lp = max(prompt_lp or 0, req.logprobs)
-        params = self.serving.sampling_params(req, max_tokens, req.logprobs, prompt_logprobs=prompt_lp,
-                                              structured_outputs=structured_outputs_params(req))
+        params = self.serving.sampling_params(
+            req, max_tokens, req.logprobs, prompt_logprobs=prompt_lp, structured_outputs=structured_outputs_params(req)
+        )
         self.serving.check_logit_bias(model, params)
         tok = model.tokenizer
         sessions = self.serving.sessions
@@ -114,8 +146,10 @@ class CompletionHandler:
             raise APIError(400, "session_id needs exactly one prompt", param="session_id")
         texts = [p if isinstance(p, str) else None for p in prompts]
         history = session.token_ids if session is not None else []
-        ids = [history + (await encode(tok, p, add_special_tokens=not history) if isinstance(p, str) else p)
-               for p in prompts]
+        ids = [
+            history + (await encode(tok, p, add_special_tokens=not history) if isinstance(p, str) else p)
+            for p in prompts
+        ]
         for one in ids:
             self.serving.check_prompt(model, one, max_tokens)
         self.serving.check_logprob_work(model, ids, req.n, max_tokens, req.logprobs, "logprobs")
@@ -124,6 +158,7 @@ class CompletionHandler:
         def remember(outs) -> None:
             if req.session_id:
                 sessions.get(req.session_id).token_ids = ids[0] + list(outs[0].outputs[0].token_ids)
+
         return await self._respond(gen, req, raw, "text", f"cmpl-{request_id}", remember, None)
 
     @staticmethod
@@ -133,8 +168,16 @@ class CompletionHandler:
         return [prompt] if isinstance(prompt[0], int) else list(prompt)
 
     # ---- answering -------------------------------------------------------------------------------
-    async def _respond(self, gen: Generation, req, raw: Request, kind: str, response_id: str, remember,
-                       chat_output: Callable[[], ChoiceOutput] | None):
+    async def _respond(
+        self,
+        gen: Generation,
+        req,
+        raw: Request,
+        kind: str,
+        response_id: str,
+        remember,
+        chat_output: Callable[[], ChoiceOutput] | None,
+    ):
         """chat_output: makes each chat choice's parser (reasoning, tool calls); None for text completions."""
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -161,9 +204,16 @@ class CompletionHandler:
                     self._echo(choice, out, gen, req)
                 choices.append(choice)
         obj = "chat.completion" if kind == "chat" else "text_completion"
-        return JSONResponse({"id": response_id, "object": obj, "created": int(time.time()),
-                             "model": gen.model.name, "choices": choices,
-                             "usage": gen.usage().model_dump()})
+        return JSONResponse(
+            {
+                "id": response_id,
+                "object": obj,
+                "created": int(time.time()),
+                "model": gen.model.name,
+                "choices": choices,
+                "usage": gen.usage().model_dump(),
+            }
+        )
 
     @staticmethod
     def _echo(choice: dict, out: RequestOutput, gen: Generation, req: CompletionRequest) -> None:
@@ -180,21 +230,51 @@ class CompletionHandler:
             choice["logprobs"] = join_completion_logprobs(first, choice["logprobs"], len(prompt_text))
         choice["text"] = prompt_text + choice["text"]
 
-    async def _stream(self, gen: Generation, req, kind: str, response_id: str, include_usage: bool,
-                      remember, chat_output: Callable[[], ChoiceOutput] | None) -> AsyncIterator[str]:
+    async def _stream(
+        self,
+        gen: Generation,
+        req,
+        kind: str,
+        response_id: str,
+        include_usage: bool,
+        remember,
+        chat_output: Callable[[], ChoiceOutput] | None,
+    ) -> AsyncIterator[str]:
         created, n, hold = int(time.time()), req.n, held_back(req.stop)
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         outputs: dict[int, ChoiceOutput] = {}
 
         def chunk(choices: list[dict], usage=None) -> str:
-            return "data: " + json.dumps({"id": response_id, "object": obj, "created": created,
-                                          "model": gen.model.name, "choices": choices, "usage": usage}) + "\n\n"
+            return (
+                "data: "
+                + json.dumps(
+                    {
+                        "id": response_id,
+                        "object": obj,
+                        "created": created,
+                        "model": gen.model.name,
+                        "choices": choices,
+                        "usage": usage,
+                    }
+                )
+                + "\n\n"
+            )
+
         sent: dict[int, tuple[int, int]] = {}  # choice index -> (chars, tokens) already streamed
         done: set[int] = set()
         try:
             if kind == "chat":
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None} for i in range(len(gen.prompts) * n)])
+                yield chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                        for i in range(len(gen.prompts) * n)
+                    ]
+                )
             async for i, out in gen.outputs():
                 for c in out.outputs:
                     index = i * n + c.index
@@ -218,8 +298,13 @@ class CompletionHandler:
                         yield chunk([piece])
                     sent[index] = (end_c, len(c.token_ids))
                     if c.finish_reason:
-                        last = {"index": index, "logprobs": None, "finish_reason": reason,
-                                "stop_reason": c.stop_reason, **({"delta": {}} if kind == "chat" else {"text": ""})}
+                        last = {
+                            "index": index,
+                            "logprobs": None,
+                            "finish_reason": reason,
+                            "stop_reason": c.stop_reason,
+                            **({"delta": {}} if kind == "chat" else {"text": ""}),
+                        }
                         yield chunk([last])
                         done.add(index)
             remember(gen.finals)
@@ -233,18 +318,23 @@ class CompletionHandler:
         yield "data: [DONE]\n\n"
 
     @staticmethod
-    def _choice(kind: str, index: int, c: CompletionOutput, req, start_c: int, start_t: int, final: bool,
-                end: int | None = None) -> dict:
+    def _choice(
+        kind: str, index: int, c: CompletionOutput, req, start_c: int, start_t: int, final: bool, end: int | None = None
+    ) -> dict:
         """One choice: whole (final) or the delta from (start_c chars, start_t tokens)."""
         text = c.text[start_c:end]
         lp = None
         if c.logprobs is not None:
             ids, entries = c.token_ids[start_t:], c.logprobs[start_t:]
-            lp = (chat_logprobs(ids, entries, req.top_logprobs or 0) if kind == "chat"
-                  else completion_logprobs(ids, entries, req.logprobs or 0, start_c))
+            lp = (
+                chat_logprobs(ids, entries, req.top_logprobs or 0)
+                if kind == "chat"
+                else completion_logprobs(ids, entries, req.logprobs or 0, start_c)
+            )
         if kind == "chat":
-            body = {"message" if final else "delta": {"role": "assistant", "content": text} if final
-                    else {"content": text}}
+            body = {
+                "message" if final else "delta": {"role": "assistant", "content": text} if final else {"content": text}
+            }
         else:
             body = {"text": text}
         choice = {"index": index, **body, "logprobs": lp}

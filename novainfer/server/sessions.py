@@ -4,6 +4,7 @@ A chat turn sent with a session_id continues the stored conversation, so its pro
 previous turn's tokens and hits the prefix cache. The store is bounded: least recently used sessions
 are dropped past max_sessions, and idle ones expire after ttl seconds.
 """
+
 from __future__ import annotations
 
 import time
@@ -62,6 +63,6 @@ class SessionStore:
 
 def continue_conversation(history: list[dict], messages: list[dict]) -> list[dict]:
     """The whole conversation for this turn: the client may resend the history or send only new messages."""
-    if history and messages[:len(history)] == history:
+    if history and messages[: len(history)] == history:
         return list(messages)
     return history + list(messages)

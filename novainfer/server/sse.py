@@ -5,6 +5,7 @@ each body write --stream-write-timeout seconds; past it the connection is droppe
 closes its body iterator and runs its background task however the stream ends (finished, client gone, stalled), so
 the generation is aborted and its admission slot returned at once, not whenever the generator is collected.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,6 +22,7 @@ class ClientStalledError(ConnectionError):
 
 def bounded_send(send: Send, timeout: float) -> Send:
     """send, with every body write bounded by `timeout` seconds (ClientStalledError past it)."""
+
     async def bounded(message: dict) -> None:
         if message["type"] != "http.response.body":
             return await send(message)
@@ -28,6 +30,7 @@ def bounded_send(send: Send, timeout: float) -> Send:
             await asyncio.wait_for(send(message), timeout)
         except asyncio.TimeoutError:
             raise ClientStalledError(f"the client read nothing for {timeout} s (--stream-write-timeout)") from None
+
     return bounded
 
 

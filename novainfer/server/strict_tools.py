@@ -7,6 +7,7 @@ between text and calls. Formats without a grammar here refuse strict functions u
 The grammars are llguidance Lark: a marker that is one token of the model's vocabulary (Qwen's `<tool_call>`) is
 written as that token, else as text that a lazy lexeme waits for.
 """
+
 from __future__ import annotations
 
 import json
@@ -86,7 +87,7 @@ def _mistral_list_call(rule: str, name: str, schema: dict | None) -> list[str]:
 
 def _mistral_named_call(rule: str, name: str, schema: dict | None) -> list[str]:
     """Mistral v11+ tokenizers: `NAME[ARGS]{...}` (rule `args_sep` is the [ARGS] token)."""
-    return [f'{rule}: {_lit(name)} args_sep {_json_rule(schema or {"type": "object"})}']
+    return [f"{rule}: {_lit(name)} args_sep {_json_rule(schema or {'type': 'object'})}"]
 
 
 Build = Callable[[str, str, dict | None], list[str]]
@@ -96,8 +97,9 @@ _VALUE_TEXT_RULE = 'value_text[lazy]: /(.|\\n)*/ "\\n</parameter>"'
 _PYTHON_TAG = "<|python_tag|>"
 
 
-def strict_auto_constraint(tools: list[Any], parser: str, marker: str, tokenizer: Any,
-                           parallel: bool) -> StructuredOutputsParams | None:
+def strict_auto_constraint(
+    tools: list[Any], parser: str, marker: str, tokenizer: Any, parallel: bool
+) -> StructuredOutputsParams | None:
     """The lazy grammar for "auto" when some function is strict (None when none is); a 400 naming the first strict
     function's field when the parser's format has no grammar here. tools: the request's ChatTools."""
     strict = [i for i, t in enumerate(tools) if t.function.strict]
@@ -105,10 +107,13 @@ def strict_auto_constraint(tools: list[Any], parser: str, marker: str, tokenizer
         return None
     layout = _layout(parser, marker, tokenizer, parallel)
     if layout is None:
-        raise APIError(400, f"strict functions under tool_choice \"auto\" are not enforced for the {parser!r} "
-                            f"call format (or this vocabulary's markers); drop strict, or force the call with "
-                            f"tool_choice \"required\" or a named function",
-                       param=f"tools[{strict[0]}].function.strict")
+        raise APIError(
+            400,
+            f'strict functions under tool_choice "auto" are not enforced for the {parser!r} '
+            f"call format (or this vocabulary's markers); drop strict, or force the call with "
+            f'tool_choice "required" or a named function',
+            param=f"tools[{strict[0]}].function.strict",
+        )
     build, top = layout
     fns, rules = [], []
     for i, t in enumerate(tools):
@@ -140,8 +145,12 @@ def _mistral_layout(tokenizer: Any, marker: str, parallel: bool) -> tuple[Build,
     if not start.startswith("<["):
         return None
     if args.startswith("<["):
-        return _mistral_named_call, ["start: TEXT call" + ("*" if parallel else "?"), f"call: {start} call_body",
-                                     f"args_sep: {args}", _TEXT]
+        return _mistral_named_call, [
+            "start: TEXT call" + ("*" if parallel else "?"),
+            f"call: {start} call_body",
+            f"args_sep: {args}",
+            _TEXT,
+        ]
     more = ' (", " call_body)*' if parallel else ""
     return _mistral_list_call, [f'start: TEXT ({start} "[" call_body{more} "]")?', _TEXT]
 
@@ -162,8 +171,10 @@ def _llama3_json_top(tokenizer: Any, parallel: bool) -> list[str]:
     with `{`, or calls from the first character (after `<|python_tag|>` where it is a token), `;`-separated."""
     tag = _token_or_text(tokenizer, _PYTHON_TAG)
     more = ' (";" " "? call_body)*' if parallel else ""
-    return [f"start: PROSE? | {tag + '? ' if tag.startswith('<[') else ''}call_body{more}",
-            "PROSE: /\\s*[^{\\s](.|\\n)*/"]
+    return [
+        f"start: PROSE? | {tag + '? ' if tag.startswith('<[') else ''}call_body{more}",
+        "PROSE: /\\s*[^{\\s](.|\\n)*/",
+    ]
 
 
 def _token_or_text(tokenizer: Any, marker: str) -> str:

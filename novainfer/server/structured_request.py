@@ -1,5 +1,6 @@
 """The request's output constraint: `response_format` (OpenAI), `structured_outputs` (vLLM) or vLLM's older
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`; at most one of them may be given."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -21,14 +22,20 @@ def structured_outputs_params(req: SamplingFields) -> StructuredOutputsParams | 
             found.append(("response_format", {"json_object": True}))
         else:
             if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-                raise APIError(400, "response_format of type json_schema needs json_schema.schema",
-                               param="response_format")
+                raise APIError(
+                    400, "response_format of type json_schema needs json_schema.schema", param="response_format"
+                )
             schema = fmt.json_schema.schema_
             found.append(("response_format", {"json": closed_schema(schema) if fmt.json_schema.strict else schema}))
     if req.structured_outputs is not None:
         so = req.structured_outputs
-        kw = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
-              "json_object": so.json_object}
+        kw = {
+            "json": so.json_,
+            "regex": so.regex,
+            "choice": so.choice,
+            "grammar": so.grammar,
+            "json_object": so.json_object,
+        }
         found.append(("structured_outputs", {k: v for k, v in kw.items() if v is not None}))
     for field, kind in _GUIDED.items():
         value = getattr(req, field)
@@ -70,7 +77,11 @@ def closed_schema(schema: Any) -> Any:
             out[key] = closed_schema(out[key])
     kind = out.get("type")
     is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in out
-    if is_object and "additionalProperties" not in out and "patternProperties" not in out \
-            and "unevaluatedProperties" not in out:
+    if (
+        is_object
+        and "additionalProperties" not in out
+        and "patternProperties" not in out
+        and "unevaluatedProperties" not in out
+    ):
         out["additionalProperties"] = False
     return out

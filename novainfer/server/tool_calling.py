@@ -9,6 +9,7 @@ so their arguments always parse and validate, whatever the model; under "auto", 
 their closed schemas by a lazy grammar (strict_tools.py) once the model opens a call. A call cut by max_tokens
 never leaks into `content`: the message keeps the complete calls only.
 """
+
 from __future__ import annotations
 
 import json
@@ -89,30 +90,48 @@ def plan_tools(req: ChatCompletionRequest, config: ToolConfig, model_parser: str
     params = {t.function.name: closed_schema(t.function.parameters or _ANY_OBJECT) for t in req.tools}
     if choice is None or choice == "auto":
         if not config.enable_auto_tool_choice:
-            raise APIError(400, '"auto" tool choice is off on this server (--enable-auto-tool-choice); send '
-                                'tool_choice "required", "none" or a named function', param="tool_choice")
+            raise APIError(
+                400,
+                '"auto" tool choice is off on this server (--enable-auto-tool-choice); send '
+                'tool_choice "required", "none" or a named function',
+                param="tool_choice",
+            )
         name = config.tool_call_parser or model_parser
         try:
             parser = get_tool_parser(name, tools)
         except NotImplementedError as exc:
-            raise APIError(400, f'tool_choice "auto": {exc}; send "required" or a named function',
-                           param="tool_choice") from None
+            raise APIError(
+                400, f'tool_choice "auto": {exc}; send "required" or a named function', param="tool_choice"
+            ) from None
         structured = strict_auto_constraint(req.tools, name, parser.start_marker, tokenizer, req.parallel_tool_calls)
         return ToolPlan("auto", tools, structured=structured, parser=parser)
     if choice == "none":
         return ToolPlan("none")
     if choice == "required":
-        items = {"anyOf": [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-                            "required": ["name", "parameters"], "additionalProperties": False}
-                           for name, schema in params.items()]}
-        schema = {"type": "array", "items": items, "minItems": 1,
-                  **({} if req.parallel_tool_calls else {"maxItems": 1})}
+        items = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "parameters": schema},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for name, schema in params.items()
+            ]
+        }
+        schema = {
+            "type": "array",
+            "items": items,
+            "minItems": 1,
+            **({} if req.parallel_tool_calls else {"maxItems": 1}),
+        }
         return ToolPlan("required", tools, structured=StructuredOutputsParams(json=schema), parser=_RequiredParser())
     name = choice.function.name
     if name not in params:
         raise APIError(400, f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
-    return ToolPlan("named", tools, function=name, structured=StructuredOutputsParams(json=params[name]),
-                    parser=_NamedParser(name))
+    return ToolPlan(
+        "named", tools, function=name, structured=StructuredOutputsParams(json=params[name]), parser=_NamedParser(name)
+    )
 
 
 def template_inputs(tokenizer: Any, messages: list[dict], plan: ToolPlan) -> tuple[list[dict], dict]:
@@ -123,9 +142,12 @@ def template_inputs(tokenizer: Any, messages: list[dict], plan: ToolPlan) -> tup
     if "tools" in (getattr(tokenizer, "chat_template", None) or ""):
         return messages, {"tools": plan.tools}
     described = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in plan.tools)
-    system = ("You can call functions. Their signatures, as JSON Schema, are:\n<tools>\n" + described +
-              "\n</tools>\nTo call one, answer with <tool_call>{\"name\": <function name>, \"arguments\": "
-              "<arguments object>}</tool_call>.")
+    system = (
+        "You can call functions. Their signatures, as JSON Schema, are:\n<tools>\n"
+        + described
+        + '\n</tools>\nTo call one, answer with <tool_call>{"name": <function name>, "arguments": '
+        "<arguments object>}</tool_call>."
+    )
     out = [_flatten(m) for m in messages]
     if out and out[0]["role"] == "system":
         out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + system}
@@ -139,8 +161,11 @@ def _flatten(msg: dict) -> dict:
     text = msg.get("content") or ""
     for call in msg.get("tool_calls") or []:
         f = call["function"]
-        text += "<tool_call>" + json.dumps({"name": f["name"], "arguments": f["arguments"]}, ensure_ascii=False) \
-                + "</tool_call>"
+        text += (
+            "<tool_call>"
+            + json.dumps({"name": f["name"], "arguments": f["arguments"]}, ensure_ascii=False)
+            + "</tool_call>"
+        )
     if msg["role"] == "tool":
         text = f"<tool_response>{text}</tool_response>"
     return {"role": msg["role"], "content": text}
@@ -151,8 +176,11 @@ def new_call_id() -> str:
 
 
 def call_dict(call: ParsedCall, call_id: str | None = None) -> dict:
-    return {"id": call_id or new_call_id(), "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments}}
+    return {
+        "id": call_id or new_call_id(),
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
 
 
 def extract_calls(plan: ToolPlan, text: str, cut: bool = False) -> tuple[str | None, list[ParsedCall]]:
@@ -162,7 +190,7 @@ def extract_calls(plan: ToolPlan, text: str, cut: bool = False) -> tuple[str | N
         return text, []
     content, calls = plan.parser.extract(text, final=True)
     if cut:
-        content = text[:plan.parser.content_end(text)].strip() or None
+        content = text[: plan.parser.content_end(text)].strip() or None
         calls = [c for c in plan.parser.extract(text, final=False)[1] if c.complete]
     return content, calls
 
@@ -187,22 +215,32 @@ class ToolCallStream:
         parser = self.plan.parser
         if finished:
             content, calls = extract_calls(self.plan, text, cut)
-            shown = text if content == text else text[:parser.content_end(text)]
+            shown = text if content == text else text[: parser.content_end(text)]
         else:
-            shown = text[:parser.content_end(text)]
+            shown = text[: parser.content_end(text)]
             calls = parser.extract(text, final=False)[1] if len(shown) < len(text) else []
         out = []
         if not self.ids and len(shown) > self.sent_content:
-            out.append({"content": shown[self.sent_content:]})
+            out.append({"content": shown[self.sent_content :]})
             self.sent_content = len(shown)
         for i, call in enumerate(calls):
             if i == len(self.ids):
                 self.ids.append(new_call_id())
                 self.sent_args.append("")
-                out.append({"tool_calls": [{"index": i, "id": self.ids[i], "type": "function",
-                                            "function": {"name": call.name, "arguments": ""}}]})
+                out.append(
+                    {
+                        "tool_calls": [
+                            {
+                                "index": i,
+                                "id": self.ids[i],
+                                "type": "function",
+                                "function": {"name": call.name, "arguments": ""},
+                            }
+                        ]
+                    }
+                )
             sent = self.sent_args[i]
             if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
-                out.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments[len(sent):]}}]})
+                out.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments[len(sent) :]}}]})
                 self.sent_args[i] = call.arguments
         return out

@@ -2,6 +2,7 @@
 may keep after verification. The draft model itself runs with the workers (worker/draft_model_runner.py), with
 its own paged KV cache addressed through the target's block tables (the scheduler reserves
 num_speculative_tokens lookahead slots per sequence for the guesses it writes)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -22,8 +23,12 @@ class DraftModelProposer(Proposer):
         wanted = [(seq, k) for seq, k in zip(seqs, num_tokens) if k > 0]
         if not wanted:
             return [[] for _ in seqs]
-        requests = [DraftRequest(seq.seq_id, seq.num_draft_computed, seq.token_ids[seq.num_draft_computed:],
-                                 list(seq.block_table), k) for seq, k in wanted]
+        requests = [
+            DraftRequest(
+                seq.seq_id, seq.num_draft_computed, seq.token_ids[seq.num_draft_computed :], list(seq.block_table), k
+            )
+            for seq, k in wanted
+        ]
         guesses = iter(self.executor.collective_rpc("propose_draft_tokens", requests)[0])
         for seq, _ in wanted:
             seq.num_draft_computed = len(seq.token_ids)

@@ -10,6 +10,7 @@ row), the draft is cut to 2^(n-1) tokens for a match of n tokens: a longer match
 and a 1-token match rarely continues far (benchmarks/ngram_policy.py replays the benchmark's outputs to
 compare such rules). On a GPU, where a verify step costs about what a decode step does, every match drafts k.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -40,7 +41,7 @@ def propose_ngram(tokens: np.ndarray, min_n: int, max_n: int, k: int, scale_by_m
     start = int(ends[np.flatnonzero(lengths == best)[-1]]) + 1
     if scale_by_match:
         k = min(k, 1 << (best - 1))
-    return tokens[start:start + k].tolist()
+    return tokens[start : start + k].tolist()
 
 
 class NgramProposer(Proposer):
@@ -51,8 +52,10 @@ class NgramProposer(Proposer):
         self._tokens: dict[int, tuple[np.ndarray, int]] = {}  # seq_id -> (buffer, tokens in it)
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> list[list[int]]:
-        return [propose_ngram(self._array(seq), self.min_n, self.max_n, k, self.scale_by_match) if k > 0 else []
-                for seq, k in zip(seqs, num_tokens)]
+        return [
+            propose_ngram(self._array(seq), self.min_n, self.max_n, k, self.scale_by_match) if k > 0 else []
+            for seq, k in zip(seqs, num_tokens)
+        ]
 
     def _array(self, seq: Sequence) -> np.ndarray:
         buf, n = self._tokens.get(seq.seq_id, (None, 0))

@@ -1,4 +1,5 @@
 """What the engine core asks of a proposer (spec_decode/__init__.py picks one for a SpeculativeConfig)."""
+
 from __future__ import annotations
 
 from novainfer.sequence import Sequence

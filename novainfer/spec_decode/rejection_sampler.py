@@ -9,6 +9,7 @@ the bonus token from p. Greedy rows accept while the guess is the argmax. p is t
 samples from (logit_bias, penalties, temperature, top-k, top-p, min-p), so every parameter keeps its meaning.
 A sequence's emitted tokens are its rows' tokens up to and including the first rejected row.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,8 +28,13 @@ class VerifiedOutput(SamplerOutput):
     accepted: torch.Tensor | None = None  # [rows] bool; False for rows without a guess
 
 
-def rejection_sample(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, draft_ids: torch.Tensor,
-                     token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None) -> VerifiedOutput:
+def rejection_sample(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    meta: SamplingMetadata,
+    draft_ids: torch.Tensor,
+    token_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> VerifiedOutput:
     """logits [rows, vocab]; draft_ids [rows]: the guess each row checks, -1 for a row that just samples."""
     logits, raw_logprobs = sampler.process_logits(logits, meta, token_bitmask)
     has_draft = draft_ids >= 0
@@ -68,9 +74,9 @@ def split_verified(out: ModelRunnerOutput, num_drafts: list[int], accepted: list
     first = 0
     for d in num_drafts:
         n = emitted_rows(accepted, first, d)
-        out.spec_accepted_token_ids.append(tokens[first:first + n - 1])
+        out.spec_accepted_token_ids.append(tokens[first : first + n - 1])
         out.sampled_token_ids.append(tokens[first + n - 1])
         if logprobs is not None:
-            out.spec_logprobs.append(logprobs[first:first + n - 1])
+            out.spec_logprobs.append(logprobs[first : first + n - 1])
             out.logprobs.append(logprobs[first + n - 1])
         first += d + 1

@@ -1,4 +1,5 @@
 """Speculation counters of one engine core (vLLM's names): drafts are sequence-steps that verified guesses."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

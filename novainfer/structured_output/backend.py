@@ -1,4 +1,5 @@
 """The grammar-engine interface: compile a constraint once, then follow one sequence's tokens with a matcher."""
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod

@@ -4,6 +4,7 @@ JSON is compiled with fixed separators (", " and ": ") and no other whitespace, 
 never spend its tokens on whitespace. Grammars are Lark (llguidance's format, as vLLM's guidance backend);
 GBNF is converted.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,6 +35,7 @@ class GuidanceMatcher(GrammarMatcher):
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         import llguidance.torch
+
         llguidance.torch.fill_next_token_bitmask(self.m, bitmask, row)
 
     def is_terminated(self) -> bool:
@@ -76,8 +78,10 @@ class GuidanceBackend(StructuredOutputBackend):
         if p.regex is not None:
             expansion = regex_expansion(p.regex)
             if expansion is not None and expansion > MAX_REGEX_EXPANSION:
-                raise ValueError(f"invalid structured output constraint: the regex's bounded repeats expand to "
-                                 f"{expansion} positions; at most {MAX_REGEX_EXPANSION} are allowed")
+                raise ValueError(
+                    f"invalid structured output constraint: the regex's bounded repeats expand to "
+                    f"{expansion} positions; at most {MAX_REGEX_EXPANSION} are allowed"
+                )
             return llguidance.LLMatcher.grammar_from_regex(p.regex)
         if p.choice is not None:
             return llguidance.grammar_from("choice", json.dumps(p.choice))
@@ -92,6 +96,7 @@ def regex_expansion(pattern: str) -> int | None:
     once); None when Python's parser does not read it (llguidance then judges it alone)."""
     import re._constants as c
     import re._parser as sre_parse
+
     try:
         tree = sre_parse.parse(pattern)
     except Exception:  # another dialect's syntax
@@ -114,4 +119,5 @@ def regex_expansion(pattern: str) -> int | None:
             else:
                 total += 1
         return total
+
     return size(tree)

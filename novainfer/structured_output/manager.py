@@ -9,6 +9,7 @@ always follows the accepted output. A state with `after` tokens (a thinking mode
 gated: the grammar starts on the token after them, and until then the sequence samples freely (as vLLM's
 reasoning-aware structured outputs).
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,7 +37,7 @@ class GrammarState:
         """Where the grammar starts in this output (just past the first occurrence of `after`), or None."""
         k = len(self.after)
         for i in range(len(output_token_ids) - k + 1):
-            if tuple(output_token_ids[i:i + k]) == self.after:
+            if tuple(output_token_ids[i : i + k]) == self.after:
                 return i + k
         return None
 
@@ -62,6 +63,7 @@ class StructuredOutputManager:
     def backend(self):
         if self._backend is None:
             from novainfer.structured_output.guidance_backend import GuidanceBackend
+
             if callable(self.tokenizer) and not hasattr(self.tokenizer, "encode"):
                 self.tokenizer = self.tokenizer()
             self._backend = GuidanceBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -113,6 +115,7 @@ class StructuredOutputManager:
         if not constrained:
             return None
         import torch
+
         bitmask = torch.full((len(constrained), bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
         for row, seq in enumerate(constrained):
             seq.grammar.matcher.fill_bitmask(bitmask, row)
@@ -134,7 +137,7 @@ class StructuredOutputManager:
         logger.debug("rebuilding a grammar matcher from %d tokens", len(output_token_ids))
         state.matcher.reset()
         state.start = state.open_at(output_token_ids) if state.after else 0
-        for t in output_token_ids[state.start:] if state.start is not None else ():
+        for t in output_token_ids[state.start :] if state.start is not None else ():
             if not state.matcher.accept_token(t):
                 break
         state.num_accepted = len(output_token_ids)

@@ -9,6 +9,7 @@ ctypes descriptors and re-gathered only when the runner binds a new KV cache.
 Taken for a step whose every row is a decode row (one new token per sequence, or a CPU verify step's
 per-token rows) on float32 activations over the bf16 paged cache; every other step runs the model's layers.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -32,11 +33,16 @@ def plain_llama_layers(model: LlamaModel) -> bool:
         return False
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if (type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention or attn.qk_norm
-                or type(mlp) is not LlamaMLP or type(mlp.act_fn) is not SiluAndMul
-                or type(attn.rotary_emb) is not RotaryEmbedding
-                or any(type(n) is not RMSNorm for n in (layer.input_layernorm, layer.post_attention_layernorm))
-                or any(lin.tp_size != 1 for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))):
+        if (
+            type(layer) is not LlamaDecoderLayer
+            or type(attn) is not LlamaAttention
+            or attn.qk_norm
+            or type(mlp) is not LlamaMLP
+            or type(mlp.act_fn) is not SiluAndMul
+            or type(attn.rotary_emb) is not RotaryEmbedding
+            or any(type(n) is not RMSNorm for n in (layer.input_layernorm, layer.post_attention_layernorm))
+            or any(lin.tp_size != 1 for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        ):
             return False
     return True
 
@@ -48,12 +54,18 @@ def supports(model: LlamaModel) -> bool:
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         norms, rope = (layer.input_layernorm, layer.post_attention_layernorm), attn.rotary_emb
-        if (not mlp.act_fn.fused_cpu or not rope.fused_cpu or rope.cos_cache.dtype != torch.float32 or attn.head_dim % 8
-                or any(not n.fused_cpu or n.weight.dtype != torch.float32 for n in norms)):
+        if (
+            not mlp.act_fn.fused_cpu
+            or not rope.fused_cpu
+            or rope.cos_cache.dtype != torch.float32
+            or attn.head_dim % 8
+            or any(not n.fused_cpu or n.weight.dtype != torch.float32 for n in norms)
+        ):
             return False
         for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if getattr(lin.weight, "packed", None) is None or (lin.bias is not None and (
-                    lin.bias.dtype != torch.float32 or not lin.bias.is_contiguous())):
+            if getattr(lin.weight, "packed", None) is None or (
+                lin.bias is not None and (lin.bias.dtype != torch.float32 or not lin.bias.is_contiguous())
+            ):
                 return False
     return True
 
@@ -81,8 +93,15 @@ class CPUDecodeStack:
         embeds = self.model.embed_tokens(input_ids)
         if embeds.dtype != torch.float32 or embeds.dim() != 2 or not embeds.is_contiguous():
             return None
-        return self.kernel.run(self.model.norm.weight, self.model.norm.eps, embeds, positions, meta.slot_mapping,
-                               meta.block_tables, meta.seq_lens)
+        return self.kernel.run(
+            self.model.norm.weight,
+            self.model.norm.eps,
+            embeds,
+            positions,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.seq_lens,
+        )
 
     def _bind(self) -> bool:
         """(Re)fill the descriptors when the runner bound another KV cache; False if it is not the bf16 cache
@@ -91,8 +110,13 @@ class CPUDecodeStack:
         if len(self.caches) == len(attns) and all(a.k_cache is c() for a, c in zip(attns, self.caches)):
             return True
         for a in attns:
-            if (a.backend is not cpu_backend or a.k_cache.dtype != torch.bfloat16 or a.k_cache.dim() != 4
-                    or not a.k_cache.is_contiguous() or not a.v_cache.is_contiguous()):
+            if (
+                a.backend is not cpu_backend
+                or a.k_cache.dtype != torch.bfloat16
+                or a.k_cache.dim() != 4
+                or not a.k_cache.is_contiguous()
+                or not a.v_cache.is_contiguous()
+            ):
                 return False
         layers = (DecoderLayerDesc * len(attns))()
         for desc, layer in zip(layers, self.model.layers):

@@ -8,6 +8,7 @@ token and its guesses); those graphs run the prefill attention kernel, whose gri
 batch size and query_len. A hybrid model's graphs (state_slots=True) also take each sequence's state slot from a
 static buffer (padding rows: slot -1, which the Gated DeltaNet kernels neither read nor write).
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,16 +52,28 @@ def graphs_for_step(decode: DecodeGraphs | None, verify: DecodeGraphs | None, in
         return None
     if inp.state_slots is not None and (inp.state_slots.restores or inp.state_slots.saves):
         return None  # a state checkpoint copy: the layers' eager prefill path does it
-    if inp.max_query_len > 1 and (inp.spec_num_drafts is None or len(inp.spec_num_drafts) != num_seqs
-                                  or inp.input_ids.shape[0] != num_seqs * graphs.query_len):
+    if inp.max_query_len > 1 and (
+        inp.spec_num_drafts is None
+        or len(inp.spec_num_drafts) != num_seqs
+        or inp.input_ids.shape[0] != num_seqs * graphs.query_len
+    ):
         return None
     return graphs
 
 
 class DecodeGraphs:
-    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], max_num_seqs: int,
-                 max_blocks_per_seq: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 num_splits: Callable[[int], int], query_len: int = 1, state_slots: bool = False):
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_splits: Callable[[int], int],
+        query_len: int = 1,
+        state_slots: bool = False,
+    ):
         self.forward = forward  # (input_ids, positions) -> hidden states: the runner's decode_forward
         self.sizes = batch_size_ladder(max_num_seqs)
         self.num_splits = num_splits
@@ -79,11 +92,16 @@ class DecodeGraphs:
     def metadata(self, bs: int) -> AttentionMetadata:
         q = self.query_len
         return AttentionMetadata(
-            query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
-            slot_mapping=self.slot_mapping[:bs * q], block_tables=self.block_tables[:bs],
-            max_query_len=q, max_seq_len=self.block_tables.shape[1],
-            num_splits=self.num_splits(bs) if q == 1 else 1, cuda_graph=True,
-            state_slots=None if self.state_slots is None else StateSlotsMetadata(self.state_slots[:bs], []))
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.seq_lens[:bs],
+            slot_mapping=self.slot_mapping[: bs * q],
+            block_tables=self.block_tables[:bs],
+            max_query_len=q,
+            max_seq_len=self.block_tables.shape[1],
+            num_splits=self.num_splits(bs) if q == 1 else 1,
+            cuda_graph=True,
+            state_slots=None if self.state_slots is None else StateSlotsMetadata(self.state_slots[:bs], []),
+        )
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -99,15 +117,24 @@ class DecodeGraphs:
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
         torch.cuda.synchronize()
-        logger.info("captured %s CUDA graphs for batch sizes %s", "decode" if self.query_len == 1 else
-                    f"verify ({self.query_len} tokens a sequence)", self.sizes)
+        logger.info(
+            "captured %s CUDA graphs for batch sizes %s",
+            "decode" if self.query_len == 1 else f"verify ({self.query_len} tokens a sequence)",
+            self.sizes,
+        )
 
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.sizes[-1]
 
-    def load_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                    seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                    state_slots: torch.Tensor | None = None) -> None:
+    def load_inputs(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        seq_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        state_slots: torch.Tensor | None = None,
+    ) -> None:
         """Copy one step's inputs (host tensors, pinned) into the static buffers; pad to the graph's size."""
         n, q = seq_lens.shape[0], self.query_len
         bs = bucket(self.sizes, n)
@@ -116,11 +143,11 @@ class DecodeGraphs:
         self.positions[:t].copy_(positions, non_blocking=True)
         self.slot_mapping[:t].copy_(slot_mapping, non_blocking=True)
         self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
-        self.block_tables[:n, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
         if self.state_slots is not None:
             self.state_slots[:n].copy_(state_slots, non_blocking=True)
         if bs > n:
-            self.slot_mapping[t:bs * q].fill_(-1)
+            self.slot_mapping[t : bs * q].fill_(-1)
             self.seq_lens[n:bs].fill_(q)
             if self.state_slots is not None:
                 self.state_slots[n:bs].fill_(-1)
@@ -128,4 +155,4 @@ class DecodeGraphs:
     def replay(self, num_seqs: int) -> torch.Tensor:
         """Hidden states [num_seqs * query_len, hidden] of the step whose inputs load_inputs copied in."""
         self.graphs[bucket(self.sizes, num_seqs)].replay()
-        return self.hidden[:num_seqs * self.query_len]
+        return self.hidden[: num_seqs * self.query_len]

@@ -1,5 +1,6 @@
 """A decode step's hidden states through a whole-stack fast path with the model's results, where one applies: the
 CPU C stack (cpu_decode_stack.py) or the GPU fused stack (gpu_decode_stack.py); else the model's forward."""
+
 from __future__ import annotations
 
 from types import ModuleType
@@ -19,8 +20,9 @@ class DecodeStrategy(Protocol):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None: ...
 
 
-def select_decode_strategy(model: nn.Module, attn_backend: ModuleType,
-                           graphs_only: bool = True) -> DecodeStrategy | None:
+def select_decode_strategy(
+    model: nn.Module, attn_backend: ModuleType, graphs_only: bool = True
+) -> DecodeStrategy | None:
     """The fast path that applies to model (a ...ForCausalLM whose .model is a LlamaModel) over attn_backend's
     KV cache, or None; graphs_only: the GPU stack only inside CUDA graphs (see GPUDecodeStack)."""
     inner = getattr(model, "model", None)
@@ -29,11 +31,13 @@ def select_decode_strategy(model: nn.Module, attn_backend: ModuleType,
     if attn_backend is cpu_backend:
         return cpu_decode_stack.CPUDecodeStack(inner) if cpu_decode_stack.supports(inner) else None
     from novainfer.worker.gpu_decode_stack import GPUDecodeStack, supports  # Triton: where its backend runs
+
     return GPUDecodeStack(inner, graphs_only) if supports(inner) else None
 
 
-def decode_forward(model: nn.Module, strategy: DecodeStrategy | None, input_ids: torch.Tensor,
-                   positions: torch.Tensor) -> torch.Tensor:
+def decode_forward(
+    model: nn.Module, strategy: DecodeStrategy | None, input_ids: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
     """The step's hidden states: the strategy's where it takes the step, else the model's forward."""
     hidden = strategy.forward(input_ids, positions) if strategy is not None else None
     return hidden if hidden is not None else model(input_ids, positions)

@@ -5,6 +5,7 @@ The draft's cache has the target's num_blocks and block_size, so the target's bl
 vLLM); the scheduler reserves the lookahead slots its guesses write. Guesses are greedy: the target's
 rejection sampler treats each guess as a one-hot proposal, which keeps the target's distribution exactly.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,16 +41,21 @@ def load_draft_config(config: EngineConfig, target_hf_config: Any, max_model_len
     except Exception as exc:
         raise ValueError(f"speculative_config.model {path!r} has no loadable model config: {exc}") from exc
     if is_hybrid(hf_config):  # the draft runner keeps a KV cache only, no recurrent state slots
-        raise ValueError(f"speculative_config.model {path!r} has linear-attention layers, which a draft model "
-                         "cannot have")
+        raise ValueError(
+            f"speculative_config.model {path!r} has linear-attention layers, which a draft model cannot have"
+        )
     draft_vocab, target_vocab = getattr(hf_config, "vocab_size", None), target_hf_config.vocab_size
     if draft_vocab != target_vocab:
-        raise ValueError(f"speculative_config.model {path!r} has vocab_size {draft_vocab}, the target has "
-                         f"{target_vocab}: the draft must share the target's vocabulary")
+        raise ValueError(
+            f"speculative_config.model {path!r} has vocab_size {draft_vocab}, the target has "
+            f"{target_vocab}: the draft must share the target's vocabulary"
+        )
     draft_positions = getattr(hf_config, "max_position_embeddings", None)
     if draft_positions is not None and draft_positions < max_model_len:
-        raise ValueError(f"speculative_config.model {path!r} has max_position_embeddings {draft_positions} < "
-                         f"max_model_len {max_model_len}; set max_model_len <= {draft_positions}")
+        raise ValueError(
+            f"speculative_config.model {path!r} has max_position_embeddings {draft_positions} < "
+            f"max_model_len {max_model_len}; set max_model_len <= {draft_positions}"
+        )
     _check_tokenizers(path, config.model_config.tokenizer or config.model_config.model)
     return hf_config
 
@@ -68,13 +74,16 @@ def _check_tokenizers(draft_path: str, target_path: str) -> None:
         return
     differ = sorted(set(draft_vocab.items()) ^ set(target_vocab.items()), key=lambda kv: kv[1])
     if differ:
-        raise ValueError(f"speculative_config.model {draft_path!r}: its tokenizer's vocabulary differs from the "
-                         f"target's in {len(differ)} (token, id) entries, e.g. {differ[:3]}")
+        raise ValueError(
+            f"speculative_config.model {draft_path!r}: its tokenizer's vocabulary differs from the "
+            f"target's in {len(differ)} (token, id) entries, e.g. {differ[:3]}"
+        )
 
 
 def _vocab(path: str) -> dict[str, int]:
     if path.endswith(".gguf"):
         from novainfer.loader.gguf_loader import load_gguf_vocab
+
         return load_gguf_vocab(path)
     return load_tokenizer(path).get_vocab()
 
@@ -86,13 +95,26 @@ class DraftModelRunner:
     max_num_batched_tokens), then one decode forward per further guess over the sequences still guessing.
     Plain eager forwards on every device this round (no CUDA graphs)."""
 
-    def __init__(self, config: EngineConfig, target_hf_config: Any, dtype: torch.dtype, kv_dtype: torch.dtype,
-                 device: torch.device, max_model_len: int):
+    def __init__(
+        self,
+        config: EngineConfig,
+        target_hf_config: Any,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+        device: torch.device,
+        max_model_len: int,
+    ):
         path = config.speculative_config.model
         self.hf_config = load_draft_config(config, target_hf_config, max_model_len)
         # the draft's weights are always read, also under a load_format="dummy" target (a benchmark's random one)
-        draft_mc = dataclasses.replace(config.model_config, model=path, hf_config=self.hf_config, tokenizer=None,
-                                       max_model_len=None, load_format="auto")
+        draft_mc = dataclasses.replace(
+            config.model_config,
+            model=path,
+            hf_config=self.hf_config,
+            tokenizer=None,
+            max_model_len=None,
+            load_format="auto",
+        )
         try:
             self.model = load_model(path, self.hf_config, dtype, device, "auto", get_quant_config(draft_mc, device))
         except Exception as exc:
@@ -112,8 +134,7 @@ class DraftModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, backend: ModuleType) -> None:
         """The cache [2, layers, num_blocks, block_size, kv_heads, head_dim]; backend: the target's."""
-        self.kv_cache = allocate_kv_cache(self.layers, num_blocks, self.block_size, self.kv_dtype, self.device,
-                                          backend)
+        self.kv_cache = allocate_kv_cache(self.layers, num_blocks, self.block_size, self.kv_dtype, self.device, backend)
         self.decode_strategy = select_decode_strategy(self.model, backend)
         self.num_blocks = num_blocks
 
@@ -144,7 +165,7 @@ class DraftModelRunner:
         width = max(len(r.block_table) for r in requests)
         tables = np.zeros((len(requests), width), dtype=np.int64)
         for i, r in enumerate(requests):
-            tables[i, :len(r.block_table)] = r.block_table
+            tables[i, : len(r.block_table)] = r.block_table
         ends = np.array([r.start + len(r.token_ids) for r in requests], dtype=np.int64)
         wanted = np.array([r.num_tokens for r in requests], dtype=np.int64)
         guesses = torch.zeros(len(requests), int(wanted.max()), dtype=torch.long, device=self.device)
@@ -152,8 +173,9 @@ class DraftModelRunner:
         for j in range(1, guesses.shape[1]):  # guess j+1 from guess j, for every sequence that wants it
             rows = np.flatnonzero(wanted > j)
             index = slice(None) if len(rows) == len(requests) else self._upload(rows)
-            hidden = self._forward(guesses[index, j - 1], tables, rows, ends[rows] + j - 1,
-                                   np.ones(len(rows), dtype=np.int64))
+            hidden = self._forward(
+                guesses[index, j - 1], tables, rows, ends[rows] + j - 1, np.ones(len(rows), dtype=np.int64)
+            )
             guesses[index, j] = self.model.compute_logits(hidden).argmax(dim=-1)
         return [row[:k] for row, k in zip(guesses.tolist(), wanted.tolist())]
 
@@ -176,14 +198,15 @@ class DraftModelRunner:
             self._read_chunk(requests, tables, pieces, first)
         return first
 
-    def _read_chunk(self, requests: list[DraftRequest], tables: np.ndarray, pieces: list[tuple[int, int, int]],
-                    first: torch.Tensor) -> None:
+    def _read_chunk(
+        self, requests: list[DraftRequest], tables: np.ndarray, pieces: list[tuple[int, int, int]], first: torch.Tensor
+    ) -> None:
         """One varlen forward over pieces; a piece that ends its request's tokens gives that request's guess 1."""
         rows = np.array([i for i, _, _ in pieces], dtype=np.int64)
         offsets = np.array([off for _, off, _ in pieces], dtype=np.int64)
         lengths = np.array([n for _, _, n in pieces], dtype=np.int64)
         starts = np.array([requests[i].start for i in rows], dtype=np.int64) + offsets
-        ids = [t for i, off, n in pieces for t in requests[i].token_ids[off:off + n]]
+        ids = [t for i, off, n in pieces for t in requests[i].token_ids[off : off + n]]
         hidden = self._forward(self._upload(np.array(ids, dtype=np.int64)), tables, rows, starts, lengths)
         last = [p for p, (i, off, n) in enumerate(pieces) if off + n == len(requests[i].token_ids)]
         if last:
@@ -191,8 +214,9 @@ class DraftModelRunner:
             logits = self.model.compute_logits(hidden[self._upload(ends)])
             first[self._upload(rows[last])] = logits.argmax(dim=-1)
 
-    def _forward(self, ids: torch.Tensor, tables: np.ndarray, rows: np.ndarray, starts: np.ndarray,
-                 lengths: np.ndarray) -> torch.Tensor:
+    def _forward(
+        self, ids: torch.Tensor, tables: np.ndarray, rows: np.ndarray, starts: np.ndarray, lengths: np.ndarray
+    ) -> torch.Tensor:
         """Hidden states of ids: lengths[s] tokens of request rows[s] at positions starts[s]..., packed."""
         ends = np.cumsum(lengths)
         total = int(ends[-1])
@@ -202,10 +226,15 @@ class DraftModelRunner:
         seq_lens = starts + lengths
         qsl = np.concatenate([[0], ends])
         meta = AttentionMetadata(
-            query_start_loc=self._upload(qsl, torch.int32), seq_lens=self._upload(seq_lens, torch.int32),
-            slot_mapping=self._upload(slots), block_tables=self._upload(tables[rows], torch.int32),
-            max_query_len=int(lengths.max()), max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=qsl.tolist(), seq_lens_cpu=seq_lens.tolist())
+            query_start_loc=self._upload(qsl, torch.int32),
+            seq_lens=self._upload(seq_lens, torch.int32),
+            slot_mapping=self._upload(slots),
+            block_tables=self._upload(tables[rows], torch.int32),
+            max_query_len=int(lengths.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
         with attention_metadata(meta):
             return decode_forward(self.model, self.decode_strategy, ids, self._upload(positions))
 
@@ -222,15 +251,23 @@ class DraftModelRunner:
         if not r.token_ids:
             raise ValueError(f"DraftRequest.token_ids is empty for seq {r.seq_id}: the draft needs a token to read")
         if r.num_tokens < 1 or r.start < 0:
-            raise ValueError(f"DraftRequest for seq {r.seq_id} needs num_tokens >= 1 and start >= 0, got "
-                             f"num_tokens={r.num_tokens}, start={r.start}")
+            raise ValueError(
+                f"DraftRequest for seq {r.seq_id} needs num_tokens >= 1 and start >= 0, got "
+                f"num_tokens={r.num_tokens}, start={r.start}"
+            )
         last = r.start + len(r.token_ids) + r.num_tokens - 2  # the last position whose KV the draft writes
         if len(r.block_table) * self.block_size <= last:
-            raise ValueError(f"DraftRequest.block_table of seq {r.seq_id} has {len(r.block_table)} blocks of "
-                             f"{self.block_size}; position {last} needs {last // self.block_size + 1}")
+            raise ValueError(
+                f"DraftRequest.block_table of seq {r.seq_id} has {len(r.block_table)} blocks of "
+                f"{self.block_size}; position {last} needs {last // self.block_size + 1}"
+            )
         if min(r.block_table) < 0 or max(r.block_table) >= self.num_blocks:
-            raise ValueError(f"DraftRequest.block_table of seq {r.seq_id} names a block outside 0.."
-                             f"{self.num_blocks - 1}: {r.block_table}")
+            raise ValueError(
+                f"DraftRequest.block_table of seq {r.seq_id} names a block outside 0.."
+                f"{self.num_blocks - 1}: {r.block_table}"
+            )
         if last >= self.max_position:
-            raise ValueError(f"seq {r.seq_id}: draft position {last} is past the draft model's "
-                             f"max_position_embeddings {self.max_position}")
+            raise ValueError(
+                f"seq {r.seq_id}: draft position {last} is past the draft model's "
+                f"max_position_embeddings {self.max_position}"
+            )

@@ -13,6 +13,7 @@ order (as cuBLAS's kernels differ between batch sizes). Taken for the batch-1 de
 whose layers are plain llama pieces on one rank with unquantized weights (Llama, Qwen2, Mistral); every
 other step and model runs the layers as before (worker/decode_strategy.py picks it).
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,8 +39,12 @@ class GPUDecodeStack:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The final-normed hidden states [1, H] of a one-token decode step, or None for any other step."""
         meta = get_attention_metadata()
-        if input_ids.shape[0] != 1 or not isinstance(meta, AttentionMetadata) or meta.max_query_len != 1 \
-                or (self.graphs_only and not meta.cuda_graph):
+        if (
+            input_ids.shape[0] != 1
+            or not isinstance(meta, AttentionMetadata)
+            or meta.max_query_len != 1
+            or (self.graphs_only and not meta.cuda_graph)
+        ):
             return None
         model = self.model
         hidden_states, residual = model.embed_tokens(input_ids), None
@@ -49,24 +54,50 @@ class GPUDecodeStack:
         return out
 
     @staticmethod
-    def _layer(layer: nn.Module, meta: AttentionMetadata, positions: torch.Tensor, h: torch.Tensor,
-               residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layer(
+        layer: nn.Module,
+        meta: AttentionMetadata,
+        positions: torch.Tensor,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
-        qkv = gemv(h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps,
-                   residual=residual)
+        qkv = gemv(
+            h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps, residual=residual
+        )
         qkv, residual = qkv if residual is not None else (qkv, h)  # the first layer: its input is the residual
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         a, rope = attn.attn, attn.rotary_emb
-        o = decode_attention(q.view(1, a.num_heads, a.head_dim), a.k_cache, a.v_cache, meta.block_tables,
-                             meta.seq_lens, a.scale, meta.num_splits, sliding_window=a.sliding_window,
-                             logits_soft_cap=a.logits_soft_cap,
-                             rope=DecodeRope(positions, rope.cos_cache, rope.sin_cache,
-                                             k.view(1, a.num_kv_heads, a.head_dim),
-                                             v.view(1, a.num_kv_heads, a.head_dim), meta.slot_mapping))
+        o = decode_attention(
+            q.view(1, a.num_heads, a.head_dim),
+            a.k_cache,
+            a.v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            a.scale,
+            meta.num_splits,
+            sliding_window=a.sliding_window,
+            logits_soft_cap=a.logits_soft_cap,
+            rope=DecodeRope(
+                positions,
+                rope.cos_cache,
+                rope.sin_cache,
+                k.view(1, a.num_kv_heads, a.head_dim),
+                v.view(1, a.num_kv_heads, a.head_dim),
+                meta.slot_mapping,
+            ),
+        )
         h = gemv(o.view(1, -1), attn.o_proj.weight)  # (supports() leaves o_proj and down_proj biases out)
         norm = layer.post_attention_layernorm
-        act, residual = gemv(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, norm_weight=norm.weight,
-                             eps=norm.eps, residual=residual, silu_and_mul=True)
+        act, residual = gemv(
+            h,
+            mlp.gate_up_proj.weight,
+            mlp.gate_up_proj.bias,
+            norm_weight=norm.weight,
+            eps=norm.eps,
+            residual=residual,
+            silu_and_mul=True,
+        )
         return gemv(act, mlp.down_proj.weight), residual
 
 

@@ -5,6 +5,7 @@ when the block manager handed the sequence a new block (once every block_size to
 step's block tables and slots is a handful of vectorized gathers instead of Python work per token.
 Rows are compacted when sequences leave: the last row moves into the hole.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -46,9 +47,9 @@ class InputBatch:
         n = int(self.num_blocks[row])
         if self._sources[row] is block_table and len(block_table) >= n:  # grown in place, or unchanged
             if len(block_table) > n:
-                self.block_tables[row, n:len(block_table)] = block_table[n:]
+                self.block_tables[row, n : len(block_table)] = block_table[n:]
         else:  # new, or the block manager gave the sequence a new table (preempted and readmitted)
-            self.block_tables[row, :len(block_table)] = block_table
+            self.block_tables[row, : len(block_table)] = block_table
             self._sources[row] = block_table
         self.num_blocks[row] = self._lengths[row] = len(block_table)
         return row

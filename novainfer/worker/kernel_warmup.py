@@ -2,6 +2,7 @@
 CUDA graph capture launches: the prefill kernel's tiles for short queries (<= 32 tokens: chunk tails, short
 prompts) and the one-pass temperature sampler. A fresh machine otherwise compiled them (~1.5 s) inside its first
 timed run, 7-10% of the 7B bench shape (benchmarks/tuning/triton_compiles.py)."""
+
 from __future__ import annotations
 
 import torch
@@ -21,12 +22,15 @@ def one_sequence_metadata(n: int, block_size: int, device: torch.device) -> Atte
         seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
         slot_mapping=torch.arange(n, device=device),
         block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
-        max_query_len=n, max_seq_len=n, query_start_loc_cpu=[0, n], seq_lens_cpu=[n])
+        max_query_len=n,
+        max_seq_len=n,
+        query_start_loc_cpu=[0, n],
+        seq_lens_cpu=[n],
+    )
 
 
 @torch.inference_mode()
-def warm_up_kernels(model: torch.nn.Module, sampler: torch.nn.Module, block_size: int,
-                    device: torch.device) -> None:
+def warm_up_kernels(model: torch.nn.Module, sampler: torch.nn.Module, block_size: int, device: torch.device) -> None:
     """A short prefill into the (still unused) cache's first block and a temperature-sampling pass. Every
     rank runs it (the forward's collectives need all of them); what it writes to the cache no sequence owns."""
     n = SHORT_PREFILL

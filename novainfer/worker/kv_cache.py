@@ -5,6 +5,7 @@ model's Attention layers read. The target's runner and the draft model's runner 
 A layer that reads another's cache (kv_source, Gemma 4's KV sharing) gets no cache of its own. Where the
 layers' K/V shapes differ (Gemma 4: wider heads on its full-attention layers), the one tensor is flat and each
 layer's views are consecutive slices of it."""
+
 from __future__ import annotations
 
 from types import ModuleType
@@ -33,8 +34,14 @@ def kv_bytes_per_block(layers: list[Attention], block_size: int, kv_dtype: torch
     return sum(2 * block_size * a.num_kv_heads * a.head_dim * kv_dtype.itemsize for a in _cache_owners(layers))
 
 
-def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int, kv_dtype: torch.dtype,
-                      device: torch.device, backend: ModuleType) -> torch.Tensor:
+def allocate_kv_cache(
+    layers: list[Attention],
+    num_blocks: int,
+    block_size: int,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+    backend: ModuleType,
+) -> torch.Tensor:
     """One tensor [2, layers, blocks, block_size, kv_heads, head_dim] (flat where the layers' shapes differ);
     each layer gets views and the backend."""
     owners = _cache_owners(layers)
@@ -46,15 +53,16 @@ def allocate_kv_cache(layers: list[Attention], num_blocks: int, block_size: int,
     # A large CPU cache is taken fresh from mmap, whose pages are zero and become resident only when
     # written, so RSS grows with the tokens cached, not the capacity (the same zeros torch.zeros writes).
     lazy = device.type == "cpu" and numel * kv_dtype.itemsize >= 64 << 20
-    kv_cache = (torch.empty if lazy else torch.zeros)(shape if len(shapes) == 1 else (numel,), dtype=kv_dtype,
-                                                      device=device)
+    kv_cache = (torch.empty if lazy else torch.zeros)(
+        shape if len(shapes) == 1 else (numel,), dtype=kv_dtype, device=device
+    )
     offset = 0
     for i, layer in enumerate(owners):
         if len(shapes) == 1:
             layer.k_cache, layer.v_cache = kv_cache[0, i], kv_cache[1, i]
             continue
         view = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-        k, v = kv_cache[offset:offset + 2 * per_layer[i]].chunk(2)
+        k, v = kv_cache[offset : offset + 2 * per_layer[i]].chunk(2)
         layer.k_cache, layer.v_cache = k.view(view), v.view(view)
         offset += 2 * per_layer[i]
     for layer in layers:
@@ -68,8 +76,14 @@ def release_kv_cache(layers: list[Attention]) -> None:
         layer.k_cache = layer.v_cache = torch.tensor([])
 
 
-def num_blocks_that_fit(cc: CacheConfig, device: torch.device, block_size: int, bytes_per_block: int,
-                        profile_run: Callable[[], None], cpu_state_bytes: int = 0) -> int:
+def num_blocks_that_fit(
+    cc: CacheConfig,
+    device: torch.device,
+    block_size: int,
+    bytes_per_block: int,
+    profile_run: Callable[[], None],
+    cpu_state_bytes: int = 0,
+) -> int:
     """Blocks that fit: configured, else free GPU memory after profile_run, else the CPU budget (less what a
     hybrid model's state slots take of it)."""
     if cc.num_gpu_blocks is not None:
@@ -89,13 +103,15 @@ def num_blocks_that_fit(cc: CacheConfig, device: torch.device, block_size: int, 
         raise RuntimeError(
             f"the model does not leave room for a KV cache: {used / 2**30:.2f} GiB used of "
             f"{total / 2**30:.2f} GiB with gpu_memory_utilization={cc.gpu_memory_utilization}; "
-            "raise gpu_memory_utilization or use a smaller model")
+            "raise gpu_memory_utilization or use a smaller model"
+        )
     return num_blocks
 
 
 @torch.inference_mode()
-def profile_step(model: nn.Module, sampler: Sampler, drafter: Any, num_tokens: int, rows: int, block_size: int,
-                 device: torch.device) -> None:
+def profile_step(
+    model: nn.Module, sampler: Sampler, drafter: Any, num_tokens: int, rows: int, block_size: int, device: torch.device
+) -> None:
     """The largest step's forward (one sequence of num_tokens over a scratch cache the caller bound) and a
     sampling pass over rows rows with every parameter on; the draft model's forward (drafter, or None) apart."""
     meta = one_sequence_metadata(num_tokens, block_size, device)
@@ -105,6 +121,7 @@ def profile_step(model: nn.Module, sampler: Sampler, drafter: Any, num_tokens: i
     with attention_metadata(meta):
         hidden = model(ids, torch.arange(num_tokens, device=device))
     logits = model.compute_logits(hidden[-rows:]).float()
-    worst = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.1, repetition_penalty=1.1,
-                           presence_penalty=0.1, logprobs=20)
+    worst = SamplingParams(
+        temperature=1.0, top_k=50, top_p=0.9, min_p=0.1, repetition_penalty=1.1, presence_penalty=0.1, logprobs=20
+    )
     sampler(logits, SamplingMetadata.build([SamplingRow(worst, [0], [0])] * rows, logits.shape[-1], device))

@@ -5,6 +5,7 @@ cuda_graph.py) -> sample (spec_decode/ for verify steps) -> read back (overlap.p
 (input_ids, positions) to hidden states; everything that differs between prefill, chunked prefill and decode is
 in the step inputs and the attention metadata. KV sizing: kv_cache.py.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,8 +26,13 @@ from novainfer.worker.draft_model_runner import DraftModelRunner
 from novainfer.spec_decode.rejection_sampler import rejection_sample
 from novainfer.step_types import ModelRunnerOutput, SchedulerOutput
 from novainfer.worker.kernel_warmup import warm_up_kernels
-from novainfer.worker.kv_cache import (allocate_kv_cache, kv_bytes_per_block, num_blocks_that_fit, profile_step,
-                                       release_kv_cache)
+from novainfer.worker.kv_cache import (
+    allocate_kv_cache,
+    kv_bytes_per_block,
+    num_blocks_that_fit,
+    profile_step,
+    release_kv_cache,
+)
 from novainfer.worker.prompt_logprobs import compute_prompt_logprobs
 from novainfer.worker.cuda_graph import DecodeGraphs, batch_size_ladder, bucket, graphs_for_step, split_k_parts
 from novainfer.worker.decode_strategy import DecodeStrategy, decode_forward, select_decode_strategy
@@ -45,8 +51,9 @@ class ModelRunner:
         self.device = device
         mc = config.model_config
         quant = get_quant_config(mc, device, config.parallel_config.tensor_parallel_size)
-        self.dtype = mc.torch_dtype or (torch.bfloat16 if device.type == "cuda"
-                                        else getattr(quant, "activation_dtype", None) or default_cpu_dtype())
+        self.dtype = mc.torch_dtype or (
+            torch.bfloat16 if device.type == "cuda" else getattr(quant, "activation_dtype", None) or default_cpu_dtype()
+        )
         self.kv_dtype = resolve_cache_dtype(config, self.dtype, device)
         self.block_size = config.cache_config.block_size
         spec = config.speculative_config
@@ -56,8 +63,9 @@ class ModelRunner:
         self.model = load_model(mc.model, hf_config, self.dtype, device, mc.load_format, quant)
         self._attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # hybrid models (linear-attention layers): their per-sequence state slots
-        self.state_cache = StateCache.for_model(self.model, config, self.dtype, device,
-                                                self.kv_bytes_per_block() // self.block_size)
+        self.state_cache = StateCache.for_model(
+            self.model, config, self.dtype, device, self.kv_bytes_per_block() // self.block_size
+        )
         self.sampler = Sampler()
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
@@ -66,12 +74,22 @@ class ModelRunner:
         self.attn_backend = get_attn_backend(config.attention_backend, device, self.kv_dtype, self.dtype)
         sc = config.scheduler_config
         self.max_blocks_per_seq = self.blocks_for(self.max_model_len)
-        self.inputs = StepInputBuilder(self.block_size, hf_config.vocab_size, device, sc.max_num_batched_tokens,
-                                       sc.max_num_seqs, self.max_blocks_per_seq, self.state_cache)
+        self.inputs = StepInputBuilder(
+            self.block_size,
+            hf_config.vocab_size,
+            device,
+            sc.max_num_batched_tokens,
+            sc.max_num_seqs,
+            self.max_blocks_per_seq,
+            self.state_cache,
+        )
         self._prev: PreviousStep | None = None  # the last step that sampled: its ids stay on the device
         # on the CPU a step's forward and sampling run on this thread, so the host can plan the next step meanwhile
-        self._device_thread = ThreadPoolExecutor(1, thread_name_prefix="novainfer-step") \
-            if device.type != "cuda" and config.use_async_scheduling() else None
+        self._device_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="novainfer-step")
+            if device.type != "cuda" and config.use_async_scheduling()
+            else None
+        )
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = None  # speculative decoding's verify step (CUDA)
         self.ladder = batch_size_ladder(sc.max_num_seqs)  # the decode batch sizes graphs are captured for
@@ -89,8 +107,9 @@ class ModelRunner:
     def determine_num_blocks(self) -> int:
         """Blocks that fit: configured, else free GPU memory after a profiling forward, else the CPU budget."""
         state = self.state_cache.nbytes() if self.state_cache is not None else 0  # the CPU budget holds it too
-        return num_blocks_that_fit(self.config.cache_config, self.device, self.block_size, self.kv_bytes_per_block(),
-                                   self.profile_run, state)
+        return num_blocks_that_fit(
+            self.config.cache_config, self.device, self.block_size, self.kv_bytes_per_block(), self.profile_run, state
+        )
 
     def profile_run(self) -> None:
         """The peak memory of a step, with a scratch cache (worker/kv_cache.py)."""
@@ -113,8 +132,9 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; each layer gets views. A draft model
         gets its own cache of as many blocks, so the target's block tables address it too."""
-        self.kv_cache = allocate_kv_cache(self.attention_layers(), num_blocks, self.block_size, self.kv_dtype,
-                                          self.device, self.attn_backend)
+        self.kv_cache = allocate_kv_cache(
+            self.attention_layers(), num_blocks, self.block_size, self.kv_dtype, self.device, self.attn_backend
+        )
         self.decode_strategy = select_decode_strategy(self.model, self.attn_backend)
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks, self.attn_backend)
@@ -144,18 +164,34 @@ class ModelRunner:
         """Capture decode graphs (CUDA only; enforce_eager turns them off)."""
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
-        logger.info("batch-1 decode stack (fused kernels): %s", "on" if self.decode_strategy is not None
-                    else "off (the model has layers it does not fuse)")
+        logger.info(
+            "batch-1 decode stack (fused kernels): %s",
+            "on" if self.decode_strategy is not None else "off (the model has layers it does not fuse)",
+        )
         sc = self.config.scheduler_config
-        self.graphs = DecodeGraphs(self.forward, sc.max_num_seqs, self.max_blocks_per_seq,
-                                   self.hf_config.hidden_size, self.dtype, self.device, self.num_splits,
-                                   state_slots=self.state_cache is not None)
+        self.graphs = DecodeGraphs(
+            self.forward,
+            sc.max_num_seqs,
+            self.max_blocks_per_seq,
+            self.hf_config.hidden_size,
+            self.dtype,
+            self.device,
+            self.num_splits,
+            state_slots=self.state_cache is not None,
+        )
         self.graphs.capture()
         spec = self.config.speculative_config
         if spec is not None:  # verify steps where every sequence checks num_speculative_tokens guesses
-            self.verify_graphs = DecodeGraphs(self.forward, sc.max_num_seqs, self.max_blocks_per_seq,
-                                              self.hf_config.hidden_size, self.dtype, self.device, self.num_splits,
-                                              query_len=spec.num_speculative_tokens + 1)
+            self.verify_graphs = DecodeGraphs(
+                self.forward,
+                sc.max_num_seqs,
+                self.max_blocks_per_seq,
+                self.hf_config.hidden_size,
+                self.dtype,
+                self.device,
+                self.num_splits,
+                query_len=spec.num_speculative_tokens + 1,
+            )
             self.verify_graphs.capture()
 
     def num_splits(self, num_seqs: int) -> int:
@@ -164,8 +200,9 @@ class ModelRunner:
         steps of one batch compute the same sums."""
         if self.attn_backend in (torch_backend, cpu_backend):
             return 1
-        return split_k_parts(bucket(self.ladder, num_seqs), self.attention_layers()[0].num_kv_heads, self.num_sms,
-                             self.max_model_len)
+        return split_k_parts(
+            bucket(self.ladder, num_seqs), self.attention_layers()[0].num_kv_heads, self.num_sms, self.max_model_len
+        )
 
     # ---- the five stages -------------------------------------------------------------------------
     def prepare_step_inputs(self, sched: SchedulerOutput) -> StepInputs:
@@ -191,8 +228,14 @@ class ModelRunner:
             self.state_cache.zero_fresh(state)
         if graphs is not None:
             with nvtx_range("attn_meta/graph_inputs", self.nvtx):
-                graphs.load_inputs(inp.input_ids, inp.positions, inp.slot_mapping, inp.seq_lens_t, inp.block_tables,
-                                   None if state is None else state.slots)
+                graphs.load_inputs(
+                    inp.input_ids,
+                    inp.positions,
+                    inp.slot_mapping,
+                    inp.seq_lens_t,
+                    inp.block_tables,
+                    None if state is None else state.slots,
+                )
                 if inp.feed is not None:
                     inp.feed.apply(graphs.input_ids, self.device)
             with nvtx_range("forward/graph_replay", self.nvtx):
@@ -222,8 +265,11 @@ class ModelRunner:
         """The sampler over the step's rows; constrained rows (structured outputs) get their grammar's bitmask."""
         token_bitmask = None
         if inp.grammar_bitmask is not None:
-            firsts = range(len(inp.sample_seq_ids)) if inp.spec_num_drafts is None else \
-                np.cumsum([0] + [d + 1 for d in inp.spec_num_drafts]).tolist()
+            firsts = (
+                range(len(inp.sample_seq_ids))
+                if inp.spec_num_drafts is None
+                else np.cumsum([0] + [d + 1 for d in inp.spec_num_drafts]).tolist()
+            )
             row_of = dict(zip(inp.sample_seq_ids, firsts))  # a constrained sequence has one row: it never guesses
             rows = torch.tensor([row_of[s] for s in inp.grammar_bitmask.seq_ids], device=self.device)
             token_bitmask = (rows, inp.grammar_bitmask.bitmask.to(self.device, non_blocking=True))

@@ -1,6 +1,7 @@
 """The overlapped step loop's pieces: a launched step (StepHandle) that is read back later, the last step that
 sampled (PreviousStep), whose ids feed the next step's pending inputs on the device (step_inputs.TokenFeed), and
 the sampler's outputs copied to pinned host memory in stream order (HostCopy)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,9 +35,14 @@ class HostCopy:
     def __init__(self, sampled: SamplerOutput | None):
         self.out = None
         if sampled is not None:
-            self.out = type(sampled)(**{f.name: None if (t := getattr(sampled, f.name)) is None else
-                                        torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                                        for f in dataclasses.fields(sampled)})
+            self.out = type(sampled)(
+                **{
+                    f.name: None
+                    if (t := getattr(sampled, f.name)) is None
+                    else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                    for f in dataclasses.fields(sampled)
+                }
+            )
         self.event = torch.cuda.Event()
         self.event.record()
 
@@ -72,8 +78,7 @@ class StepHandle:
 
 def runner_output(inp: StepInputs, sampled: SamplerOutput) -> ModelRunnerOutput:
     """A step's sampler outputs on the host, per sampled sequence: the step's one device-to-host copy."""
-    out = ModelRunnerOutput(inp.sample_seq_ids, sampled.sampled_token_ids.tolist(),
-                            prompt_logprobs=inp.prompt_logprobs)
+    out = ModelRunnerOutput(inp.sample_seq_ids, sampled.sampled_token_ids.tolist(), prompt_logprobs=inp.prompt_logprobs)
     if sampled.logprobs is not None:
         ids, lps = sampled.logprob_token_ids.tolist(), sampled.logprobs.tolist()
         ranks = sampled.sampled_token_ranks.tolist()

@@ -5,6 +5,7 @@ token_ids[p + 1] for p < num_prompt_tokens - 1 (the last prompt position predict
 which the sampler handles). Chunked prefill thus produces them chunk by chunk; a request that asks for them
 does not read the prefix cache (engine/block_manager.py), so every position is computed.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,19 +32,21 @@ def plan_prompt_logprobs(seq, start: int, num_new: int, first_row: int) -> Promp
     end = min(start + num_new, seq.num_prompt_tokens - 1)
     if k is None or seq.index != 0 or end <= start:
         return None
-    return PromptLogprobRows(seq.seq_id, start, list(range(first_row, first_row + end - start)),
-                             seq.token_ids[start + 1:end + 1], k)
+    return PromptLogprobRows(
+        seq.seq_id, start, list(range(first_row, first_row + end - start)), seq.token_ids[start + 1 : end + 1], k
+    )
 
 
-def compute_prompt_logprobs(model, hidden: torch.Tensor, plans: list[PromptLogprobRows]
-                            ) -> dict[int, tuple[int, list[list[tuple[int, float, int]]]]]:
+def compute_prompt_logprobs(
+    model, hidden: torch.Tensor, plans: list[PromptLogprobRows]
+) -> dict[int, tuple[int, list[list[tuple[int, float, int]]]]]:
     """seq_id -> (start, one entry per row: [(target, logprob, rank), then the top k as (id, logprob, rank)])."""
     out = {}
     for plan in plans:
         entries: list[list[tuple[int, float, int]]] = []
         for s in range(0, len(plan.rows), _SLICE):
-            idx = torch.tensor(plan.rows[s:s + _SLICE], device=hidden.device)
-            targets = torch.tensor(plan.targets[s:s + _SLICE], device=hidden.device).unsqueeze(1)
+            idx = torch.tensor(plan.rows[s : s + _SLICE], device=hidden.device)
+            targets = torch.tensor(plan.targets[s : s + _SLICE], device=hidden.device).unsqueeze(1)
             logprobs = torch.log_softmax(model.compute_logits(hidden[idx]).float(), dim=-1)
             chosen = logprobs.gather(1, targets)
             ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()

@@ -7,6 +7,7 @@ prefix caching, as many checkpoint slots (states at cached prompt positions), to
 budget (the CPU's cpu_kv_cache_tokens, the GPU's share of its memory; a quarter of a budget that is short goes
 to checkpoints). The KV cache gets what they leave.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -20,8 +21,14 @@ from novainfer.layers.linear_attention import GatedDeltaNet, StateSlotsMetadata
 class StateCache:
     """The state slots of one model's GatedDeltaNet layers on one device."""
 
-    def __init__(self, layers: list[GatedDeltaNet], dtype: torch.dtype, device: torch.device, num_slots: int,
-                 num_checkpoints: int = 0):
+    def __init__(
+        self,
+        layers: list[GatedDeltaNet],
+        dtype: torch.dtype,
+        device: torch.device,
+        num_slots: int,
+        num_checkpoints: int = 0,
+    ):
         self.layers, self.dtype, self.device = layers, dtype, device
         self.num_slots = num_slots  # the sequences' slots, then the prefix cache's checkpoint slots
         self.num_checkpoints = num_checkpoints
@@ -29,8 +36,9 @@ class StateCache:
         self.ssm: torch.Tensor | None = None
 
     @classmethod
-    def for_model(cls, model: nn.Module, config: Any, dtype: torch.dtype, device: torch.device,
-                  kv_bytes_per_token: int) -> "StateCache | None":
+    def for_model(
+        cls, model: nn.Module, config: Any, dtype: torch.dtype, device: torch.device, kv_bytes_per_token: int
+    ) -> "StateCache | None":
         """The model's state cache (None without linear-attention layers), its slot count fixed here."""
         layers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
         if not layers:
@@ -118,6 +126,8 @@ def check_hybrid_engine(config: Any) -> None:
     """Refuse, at start-up, engine features a hybrid model cannot run with, naming the reason."""
     spec = config.speculative_config
     if spec is not None:
-        raise ValueError(f"speculative_config (method {spec.method!r}) is not supported for hybrid models with "
-                         "linear-attention layers: verifying guesses advances the recurrent state, which a rejected "
-                         "guess cannot take back")
+        raise ValueError(
+            f"speculative_config (method {spec.method!r}) is not supported for hybrid models with "
+            "linear-attention layers: verifying guesses advances the recurrent state, which a rejected "
+            "guess cannot take back"
+        )

@@ -1,6 +1,7 @@
 """A step's inputs: the packed host arrays (StepInputs) in their pinned buffers (HostBuffers), built from the
 scheduler's output by StepInputBuilder, which keeps what outlives a step (the persistent input batch, the
 sampling rows and generators of running sequences) and uploads them for attention."""
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -67,6 +68,7 @@ class HostBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, pin: bool):
         def buf(n: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(n, dtype=dtype, pin_memory=pin)
+
         self.input_ids = buf(max_tokens, torch.long)
         self.positions = buf(max_tokens, torch.long)
         self.slot_mapping = buf(max_tokens, torch.long)
@@ -95,13 +97,22 @@ class StepInputBuilder:
     """Turns each SchedulerOutput into StepInputs, in two alternating sets of host buffers: with overlap the host
     fills step N+1's while step N still reads its own."""
 
-    def __init__(self, block_size: int, vocab_size: int, device: torch.device, max_tokens: int, max_seqs: int,
-                 max_blocks_per_seq: int, state_cache: Any = None):
+    def __init__(
+        self,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        state_cache: Any = None,
+    ):
         self.block_size, self.vocab_size, self.device = block_size, vocab_size, device
         self.state_cache = state_cache  # hybrid models: worker/state_cache.StateCache, else None
         self.input_batch = InputBatch(max_seqs, max_blocks_per_seq)
-        self.host_sets = [HostBuffers(max_tokens, max_seqs, max_blocks_per_seq, pin=device.type == "cuda")
-                          for _ in range(2)]
+        self.host_sets = [
+            HostBuffers(max_tokens, max_seqs, max_blocks_per_seq, pin=device.type == "cuda") for _ in range(2)
+        ]
         self.host = self.host_sets[0]
         self.num_steps = 0
         self.generators: dict[int, torch.Generator] = {}
@@ -134,54 +145,80 @@ class StepInputBuilder:
             ids[:num_tokens] = known
             positions, token_rows = starts, rows
         elif sched.num_spec_tokens:  # a verify step: a sequence's last token, then its guesses
-            known = list(chain.from_iterable(
-                (s.seq.token_ids[s.start:s.start + s.num_new_tokens - len(s.spec_token_ids)] or [-1])
-                + s.spec_token_ids for s in scheduled))
+            known = list(
+                chain.from_iterable(
+                    (s.seq.token_ids[s.start : s.start + s.num_new_tokens - len(s.spec_token_ids)] or [-1])
+                    + s.spec_token_ids
+                    for s in scheduled
+                )
+            )
             if -1 in known:
                 raise RuntimeError("speculative decoding runs with async scheduling off")
             ids[:num_tokens] = known
             positions = np.arange(num_tokens) + np.repeat(starts - (ends - counts), counts)
             token_rows = np.repeat(rows, counts)
         else:
-            known = list(chain.from_iterable(
-                # [] only for a decode whose input is pending: one token
-                s.seq.token_ids[s.start:s.start + s.num_new_tokens] or [-1] for s in scheduled))
+            known = list(
+                chain.from_iterable(
+                    # [] only for a decode whose input is pending: one token
+                    s.seq.token_ids[s.start : s.start + s.num_new_tokens] or [-1]
+                    for s in scheduled
+                )
+            )
             if -1 in known:
-                feed = self._feed_from_previous(prev, [scheduled[i] for i in np.repeat(np.arange(num_seqs), counts)],
-                                                known)
+                feed = self._feed_from_previous(
+                    prev, [scheduled[i] for i in np.repeat(np.arange(num_seqs), counts)], known
+                )
             ids[:num_tokens] = known
             positions = np.arange(num_tokens) + np.repeat(starts - (ends - counts), counts)
             token_rows = np.repeat(rows, counts)
         pos[:num_tokens] = positions
         slots[:num_tokens] = batch.slots(token_rows, positions, self.block_size)
         width = int(batch.num_blocks[rows].max())
-        h.block_tables[:num_seqs * width].numpy().reshape(num_seqs, width)[:] = batch.block_tables[rows, :width]
+        h.block_tables[: num_seqs * width].numpy().reshape(num_seqs, width)[:] = batch.block_tables[rows, :width]
         seq_lens = starts + counts
         h.seq_lens.numpy()[:num_seqs] = seq_lens
         qsl = h.query_start_loc.numpy()
         qsl[0] = 0
-        qsl[1:num_seqs + 1] = ends
+        qsl[1 : num_seqs + 1] = ends
         logits_indices, sample_seq_ids, sampling_rows = [], [], []
         spec = None
         if sched.num_spec_tokens:
-            spec = verify_rows(scheduled, ends.tolist(), self._sampling_row, logits_indices, sample_seq_ids,
-                               sampling_rows)
+            spec = verify_rows(
+                scheduled, ends.tolist(), self._sampling_row, logits_indices, sample_seq_ids, sampling_rows
+            )
         else:
             for s, end in zip(scheduled, ends.tolist()):
                 if s.samples:
                     logits_indices.append(end - 1)
                     sample_seq_ids.append(s.seq.seq_id)
                     sampling_rows.append(self._sampling_row(s.seq))
-        h.logits_indices.numpy()[:len(logits_indices)] = logits_indices
-        prompt_lp = [plan for s, end in zip(scheduled, ends.tolist())
-                     if s.seq.sampling_params.prompt_logprobs is not None and s.start < s.seq.num_prompt_tokens
-                     and (plan := plan_prompt_logprobs(s.seq, s.start, s.num_new_tokens, end - s.num_new_tokens))]
-        inp = StepInputs(h.input_ids[:num_tokens], h.positions[:num_tokens], h.slot_mapping[:num_tokens],
-                         qsl[:num_seqs + 1].tolist(), seq_lens.tolist(),
-                         h.block_tables[:num_seqs * width].view(num_seqs, width), h.seq_lens[:num_seqs],
-                         h.query_start_loc[:num_seqs + 1], int(counts.max()), logits_indices, sample_seq_ids,
-                         sampling_rows, feed=feed, logits_indices_t=h.logits_indices[:len(logits_indices)],
-                         prompt_logprob_rows=prompt_lp, grammar_bitmask=sched.grammar_bitmask)
+        h.logits_indices.numpy()[: len(logits_indices)] = logits_indices
+        prompt_lp = [
+            plan
+            for s, end in zip(scheduled, ends.tolist())
+            if s.seq.sampling_params.prompt_logprobs is not None
+            and s.start < s.seq.num_prompt_tokens
+            and (plan := plan_prompt_logprobs(s.seq, s.start, s.num_new_tokens, end - s.num_new_tokens))
+        ]
+        inp = StepInputs(
+            h.input_ids[:num_tokens],
+            h.positions[:num_tokens],
+            h.slot_mapping[:num_tokens],
+            qsl[: num_seqs + 1].tolist(),
+            seq_lens.tolist(),
+            h.block_tables[: num_seqs * width].view(num_seqs, width),
+            h.seq_lens[:num_seqs],
+            h.query_start_loc[: num_seqs + 1],
+            int(counts.max()),
+            logits_indices,
+            sample_seq_ids,
+            sampling_rows,
+            feed=feed,
+            logits_indices_t=h.logits_indices[: len(logits_indices)],
+            prompt_logprob_rows=prompt_lp,
+            grammar_bitmask=sched.grammar_bitmask,
+        )
         if spec is not None:
             inp.spec_num_drafts, inp.spec_draft_ids = spec
         if self.state_cache is not None:
@@ -197,16 +234,17 @@ class StepInputBuilder:
         dst = [i for i, t in enumerate(known) if t < 0]
         src = [prev.rows[scheduled[i].seq.seq_id] for i in dst]
         h = self.host
-        h.feed_dst.numpy()[:len(dst)] = dst
-        h.feed_src.numpy()[:len(src)] = src
-        return TokenFeed(h.feed_dst[:len(dst)], h.feed_src[:len(src)], prev)
+        h.feed_dst.numpy()[: len(dst)] = dst
+        h.feed_src.numpy()[: len(src)] = src
+        return TokenFeed(h.feed_dst[: len(dst)], h.feed_src[: len(src)], prev)
 
     def _sampling_metadata(self, rows: list[SamplingRow], seq_ids: list[int] | None) -> SamplingMetadata:
         """Built and uploaded again only when the rows' parameters may have changed: decode steps of the same
         sequences without penalties or min_tokens blocking reuse the last step's tensors (seq_ids None: the
         rows are not one per sequence, as in a verify step; always built)."""
-        static = seq_ids is not None and \
-            all(not r.blocked_token_ids and not r.output_token_ids and not r.prompt_token_ids for r in rows)
+        static = seq_ids is not None and all(
+            not r.blocked_token_ids and not r.output_token_ids and not r.prompt_token_ids for r in rows
+        )
         key = tuple(seq_ids or ())
         if static and self._last_sampling is not None and self._last_sampling[0] == key:
             return self._last_sampling[1]
@@ -228,10 +266,13 @@ class StepInputBuilder:
                 gen.manual_seed(params.seed + seq.index)
                 self.generators[seq.seq_id] = gen
         penalised = params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
-        row = SamplingRow(params=params,  # token histories are copied only for rows that are penalised
-                          prompt_token_ids=seq.prompt_token_ids if penalised else [],
-                          output_token_ids=seq.output_token_ids if penalised else [], generator=gen,
-                          blocked_token_ids=seq.min_tokens_blocked)
+        row = SamplingRow(
+            params=params,  # token histories are copied only for rows that are penalised
+            prompt_token_ids=seq.prompt_token_ids if penalised else [],
+            output_token_ids=seq.output_token_ids if penalised else [],
+            generator=gen,
+            blocked_token_ids=seq.min_tokens_blocked,
+        )
         if not penalised and not seq.min_tokens_blocked:
             self._rows[seq.seq_id] = row
         return row
@@ -239,19 +280,30 @@ class StepInputBuilder:
     def attention_metadata(self, inp: StepInputs, num_splits: int, per_token: bool) -> AttentionMetadata:
         """Upload the step's inputs once (asynchronously from pinned memory) and describe them for attention;
         num_splits: the decode kernel's split-K parts; per_token: a CPU verify step's rows as decode rows."""
+
         def up(x: torch.Tensor) -> torch.Tensor:
             return x.to(self.device, non_blocking=True)
+
         max_query_len = inp.max_query_len
         meta = AttentionMetadata(
-            query_start_loc=up(inp.query_start_loc_t), seq_lens=up(inp.seq_lens_t),
-            slot_mapping=up(inp.slot_mapping), block_tables=up(inp.block_tables),
-            max_query_len=max_query_len, max_seq_len=max(inp.seq_lens),
-            query_start_loc_cpu=inp.query_start_loc, seq_lens_cpu=inp.seq_lens,
+            query_start_loc=up(inp.query_start_loc_t),
+            seq_lens=up(inp.seq_lens_t),
+            slot_mapping=up(inp.slot_mapping),
+            block_tables=up(inp.block_tables),
+            max_query_len=max_query_len,
+            max_seq_len=max(inp.seq_lens),
+            query_start_loc_cpu=inp.query_start_loc,
+            seq_lens_cpu=inp.seq_lens,
             num_splits=num_splits if max_query_len == 1 else 1,
-            state_slots=inp.state_slots.on(self.device) if inp.state_slots is not None else None)
+            state_slots=inp.state_slots.on(self.device) if inp.state_slots is not None else None,
+        )
         num_tokens = inp.input_ids.shape[0]
-        if per_token and inp.spec_num_drafts is not None and \
-                sum(inp.spec_num_drafts) + len(inp.spec_num_drafts) == num_tokens:  # only sequences that verify
-            meta.per_token = per_token_metadata(inp.query_start_loc, inp.positions, meta.slot_mapping,
-                                                meta.block_tables)
+        if (
+            per_token
+            and inp.spec_num_drafts is not None
+            and sum(inp.spec_num_drafts) + len(inp.spec_num_drafts) == num_tokens
+        ):  # only sequences that verify
+            meta.per_token = per_token_metadata(
+                inp.query_start_loc, inp.positions, meta.slot_mapping, meta.block_tables
+            )
         return meta

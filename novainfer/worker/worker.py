@@ -1,5 +1,6 @@
 """A Worker owns one device and one tensor-parallel rank: it loads its shard of the model there, sizes
 and holds its KV cache (local_nkvh heads), runs steps. Executors drive workers; workers never schedule."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,16 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, hf_config, rank: int = 0, local_rank: int = 0,
-                 distributed_init_method: str = "", is_driver_worker: bool = True, group: TPGroup | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        hf_config,
+        rank: int = 0,
+        local_rank: int = 0,
+        distributed_init_method: str = "",
+        is_driver_worker: bool = True,
+        group: TPGroup | None = None,
+    ):
         self.config = config
         self.hf_config = hf_config
         self.rank, self.local_rank = rank, local_rank
@@ -35,8 +44,10 @@ class Worker:
         if device.type == "cuda":
             ids, count = pc.tensor_parallel_device_ids, torch.cuda.device_count()
             if ids[self.local_rank] >= count:
-                raise ValueError(f"tensor_parallel_device_ids={ids}: rank {self.rank} wants cuda:{ids[self.local_rank]}"
-                                 f" but this machine has {count} CUDA device(s)")
+                raise ValueError(
+                    f"tensor_parallel_device_ids={ids}: rank {self.rank} wants cuda:{ids[self.local_rank]}"
+                    f" but this machine has {count} CUDA device(s)"
+                )
             device = torch.device("cuda", ids[self.local_rank])
             torch.cuda.set_device(device)
         self.device = device
@@ -44,8 +55,15 @@ class Worker:
             self.group = self._init_distributed() if pc.tensor_parallel_size > 1 else TPGroup()
         set_tp_group(self.group, process_wide=not pc.use_single_process_tp)
         torch.manual_seed(self.config.model_config.seed)
-        logger.info("worker pid=%d rank=%d local_rank=%d device=%s tp_size=%d backend=%s", os.getpid(), self.rank,
-                    self.local_rank, device, pc.tensor_parallel_size, pc.distributed_executor_backend)
+        logger.info(
+            "worker pid=%d rank=%d local_rank=%d device=%s tp_size=%d backend=%s",
+            os.getpid(),
+            self.rank,
+            self.local_rank,
+            device,
+            pc.tensor_parallel_size,
+            pc.distributed_executor_backend,
+        )
 
     def _init_distributed(self) -> TPGroup:
         from datetime import timedelta
@@ -53,12 +71,18 @@ class Worker:
         import torch.distributed as dist
 
         from novainfer.distributed.parallel_state import TorchDistGroup
+
         pc = self.config.parallel_config
         backend = pc.distributed_backend
         if backend == "auto":
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=self.distributed_init_method or pc.distributed_init_method,
-                                world_size=pc.world_size, rank=self.rank, timeout=timedelta(seconds=600))
+        dist.init_process_group(
+            backend,
+            init_method=self.distributed_init_method or pc.distributed_init_method,
+            world_size=pc.world_size,
+            rank=self.rank,
+            timeout=timedelta(seconds=600),
+        )
         return TorchDistGroup()
 
     def load_model(self, config: EngineConfig | None = None) -> None:
@@ -81,9 +105,17 @@ class Worker:
         """What this rank holds: its place, its device, its KV heads and cache size."""
         runner = self.model_runner
         layer = runner.attention_layers()[0]
-        return dict(rank=self.rank, local_rank=self.local_rank, device=str(self.device), pid=os.getpid(),
-                    tp_size=self.group.size, local_num_heads=layer.num_heads, local_num_kv_heads=layer.num_kv_heads,
-                    num_blocks=runner.num_blocks, kv_bytes_per_block=runner.kv_bytes_per_block())
+        return dict(
+            rank=self.rank,
+            local_rank=self.local_rank,
+            device=str(self.device),
+            pid=os.getpid(),
+            tp_size=self.group.size,
+            local_num_heads=layer.num_heads,
+            local_num_kv_heads=layer.num_kv_heads,
+            num_blocks=runner.num_blocks,
+            kv_bytes_per_block=runner.kv_bytes_per_block(),
+        )
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.model_runner.allocate_kv_cache(num_blocks)
@@ -97,8 +129,11 @@ class Worker:
         except Exception:  # e.g. a collective this torch/NCCL cannot capture: slower, still correct
             if pc.tensor_parallel_size == 1:
                 raise
-            logger.exception("rank %d: CUDA graph capture failed with tp_size=%d; decoding eagerly", self.rank,
-                             pc.tensor_parallel_size)
+            logger.exception(
+                "rank %d: CUDA graph capture failed with tp_size=%d; decoding eagerly",
+                self.rank,
+                pc.tensor_parallel_size,
+            )
             self.model_runner.graphs = None
             torch.cuda.synchronize(self.device)
 
@@ -123,6 +158,7 @@ class Worker:
     def shutdown(self) -> None:
         """Free the runner's caches and leave the torch.distributed group, if this worker joined one."""
         import torch.distributed as dist
+
         if self.model_runner is not None:
             self.model_runner.shutdown()
         if dist.is_initialized():

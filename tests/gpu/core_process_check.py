@@ -4,6 +4,7 @@ same random checkpoint. Needs no FastAPI (the server's HTTP layer is not involve
 
     python3 tests/gpu/core_process_check.py [--model random:qwen2.5-0.5b]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,13 +14,18 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-PROMPTS = [[11, 12, 13, 14, 15], [40, 41, 42], [7, 7, 7, 7, 7, 7]]  # token ids: the random checkpoints have no real vocabulary
+PROMPTS = [
+    [11, 12, 13, 14, 15],
+    [40, 41, 42],
+    [7, 7, 7, 7, 7, 7],
+]  # token ids: the random checkpoints have no real vocabulary
 
 
 async def core_process_tokens(path: str, fmt: str, max_tokens: int) -> tuple[list[list[int]], str]:
     from novainfer.config import EngineConfig
     from novainfer.sampling_params import SamplingParams
     from novainfer.server.async_llm import AsyncLLM
+
     llm = AsyncLLM(EngineConfig.from_kwargs(path, load_format=fmt, gpu_memory_utilization=0.5))
     llm.start()
     try:
@@ -43,16 +49,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args()
     from benchmarks.checkpoints import load_format, resolve_model
+
     path, fmt = resolve_model(args.model), load_format(args.model)
     got, how = asyncio.run(core_process_tokens(path, fmt, args.max_tokens))
     from novainfer import LLM, SamplingParams
+
     llm = LLM(path, load_format=fmt, gpu_memory_utilization=0.5)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     want = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     ok = got == want and all(len(t) == args.max_tokens for t in got)
-    print(f"{'PASS' if ok else 'FAIL'} engine-core process on {llm.llm_engine.config.resolve_device()}: core {how}, "
-          f"greedy tokens equal to the offline LLM's for {sum(g == w for g, w in zip(got, want))}/{len(PROMPTS)} "
-          f"prompts")
+    print(
+        f"{'PASS' if ok else 'FAIL'} engine-core process on {llm.llm_engine.config.resolve_device()}: core {how}, "
+        f"greedy tokens equal to the offline LLM's for {sum(g == w for g, w in zip(got, want))}/{len(PROMPTS)} "
+        f"prompts"
+    )
     sys.exit(0 if ok else 1)
 
 

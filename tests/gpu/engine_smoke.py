@@ -4,6 +4,7 @@ Builds a tiny random Qwen2 and Llama, checks greedy parity with transformers on 
 runs bf16 with KV sizing from free memory, seeded sampling and preemption, and prints a short table.
 Usage: python tests/gpu/engine_smoke.py
 """
+
 from __future__ import annotations
 
 import gc
@@ -29,9 +30,18 @@ def qwen25_kv_report(path: str) -> str:
     """KV capacity with a real model shape (random weights), and a batch-1 eager decode rate."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from tests.tiny_models import make_tokenizer
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                      tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"])
+
+    cfg = Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        architectures=["Qwen2ForCausalLM"],
+    )
     with torch.device("cuda"):
         Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     make_tokenizer().save_pretrained(path)
@@ -56,8 +66,7 @@ def main() -> int:
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
             tok = llm.get_tokenizer()
             outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
-            same = all(o.outputs[0].token_ids == hf_greedy_with(hf, tok.encode(p), 32)
-                       for p, o in zip(prompts, outs))
+            same = all(o.outputs[0].token_ids == hf_greedy_with(hf, tok.encode(p), 32) for p, o in zip(prompts, outs))
             ok &= same
             rows.append((f"{arch} fp32 greedy == HF (cuda)", same))
             del llm, hf
@@ -68,13 +77,19 @@ def main() -> int:
         rows.append(("bf16 KV blocks from free memory", f"{runner.num_blocks} blocks, dtype {runner.kv_cache.dtype}"))
         p = SamplingParams(temperature=1.0, seed=7, max_tokens=24, ignore_eos=True)
         a = llm.generate(["Hello"], p, use_tqdm=False)[0].outputs[0].token_ids
-        b = llm.generate(["x", "Hello", "y"], [SamplingParams(max_tokens=24), p, SamplingParams(max_tokens=24)],
-                         use_tqdm=False)[1].outputs[0].token_ids
+        b = (
+            llm.generate(
+                ["x", "Hello", "y"], [SamplingParams(max_tokens=24), p, SamplingParams(max_tokens=24)], use_tqdm=False
+            )[1]
+            .outputs[0]
+            .token_ids
+        )
         ok &= a == b
         rows.append(("seeded sample alone == in batch (cuda)", a == b))
         t = time.perf_counter()
-        outs = llm.generate(["Hello"] * 64, SamplingParams(temperature=0.8, max_tokens=128, ignore_eos=True),
-                            use_tqdm=False)
+        outs = llm.generate(
+            ["Hello"] * 64, SamplingParams(temperature=0.8, max_tokens=128, ignore_eos=True), use_tqdm=False
+        )
         dt = time.perf_counter() - t
         rows.append(("64 x 128 tokens, tiny bf16, eager", f"{64 * 128 / dt:.0f} tok/s"))
         del llm, runner

@@ -3,6 +3,7 @@ attention kernels on real shapes in bf16 against their torch references, and the
 tokens against transformers on the GPU. Each function takes the device, dtype and shapes, so
 tests/test_gpu_check_cpu.py runs the same code on the CPU (Triton interpreted, tiny shapes, float32).
 """
+
 from __future__ import annotations
 
 import gc
@@ -16,8 +17,11 @@ from novainfer.layers.fused_moe import fused_experts_torch, select_experts
 from tests.gpu.checks import check, paged_case
 
 # (name, experts, top_k, hidden, moe intermediate): Qwen3-30B-A3B, Qwen2-57B-A14B, Mixtral-8x7B
-MOE_SHAPES = [("qwen3-30b-a3b", 128, 8, 2048, 768), ("qwen2-57b-a14b", 64, 8, 3584, 2560),
-              ("mixtral-8x7b", 8, 2, 4096, 14336)]
+MOE_SHAPES = [
+    ("qwen3-30b-a3b", 128, 8, 2048, 768),
+    ("qwen2-57b-a14b", 64, 8, 3584, 2560),
+    ("mixtral-8x7b", 8, 2, 4096, 14336),
+]
 MOE_TOKENS = [1, 64, 2048]
 # (name, heads, kv heads, head_dim, window, soft cap): Gemma-2-9B sliding layers, Mistral-7B-v0.1
 WINDOW_SHAPES = [("gemma-2-9b", 16, 8, 256, 4096, 50.0), ("mistral-7b", 32, 8, 128, 4096, None)]
@@ -28,13 +32,19 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def moe_kernel_checks(dev: str = "cuda", dtype: torch.dtype = torch.bfloat16, shapes=MOE_SHAPES,
-                      token_counts=MOE_TOKENS, tol: float = 1e-2) -> None:
+def moe_kernel_checks(
+    dev: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    shapes=MOE_SHAPES,
+    token_counts=MOE_TOKENS,
+    tol: float = 1e-2,
+) -> None:
     from novainfer.kernels.fused_moe import fused_experts
+
     for name, experts, top_k, hidden, inter in shapes:
         g = torch.Generator(device=dev).manual_seed(experts)
-        w13 = (torch.randn(experts, 2 * inter, hidden, device=dev, generator=g) * hidden ** -0.5).to(dtype)
-        w2 = (torch.randn(experts, hidden, inter, device=dev, generator=g) * inter ** -0.5).to(dtype)
+        w13 = (torch.randn(experts, 2 * inter, hidden, device=dev, generator=g) * hidden**-0.5).to(dtype)
+        w2 = (torch.randn(experts, hidden, inter, device=dev, generator=g) * inter**-0.5).to(dtype)
         for tokens in token_counts:
             x = torch.randn(tokens, hidden, device=dev, generator=g).to(dtype)
             skew = torch.linspace(2.0, -2.0, experts, device=dev)  # uneven routing: low experts are popular
@@ -46,25 +56,43 @@ def moe_kernel_checks(dev: str = "cuda", dtype: torch.dtype = torch.bfloat16, sh
         del w13, w2
 
 
-def window_kernel_checks(dev: str = "cuda", dtype: torch.dtype = torch.bfloat16, shapes=WINDOW_SHAPES,
-                         contexts=WINDOW_CONTEXTS, block_size: int = 16, tol: float = 1e-2) -> None:
+def window_kernel_checks(
+    dev: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    shapes=WINDOW_SHAPES,
+    contexts=WINDOW_CONTEXTS,
+    block_size: int = 16,
+    tol: float = 1e-2,
+) -> None:
     from novainfer.kernels.paged_attention import decode_attention, prefill_attention
+
     for name, heads, kv_heads, hd, window, cap in shapes:
         g = torch.Generator(device=dev).manual_seed(heads + hd)
         for q_lens in ([1] * len(contexts), [min(300, c + 1) for c in contexts]):
             q, kc, vc, bt, meta = paged_case(dev, g, contexts, q_lens, block_size, heads, kv_heads, hd, dtype, 4)
-            scale = hd ** -0.5
+            scale = hd**-0.5
             ref = torch_backend.paged_attention(q.float(), kc.float(), vc.float(), meta, scale, window, cap)
             what = f"window={window} cap={cap}"
             if max(q_lens) == 1:
                 for splits in (1, 8):
-                    out = decode_attention(q, kc, vc, bt, meta.seq_lens, scale, splits, sliding_window=window,
-                                           logits_soft_cap=cap)
+                    out = decode_attention(
+                        q, kc, vc, bt, meta.seq_lens, scale, splits, sliding_window=window, logits_soft_cap=cap
+                    )
                     e = rel(out, ref)
                     check(f"decode kernel {name} {what} splits={splits}", f"rel err {e:.2e}", e <= tol)
             else:
-                out = prefill_attention(q, kc, vc, bt, meta.query_start_loc, meta.seq_lens, max(q_lens), scale,
-                                        sliding_window=window, logits_soft_cap=cap)
+                out = prefill_attention(
+                    q,
+                    kc,
+                    vc,
+                    bt,
+                    meta.query_start_loc,
+                    meta.seq_lens,
+                    max(q_lens),
+                    scale,
+                    sliding_window=window,
+                    logits_soft_cap=cap,
+                )
                 e = rel(out, ref)
                 check(f"prefill kernel {name} {what} cached prefix", f"rel err {e:.2e}", e <= tol)
 
@@ -75,6 +103,7 @@ def families_vs_hf(tmp: str, archs=None, n: int = 32) -> None:
 
     from novainfer import LLM, SamplingParams
     from tests.tiny_models import FAMILIES, hf_greedy_with, make_tiny_model
+
     prompts = ["Hello, my name is", "The quick brown fox jumps over the lazy dog. The capital of France is"]
     for arch in archs or sorted(FAMILIES):
         path = make_tiny_model(os.path.join(tmp, arch), arch, seed=7)

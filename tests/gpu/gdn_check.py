@@ -11,6 +11,7 @@ imported if installed, else from the wheels in .whl/ (fla-core, einops: pure Pyt
 fla's rows are held to the bf16 tolerance in fp32 too (its chunked kernels use TF32 matmuls).
 `--smoke` runs the same checks on tiny shapes on the CPU (Triton interpreted) to try the script without a GPU.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -60,6 +61,7 @@ def load_fla():
     add_fla_wheels()
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
         return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
     except Exception as exc:  # noqa: BLE001 - any import failure only means "no fla rows"
         print(f"fla not available ({type(exc).__name__}: {exc}); comparing against the torch reference only")
@@ -74,6 +76,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def bench(fn) -> float:
     import triton.testing
+
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
@@ -84,8 +87,11 @@ def fmt(x: float | None, spec: str) -> str:
 def record(case: str, impl: str, ms: float | None, err_o: float | None, err_s: float | None, tol: float) -> None:
     ok = all(e is None or e < tol for e in (err_o, err_s))
     rows.append((case, impl, fmt(ms, ".3f"), fmt(err_o, ".2e"), fmt(err_s, ".2e"), ok))
-    print(("PASS " if ok else "FAIL ") + f"{case} {impl}: {fmt(ms, '.3f')} ms, err o {fmt(err_o, '.2e')}, "
-          f"err state {fmt(err_s, '.2e')} (tol {tol:g})", flush=True)
+    print(
+        ("PASS " if ok else "FAIL ") + f"{case} {impl}: {fmt(ms, '.3f')} ms, err o {fmt(err_o, '.2e')}, "
+        f"err state {fmt(err_s, '.2e')} (tol {tol:g})",
+        flush=True,
+    )
 
 
 def conv_dim() -> int:
@@ -128,14 +134,22 @@ def decode_case(gdr, fla, batch: int, dtype: torch.dtype, tol: float, time_it: b
     ref = gdr.fused_recurrent_gated_delta_rule_torch(q, k, v, g, beta, ref_pool, slots)
     o = gdr.fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, ours_pool, slots)
     err_o, err_s = rel(o, ref), rel(ours_pool[idx], ref_pool[idx])
-    ms = bench(lambda: gdr.fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, ours_pool, slots)) \
-        if time_it else None
+    ms = (
+        bench(lambda: gdr.fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, ours_pool, slots))
+        if time_it
+        else None
+    )
     record(name, "ours recurrent", ms, err_o, err_s, tol)
     if fla is not None:
         initial = pool[idx].clone()
         args = (q[:, None], k[:, None], v[:, None])  # g and beta by name: fla's 4th-6th parameters are g, gk, gv
-        kw = {"g": g[:, None], "beta": beta[:, None], "initial_state": initial, "output_final_state": True,
-              "use_qk_l2norm_in_kernel": True}
+        kw = {
+            "g": g[:, None],
+            "beta": beta[:, None],
+            "initial_state": initial,
+            "output_final_state": True,
+            "use_qk_l2norm_in_kernel": True,
+        }
         fo, fh = fla[1](*args, **kw)
         ms = bench(lambda: fla[1](*args, **kw)) if time_it else None
         record(name, "fla fused_recurrent", ms, rel(fo[:, 0], ref), rel(fh, ref_pool[idx]), max(tol, FLA_TOL))
@@ -158,8 +172,10 @@ def prefill_case(gdr, fla, lens: list[int], dtype: torch.dtype, tol: float, time
     ref_pool = pool.clone()
     ref = gdr.chunk_gated_delta_rule_torch(q, k, v, g, beta, ref_pool, slots, cu)
     ref_h = ref_pool[idx]
-    for impl, fn in (("ours chunk", gdr.chunk_gated_delta_rule_triton),
-                     ("ours recurrent varlen", gdr.fused_recurrent_gated_delta_rule_triton)):
+    for impl, fn in (
+        ("ours chunk", gdr.chunk_gated_delta_rule_triton),
+        ("ours recurrent varlen", gdr.fused_recurrent_gated_delta_rule_triton),
+    ):
         ours_pool = pool.clone()
         o = fn(q, k, v, g, beta, ours_pool, slots, cu)
         err_o, err_s = rel(o, ref), rel(ours_pool[idx], ref_h)
@@ -167,8 +183,14 @@ def prefill_case(gdr, fla, lens: list[int], dtype: torch.dtype, tol: float, time
         record(name, impl, ms, err_o, err_s, tol)
     if fla is not None:
         args = (q[None], k[None], v[None])
-        kw = {"g": g[None], "beta": beta[None], "initial_state": pool[idx].clone(), "output_final_state": True,
-              "use_qk_l2norm_in_kernel": True, "cu_seqlens": cu.long()}
+        kw = {
+            "g": g[None],
+            "beta": beta[None],
+            "initial_state": pool[idx].clone(),
+            "output_final_state": True,
+            "use_qk_l2norm_in_kernel": True,
+            "cu_seqlens": cu.long(),
+        }
         fo, fh = fla[0](*args, **kw)
         ms = bench(lambda: fla[0](*args, **kw)) if time_it else None
         record(name, "fla chunk", ms, rel(fo[0], ref), rel(fh, ref_h), max(tol, FLA_TOL))
@@ -186,8 +208,10 @@ def report() -> None:
     for case, impl, ms, eo, es, ok in rows:
         print(f"{case:<24} {impl:<22} {ms:>9} {eo:>9} {es:>9}  {'PASS' if ok else 'FAIL'}")
     failed = [r for r in rows if not r[-1]]
-    print(f"\n{len(rows) - len(failed)}/{len(rows)} passed (err: max|x - ref| / max|ref|, ref = the torch reference "
-          "in fp32 math; fla is timed without a slot gather/scatter, ours updates the pool in place)")
+    print(
+        f"\n{len(rows) - len(failed)}/{len(rows)} passed (err: max|x - ref| / max|ref|, ref = the torch reference "
+        "in fp32 math; fla is timed without a slot gather/scatter, ours updates the pool in place)"
+    )
     sys.exit(1 if failed else 0)
 
 
@@ -203,6 +227,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("gdn_check needs a CUDA GPU (or --smoke)")
     import triton
+
     torch.backends.cuda.matmul.allow_tf32 = False  # the torch reference (matmuls, the conv) in full fp32
     torch.backends.cudnn.allow_tf32 = False
     gdr, fla = load_kernels(), load_fla()

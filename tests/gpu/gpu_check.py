@@ -24,6 +24,7 @@
 `--only speculation|fp8|sampling|decode_stack` runs that group alone, `--skip ...` all but it. Prints a table; exits
 non-zero if any check fails.
 """
+
 from __future__ import annotations
 
 import gc
@@ -60,14 +61,14 @@ def kernel_checks() -> None:
         ctx = [0, 15, 16, 17, 500, 3000]
         for q_lens in ([1] * len(ctx), [300, 1, 64, 17, 1000, 5]):
             q, kc, vc, bt, meta = paged_case(dev, g, ctx, q_lens, bs, heads, kv_heads, hd, torch.bfloat16)
-            ref = torch_backend.paged_attention(q.float(), kc.float(), vc.float(), meta, hd ** -0.5)
+            ref = torch_backend.paged_attention(q.float(), kc.float(), vc.float(), meta, hd**-0.5)
             if max(q_lens) == 1:
                 for splits in (1, 8):
-                    out = decode_attention(q, kc, vc, bt, meta.seq_lens, hd ** -0.5, num_splits=splits)
+                    out = decode_attention(q, kc, vc, bt, meta.seq_lens, hd**-0.5, num_splits=splits)
                     e = rel(out, ref)
                     check(f"decode kernel h={heads}/{kv_heads} d={hd} splits={splits}", f"rel err {e:.2e}", e <= 1e-2)
             else:
-                out = prefill_attention(q, kc, vc, bt, meta.query_start_loc, meta.seq_lens, max(q_lens), hd ** -0.5)
+                out = prefill_attention(q, kc, vc, bt, meta.query_start_loc, meta.seq_lens, max(q_lens), hd**-0.5)
                 e = rel(out, ref)
                 check(f"prefill kernel h={heads}/{kv_heads} d={hd} cached prefix", f"rel err {e:.2e}", e <= 1e-2)
         # KV store
@@ -87,6 +88,7 @@ def fused_op_checks() -> None:
     from novainfer.kernels import fused_ops
     from novainfer.layers.layernorm import RMSNorm
     from novainfer.layers.rotary import RotaryEmbedding
+
     dev, dt = "cuda", torch.bfloat16
     for hidden, heads, kvh, hd in [(896, 14, 2, 64), (3584, 28, 4, 128)]:
         x, r = torch.randn(300, hidden, device=dev, dtype=dt), torch.randn(300, hidden, device=dev, dtype=dt)
@@ -95,11 +97,14 @@ def fused_op_checks() -> None:
         ref, ref_r = _torch_norm(norm, x, r)
         out, out_r = fused_ops.rms_norm(x, norm.weight, norm.eps, r)
         e = rel(out, ref)
-        check(f"fused add+rmsnorm hidden={hidden}", f"rel err {e:.2e}, residual equal {torch.equal(out_r, ref_r)}",
-              e <= 1e-2 and torch.equal(out_r, ref_r))
+        check(
+            f"fused add+rmsnorm hidden={hidden}",
+            f"rel err {e:.2e}, residual equal {torch.equal(out_r, ref_r)}",
+            e <= 1e-2 and torch.equal(out_r, ref_r),
+        )
         rope = RotaryEmbedding(hd, 4096, SimpleNamespace(rope_theta=1e6)).to(dev)
         qkv = torch.randn(300, (heads + 2 * kvh) * hd, device=dev, dtype=dt)
-        q, k = qkv[:, :heads * hd].view(300, heads, hd), qkv[:, heads * hd:(heads + kvh) * hd].view(300, kvh, hd)
+        q, k = qkv[:, : heads * hd].view(300, heads, hd), qkv[:, heads * hd : (heads + kvh) * hd].view(300, kvh, hd)
         pos = torch.randint(0, 4096, (300,), device=dev)
         cos, sin = rope.cos_cache[pos].to(dt).unsqueeze(1), rope.sin_cache[pos].to(dt).unsqueeze(1)
         fq, fk = fused_ops.rotary_embedding(pos, q, k, rope.cos_cache, rope.sin_cache)
@@ -118,6 +123,7 @@ def _torch_norm(norm, x, r):
 
 def engine_vs_hf(tmp: str) -> None:
     from transformers import AutoModelForCausalLM
+
     prompts = ["Hello, my name is", "The capital of France is", "def add(a, b):"]
     for arch in ("qwen2", "llama", "qwen3"):
         path = make_tiny_model(os.path.join(tmp, arch), arch, seed=7)
@@ -141,8 +147,14 @@ def graph_vs_eager(tmp: str, quantization: str | None = None) -> None:
     results = {}
     quantized = True
     for eager in (True, False):
-        llm = LLM(path, dtype="bfloat16", enforce_eager=eager, gpu_memory_utilization=0.3, max_num_seqs=64,
-                  quantization=quantization)
+        llm = LLM(
+            path,
+            dtype="bfloat16",
+            enforce_eager=eager,
+            gpu_memory_utilization=0.3,
+            max_num_seqs=64,
+            quantization=quantization,
+        )
         runner = llm.llm_engine.executor.workers[0].model_runner
         quantized &= quantization is None or any(p.dtype == torch.float8_e4m3fn for p in runner.model.parameters())
         quantized &= eager or runner.graphs is not None
@@ -151,13 +163,17 @@ def graph_vs_eager(tmp: str, quantization: str | None = None) -> None:
         gc.collect()
         torch.cuda.empty_cache()
     same = sum(a == b for a, b in zip(results[True], results[False]))
-    check("CUDA-graph replay == eager" + (f", quantization={quantization}" if quantization else ""),
-          f"{same}/{len(prompts)} sequences identical (bf16, 48 tokens)", same == len(prompts) and quantized)
+    check(
+        "CUDA-graph replay == eager" + (f", quantization={quantization}" if quantization else ""),
+        f"{same}/{len(prompts)} sequences identical (bf16, 48 tokens)",
+        same == len(prompts) and quantized,
+    )
 
 
 def fp8_group(tmp: str) -> None:
     """quantization="fp8": the layer on 7B shapes, graphs with fp8 layers, 0.5B logits vs bf16."""
     from benchmarks.checkpoints import resolve_model
+
     fp8_layer_checks()
     graph_vs_eager(tmp, quantization="fp8")
     fp8_logits_check(resolve_model("random:qwen2.5-0.5b"), "random Qwen2.5-0.5B shape")
@@ -175,36 +191,51 @@ def overlap_vs_sync(tmp: str) -> None:
     params[9] = SamplingParams(temperature=0.8, seed=5, max_tokens=40, repetition_penalty=1.2, ignore_eos=True)
     results = {}
     for overlap in (False, True):
-        llm = LLM(path, dtype="bfloat16", async_scheduling=overlap, gpu_memory_utilization=0.3, max_num_seqs=64,
-                  max_num_batched_tokens=512)
+        llm = LLM(
+            path,
+            dtype="bfloat16",
+            async_scheduling=overlap,
+            gpu_memory_utilization=0.3,
+            max_num_seqs=64,
+            max_num_batched_tokens=512,
+        )
         before = llm.llm_engine.num_generated_tokens
-        results[overlap] = ([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)],
-                            llm.llm_engine.num_generated_tokens - before)
+        results[overlap] = (
+            [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)],
+            llm.llm_engine.num_generated_tokens - before,
+        )
         del llm
         gc.collect()
         torch.cuda.empty_cache()
     same = sum(a == b for a, b in zip(results[False][0], results[True][0]))
     counts = results[False][1] == results[True][1] == sum(p.max_tokens for p in params)
-    check("overlapped loop == synchronous loop", f"{same}/{len(prompts)} sequences identical (bf16, graphs), "
-          f"tokens counted {results[True][1]}", same == len(prompts) and counts)
+    check(
+        "overlapped loop == synchronous loop",
+        f"{same}/{len(prompts)} sequences identical (bf16, graphs), tokens counted {results[True][1]}",
+        same == len(prompts) and counts,
+    )
 
 
 def speculation_checks(tmp: str) -> None:
     """Greedy identity with speculation on the GPU, and verify-step CUDA graphs against eager verify steps."""
     from transformers import AutoModelForCausalLM
+
     path = make_tiny_model(os.path.join(tmp, "qwen2_spec"), "qwen2", seed=13, layers=4)
     loop = [100, 200, 300, 350] * 6
-    prompts = [{"prompt_token_ids": loop[i % 4:] + list(range(5 + i, 12 + i))} for i in range(8)]
+    prompts = [{"prompt_token_ids": loop[i % 4 :] + list(range(5 + i, 12 + i))} for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
     want = [hf_greedy_with(hf, p["prompt_token_ids"], 40) for p in prompts]
     del hf
-    specs = {"ngram k=4": {"method": "ngram", "num_speculative_tokens": 4},
-             "draft_model k=3 (draft = target)": {"method": "draft_model", "model": path, "num_speculative_tokens": 3}}
+    specs = {
+        "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4},
+        "draft_model k=3 (draft = target)": {"method": "draft_model", "model": path, "num_speculative_tokens": 3},
+    }
     for name, spec in specs.items():
         for dtype, eager in (("float32", False), ("bfloat16", True), ("bfloat16", False)):
-            llm = LLM(path, dtype=dtype, enforce_eager=eager, num_gpu_blocks=2048, max_num_seqs=16,
-                      speculative_config=spec)
+            llm = LLM(
+                path, dtype=dtype, enforce_eager=eager, num_gpu_blocks=2048, max_num_seqs=16, speculative_config=spec
+            )
             runner = llm.llm_engine.executor.workers[0].model_runner
             replays = [0]
             if runner.verify_graphs is not None:
@@ -212,18 +243,26 @@ def speculation_checks(tmp: str) -> None:
                 runner.verify_graphs.replay = lambda n, _r=replay: (replays.__setitem__(0, replays[0] + 1), _r(n))[1]
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             m = llm.get_metrics()
-            detail = (f"{dtype}, graphs={not eager}: acceptance {m.get('spec_acceptance_rate', 0):.2f}, "
-                      f"mean accepted length {m.get('spec_mean_accepted_length', 0):.2f}, verify replays {replays[0]}")
+            detail = (
+                f"{dtype}, graphs={not eager}: acceptance {m.get('spec_acceptance_rate', 0):.2f}, "
+                f"mean accepted length {m.get('spec_mean_accepted_length', 0):.2f}, verify replays {replays[0]}"
+            )
             if dtype == "float32":
                 same = sum(a == b for a, b in zip(got, want))
-                check(f"speculation {name} == HF greedy", f"{same}/{len(prompts)}; {detail}",
-                      same == len(prompts) and m.get("spec_num_accepted_tokens", 0) > 0 and replays[0] > 0)
+                check(
+                    f"speculation {name} == HF greedy",
+                    f"{same}/{len(prompts)}; {detail}",
+                    same == len(prompts) and m.get("spec_num_accepted_tokens", 0) > 0 and replays[0] > 0,
+                )
             elif eager:
                 eager_tokens = got
             else:
                 same = sum(a == b for a, b in zip(got, eager_tokens))
-                check(f"speculation {name}: verify graphs == eager", f"{same}/{len(prompts)}; {detail}",
-                      same == len(prompts) and replays[0] > 0)
+                check(
+                    f"speculation {name}: verify graphs == eager",
+                    f"{same}/{len(prompts)}; {detail}",
+                    same == len(prompts) and replays[0] > 0,
+                )
             del llm, runner
             gc.collect()
             torch.cuda.empty_cache()
@@ -232,8 +271,12 @@ def speculation_checks(tmp: str) -> None:
 def main() -> None:
     t0 = time.time()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    groups = {"speculation": speculation_checks, "fp8": fp8_group,  # the groups --only / --skip may name
-              "sampling": lambda tmp: sampling_kernel_checks(), "decode_stack": decode_stack_checks}
+    groups = {
+        "speculation": speculation_checks,
+        "fp8": fp8_group,  # the groups --only / --skip may name
+        "sampling": lambda tmp: sampling_kernel_checks(),
+        "decode_stack": decode_stack_checks,
+    }
     flag, name = (sys.argv[1:] + [None, None])[:2]
     if len(sys.argv) not in (1, 3) or (flag is not None and (flag not in ("--only", "--skip") or name not in groups)):
         sys.exit(f"usage: gpu_check.py [--only|--skip {'|'.join(groups)}]")

@@ -15,6 +15,7 @@ added, so its fp32 reference runs its torch fallbacks (unless fla is installed).
     python3 tests/gpu/qwen35_checks.py            # on the GPU machine (about 6 minutes on an H200)
     python3 tests/gpu/qwen35_checks.py --dry-run  # the same steps on the CPU: tiny shapes, tiny workloads
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,6 +34,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from tests.gpu.gdn_check import add_fla_wheels  # noqa: E402
+
 rows: list[tuple[str, str, bool]] = []
 
 
@@ -57,6 +59,7 @@ def hf_reference(path: str, prompts: list[list[int]], n: int, dev: str) -> list[
     from transformers import AutoModelForCausalLM
 
     from tests.tiny_models import hf_greedy_logprobs
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev).eval()
     with torch.device(dev):  # hf_greedy_logprobs makes its input tensors on the default device
         refs = [tokens for tokens, _ in hf_greedy_logprobs(model, prompts, n)]
@@ -71,6 +74,7 @@ def correctness(paths: dict[str, str], dev: str, n: int) -> None:
 
     from novainfer import LLM, SamplingParams
     from tests.tiny_hybrid import PROMPTS
+
     greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     for arch, path in paths.items():
         tok = AutoTokenizer.from_pretrained(path)
@@ -78,25 +82,36 @@ def correctness(paths: dict[str, str], dev: str, n: int) -> None:
         prompts = [tok.encode(p) for p in PROMPTS] + [base + tok.encode(" Paris is"), base[:13] + tok.encode(" big")]
         refs = hf_reference(path, prompts, n, dev)
         for prefix in (False, True):
-            llm = LLM(path, dtype="float32", block_size=4 if dev == "cpu" else 16, max_num_batched_tokens=8,
-                      enable_prefix_caching=prefix, gpu_memory_utilization=0.3, max_num_seqs=8)
+            llm = LLM(
+                path,
+                dtype="float32",
+                block_size=4 if dev == "cpu" else 16,
+                max_num_batched_tokens=8,
+                enable_prefix_caching=prefix,
+                gpu_memory_utilization=0.3,
+                max_num_seqs=8,
+            )
             first = llm.generate([{"prompt_token_ids": prompts[1]}], greedy, use_tqdm=False)  # checkpoints base
-            outs = first + llm.generate([{"prompt_token_ids": p} for i, p in enumerate(prompts) if i != 1], greedy,
-                                        use_tqdm=False)
+            outs = first + llm.generate(
+                [{"prompt_token_ids": p} for i, p in enumerate(prompts) if i != 1], greedy, use_tqdm=False
+            )
             order = [1] + [i for i in range(len(prompts)) if i != 1]
             bad = [i for i, o in zip(order, outs) if o.outputs[0].token_ids != refs[i]]
             hits = llm.llm_engine.engine_core.block_manager.num_prefix_hits if prefix else 0
             graphs = runner_of(llm).graphs is not None
-            check(f"{arch} fp32 vs HF, prefix cache {'on' if prefix else 'off'}",
-                  f"{len(prompts) - len(bad)}/{len(prompts)} prompts equal, {n} tokens each; prefix hit tokens "
-                  f"{hits}; decode graphs {'on' if graphs else 'off'}",
-                  not bad and (hits > 0 or not prefix) and (graphs or dev == "cpu"))
+            check(
+                f"{arch} fp32 vs HF, prefix cache {'on' if prefix else 'off'}",
+                f"{len(prompts) - len(bad)}/{len(prompts)} prompts equal, {n} tokens each; prefix hit tokens "
+                f"{hits}; decode graphs {'on' if graphs else 'off'}",
+                not bad and (hits > 0 or not prefix) and (graphs or dev == "cpu"),
+            )
             release(llm)
 
 
 def graphs_vs_eager(paths: dict[str, str], dev: str, n: int) -> None:
     """(b): bf16 greedy tokens with the decode graphs replayed against enforce_eager."""
     from novainfer import LLM, SamplingParams
+
     dtype = "bfloat16" if dev == "cuda" else "float32"
     greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     # 8 prompts of different lengths: a captured batch size, so eager and replay run the same GEMM shapes
@@ -110,12 +125,14 @@ def graphs_vs_eager(paths: dict[str, str], dev: str, n: int) -> None:
             if graphs is not None:
                 replay = graphs.replay
                 graphs.replay = lambda k, _r=replay: (replays.__setitem__(0, replays[0] + 1), _r(k))[1]
-            outs[eager] = ([o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)],
-                           replays[0])
+            outs[eager] = ([o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)], replays[0])
             release(llm)
         same = outs[False][0] == outs[True][0]
-        check(f"{arch} {dtype} graphs vs eager", f"tokens {'identical' if same else 'DIFFER'}; "
-              f"{outs[False][1]} graph replays", same and (outs[False][1] > 0 or dev == "cpu"))
+        check(
+            f"{arch} {dtype} graphs vs eager",
+            f"tokens {'identical' if same else 'DIFFER'}; {outs[False][1]} graph replays",
+            same and (outs[False][1] > 0 or dev == "cpu"),
+        )
 
 
 def bench_one(model: str, dev: str, num_prompts: int, input_len: int, output_len: int, out: str) -> None:
@@ -125,6 +142,7 @@ def bench_one(model: str, dev: str, num_prompts: int, input_len: int, output_len
     from benchmarks.checkpoints import load_format, resolve_model
     from novainfer import LLM, SamplingParams
     from novainfer.layers.linear_attention import fla_chunk_rule
+
     path = resolve_model(model)
     kw = {"dtype": "bfloat16", "gpu_memory_utilization": 0.9} if dev == "cuda" else {"dtype": "float32"}
     llm = LLM(path, load_format=load_format(model), max_model_len=4096 if dev == "cuda" else 256, **kw)
@@ -141,17 +159,25 @@ def bench_one(model: str, dev: str, num_prompts: int, input_len: int, output_len
 
     def timed(k: int) -> float:
         t = time.perf_counter()
-        llm.generate([{"prompt_token_ids": one}], SamplingParams(temperature=0, max_tokens=k, ignore_eos=True),
-                     use_tqdm=False)
+        llm.generate(
+            [{"prompt_token_ids": one}], SamplingParams(temperature=0, max_tokens=k, ignore_eos=True), use_tqdm=False
+        )
         return time.perf_counter() - t
+
     timed(8)
     steps = 64 if dev == "cpu" else 256
     decode_ms = (min(timed(steps + 1) for _ in range(2)) - min(timed(1) for _ in range(2))) / steps * 1e3
     runner = runner_of(llm)
-    result = {"model": model, "tok_s": gen / elapsed, "seconds": elapsed, "output_tokens": gen,
-              "decode_ms": decode_ms, "graphs": runner.graphs is not None,
-              "fla": runner.state_cache is not None and dev == "cuda" and fla_chunk_rule() is not None,
-              "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}
+    result = {
+        "model": model,
+        "tok_s": gen / elapsed,
+        "seconds": elapsed,
+        "output_tokens": gen,
+        "decode_ms": decode_ms,
+        "graphs": runner.graphs is not None,
+        "fla": runner.state_cache is not None and dev == "cuda" and fla_chunk_rule() is not None,
+        "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+    }
     with open(out, "w") as f:
         json.dump(result, f)
 
@@ -161,8 +187,16 @@ def throughput(models: list[str], dev: str, num_prompts: int, input_len: int, ou
     results = []
     for model in models:
         out = tempfile.mktemp(suffix=".json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--bench", model, "--bench-out", out,
-               "--bench-shape", f"{num_prompts},{input_len},{output_len}"] + (["--dry-run"] if dev == "cpu" else [])
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--bench",
+            model,
+            "--bench-out",
+            out,
+            "--bench-shape",
+            f"{num_prompts},{input_len},{output_len}",
+        ] + (["--dry-run"] if dev == "cpu" else [])
         t = time.perf_counter()
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode or not os.path.exists(out):
@@ -173,18 +207,28 @@ def throughput(models: list[str], dev: str, num_prompts: int, input_len: int, ou
             r = json.load(f)
         results.append(r)
         dtype = "bf16" if dev == "cuda" else "fp32"
-        check(f"bench {model}", f"{r['tok_s']:.0f} tok/s ({num_prompts} x {input_len}+{output_len}, {dtype}), batch-1 "
-              f"decode {r['decode_ms']:.2f} ms/token, graphs {'on' if r['graphs'] else 'off'}"
-              + (", fla prefill" if r["fla"] else "") + f"; {time.perf_counter() - t:.0f} s wall", True)
+        check(
+            f"bench {model}",
+            f"{r['tok_s']:.0f} tok/s ({num_prompts} x {input_len}+{output_len}, {dtype}), batch-1 "
+            f"decode {r['decode_ms']:.2f} ms/token, graphs {'on' if r['graphs'] else 'off'}"
+            + (", fla prefill" if r["fla"] else "")
+            + f"; {time.perf_counter() - t:.0f} s wall",
+            True,
+        )
     if len(results) >= 2:
         base = results[-1]
         for r in results[:-1]:
-            check(f"ratio {r['model']} / {base['model']}", f"throughput x{r['tok_s'] / base['tok_s']:.2f}, batch-1 "
-                  f"decode step x{r['decode_ms'] / base['decode_ms']:.2f}", True)
+            check(
+                f"ratio {r['model']} / {base['model']}",
+                f"throughput x{r['tok_s'] / base['tok_s']:.2f}, batch-1 "
+                f"decode step x{r['decode_ms'] / base['decode_ms']:.2f}",
+                True,
+            )
 
 
 def build_tiny(tmp: str) -> dict[str, str]:
     from tests.tiny_hybrid import CONFIGS, build
+
     return {arch: build(os.path.join(tmp, arch), arch) for arch in sorted(CONFIGS)}
 
 
@@ -215,6 +259,7 @@ def main() -> None:
         bench_one(args.bench, dev, *map(int, args.bench_shape.split(",")), args.bench_out)
         return
     import transformers
+
     for mod in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):  # bound to the torch fallbacks: no fla on sys.path yet
         try:
             __import__(f"transformers.models.{mod}.modeling_{mod}")
@@ -222,15 +267,24 @@ def main() -> None:
             pass
     if not args.dry_run:
         add_fla_wheels()
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}", flush=True)
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"{torch.cuda.get_device_name() if dev == 'cuda' else 'cpu'}",
+        flush=True,
+    )
     if not hasattr(transformers, "Qwen3_5TextConfig"):
         print(f"transformers {transformers.__version__} has no Qwen3_5 (Qwen3.5 configs do not load): skipped")
         check("transformers Qwen3_5", "missing: the Qwen3.5 checks and benchmarks are skipped", True)
         report()
     from novainfer.layers.linear_attention import fla_chunk_rule
-    check("fla chunk_gated_delta_rule", "importable: the CUDA prefill uses it" if fla_chunk_rule() else
-          "not importable: the CUDA prefill uses our chunk kernel", True)
+
+    check(
+        "fla chunk_gated_delta_rule",
+        "importable: the CUDA prefill uses it"
+        if fla_chunk_rule()
+        else "not importable: the CUDA prefill uses our chunk kernel",
+        True,
+    )
     tmp = tempfile.mkdtemp(prefix="qwen35_checks_")
     atexit.register(shutil.rmtree, tmp, True)
     t = time.perf_counter()

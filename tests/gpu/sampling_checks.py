@@ -1,5 +1,6 @@
 """Checks of the one-pass sampling kernel (novainfer/kernels/sampling.py), shared by the CPU test (Triton's
 interpreter, small shapes) and gpu_check.py (real vocabulary, timing against the torch path)."""
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,11 @@ def greedy_rows_are_argmax(device: str, rows: int, vocab: int, chunk: int = 8192
     logits[3, : vocab - 1] = float("-inf")  # one token left
     greedy = torch.ones(rows, dtype=torch.bool, device=device)
     got = gumbel_sample(logits, torch.ones(rows, device=device), greedy, chunk=chunk, block=block)
-    check(f"gumbel sampler greedy rows == argmax, vocab {vocab}, chunks of {chunk}", f"{rows} rows with ties",
-          torch.equal(got, logits.argmax(dim=-1)))
+    check(
+        f"gumbel sampler greedy rows == argmax, vocab {vocab}, chunks of {chunk}",
+        f"{rows} rows with ties",
+        torch.equal(got, logits.argmax(dim=-1)),
+    )
 
 
 def draws_follow_softmax(device: str, rows: int, calls: int, chunk: int = 8192, block: int = 512) -> None:
@@ -43,22 +47,29 @@ def draws_follow_softmax(device: str, rows: int, calls: int, chunk: int = 8192, 
         sigma = (p * (1 - p) / n).sqrt()
         z = ((counts / n - p).abs() / sigma.clamp_min(1e-12)).nan_to_num(0.0)
         worst = z[p > 0].max().item()
-        check(f"gumbel sampler draws ~ softmax(logits / {t})", f"{int(n)} draws, worst {worst:.1f} sigma, "
-              f"-inf drawn {int(counts[5].item())}x", worst < 4.5 and counts[5] == 0 and argmax_ok)
+        check(
+            f"gumbel sampler draws ~ softmax(logits / {t})",
+            f"{int(n)} draws, worst {worst:.1f} sigma, -inf drawn {int(counts[5].item())}x",
+            worst < 4.5 and counts[5] == 0 and argmax_ok,
+        )
 
 
 def speed_against_the_torch_path(rows: int, vocab: int) -> None:
     """CUDA: the kernel against the Sampler's torch path (temperature, softmax, exponential race) per call."""
     from novainfer.layers.sampler import Sampler
+
     logits = torch.randn(rows, vocab, device="cuda")
     temp = torch.full((rows,), 0.6, device="cuda")
     greedy = torch.zeros(rows, dtype=torch.bool, device="cuda")
 
     class Meta:  # what Sampler.sample_random reads
         temperature, top_k, top_p, min_p, generators = temp, None, None, None, [None] * rows
+
     times = {}
-    for name, fn in (("torch", lambda: torch.where(greedy, logits.argmax(-1), Sampler.sample_random(logits, Meta))),
-                     ("kernel", lambda: gumbel_sample(logits, temp, greedy))):
+    for name, fn in (
+        ("torch", lambda: torch.where(greedy, logits.argmax(-1), Sampler.sample_random(logits, Meta))),
+        ("kernel", lambda: gumbel_sample(logits, temp, greedy)),
+    ):
         for _ in range(3):
             fn()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -68,8 +79,12 @@ def speed_against_the_torch_path(rows: int, vocab: int) -> None:
         end.record()
         torch.cuda.synchronize()
         times[name] = start.elapsed_time(end) / 20 * 1e3
-    check(f"gumbel sampler speed, {rows} x {vocab}", f"torch path {times['torch']:.0f} us, kernel "
-          f"{times['kernel']:.0f} us ({times['torch'] / times['kernel']:.1f}x)", times["kernel"] < times["torch"])
+    check(
+        f"gumbel sampler speed, {rows} x {vocab}",
+        f"torch path {times['torch']:.0f} us, kernel "
+        f"{times['kernel']:.0f} us ({times['torch'] / times['kernel']:.1f}x)",
+        times["kernel"] < times["torch"],
+    )
 
 
 def sampling_kernel_checks(device: str = "cuda") -> None:

@@ -7,6 +7,7 @@
    max_model_len 4096): tp=1 vs tp=2 (mp), each in a fresh process through benchmarks/throughput.py.
 Prints a table (and writes JSON under --out); exits non-zero if a check fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,11 +32,22 @@ from tests.gpu.checks import check, rows  # noqa: E402
 
 def greedy_tokens(path: str, prompts: list[list[int]], tp: int, backend: str) -> tuple[list[list[int]], float]:
     t0 = time.perf_counter()
-    llm = LLM(path, dtype="float32", tensor_parallel_size=tp, distributed_executor_backend=backend, master_port=0,
-              max_model_len=512, max_num_seqs=8, num_gpu_blocks=256)
+    llm = LLM(
+        path,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        distributed_executor_backend=backend,
+        master_port=0,
+        max_model_len=512,
+        max_num_seqs=8,
+        num_gpu_blocks=256,
+    )
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+            use_tqdm=False,
+        )
         return [o.outputs[0].token_ids for o in outs], time.perf_counter() - t0
     finally:
         llm.llm_engine.shutdown()
@@ -60,15 +72,29 @@ def parity_checks() -> None:
             continue
         same = sum(a == b for x, y in zip(got, ref) for a, b in zip(x, y))
         first = next((i for i, (x, y) in enumerate(zip(got, ref)) if x != y), None)
-        check(name, f"{same}/{sum(map(len, ref))} tokens equal, first differing prompt {first}, {secs:.1f} s",
-              got == ref)
+        check(
+            name, f"{same}/{sum(map(len, ref))} tokens equal, first differing prompt {first}, {secs:.1f} s", got == ref
+        )
 
 
 def throughput(tp: int, out_dir: str, timeout: int) -> dict | None:
     out = os.path.join(out_dir, f"throughput_7b_tp{tp}.json")
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "throughput.py"), "--model", "random:qwen2.5-7b",
-           "--max-num-batched-tokens", "16384", "--max-model-len", "4096", "--tensor-parallel-size", str(tp),
-           "--distributed-executor-backend", "mp" if tp > 1 else "uni", "--json", out]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "throughput.py"),
+        "--model",
+        "random:qwen2.5-7b",
+        "--max-num-batched-tokens",
+        "16384",
+        "--max-model-len",
+        "4096",
+        "--tensor-parallel-size",
+        str(tp),
+        "--distributed-executor-backend",
+        "mp" if tp > 1 else "uni",
+        "--json",
+        out,
+    ]
     print("$", " ".join(cmd[1:]), flush=True)
     proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout, capture_output=True, text=True)
     print(proc.stdout[-1500:], proc.stderr[-3000:] if proc.returncode else "", flush=True)
@@ -86,8 +112,10 @@ def throughput_checks(out_dir: str) -> None:
         speedup = r2["novainfer_tok_s"] / r1["novainfer_tok_s"]
         print("\n| Qwen2.5-7B bf16 | output tok/s | time (s) | KV cache tokens per rank |\n|---|---|---|---|")
         for r in (r1, r2):
-            print(f"| tp={r['tensor_parallel_size']} ({r['distributed_executor_backend']}) | "
-                  f"{r['novainfer_tok_s']:,.0f} | {r['novainfer_s']:.2f} | {r['kv_cache_tokens']:,} |")
+            print(
+                f"| tp={r['tensor_parallel_size']} ({r['distributed_executor_backend']}) | "
+                f"{r['novainfer_tok_s']:,.0f} | {r['novainfer_s']:.2f} | {r['kv_cache_tokens']:,} |"
+            )
         check("tp=2 output throughput > tp=1 (Qwen2.5-7B bench shape)", f"{speedup:.2f}x", speedup > 1.0)
 
 
@@ -107,8 +135,10 @@ def main() -> int:
     print("\n| check | result | ok |\n|---|---|---|")
     for name, detail, ok in rows:
         print(f"| {name} | {detail} | {'PASS' if ok else 'FAIL'} |")
-    print(f"devices: {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}; "
-          f"torch {torch.__version__}; {time.perf_counter() - t0:.0f} s")
+    print(
+        f"devices: {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}; "
+        f"torch {torch.__version__}; {time.perf_counter() - t0:.0f} s"
+    )
     with open(os.path.join(args.out, "tp_check.json"), "w") as f:
         json.dump([dict(check=n, result=d, ok=o) for n, d, o in rows], f, indent=2)
     return 0 if all(ok for _, _, ok in rows) else 1

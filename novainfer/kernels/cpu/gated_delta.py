@@ -1,6 +1,7 @@
 """The Gated DeltaNet decode step on the CPU in C (csrc/gated_delta_cpu.c): conv window, SiLU, q/k
 normalisation and the gated delta rule of every (sequence, value head) in one call, in place of ~20 small torch
 ops per layer (layers/linear_attention.py: GatedDeltaNet._decode keeps the torch form as the reference)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -18,8 +19,27 @@ def _lib() -> ctypes.CDLL | None:
     lib = library._library()
     if lib is None or not hasattr(lib, "gated_delta_decode"):
         return None
-    lib.gated_delta_decode.argtypes = [_P, ctypes.c_int64, _P, _P, _P, _P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I,
-                                       _P, _P, _I]
+    lib.gated_delta_decode.argtypes = [
+        _P,
+        ctypes.c_int64,
+        _P,
+        _P,
+        _P,
+        _P,
+        _I,
+        _P,
+        _P,
+        _P,
+        _I,
+        _I,
+        _I,
+        _I,
+        _I,
+        _I,
+        _P,
+        _P,
+        _I,
+    ]
     lib.gated_delta_decode.restype = None
     lib.set_gated_delta_isa.argtypes = [_I]
     lib.set_gated_delta_isa.restype = _I
@@ -27,21 +47,37 @@ def _lib() -> ctypes.CDLL | None:
 
 
 def set_isa(isa: str) -> str:
-    """"scalar", "avx512" (where the CPU has it) or "auto"; returns the one in use (tests compare both)."""
+    """ "scalar", "avx512" (where the CPU has it) or "auto"; returns the one in use (tests compare both)."""
     used = _lib().set_gated_delta_isa({"scalar": 0, "avx512": 1, "auto": -1}[isa])
     return "avx512" if used else "scalar"
 
 
 def usable(mixed: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> bool:
     """Whether the C step takes these: float32 CPU tensors, the states contiguous, the kernels built."""
-    return (not mixed.is_cuda and mixed.dtype is torch.float32 and conv_state.dtype is torch.float32
-            and ssm_state.dtype is torch.float32 and conv_state.is_contiguous() and ssm_state.is_contiguous()
-            and mixed.stride(-1) == 1 and _lib() is not None)
+    return (
+        not mixed.is_cuda
+        and mixed.dtype is torch.float32
+        and conv_state.dtype is torch.float32
+        and ssm_state.dtype is torch.float32
+        and conv_state.is_contiguous()
+        and ssm_state.is_contiguous()
+        and mixed.stride(-1) == 1
+        and _lib() is not None
+    )
 
 
-def decode_step(mixed: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
-                continues: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                num_k_heads: int, head_k_dim: int) -> torch.Tensor:
+def decode_step(
+    mixed: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    continues: torch.Tensor,
+    conv_weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    num_k_heads: int,
+    head_k_dim: int,
+) -> torch.Tensor:
     """One token of B sequences: updates conv_state / ssm_state in their slots, returns out [B, nv, dv]."""
     b, c = mixed.shape
     nv, dk, dv = ssm_state.shape[1:]
@@ -53,8 +89,25 @@ def decode_step(mixed: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.
     cont = continues.to(torch.uint8).contiguous()
     scratch = torch.empty(b, c, dtype=torch.float32)
     out = torch.empty(b, nv, dv, dtype=torch.float32)
-    _lib().gated_delta_decode(mixed.data_ptr(), mixed.stride(0), conv_state.data_ptr(), ssm_state.data_ptr(),
-                              slots64.data_ptr(), cont.data_ptr(), b, weight.data_ptr(), g.data_ptr(),
-                              beta.data_ptr(), c, weight.shape[1], num_k_heads, nv, dk, dv, scratch.data_ptr(),
-                              out.data_ptr(), library.num_threads())
+    _lib().gated_delta_decode(
+        mixed.data_ptr(),
+        mixed.stride(0),
+        conv_state.data_ptr(),
+        ssm_state.data_ptr(),
+        slots64.data_ptr(),
+        cont.data_ptr(),
+        b,
+        weight.data_ptr(),
+        g.data_ptr(),
+        beta.data_ptr(),
+        c,
+        weight.shape[1],
+        num_k_heads,
+        nv,
+        dk,
+        dv,
+        scratch.data_ptr(),
+        out.data_ptr(),
+        library.num_threads(),
+    )
     return out

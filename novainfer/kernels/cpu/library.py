@@ -1,6 +1,7 @@
 """Builds the C kernels of csrc/ once per machine (cached under platform.CACHE_DIR by the sources' and flags' hash)
 and loads them with their signatures bound; their thread count. Where no compiler or no AVX2/FMA/F16C is found,
 available() is False and GGUF weights load dequantized (one log line says why)."""
+
 from __future__ import annotations
 
 import ctypes
@@ -19,9 +20,20 @@ from novainfer.platform import CACHE_DIR, cpu_flags
 logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _HEADERS = ["cpu_pool.h", "cpu_kernels.h", "simd_cpu.h", "panel_cpu.h", "qgemm_jobs.h"]
-_SOURCES = ["qgemm_cpu.c", "qgemm_panel_cpu.c", "quantize_rows_cpu.c", "qgemm_avx512.c", "dequantize_cpu.c",
-            "decode_ops_cpu.c", "decode_attention_cpu.c", "prefill_attention_cpu.c", "cpu_pool.c",
-            "decoder_stack_cpu.c", "repack_panels_cpu.c", "gated_delta_cpu.c"]
+_SOURCES = [
+    "qgemm_cpu.c",
+    "qgemm_panel_cpu.c",
+    "quantize_rows_cpu.c",
+    "qgemm_avx512.c",
+    "dequantize_cpu.c",
+    "decode_ops_cpu.c",
+    "decode_attention_cpu.c",
+    "prefill_attention_cpu.c",
+    "cpu_pool.c",
+    "decoder_stack_cpu.c",
+    "repack_panels_cpu.c",
+    "gated_delta_cpu.c",
+]
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -57,8 +69,10 @@ def _build(files: list[str]) -> str | None:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             os.unlink(tmp)
-            logger.warning("building the quantized CPU kernels failed (%s); GGUF weights load dequantized",
-                           proc.stderr.strip()[-300:])
+            logger.warning(
+                "building the quantized CPU kernels failed (%s); GGUF weights load dequantized",
+                proc.stderr.strip()[-300:],
+            )
             return None
         os.replace(tmp, target)  # atomic: concurrent builders each write their own temporary file
     return target
@@ -83,8 +97,29 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.store_kv_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int64, _P]
     lib.store_kv_bf16.restype = _I
     lib.decode_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I, _I, _P]
-    lib.prefill_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I,
-                                           _I, _I, _P]  # the last three: tokens, blocks, where (as above)
+    lib.prefill_attention_bf16.argtypes = [
+        _P,
+        _I,
+        _P,
+        _P,
+        _P,
+        _I,
+        _P,
+        _P,
+        _I,
+        _I,
+        _I,
+        _I,
+        _I,
+        _F,
+        _I,
+        _F,
+        _P,
+        _I,
+        _I,
+        _I,
+        _P,
+    ]  # the last three: tokens, blocks, where (as above)
     lib.decoder_stack_workspace.argtypes = [_P, _I, _I, _I]
     lib.decoder_stack_workspace.restype = ctypes.c_size_t
     lib.decoder_stack_decode.argtypes = [_P, _I, _P, _F, _P, _P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _P]

@@ -6,6 +6,7 @@ step of the default model once the weights were quantized; and the prefill atten
 Used by the layers of a model built for the quantized CPU path (QuantizationConfig.fused_cpu_ops); the
 float32 exact path (dtype="float32") keeps the torch ops. Each wrapper checks what the C code assumes.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -20,8 +21,9 @@ def usable(x: torch.Tensor) -> bool:
     return x.dtype is torch.float32 and x.stride(-1) == 1 and not x.is_cuda
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual) * weight, x + residual); without a residual, x itself is the new residual."""
     x = x.contiguous()
     m, h = x.numel() // x.shape[-1], x.shape[-1]
@@ -31,8 +33,17 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         return out, x
     residual = residual.contiguous()
     new_res = torch.empty_like(x)
-    library().add_rms_norm(x.data_ptr(), residual.data_ptr(), new_res.data_ptr(), weight.data_ptr(), eps,
-                           out.data_ptr(), m, h, num_threads())
+    library().add_rms_norm(
+        x.data_ptr(),
+        residual.data_ptr(),
+        new_res.data_ptr(),
+        weight.data_ptr(),
+        eps,
+        out.data_ptr(),
+        m,
+        h,
+        num_threads(),
+    )
     return out, new_res
 
 
@@ -45,39 +56,74 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rotary_neox_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> None:
+def rotary_neox_(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
     """Rotates q [T, heads, D] and k [T, kv_heads, D] in place (views of one fused qkv row are fine)."""
     t, nq, d = q.shape
     if q.stride(1) != d or k.stride(1) != d:
         raise ValueError("rotary_neox_: each head's values must be contiguous")
     pos = positions.to(torch.int64).contiguous()
-    rc = library().rotary_neox(q.data_ptr(), q.stride(0), nq, k.data_ptr(), k.stride(0), k.shape[1],
-                               pos.data_ptr(), t, cos.data_ptr(), sin.data_ptr(), cos.shape[0], d, num_threads())
+    rc = library().rotary_neox(
+        q.data_ptr(),
+        q.stride(0),
+        nq,
+        k.data_ptr(),
+        k.stride(0),
+        k.shape[1],
+        pos.data_ptr(),
+        t,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        cos.shape[0],
+        d,
+        num_threads(),
+    )
     if rc:
         raise ValueError(f"a position is outside the rotary table of {cos.shape[0]} positions")
 
 
-def store_kv_bf16(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> None:
+def store_kv_bf16(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """key/value [T, kv_heads, D] (rows may be strided) -> bf16 caches [blocks, block_size, kv_heads, D]; a slot
     outside the cache raises ValueError before anything is written."""
     slots = slot_mapping.to(torch.int64).contiguous()
     width = key.shape[1] * key.shape[2]
     if v_cache.shape != k_cache.shape or k_cache.shape[2] * k_cache.shape[3] != width:
-        raise ValueError(f"store_kv_bf16: K/V rows of {width} values do not fit caches of shapes "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"store_kv_bf16: K/V rows of {width} values do not fit caches of shapes "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     where = KVWhere()
-    rc = library().store_kv_bf16(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
-                                 k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), key.shape[0], width,
-                                 num_threads(), k_cache.shape[0] * k_cache.shape[1], where)
+    rc = library().store_kv_bf16(
+        key.data_ptr(),
+        key.stride(0),
+        value.data_ptr(),
+        value.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        slots.data_ptr(),
+        key.shape[0],
+        width,
+        num_threads(),
+        k_cache.shape[0] * k_cache.shape[1],
+        where,
+    )
     if rc:
         raise kv_index_error(rc, where, k_cache.shape[0], k_cache.shape[1], slots=slots)
 
 
-def decode_attention_bf16(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                          sliding_window: int | None, logits_soft_cap: float | None) -> torch.Tensor:
+def decode_attention_bf16(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+) -> torch.Tensor:
     """One query per sequence, query [S, heads, D], over the bf16 paged cache -> [S, heads, D] float32; a block
     id outside the cache or a length past the block table raises ValueError before anything is read."""
     s, nh, d = query.shape
@@ -85,15 +131,33 @@ def decode_attention_bf16(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     if tables.dim() != 2 or tables.shape[0] < s or lens.shape != (s,):
-        raise ValueError(f"decode attention of {s} sequences: block tables {tuple(tables.shape)}, "
-                         f"seq_lens {tuple(lens.shape)}")
+        raise ValueError(
+            f"decode attention of {s} sequences: block tables {tuple(tables.shape)}, seq_lens {tuple(lens.shape)}"
+        )
     num_blocks = min(k_cache.shape[0], v_cache.shape[0])
     out = torch.empty(s, nh, d, dtype=torch.float32)
     where = KVWhere()
     rc = library().decode_attention_bf16(
-        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-        tables.shape[1], lens.data_ptr(), s, nh, nkv, d, block_size, scale, sliding_window or 0,
-        logits_soft_cap or 0.0, out.data_ptr(), num_threads(), num_blocks, where)
+        query.data_ptr(),
+        query.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        lens.data_ptr(),
+        s,
+        nh,
+        nkv,
+        d,
+        block_size,
+        scale,
+        sliding_window or 0,
+        logits_soft_cap or 0.0,
+        out.data_ptr(),
+        num_threads(),
+        num_blocks,
+        where,
+    )
     if rc == KV_NO_MEMORY:
         raise MemoryError("decode attention: no memory for the scores")
     if rc:
@@ -105,34 +169,55 @@ KVWhere = ctypes.c_int * 2  # the offending token, or sequence and block-table e
 KV_NO_MEMORY, KV_BAD_SLOT, KV_BAD_SEQ_LEN, KV_BAD_BLOCK, KV_BAD_QUERIES = -1, 1, 2, 3, 4  # csrc/cpu_kernels.h
 
 
-def kv_index_error(rc: int, where: ctypes.Array, num_blocks: int, block_size: int, slots: torch.Tensor | None = None,
-                   tables: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
-                   starts: torch.Tensor | None = None) -> Exception:
+def kv_index_error(
+    rc: int,
+    where: ctypes.Array,
+    num_blocks: int,
+    block_size: int,
+    slots: torch.Tensor | None = None,
+    tables: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    starts: torch.Tensor | None = None,
+) -> Exception:
     """The exception for a KV op's bad-index code rc (also the C decoder stack's, decoder_stack.py), naming the
     index it found (where) in the step's slots [T], block tables [S, width], seq_lens [S] or query starts [S + 1]."""
     if rc == KV_BAD_SLOT:
         t = where[0]
-        return ValueError(f"KV slot {int(slots[t])} (token {t}) is outside the cache of "
-                          f"{num_blocks * block_size} slots")
+        return ValueError(
+            f"KV slot {int(slots[t])} (token {t}) is outside the cache of {num_blocks * block_size} slots"
+        )
     if rc == KV_BAD_SEQ_LEN:
         s, width = where[0], tables.shape[1]
-        return ValueError(f"sequence {s}'s length {int(seq_lens[s])} is outside [1, {width * block_size}] "
-                          f"(its block table holds {width} blocks of {block_size} tokens)")
+        return ValueError(
+            f"sequence {s}'s length {int(seq_lens[s])} is outside [1, {width * block_size}] "
+            f"(its block table holds {width} blocks of {block_size} tokens)"
+        )
     if rc == KV_BAD_BLOCK:
         s, b = where[0], where[1]
-        return ValueError(f"block id {int(tables[s, b])} (sequence {s}, block table entry {b}) is outside the "
-                          f"cache of {num_blocks} blocks")
+        return ValueError(
+            f"block id {int(tables[s, b])} (sequence {s}, block table entry {b}) is outside the "
+            f"cache of {num_blocks} blocks"
+        )
     if rc == KV_BAD_QUERIES:
         s = where[0]
-        return ValueError(f"sequence {s}'s new tokens {int(starts[s])}..{int(starts[s + 1])} are out of order, past "
-                          f"the step's tokens or more than its length {int(seq_lens[s])}")
+        return ValueError(
+            f"sequence {s}'s new tokens {int(starts[s])}..{int(starts[s + 1])} are out of order, past "
+            f"the step's tokens or more than its length {int(seq_lens[s])}"
+        )
     return RuntimeError(f"KV op: error {rc}")
 
 
-def prefill_attention_bf16(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float, sliding_window: int | None,
-                           logits_soft_cap: float | None) -> torch.Tensor:
+def prefill_attention_bf16(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+) -> torch.Tensor:
     """Each sequence's new tokens, query [T, heads, D] (the i-th of q at position seq_len - q + i), causal over
     the bf16 paged cache (which already holds them) -> [T, heads, D] float32; a bad block id, length or query
     range raises ValueError before anything is read."""
@@ -143,15 +228,36 @@ def prefill_attention_bf16(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     lens = seq_lens.to(torch.int32).contiguous()
     s = lens.shape[0]
     if lens.dim() != 1 or tables.dim() != 2 or tables.shape[0] < s or starts.shape != (s + 1,):
-        raise ValueError(f"prefill attention: block tables {tuple(tables.shape)}, query starts "
-                         f"{tuple(starts.shape)} and seq_lens {tuple(lens.shape)} do not describe one set of sequences")
+        raise ValueError(
+            f"prefill attention: block tables {tuple(tables.shape)}, query starts "
+            f"{tuple(starts.shape)} and seq_lens {tuple(lens.shape)} do not describe one set of sequences"
+        )
     num_blocks = min(k_cache.shape[0], v_cache.shape[0])
     out = torch.empty(t, nh, d, dtype=torch.float32)
     where = KVWhere()
     rc = library().prefill_attention_bf16(
-        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-        tables.shape[1], starts.data_ptr(), lens.data_ptr(), s, nh, nkv, d, block_size, scale,
-        sliding_window or 0, logits_soft_cap or 0.0, out.data_ptr(), num_threads(), t, num_blocks, where)
+        query.data_ptr(),
+        query.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        tables.shape[1],
+        starts.data_ptr(),
+        lens.data_ptr(),
+        s,
+        nh,
+        nkv,
+        d,
+        block_size,
+        scale,
+        sliding_window or 0,
+        logits_soft_cap or 0.0,
+        out.data_ptr(),
+        num_threads(),
+        t,
+        num_blocks,
+        where,
+    )
     if rc == KV_NO_MEMORY:
         raise MemoryError("prefill attention: no memory for the widened K/V or the scores")
     if rc:

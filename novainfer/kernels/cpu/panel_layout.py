@@ -6,6 +6,7 @@ contiguous run of memory. The row layout is the one GGUF blocks repack into (rep
 with GGML's nibble order per group of 32 (byte j: element j low, j + 16 high), q8 int8 [N, K]; scales and zeros
 [N, K/G]. Both directions are exact (a permutation of values); padding rows past N are zero.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,7 +25,7 @@ def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
     if a.shape[0] == rows:
         return a
     out = np.zeros((rows,) + a.shape[1:], a.dtype)
-    out[:a.shape[0]] = a
+    out[: a.shape[0]] = a
     return out
 
 

@@ -1,6 +1,7 @@
 """The quantized GEMMs of a PackedWeight and its dequantizer, in C (csrc/qgemm_cpu.c, its many-row form
 csrc/qgemm_panel_cpu.c, whose tiles run AVX-512 VNNI where the CPU has it (csrc/qgemm_avx512.c, picked at run
 time), csrc/dequantize_cpu.c). Scales and zeros are read as float16 or float32 (the weight's scale_f16)."""
+
 from __future__ import annotations
 
 import torch
@@ -23,12 +24,34 @@ def quant_gemm(x: torch.Tensor, w: PackedWeight, panel: bool = False) -> torch.T
     y = torch.empty(m, n, dtype=torch.float32)
     f16 = int(w.scale_f16)
     if w.kind == "q4":
-        rc = q4_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(), f16, n,
-                     y.data_ptr(), num_threads())
+        rc = q4_gemm(
+            x.data_ptr(),
+            m,
+            k,
+            w.qweight.data_ptr(),
+            w.scales.data_ptr(),
+            w.zeros.data_ptr(),
+            f16,
+            n,
+            y.data_ptr(),
+            num_threads(),
+        )
     else:
         zeros = w.zeros if w.zeros is not None else w.scales  # never read without has_zeros
-        rc = q8_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), w.group, w.scales.data_ptr(), zeros.data_ptr(),
-                     int(w.zeros is not None), f16, n, y.data_ptr(), num_threads())
+        rc = q8_gemm(
+            x.data_ptr(),
+            m,
+            k,
+            w.qweight.data_ptr(),
+            w.group,
+            w.scales.data_ptr(),
+            zeros.data_ptr(),
+            int(w.zeros is not None),
+            f16,
+            n,
+            y.data_ptr(),
+            num_threads(),
+        )
     if rc:
         raise MemoryError(f"quantized CPU GEMM: no memory for a [{m}, {k}] activation's scratch")
     return y
@@ -48,9 +71,19 @@ def dequantize(w: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tenso
     if count == 0:
         return out
     zeros = None if w.zeros is None else w.zeros.data_ptr()
-    library().dequantize(w.qweight.data_ptr(), int(w.kind == "q4"), w.group, w.scales.data_ptr(), zeros,
-                         int(w.scale_f16), k, None if rows is None else rows.data_ptr(), count, out.data_ptr(),
-                         num_threads())
+    library().dequantize(
+        w.qweight.data_ptr(),
+        int(w.kind == "q4"),
+        w.group,
+        w.scales.data_ptr(),
+        zeros,
+        int(w.scale_f16),
+        k,
+        None if rows is None else rows.data_ptr(),
+        count,
+        out.data_ptr(),
+        num_threads(),
+    )
     return out
 
 
@@ -71,4 +104,3 @@ def set_gemm_isa(isa: str) -> str:
     if isa not in _ISAS:
         raise ValueError(f"GEMM ISA must be one of {sorted(_ISAS)}, got {isa!r}")
     return "avx512" if library().set_gemm_isa(_ISAS[isa]) else "avx2"
-

@@ -11,6 +11,7 @@ else float32 (the K-quants' d*sc products usually need more than float16's 11 bi
 exactly, so both give the same results to the bit; the decode step reads fewer bytes.
 Q5_K and Q6_K cost 8 bits a weight in memory instead of 5.5 / 6.6, and nothing in accuracy.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,8 +23,14 @@ from gguf import GGMLQuantizationType as T
 from novainfer.kernels.cpu import panel_layout
 
 # type -> (elements per block, bytes per block)
-BLOCK = {T.Q4_0: (32, 18), T.Q4_1: (32, 20), T.Q8_0: (32, 34), T.Q4_K: (256, 144), T.Q5_K: (256, 176),
-         T.Q6_K: (256, 210)}
+BLOCK = {
+    T.Q4_0: (32, 18),
+    T.Q4_1: (32, 20),
+    T.Q8_0: (32, 34),
+    T.Q4_K: (256, 144),
+    T.Q5_K: (256, 176),
+    T.Q6_K: (256, 210),
+}
 SUPPORTED = frozenset(BLOCK)
 
 
@@ -43,24 +50,42 @@ class PackedWeight:
         if self.scales.dtype not in (torch.float16, torch.float32):
             raise ValueError(f"PackedWeight scales must be float16 or float32, not {self.scales.dtype}")
         if self.zeros is not None and self.zeros.dtype != self.scales.dtype:
-            raise ValueError(f"PackedWeight zeros ({self.zeros.dtype}) and scales ({self.scales.dtype}) differ in dtype")
+            raise ValueError(
+                f"PackedWeight zeros ({self.zeros.dtype}) and scales ({self.scales.dtype}) differ in dtype"
+            )
 
     @classmethod
-    def from_rows(cls, kind: str, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
-                  shape: tuple[int, int]) -> "PackedWeight":
+    def from_rows(
+        cls,
+        kind: str,
+        q: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor | None,
+        group: int,
+        shape: tuple[int, int],
+    ) -> "PackedWeight":
         """A weight given in the row layout (q4 uint8 [N, K/2] in GGML's nibble order, q8 int8 [N, K]; scales and
         zeros [N, K/group])."""
         t, zp = torch.from_numpy, None if zeros is None else panel_layout.groups_to_panels(zeros.numpy())
-        return cls(kind, t(panel_layout.quants_to_panels(kind, q.numpy())),
-                   t(panel_layout.groups_to_panels(scales.numpy())), None if zp is None else t(zp), group, shape)
+        return cls(
+            kind,
+            t(panel_layout.quants_to_panels(kind, q.numpy())),
+            t(panel_layout.groups_to_panels(scales.numpy())),
+            None if zp is None else t(zp),
+            group,
+            shape,
+        )
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(quants, scales, zeros) in the row layout of from_rows (copies)."""
         n, k = self.shape
         t = torch.from_numpy
         z = None if self.zeros is None else t(panel_layout.groups_to_rows(self.zeros.numpy(), n))
-        return (t(panel_layout.quants_to_rows(self.kind, self.qweight.numpy(), n, k)),
-                t(panel_layout.groups_to_rows(self.scales.numpy(), n)), z)
+        return (
+            t(panel_layout.quants_to_rows(self.kind, self.qweight.numpy(), n, k)),
+            t(panel_layout.groups_to_rows(self.scales.numpy(), n)),
+            z,
+        )
 
     @property
     def scale_f16(self) -> bool:
@@ -119,8 +144,14 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 # type -> (kind, group, has zero points) of the layout it repacks into
-LAYOUT = {T.Q4_0: ("q4", 32, True), T.Q4_1: ("q4", 32, True), T.Q8_0: ("q8", 32, False),
-          T.Q4_K: ("q4", 32, True), T.Q5_K: ("q8", 32, True), T.Q6_K: ("q8", 16, False)}
+LAYOUT = {
+    T.Q4_0: ("q4", 32, True),
+    T.Q4_1: ("q4", 32, True),
+    T.Q8_0: ("q8", 32, False),
+    T.Q4_K: ("q4", 32, True),
+    T.Q5_K: ("q8", 32, True),
+    T.Q6_K: ("q8", 16, False),
+}
 CHUNK_BYTES = 1 << 22  # GGUF bytes repacked at a time: the numpy temporaries stay a few times this, not the tensor
 
 
@@ -143,7 +174,7 @@ def repack(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> PackedWeight:
     zeros = np.empty_like(scales) if has_zero else None
     step = max(1, CHUNK_BYTES // (k // per * nbytes) // pn) * pn  # whole panels at a time
     for r in range(0, n, step):
-        q, sc, zero = _repack_blocks(b[r:r + step], qtype)
+        q, sc, zero = _repack_blocks(b[r : r + step], qtype)
         at = slice(r // pn, (r + q.shape[0] + pn - 1) // pn)
         qweight[at] = panel_layout.quants_to_panels(kind, q)
         scales[at] = panel_layout.groups_to_panels(sc)
@@ -214,12 +245,19 @@ def merge_rows(parts: list[PackedWeight]) -> PackedWeight:
 
     if all(p.shape[0] % panel_layout.PANEL == 0 for p in parts):  # whole panels: they stack as they are
         zeros = torch.cat([zeros_of(p, p.zeros, p.scales) for p in parts]) if has_zeros else None
-        return PackedWeight(first.kind, torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
-                            zeros, first.group, (n, k))
+        return PackedWeight(
+            first.kind,
+            torch.cat([p.qweight for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            zeros,
+            first.group,
+            (n, k),
+        )
     rows = [p.rows() for p in parts]
     zeros = torch.cat([zeros_of(p, z, s) for p, (_, s, z) in zip(parts, rows)]) if has_zeros else None
-    return PackedWeight.from_rows(first.kind, torch.cat([q for q, _, _ in rows]), torch.cat([s for _, s, _ in rows]),
-                                  zeros, first.group, (n, k))
+    return PackedWeight.from_rows(
+        first.kind, torch.cat([q for q, _, _ in rows]), torch.cat([s for _, s, _ in rows]), zeros, first.group, (n, k)
+    )
 
 
 def _as_q8(p: PackedWeight, group: int) -> PackedWeight:

@@ -7,6 +7,7 @@ advised (the common default), so the arena advises itself; where THP is off the 
 in the order the model reads them, each 64-byte aligned; the arena lives as long as its tensors do
 (torch.frombuffer keeps the mapping referenced).
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,11 +49,15 @@ def move_to_arena(packs: list[PackedWeight]) -> int:
         if t is None:
             return None
         n = t.numel() * t.element_size()
-        out = raw[offset:offset + n].view(t.dtype).view(t.shape)
+        out = raw[offset : offset + n].view(t.dtype).view(t.shape)
         out.copy_(t)
         offset += -(-n // ALIGN) * ALIGN
         return out
+
     for p in unique:
-        p.qweight, p.scales, p.zeros = place(p.qweight.contiguous()), place(p.scales.contiguous()), place(
-            None if p.zeros is None else p.zeros.contiguous())
+        p.qweight, p.scales, p.zeros = (
+            place(p.qweight.contiguous()),
+            place(p.scales.contiguous()),
+            place(None if p.zeros is None else p.zeros.contiguous()),
+        )
     return total

@@ -6,6 +6,7 @@ projection (row-parallel). The output is this rank's partial sum; the MoE block 
 On CUDA the Triton kernel (kernels/fused_moe.py) runs the experts, elsewhere torch's grouped_mm over the
 tokens sorted by expert (the loop reference where torch lacks grouped_mm).
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,19 +19,24 @@ from novainfer.layers.fused_moe.routing import select_experts
 
 
 class FusedMoE(nn.Module):
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool, hidden_act: str = "silu"):
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        hidden_act: str = "silu",
+    ):
         super().__init__()
         self.tp_group = get_tp_group()
         self.tp_rank, self.tp_size = self.tp_group.rank, self.tp_group.size
         if intermediate_size % self.tp_size:
-            raise ValueError(f"moe_intermediate_size={intermediate_size} is not divisible by "
-                             f"tp_size={self.tp_size}")
+            raise ValueError(f"moe_intermediate_size={intermediate_size} is not divisible by tp_size={self.tp_size}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_act = hidden_act
         self.local_inter = intermediate_size // self.tp_size
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.local_inter, hidden_size),
-                                       requires_grad=False)
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.local_inter, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_inter), requires_grad=False)
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
         self.act_fn = get_act_and_mul(hidden_act)
@@ -52,13 +58,14 @@ class FusedMoE(nn.Module):
         """This rank's partial output [tokens, hidden] (the caller all-reduces)."""
         return self.apply_routed(hidden_states, *select_experts(router_logits, self.top_k, self.renormalize))
 
-    def apply_routed(self, hidden_states: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor) -> torch.Tensor:
+    def apply_routed(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
         """The experts over routing already chosen (a family whose router scales the weights: Gemma 4)."""
         if hidden_states.is_cuda:
             from novainfer.kernels.fused_moe import fused_experts
-            return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                                 self.act_fn)
+
+            return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act_fn)
         experts = fused_experts_grouped if hasattr(torch.nn.functional, "grouped_mm") else fused_experts_torch
         return experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act_fn)
 

@@ -1,14 +1,21 @@
 """The experts in plain torch: the CPU path and the oracle the Triton kernel is checked against.
 
 Each expert takes the tokens routed to it, as transformers' loop does, so the sums round the same way."""
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 
-def fused_experts_torch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                        topk_weights: torch.Tensor, topk_ids: torch.Tensor, act_and_mul: nn.Module) -> torch.Tensor:
+def fused_experts_torch(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act_and_mul: nn.Module,
+) -> torch.Tensor:
     """sum_k weight_k * down_e(act(gate_e x) * up_e x) over each token's experts e = topk_ids[t, k].
 
     hidden_states: [tokens, hidden]; w13: [experts, 2 * inter, hidden] (gate rows, then up rows);
@@ -23,8 +30,14 @@ def fused_experts_torch(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torc
     return out
 
 
-def fused_experts_grouped(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                          topk_weights: torch.Tensor, topk_ids: torch.Tensor, act_and_mul: nn.Module) -> torch.Tensor:
+def fused_experts_grouped(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act_and_mul: nn.Module,
+) -> torch.Tensor:
     """The same sums as fused_experts_torch in two grouped matmuls: the (token, k) pairs sorted by expert,
     torch's grouped_mm over each expert's run, then the weighted rows added back per token in expert order.
     The CPU path: no Python loop over the experts, so a decode step costs a handful of ops per layer."""

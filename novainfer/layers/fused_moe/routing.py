@@ -1,5 +1,6 @@
 """Top-k expert routing as transformers does it: softmax over every expert in float32, then the top k,
 renormalised to sum to one when the config says so (norm_topk_prob; Mixtral always)."""
+
 from __future__ import annotations
 
 import torch

@@ -4,6 +4,7 @@ A layer keeps its class and weight_loader; its method decides how the weight is 
 multiplies. The CPU GGUF method (gguf_cpu.py) is the first; a Triton dequant-GEMM for CUDA would be a
 second method with the same four calls.
 """
+
 from __future__ import annotations
 
 import threading
@@ -21,8 +22,7 @@ class QuantizeMethodBase:
         """The layer's `weight` parameter (a placeholder the method fills while loading)."""
         raise NotImplementedError
 
-    def load_shard(self, layer: nn.Module, param: nn.Parameter, loaded: Any, shard_id: Any,
-                   dense_loader) -> None:
+    def load_shard(self, layer: nn.Module, param: nn.Parameter, loaded: Any, shard_id: Any, dense_loader) -> None:
         """Take one checkpoint tensor (a fused layer gets several, by shard_id)."""
         raise NotImplementedError
 

@@ -6,6 +6,7 @@ The weight is loaded dense (the layer's own weight_loader, tensor-parallel shard
 load_format="dummy") and quantized in process_weights_after_loading, so each rank's scales cover exactly its
 own rows and columns. The embedding and lm_head stay dense, as in vLLM; MoE experts are refused (selector).
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,6 +37,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows in one Triton kernel (kernels/fp8_quant.py): what CUDA tensors use."""
     from novainfer.kernels.fp8_quant import per_token_quant_fp8
+
     return per_token_quant_fp8(x, FP8_MAX, MIN_SCALE)
 
 
@@ -48,8 +50,13 @@ class Fp8Options:
     quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = quantize_rows
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-               opts: Fp8Options = Fp8Options()) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    opts: Fp8Options = Fp8Options(),
+) -> torch.Tensor:
     """y = x W^T (+ bias) with W float8 [N, K] and its scales [1, N]; x quantized per token by opts.quantize.
 
     Shapes depend only on x's shape (no host sync), so the call is captured by CUDA graphs."""
@@ -61,8 +68,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     # row-wise scaling outputs bf16 on CUDA; a float32/float16 model casts back
     out_dtype = x.dtype if x.device.type == "cpu" or x.dtype == torch.bfloat16 else torch.bfloat16
     fused = bias is not None and opts.fuse_bias and bias.dtype == out_dtype == torch.bfloat16
-    y = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=out_dtype,
-                         bias=bias if fused else None, use_fast_accum=opts.fast_accum)
+    y = torch._scaled_mm(
+        x_fp8,
+        weight.t(),
+        scale_a=x_scale,
+        scale_b=weight_scale,
+        out_dtype=out_dtype,
+        bias=bias if fused else None,
+        use_fast_accum=opts.fast_accum,
+    )
     if y.dtype != x.dtype:
         y = y.to(x.dtype)
     if bias is not None and not fused:
@@ -79,8 +93,7 @@ class Fp8LinearMethod(QuantizeMethodBase):
     def create_weights(self, layer: nn.Module, output_size: int, input_size: int) -> nn.Parameter:
         return nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
 
-    def load_shard(self, layer: nn.Module, param: nn.Parameter, loaded: Any, shard_id: Any,
-                   dense_loader) -> None:
+    def load_shard(self, layer: nn.Module, param: nn.Parameter, loaded: Any, shard_id: Any, dense_loader) -> None:
         dense_loader(param, loaded) if shard_id is None else dense_loader(param, loaded, shard_id)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -122,8 +135,12 @@ class Fp8Config(QuantizationConfig):
             return False
         if (output_size, input_size) not in self._skipped:
             self._skipped.add((output_size, input_size))
-            logger.info("fp8: a linear layer of shape [%d, %d] stays dense (_scaled_mm needs multiples of %d)",
-                        output_size, input_size, ALIGN)
+            logger.info(
+                "fp8: a linear layer of shape [%d, %d] stays dense (_scaled_mm needs multiples of %d)",
+                output_size,
+                input_size,
+                ALIGN,
+            )
         return True
 
 
@@ -149,7 +166,7 @@ def same_quantization(q: torch.Tensor, s: torch.Tensor, want_q: torch.Tensor, wa
     if not torch.allclose(s, want_s, rtol=1e-6, atol=0):
         return False
     a, b = q.float() * s, want_q.float() * want_s
-    step = torch.maximum(a.abs(), b.abs()) * 2.0 ** -3 + s * 2.0 ** -9  # e4m3: 3 mantissa bits, subnormals
+    step = torch.maximum(a.abs(), b.abs()) * 2.0**-3 + s * 2.0**-9  # e4m3: 3 mantissa bits, subnormals
     return bool(((a - b).abs() <= step).all())
 
 
@@ -159,8 +176,10 @@ def check_device_support(device: torch.device) -> tuple[bool, bool]:
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)
         if cap < (8, 9):
-            raise ValueError(f"quantization='fp8' needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, "
-                             f"Hopper); {torch.cuda.get_device_name(device)} is sm_{cap[0]}{cap[1]}")
+            raise ValueError(
+                f"quantization='fp8' needs an NVIDIA GPU of compute capability 8.9 or newer (Ada, "
+                f"Hopper); {torch.cuda.get_device_name(device)} is sm_{cap[0]}{cap[1]}"
+            )
     elif device.type != "cpu":
         raise ValueError(f"quantization='fp8' runs on CUDA (sm_89+) or the CPU, not on {device.type}")
     x = torch.ones(1, 2 * ALIGN, device=device, dtype=torch.bfloat16)
@@ -170,8 +189,10 @@ def check_device_support(device: torch.device) -> tuple[bool, bool]:
     try:
         y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16)
     except (RuntimeError, NotImplementedError) as exc:
-        raise ValueError(f"quantization='fp8': this torch {torch.__version__} build cannot multiply float8 "
-                         f"with row-wise scales on {device}: {exc}") from None
+        raise ValueError(
+            f"quantization='fp8': this torch {torch.__version__} build cannot multiply float8 "
+            f"with row-wise scales on {device}: {exc}"
+        ) from None
     if not torch.allclose(y.float(), torch.full_like(y.float(), 2 * ALIGN)):
         raise ValueError(f"quantization='fp8': float8 _scaled_mm on {device} gives wrong results")
     args = dict(scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16)
@@ -186,4 +207,3 @@ def _runs(*args: Any, **kwargs: Any) -> bool:
         return True
     except (RuntimeError, NotImplementedError):
         return False
-

@@ -4,6 +4,7 @@ kernels (kernels/cpu/qgemm.py). A tensor of a type without a repack arrives dequ
 The quantized state hangs on the weight Parameter (`param.packed`), so a tied lm_head, which shares the
 embedding's Parameter, shares its packed weight too.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -42,8 +43,7 @@ class GGUFCPULinearMethod(QuantizeMethodBase):
         param.act_dtype = torch.get_default_dtype()  # the model's dtype while it is built
         return param
 
-    def load_shard(self, layer: nn.Module, param: nn.Parameter, loaded: Any, shard_id: Any,
-                   dense_loader) -> None:
+    def load_shard(self, layer: nn.Module, param: nn.Parameter, loaded: Any, shard_id: Any, dense_loader) -> None:
         param.shards[shard_id] = loaded
         param.dense_loader = dense_loader
         if set(getattr(layer, "shard_order", [None])) <= param.shards.keys():
@@ -103,6 +103,9 @@ class GGUFCPUConfig(QuantizationConfig):
 
     def process_model_after_loading(self, net: nn.Module) -> None:
         """The packed weights into one huge-page arena, in the order a step reads them (kernels/cpu/weight_arena.py)."""
-        packs = [m.weight.packed for m in net.modules()
-                 if isinstance(getattr(m, "quant_method", None), GGUFCPULinearMethod) and m.weight.packed is not None]
+        packs = [
+            m.weight.packed
+            for m in net.modules()
+            if isinstance(getattr(m, "quant_method", None), GGUFCPULinearMethod) and m.weight.packed is not None
+        ]
         move_to_arena(packs)

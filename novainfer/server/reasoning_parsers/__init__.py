@@ -1,13 +1,16 @@
 """Reasoning parsers (vLLM's names): split a thinking model's output into `reasoning_content` and `content`.
 `choose_reasoning_parser` picks one from the model's chat template; `--reasoning-parser` overrides it."""
+
 from __future__ import annotations
 
 from novainfer.server.reasoning_parsers.think import ThinkReasoningParser
 
 # Qwen3 / Qwen3.5 / 3.6 and the DeepSeek-R1 distills all write `<think>...</think>`; the templates differ only in
 # whether the prompt already opens the block, which the parser reads from the prompt itself
-REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {"deepseek_r1": ThinkReasoningParser,
-                                                            "qwen3": ThinkReasoningParser}
+REASONING_PARSERS: dict[str, type[ThinkReasoningParser]] = {
+    "deepseek_r1": ThinkReasoningParser,
+    "qwen3": ThinkReasoningParser,
+}
 
 
 def choose_reasoning_parser(chat_template: str | None) -> str | None:

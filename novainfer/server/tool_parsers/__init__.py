@@ -1,6 +1,7 @@
 """Tool-call output parsers (vLLM's names): each finds the calls a model wrote in its own format and the plain
 content around them. `choose_tool_parser` picks one from the model's chat template and architecture;
 `--tool-call-parser` overrides it."""
+
 from __future__ import annotations
 
 from novainfer.server.tool_parsers.base import ParsedCall, ToolParser
@@ -13,8 +14,14 @@ from novainfer.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 # None: a format whose parser is not written yet (harmony, gpt-oss's channels, comes with its own issue)
 TOOL_PARSERS: dict[str, type[ToolParser] | None] = {
-    "hermes": HermesToolParser, "qwen3_coder": Qwen3CoderToolParser, "llama3_json": Llama3JsonToolParser,
-    "pythonic": PythonicToolParser, "mistral": MistralToolParser, "gemma4": Gemma4ToolParser, "openai": None}
+    "hermes": HermesToolParser,
+    "qwen3_coder": Qwen3CoderToolParser,
+    "llama3_json": Llama3JsonToolParser,
+    "pythonic": PythonicToolParser,
+    "mistral": MistralToolParser,
+    "gemma4": Gemma4ToolParser,
+    "openai": None,
+}
 
 # (parser, what the chat template contains), first match wins: the template shows the model its call format
 _TEMPLATE_SIGNS: list[tuple[str, tuple[str, ...]]] = [
@@ -29,8 +36,14 @@ _TEMPLATE_SIGNS: list[tuple[str, tuple[str, ...]]] = [
     ("llama3_json", ('"parameters": dictionary of argument name',)),
 ]
 # (parser, architecture name prefix), when the template says nothing
-_ARCH_SIGNS = [("pythonic", "Llama4"), ("llama3_json", "Llama"), ("mistral", "Mistral"), ("gemma4", "Gemma4"),
-               ("hermes", "Qwen"), ("openai", "GptOss")]
+_ARCH_SIGNS = [
+    ("pythonic", "Llama4"),
+    ("llama3_json", "Llama"),
+    ("mistral", "Mistral"),
+    ("gemma4", "Gemma4"),
+    ("hermes", "Qwen"),
+    ("openai", "GptOss"),
+]
 
 
 def choose_tool_parser(chat_template: str | None, architectures: list[str] | None = None) -> str:

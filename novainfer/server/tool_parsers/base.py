@@ -1,5 +1,6 @@
 """The tool-parser interface: whole-output extraction, partial extraction for streaming, and the JSON pieces
 several formats share."""
+
 from __future__ import annotations
 
 import json
@@ -45,15 +46,15 @@ def json_call_at(text: str, pos: int) -> tuple[ParsedCall | None, int]:
     try:
         _, args_end = _DECODER.raw_decode(text, head.end())
     except ValueError:
-        return ParsedCall(name, text[head.end():].rstrip(), complete=False), len(text)
+        return ParsedCall(name, text[head.end() :].rstrip(), complete=False), len(text)
     close = args_end
     while close < len(text) and text[close].isspace():
         close += 1
     if close >= len(text):
-        return ParsedCall(name, text[head.end():args_end], complete=False), len(text)
+        return ParsedCall(name, text[head.end() : args_end], complete=False), len(text)
     if text[close] != "}":
         return None, close
-    return ParsedCall(name, text[head.end():args_end]), close + 1
+    return ParsedCall(name, text[head.end() : args_end]), close + 1
 
 
 def json_call_list(text: str, pos: int, final: bool, separators: str = " \n\t,]") -> list[ParsedCall]:
@@ -100,8 +101,9 @@ class ToolParser(ABC):
         """(content before the calls or None, the calls). final=False: the output so far, whose last call may be
         partial (complete=False); an output that only looked like calls is content when final."""
 
-    def marked_calls(self, text: str, final: bool, read: Callable[[str, int], tuple[ParsedCall | None, int]]
-                     ) -> tuple[str | None, list[ParsedCall]]:
+    def marked_calls(
+        self, text: str, final: bool, read: Callable[[str, int], tuple[ParsedCall | None, int]]
+    ) -> tuple[str | None, list[ParsedCall]]:
         """extract() for formats that open every call with start_marker: read(text, pos) reads the call after
         the marker at pos (a partial one as complete=False, or None) and says where it ends."""
         at = text.find(self.start_marker)

@@ -1,5 +1,6 @@
 """Gemma 4's calls: `<|tool_call>call:name{key:<|"|>text<|"|>,n:3,flag:true,xs:[1,2],o:{k:v}}<tool_call|>`.
 Keys are bare, strings sit between `<|"|>` tokens (unescaped), everything else is written as in JSON."""
+
 from __future__ import annotations
 
 import json
@@ -43,7 +44,7 @@ class _Values:
                     raise _Incomplete
                 raise ValueError(f"no key at {pos}")
             key = m.group(1)
-            key = key[len(_QUOTE):-len(_QUOTE)] if key.startswith(_QUOTE) else key
+            key = key[len(_QUOTE) : -len(_QUOTE)] if key.startswith(_QUOTE) else key
             value, pos = self.value(m.end())
             out.append((key, value))
             pos = self.skip(pos)
@@ -56,7 +57,7 @@ class _Values:
             end = self.text.find(_QUOTE, pos + len(_QUOTE))
             if end < 0:
                 raise _Incomplete
-            return self.text[pos + len(_QUOTE):end], end + len(_QUOTE)
+            return self.text[pos + len(_QUOTE) : end], end + len(_QUOTE)
         if _QUOTE.startswith(self.text[pos:]):
             raise _Incomplete
         ch = self.text[pos]

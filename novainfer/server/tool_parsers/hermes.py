@@ -1,4 +1,5 @@
 """Hermes-style calls, as Qwen2.5 and Qwen3 write them: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
+
 from __future__ import annotations
 
 from novainfer.server.tool_parsers.base import ParsedCall, ToolParser, json_call_at

@@ -1,5 +1,6 @@
 """Llama 3.x JSON calls: `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`, several joined
 by `;`. An output is a call only when it starts with one (as vLLM's llama3_json parser)."""
+
 from __future__ import annotations
 
 from novainfer.server.tool_parsers.base import ParsedCall, ToolParser, json_call_list
@@ -20,7 +21,7 @@ class Llama3JsonToolParser(ToolParser):
     def extract(self, text: str, final: bool = True) -> tuple[str | None, list[ParsedCall]]:
         body = text.strip()
         if body.startswith(_TAG):
-            body = body[len(_TAG):].lstrip()
+            body = body[len(_TAG) :].lstrip()
         if not body.startswith("{"):
             return text, []
         calls = json_call_list(body, 0, final, separators=" \n\t;")

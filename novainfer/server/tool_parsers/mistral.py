@@ -1,5 +1,6 @@
 """Mistral's calls after the `[TOOL_CALLS]` token: a JSON list `[{"name": ..., "arguments": {...}}]` (v3
 tokenizers) or, from the v11 tokenizers on, `name[ARGS]{...}` repeated after each `[TOOL_CALLS]`."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,8 @@ class MistralToolParser(ToolParser):
 
     def extract(self, text: str, final: bool = True) -> tuple[str | None, list[ParsedCall]]:
         at = text.find(self.start_marker)
-        if at >= 0 and text[at + len(self.start_marker):].lstrip().startswith("["):  # the v3 JSON list
-            calls = json_call_list(text[at + len(self.start_marker):].lstrip(), 1, final)
+        if at >= 0 and text[at + len(self.start_marker) :].lstrip().startswith("["):  # the v3 JSON list
+            calls = json_call_list(text[at + len(self.start_marker) :].lstrip(), 1, final)
             if final and not calls:
                 return text, []
             return text[:at].strip() or None, calls

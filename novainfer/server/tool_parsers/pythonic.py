@@ -1,5 +1,6 @@
 """Pythonic calls, as Llama 3.2 / Llama 4 write them: `[get_weather(city="Paris", days=2), get_time()]`,
 optionally between `<|python_start|>` and `<|python_end|>`. Arguments are Python literals."""
+
 from __future__ import annotations
 
 import ast
@@ -32,7 +33,7 @@ class PythonicToolParser(ToolParser):
     def _body(self, text: str) -> str | None:
         body = text.strip()
         if body.startswith(_START):
-            body = body[len(_START):]
+            body = body[len(_START) :]
         body = body.replace(_END, "").strip()
         return body if body.startswith("[") else None
 

@@ -1,5 +1,6 @@
 """Qwen3-Coder's XML calls (also Qwen3.5 / 3.6): `<tool_call>\\n<function=name>\\n<parameter=p>\\nvalue\\n</parameter>
 \\n</function>\\n</tool_call>`. Values are raw text, typed by the function's schema (a string stays a string)."""
+
 from __future__ import annotations
 
 import ast
@@ -48,12 +49,11 @@ class Qwen3CoderToolParser(ToolParser):
         for m in _FUNCTION.finditer(text, at):
             name = m.group(1).strip()
             end = text.find(_FUNCTION_END, m.end())
-            body = text[m.end():] if end < 0 else text[m.end():end]
+            body = text[m.end() :] if end < 0 else text[m.end() : end]
             props = self.parameter_schema(name).get("properties") or {}
             items = []
             for p in _PARAM.finditer(body if end >= 0 else body + "</function>"):
-                closed = end >= 0 or body.find("</parameter>", p.start()) >= 0 or \
-                    body.find("<parameter=", p.end()) >= 0
+                closed = end >= 0 or body.find("</parameter>", p.start()) >= 0 or body.find("<parameter=", p.end()) >= 0
                 if not closed:
                     break
                 key = p.group(1).strip()
