@@ -149,6 +149,7 @@ OPERATIONS = [
     "POST /tokenize",
     "POST /detokenize",
     "GET /health",
+    "GET /ready",
     "GET /metrics",
     "GET /version",
 ]

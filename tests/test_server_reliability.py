@@ -92,12 +92,17 @@ def test_duplicate_of_a_non_streaming_request_leaves_its_slot_to_come_back(serve
         )
 
     threads = [
-        threading.Thread(target=run, args=("a", "same", 200)),
-        threading.Thread(target=run, args=("b", "other", 200)),
+        threading.Thread(target=run, args=("a", "same", 500)),
+        threading.Thread(target=run, args=("b", "other", 500)),
     ]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 20  # both admitted and running: the duplicate then meets a live "same"
+    while (
+        time.monotonic() < deadline
+        and 'novainfer:num_requests_running{model_name="tiny"} 2.0' not in httpx.get(url + "/metrics", timeout=10).text
+    ):
+        time.sleep(0.01)
     dup = httpx.post(
         url + "/v1/completions",
         headers={"X-Request-Id": "same"},
@@ -107,7 +112,7 @@ def test_duplicate_of_a_non_streaming_request_leaves_its_slot_to_come_back(serve
     for t in threads:
         t.join()
     assert dup.status_code == 409
-    assert results["a"].status_code == 200 and results["a"].json()["usage"]["completion_tokens"] == 200
+    assert results["a"].status_code == 200 and results["a"].json()["usage"]["completion_tokens"] == 500
     assert server.wait_idle() == 0
     # both slots came back: two at once are admitted without a 429
     assert [r.status_code for r in _parallel(url, 2)] == [200, 200]
