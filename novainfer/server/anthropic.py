@@ -12,7 +12,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from novainfer.server.chat_utils import apply_chat_template
 from novainfer.server.chat_turn import ChatTurn, Finish, Piece, chat_request
 from novainfer.server.errors import APIError
 from novainfer.server.protocol import ChatCompletionRequest
@@ -28,7 +27,7 @@ from novainfer.server.protocol_anthropic import (
 )
 from novainfer.server.serving_completions import CompletionHandler
 from novainfer.server.sse import EventStream
-from novainfer.server.tool_calling import plan_tools, template_inputs
+from novainfer.server.tool_calling import plan_tools
 
 PATH_PREFIX = "/v1/messages"
 _ERROR_TYPES = {
@@ -307,16 +306,10 @@ class MessagesHandler:
         finally:
             await turn.close()
 
-    def count_tokens(self, req: CountTokensRequest) -> dict:
-        """The prompt's length as /v1/messages would render it (tools included)."""
+    async def count_tokens(self, req: CountTokensRequest) -> dict:
+        """The prompt's length as /v1/messages would render it (tools included), through the chat path's render."""
         chat_req = _chat_request(req)
         model = self.chat.serving.resolve_model(req.model)
         plan = plan_tools(chat_req, self.chat.tools, self.chat.chat_format(model).tool_parser, model.tokenizer)
-        shown, kwargs = template_inputs(model.tokenizer, [m.to_template() for m in chat_req.messages], plan)
-        try:
-            ids = apply_chat_template(model.tokenizer, shown, True, **kwargs)
-        except Exception as exc:  # the model's template refused these messages (its own rules, e.g. roles)
-            raise APIError(
-                400, f"the model's chat template failed on these messages: {exc}", param="messages"
-            ) from None
+        ids = await self.chat.render_prompt(model, [m.to_template() for m in chat_req.messages], plan, True, {})
         return {"input_tokens": len(ids)}

@@ -361,7 +361,7 @@ def build_app(engines: list[tuple[str, AsyncEngineBase]], config: ServerConfig) 
 
     @app.post("/v1/messages/count_tokens", responses=_ANTHROPIC_ERRORS)
     async def count_message_tokens(body: CountTokensRequest) -> dict:
-        return messages.count_tokens(body)
+        return await messages.count_tokens(body)
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -80,15 +80,7 @@ class CompletionHandler:
         session = sessions.find(req.session_id) if req.session_id else None  # made only once the turn succeeds
         if session is not None:
             messages = continue_conversation(session.messages, messages)
-        shown, template_kwargs = template_inputs(model.tokenizer, messages, plan)
-        try:
-            ids = await render_chat(
-                model.tokenizer, shown, req.add_generation_prompt, **{**template_kwargs, **client_kwargs}
-            )
-        except Exception as exc:  # the model's template refused these messages (its own rules, e.g. roles)
-            raise APIError(
-                400, f"the model's chat template failed on these messages: {exc}", param="messages"
-            ) from None
+        ids = await self.render_prompt(model, messages, plan, req.add_generation_prompt, client_kwargs)
         self.serving.check_prompt(model, ids, max_tokens)
         self.serving.check_logprob_work(model, [ids], req.n, max_tokens, params.logprobs, "top_logprobs")
         reasoning = None
@@ -112,6 +104,21 @@ class CompletionHandler:
         return await self._respond(
             gen, req, raw, "chat", f"chatcmpl-{request_id}", remember, lambda: ChoiceOutput(plan, reasoning, trim)
         )
+
+    async def render_prompt(
+        self, model: ServedModel, messages: list[dict], plan: Any, add_generation_prompt: bool, client_kwargs: dict
+    ) -> list[int]:
+        """The chat prompt's token ids (tools shown as the plan says), rendered off the event loop; a 400 naming
+        messages when the model's template refuses them."""
+        shown, template_kwargs = template_inputs(model.tokenizer, messages, plan)
+        try:
+            return await render_chat(
+                model.tokenizer, shown, add_generation_prompt, **{**template_kwargs, **client_kwargs}
+            )
+        except Exception as exc:  # the model's template refused these messages (its own rules, e.g. roles)
+            raise APIError(
+                400, f"the model's chat template failed on these messages: {exc}", param="messages"
+            ) from None
 
     def chat_format(self, model: ServedModel) -> ChatFormat:
         """The model's tool-call and reasoning formats, found on its first chat request."""
