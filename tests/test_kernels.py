@@ -242,3 +242,46 @@ def test_fused_elementwise_kernels_match_torch_layers(dtype):
 
     gate_up = torch.randn(4, 2 * 40, generator=g).to(dtype)
     assert rel_err(fused_ops.silu_and_mul(gate_up.to(DEVICE)).cpu(), SiluAndMul()(gate_up)) <= max(tol, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_hybrid_elementwise_kernels_match_torch_layers(dtype):
+    """Gemma's offset RMSNorm, the DeltaNet's gating, q/k L2 norm and gated RMSNorm kernels against the torch
+    layers (their CPU path) they replace on the GPU."""
+    import torch.nn.functional as F
+
+    from novainfer.kernels import fused_ops
+    from novainfer.layers.layernorm import GemmaRMSNorm
+    from novainfer.layers.linear_attention import GatedRMSNorm, l2_normalize
+
+    g = torch.Generator().manual_seed(6)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    x = torch.randn(5, 3, 32, generator=g).to(dtype)  # [tokens, heads, head_dim], as the q/k norms see it
+    res = torch.randn(15, 32, generator=g).to(dtype)
+    norm = GemmaRMSNorm(32, 1e-6)
+    norm.weight.data = (torch.rand(32, generator=g) - 0.5).to(dtype)
+    w = norm.weight.data.to(DEVICE)
+    assert (
+        rel_err(fused_ops.rms_norm(x.view(15, 32).to(DEVICE), w, 1e-6, offset=True).cpu(), norm(x).view(15, 32)) <= tol
+    )
+    out, new_res = fused_ops.rms_norm(x.view(15, 32).to(DEVICE), w, 1e-6, res.to(DEVICE), offset=True)
+    ref_out, ref_res = norm(x.view(15, 32), res)
+    assert torch.equal(new_res.cpu(), ref_res) and rel_err(out.cpu(), ref_out) <= tol
+
+    a, b = torch.randn(6, 8, generator=g) * 10, torch.randn(6, 8, generator=g)  # a + dt_bias crosses softplus's 20
+    a_log, dt_bias = torch.randn(8, generator=g), torch.randn(8, generator=g) * 10
+    gk, bk = fused_ops.gdn_gating(a.to(DEVICE), b.to(DEVICE), a_log.to(DEVICE), dt_bias.to(DEVICE))
+    assert rel_err(gk.cpu(), -a_log.exp() * F.softplus(a + dt_bias)) <= 1e-6
+    assert rel_err(bk.cpu(), torch.sigmoid(b)) <= 1e-6
+
+    conv = torch.randn(4, 2 * 3 * 16 + 40, generator=g).to(dtype)  # q (3 heads of 16), k, then v
+    ref = l2_normalize(conv[:, :96].float().view(4, 6, 16)).to(dtype)
+    dev = conv.to(DEVICE)
+    fused_ops.l2_norm_heads_(dev, 6, 16)
+    assert rel_err(dev[:, :96].cpu().view(4, 6, 16), ref) <= tol and torch.equal(dev[:, 96:].cpu(), conv[:, 96:])
+
+    gated = GatedRMSNorm(16, 1e-6)
+    gated.weight.data = (torch.rand(16, generator=g) + 0.5).to(dtype)
+    xv, z = torch.randn(4, 5, 16, generator=g).to(dtype), torch.randn(4, 5, 16, generator=g).to(dtype)
+    got = fused_ops.gated_rms_norm(xv.to(DEVICE), z.to(DEVICE), gated.weight.data.to(DEVICE), 1e-6)
+    assert rel_err(got.cpu(), gated(xv, z)) <= tol

@@ -1,4 +1,5 @@
-"""Fused elementwise kernels: residual add + RMSNorm, rotary embedding, SiLU-and-multiply.
+"""Fused elementwise kernels: residual add + RMSNorm (Llama's and Gemma's), rotary embedding, SiLU-and-multiply, and
+the Gated DeltaNet's elementwise steps (gating, q/k L2 norm, the gated RMSNorm of its output).
 
 In eager PyTorch each of these is 5-15 small kernels per layer; at batch 1 a decode step is bound by
 that kernel count rather than by memory, so each becomes one Triton kernel here. The torch versions in
@@ -27,6 +28,7 @@ def _rms_norm_kernel(
     n,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    OFFSET: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -39,7 +41,11 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 0) / n + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + row * out_stride + offs, rms_scale(x, w, rstd), mask=mask)
+    if OFFSET:  # Gemma: the weight stored as an offset from one, the product taken in float32
+        y = (xf * rstd * (1.0 + w.to(tl.float32))).to(x.dtype)
+    else:
+        y = rms_scale(x, w, rstd)
+    tl.store(out_ptr + row * out_stride + offs, y, mask=mask)
 
 
 @triton.jit
@@ -50,9 +56,10 @@ def rms_scale(x, w, rstd):
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, offset: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """norm(x) * weight, or with a residual (norm(x + residual) * weight, x + residual); x: [rows, hidden]."""
+    """norm(x) * weight, or with a residual (norm(x + residual) * weight, x + residual); x: [rows, hidden].
+    offset: Gemma's form, norm(x) * (1 + weight) in float32 before the cast."""
     rows, n = x.shape
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else out
@@ -71,6 +78,7 @@ def rms_norm(
             n,
             eps,
             HAS_RESIDUAL=residual is not None,
+            OFFSET=offset,
             BLOCK=triton.next_power_of_2(n),
             num_warps=4 if n <= 4096 else 8,
         )
@@ -181,4 +189,73 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows:
         block = min(1024, triton.next_power_of_2(n))
         _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _gdn_gating_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, heads, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < heads
+    a = tl.load(a_ptr + row * heads + offs, mask=mask, other=0.0).to(tl.float32)
+    x = a + tl.load(dt_bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus (threshold 20)
+    g = -tl.exp(tl.load(a_log_ptr + offs, mask=mask, other=0.0).to(tl.float32)) * softplus
+    b = tl.load(b_ptr + row * heads + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(g_ptr + row * heads + offs, g, mask=mask)
+    tl.store(beta_ptr + row * heads + offs, 1.0 / (1.0 + tl.exp(-b)), mask=mask)
+
+
+def gdn_gating(
+    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DeltaNet's per-token, per-head decay and write strength in float32, one kernel:
+    g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); a, b: [T, heads] contiguous."""
+    rows, heads = a.shape
+    g = torch.empty(rows, heads, dtype=torch.float32, device=a.device)
+    beta = torch.empty_like(g)
+    if rows:
+        _gdn_gating_kernel[(rows,)](a, b, a_log, dt_bias, g, beta, heads, BLOCK=triton.next_power_of_2(heads))
+    return g, beta
+
+
+@triton.jit
+def _l2_norm_kernel(x_ptr, heads, row_stride, dim, eps, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    ptr = x_ptr + (pid // heads) * row_stride + (pid % heads) * dim + tl.arange(0, BLOCK)
+    mask = tl.arange(0, BLOCK) < dim
+    x = tl.load(ptr, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    tl.store(ptr, (xf * tl.rsqrt(tl.sum(xf * xf, 0) + eps)).to(x.dtype), mask=mask)
+
+
+def l2_norm_heads_(x: torch.Tensor, heads: int, dim: int, eps: float = 1e-6) -> None:
+    """In place: x[:, :heads * dim] viewed as heads of dim, each scaled to unit L2 norm (x / sqrt(sum x^2 + eps)),
+    in float32; x: [T, >= heads * dim] with unit stride in its last dim."""
+    rows = x.shape[0]
+    if rows:
+        _l2_norm_kernel[(rows * heads,)](x, heads, x.stride(0), dim, eps, BLOCK=triton.next_power_of_2(dim))
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, dim, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < dim
+    x = tl.load(x_ptr + row * dim + offs, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    y = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / dim + eps)).to(x.dtype)
+    y = (tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * y.to(tl.float32)).to(x.dtype)
+    z = tl.load(z_ptr + row * dim + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * dim + offs, (y.to(tl.float32) * (z / (1.0 + tl.exp(-z)))).to(x.dtype), mask=mask)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * norm(x) * silu(z) over the last dim, one kernel; rounded as the torch GatedRMSNorm: the norm to x's
+    dtype, times the weight in x's dtype, times silu(z) in float32, then to x's dtype. x, z: contiguous, same shape."""
+    dim = x.shape[-1]
+    out = torch.empty_like(x)
+    rows = x.numel() // dim
+    if rows:
+        _gated_rms_norm_kernel[(rows,)](x, z, weight, out, dim, eps, BLOCK=triton.next_power_of_2(dim))
     return out

@@ -53,7 +53,15 @@ class GemmaRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with a residual: (norm(x + residual), x + residual); on the quantized CPU path in float32
-        the C op of RMSNorm with the weight 1 + w (equal in float32), else torch."""
+        the C op of RMSNorm with the weight 1 + w (equal in float32), one Triton kernel on the GPU, else torch."""
+        if x.is_cuda and x.is_contiguous():
+            from novainfer.kernels.fused_ops import rms_norm
+
+            flat = x.view(-1, x.shape[-1])
+            if residual is None:
+                return rms_norm(flat, self.weight, self.eps, offset=True).view(x.shape)
+            out, res = rms_norm(flat, self.weight, self.eps, residual.reshape(flat.shape), offset=True)
+            return out.view(x.shape), res.view(x.shape)
         if self.fused_cpu and cpu_ops.usable(x) and self.weight.dtype == torch.float32:
             out, res = cpu_ops.add_rms_norm(x, residual, 1.0 + self.weight, self.eps)
             return out if residual is None else (out, res)

@@ -59,7 +59,7 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -131,10 +131,20 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the bias is added once, after the reduction
-        y = F.linear(x, self.weight) if self.quant_method is None else self.quant_method.apply(self, x)
+        y = _linear(x, self.weight) if self.quant_method is None else self.quant_method.apply(self, x)
         if self.tp_size > 1 and self.reduce_results:
             y = self.tp_group.all_reduce(y)
         return y if self.bias is None else y + self.bias
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias); one row on the GPU through the Triton GEMV, which reads each weight row once in one
+    launch (cuBLAS splits a one-row product into a GEMM and a reduction)."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype != torch.float32 and weight.is_contiguous():
+        from novainfer.kernels.gemv import gemv
+
+        return gemv(x.contiguous(), weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _copy_checked(target: torch.Tensor, loaded: torch.Tensor, param: nn.Parameter) -> None:

@@ -142,6 +142,10 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from novainfer.kernels.fused_ops import gated_rms_norm
+
+            return gated_rms_norm(x.contiguous(), z.contiguous(), self.weight, self.eps)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -222,8 +226,14 @@ class GatedDeltaNet(nn.Module):
         num_tokens = hidden_states.shape[0]
         mixed = self.in_proj_qkv(hidden_states)
         z = self.in_proj_z(hidden_states).view(num_tokens, self.num_v_heads, self.head_v_dim)
-        beta = torch.sigmoid(self.in_proj_b(hidden_states).float())
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden_states).float() + self.dt_bias.float())
+        b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
+        if hidden_states.is_cuda:
+            from novainfer.kernels.fused_ops import gdn_gating
+
+            g, beta = gdn_gating(a.contiguous(), b.contiguous(), self.A_log, self.dt_bias)
+        else:
+            beta = torch.sigmoid(b.float())
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         out = self.mix(mixed, g, beta, meta, use_triton=hidden_states.is_cuda)
         out = self.norm(out.to(hidden_states.dtype), z)
         return self.out_proj(out.reshape(num_tokens, self.value_dim))
@@ -279,6 +289,11 @@ class GatedDeltaNet(nn.Module):
         fla = fla_chunk_rule() if q.is_cuda and q.dtype != torch.float32 else None
         if fla is None:
             return chunk_gated_delta_rule_triton(q, k, v, g, beta, pool, slots, cu)
+        # q and k normalised here, not by fla: its L2-norm kernel autotunes again for every bucket of token counts
+        from novainfer.kernels.fused_ops import l2_norm_heads_
+
+        qk = q.as_strided((q.shape[0], 2 * self.key_dim), (q.stride(0), 1))  # q then k, adjacent in the conv output
+        l2_norm_heads_(qk, 2 * self.num_k_heads, self.head_k_dim)
         o, final = fla(
             q[None],
             k[None],
@@ -287,7 +302,7 @@ class GatedDeltaNet(nn.Module):
             beta=beta.to(q.dtype)[None],
             initial_state=pool[slots],
             output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
+            use_qk_l2norm_in_kernel=False,
             cu_seqlens=cu.long(),
         )
         pool[slots] = final
