@@ -56,10 +56,9 @@ def step_anatomy(llm) -> dict:
     return {"records": records, "restore": lambda: setattr(engine, "step", inner)}
 
 
-def run_one(model: str, dev: str, n: int, inp: int, out: int, profile_steps: int) -> dict:
-    """Build the model, time the workload, profile a slice, return the numbers."""
-    from torch.profiler import ProfilerActivity, profile
-
+def bench_setup(model: str, dev: str, n: int, inp: int) -> tuple:
+    """The bench-shape LLM (bf16 on the GPU, fp32 on the CPU; dummy weights for random: shapes), n random prompts of
+    inp tokens, warmed up on two of them."""
     from benchmarks.checkpoints import load_format, resolve_model
     from novainfer import LLM, SamplingParams
 
@@ -69,8 +68,33 @@ def run_one(model: str, dev: str, n: int, inp: int, out: int, profile_steps: int
     rng = random.Random(0)
     top = min(llm.llm_engine.processor.vocab_size, 10000) - 1
     prompts = [{"prompt_token_ids": [rng.randint(2, top) for _ in range(inp)]} for _ in range(n)]
-    params = SamplingParams(temperature=0.6, max_tokens=out, ignore_eos=True, seed=0)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    return llm, prompts
+
+
+def batch1_decode_ms(llm, prompt: list[int], steps: int) -> float:
+    """Milliseconds per decode step of one greedy request (best of two, less the prompt's own time)."""
+    from novainfer import SamplingParams
+
+    def timed(k: int) -> float:
+        t = time.perf_counter()
+        llm.generate(
+            [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=k, ignore_eos=True), use_tqdm=False
+        )
+        return time.perf_counter() - t
+
+    timed(8)
+    return (min(timed(steps + 1) for _ in range(2)) - min(timed(1) for _ in range(2))) / steps * 1e3
+
+
+def run_one(model: str, dev: str, n: int, inp: int, out: int, profile_steps: int) -> dict:
+    """Build the model, time the workload, profile a slice, return the numbers."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from novainfer import SamplingParams
+
+    llm, prompts = bench_setup(model, dev, n, inp)
+    params = SamplingParams(temperature=0.6, max_tokens=out, ignore_eos=True, seed=0)
     anat = step_anatomy(llm)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -93,17 +117,7 @@ def run_one(model: str, dev: str, n: int, inp: int, out: int, profile_steps: int
         "first_steps": [(p, round(d * 1e3, 1), r) for p, d, r in recs[:14]],
     }
     one = prompts[0]["prompt_token_ids"][:128]
-
-    def timed(k: int) -> float:
-        t = time.perf_counter()
-        llm.generate(
-            [{"prompt_token_ids": one}], SamplingParams(temperature=0, max_tokens=k, ignore_eos=True), use_tqdm=False
-        )
-        return time.perf_counter() - t
-
-    timed(8)
-    steps = 128 if dev == "cuda" else 8
-    result["batch1_ms"] = (min(timed(steps + 1) for _ in range(2)) - min(timed(1) for _ in range(2))) / steps * 1e3
+    result["batch1_ms"] = batch1_decode_ms(llm, one, 128 if dev == "cuda" else 8)
     if not profile_steps:
         return result
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])

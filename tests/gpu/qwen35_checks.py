@@ -137,36 +137,17 @@ def graphs_vs_eager(paths: dict[str, str], dev: str, n: int) -> None:
 
 def bench_one(model: str, dev: str, num_prompts: int, input_len: int, output_len: int, out: str) -> None:
     """One model's throughput and batch-1 decode latency (run in a subprocess: a clean GPU per model)."""
-    import random
-
-    from benchmarks.checkpoints import load_format, resolve_model
-    from novainfer import LLM, SamplingParams
+    from benchmarks.hybrid_profile import batch1_decode_ms, bench_setup
+    from novainfer import SamplingParams
     from novainfer.layers.linear_attention import fla_chunk_rule
 
-    path = resolve_model(model)
-    kw = {"dtype": "bfloat16", "gpu_memory_utilization": 0.9} if dev == "cuda" else {"dtype": "float32"}
-    llm = LLM(path, load_format=load_format(model), max_model_len=4096 if dev == "cuda" else 256, **kw)
-    rng = random.Random(0)
-    top = min(llm.llm_engine.processor.vocab_size, 10000) - 1
-    prompts = [{"prompt_token_ids": [rng.randint(2, top) for _ in range(input_len)]} for _ in range(num_prompts)]
+    llm, prompts = bench_setup(model, dev, num_prompts, input_len)
     params = SamplingParams(temperature=0.6, max_tokens=output_len, ignore_eos=True, seed=0)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
     gen = sum(len(o.outputs[0].token_ids) for o in outs)
-    one = prompts[0]["prompt_token_ids"][:128]
-
-    def timed(k: int) -> float:
-        t = time.perf_counter()
-        llm.generate(
-            [{"prompt_token_ids": one}], SamplingParams(temperature=0, max_tokens=k, ignore_eos=True), use_tqdm=False
-        )
-        return time.perf_counter() - t
-
-    timed(8)
-    steps = 64 if dev == "cpu" else 256
-    decode_ms = (min(timed(steps + 1) for _ in range(2)) - min(timed(1) for _ in range(2))) / steps * 1e3
+    decode_ms = batch1_decode_ms(llm, prompts[0]["prompt_token_ids"][:128], 64 if dev == "cpu" else 256)
     runner = runner_of(llm)
     result = {
         "model": model,
