@@ -1,5 +1,6 @@
 """Top-k expert routing as transformers does it: softmax over every expert in float32, then the top k,
-renormalised to sum to one when the config says so (norm_topk_prob; Mixtral always)."""
+renormalised to sum to one when the config says so (norm_topk_prob; Mixtral always); or (gpt-oss) the top k
+logits first, softmaxed among themselves."""
 
 from __future__ import annotations
 
@@ -15,3 +16,12 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
     return topk_weights, topk_ids
+
+
+def select_experts_top_logits(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's routing: the top_k logits, softmaxed among themselves in the logits' dtype (as transformers does);
+    (topk_weights [tokens, k], topk_ids [tokens, k] int64)."""
+    if not 1 <= top_k <= router_logits.shape[-1]:
+        raise ValueError(f"top_k={top_k} must be in [1, num_experts={router_logits.shape[-1]}]")
+    top, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=top.dtype), ids
