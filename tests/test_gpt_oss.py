@@ -245,3 +245,17 @@ def test_yarn_rope_tables_match_transformers():
     torch.testing.assert_close(rope.sin_cache[positions[0], :half], sin[0], rtol=0, atol=1e-6)
     plain = get_rope(cfg.head_dim, cfg.max_position_embeddings, tiny_config(64, 1, 0, rope_parameters=None))
     assert not torch.allclose(plain.cos_cache[100], rope.cos_cache[100])
+
+
+def test_core_api_context(tiny):
+    """The llama.cpp-style Context (SLOT cache, the masked attention with sinks): a prompt past the window,
+    then token by token, as transformers."""
+    from novainfer.core import Context
+
+    ctx = Context(tiny, n_cells=64, dtype="float32", device="cpu")
+    ids = [ctx.tokenizer.encode(p) for p in PROMPTS]
+    out, nxt = [], ctx.infer(ids[1])
+    for _ in range(6):
+        out.append(nxt)
+        nxt = ctx.infer([nxt])
+    assert out == reference(tiny, ids)[1][0][:6]

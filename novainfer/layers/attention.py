@@ -57,7 +57,9 @@ class Attention(nn.Module):
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         window, cap = self.sliding_window, self.logits_soft_cap
         if isinstance(meta, SlotAttentionMetadata):  # the core API's SLOT cache: per-query visibility mask
-            o = torch_backend.masked_attention(q, owner.k_cache, owner.v_cache, meta, self.scale, window, cap, self.sinks)
+            o = torch_backend.masked_attention(
+                q, owner.k_cache, owner.v_cache, meta, self.scale, window, cap, self.sinks
+            )
         else:
             o = self.backend.paged_attention(q, owner.k_cache, owner.v_cache, meta, self.scale, window, cap, self.sinks)
         return o.reshape(-1, self.num_heads * self.head_dim)

@@ -60,7 +60,9 @@ class FusedMoE(nn.Module):
         if param.dim() == 2 and kind == "w2":  # the down bias: whole on rank 0, zero on the others
             target = param.data[expert]
             if loaded.shape != target.shape:
-                raise ValueError(f"expert {expert}'s down bias has shape {tuple(loaded.shape)}, not {tuple(target.shape)}")
+                raise ValueError(
+                    f"expert {expert}'s down bias has shape {tuple(loaded.shape)}, not {tuple(target.shape)}"
+                )
             target.copy_(loaded) if self.tp_rank == 0 else target.zero_()
             return
         if kind == "w2":
