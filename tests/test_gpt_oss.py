@@ -20,16 +20,10 @@ from novainfer.layers.fused_moe import fused_experts_torch
 from novainfer.layers.fused_moe.moe_torch import fused_experts_grouped
 from novainfer.layers.fused_moe.routing import select_experts_top_logits
 from novainfer.layers.rotary import get_rope
+from tests.test_gemma4 import GREEDY, N, PROMPTS, assert_matches
 from tests.test_model_families import one_thread  # noqa: F401  (autouse: one intra-op thread, as there)
 from tests.tiny_models import WINDOW, hf_greedy_logprobs, make_tokenizer
 
-PROMPTS = [
-    "Hello, my name is",
-    "The quick brown fox jumps over the lazy dog. The capital of France is",
-    "def add(a, b):",
-]
-N = 24
-GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0)
 LIMIT = 0.6  # swiglu_limit: small, so gates and ups of these weights pass it
 YARN = {
     "rope_type": "yarn",
@@ -57,7 +51,7 @@ def tiny_config(vocab: int, eos: int, pad: int, **over) -> GptOssConfig:
                 num_experts_per_tok=2,
                 sliding_window=WINDOW,
                 layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                max_position_embeddings=256,
+                max_position_embeddings=64,  # factor x original_max_position_embeddings, as YaRN expects
                 rope_parameters=dict(YARN),
                 swiglu_limit=LIMIT,
                 initializer_range=0.1,
@@ -109,14 +103,6 @@ def reference(path: str, ids: list[list[int]]) -> list[tuple[list[int], list[flo
         model = GptOssForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         _REFS[path] = hf_greedy_logprobs(model, ids, N)
     return _REFS[path]
-
-
-def assert_matches(outs, refs) -> None:
-    for out, (ref_tokens, ref_lps) in zip(outs, refs):
-        got = out.outputs[0]
-        assert got.token_ids == ref_tokens
-        lps = [got.logprobs[i][t].logprob for i, t in enumerate(got.token_ids)]
-        assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-4
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -238,13 +224,13 @@ def test_yarn_rope_tables_match_transformers():
     of original_max_position_embeddings equal transformers' gpt-oss rotary embedding."""
     cfg = tiny_config(64, 1, 0)
     rope = get_rope(cfg.head_dim, cfg.max_position_embeddings, cfg, "full_attention")
-    positions = torch.tensor([[0, 3, 15, 16, 17, 100, 255]])
+    positions = torch.tensor([[0, 3, 15, 16, 17, 40, 63]])
     cos, sin = GptOssRotaryEmbedding(cfg)(torch.zeros(1, dtype=torch.float32), positions)
     half = cfg.head_dim // 2
     torch.testing.assert_close(rope.cos_cache[positions[0], :half], cos[0], rtol=0, atol=1e-6)
     torch.testing.assert_close(rope.sin_cache[positions[0], :half], sin[0], rtol=0, atol=1e-6)
     plain = get_rope(cfg.head_dim, cfg.max_position_embeddings, tiny_config(64, 1, 0, rope_parameters=None))
-    assert not torch.allclose(plain.cos_cache[100], rope.cos_cache[100])
+    assert not torch.allclose(plain.cos_cache[40], rope.cos_cache[40])
 
 
 def test_core_api_context(tiny):

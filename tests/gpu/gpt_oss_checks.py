@@ -32,6 +32,7 @@ import torch  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from tests.gpu.checks import check, paged_case, rows  # noqa: E402
+from tests.gpu.family_checks import rel  # noqa: E402
 
 # gpt-oss-20b's published configuration (the released checkpoint's config.json, without its MXFP4 experts)
 GPT_OSS_20B = dict(
@@ -75,6 +76,7 @@ TINY_SHAPE = dict(
     num_experts_per_tok=2,
     sliding_window=8,
     max_position_embeddings=512,
+    rope_parameters={**GPT_OSS_20B["rope_parameters"], "factor": 32.0, "original_max_position_embeddings": 16},
 )
 
 
@@ -82,10 +84,6 @@ def release() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def sink_kernel_checks(dev: str, tiny: bool) -> None:
