@@ -245,3 +245,30 @@ def test_core_api_context(tiny):
         out.append(nxt)
         nxt = ctx.infer([nxt])
     assert out == reference(tiny, ids)[1][0][:6]
+
+
+def test_bf16_cache_runs_the_c_attention_kernels_with_sinks(tiny, monkeypatch):
+    """float32 activations over a bfloat16 cache take the C decode and prefill kernels (given the sinks); tokens
+    equal transformers' and logprobs stay within the cache's rounding (5e-3)."""
+    from novainfer.kernels.cpu import library, ops
+
+    if not library.available():
+        pytest.skip("the C kernels need a compiler and AVX2")
+    seen = {"decode": 0, "prefill": 0}
+
+    def spy(kind, fn, at):
+        def wrapped(*args):
+            seen[kind] += args[at] is not None
+            return fn(*args)
+
+        return wrapped
+
+    monkeypatch.setattr(ops, "decode_attention_bf16", spy("decode", ops.decode_attention_bf16, 8))
+    monkeypatch.setattr(ops, "prefill_attention_bf16", spy("prefill", ops.prefill_attention_bf16, 9))
+    llm = LLM(tiny, dtype="float32", cache_dtype="bfloat16", block_size=4, max_num_batched_tokens=16)
+    ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    for out, (tokens, lps) in zip(llm.generate(PROMPTS, GREEDY, use_tqdm=False), reference(tiny, ids)):
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        assert max(abs(got.logprobs[i][t].logprob - lp) for i, (t, lp) in enumerate(zip(tokens, lps))) < 5e-3
+    assert seen["decode"] > 0 and seen["prefill"] > 0
