@@ -7,10 +7,14 @@ from __future__ import annotations
 import torch
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights [tokens, k] float32, topk_ids [tokens, k] int64) from router_logits [tokens, experts]."""
+def _check_top_k(router_logits: torch.Tensor, top_k: int) -> None:
     if not 1 <= top_k <= router_logits.shape[-1]:
         raise ValueError(f"top_k={top_k} must be in [1, num_experts={router_logits.shape[-1]}]")
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_weights [tokens, k] float32, topk_ids [tokens, k] int64) from router_logits [tokens, experts]."""
+    _check_top_k(router_logits, top_k)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -21,7 +25,6 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 def select_experts_top_logits(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """gpt-oss's routing: the top_k logits, softmaxed among themselves in the logits' dtype (as transformers does);
     (topk_weights [tokens, k], topk_ids [tokens, k] int64)."""
-    if not 1 <= top_k <= router_logits.shape[-1]:
-        raise ValueError(f"top_k={top_k} must be in [1, num_experts={router_logits.shape[-1]}]")
+    _check_top_k(router_logits, top_k)
     top, ids = torch.topk(router_logits, top_k, dim=-1)
     return torch.softmax(top, dim=-1, dtype=top.dtype), ids
