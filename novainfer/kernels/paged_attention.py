@@ -15,7 +15,8 @@ re-use, and both keep the softmax online in float32 (flash-attention style).
 Both honour a per-layer sliding window (a query at p sees keys k with p - window < k <= p: the loops
 start at the window's first tile, so a long context costs only the window), logit soft-capping
 (cap * tanh(score / cap) before the softmax, Gemma 2) and attention sinks (one logit per head that joins the
-softmax's normalizer and emits nothing, gpt-oss: folded in once the keys are done). The torch reference is attention/torch_backend.py.
+softmax's normalizer and emits nothing, gpt-oss: folded in once the keys are done). The torch reference is
+attention/torch_backend.py.
 """
 
 from __future__ import annotations

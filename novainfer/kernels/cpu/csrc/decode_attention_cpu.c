@@ -174,8 +174,9 @@ static void merge_chunks(const attn_job *j, int s, int g, int first, int n) {
 
 /* One query per sequence: q [S, nh, D] (row stride q_stride) against the bf16 cache through block tables
  * [S, bt_stride]; out [S, nh, D]. A query at seq_len - 1 sees positions >= seq_len - window (window 0: all);
- * soft_cap > 0 caps scores as cap * tanh(s / cap); sinks (NULL: none) holds each head's sink logit. D must be a multiple of 8. Returns KV_OK, KV_NO_MEMORY, or
- * (reading nothing) check_block_tables' error for a cache of num_blocks blocks. */
+ * soft_cap > 0 caps scores as cap * tanh(s / cap); sinks (NULL: none) holds each head's sink logit. D must be a
+ * multiple of 8. Returns KV_OK, KV_NO_MEMORY, or (reading nothing) check_block_tables' error for a cache of
+ * num_blocks blocks. */
 int decode_attention_bf16(const float *q, int q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                           const int32_t *block_tables, int bt_stride, const int32_t *seq_lens, int S, int nh,
                           int nkv, int D, int block_size, float scale, int window, float soft_cap,

@@ -158,9 +158,10 @@ static void attend_tile(void *arg, int c) {
 
 /* q [T, nh, D] (row stride q_stride; sequence s's tokens q_start[s]..q_start[s+1]) against the bf16 cache through
  * block tables [S, bt_stride]; out [T, nh, D]. window > 0: a query at p sees keys > p - window; soft_cap > 0: scores
- * capped as cap * tanh(x / cap); sinks (NULL: none) holds each head's sink logit. D must be a multiple of 16. Returns KV_OK, KV_NO_MEMORY, or (reading nothing) the
- * error of a bad index: check_block_tables' for a cache of num_blocks blocks, KV_BAD_QUERIES for a sequence whose
- * new tokens are not within 0..T, in order, and at most its length. */
+ * capped as cap * tanh(x / cap); sinks (NULL: none) holds each head's sink logit. D must be a multiple of 16.
+ * Returns KV_OK, KV_NO_MEMORY, or (reading nothing) the error of a bad index: check_block_tables' for a cache of
+ * num_blocks blocks, KV_BAD_QUERIES for a sequence whose new tokens are not within 0..T, in order, and at most its
+ * length. */
 int prefill_attention_bf16(const float *q, int q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int32_t *block_tables, int bt_stride, const int32_t *q_start, const int32_t *seq_lens,
                            int S, int nh, int nkv, int D, int block_size, float scale, int window, float soft_cap,
