@@ -52,3 +52,14 @@ def test_sampling_kernel_checks_run_on_the_cpu(ledger):
 
     sampling_kernel_checks("cpu")
     assert len(ledger) == 4 and all(ok for *_, ok in ledger), ledger
+
+
+def test_gpt_oss_kernel_checks_run_on_the_cpu(ledger):
+    """gpt-oss's GPU checks (tests/gpu/gpt_oss_checks.py) on tiny shapes: sinks in the Triton decode (one and
+    eight splits) and prefill kernels, the MoE kernels with biases and the clamped SwiGLU; every row must pass."""
+    pytest.importorskip("triton")
+    from tests.gpu.gpt_oss_checks import moe_kernel_checks, sink_kernel_checks
+
+    sink_kernel_checks("cpu", tiny=True)
+    moe_kernel_checks("cpu", tiny=True)
+    assert len(ledger) == 4 + 2 + 2 and all(ok for *_, ok in ledger), ledger

@@ -25,7 +25,8 @@ def test_unsupported_architecture_lists_supported(tiny_qwen2, tmp_path):
     with pytest.raises(
         ValueError,
         match="MambaForCausalLM.*supported: Gemma2ForCausalLM, Gemma3ForCausalLM, "
-        "Gemma4ForCausalLM, Gemma4ForConditionalGeneration, LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, "
+        "Gemma4ForCausalLM, Gemma4ForConditionalGeneration, GptOssForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
+        "MixtralForCausalLM, Phi3ForCausalLM, "
         "Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM",
     ):
         LLM(path)

@@ -139,13 +139,14 @@ def test_registry_lists_every_family_and_refuses_the_rest():
         "Gemma2ForCausalLM",
         "Gemma3ForCausalLM",
         "Phi3ForCausalLM",
+        "GptOssForCausalLM",
     ):
         assert get_model_class(SimpleNamespace(architectures=[arch])) is MODEL_REGISTRY[arch]
     with pytest.raises(
         ValueError,
         match="unsupported model architecture.*supported: Gemma2ForCausalLM, "
         "Gemma3ForCausalLM, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, "
-        "LlamaForCausalLM, MistralForCausalLM",
+        "GptOssForCausalLM, LlamaForCausalLM, MistralForCausalLM",
     ):
         get_model_class(SimpleNamespace(architectures=["FalconForCausalLM"]))
 

@@ -3,8 +3,9 @@
 over a bfloat16 cache (csrc/prefill_attention_cpu.c); other steps use the torch reference. The cache may be
 stored narrower than the activations (bfloat16 K/V under float32 activations): K/V are widened after the gather.
 
-Honours sliding_window (a query at p sees key k iff p - k < window) and logits_soft_cap
-(cap * tanh(score / cap)), the interface agreed with layers/attention.py.
+Honours sliding_window (a query at p sees key k iff p - k < window), logits_soft_cap
+(cap * tanh(score / cap)) and sinks (a per-head logit in each softmax that emits nothing), the interface agreed
+with layers/attention.py.
 """
 
 from __future__ import annotations
@@ -41,12 +42,13 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [num_tokens, heads, head_dim] -> output of the same shape (see torch_backend.paged_attention)."""
     if meta.max_query_len == 1 and query.shape[0] == meta.num_seqs:
-        return decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap)
+        return decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, sinks)
     if meta.per_token is not None:  # a verify step: every token as a decode step computes it
-        return decode_attention(query, k_cache, v_cache, meta.per_token, scale, sliding_window, logits_soft_cap)
+        return decode_attention(query, k_cache, v_cache, meta.per_token, scale, sliding_window, logits_soft_cap, sinks)
     if _c_path(query, k_cache) and query.stride(1) == query.shape[2] and query.shape[2] % 16 == 0:
         return cpu_ops.prefill_attention_bf16(
             query,
@@ -58,11 +60,14 @@ def paged_attention(
             scale,
             sliding_window,
             logits_soft_cap,
+            sinks,
         )
-    if sliding_window is None and logits_soft_cap is None and _fresh_prompts_only(meta):
+    if sliding_window is None and logits_soft_cap is None and sinks is None and _fresh_prompts_only(meta):
         return prefill_attention(query, k_cache, v_cache, meta, scale)
     extra = {
-        k: v for k, v in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap)) if v is not None
+        k: v
+        for k, v in (("sliding_window", sliding_window), ("logits_soft_cap", logits_soft_cap), ("sinks", sinks))
+        if v is not None
     }
     # prefill: the reference, which reads a narrower cache in the query's dtype (computing in bf16 made the
     # result depend on how a prompt was chunked and batched)
@@ -77,12 +82,13 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence: gather every sequence's blocks at once, mask past its length, softmax
     (in C for float32 queries over a bfloat16 cache)."""
     if _c_path(query, k_cache) and query.stride(1) == query.shape[2] and query.shape[2] % 8 == 0:
         return cpu_ops.decode_attention_bf16(
-            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, logits_soft_cap
+            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, logits_soft_cap, sinks
         )
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -102,7 +108,11 @@ def decode_attention(
     if sliding_window is not None:
         hidden |= (seq_lens - 1 - pos[None, :]) >= sliding_window
     scores.masked_fill_(hidden[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # the sink's column takes its share of the softmax, then is dropped
+        sink = sinks.to(scores.dtype).view(1, num_kv_heads, group, 1).expand(num_seqs, -1, -1, -1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.matmul(probs, v).view(num_seqs, num_heads, head_dim)
 
 

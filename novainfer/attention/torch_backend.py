@@ -20,15 +20,28 @@ def store_kv(
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, soft_cap: float | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax(cap(q k^T * scale) masked) v over [heads, q_len, d] x [heads, k_len, d]; mask: [q_len, k_len]."""
-    if soft_cap is None:
+    """softmax(cap(q k^T * scale) masked) v over [heads, q_len, d] x [heads, k_len, d]; mask: [q_len, k_len].
+
+    sinks [heads]: one more logit per head in each row's softmax, whose probability mass is dropped (gpt-oss)."""
+    if soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if soft_cap is not None:
+        scores = torch.tanh(scores / soft_cap) * soft_cap
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    sink = sinks.to(scores.dtype)[:, None, None].expand(-1, scores.shape[1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def paged_attention(
@@ -39,8 +52,10 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its cached context (the last sliding_window keys).
+    """Causal attention of each sequence's new tokens over its cached context (the last sliding_window keys;
+    sinks [heads]: each head's sink logit, see attend).
 
     query: [num_tokens, heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim].
     The i-th of a sequence's q new tokens sits at position seq_len - q + i and sees keys up to it.
@@ -67,7 +82,7 @@ def paged_attention(
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         dist = q_pos[:, None] - torch.arange(seq_len, device=query.device)[None, :]
         mask = dist >= 0 if sliding_window is None else (dist >= 0) & (dist < sliding_window)
-        o = attend(q, k, v, mask, scale, logits_soft_cap)
+        o = attend(q, k, v, mask, scale, logits_soft_cap, sinks)
         out[q_start:q_end] = o.transpose(0, 1)
     return out
 
@@ -80,6 +95,7 @@ def masked_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query over the candidate cells its visibility mask allows (SLOT layout).
 
@@ -94,5 +110,5 @@ def masked_attention(
     mask = meta.visible
     if sliding_window is not None:
         mask = mask & (meta.query_pos[:, None] - meta.cell_pos[None, :] < sliding_window)
-    o = attend(query.transpose(0, 1), k, v, mask, scale, logits_soft_cap)
+    o = attend(query.transpose(0, 1), k, v, mask, scale, logits_soft_cap, sinks)
     return o.transpose(0, 1)

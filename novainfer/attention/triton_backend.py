@@ -19,6 +19,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence takes the split-K decode kernel; anything else the prefill kernel."""
     if meta.max_query_len == 1:
@@ -32,6 +33,7 @@ def paged_attention(
             meta.num_splits,
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
+            sinks=sinks,
         )
     return prefill_attention(
         query,
@@ -44,4 +46,5 @@ def paged_attention(
         scale,
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
+        sinks=sinks,
     )

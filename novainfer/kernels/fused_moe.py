@@ -3,10 +3,11 @@
 1. align: each (token, k) pair is sorted by its expert and every expert's run is padded to BLOCK_M rows,
    so a block of rows belongs to one expert (vLLM's moe_align_block_size, here in torch ops that do not
    sync with the host, so a decode step stays capturable in a CUDA graph).
-2. grouped GEMM over gate/up: for each block, rows of the hidden states times its expert's w13.
-3. act-and-mul on the [pairs, 2 * inter] result (the fused SiLU kernel).
-4. grouped GEMM over down, the routing weight multiplied in before the store; then each token's k
-   rows are summed.
+2. grouped GEMM over gate/up: for each block, rows of the hidden states times its expert's w13 (plus the
+   expert's bias, where the layer has one).
+3. act-and-mul on the [pairs, 2 * inter] result (the fused SiLU kernel, or gpt-oss's clamped SwiGLU below).
+4. grouped GEMM over down, the expert's bias added and the routing weight multiplied in before the store;
+   then each token's k rows are summed.
 The torch reference is layers/fused_moe/moe_torch.py.
 """
 
@@ -23,6 +24,7 @@ def _grouped_gemm_kernel(
     a_ptr,
     b_ptr,
     c_ptr,
+    bias_ptr,
     topk_weights_ptr,
     sorted_ids_ptr,
     block_experts_ptr,
@@ -34,14 +36,17 @@ def _grouped_gemm_kernel(
     stride_be,
     stride_bn,
     stride_cm,
+    stride_bias,
     A_ROW_DIV: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """C[pair] = A[pair // A_ROW_DIV] @ B[expert]^T (times the pair's routing weight) for one block of pairs."""
+    """C[pair] = (A[pair // A_ROW_DIV] @ B[expert]^T + bias[expert]) (times the pair's routing weight) for one
+    block of pairs."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # the grid is sized for the worst case
@@ -66,6 +71,8 @@ def _grouped_gemm_kernel(
             other=0.0,
         )
         acc += tl.dot(a, b, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_bias + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
     if MUL_ROUTED_WEIGHT:
         w = tl.load(topk_weights_ptr + pair, mask=mmask, other=0.0)
         acc = acc * w[:, None]
@@ -133,9 +140,11 @@ def _grouped_gemm(
     a_row_div: int,
     topk_weights: torch.Tensor | None,
     tiles: tuple[int, int, int, int, int],
+    bias: torch.Tensor | None = None,
 ) -> None:
     assert a.stride(1) == 1 and b.stride(2) == 1 and out.stride(1) == 1
-    args = (a, b, out, sorted_ids, block_experts, num_padded, num_pairs, a_row_div, topk_weights)
+    assert bias is None or (bias.shape == b.shape[:2] and bias.stride(1) == 1)
+    args = (a, b, out, sorted_ids, block_experts, num_padded, num_pairs, a_row_div, topk_weights, bias)
     try:
         _launch(*args, tiles)
     except triton.runtime.errors.OutOfResources:  # the shared memory of a smaller GPU than the sweep's
@@ -143,7 +152,7 @@ def _grouped_gemm(
         _launch(*args, (tiles[0], *FALLBACK_TILES[1:]))
 
 
-def _launch(a, b, out, sorted_ids, block_experts, num_padded, num_pairs, a_row_div, topk_weights, tiles) -> None:
+def _launch(a, b, out, sorted_ids, block_experts, num_padded, num_pairs, a_row_div, topk_weights, bias, tiles) -> None:
     n, k = b.shape[1], b.shape[2]
     block_m, block_n, block_k, warps, stages = tiles
     grid = (sorted_ids.numel() // block_m, triton.cdiv(n, block_n))
@@ -151,6 +160,7 @@ def _launch(a, b, out, sorted_ids, block_experts, num_padded, num_pairs, a_row_d
         a,
         b,
         out,
+        bias if bias is not None else out,
         topk_weights if topk_weights is not None else out,
         sorted_ids,
         block_experts,
@@ -162,7 +172,9 @@ def _launch(a, b, out, sorted_ids, block_experts, num_padded, num_pairs, a_row_d
         b.stride(0),
         b.stride(1),
         out.stride(0),
+        bias.stride(0) if bias is not None else 0,
         A_ROW_DIV=a_row_div,
+        HAS_BIAS=bias is not None,
         MUL_ROUTED_WEIGHT=topk_weights is not None,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -180,6 +192,8 @@ def fused_experts(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     act_and_mul: nn.Module,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as layers/fused_moe/moe_torch.fused_experts_torch: [tokens, hidden] -> [tokens, hidden]."""
     tokens, hidden = hidden_states.shape
@@ -193,9 +207,40 @@ def fused_experts(
     sorted_ids, block_experts, num_padded = align_by_expert(topk_ids, num_experts, up_tiles[0])
     x = hidden_states.contiguous()
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, sorted_ids, block_experts, num_padded, num_pairs, top_k, None, up_tiles)
+    _grouped_gemm(x, w13, gate_up, sorted_ids, block_experts, num_padded, num_pairs, top_k, None, up_tiles, w13_bias)
     act = act_and_mul(gate_up)
     down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.to(x.dtype).contiguous().flatten()  # rounded as the reference rounds them
-    _grouped_gemm(act, w2, down, sorted_ids, block_experts, num_padded, num_pairs, 1, weights, down_tiles)
+    _grouped_gemm(act, w2, down, sorted_ids, block_experts, num_padded, num_pairs, 1, weights, down_tiles, w2_bias)
     return down.view(tokens, top_k, hidden).sum(dim=1)
+
+
+@triton.jit
+def _clamped_swiglu_kernel(x_ptr, out_ptr, x_stride, out_stride, n, alpha, limit, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    gate = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * x_stride + n + offs, mask=mask, other=0.0)
+    # torch rounds each op's result to the activations' dtype: so does this (clamping is exact)
+    dt = gate.dtype
+    g = tl.minimum(gate.to(tl.float32), limit)
+    u = tl.minimum(tl.maximum(up.to(tl.float32), -limit), limit)
+    z = (g * alpha).to(dt).to(tl.float32)
+    glu = (g * (1.0 / (1.0 + tl.exp(-z))).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    u1 = (u + 1.0).to(dt).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + offs, (u1 * glu).to(dt), mask=mask)
+
+
+def clamped_swiglu_and_mul(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation over x = concat(gate, up) [rows, 2 * d]: gate clamped above at limit, up to
+    [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate) (layers/activation.py's ClampedSwigluAndMul)."""
+    rows, two_d = x.shape
+    n = two_d // 2
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows:
+        block = min(1024, triton.next_power_of_2(n))
+        _clamped_swiglu_kernel[(rows, triton.cdiv(n, block))](
+            x, out, x.stride(0), out.stride(0), n, alpha, limit, BLOCK=block
+        )
+    return out

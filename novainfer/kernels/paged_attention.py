@@ -13,8 +13,10 @@ re-use, and both keep the softmax online in float32 (flash-attention style).
   prefix-cache hits). A program takes BLOCK_M query tokens of one head and walks the visible keys.
 
 Both honour a per-layer sliding window (a query at p sees keys k with p - window < k <= p: the loops
-start at the window's first tile, so a long context costs only the window) and logit soft-capping
-(cap * tanh(score / cap) before the softmax, Gemma 2). The torch reference is attention/torch_backend.py.
+start at the window's first tile, so a long context costs only the window), logit soft-capping
+(cap * tanh(score / cap) before the softmax, Gemma 2) and attention sinks (one logit per head that joins the
+softmax's normalizer and emits nothing, gpt-oss: folded in once the keys are done). The torch reference is
+attention/torch_backend.py.
 """
 
 from __future__ import annotations
@@ -69,6 +71,14 @@ def _attend_tile(q, k, v, valid, m, l, acc, scale, soft_cap, HAS_SOFT_CAP: tl.co
     return m_new, l, acc
 
 
+@triton.jit
+def _fold_sink(m, l, acc, sink):
+    """The running (m, l, acc) with one more logit, the sink, in the normalizer and nothing in the output."""
+    m_new = tl.maximum(m, sink)
+    alpha = tl.exp(m - m_new)
+    return m_new, l * alpha + tl.exp(sink - m_new), acc * alpha[:, None]
+
+
 # a block table's width changes from step to step: specializing on it (divisible by 16 or not) compiled a second
 # variant of each kernel during a fresh machine's first timed run (benchmarks/triton_compiles.py)
 @triton.jit(do_not_specialize=["bt_stride"])
@@ -88,6 +98,7 @@ def _decode_kernel(
     k_new_ptr,
     v_new_ptr,
     slot_ptr,
+    sinks_ptr,
     scale,
     window,
     soft_cap,
@@ -107,6 +118,7 @@ def _decode_kernel(
     SPLIT_TILES: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     ROPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -184,7 +196,13 @@ def _decode_kernel(
             m, l, acc = _attend_tile(q, k, v, pmask[None, :], m, l, acc, scale, soft_cap, HAS_SOFT_CAP, PRECISION)
 
         o_ptrs = out_ptr + seq * o_stride_t + heads[:, None] * o_stride_h + d[None, :]
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=gmask, other=0.0).to(tl.float32)
+        else:
+            sink = tl.zeros([GROUP_PAD], tl.float32)
         if used == 1:
+            if HAS_SINKS:
+                m, l, acc = _fold_sink(m, l, acc, sink)
             tl.store(o_ptrs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
         else:  # write this split's partial result; the last split of (seq, kvh) to finish merges them all
             row = (seq * NUM_KV_HEADS * GROUP + heads) * NUM_SPLITS  # [GROUP_PAD] first partial row of each head
@@ -195,7 +213,9 @@ def _decode_kernel(
             done = tl.atomic_add(counter_ptr + seq * NUM_KV_HEADS + kvh, 1, sem="acq_rel", scope="gpu")
             if done == used - 1:
                 tl.store(counter_ptr + seq * NUM_KV_HEADS + kvh, 0)  # ready for the next layer's launch
-                out = _merge_splits(part_acc_ptr, part_ml_ptr, row, gmask, used, d, NUM_SPLITS, HEAD_DIM)
+                out = _merge_splits(
+                    part_acc_ptr, part_ml_ptr, row, gmask, used, d, sink, NUM_SPLITS, HEAD_DIM, HAS_SINKS
+                )
                 tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
@@ -211,17 +231,32 @@ def _rope_rows(x_ptr, x, mask, pos_ptr, cos_ptr, sin_ptr, d, HEAD_DIM: tl.conste
 
 
 @triton.jit
-def _merge_splits(part_acc_ptr, part_ml_ptr, row, gmask, used, d, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _merge_splits(
+    part_acc_ptr,
+    part_ml_ptr,
+    row,
+    gmask,
+    used,
+    d,
+    sink,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
     """The softmax-weighted sum of the used splits' partial results for each head's rows (loads bypass L1:
-    other programs wrote them)."""
+    other programs wrote them); with HAS_SINKS each head's sink logit joins the normalizer."""
     s = tl.arange(0, NUM_SPLITS)
     ml = part_ml_ptr + (row[:, None] + s[None, :]) * 2
     smask = gmask[:, None] & (s[None, :] < used)
     m = tl.load(ml, mask=smask, other=float("-inf"), cache_modifier=".cg")
     l = tl.load(ml + 1, mask=smask, other=0.0, cache_modifier=".cg")
     m_max = tl.max(m, 1)
+    if HAS_SINKS:
+        m_max = tl.maximum(m_max, sink)
     m_ref = tl.where(m_max == float("-inf"), 0.0, m_max)
     denom = tl.sum(l * tl.where(m > float("-inf"), tl.exp(m - m_ref[:, None]), 0.0), 1)
+    if HAS_SINKS:
+        denom += tl.exp(sink - m_ref)
     c = tl.arange(0, 4)
     out = tl.zeros([row.shape[0], HEAD_DIM], tl.float32)
     for s0 in range(0, used, 4):  # four splits' rows at a time keep the registers in bounds
@@ -248,6 +283,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     out_ptr,
+    sinks_ptr,
     scale,
     window,
     soft_cap,
@@ -264,6 +300,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SOFT_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -310,6 +347,8 @@ def _prefill_kernel(
         if HAS_WINDOW:
             valid = valid & (q_pos[:, None] - pos[None, :] < window)
         m, l, acc = _attend_tile(q, k, v, valid, m, l, acc, scale, soft_cap, HAS_SOFT_CAP, PRECISION)
+    if HAS_SINKS:
+        m, l, acc = _fold_sink(m, l, acc, tl.load(sinks_ptr + head).to(tl.float32) + tl.zeros([BLOCK_M], tl.float32))
     out = acc / tl.where(rmask, l, 1.0)[:, None]
     tl.store(
         out_ptr + (q_start + rows)[:, None] * o_stride_t + head * o_stride_h + d[None, :],
@@ -330,6 +369,14 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int, int]:
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0, f"head_dim {head_dim} must be a power of two >= 16"
     assert num_heads % num_kv_heads == 0
     return num_heads, head_dim, block_size, num_kv_heads
+
+
+def _sinks_arg(sinks: torch.Tensor | None, num_heads: int, unused: torch.Tensor) -> torch.Tensor:
+    """The sinks the kernels read ([num_heads], any float dtype), or a placeholder when there are none."""
+    if sinks is None:
+        return unused
+    assert tuple(sinks.shape) == (num_heads,) and sinks.is_contiguous(), f"sinks must be [{num_heads}] contiguous"
+    return sinks
 
 
 class DecodeRope(NamedTuple):
@@ -358,13 +405,14 @@ def decode_attention(
     logits_soft_cap: float | None = None,
     rope: DecodeRope | None = None,
     min_split_keys: int = 64,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [num_seqs, heads, head_dim], one new token per sequence; returns the same shape.
 
     The new token's K/V are already in the cache, or, with rope, are rotated (q too) and stored here.
     num_splits (a power of two) bounds the parts each context (the window's part of it) is divided into,
     computed in parallel; a part spans at least min_split_keys keys (rounded to tiles), so a short context
-    takes one program per KV head and no merge.
+    takes one program per KV head and no merge. sinks [heads]: each head's sink logit (gpt-oss).
     """
     num_heads, head_dim, block_size, num_kv_heads = _check(q, k_cache)
     num_seqs = q.shape[0]
@@ -397,6 +445,7 @@ def decode_attention(
         part_ml,
         counters,
         *r,
+        _sinks_arg(sinks, num_heads, out),
         scale,
         sliding_window or 0,
         logits_soft_cap or 1.0,
@@ -416,6 +465,7 @@ def decode_attention(
         SPLIT_TILES=max(1, min_split_keys // block_n),
         HAS_WINDOW=sliding_window is not None,
         HAS_SOFT_CAP=logits_soft_cap is not None,
+        HAS_SINKS=sinks is not None,
         ROPE=rope is not None,
         PRECISION=_precision(q.dtype),
         num_warps=num_warps,
@@ -468,9 +518,10 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens (packed in q: [tokens, heads, head_dim]) over its context
-    (its last sliding_window keys when a window is given)."""
+    (its last sliding_window keys when a window is given; sinks [heads]: each head's sink logit)."""
     num_heads, head_dim, block_size, num_kv_heads = _check(q, k_cache)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
@@ -486,6 +537,7 @@ def prefill_attention(
         query_start_loc,
         seq_lens,
         out,
+        _sinks_arg(sinks, num_heads, out),
         scale,
         sliding_window or 0,
         logits_soft_cap or 1.0,
@@ -502,6 +554,7 @@ def prefill_attention(
         BLOCK_N=block_n,
         HAS_WINDOW=sliding_window is not None,
         HAS_SOFT_CAP=logits_soft_cap is not None,
+        HAS_SINKS=sinks is not None,
         PRECISION=_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,

@@ -40,6 +40,25 @@ class GeluAndMul(nn.Module):
         return F.gelu(gate, approximate=self.approximate) * up
 
 
+class ClampedSwigluAndMul(nn.Module):
+    """gpt-oss's expert activation over concat(gate, up): gate clamped above at limit, up to [-limit, limit],
+    then (up + 1) * gate * sigmoid(alpha * gate), in transformers' order of operations."""
+
+    def __init__(self, alpha: float = 1.702, limit: float = 7.0):
+        super().__init__()
+        self.alpha, self.limit = float(alpha), float(limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dim() == 2:
+            from novainfer.kernels.fused_moe import clamped_swiglu_and_mul
+
+            return clamped_swiglu_and_mul(x, self.alpha, self.limit)
+        gate, up = x.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 def get_act_and_mul(hidden_act: str) -> nn.Module:
     """The gated activation a config's hidden_act (or hidden_activation) names."""
     if hidden_act == "silu":

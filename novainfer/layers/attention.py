@@ -15,6 +15,8 @@ class Attention(nn.Module):
     sliding_window: a query at position p sees key position k iff k <= p and p - k < sliding_window
     (transformers' rule); None attends over the whole context. logits_soft_cap: scores become
     cap * tanh(score / cap) before the softmax (Gemma 2); None leaves them as they are.
+    sinks: a per-head logit ([num_heads] of this rank) that joins every row's softmax and emits nothing (gpt-oss's
+    learned attention sinks); the owner module keeps the parameter, this layer only reads it.
     kv_source: another (earlier) layer whose cache this one reads instead of its own (Gemma 4's KV sharing);
     such a layer takes no k/v, stores nothing and is given no cache of its own.
     """
@@ -28,9 +30,13 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
         kv_source: Attention | None = None,
+        sinks: torch.Tensor | None = None,
     ):
         super().__init__()
         self.__dict__["kv_source"] = kv_source  # a plain reference: not registered as a submodule of this one
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"sinks must hold one logit per head ({num_heads}), got shape {tuple(sinks.shape)}")
+        self.__dict__["sinks"] = sinks  # the owner's parameter, not registered twice
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale = scale
         if sliding_window is not None and sliding_window < 1:
@@ -51,7 +57,9 @@ class Attention(nn.Module):
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         window, cap = self.sliding_window, self.logits_soft_cap
         if isinstance(meta, SlotAttentionMetadata):  # the core API's SLOT cache: per-query visibility mask
-            o = torch_backend.masked_attention(q, owner.k_cache, owner.v_cache, meta, self.scale, window, cap)
+            o = torch_backend.masked_attention(
+                q, owner.k_cache, owner.v_cache, meta, self.scale, window, cap, self.sinks
+            )
         else:
-            o = self.backend.paged_attention(q, owner.k_cache, owner.v_cache, meta, self.scale, window, cap)
+            o = self.backend.paged_attention(q, owner.k_cache, owner.v_cache, meta, self.scale, window, cap, self.sinks)
         return o.reshape(-1, self.num_heads * self.head_dim)

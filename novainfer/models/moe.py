@@ -50,10 +50,11 @@ class SparseMoeBlock(nn.Module):
 
 
 class MoeForCausalLM(LlamaForCausalLM):
-    """Adds per-expert checkpoint names (experts.E.<proj>.weight) to the Llama weight routing."""
+    """Adds per-expert checkpoint names (experts.E.<proj>.weight, and .bias where the experts have biases) to the
+    Llama weight routing."""
 
     expert_projections = ("gate_proj", "down_proj", "up_proj")  # HF names of gate, down, up (Mixtral: w1, w2, w3)
-    _EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+    _EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.(weight|bias)$")
 
     def param_target(self, name: str) -> tuple[str, Any]:
         for hf, ours in self.checkpoint_renames.items():
@@ -62,19 +63,20 @@ class MoeForCausalLM(LlamaForCausalLM):
         mapping = expert_params_mapping(*self.expert_projections)
         if m and m.group(2) in mapping:
             param, kind = mapping[m.group(2)]
+            param = param.replace("_weight", f"_{m.group(3)}")
             return f"{name[: m.start()]}.experts.{param}", (int(m.group(1)), kind)
         return super().param_target(name)
 
     def checkpoint_names(self, param_name: str) -> list[str]:
         mapping = expert_params_mapping(*self.expert_projections)
-        for param in ("w13_weight", "w2_weight"):
+        for param in ("w13_weight", "w2_weight", "w13_bias", "w2_bias"):
             if param_name.endswith(f".experts.{param}"):
-                prefix = param_name[: -len(param)]
+                prefix, kind = param_name[: -len(param)], param.split("_")[1]
                 names = [
-                    f"{prefix}{e}.{hf}.weight"
+                    f"{prefix}{e}.{hf}.{kind}"
                     for e in range(num_experts_of(self.config))
                     for hf, (p, _) in mapping.items()
-                    if p == param
+                    if p == param.replace(f"_{kind}", "_weight")
                 ]
                 for hf, ours in self.checkpoint_renames.items():
                     names = [n.replace(ours, hf) for n in names]

@@ -9,6 +9,7 @@ from torch import nn
 from novainfer.models.gemma2 import Gemma2ForCausalLM
 from novainfer.models.gemma3 import Gemma3ForCausalLM
 from novainfer.models.gemma4 import Gemma4ForCausalLM
+from novainfer.models.gpt_oss import GptOssForCausalLM
 from novainfer.models.llama import LlamaForCausalLM
 from novainfer.models.mistral import MistralForCausalLM
 from novainfer.models.mixtral import MixtralForCausalLM
@@ -38,6 +39,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,

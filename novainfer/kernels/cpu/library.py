@@ -96,7 +96,28 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     # the last two of the KV ops: the cache's size and where an index is bad (bounds checks)
     lib.store_kv_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int64, _P]
     lib.store_kv_bf16.restype = _I
-    lib.decode_attention_bf16.argtypes = [_P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _F, _P, _I, _I, _P]
+    lib.decode_attention_bf16.argtypes = [
+        _P,
+        _I,
+        _P,
+        _P,
+        _P,
+        _I,
+        _P,
+        _I,
+        _I,
+        _I,
+        _I,
+        _I,
+        _F,
+        _I,
+        _F,
+        _P,
+        _P,
+        _I,
+        _I,
+        _P,
+    ]
     lib.prefill_attention_bf16.argtypes = [
         _P,
         _I,
@@ -115,11 +136,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         _I,
         _F,
         _P,
+        _P,
         _I,
         _I,
         _I,
         _P,
-    ]  # the last three: tokens, blocks, where (as above)
+    ]  # sinks (NULL: none), out, threads; the last three: tokens, blocks, where (as above)
     lib.decoder_stack_workspace.argtypes = [_P, _I, _I, _I]
     lib.decoder_stack_workspace.restype = ctypes.c_size_t
     lib.decoder_stack_decode.argtypes = [_P, _I, _P, _F, _P, _P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _P]

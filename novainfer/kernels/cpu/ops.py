@@ -123,9 +123,11 @@ def decode_attention_bf16(
     scale: float,
     sliding_window: int | None,
     logits_soft_cap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query per sequence, query [S, heads, D], over the bf16 paged cache -> [S, heads, D] float32; a block
-    id outside the cache or a length past the block table raises ValueError before anything is read."""
+    """One query per sequence, query [S, heads, D], over the bf16 paged cache -> [S, heads, D] float32 (sinks
+    [heads]: each head's sink logit); a block id outside the cache or a length past the block table raises
+    ValueError before anything is read."""
     s, nh, d = query.shape
     block_size, nkv = k_cache.shape[1], k_cache.shape[2]
     tables = block_tables.to(torch.int32).contiguous()
@@ -135,6 +137,7 @@ def decode_attention_bf16(
             f"decode attention of {s} sequences: block tables {tuple(tables.shape)}, seq_lens {tuple(lens.shape)}"
         )
     num_blocks = min(k_cache.shape[0], v_cache.shape[0])
+    sinks = _sinks_f32(sinks, nh)
     out = torch.empty(s, nh, d, dtype=torch.float32)
     where = KVWhere()
     rc = library().decode_attention_bf16(
@@ -153,6 +156,7 @@ def decode_attention_bf16(
         scale,
         sliding_window or 0,
         logits_soft_cap or 0.0,
+        None if sinks is None else sinks.data_ptr(),
         out.data_ptr(),
         num_threads(),
         num_blocks,
@@ -163,6 +167,15 @@ def decode_attention_bf16(
     if rc:
         raise kv_index_error(rc, where, num_blocks, block_size, tables=tables, seq_lens=lens)
     return out
+
+
+def _sinks_f32(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """Sinks [num_heads] as the C attention reads them (contiguous float32); None stays None."""
+    if sinks is None:
+        return None
+    if tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks: one logit per head ({num_heads}) expected, got shape {tuple(sinks.shape)}")
+    return sinks.detach().to(torch.float32).contiguous()
 
 
 KVWhere = ctypes.c_int * 2  # the offending token, or sequence and block-table entry, of a failed KV op
@@ -217,10 +230,11 @@ def prefill_attention_bf16(
     scale: float,
     sliding_window: int | None,
     logits_soft_cap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each sequence's new tokens, query [T, heads, D] (the i-th of q at position seq_len - q + i), causal over
-    the bf16 paged cache (which already holds them) -> [T, heads, D] float32; a bad block id, length or query
-    range raises ValueError before anything is read."""
+    the bf16 paged cache (which already holds them) -> [T, heads, D] float32 (sinks [heads]: each head's sink
+    logit); a bad block id, length or query range raises ValueError before anything is read."""
     t, nh, d = query.shape
     block_size, nkv = k_cache.shape[1], k_cache.shape[2]
     tables = block_tables.to(torch.int32).contiguous()
@@ -233,6 +247,7 @@ def prefill_attention_bf16(
             f"{tuple(starts.shape)} and seq_lens {tuple(lens.shape)} do not describe one set of sequences"
         )
     num_blocks = min(k_cache.shape[0], v_cache.shape[0])
+    sinks = _sinks_f32(sinks, nh)
     out = torch.empty(t, nh, d, dtype=torch.float32)
     where = KVWhere()
     rc = library().prefill_attention_bf16(
@@ -252,6 +267,7 @@ def prefill_attention_bf16(
         scale,
         sliding_window or 0,
         logits_soft_cap or 0.0,
+        None if sinks is None else sinks.data_ptr(),
         out.data_ptr(),
         num_threads(),
         t,

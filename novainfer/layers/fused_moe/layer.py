@@ -2,7 +2,9 @@
 
 w13_weight [experts, 2 * inter / tp, hidden] holds each expert's gate rows then up rows (column-parallel:
 each rank keeps its slice of the intermediate size), w2_weight [experts, hidden, inter / tp] the down
-projection (row-parallel). The output is this rank's partial sum; the MoE block all-reduces once.
+projection (row-parallel). The output is this rank's partial sum; the MoE block all-reduces once. With
+bias (gpt-oss), w13_bias [experts, 2 * inter / tp] is sharded as w13's rows and w2_bias [experts, hidden] is
+held by rank 0 alone (zeros elsewhere), so the all-reduce adds it once.
 On CUDA the Triton kernel (kernels/fused_moe.py) runs the experts, elsewhere torch's grouped_mm over the
 tokens sorted by expert (the loop reference where torch lacks grouped_mm).
 """
@@ -27,7 +29,10 @@ class FusedMoE(nn.Module):
         intermediate_size: int,
         renormalize: bool,
         hidden_act: str = "silu",
+        bias: bool = False,
+        act_fn: nn.Module | None = None,
     ):
+        """act_fn: the gated activation over concat(gate, up), where hidden_act names none (gpt-oss's)."""
         super().__init__()
         self.tp_group = get_tp_group()
         self.tp_rank, self.tp_size = self.tp_group.rank, self.tp_group.size
@@ -39,13 +44,27 @@ class FusedMoE(nn.Module):
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.local_inter, hidden_size), requires_grad=False)
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_inter), requires_grad=False)
         self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
-        self.act_fn = get_act_and_mul(hidden_act)
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            self.w13_bias = nn.Parameter(torch.zeros(num_experts, 2 * self.local_inter), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False)
+            self.w13_bias.weight_loader = self.w2_bias.weight_loader = self.weight_loader
+        self.act_fn = act_fn if act_fn is not None else get_act_and_mul(hidden_act)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
-        """One HF expert tensor: shard_id = (expert, 'w1' gate | 'w3' up | 'w2' down)."""
+        """One HF expert tensor (a weight, or a bias: param w13_bias / w2_bias): shard_id = (expert, 'w1' gate |
+        'w3' up | 'w2' down)."""
         expert, kind = shard_id
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} out of range: the config has {self.num_experts} experts")
+        if param.dim() == 2 and kind == "w2":  # the down bias: whole on rank 0, zero on the others
+            target = param.data[expert]
+            if loaded.shape != target.shape:
+                raise ValueError(
+                    f"expert {expert}'s down bias has shape {tuple(loaded.shape)}, not {tuple(target.shape)}"
+                )
+            target.copy_(loaded) if self.tp_rank == 0 else target.zero_()
+            return
         if kind == "w2":
             target = param.data[expert]
             part = shard_dim(loaded, 1, self.tp_rank, self.tp_size, tuple(target.shape))
@@ -65,9 +84,19 @@ class FusedMoE(nn.Module):
         if hidden_states.is_cuda:
             from novainfer.kernels.fused_moe import fused_experts
 
-            return fused_experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act_fn)
-        experts = fused_experts_grouped if hasattr(torch.nn.functional, "grouped_mm") else fused_experts_torch
-        return experts(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.act_fn)
+            experts = fused_experts
+        else:
+            experts = fused_experts_grouped if hasattr(torch.nn.functional, "grouped_mm") else fused_experts_torch
+        return experts(
+            hidden_states,
+            self.w13_weight,
+            self.w2_weight,
+            topk_weights,
+            topk_ids,
+            self.act_fn,
+            self.w13_bias,
+            self.w2_bias,
+        )
 
 
 def expert_params_mapping(gate: str, down: str, up: str) -> dict[str, tuple[str, str]]:

@@ -34,7 +34,7 @@ int store_kv_bf16(const float *k, int k_stride, const float *v, int v_stride, ui
                   const int64_t *slots, int T, int width, int nthreads, int64_t num_slots, int *where);
 int decode_attention_bf16(const float *q, int q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                           const int32_t *block_tables, int bt_stride, const int32_t *seq_lens, int S, int nh, int nkv,
-                          int D, int block_size, float scale, int window, float soft_cap, float *out, int nthreads,
-                          int num_blocks, int *where);
+                          int D, int block_size, float scale, int window, float soft_cap, const float *sinks,
+                          float *out, int nthreads, int num_blocks, int *where);
 
 #endif

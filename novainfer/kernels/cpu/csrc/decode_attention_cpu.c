@@ -15,6 +15,7 @@
 typedef struct {
     const float *q; int q_stride; const uint16_t *k_cache, *v_cache; const int32_t *block_tables;
     int bt_stride; const int32_t *seq_lens; int nh, nkv, D, block_size, window, max_len; float scale, soft_cap;
+    const float *sinks;  /* [nh] attention sink logits, or NULL */
     float *scores, *out;
     const int *items;  /* work item -> (sk, chunk), two ints each */
     float *part;       /* per item of a split context, per head: D partial sums, then the chunk's max and exp-sum */
@@ -115,8 +116,10 @@ static void attend(void *arg, int it) {
             scores8(q0 + (size_t)i * D, kf, D, n, j->scale, j->soft_cap, sc + (size_t)i * max_len + p0);
     }
     float inv[group], mx[group];
-    for (int i = 0; i < group; i++)  /* the soft cap was applied with the scores */
+    for (int i = 0; i < group; i++) {  /* the soft cap was applied with the scores */
         inv[i] = softmax_row(sc + (size_t)i * max_len + lo, hi - lo, 0, hi - lo - 1, 0.f, &mx[i]);
+        if (whole && j->sinks) inv[i] = sink_inv(inv[i], mx[i], j->sinks[g * group + i]);  /* split: at the merge */
+    }
     float *part = whole ? NULL : j->part + (size_t)it * group * (D + 2);
     for (int i0 = 0; i0 < group; i0 += PV_HEADS) {
         const int hb = group - i0 < PV_HEADS ? group - i0 : PV_HEADS;
@@ -164,24 +167,26 @@ static void merge_chunks(const attn_job *j, int s, int g, int first, int n) {
             L += f * p[D + 1];
             for (int d = 0; d < D; d++) o[d] += f * p[d];
         }
+        if (j->sinks) L += expf(j->sinks[g * group + i] - M);
         for (int d = 0; d < D; d++) o[d] /= L;
     }
 }
 
 /* One query per sequence: q [S, nh, D] (row stride q_stride) against the bf16 cache through block tables
  * [S, bt_stride]; out [S, nh, D]. A query at seq_len - 1 sees positions >= seq_len - window (window 0: all);
- * soft_cap > 0 caps scores as cap * tanh(s / cap). D must be a multiple of 8. Returns KV_OK, KV_NO_MEMORY, or
- * (reading nothing) check_block_tables' error for a cache of num_blocks blocks. */
+ * soft_cap > 0 caps scores as cap * tanh(s / cap); sinks (NULL: none) holds each head's sink logit. D must be a
+ * multiple of 8. Returns KV_OK, KV_NO_MEMORY, or (reading nothing) check_block_tables' error for a cache of
+ * num_blocks blocks. */
 int decode_attention_bf16(const float *q, int q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                           const int32_t *block_tables, int bt_stride, const int32_t *seq_lens, int S, int nh,
-                          int nkv, int D, int block_size, float scale, int window, float soft_cap, float *out,
-                          int nthreads, int num_blocks, int *where) {
+                          int nkv, int D, int block_size, float scale, int window, float soft_cap,
+                          const float *sinks, float *out, int nthreads, int num_blocks, int *where) {
     const int rc = check_block_tables(block_tables, bt_stride, seq_lens, S, block_size, num_blocks, where);
     if (rc) return rc;
     int max_len = 1;
     for (int s = 0; s < S; s++) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
     attn_job j = {q, q_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens, nh, nkv, D, block_size,
-                  window, max_len, scale, soft_cap, NULL, out, NULL, NULL};
+                  window, max_len, scale, soft_cap, sinks, NULL, out, NULL, NULL};
     int nitems = 0, split = 0;
     for (int s = 0; s < S; s++) {
         const int n = context_chunks(seq_lens[s], window);

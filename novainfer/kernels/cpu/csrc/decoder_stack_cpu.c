@@ -91,8 +91,8 @@ int decoder_stack_decode(const decoder_layer *layers, int L, const float *final_
                                 kv_size, nthreads, (int64_t)num_blocks * d->block_size, where)))
             return kv_error(rc);
         if ((rc = decode_attention_bf16(qkv, qkv_w, d->k_cache, d->v_cache, block_tables, bt_stride, seq_lens, M,
-                                        d->nh, d->nkv, d->D, d->block_size, d->scale, d->window, d->soft_cap, attn,
-                                        nthreads, num_blocks, where)))
+                                        d->nh, d->nkv, d->D, d->block_size, d->scale, d->window, d->soft_cap,
+                                        NULL /* no sinks */, attn, nthreads, num_blocks, where)))
             return kv_error(rc);
         if ((rc = linear(&d->o, attn, M, hidden, nthreads))) return rc;
         add_rms_norm(hidden, residual, res, d->post_norm, d->post_eps, normed, M, H, nthreads);

@@ -24,6 +24,7 @@
 typedef struct {
     const float *q; int q_stride; const uint16_t *k_cache, *v_cache; const int32_t *block_tables; int bt_stride;
     const int32_t *q_start, *seq_lens; int S, nh, nkv, D, block_size, window; float scale, soft_cap;
+    const float *sinks;               /* [nh] attention sink logits, or NULL */
     float *kv; const size_t *kv_off;  /* per sequence: nkv x (Kt [D][ldk], V [D/16][Lp][16]) at kv + kv_off[s] */
     const int *tiles; int ntiles;     /* tile i: sequence tiles[2i], first query tiles[2i + 1] */
     _Atomic int failed;
@@ -140,7 +141,9 @@ static void attend_tile(void *arg, int c) {
     }
     for (int r = 0; r < R; r++) {
         const int pos = first + r / group, lo = j->window > 0 && pos - j->window + 1 > lo0 ? pos - j->window + 1 : lo0;
-        inv[r] = softmax_row(sc + (size_t)r * W, W, lo - c0, pos - c0, j->soft_cap, NULL);
+        float mx;
+        inv[r] = softmax_row(sc + (size_t)r * W, W, lo - c0, pos - c0, j->soft_cap, &mx);
+        if (j->sinks) inv[r] = sink_inv(inv[r], mx, j->sinks[g * group + r % group]);
     }
     for (int r0 = 0; r0 < R; r0 += RB) {
         const int mr = R - r0 < RB ? R - r0 : RB;
@@ -155,13 +158,14 @@ static void attend_tile(void *arg, int c) {
 
 /* q [T, nh, D] (row stride q_stride; sequence s's tokens q_start[s]..q_start[s+1]) against the bf16 cache through
  * block tables [S, bt_stride]; out [T, nh, D]. window > 0: a query at p sees keys > p - window; soft_cap > 0: scores
- * capped as cap * tanh(x / cap). D must be a multiple of 16. Returns KV_OK, KV_NO_MEMORY, or (reading nothing) the
- * error of a bad index: check_block_tables' for a cache of num_blocks blocks, KV_BAD_QUERIES for a sequence whose
- * new tokens are not within 0..T, in order, and at most its length. */
+ * capped as cap * tanh(x / cap); sinks (NULL: none) holds each head's sink logit. D must be a multiple of 16.
+ * Returns KV_OK, KV_NO_MEMORY, or (reading nothing) the error of a bad index: check_block_tables' for a cache of
+ * num_blocks blocks, KV_BAD_QUERIES for a sequence whose new tokens are not within 0..T, in order, and at most its
+ * length. */
 int prefill_attention_bf16(const float *q, int q_stride, const uint16_t *k_cache, const uint16_t *v_cache,
                            const int32_t *block_tables, int bt_stride, const int32_t *q_start, const int32_t *seq_lens,
                            int S, int nh, int nkv, int D, int block_size, float scale, int window, float soft_cap,
-                           float *out, int nthreads, int T, int num_blocks, int *where) {
+                           const float *sinks, float *out, int nthreads, int T, int num_blocks, int *where) {
     int rc = check_block_tables(block_tables, bt_stride, seq_lens, S, block_size, num_blocks, where);
     if (rc) return rc;
     for (int s = 0; s < S; s++)
@@ -171,7 +175,7 @@ int prefill_attention_bf16(const float *q, int q_stride, const uint16_t *k_cache
             return KV_BAD_QUERIES;
         }
     pattn_job j = {q, q_stride, k_cache, v_cache, block_tables, bt_stride, q_start, seq_lens, S, nh, nkv, D, block_size,
-                   window, scale, soft_cap, NULL, NULL, NULL, 0, 0, out};
+                   window, scale, soft_cap, sinks, NULL, NULL, NULL, 0, 0, out};
     size_t *off = malloc(sizeof(size_t) * (S + 1));
     int ntiles = 0;
     if (!off) return KV_NO_MEMORY;

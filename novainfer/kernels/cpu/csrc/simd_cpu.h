@@ -60,6 +60,10 @@ static inline float softmax_row(float *row, int W, int lo, int hi, float soft_ca
     return 1.0f / sum;
 }
 
+/* The normalizer 1 / (sum + e^(sink - max)) of a softmax row that softmax_row gave inv = 1 / sum and max mx, with
+ * one more logit, an attention sink, that takes its share of the mass and emits nothing (gpt-oss). */
+static inline float sink_inv(float inv, float mx, float sink) { return 1.0f / (1.0f / inv + expf(sink - mx)); }
+
 /* 8 bfloat16 -> 8 float32. */
 static inline __m256 load_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
