@@ -21,6 +21,7 @@ from novainfer.server.protocol_anthropic import (
     CountTokensRequest,
     MessagesRequest,
     TextBlock,
+    ThinkingBlock,
     ToolResultBlock,
     ToolUseBlock,
     UnsupportedBlock,
@@ -70,7 +71,7 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
         if isinstance(msg.content, str):
             out.append({"role": msg.role, "content": msg.content})
             continue
-        text, calls, results = "", [], []
+        text, thinking, calls, results = "", None, [], []
         for j, block in enumerate(msg.content):
             if isinstance(block, UnsupportedBlock):
                 raise APIError(
@@ -91,12 +92,14 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
                 )
             elif isinstance(block, ToolResultBlock):
                 results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content)})
-            # thinking / redacted_thinking: past thinking, which chat templates leave out of the prompt
+            elif isinstance(block, ThinkingBlock):  # past thinking: the template decides whether to show it
+                thinking = (thinking or "") + block.thinking
         out += results
+        reasoning = {"reasoning_content": thinking} if thinking is not None else {}
         if calls:
-            out.append({"role": "assistant", "content": text or None, "tool_calls": calls})
+            out.append({"role": "assistant", "content": text or None, "tool_calls": calls, **reasoning})
         elif text or not results:
-            out.append({"role": msg.role, "content": text})
+            out.append({"role": msg.role, "content": text, **reasoning})
     return out
 
 
@@ -145,6 +148,7 @@ def _chat_request(req: CountTokensRequest, **fields: Any) -> ChatCompletionReque
             "model": req.model,
             "messages": chat_messages(req),
             "response_format": response_format,
+            "reasoning_effort": req.output_config.effort if req.output_config else None,
             **_tool_fields(req),
             **fields,
         }
