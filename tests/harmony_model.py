@@ -2,6 +2,9 @@
 chat template (written here, from the format's public description) renders system, developer, user, assistant
 (reasoning, calls, answers) and tool messages, the reasoning effort and the function tools."""
 
+import json
+import os
+
 from transformers import AutoTokenizer
 
 from tests.tiny_models import make_tiny_model
@@ -65,9 +68,15 @@ type {{ t.function.name }} = (_: {{ t.function.parameters | tojson }}) => any;
 
 
 def make_harmony_model(path: str) -> str:
-    """The tiny Llama checkpoint, with harmony's markers as special tokens of its vocabulary."""
+    """The tiny Llama checkpoint, with harmony's markers as special tokens of its vocabulary and room for tools."""
     make_tiny_model(path, "llama", seed=7, extra_tokens=HARMONY_TOKENS, chat_template=HARMONY_TEMPLATE.strip())
     tok = AutoTokenizer.from_pretrained(path)
     tok.add_special_tokens({"additional_special_tokens": list(HARMONY_TOKENS)})
     tok.save_pretrained(path)
+    config_path = os.path.join(path, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["max_position_embeddings"] = 1024  # the tools' schemas take a few hundred tokens of this tiny vocabulary
+    with open(config_path, "w") as f:
+        json.dump(config, f)
     return path

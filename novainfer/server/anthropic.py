@@ -314,6 +314,8 @@ class MessagesHandler:
         """The prompt's length as /v1/messages would render it (tools included), through the chat path's render."""
         chat_req = _chat_request(req)
         model = self.chat.serving.resolve_model(req.model)
-        plan = plan_tools(chat_req, self.chat.tools, self.chat.chat_format(model).tool_parser, model.tokenizer)
-        ids = await self.chat.render_prompt(model, [m.to_template() for m in chat_req.messages], plan, True, {})
+        fmt = self.chat.chat_format(model)
+        plan = plan_tools(chat_req, self.chat.tools, fmt.tool_parser, model.tokenizer)
+        kwargs = self.chat.template_kwargs(chat_req, fmt)
+        ids = await self.chat.render_prompt(model, [m.to_template() for m in chat_req.messages], plan, True, kwargs)
         return {"input_tokens": len(ids)}

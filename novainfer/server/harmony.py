@@ -31,6 +31,7 @@ SPECIAL_TOKENS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
 STOP_TOKENS = (RETURN, CALL)  # they end a completion; <|end|> ends a message, after which the model goes on
 FUNCTIONS = "functions."  # the namespace of the request's function tools
 REASONING_EFFORTS = ("low", "medium", "high")
+_LONGEST = max(len(t) for t in SPECIAL_TOKENS)
 _BOUNDARY = re.compile("|".join(re.escape(t) for t in (START, MESSAGE, END, RETURN, CALL)))
 _RECIPIENT = re.compile(r"\bto=(\S+)")
 
@@ -79,9 +80,9 @@ def _header(msg: HarmonyMessage, header: str, with_author: bool) -> None:
 
 def _without_partial_special(text: str) -> str:
     """text less a tail that may be the beginning of a special token (a stream cut inside one)."""
-    at = text.rfind("<|")
-    if at >= 0 and "|>" not in text[at:] and any(t.startswith(text[at:]) for t in SPECIAL_TOKENS):
-        return text[:at]
+    for k in range(min(len(text), _LONGEST - 1), 0, -1):
+        if any(t.startswith(text[-k:]) for t in SPECIAL_TOKENS):
+            return text[:-k]
     return text
 
 

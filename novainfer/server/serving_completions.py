@@ -75,12 +75,9 @@ class CompletionHandler:
             structured_outputs=plan.structured or constraint,
         )
         self.serving.check_logit_bias(model, params)
-        client_kwargs = checked_template_kwargs(req.chat_template_kwargs, self.trust_request_chat_template)
+        client_kwargs = self.template_kwargs(req, fmt)
         if fmt.harmony:
-            client_kwargs = harmony_template_kwargs(req.reasoning_effort, client_kwargs)
             harmony_sampling(params, model.tokenizer)
-        elif req.reasoning_effort is not None:
-            client_kwargs = {**client_kwargs, "reasoning_effort": req.reasoning_effort}
         messages = [m.to_template() for m in req.messages]
         sessions = self.serving.sessions
         session = sessions.find(req.session_id) if req.session_id else None  # made only once the turn succeeds
@@ -127,6 +124,13 @@ class CompletionHandler:
             raise APIError(
                 400, f"the model's chat template failed on these messages: {exc}", param="messages"
             ) from None
+
+    def template_kwargs(self, req: ChatCompletionRequest, fmt: ChatFormat) -> dict[str, Any]:
+        """The client's chat_template_kwargs (checked) and the reasoning effort, as the model's template reads them."""
+        kwargs = checked_template_kwargs(req.chat_template_kwargs, self.trust_request_chat_template)
+        if fmt.harmony:
+            return harmony_template_kwargs(req.reasoning_effort, kwargs)
+        return kwargs if req.reasoning_effort is None else {**kwargs, "reasoning_effort": req.reasoning_effort}
 
     def chat_format(self, model: ServedModel) -> ChatFormat:
         """The model's tool-call and reasoning formats, found on its first chat request."""

@@ -178,7 +178,8 @@ def _flatten(msg: dict) -> dict:
         )
     if msg["role"] == "tool":
         text = f"<tool_response>{text}</tool_response>"
-    return {"role": msg["role"], "content": text}
+    reasoning = {k: msg[k] for k in ("reasoning_content", "thinking") if k in msg}  # past reasoning stays
+    return {"role": msg["role"], "content": text, **reasoning}
 
 
 def new_call_id() -> str:
