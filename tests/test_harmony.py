@@ -498,3 +498,25 @@ def test_responses_api_reads_harmony_reasoning_and_sends_past_reasoning_back(ser
     text = tokenizer.apply_chat_template(shown, tools=[chat_tool], add_generation_prompt=True, tokenize=False)
     assert "analysis<|message|>Need the tool.<|end|>" in text
     assert resp.usage.input_tokens == len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_a_session_keeps_the_harmony_reply_as_a_message_the_template_renders(server, tokenizer):
+    """A session stores the parsed reply (call and reasoning), not its raw markup: the next turn's prompt is the
+    template's rendering of the whole conversation with that call in it."""
+    bias = {str(tokenizer.encode("commentary", add_special_tokens=False)[0]): 100.0}
+    ask = [{"role": "user", "content": "Time?"}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    kw = dict(model="oss", tools=TOOLS[1:], temperature=0, logit_bias=bias, extra_body={"session_id": "harmony-s1"})
+    first = server.client.chat.completions.create(messages=ask, tool_choice=named, max_tokens=60, **kw)
+    call = first.choices[0].message.tool_calls[0]
+    answer = {"role": "tool", "tool_call_id": call.id, "content": "12:00"}
+    second = server.client.chat.completions.create(messages=[answer], max_tokens=1, **kw)
+    reply = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "get_time", "arguments": call.function.arguments}}],
+    }
+    text = tokenizer.apply_chat_template(
+        [*ask, reply, answer], tools=TOOLS[1:], add_generation_prompt=True, tokenize=False
+    )
+    assert second.usage.prompt_tokens == len(tokenizer.encode(text, add_special_tokens=False))

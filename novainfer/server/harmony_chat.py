@@ -9,8 +9,9 @@ from typing import Any
 
 from novainfer.sampling_params import SamplingParams
 from novainfer.server.errors import APIError
+from novainfer.server.protocol import parse_arguments
 from novainfer.server.harmony import REASONING_EFFORTS, HarmonyMessage, call_name, split_completion, stop_token_ids
-from novainfer.server.tool_calling import ToolCallStream, ToolPlan, call_dict, finish_reason
+from novainfer.server.tool_calling import ToolCallStream, ToolPlan, call_dict, finish_reason, new_call_id
 from novainfer.server.tool_parsers import ParsedCall
 
 _TOOL_MODES = ("auto", "required", "named")
@@ -42,6 +43,25 @@ def harmony_sampling(params: SamplingParams, tokenizer: Any) -> None:
     params.spaces_between_special_tokens = False
     stops = list(params.stop_token_ids or [])
     params.stop_token_ids = stops + [t for t in stop_token_ids(tokenizer) if t not in stops]
+
+
+def history_message(text: str) -> dict[str, Any]:
+    """A finished completion as the assistant message a later turn's template renders (a session's history): the
+    answer, the reasoning as `thinking`, the calls with their arguments parsed (as HF templates take them)."""
+    split = split_completion(text, final=True)
+    msg: dict[str, Any] = {"role": "assistant", "content": split.content or ""}
+    if split.reasoning is not None:
+        msg["reasoning_content"] = msg["thinking"] = split.reasoning
+    if split.calls:
+        msg["tool_calls"] = [
+            {
+                "id": new_call_id(),
+                "type": "function",
+                "function": {"name": call_name(m), "arguments": parse_arguments(m.content)},
+            }
+            for m in split.calls
+        ]
+    return msg
 
 
 class HarmonyChoiceOutput:

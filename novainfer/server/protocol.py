@@ -177,7 +177,7 @@ class ChatMessage(OpenAIModel):
                 {
                     "id": c.id,
                     "type": "function",
-                    "function": {"name": c.function.name, "arguments": _parse_arguments(c.function.arguments)},
+                    "function": {"name": c.function.name, "arguments": parse_arguments(c.function.arguments)},
                 }
                 for c in self.tool_calls
             ]
@@ -189,7 +189,8 @@ class ChatMessage(OpenAIModel):
         return msg
 
 
-def _parse_arguments(arguments: str) -> Any:
+def parse_arguments(arguments: str) -> Any:
+    """Tool-call arguments as a template takes them: the parsed object, or the text when it is not JSON."""
     import json
 
     try:

@@ -25,7 +25,12 @@ from novainfer.server.logprobs import (
 )
 from novainfer.server.protocol import MAX_SEQUENCES, ChatCompletionRequest, CompletionRequest
 from novainfer.server.chat_output import ChatFormat, ChoiceOutput
-from novainfer.server.harmony_chat import HarmonyChoiceOutput, harmony_sampling, harmony_template_kwargs
+from novainfer.server.harmony_chat import (
+    HarmonyChoiceOutput,
+    harmony_sampling,
+    harmony_template_kwargs,
+    history_message,
+)
 from novainfer.server.reasoning_parsers import get_reasoning_parser
 from novainfer.server.sse import EventStream
 from novainfer.server.serving import Generation, OpenAIServing, ServedModel, abort_on_disconnect, held_back
@@ -101,9 +106,9 @@ class CompletionHandler:
 
         def remember(outs) -> None:
             if req.session_id:
-                sessions.get(req.session_id).messages = messages + [
-                    {"role": "assistant", "content": outs[0].outputs[0].text}
-                ]
+                text = outs[0].outputs[0].text
+                reply = history_message(text) if fmt.harmony else {"role": "assistant", "content": text}
+                sessions.get(req.session_id).messages = messages + [reply]
 
         make: Callable[[], ChoiceOutput | HarmonyChoiceOutput] = (
             (lambda: HarmonyChoiceOutput(plan)) if fmt.harmony else (lambda: ChoiceOutput(plan, reasoning, trim))
