@@ -275,21 +275,19 @@ def test_against_openai_harmonys_own_renderer_and_parser():
     from openai_harmony import HarmonyEncodingName, load_harmony_encoding
 
     enc = load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
-    for msgs, _ in COMPLETIONS:
-        whole = Conversation.from_messages([*CONVERSATION.messages, *msgs])
-        tokens = enc.render_conversation(whole)
-        text = enc.decode(tokens)
-        parsed = parse_messages(text, author=None)
-        assert [m.content for m in parsed[-len(msgs) :]] == [m.content[0].text for m in msgs]
-        completion = enc.decode(enc.render_conversation_for_completion(CONVERSATION, Role.ASSISTANT))
-        assert completion.endswith("<|start|>assistant")
-        theirs = enc.parse_messages_from_completion_tokens(
-            enc.encode(_write(msgs, False), allowed_special="all"), Role.ASSISTANT
-        )
-        split = split_completion(_write(msgs, False))
-        assert split.calls == [] or [m.content for m in split.calls] == [
-            m.content[0].text for m in theirs if m.recipient
-        ]
+
+    def fields(msgs: list) -> list[tuple]:
+        return [(m.author.name or m.author.role.value, m.channel, m.recipient, m.content[0].text) for m in msgs]
+
+    for msgs, recipient_in_role in COMPLETIONS:
+        text = _write(msgs, recipient_in_role)
+        theirs = enc.parse_messages_from_completion_tokens(enc.encode(text, allowed_special="all"), Role.ASSISTANT)
+        ours = parse_messages(text)
+        assert [(m.author, m.channel, m.recipient, m.content) for m in ours] == fields(theirs) == fields(msgs)
+    tokens = enc.render_conversation(CONVERSATION)
+    theirs = enc.parse_messages_from_completion_tokens(tokens, None)
+    ours = parse_messages(enc.decode_utf8(tokens), author=None)
+    assert [(m.author, m.channel, m.recipient, m.content) for m in ours][2:] == fields(theirs)[2:]
 
 
 @pytest.mark.parametrize(

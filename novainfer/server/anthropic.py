@@ -140,7 +140,8 @@ def _tool_fields(req: CountTokensRequest) -> dict[str, Any]:
     }
 
 
-def _chat_request(req: CountTokensRequest, **fields: Any) -> ChatCompletionRequest:
+def _chat_request(req: CountTokensRequest, harmony: bool, **fields: Any) -> ChatCompletionRequest:
+    """The chat request of a Messages request (harmony: the model takes output_config.effort, a no-op otherwise)."""
     fmt = req.output_config.format if req.output_config else None
     response_format = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}} if fmt else None
     return chat_request(
@@ -148,7 +149,7 @@ def _chat_request(req: CountTokensRequest, **fields: Any) -> ChatCompletionReque
             "model": req.model,
             "messages": chat_messages(req),
             "response_format": response_format,
-            "reasoning_effort": req.output_config.effort if req.output_config else None,
+            "reasoning_effort": req.output_config.effort if req.output_config and harmony else None,
             **_tool_fields(req),
             **fields,
         }
@@ -277,8 +278,10 @@ class MessagesHandler:
 
     async def create(self, req: MessagesRequest, request_id: str, raw: Request) -> JSONResponse | StreamingResponse:
         """Run the request as one chat turn; the Message object, or Anthropic's SSE events with `stream: true`."""
+        model = self.chat.serving.resolve_model(req.model)
         chat_req = _chat_request(
             req,
+            self.chat.chat_format(model).harmony,
             max_completion_tokens=req.max_tokens,
             stop=req.stop_sequences,
             temperature=req.temperature,
@@ -286,7 +289,6 @@ class MessagesHandler:
             top_k=req.top_k,
             stream=req.stream,
         )
-        model = self.chat.serving.resolve_model(req.model)
         run = MessageRun(req, f"msg_{request_id}", model.name)
         turn = await ChatTurn.start(self.chat, chat_req, request_id, raw)
         if req.stream:
@@ -312,9 +314,9 @@ class MessagesHandler:
 
     async def count_tokens(self, req: CountTokensRequest) -> dict:
         """The prompt's length as /v1/messages would render it (tools included), through the chat path's render."""
-        chat_req = _chat_request(req)
         model = self.chat.serving.resolve_model(req.model)
         fmt = self.chat.chat_format(model)
+        chat_req = _chat_request(req, fmt.harmony)
         plan = plan_tools(chat_req, self.chat.tools, fmt.tool_parser, model.tokenizer)
         kwargs = self.chat.template_kwargs(chat_req, fmt)
         ids = await self.chat.render_prompt(model, [m.to_template() for m in chat_req.messages], plan, True, kwargs)

@@ -111,7 +111,7 @@ class OutputFormat(OpenAIModel):
 
 class OutputConfig(OpenAIModel):
     format: OutputFormat | None = None
-    effort: str | None = None  # to the chat template as reasoning_effort (harmony models: low, medium, high)
+    effort: str | None = None  # a harmony model's reasoning_effort (low, medium, high); a no-op for others
 
 
 class AnthropicMetadata(OpenAIModel):

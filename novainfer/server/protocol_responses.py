@@ -146,8 +146,8 @@ class TextConfig(OpenAIModel):
 
 
 class ReasoningConfig(OpenAIModel):
-    """effort goes to the chat template (harmony models take low, medium, high); reasoning items appear when the
-    model reasons."""
+    """effort goes to the chat template of a harmony model (low, medium, high), a no-op for others; reasoning items
+    appear when the model reasons."""
 
     effort: str | None = None
     summary: str | None = None

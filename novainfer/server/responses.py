@@ -351,6 +351,8 @@ class ResponsesHandler:
         conversation = history + input_messages(req)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         tools, tool_choice = _chat_tools(req)
+        model = self.chat.serving.resolve_model(req.model)
+        harmony = self.chat.chat_format(model).harmony  # only harmony models take a reasoning effort
         chat_req = chat_request(
             {
                 "model": req.model,
@@ -362,12 +364,11 @@ class ResponsesHandler:
                 "tool_choice": tool_choice,
                 "parallel_tool_calls": req.parallel_tool_calls,
                 "response_format": _response_format(req),
-                "reasoning_effort": req.reasoning.effort if req.reasoning else None,
+                "reasoning_effort": req.reasoning.effort if req.reasoning and harmony else None,
                 "stream": req.stream,
                 "user": req.user,
             }
         )
-        model = self.chat.serving.resolve_model(req.model)
         run = ResponseRun(req, f"resp_{request_id}", model.name, model.tokenizer)
         self.running[run.id] = (run, model.engine, request_id)
         try:

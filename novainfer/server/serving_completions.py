@@ -135,7 +135,13 @@ class CompletionHandler:
         kwargs = checked_template_kwargs(req.chat_template_kwargs, self.trust_request_chat_template)
         if fmt.harmony:
             return harmony_template_kwargs(req.reasoning_effort, kwargs)
-        return kwargs if req.reasoning_effort is None else {**kwargs, "reasoning_effort": req.reasoning_effort}
+        if req.reasoning_effort is not None:
+            raise APIError(
+                400,
+                "reasoning_effort is taken by harmony models (gpt-oss) only; this model's template has none",
+                param="reasoning_effort",
+            )
+        return kwargs
 
     def chat_format(self, model: ServedModel) -> ChatFormat:
         """The model's tool-call and reasoning formats, found on its first chat request."""
