@@ -209,7 +209,7 @@ def test_tool_call_after_reasoning_is_parsed(parser, call):
         ("{% if tools %}<|tool_call>call:{% endif %}", [], "gemma4", None),
         ("{% if tools %}<|python_start|>{% endif %}", [], "pythonic", None),
         ('{% if tools %}"parameters": dictionary of argument name{% endif %}<|python_tag|>', [], "llama3_json", None),
-        ("<|channel|>{{ tools }}", [], "openai", None),
+        ("<|channel|>{{ tools }}", [], "openai", "openai_gptoss"),
         ("{{ tools }}", ["LlamaForCausalLM"], "llama3_json", None),
         ("{{ messages }}", [], "hermes", None),  # no tool format: the tools go in as Hermes-style system text
     ],
@@ -217,11 +217,6 @@ def test_tool_call_after_reasoning_is_parsed(parser, call):
 def test_parser_is_chosen_from_the_chat_template(template, arch, tool, reasoning):
     assert choose_tool_parser(template, arch) == tool
     assert choose_reasoning_parser(template) == reasoning
-
-
-def test_harmony_slot_is_registered_but_refused_until_written():
-    with pytest.raises(NotImplementedError, match="harmony"):
-        get_tool_parser("openai")
 
 
 def test_closed_schema_closes_every_object_unless_it_allows_extras():

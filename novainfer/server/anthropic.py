@@ -21,6 +21,7 @@ from novainfer.server.protocol_anthropic import (
     CountTokensRequest,
     MessagesRequest,
     TextBlock,
+    ThinkingBlock,
     ToolResultBlock,
     ToolUseBlock,
     UnsupportedBlock,
@@ -70,7 +71,7 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
         if isinstance(msg.content, str):
             out.append({"role": msg.role, "content": msg.content})
             continue
-        text, calls, results = "", [], []
+        text, thinking, calls, results = "", None, [], []
         for j, block in enumerate(msg.content):
             if isinstance(block, UnsupportedBlock):
                 raise APIError(
@@ -91,12 +92,14 @@ def chat_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
                 )
             elif isinstance(block, ToolResultBlock):
                 results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content)})
-            # thinking / redacted_thinking: past thinking, which chat templates leave out of the prompt
+            elif isinstance(block, ThinkingBlock):  # past thinking: the template decides whether to show it
+                thinking = (thinking or "") + block.thinking
         out += results
+        reasoning = {"reasoning_content": thinking} if thinking is not None else {}
         if calls:
-            out.append({"role": "assistant", "content": text or None, "tool_calls": calls})
+            out.append({"role": "assistant", "content": text or None, "tool_calls": calls, **reasoning})
         elif text or not results:
-            out.append({"role": msg.role, "content": text})
+            out.append({"role": msg.role, "content": text, **reasoning})
     return out
 
 
@@ -137,7 +140,8 @@ def _tool_fields(req: CountTokensRequest) -> dict[str, Any]:
     }
 
 
-def _chat_request(req: CountTokensRequest, **fields: Any) -> ChatCompletionRequest:
+def _chat_request(req: CountTokensRequest, harmony: bool, **fields: Any) -> ChatCompletionRequest:
+    """The chat request of a Messages request (harmony: the model takes output_config.effort, a no-op otherwise)."""
     fmt = req.output_config.format if req.output_config else None
     response_format = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}} if fmt else None
     return chat_request(
@@ -145,6 +149,7 @@ def _chat_request(req: CountTokensRequest, **fields: Any) -> ChatCompletionReque
             "model": req.model,
             "messages": chat_messages(req),
             "response_format": response_format,
+            "reasoning_effort": req.output_config.effort if req.output_config and harmony else None,
             **_tool_fields(req),
             **fields,
         }
@@ -273,8 +278,10 @@ class MessagesHandler:
 
     async def create(self, req: MessagesRequest, request_id: str, raw: Request) -> JSONResponse | StreamingResponse:
         """Run the request as one chat turn; the Message object, or Anthropic's SSE events with `stream: true`."""
+        model = self.chat.serving.resolve_model(req.model)
         chat_req = _chat_request(
             req,
+            self.chat.chat_format(model).harmony,
             max_completion_tokens=req.max_tokens,
             stop=req.stop_sequences,
             temperature=req.temperature,
@@ -282,7 +289,6 @@ class MessagesHandler:
             top_k=req.top_k,
             stream=req.stream,
         )
-        model = self.chat.serving.resolve_model(req.model)
         run = MessageRun(req, f"msg_{request_id}", model.name)
         turn = await ChatTurn.start(self.chat, chat_req, request_id, raw)
         if req.stream:
@@ -308,8 +314,10 @@ class MessagesHandler:
 
     async def count_tokens(self, req: CountTokensRequest) -> dict:
         """The prompt's length as /v1/messages would render it (tools included), through the chat path's render."""
-        chat_req = _chat_request(req)
         model = self.chat.serving.resolve_model(req.model)
-        plan = plan_tools(chat_req, self.chat.tools, self.chat.chat_format(model).tool_parser, model.tokenizer)
-        ids = await self.chat.render_prompt(model, [m.to_template() for m in chat_req.messages], plan, True, {})
+        fmt = self.chat.chat_format(model)
+        chat_req = _chat_request(req, fmt.harmony)
+        plan = plan_tools(chat_req, self.chat.tools, fmt.tool_parser, model.tokenizer)
+        kwargs = self.chat.template_kwargs(chat_req, fmt)
+        ids = await self.chat.render_prompt(model, [m.to_template() for m in chat_req.messages], plan, True, kwargs)
         return {"input_tokens": len(ids)}

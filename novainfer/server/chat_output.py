@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from novainfer.server.reasoning_parsers import ThinkReasoningParser, choose_reasoning_parser
-from novainfer.server.tool_calling import ToolCallStream, ToolPlan, call_dict, extract_calls, finish_reason
+from novainfer.server.reasoning_parsers import HARMONY_PARSERS, ThinkReasoningParser, choose_reasoning_parser
+from novainfer.server.tool_calling import HARMONY, ToolCallStream, ToolPlan, call_dict, extract_calls, finish_reason
 from novainfer.server.tool_parsers import choose_tool_parser
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,11 @@ class ChatFormat:
 
     tool_parser: str
     reasoning_parser: str | None
+
+    @property
+    def harmony(self) -> bool:
+        """The model writes OpenAI's harmony channels (gpt-oss): its output is read by harmony_chat."""
+        return self.tool_parser == HARMONY or self.reasoning_parser in HARMONY_PARSERS
 
     @classmethod
     def of(cls, tokenizer: Any, path: str, tool_flag: str | None, reasoning_flag: str | None) -> "ChatFormat":

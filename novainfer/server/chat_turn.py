@@ -104,8 +104,14 @@ class ChatTurn:
             await self.response.background()
 
 
+def _reasoning(message: dict) -> list[Piece]:
+    """The reasoning piece of a message or delta: the chat path writes it under both keys, read it once."""
+    text = next((message[k] for k in REASONING_KEYS if message.get(k)), None)
+    return [Piece("reasoning", text)] if text else []
+
+
 def _delta_pieces(delta: dict) -> list[Piece]:
-    pieces = [Piece("reasoning", delta[k]) for k in REASONING_KEYS if delta.get(k)]
+    pieces = _reasoning(delta)
     if delta.get("content"):
         pieces.append(Piece("text", delta["content"]))
     for call in delta.get("tool_calls") or []:
@@ -117,7 +123,7 @@ def _delta_pieces(delta: dict) -> list[Piece]:
 def _completion_events(body: dict) -> list[Piece | Finish]:
     choice = body["choices"][0]
     message = choice["message"]
-    events = [Piece("reasoning", message[k]) for k in REASONING_KEYS if message.get(k)]
+    events = _reasoning(message)
     if message.get("content"):
         events.append(Piece("text", message["content"]))
     for i, call in enumerate(message.get("tool_calls") or []):

@@ -158,6 +158,8 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages
+    reasoning_content: str | None = None  # an assistant message's reasoning (vLLM's name)
+    reasoning: str | None = None  # the same, under vLLM's newer name
 
     def text(self) -> str:
         """The content as one string (text parts joined; none is "")."""
@@ -175,16 +177,20 @@ class ChatMessage(OpenAIModel):
                 {
                     "id": c.id,
                     "type": "function",
-                    "function": {"name": c.function.name, "arguments": _parse_arguments(c.function.arguments)},
+                    "function": {"name": c.function.name, "arguments": parse_arguments(c.function.arguments)},
                 }
                 for c in self.tool_calls
             ]
         if self.tool_call_id is not None:
             msg["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if reasoning is not None:  # Qwen templates read reasoning_content, gpt-oss's (harmony analysis) thinking
+            msg["reasoning_content"] = msg["thinking"] = reasoning
         return msg
 
 
-def _parse_arguments(arguments: str) -> Any:
+def parse_arguments(arguments: str) -> Any:
+    """Tool-call arguments as a template takes them: the parsed object, or the text when it is not JSON."""
     import json
 
     try:
@@ -205,6 +211,7 @@ class ChatCompletionRequest(SamplingFields):
     modalities: list[Literal["text"]] | None = None  # text is the only output this server makes
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # to the chat template; harmony models (gpt-oss) take low, medium, high
 
 
 class CompletionRequest(SamplingFields):

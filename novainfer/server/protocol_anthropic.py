@@ -45,7 +45,7 @@ class ToolResultBlock(OpenAIModel):
 
 
 class ThinkingBlock(OpenAIModel):
-    """An earlier turn's thinking: accepted, and left out of the prompt (chat templates drop past thinking)."""
+    """An earlier turn's thinking: the assistant message's reasoning_content (the template decides whether to show it)."""
 
     type: Literal["thinking"]
     thinking: str
@@ -111,7 +111,7 @@ class OutputFormat(OpenAIModel):
 
 class OutputConfig(OpenAIModel):
     format: OutputFormat | None = None
-    effort: str | None = None  # a no-op
+    effort: str | None = None  # a harmony model's reasoning_effort (low, medium, high); a no-op for others
 
 
 class AnthropicMetadata(OpenAIModel):

@@ -89,7 +89,8 @@ class ReasoningText(OpenAIModel):
 
 
 class ReasoningItem(OpenAIModel):
-    """An earlier turn's reasoning: accepted, and left out of the prompt (chat templates drop past thinking)."""
+    """An earlier turn's reasoning: the assistant message's reasoning_content (templates that keep past reasoning,
+    such as gpt-oss's before a tool call, show it)."""
 
     type: Literal["reasoning"]
     id: str | None = None
@@ -145,7 +146,8 @@ class TextConfig(OpenAIModel):
 
 
 class ReasoningConfig(OpenAIModel):
-    """A no-op: reasoning items appear when the model reasons, whatever the effort asked."""
+    """effort goes to the chat template of a harmony model (low, medium, high), a no-op for others; reasoning items
+    appear when the model reasons."""
 
     effort: str | None = None
     summary: str | None = None

@@ -60,15 +60,19 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             raise APIError(
                 400, f"input[{i}].type: input items of type {item.type!r} are not supported", param=f"input[{i}].type"
             )
+        last = messages[-1] if messages else None
         if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": _text(item.content, f"input[{i}].content")})
+            text = _text(item.content, f"input[{i}].content")
+            if item.role == "assistant" and _bare_reasoning(last):
+                last["content"] = text  # the answer that followed this turn's reasoning
+            else:
+                messages.append({"role": item.role, "content": text})
         elif isinstance(item, FunctionCallItem):
             call = {
                 "id": item.call_id,
                 "type": "function",
                 "function": {"name": item.name, "arguments": item.arguments},
             }
-            last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
@@ -78,8 +82,15 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                 {"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output, f"input[{i}].output")}
             )
         else:
-            assert isinstance(item, ReasoningItem)  # past reasoning: chat templates leave it out of the prompt
+            assert isinstance(item, ReasoningItem)  # past reasoning: the template decides whether to show it
+            text = "".join(part.text for part in item.content or [])
+            messages.append({"role": "assistant", "content": None, "reasoning_content": text})
     return messages
+
+
+def _bare_reasoning(msg: dict[str, Any] | None) -> bool:
+    """msg is an assistant message with only reasoning so far."""
+    return msg is not None and "reasoning_content" in msg and not msg["content"] and "tool_calls" not in msg
 
 
 def _refuse_unsupported(req: ResponsesRequest) -> None:
@@ -340,6 +351,8 @@ class ResponsesHandler:
         conversation = history + input_messages(req)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         tools, tool_choice = _chat_tools(req)
+        model = self.chat.serving.resolve_model(req.model)
+        harmony = self.chat.chat_format(model).harmony  # only harmony models take a reasoning effort
         chat_req = chat_request(
             {
                 "model": req.model,
@@ -351,11 +364,11 @@ class ResponsesHandler:
                 "tool_choice": tool_choice,
                 "parallel_tool_calls": req.parallel_tool_calls,
                 "response_format": _response_format(req),
+                "reasoning_effort": req.reasoning.effort if req.reasoning and harmony else None,
                 "stream": req.stream,
                 "user": req.user,
             }
         )
-        model = self.chat.serving.resolve_model(req.model)
         run = ResponseRun(req, f"resp_{request_id}", model.name, model.tokenizer)
         self.running[run.id] = (run, model.engine, request_id)
         try:

@@ -25,6 +25,12 @@ from novainfer.server.logprobs import (
 )
 from novainfer.server.protocol import MAX_SEQUENCES, ChatCompletionRequest, CompletionRequest
 from novainfer.server.chat_output import ChatFormat, ChoiceOutput
+from novainfer.server.harmony_chat import (
+    HarmonyChoiceOutput,
+    harmony_sampling,
+    harmony_template_kwargs,
+    history_message,
+)
 from novainfer.server.reasoning_parsers import get_reasoning_parser
 from novainfer.server.sse import EventStream
 from novainfer.server.serving import Generation, OpenAIServing, ServedModel, abort_on_disconnect, held_back
@@ -74,7 +80,9 @@ class CompletionHandler:
             structured_outputs=plan.structured or constraint,
         )
         self.serving.check_logit_bias(model, params)
-        client_kwargs = checked_template_kwargs(req.chat_template_kwargs, self.trust_request_chat_template)
+        client_kwargs = self.template_kwargs(req, fmt)
+        if fmt.harmony:
+            harmony_sampling(params, model.tokenizer)
         messages = [m.to_template() for m in req.messages]
         sessions = self.serving.sessions
         session = sessions.find(req.session_id) if req.session_id else None  # made only once the turn succeeds
@@ -87,23 +95,25 @@ class CompletionHandler:
         if fmt.reasoning_parser and client_kwargs.get("enable_thinking", True) is not False:
             tail = model.tokenizer.decode(ids[-32:], skip_special_tokens=False)
             reasoning = get_reasoning_parser(fmt.reasoning_parser, tail)
-            if params.structured_outputs is not None:  # the constraint holds for what follows the reasoning
+            if params.structured_outputs is not None and params.structured_outputs.after_tokens is None:
+                # the constraint holds for what follows the reasoning
                 params.structured_outputs.after_tokens = reasoning.end_token_ids(model.tokenizer)
         trim: tuple[str, ...] = ()
-        if plan.mode == "auto" and plan.parser.needs_special_tokens:  # the call markers are special tokens
+        if plan.mode == "auto" and plan.parser.needs_special_tokens and not fmt.harmony:  # special call markers
             params.skip_special_tokens = False
             trim = tuple(t for t in model.tokenizer.all_special_tokens if t)
         gen = await self.serving.start(model, request_id, [ids], params, [None])
 
         def remember(outs) -> None:
             if req.session_id:
-                sessions.get(req.session_id).messages = messages + [
-                    {"role": "assistant", "content": outs[0].outputs[0].text}
-                ]
+                text = outs[0].outputs[0].text
+                reply = history_message(text) if fmt.harmony else {"role": "assistant", "content": text}
+                sessions.get(req.session_id).messages = messages + [reply]
 
-        return await self._respond(
-            gen, req, raw, "chat", f"chatcmpl-{request_id}", remember, lambda: ChoiceOutput(plan, reasoning, trim)
+        make: Callable[[], ChoiceOutput | HarmonyChoiceOutput] = (
+            (lambda: HarmonyChoiceOutput(plan)) if fmt.harmony else (lambda: ChoiceOutput(plan, reasoning, trim))
         )
+        return await self._respond(gen, req, raw, "chat", f"chatcmpl-{request_id}", remember, make)
 
     async def render_prompt(
         self, model: ServedModel, messages: list[dict], plan: Any, add_generation_prompt: bool, client_kwargs: dict
@@ -119,6 +129,19 @@ class CompletionHandler:
             raise APIError(
                 400, f"the model's chat template failed on these messages: {exc}", param="messages"
             ) from None
+
+    def template_kwargs(self, req: ChatCompletionRequest, fmt: ChatFormat) -> dict[str, Any]:
+        """The client's chat_template_kwargs (checked) and the reasoning effort, as the model's template reads them."""
+        kwargs = checked_template_kwargs(req.chat_template_kwargs, self.trust_request_chat_template)
+        if fmt.harmony:
+            return harmony_template_kwargs(req.reasoning_effort, kwargs)
+        if req.reasoning_effort is not None:
+            raise APIError(
+                400,
+                "reasoning_effort is taken by harmony models (gpt-oss) only; this model's template has none",
+                param="reasoning_effort",
+            )
+        return kwargs
 
     def chat_format(self, model: ServedModel) -> ChatFormat:
         """The model's tool-call and reasoning formats, found on its first chat request."""
@@ -183,7 +206,7 @@ class CompletionHandler:
         kind: str,
         response_id: str,
         remember,
-        chat_output: Callable[[], ChoiceOutput] | None,
+        chat_output: Callable[[], ChoiceOutput | HarmonyChoiceOutput] | None,
     ):
         """chat_output: makes each chat choice's parser (reasoning, tool calls); None for text completions."""
         if req.stream:
@@ -245,11 +268,11 @@ class CompletionHandler:
         response_id: str,
         include_usage: bool,
         remember,
-        chat_output: Callable[[], ChoiceOutput] | None,
+        chat_output: Callable[[], ChoiceOutput | HarmonyChoiceOutput] | None,
     ) -> AsyncIterator[str]:
         created, n, hold = int(time.time()), req.n, held_back(req.stop)
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        outputs: dict[int, ChoiceOutput] = {}
+        outputs: dict[int, ChoiceOutput | HarmonyChoiceOutput] = {}
 
         def chunk(choices: list[dict], usage=None) -> str:
             return (

@@ -19,6 +19,7 @@ from typing import Any
 
 from novainfer.sampling_params import StructuredOutputsParams
 from novainfer.server.errors import APIError
+from novainfer.server.harmony import forced_call_grammar
 from novainfer.server.protocol import ChatCompletionRequest
 from novainfer.server.strict_tools import strict_auto_constraint
 from novainfer.server.structured_request import closed_schema
@@ -26,6 +27,7 @@ from novainfer.server.tool_parsers import ParsedCall, ToolParser, get_tool_parse
 from novainfer.server.tool_parsers.base import json_call_list
 
 _ANY_OBJECT = {"type": "object"}
+HARMONY = "openai"  # the tool-call parser of harmony models (gpt-oss)
 
 
 @dataclass
@@ -97,16 +99,13 @@ def plan_tools(req: ChatCompletionRequest, config: ToolConfig, model_parser: str
                 param="tool_choice",
             )
         name = config.tool_call_parser or model_parser
-        try:
-            parser = get_tool_parser(name, tools)
-        except NotImplementedError as exc:
-            raise APIError(
-                400, f'tool_choice "auto": {exc}; send "required" or a named function', param="tool_choice"
-            ) from None
+        parser = get_tool_parser(name, tools)
         structured = strict_auto_constraint(req.tools, name, parser.start_marker, tokenizer, req.parallel_tool_calls)
         return ToolPlan("auto", tools, structured=structured, parser=parser)
     if choice == "none":
         return ToolPlan("none")
+    if model_parser == HARMONY and choice == "required":
+        return _harmony_forced(tools, params, tokenizer, "required")
     if choice == "required":
         items = {
             "anyOf": [
@@ -129,9 +128,20 @@ def plan_tools(req: ChatCompletionRequest, config: ToolConfig, model_parser: str
     name = choice.function.name
     if name not in params:
         raise APIError(400, f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
+    if model_parser == HARMONY:
+        return _harmony_forced(tools, {name: params[name]}, tokenizer, "named", name)
     return ToolPlan(
         "named", tools, function=name, structured=StructuredOutputsParams(json=params[name]), parser=_NamedParser(name)
     )
+
+
+def _harmony_forced(
+    tools: list[dict], functions: dict[str, dict], tokenizer: Any, mode: str, name: str | None = None
+) -> ToolPlan:
+    """A forced call in harmony: a grammar from the output's first token (reasoning first is allowed), so it is
+    not gated behind the end of reasoning as other formats' are."""
+    grammar = StructuredOutputsParams(grammar=forced_call_grammar(functions, tokenizer), after_tokens=[])
+    return ToolPlan(mode, tools, function=name, structured=grammar, parser=get_tool_parser(HARMONY, tools))
 
 
 def template_inputs(tokenizer: Any, messages: list[dict], plan: ToolPlan) -> tuple[list[dict], dict]:
@@ -168,7 +178,8 @@ def _flatten(msg: dict) -> dict:
         )
     if msg["role"] == "tool":
         text = f"<tool_response>{text}</tool_response>"
-    return {"role": msg["role"], "content": text}
+    reasoning = {k: msg[k] for k in ("reasoning_content", "thinking") if k in msg}  # past reasoning stays
+    return {"role": msg["role"], "content": text, **reasoning}
 
 
 def new_call_id() -> str:
@@ -223,6 +234,11 @@ class ToolCallStream:
         if not self.ids and len(shown) > self.sent_content:
             out.append({"content": shown[self.sent_content :]})
             self.sent_content = len(shown)
+        return out + self.call_deltas(calls)
+
+    def call_deltas(self, calls: list[ParsedCall]) -> list[dict]:
+        """The tool_calls deltas for the calls as parsed so far (each one's arguments a prefix of its final ones)."""
+        out = []
         for i, call in enumerate(calls):
             if i == len(self.ids):
                 self.ids.append(new_call_id())

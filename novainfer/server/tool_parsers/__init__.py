@@ -9,18 +9,18 @@ from novainfer.server.tool_parsers.gemma4 import Gemma4ToolParser
 from novainfer.server.tool_parsers.hermes import HermesToolParser
 from novainfer.server.tool_parsers.llama3_json import Llama3JsonToolParser
 from novainfer.server.tool_parsers.mistral import MistralToolParser
+from novainfer.server.tool_parsers.openai import OpenAIToolParser
 from novainfer.server.tool_parsers.pythonic import PythonicToolParser
 from novainfer.server.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
-# None: a format whose parser is not written yet (harmony, gpt-oss's channels, comes with its own issue)
-TOOL_PARSERS: dict[str, type[ToolParser] | None] = {
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
     "llama3_json": Llama3JsonToolParser,
     "pythonic": PythonicToolParser,
     "mistral": MistralToolParser,
     "gemma4": Gemma4ToolParser,
-    "openai": None,
+    "openai": OpenAIToolParser,  # gpt-oss's harmony
 }
 
 # (parser, what the chat template contains), first match wins: the template shows the model its call format
@@ -64,10 +64,7 @@ def get_tool_parser(name: str, tools: list[dict] | None = None) -> ToolParser:
     """A parser instance for one request (tools: the request's tools, which type some formats' values)."""
     if name not in TOOL_PARSERS:
         raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(TOOL_PARSERS)}")
-    cls = TOOL_PARSERS[name]
-    if cls is None:
-        raise NotImplementedError(f"the {name!r} tool-call format (gpt-oss harmony) has no parser yet")
-    return cls(tools)
+    return TOOL_PARSERS[name](tools)
 
 
 __all__ = ["ParsedCall", "ToolParser", "TOOL_PARSERS", "choose_tool_parser", "get_tool_parser"]
