@@ -127,12 +127,24 @@ def ct_compress(w: torch.Tensor, preset: str, fmt: str, x_amax: float):
 
 
 # ---- checkpoints ---------------------------------------------------------------------------------------------
+def with_quant_config(src: str, folder: str, qconfig: dict | None, weights: bool = True) -> str:
+    """A copy of the model at src whose config.json carries qconfig (without its weights: load_format dummy)."""
+    shutil.copytree(src, folder)
+    if not weights:
+        os.remove(os.path.join(folder, "model.safetensors"))
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = qconfig
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return folder
+
+
 def write_pair(base: str, out: str, quantize, qconfig: dict) -> tuple[str, str]:
     """(quantized folder, its float32 dequantized twin) from the dense tiny model at base."""
-    qdir, ddir = out + "-q", out + "-deq"
-    for d in (qdir, ddir):
-        shutil.copytree(base, d)
-        os.remove(os.path.join(d, "model.safetensors"))
+    qdir = with_quant_config(base, out + "-q", qconfig, weights=False)
+    ddir = shutil.copytree(base, out + "-deq", ignore=shutil.ignore_patterns("*.safetensors"))
     dense = load_file(os.path.join(base, "model.safetensors"))
     qt, dt = {}, {}
     for name, t in sorted(dense.items()):
@@ -149,11 +161,6 @@ def write_pair(base: str, out: str, quantize, qconfig: dict) -> tuple[str, str]:
             qt[name] = dt[name] = t
     save_file(qt, os.path.join(qdir, "model.safetensors"))
     save_file(dt, os.path.join(ddir, "model.safetensors"))
-    with open(os.path.join(qdir, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = qconfig
-    with open(os.path.join(qdir, "config.json"), "w") as f:
-        json.dump(cfg, f)
     return qdir, ddir
 
 
@@ -344,14 +351,7 @@ def test_int4_tensor_parallel_splits_on_group_boundaries(base, tmp_path):
 @pytest.mark.parametrize("name", ["fp8-block", "gptq-sym", "ct-fp8-static"])
 def test_dummy_load_draws_and_packs(base, tmp_path, name):
     _, qconfig, _ = _format(name)
-    folder = str(tmp_path / "cfg")
-    shutil.copytree(base, folder)
-    os.remove(os.path.join(folder, "model.safetensors"))
-    with open(os.path.join(folder, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = qconfig
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    folder = with_quant_config(base, str(tmp_path / "cfg"), qconfig, weights=False)
     llm = LLM(folder, device="cpu", dtype="float32", load_format="dummy")
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)  # fmt: skip
@@ -373,13 +373,7 @@ def test_dummy_load_draws_and_packs(base, tmp_path, name):
     ],
 )
 def test_unimplemented_configs_are_refused_naming_the_field(base, tmp_path, qconfig, match):
-    folder = str(tmp_path / "m")
-    shutil.copytree(base, folder)
-    with open(os.path.join(folder, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = qconfig
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    folder = with_quant_config(base, str(tmp_path / "m"), qconfig)
     with pytest.raises(ValueError, match=match):
         LLM(folder, device="cpu", dtype="float32")
 
@@ -392,34 +386,18 @@ def test_compressed_tensors_refusals(base, tmp_path):
         (_ct_group(ct_config("W4A16", "pack-quantized"), 256), "group_size=256"),
     ]  # fmt: skip
     for i, (qconfig, match) in enumerate(cases):
-        folder = str(tmp_path / f"m{i}")
-        shutil.copytree(base, folder)
-        with open(os.path.join(folder, "config.json")) as f:
-            cfg = json.load(f)
-        cfg["quantization_config"] = qconfig
-        with open(os.path.join(folder, "config.json"), "w") as f:
-            json.dump(cfg, f)
+        folder = with_quant_config(base, str(tmp_path / f"m{i}"), qconfig)
         with pytest.raises(ValueError, match=match):
             LLM(folder, device="cpu", dtype="float32")
 
 
 def test_tp_split_off_group_boundary_and_moe_are_refused(base, tmp_path):
     _, qconfig, _ = _format("awq")  # group 128: o_proj's 128 input columns cannot split in two
-    folder = str(tmp_path / "awq")
-    shutil.copytree(base, folder)
-    with open(os.path.join(folder, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = qconfig
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    folder = with_quant_config(base, str(tmp_path / "awq"), qconfig)
     with pytest.raises(ValueError, match="group_size=128 does not divide"):
         LLM(folder, device="cpu", dtype="float32", load_format="dummy", tensor_parallel_size=2)
-    moe = make_tiny_model(str(tmp_path / "moe"), "qwen3_moe", seed=5)
-    with open(os.path.join(moe, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = qconfig
-    with open(os.path.join(moe, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    moe = make_tiny_model(str(tmp_path / "moe-src"), "qwen3_moe", seed=5)
+    moe = with_quant_config(moe, str(tmp_path / "moe"), qconfig)
     with pytest.raises(ValueError, match="quant_method='awq': pre-quantized MoE experts are not implemented"):
         LLM(moe, device="cpu")
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from novainfer.kernels.tiling import grouped_tile, split_k
+
 
 @triton.jit
 def _quant_group(x, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
@@ -57,12 +59,7 @@ def _block_gemm_kernel(
     GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -172,10 +169,7 @@ def fp8_block_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
     n = weight.shape[0]
     block_n = 32 if x.is_cuda else 16
     tiles_n = triton.cdiv(n, block_n)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-    split = max(1, min(triton.cdiv(4 * sms, tiles_n), k // (4 * block[1])))
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block[1]) * block[1]
-    split = triton.cdiv(k, k_per_split)
+    split, k_per_split = split_k(k, tiles_n, block[1], x.device, programs_per_sm=4)
     out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
     _block_gemv_kernel[(tiles_n, split)](
         x, weight, w_scale, out, n, k, x.stride(0), k_per_split,

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from novainfer.kernels.tiling import grouped_tile, split_k
+
 
 @triton.jit
 def _int4_gemv_kernel(
@@ -82,12 +84,7 @@ def _int4_gemm_kernel(
     GROUP_M: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n  # neighbouring programs share B tiles (L2 reuse)
-    first_m = (pid // per_group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -118,10 +115,7 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     n = qweight.shape[1]
     block_n, block_k = (128, 128) if x.is_cuda else (32, 32)
     tiles_n = triton.cdiv(n, block_n)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
-    split = max(1, min(triton.cdiv(2 * sms, tiles_n), k // (4 * block_k)))  # ~2 programs per SM
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    split = triton.cdiv(k, k_per_split)
+    split, k_per_split = split_k(k, tiles_n, block_k, x.device, programs_per_sm=2)
     out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
     _int4_gemv_kernel[(tiles_n, split)](
         x, qweight, scales, zeros, out, n, k, x.stride(0), k_per_split,
