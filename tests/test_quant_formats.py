@@ -441,3 +441,14 @@ def test_fp8_block_kernels_match_the_torch_reference(m):
     torch.testing.assert_close(fp8_block_gemm(q, s, w, ws, (128, 128), torch.float32), want, rtol=1e-5, atol=1e-5)
     if m <= 4:
         torch.testing.assert_close(fp8_block_gemv(x, w, ws, (128, 128)), want, rtol=1e-5, atol=1e-5)
+
+
+def test_cli_refusal_is_one_line(base, tmp_path):
+    from tests.test_cli_errors import cli, error_lines
+
+    folder = with_quant_config(base, str(tmp_path / "m"), {"quant_method": "gptq", "bits": 3, "group_size": 128})
+    proc = cli("generate", "--model", folder, "hi")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert error_lines(proc) == [
+        "novainfer generate: error: quantization_config.bits=3 (gptq): only 4-bit weights are implemented"
+    ], proc.stderr

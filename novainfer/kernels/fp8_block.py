@@ -71,10 +71,14 @@ def _block_gemm_kernel(
     for kb in range(0, k_groups):
         kmask = kb * BLOCK_K + offs_k < K
         a = tl.load(
-            a_ptr + offs_m[:, None] * K + (kb * BLOCK_K + offs_k)[None, :], mask=mmask[:, None] & kmask[None, :]
+            a_ptr + offs_m[:, None] * K + (kb * BLOCK_K + offs_k)[None, :],
+            mask=mmask[:, None] & kmask[None, :],
+            other=0.0,
         )
         b = tl.load(
-            b_ptr + offs_n[None, :] * K + (kb * BLOCK_K + offs_k)[:, None], mask=kmask[:, None] & nmask[None, :]
+            b_ptr + offs_n[None, :] * K + (kb * BLOCK_K + offs_k)[:, None],
+            mask=kmask[:, None] & nmask[None, :],
+            other=0.0,
         )
         a_s = tl.load(a_s_row + kb, mask=mmask, other=0.0)
         b_s = tl.load(b_s_row + kb, mask=nmask, other=0.0)
@@ -115,7 +119,9 @@ def _block_gemv_kernel(
             x = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=kmask, other=0.0).to(tl.float32)
             x_s, xq = _quant_group(x, FP8_MAX, MIN_SCALE)
             xq = xq.to(w_ptr.dtype.element_ty).to(tl.float32)
-            w = tl.load(w_ptr + offs_n[:, None] * K + (k0 + offs_k)[None, :], mask=nmask[:, None] & kmask[None, :])
+            w = tl.load(
+                w_ptr + offs_n[:, None] * K + (k0 + offs_k)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0
+            )
             w_s = tl.load(ws_ptr + (offs_n // GROUP_N) * k_groups + k0 // BLOCK_K, mask=nmask, other=0.0)
             acc += tl.sum(w.to(tl.float32) * xq[None, :], axis=1) * (w_s * x_s)
         tl.atomic_add(out_ptr + m * N + offs_n, acc, mask=nmask)

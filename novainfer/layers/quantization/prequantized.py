@@ -90,6 +90,12 @@ class PrequantizedLinearMethod(QuantizeMethodBase):
         shards = {}
         for sid, sl in shard_slices(layer).items():
             tensors = {name: t for (name, s), t in layer.stash.items() if s == sid}
+            if not tensors:  # e.g. Phi-3's fused qkv_proj, stored quantized as one tensor
+                got = sorted({str(s) for _, s in layer.stash})
+                raise ValueError(
+                    f"{layer_label(layer)}: the checkpoint has no quantized tensors for shard {sid!r} (it has "
+                    f"shards {got}); a pre-quantized checkpoint that stores this layer fused is not supported"
+                )
             shards[sid] = self.take_slice(layer, self.unpack(layer, tensors), sl)
         layer.stash = {}
         for name in self.tensor_names:  # the placeholders go; the stored form replaces them
