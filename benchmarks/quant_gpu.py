@@ -250,8 +250,10 @@ def print_table(result: dict) -> None:
     e2e = result.get("e2e", {})
     base = e2e.get("bf16")
     print(f"\n{result['device']}: random Qwen2.5-7B weights packed in each format (load_format dummy)")
-    print(f"{'format':10s} | {'linear GB':>9s} | {'bench tok/s':>11s} | {'x bf16':>6s} | {'batch-1 tok/s':>13s} | "
-          f"{'x bf16':>6s} | target (bench, batch-1)")  # fmt: skip
+    print(
+        f"{'format':10s} | {'linear GB':>9s} | {'bench tok/s':>11s} | {'x bf16':>6s} | {'batch-1 tok/s':>13s} | "
+        f"{'x bf16':>6s} | target (bench, batch-1)"
+    )
     for fmt, r in e2e.items():
         xb = r["bench_tok_s"] / base["bench_tok_s"] if base else float("nan")
         xd = r["decode_tok_s"] / base["decode_tok_s"] if base else float("nan")

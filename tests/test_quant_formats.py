@@ -167,15 +167,17 @@ def write_pair(base: str, out: str, quantize, qconfig: dict) -> tuple[str, str]:
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> str:
     """A tiny Qwen2 whose every projection is a multiple of 128 wide (block FP8's blocks)."""
-    return make_tiny_model(str(tmp_path_factory.mktemp("qf") / "qwen2"), "qwen2", seed=7, num_heads=4,
-                           num_kv_heads=4, head_dim=32)  # fmt: skip
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("qf") / "qwen2"), "qwen2", seed=7, num_heads=4, num_kv_heads=4, head_dim=32
+    )
 
 
 def ct_config(preset: str, fmt: str) -> dict:
     from compressed_tensors.quantization import QuantizationConfig
 
-    cfg = QuantizationConfig(config_groups={"group_0": ct_scheme(preset)}, format=fmt, ignore=["lm_head"],
-                             quantization_status="compressed")  # fmt: skip
+    cfg = QuantizationConfig(
+        config_groups={"group_0": ct_scheme(preset)}, format=fmt, ignore=["lm_head"], quantization_status="compressed"
+    )
     return cfg.model_dump(mode="json", exclude_none=True)
 
 
@@ -296,8 +298,11 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def top1(llm: LLM, ids: list[list[int]]) -> list[int]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in ids], SamplingParams(temperature=0, max_tokens=1,
-                        prompt_logprobs=1), use_tqdm=False)  # fmt: skip
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in ids],
+        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+        use_tqdm=False,
+    )
     return [max(d.items(), key=lambda kv: kv[1].logprob)[0] for o in outs for d in o.prompt_logprobs if d]
 
 
@@ -331,8 +336,11 @@ def test_checkpoint_matches_its_dequantized_model(base, tmp_path, name):
     got, want = top1(llm, ids), hf_top1(ref, ids)
     agree = sum(a == b for a, b in zip(got, want)) / len(want)
     assert len(want) == 6 * 39 and agree >= 0.99, agree
-    out = llm.generate([{"prompt_token_ids": p} for p in ids[:2]], SamplingParams(temperature=0, max_tokens=8,
-                       ignore_eos=True), use_tqdm=False)  # fmt: skip
+    out = llm.generate(
+        [{"prompt_token_ids": p} for p in ids[:2]],
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert [list(o.outputs[0].token_ids) for o in out] == [hf_greedy(ref, p, 8) for p in ids[:2]]
 
 
@@ -353,8 +361,9 @@ def test_dummy_load_draws_and_packs(base, tmp_path, name):
     _, qconfig, _ = _format(name)
     folder = with_quant_config(base, str(tmp_path / "cfg"), qconfig, weights=False)
     llm = LLM(folder, device="cpu", dtype="float32", load_format="dummy")
-    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-                       use_tqdm=False)  # fmt: skip
+    out = llm.generate(
+        [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 4
 
 
@@ -381,10 +390,12 @@ def test_unimplemented_configs_are_refused_naming_the_field(base, tmp_path, qcon
 def test_compressed_tensors_refusals(base, tmp_path):
     cases = [
         (ct_config("W8A8", "int-quantized"), "format='int-quantized'"),
-        ({**ct_config("FP8_DYNAMIC", "float-quantized"), "ignore": ["lm_head", "model.layers.0.mlp.down_proj"]},
-         "ignore"),
+        (
+            {**ct_config("FP8_DYNAMIC", "float-quantized"), "ignore": ["lm_head", "model.layers.0.mlp.down_proj"]},
+            "ignore",
+        ),
         (_ct_group(ct_config("W4A16", "pack-quantized"), 256), "group_size=256"),
-    ]  # fmt: skip
+    ]
     for i, (qconfig, match) in enumerate(cases):
         folder = with_quant_config(base, str(tmp_path / f"m{i}"), qconfig)
         with pytest.raises(ValueError, match=match):

@@ -6,7 +6,7 @@ the GEMM is one group: its float8 tl.dot is scaled by the row's and the block's 
 
 per_token_group_quant: x [M, K] -> float8 [M, K] and float32 scales [M, K/BK_S] (one program per row and group).
 fp8_block_gemm: the prefill/batched product of the quantized x and the weight.
-fp8_block_gemv: decode (a few rows); reads each weight byte once per row, quantizing x's groups in registers
+fp8_block_gemv: decode (a few rows); reads each weight byte once for all rows, quantizing x's groups in registers
 exactly as per_token_group_quant does, so both paths give the same product.
 The torch references are fp8_block.quantize_groups and fp8_block.block_reference.
 """
@@ -22,9 +22,9 @@ from novainfer.kernels.tiling import grouped_tile, split_k
 
 @triton.jit
 def _quant_group(x, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
-    """A group's scale and its clamped quotients (float32; the caller casts)."""
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), FP8_MAX), MIN_SCALE)
-    return scale, tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+    """Rows [R, G] of groups -> each row's scale [R] and its clamped quotients (float32; the caller casts)."""
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 1), FP8_MAX), MIN_SCALE)
+    return scale, tl.minimum(tl.maximum(tl.math.div_rn(x, scale[:, None]), -FP8_MAX), FP8_MAX)
 
 
 @triton.jit
@@ -36,9 +36,9 @@ def _group_quant_kernel(
     offs = grp * G + tl.arange(0, G)
     mask = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    scale, q = _quant_group(x, FP8_MAX, MIN_SCALE)
-    tl.store(scale_ptr + row * tl.cdiv(K, G) + grp, scale)
-    tl.store(out_ptr + row * K + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
+    scale, q = _quant_group(x[None, :], FP8_MAX, MIN_SCALE)
+    tl.store(scale_ptr + row * tl.cdiv(K, G) + grp + tl.arange(0, 1), scale)
+    tl.store(out_ptr + row * K + offs[None, :], q.to(out_ptr.dtype.element_ty), mask=mask[None, :])
 
 
 @triton.jit
@@ -98,6 +98,7 @@ def _block_gemv_kernel(
     stride_xm,
     K_PER_SPLIT,
     M: tl.constexpr,
+    M_PAD: tl.constexpr,
     GROUP_N: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -108,23 +109,30 @@ def _block_gemv_kernel(
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    mrows = tl.arange(0, M_PAD)
     nmask = offs_n < N
     k_groups = tl.cdiv(K, BLOCK_K)
     k_begin = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
-    for m in tl.static_range(M):
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            kmask = k0 + offs_k < K
-            x = tl.load(x_ptr + m * stride_xm + k0 + offs_k, mask=kmask, other=0.0).to(tl.float32)
-            x_s, xq = _quant_group(x, FP8_MAX, MIN_SCALE)
-            xq = xq.to(w_ptr.dtype.element_ty).to(tl.float32)
-            w = tl.load(
-                w_ptr + offs_n[:, None] * K + (k0 + offs_k)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0
-            )
-            w_s = tl.load(ws_ptr + (offs_n // GROUP_N) * k_groups + k0 // BLOCK_K, mask=nmask, other=0.0)
-            acc += tl.sum(w.to(tl.float32) * xq[None, :], axis=1) * (w_s * x_s)
-        tl.atomic_add(out_ptr + m * N + offs_n, acc, mask=nmask)
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):  # the weight tile and its scales are loaded once for all M rows
+        kmask = k0 + offs_k < K
+        xmask = (mrows < M)[:, None] & kmask[None, :]
+        x = tl.load(x_ptr + mrows[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=xmask, other=0.0)
+        x_s, xq = _quant_group(x.to(tl.float32), FP8_MAX, MIN_SCALE)
+        xq = xq.to(w_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(
+            w_ptr + offs_n[:, None] * K + (k0 + offs_k)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0
+        ).to(tl.float32)
+        w_s = tl.load(ws_ptr + (offs_n // GROUP_N) * k_groups + k0 // BLOCK_K, mask=nmask, other=0.0)
+        for m in tl.static_range(M):
+            pick = mrows == m
+            xq_m = tl.sum(tl.where(pick[:, None], xq, 0.0), 0)
+            x_s_m = tl.sum(tl.where(pick, x_s, 0.0), 0)
+            part = tl.sum(w * xq_m[None, :], axis=1) * (w_s * x_s_m)
+            acc += tl.where(pick[:, None], part[None, :], 0.0)
+    omask = (mrows < M)[:, None] & nmask[None, :]
+    tl.atomic_add(out_ptr + mrows[:, None] * N + offs_n[None, :], acc, mask=omask)
 
 
 FP8_MAX = 448.0
@@ -149,9 +157,13 @@ def per_token_group_quant(x: torch.Tensor, group: int, out_dtype: torch.dtype = 
 
 
 def fp8_block_gemm(
-    xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int],
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: tuple[int, int],
     out_dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Quantized x [M, K] (contiguous) with its group scales times weight [N, K] with its block scales."""
     m, k = xq.shape
     n = weight.shape[0]
@@ -162,10 +174,23 @@ def fp8_block_gemm(
         block_m, block_n, warps, stages = 16, 32, 4, 1
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _block_gemm_kernel[grid](
-        xq, x_scale, weight, w_scale, out, m, n, k, out.stride(0),
-        GROUP_N=block[0], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block[1], GROUP_M=8,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+        xq,
+        x_scale,
+        weight,
+        w_scale,
+        out,
+        m,
+        n,
+        k,
+        out.stride(0),
+        GROUP_N=block[0],
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block[1],
+        GROUP_M=8,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return out
 
 
@@ -178,8 +203,21 @@ def fp8_block_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
     split, k_per_split = split_k(k, tiles_n, block[1], x.device, programs_per_sm=4)
     out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
     _block_gemv_kernel[(tiles_n, split)](
-        x, weight, w_scale, out, n, k, x.stride(0), k_per_split,
-        M=m, GROUP_N=block[0], BLOCK_N=block_n, BLOCK_K=block[1], FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
+        x,
+        weight,
+        w_scale,
+        out,
+        n,
+        k,
+        x.stride(0),
+        k_per_split,
+        M=m,
+        M_PAD=triton.next_power_of_2(m),
+        GROUP_N=block[0],
+        BLOCK_N=block_n,
+        BLOCK_K=block[1],
+        FP8_MAX=FP8_MAX,
+        MIN_SCALE=MIN_SCALE,
         num_warps=4,
-    )  # fmt: skip
+    )
     return out.to(x.dtype)

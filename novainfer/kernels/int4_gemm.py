@@ -8,7 +8,7 @@ The one layout every INT4 checkpoint (GPTQ, AWQ, compressed-tensors pack-quantiz
 An act-order (GPTQ desc_act) checkpoint's rows are sorted by group at load; the layer gathers x's columns
 in the same order before calling these kernels.
 
-int4_gemv: decode (a few rows of x); each program reads its [K-slice, N-tile] of codes once for every row of x,
+int4_gemv: decode (a few rows of x); each program reads its [K-slice, N-tile] of codes once for all rows of x,
 split over K so that a 7B's narrow layers still fill the GPU, partial sums added in float32 (atomics).
 int4_gemm: prefill; a tile of codes is unpacked and dequantized in registers, then one tl.dot per K step.
 The torch reference is int4.dequantize_int4 followed by a matmul.
@@ -35,6 +35,7 @@ def _int4_gemv_kernel(
     stride_xm,
     K_PER_SPLIT,
     M: tl.constexpr,
+    M_PAD: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -43,26 +44,28 @@ def _int4_gemv_kernel(
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = offs_n < N
+    mrows = tl.arange(0, M_PAD)
     rows8 = tl.arange(0, BLOCK_K // 8)  # word rows of one K step
     k_begin = pid_k * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
-    for m in tl.static_range(M):
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            wrow = k0 // 8 + rows8
-            wmask = (wrow * 8 < k_end)[:, None] & nmask[None, :]
-            q = tl.load(q_ptr + wrow[:, None] * N + offs_n[None, :], mask=wmask, other=0)
-            g = (wrow * 8) // GROUP
-            s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=wmask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=wmask, other=0.0).to(tl.float32)
-            part = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
-            for j in tl.static_range(8):
-                xk = wrow * 8 + j
-                xj = tl.load(x_ptr + m * stride_xm + xk, mask=xk < k_end, other=0.0).to(tl.float32)
-                code = ((q >> (4 * j)) & 0xF).to(tl.float32)
-                part += xj[:, None] * (code - z)
-            acc += tl.sum(part * s, axis=0)
-        tl.atomic_add(out_ptr + m * N + offs_n, acc, mask=nmask)
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):  # each word, scale and zero is loaded once for all M rows
+        wrow = k0 // 8 + rows8
+        wmask = (wrow * 8 < k_end)[:, None] & nmask[None, :]
+        q = tl.load(q_ptr + wrow[:, None] * N + offs_n[None, :], mask=wmask, other=0)
+        g = (wrow * 8) // GROUP
+        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=wmask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=wmask, other=0.0).to(tl.float32)
+        part = tl.zeros([M_PAD, BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(8):
+            xk = wrow * 8 + j
+            xmask = (mrows < M)[:, None] & (xk < k_end)[None, :]
+            xj = tl.load(x_ptr + mrows[:, None] * stride_xm + xk[None, :], mask=xmask, other=0.0).to(tl.float32)
+            w = ((q >> (4 * j)) & 0xF).to(tl.float32) - z
+            part += xj[:, :, None] * w[None, :, :]
+        acc += tl.sum(part * s[None, :, :], axis=1)
+    omask = (mrows < M)[:, None] & nmask[None, :]
+    tl.atomic_add(out_ptr + mrows[:, None] * N + offs_n[None, :], acc, mask=omask)
 
 
 @triton.jit
@@ -106,7 +109,7 @@ def _int4_gemm_kernel(
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], c, mask=mmask[:, None] & nmask[None, :])
 
 
-GEMV_MAX_M = 4  # up to this many rows of x the GEMV reads the codes (once per row, from L2 after the first)
+GEMV_MAX_M = 4  # up to this many rows of x go through the GEMV (one read of the codes for all rows)
 
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int):
@@ -118,9 +121,22 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     split, k_per_split = split_k(k, tiles_n, block_k, x.device, programs_per_sm=2)
     out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
     _int4_gemv_kernel[(tiles_n, split)](
-        x, qweight, scales, zeros, out, n, k, x.stride(0), k_per_split,
-        M=m, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-    )  # fmt: skip
+        x,
+        qweight,
+        scales,
+        zeros,
+        out,
+        n,
+        k,
+        x.stride(0),
+        k_per_split,
+        M=m,
+        M_PAD=triton.next_power_of_2(m),
+        GROUP=group,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4 if m <= 2 else 8,
+    )
     return out.to(x.dtype)
 
 
@@ -136,8 +152,22 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     block_k = min(block_k, group)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _int4_gemm_kernel[grid](
-        x, qweight, scales, zeros, out, m, n, k, x.stride(0), out.stride(0),
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
+        x,
+        qweight,
+        scales,
+        zeros,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        out.stride(0),
+        GROUP=group,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GROUP_M=8,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return out

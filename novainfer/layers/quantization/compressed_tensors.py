@@ -130,7 +130,7 @@ def ct_config(qc: dict, device: torch.device) -> QuantizationConfig:
         raise ValueError(f"quantization_config (compressed-tensors) does not parse: {exc}".splitlines()[0]) from None
     if len(cfg.config_groups) != 1:
         raise _refuse("config_groups", sorted(cfg.config_groups), "exactly one scheme for every Linear is implemented")
-    (group_name, scheme), = cfg.config_groups.items()  # fmt: skip
+    ((group_name, scheme),) = cfg.config_groups.items()
     field = f"config_groups.{group_name}"
     if list(scheme.targets) != ["Linear"]:
         raise _refuse(f"{field}.targets", scheme.targets, "only targets ['Linear'] is implemented")
@@ -161,9 +161,10 @@ def ct_config(qc: dict, device: torch.device) -> QuantizationConfig:
             raise _refuse(f"{field}.weights.strategy", w.strategy, "FP8 weights per channel, tensor or block only")
         if (a.strategy, bool(a.dynamic)) not in (("token", True), ("tensor", False)):
             raise _refuse(
-                f"{field}.input_activations", f"{a.strategy}/dynamic={a.dynamic}", "per-token dynamic or per-tensor "
-                "static FP8 activations only"
-            )  # fmt: skip
+                f"{field}.input_activations",
+                f"{a.strategy}/dynamic={a.dynamic}",
+                "per-token dynamic or per-tensor static FP8 activations only",
+            )
         return CtFp8Config(device, static_input=not a.dynamic)
     if fmt == "pack-quantized":
         from novainfer.layers.quantization.int4 import GROUP_SIZES, Int4Config, Int4Format

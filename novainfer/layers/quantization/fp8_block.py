@@ -175,6 +175,8 @@ def fp8_block_config(qc: dict, device: torch.device) -> Fp8BlockConfig:
     if fmt != "e4m3":
         raise ValueError(f"quantization_config.fmt={fmt!r}: only e4m3 (float8_e4m3fn) is implemented")
     if qc.get("modules_to_not_convert") or qc.get("ignored_layers"):
-        raise ValueError("quantization_config.modules_to_not_convert / ignored_layers: layers left unquantized in an "
-                         "FP8 checkpoint are not supported")  # fmt: skip
+        raise ValueError(
+            "quantization_config.modules_to_not_convert / ignored_layers: layers left unquantized in an "
+            "FP8 checkpoint are not supported"
+        )
     return Fp8BlockConfig((int(block[0]), int(block[1])), device)

@@ -144,8 +144,10 @@ class Int4LinearMethod(PrequantizedLinearMethod):
     def store(self, layer: nn.Module, shards: list[Int4Shard]) -> None:
         g = self.fmt.group_size
         g_idx = shards[0].g_idx
-        if any((s.g_idx is None) != (g_idx is None) or s.g_idx is not None and not torch.equal(s.g_idx, g_idx)
-               for s in shards):  # fmt: skip
+        if any(
+            (s.g_idx is None) != (g_idx is None) or s.g_idx is not None and not torch.equal(s.g_idx, g_idx)
+            for s in shards
+        ):
             raise ValueError("GPTQ desc_act: the fused shards of a layer (q/k/v, gate/up) have different g_idx")
         codes = torch.cat([s.codes for s in shards])
         scales, zeros = torch.cat([s.scales for s in shards]), torch.cat([s.zeros for s in shards])
@@ -205,8 +207,16 @@ class Int4LinearMethod(PrequantizedLinearMethod):
 class Int4Config(QuantizationConfig):
     """Every dense linear layer is INT4 (the embedding and lm_head stay in the model's dtype)."""
 
-    STORED = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_zero_point",
-              "weight_shape")  # fmt: skip
+    STORED = (
+        "qweight",
+        "qzeros",
+        "scales",
+        "g_idx",
+        "weight_packed",
+        "weight_scale",
+        "weight_zero_point",
+        "weight_shape",
+    )
 
     def __init__(self, fmt: Int4Format):
         self.fmt = fmt
