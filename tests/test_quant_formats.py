@@ -463,3 +463,17 @@ def test_cli_refusal_is_one_line(base, tmp_path):
     assert error_lines(proc) == [
         "novainfer generate: error: quantization_config.bits=3 (gptq): only 4-bit weights are implemented"
     ], proc.stderr
+
+
+def test_start_up_probe_refuses_wrong_kernels():
+    """The CUDA start-up probe (here its INT4 half under the interpreter) passes right kernels, refuses wrong ones."""
+    from novainfer.layers.quantization.int4 import check_int4_kernels
+    from novainfer.layers.quantization.prequantized import probe_kernels
+
+    check_int4_kernels(torch.device("cpu"), 32, torch.float32)
+    want = torch.randn(4, 8)
+    probe_kernels("INT4", [(want + 1e-4 * torch.randn(4, 8), want)], 2e-2)
+    with pytest.raises(ValueError, match="INT4: the GPU kernels give wrong results on this device"):
+        probe_kernels("INT4", [(want.flip(0), want)], 2e-2)
+    with pytest.raises(ValueError, match="wrong results"):
+        probe_kernels("INT4", [(torch.full((4, 8), float("nan")), want)], 2e-2)

@@ -177,5 +177,5 @@ def ct_config(qc: dict, device: torch.device) -> QuantizationConfig:
             raise _refuse(f"{field}.weights.group_size", w.group_size, f"group strategy with {GROUP_SIZES} only")
         if w.actorder == "group":
             raise _refuse(f"{field}.weights.actorder", "group", "the weight_g_idx layout is not implemented")
-        return Int4Config(Int4Format("pack-quantized", int(w.group_size), symmetric=bool(w.symmetric)))
+        return Int4Config(Int4Format("pack-quantized", int(w.group_size), symmetric=bool(w.symmetric)), device)
     raise _refuse("format", fmt, "implemented are float-quantized (FP8) and pack-quantized (INT4)")

@@ -21,7 +21,13 @@ from torch import nn
 from novainfer.layers.linear import LinearBase
 from novainfer.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 from novainfer.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
-from novainfer.layers.quantization.prequantized import PrequantizedLinearMethod, ShardSlice, layer_label, shard_slices
+from novainfer.layers.quantization.prequantized import (
+    PrequantizedLinearMethod,
+    ShardSlice,
+    layer_label,
+    probe_kernels,
+    shard_slices,
+)
 
 
 def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,6 +154,8 @@ class Fp8BlockConfig(QuantizationConfig):
 
     def __init__(self, block: tuple[int, int], device: torch.device, scale_name: str = "weight_scale_inv"):
         check_block_device(device, "a block-scaled FP8 checkpoint")
+        if device.type == "cuda":
+            check_block_kernels(device, block)
         self.block, self.scale_name = block, scale_name
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
@@ -180,3 +188,18 @@ def fp8_block_config(qc: dict, device: torch.device) -> Fp8BlockConfig:
             "FP8 checkpoint are not supported"
         )
     return Fp8BlockConfig((int(block[0]), int(block[1])), device)
+
+
+def check_block_kernels(device: torch.device, block: tuple[int, int]) -> None:
+    """The GEMV and the quantize + GEMM path against block_reference on small operands, once at start-up."""
+    from novainfer.kernels.fp8_block import fp8_block_gemm, fp8_block_gemv, per_token_group_quant
+
+    g = torch.Generator(device=device).manual_seed(0)
+    n, k = 2 * block[0], 2 * block[1]
+    weight = (torch.randn(n, k, generator=g, device=device) * 100).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    w_scale = torch.rand(2, 2, generator=g, device=device) * 1e-3 + 1e-4
+    x1, x2 = (torch.randn(m, k, generator=g, device=device).to(torch.bfloat16) for m in (1, 40))
+    cases = [(fp8_block_gemv(x1, weight, w_scale, block), block_reference(x1, weight, w_scale, block))]
+    y2 = fp8_block_gemm(*per_token_group_quant(x2, block[1]), weight, w_scale, block, torch.bfloat16)
+    cases.append((y2, block_reference(x2, weight, w_scale, block)))
+    probe_kernels(f"block FP8 (weight_block_size={list(block)})", cases, 2e-2)

@@ -25,7 +25,13 @@ from torch import nn
 
 from novainfer.layers.linear import LinearBase
 from novainfer.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
-from novainfer.layers.quantization.prequantized import PrequantizedLinearMethod, ShardSlice, layer_label, shard_slices
+from novainfer.layers.quantization.prequantized import (
+    PrequantizedLinearMethod,
+    ShardSlice,
+    layer_label,
+    probe_kernels,
+    shard_slices,
+)
 
 PACK = 8  # 4-bit codes per int32
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ word holds column AWQ_ORDER[j] of its eight
@@ -218,7 +224,9 @@ class Int4Config(QuantizationConfig):
         "weight_shape",
     )
 
-    def __init__(self, fmt: Int4Format):
+    def __init__(self, fmt: Int4Format, device: torch.device):
+        if device.type == "cuda":
+            check_int4_kernels(device, fmt.group_size)
         self.fmt = fmt
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
@@ -248,3 +256,20 @@ def int4_format(qc: dict) -> Int4Format:
     if not qc.get("zero_point", True):
         raise ValueError("quantization_config.zero_point=false (awq): only AWQ with zero points is implemented")
     return Int4Format("awq", group, symmetric=False)
+
+
+def check_int4_kernels(device: torch.device, group: int, dtype: torch.dtype = torch.bfloat16) -> None:
+    """The GEMV and the GEMM against dequantize_int4 on small operands of this device, once at start-up (dtype: the
+    activations'; tests pass float32, as the CPU interpreter's bfloat16 tl.dot is wrong)."""
+    from novainfer.kernels.int4_gemm import int4_gemm, int4_gemv
+
+    g = torch.Generator(device=device).manual_seed(0)
+    k, n = 2 * group, 64
+    codes = torch.randint(0, 16, (k, n), generator=g, device=device, dtype=torch.uint8)
+    scales = (torch.rand(k // group, n, generator=g, device=device) * 0.01).to(dtype)
+    zeros = torch.randint(0, 16, (k // group, n), generator=g, device=device).to(dtype)
+    qweight, w = pack_int32(codes), dequantize_int4(pack_int32(codes), scales, zeros, group)
+    x1, x2 = (torch.randn(m, k, generator=g, device=device).to(dtype) for m in (1, 40))
+    cases = [(int4_gemv(x1, qweight, scales, zeros, group), x1.float() @ w)]
+    cases.append((int4_gemm(x2, qweight, scales, zeros, group), x2.float() @ w))
+    probe_kernels(f"INT4 (group_size={group})", cases, 2e-2)

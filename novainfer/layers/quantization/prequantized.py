@@ -114,3 +114,12 @@ class PrequantizedLinearMethod(QuantizeMethodBase):
     def store(self, layer: nn.Module, shards: list[Any]) -> None:
         """The fused shards (in shard order) -> the layer's stored tensors."""
         raise NotImplementedError
+
+
+def probe_kernels(what: str, cases: list[tuple[torch.Tensor, torch.Tensor]], max_rel: float) -> None:
+    """Start-up check of a format's GPU kernels on small operands: ValueError naming the format where a kernel's
+    result (first of each pair) strays from its torch reference (second) by more than max_rel, or fails to run."""
+    for got, want in cases:
+        err = ((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-30)).item()
+        if not err <= max_rel:
+            raise ValueError(f"{what}: the GPU kernels give wrong results on this device (relative error {err:.2e})")

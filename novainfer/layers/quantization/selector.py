@@ -76,7 +76,7 @@ def prequantized_config(mc: ModelConfig, qc: Any, device: torch.device) -> Quant
     if method in ("gptq", "awq"):
         from novainfer.layers.quantization.int4 import Int4Config, int4_format
 
-        return Int4Config(int4_format(qc))
+        return Int4Config(int4_format(qc), device)
     if method == "compressed-tensors":
         from novainfer.layers.quantization.compressed_tensors import ct_config
 
