@@ -376,6 +376,8 @@ def test_dummy_load_draws_and_packs(base, tmp_path, name):
         ({"quant_method": "gptq", "bits": 4, "group_size": 16}, "group_size=16"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "checkpoint_format"),
         ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version='gemv'"),
+        ({"quant_method": "awq", "bits": 4, "group_size": 128, "modules_to_not_convert": ["visual"]}, "not_convert"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}, "lm_head=True .gptq.: a quant"),
         ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "weight_block_size is missing"),
         ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "activation_scheme"),
         ({"quant_method": "fp8", "weight_block_size": [96, 96]}, "weight_block_size=.96, 96."),

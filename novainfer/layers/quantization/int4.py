@@ -36,6 +36,12 @@ from novainfer.layers.quantization.prequantized import (
 PACK = 8  # 4-bit codes per int32
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ word holds column AWQ_ORDER[j] of its eight
 GROUP_SIZES = (32, 64, 128)
+UNSUPPORTED_FIELDS = {  # set (truthy) in a GPTQ / AWQ quantization_config, each changes what the layers hold
+    "modules_to_not_convert": "leaving layers unquantized",
+    "dynamic": "a per-module override of bits or group size",
+    "lm_head": "a quantized lm_head",
+    "is_marlin_format": "the Marlin-repacked layout",
+}
 
 
 def unpack_int32(packed: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(PACK))) -> torch.Tensor:
@@ -245,6 +251,9 @@ def int4_format(qc: dict) -> Int4Format:
     group = qc.get("group_size", qc.get("q_group_size"))
     if group not in GROUP_SIZES:
         raise ValueError(f"quantization_config.group_size={group} ({method}): implemented are {GROUP_SIZES}")
+    for key, why in UNSUPPORTED_FIELDS.items():
+        if qc.get(key):
+            raise ValueError(f"quantization_config.{key}={qc[key]!r} ({method}): {why} is not supported")
     if method == "gptq":
         fmt_name = qc.get("checkpoint_format", "gptq")
         if fmt_name not in ("gptq", "gptq_v2"):
