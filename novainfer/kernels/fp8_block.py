@@ -169,7 +169,12 @@ def fp8_block_gemm(
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if xq.is_cuda:
-        block_m, block_n, warps, stages = (64, 128, 4, 3) if m > 32 else (16, 64, 4, 4)
+        if m <= 32:  # few rows: narrow N tiles so that enough programs run; many: large tiles
+            block_m, block_n, warps, stages = 16, 64, 4, 4
+        elif m <= 256:
+            block_m, block_n, warps, stages = 64, 128, 4, 3
+        else:
+            block_m, block_n, warps, stages = 128, 128, 8, 3
     else:
         block_m, block_n, warps, stages = 16, 32, 4, 1
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)

@@ -56,14 +56,16 @@ def _int4_gemv_kernel(
         g = (wrow * 8) // GROUP
         s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=wmask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=wmask, other=0.0).to(tl.float32)
+        # sum_k x_k (code_k - z) s = s (sum_k x_k code_k - z sum_k x_k): the zero point once per word row
         part = tl.zeros([M_PAD, BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+        xsum = tl.zeros([M_PAD, BLOCK_K // 8], dtype=tl.float32)
         for j in tl.static_range(8):
             xk = wrow * 8 + j
             xmask = (mrows < M)[:, None] & (xk < k_end)[None, :]
             xj = tl.load(x_ptr + mrows[:, None] * stride_xm + xk[None, :], mask=xmask, other=0.0).to(tl.float32)
-            w = ((q >> (4 * j)) & 0xF).to(tl.float32) - z
-            part += xj[:, :, None] * w[None, :, :]
-        acc += tl.sum(part * s[None, :, :], axis=1)
+            part += xj[:, :, None] * ((q >> (4 * j)) & 0xF).to(tl.float32)[None, :, :]
+            xsum += xj
+        acc += tl.sum((part - xsum[:, :, None] * z[None, :, :]) * s[None, :, :], axis=1)
     omask = (mrows < M)[:, None] & nmask[None, :]
     tl.atomic_add(out_ptr + mrows[:, None] * N + offs_n[None, :], acc, mask=omask)
 
@@ -145,8 +147,13 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     m, k = x.shape
     n = qweight.shape[1]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if x.is_cuda:
-        block_m, block_n, block_k, warps, stages = (64, 128, 64, 4, 4) if m > 64 else (16, 128, 64, 4, 4)
+    if x.is_cuda:  # few rows: narrow N tiles so that enough programs run; many: large tiles for the tensor cores
+        if m <= 16:
+            block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 4
+        elif m <= 128:
+            block_m, block_n, block_k, warps, stages = 64, 128, 64, 4, 4
+        else:
+            block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
     else:
         block_m, block_n, block_k, warps, stages = 16, 32, 32, 4, 1
     block_k = min(block_k, group)
