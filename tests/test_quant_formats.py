@@ -116,7 +116,11 @@ def ct_compress(w: torch.Tensor, preset: str, fmt: str, x_amax: float):
     wa = scheme.weights
     state = {"weight": w}
     if wa.type == "float":
-        amax = w.abs().amax(1, keepdim=True) if wa.strategy == "channel" else w.abs().amax().view(1)
+        if wa.strategy == "block":
+            bn, bk = wa.block_structure
+            amax = w.view(w.shape[0] // bn, bn, w.shape[1] // bk, bk).abs().amax(dim=(1, 3))
+        else:
+            amax = w.abs().amax(1, keepdim=True) if wa.strategy == "channel" else w.abs().amax().view(1)
         state["weight_scale"] = amax / 448
         if scheme.input_activations is not None and not scheme.input_activations.dynamic:
             state["input_scale"] = torch.tensor([x_amax / 448])
@@ -197,6 +201,11 @@ FORMATS = {
         lambda w, i: ct_compress(w, "FP8", "float-quantized", X_AMAX),
         ct_config("FP8", "float-quantized"),
         "static",
+    ),
+    "ct-fp8-block": (
+        lambda w, i: ct_compress(w, "FP8_BLOCK", "float-quantized", X_AMAX),
+        ct_config("FP8_BLOCK", "float-quantized"),
+        "group128",
     ),
     "gptq-sym": (
         lambda w, i: gptq(w, 32, True, False, i),
