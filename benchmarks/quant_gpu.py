@@ -109,8 +109,8 @@ def kernel_rows(shapes, rows: list[int], device: torch.device, iters: int) -> li
         wg = w.T.reshape(k // 128, 128, n)
         s4 = wg.abs().amax(1) / 7
         codes = (wg / s4[:, None]).round().clamp(-8, 7).add(8).reshape(k, n).to(torch.uint8)
-        q4, z4 = pack_int32(codes), torch.full_like(s4, 8.0)
-        s4d, z4d = s4.to(dtype), z4.to(dtype)
+        q4, z4d = pack_int32(codes), torch.full(s4.shape, 8, dtype=torch.uint8, device=device)
+        s4d = s4.half() if device.type == "cuda" else s4  # GPTQ's float16 scales, as the layer keeps them
         w16 = w.to(dtype)
         for m in rows:
             x = torch.randn(m, k, device=device, generator=g).to(dtype)

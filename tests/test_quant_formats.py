@@ -432,11 +432,11 @@ def test_int4_kernels_match_the_torch_reference(m, group):
     k, n = 256, 96
     codes = torch.randint(0, 16, (k, n), generator=g, dtype=torch.uint8)
     scales = torch.rand(k // group, n, generator=g) * 0.1
-    zeros = torch.randint(0, 16, (k // group, n), generator=g).float()
+    zeros = torch.randint(0, 16, (k // group, n), generator=g, dtype=torch.uint8)
     qweight = pack_int32(codes)
     w = dequantize_int4(qweight, scales, zeros, group)
     torch.testing.assert_close(
-        w, (codes.float() - zeros.repeat_interleave(group, 0)) * scales.repeat_interleave(group, 0)
+        w, (codes.float() - zeros.float().repeat_interleave(group, 0)) * scales.repeat_interleave(group, 0)
     )
     x = torch.randn(m, k, generator=g)
     want = x @ w

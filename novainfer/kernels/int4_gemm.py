@@ -3,8 +3,8 @@
 The one layout every INT4 checkpoint (GPTQ, AWQ, compressed-tensors pack-quantized) is repacked to at load:
 - qweight int32 [K/8, N]: word (i, n) holds the 4-bit codes of input rows 8i..8i+7 of output column n, row 8i+j
   in bits 4j..4j+3 (GPTQ's packing: a tile of rows x columns is one coalesced load along N);
-- scales [K/G, N] and zeros [K/G, N] in the activation dtype (zeros are the integer zero points 0..15, exact in
-  bf16/fp16): w[k, n] = (code - zeros[k // G, n]) * scales[k // G, n].
+- scales [K/G, N] (any float dtype; GPTQ / AWQ store float16) and zeros [K/G, N] (uint8 zero points 0..15):
+  w[k, n] = (code - zeros[k // G, n]) * scales[k // G, n].
 An act-order (GPTQ desc_act) checkpoint's rows are sorted by group at load; the layer gathers x's columns
 in the same order before calling these kernels.
 
@@ -55,7 +55,7 @@ def _int4_gemv_kernel(
         q = tl.load(q_ptr + wrow[:, None] * N + offs_n[None, :], mask=wmask, other=0)
         g = (wrow * 8) // GROUP
         s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=wmask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=wmask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=wmask, other=0).to(tl.float32)
         # sum_k x_k (code_k - z) s = s (sum_k x_k code_k - z sum_k x_k): the zero point once per word row
         part = tl.zeros([M_PAD, BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
         xsum = tl.zeros([M_PAD, BLOCK_K // 8], dtype=tl.float32)
@@ -104,7 +104,7 @@ def _int4_gemm_kernel(
         codes = tl.reshape(codes, [BLOCK_K, BLOCK_N])
         g = k0 // GROUP
         s = tl.load(s_ptr + g * N + offs_n, mask=nmask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g * N + offs_n, mask=nmask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * N + offs_n, mask=nmask, other=0).to(tl.float32)
         w = ((codes.to(tl.float32) - z[None, :]) * s[None, :]).to(a.dtype)
         acc = tl.dot(a, w, acc)
     c = acc.to(out_ptr.dtype.element_ty)

@@ -2,7 +2,8 @@
 
 Each format's tensors are unpacked at load to one logical form per shard (codes 0..15 [N, K], scales and zero
 points [N, K/G], GPTQ's g_idx), sliced for this rank, stacked, and packed into the one layout the kernels read
-(kernels/int4_gemm.py: codes int32 [K/8, N] packed along K, scales and zeros [K/G, N] in the activation dtype),
+(kernels/int4_gemm.py: codes int32 [K/8, N] packed along K, scales [K/G, N] in the checkpoint's dtype, zero
+points [K/G, N] uint8),
 w[n, k] = (code - zero) * scale. The formats differ only in unpack():
 - GPTQ: qweight int32 [K/8, N] (row 8i+j in bits 4j), qzeros int32 [K/G, N/8] (column 8i+j in bits 4j; stored
   as zero - 1 unless checkpoint_format is gptq_v2), scales [K/G, N], g_idx [K] (the group of each input row;
@@ -65,7 +66,8 @@ def pack_int32(codes: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Int4Shard:
-    """One shard's logical form: codes uint8 [N, K], scales and zeros float32 [N, K/G], g_idx [K] or None."""
+    """One shard's logical form: codes uint8 [N, K], scales (as stored) and zero points (uint8) [N, K/G], g_idx [K]
+    or None."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -122,25 +124,26 @@ class Int4LinearMethod(PrequantizedLinearMethod):
         fmt, g = self.fmt, self.fmt.group_size
         if fmt.name == "gptq":
             codes = unpack_int32(t["qweight"], 0).T  # [N, K]
-            zeros = unpack_int32(t["qzeros"], 1).float() + (1 if fmt.zeros_minus_one else 0)  # [K/G, N]
-            zeros = zeros.remainder(16) if fmt.zeros_minus_one else zeros  # a v1 zero of 16 wraps to 0 in 4 bits
+            zeros = unpack_int32(t["qzeros"], 1)  # [K/G, N]
+            if fmt.zeros_minus_one:  # v1 stores zero - 1; a zero of 0 was stored as 15 (4 bits wrap)
+                zeros = (zeros + 1) & 0xF
             g_idx = t["g_idx"].long()
             if torch.equal(g_idx, torch.arange(g_idx.numel(), device=g_idx.device) // g):
                 g_idx = None
             elif not fmt.desc_act:
                 raise ValueError("GPTQ checkpoint has a permuted g_idx but quantization_config.desc_act is false")
-            return Int4Shard(codes, t["scales"].float().T, zeros.T, g_idx)
+            return Int4Shard(codes, t["scales"].T, zeros.T, g_idx)
         if fmt.name == "awq":
             codes = unpack_int32(t["qweight"], 1, AWQ_ORDER).T
-            zeros = unpack_int32(t["qzeros"], 1, AWQ_ORDER).float().T
-            return Int4Shard(codes, t["scales"].float().T, zeros, None)
+            zeros = unpack_int32(t["qzeros"], 1, AWQ_ORDER).T
+            return Int4Shard(codes, t["scales"].T, zeros, None)
         n, k = (int(v) for v in t["weight_shape"].tolist())
         codes = unpack_int32(t["weight_packed"], 1)[:, :k]
-        scales = t["weight_scale"].float()
+        scales = t["weight_scale"]
         if fmt.symmetric:
-            zeros = torch.full_like(scales, 8.0)
+            zeros = torch.full(scales.shape, 8, dtype=torch.uint8, device=scales.device)
         else:
-            zeros = unpack_int32(t["weight_zero_point"], 0)[:n].float()
+            zeros = unpack_int32(t["weight_zero_point"], 0)[:n]
         return Int4Shard(codes, scales, zeros, None)
 
     def take_slice(self, layer: nn.Module, shard: Int4Shard, sl: ShardSlice) -> Int4Shard:
@@ -175,10 +178,9 @@ class Int4LinearMethod(PrequantizedLinearMethod):
         self._set(layer, pack_int32(codes.T.contiguous()), scales.T.contiguous(), zeros.T.contiguous(), perm)
 
     def _set(self, layer: nn.Module, qweight, scales, zeros, perm) -> None:
-        dtype = layer.act_dtype
         layer.qweight = nn.Parameter(qweight, requires_grad=False)
-        layer.scales = nn.Parameter(scales.to(dtype), requires_grad=False)
-        layer.qzeros = nn.Parameter(zeros.to(dtype), requires_grad=False)
+        layer.scales = nn.Parameter(scales, requires_grad=False)  # as stored (fp16 for GPTQ / AWQ): exact
+        layer.qzeros = nn.Parameter(zeros.to(torch.uint8), requires_grad=False)
         layer.perm = perm
 
     def create_weights(self, layer: nn.Module, output_size: int, input_size: int):
@@ -195,7 +197,8 @@ class Int4LinearMethod(PrequantizedLinearMethod):
         for name in self.tensor_names:
             layer._parameters.pop(name, None)
         layer.stash = {}
-        self._set(layer, pack_int32(codes), scales, torch.full_like(scales, 8.0), None)
+        zeros = torch.full(scales.shape, 8, dtype=torch.uint8, device=scales.device)
+        self._set(layer, pack_int32(codes), scales.to(layer.act_dtype), zeros, None)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
@@ -276,7 +279,7 @@ def check_int4_kernels(device: torch.device, group: int, dtype: torch.dtype = to
     k, n = 2 * group, 64
     codes = torch.randint(0, 16, (k, n), generator=g, device=device, dtype=torch.uint8)
     scales = (torch.rand(k // group, n, generator=g, device=device) * 0.01).to(dtype)
-    zeros = torch.randint(0, 16, (k // group, n), generator=g, device=device).to(dtype)
+    zeros = torch.randint(0, 16, (k // group, n), generator=g, device=device).to(torch.uint8)
     qweight, w = pack_int32(codes), dequantize_int4(pack_int32(codes), scales, zeros, group)
     x1, x2 = (torch.randn(m, k, generator=g, device=device).to(dtype) for m in (1, 40))
     cases = [(int4_gemv(x1, qweight, scales, zeros, group), x1.float() @ w)]
