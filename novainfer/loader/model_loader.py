@@ -63,7 +63,8 @@ def load_model(
     def named():
         for name, t in bar:
             current[0] = name
-            yield name, t.to(device=device, dtype=dtype)
+            keep = quant_config is not None and quant_config.keeps_stored_dtype(name, t)
+            yield name, t.to(device=device) if keep else t.to(device=device, dtype=dtype)
 
     try:
         missing = net.load_weights(named())
@@ -96,4 +97,8 @@ def initialize_dummy_weights(net: nn.Module, std: float = 0.02, seed: int = 0) -
             param.zero_()
         elif param.dim() >= 2:
             param.normal_(0.0, std, generator=gen)
+    for module in net.modules():  # a pre-quantized format's layers draw their weight and pack it as stored
+        draw = getattr(getattr(module, "quant_method", None), "draw_dummy", None)
+        if draw is not None:
+            draw(module, std, gen)
     return net

@@ -53,6 +53,11 @@ class QuantizationConfig:
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
         raise NotImplementedError
 
+    def keeps_stored_dtype(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether the loader hands this checkpoint tensor over as stored (a packed or float8 weight, its scales)
+        instead of cast to the model's dtype."""
+        return False
+
     def process_model_after_loading(self, net: nn.Module) -> None:
         """Once every layer holds its stored weight: whole-model placement (e.g. the CPU weight arena)."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -14,7 +15,10 @@ logger = logging.getLogger(__name__)
 
 def get_quant_config(mc: ModelConfig, device: torch.device, tp_size: int = 1) -> QuantizationConfig | None:
     """Fp8Config for quantization="fp8"; GGUFCPUConfig for a GGUF model on one CPU rank (unless dequantizing
-    was asked for); else None."""
+    was asked for); a pre-quantized checkpoint's own format (quantization_config, prequantized_config); else None."""
+    qc = getattr(mc.hf_config, "quantization_config", None)
+    if qc is not None and not mc.is_gguf:
+        return prequantized_config(mc, qc, device)
     if mc.quantization == "fp8":
         return _fp8_config(mc, device)
     if not mc.is_gguf or device.type != "cpu" or tp_size != 1 or mc.quantization == "none":
@@ -45,3 +49,39 @@ def _fp8_config(mc: ModelConfig, device: torch.device) -> QuantizationConfig:
     from novainfer.layers.quantization.fp8 import Fp8Config
 
     return Fp8Config(device)
+
+
+def prequantized_config(mc: ModelConfig, qc: Any, device: torch.device) -> QuantizationConfig:
+    """The config of a checkpoint quantized already (its config.json's quantization_config); ValueError naming
+    the field where we do not implement it."""
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    method = qc.get("quant_method")
+    if mc.quantization not in (None, "none", method):
+        raise ValueError(
+            f"quantization={mc.quantization!r} was asked for, but {mc.model} is quantized already "
+            f"(quantization_config.quant_method={method!r}); leave quantization unset"
+        )
+    if mc.quantization == "none":
+        raise ValueError(f"quantization='none': {mc.model} is stored quantized (quant_method={method!r})")
+    experts = getattr(mc.hf_config, "num_experts", None) or getattr(mc.hf_config, "num_local_experts", None)
+    if experts:
+        raise ValueError(
+            f"quantization_config.quant_method={method!r}: pre-quantized MoE experts are not implemented yet "
+            f"({mc.model} has {experts} experts per layer)"
+        )
+    if method == "fp8":
+        from novainfer.layers.quantization.fp8_block import fp8_block_config
+
+        return fp8_block_config(qc, device)
+    if method in ("gptq", "awq"):
+        from novainfer.layers.quantization.int4 import Int4Config, int4_format
+
+        return Int4Config(int4_format(qc), device)
+    if method == "compressed-tensors":
+        from novainfer.layers.quantization.compressed_tensors import ct_config
+
+        return ct_config(qc, device)
+    raise ValueError(
+        f"quantization_config.quant_method={method!r} is not implemented (implemented: fp8 with "
+        "weight_block_size, gptq, awq, compressed-tensors)"
+    )

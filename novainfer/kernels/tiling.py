@@ -1,0 +1,37 @@
+"""Tile scheduling shared by the quantized GEMM/GEMV kernels (kernels/int4_gemm.py, kernels/fp8_block.py)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (tile row, tile column), GROUP_M row tiles at a time so neighbours share weight tiles in L2."""
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % size_m, (pid % per_group) // size_m
+
+
+@lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def split_k(k: int, tiles_n: int, block_k: int, device: torch.device, programs_per_sm: int) -> tuple[int, int]:
+    """(splits, columns per split, a multiple of block_k): a GEMV of few output tiles split along K until the GPU
+    has programs_per_sm programs per SM (each split at least 4 K steps long); 1 split on the CPU."""
+    sms = (
+        _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        if device.type == "cuda"
+        else 1
+    )
+    split = max(1, min(triton.cdiv(programs_per_sm * sms, tiles_n), k // (4 * block_k)))
+    per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    return triton.cdiv(k, per_split), per_split
