@@ -87,7 +87,8 @@ class GptOssMLP(nn.Module):
             config.intermediate_size,
             renormalize=False,
             bias=True,
-            act_fn=ClampedSwigluAndMul(config.swiglu_alpha, config.swiglu_limit),
+            # transformers before 5.2x fixes alpha in the module and has no config field for it
+            act_fn=ClampedSwigluAndMul(getattr(config, "swiglu_alpha", 1.702), getattr(config, "swiglu_limit", 7.0)),
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
