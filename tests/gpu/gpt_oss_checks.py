@@ -173,6 +173,10 @@ def model_checks(dev: str, n: int) -> None:
 
     path = save_tiny(tempfile.mkdtemp(prefix="gpt_oss_tiny_"))
     model = GptOssForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev).eval()
+    for module in model.modules():  # transformers < 5.2x fixes alpha and limit in the module, not from the config
+        if hasattr(module, "limit") and hasattr(module, "alpha"):
+            module.alpha = getattr(model.config, "swiglu_alpha", module.alpha)
+            module.limit = getattr(model.config, "swiglu_limit", module.limit)
     llm = None
     for prefix in (False, True):
         llm = LLM(
