@@ -99,8 +99,7 @@ class KVGroupBlockManager(BlockManager):
                 hit = min(hit, len(found) * bs // self.align * self.align)
             ids.append(found)
         while hit > 0 and not all(
-            -1 not in ids[g][self._first_needed(group, hit) : hit // group.block_size]
-            for g, group in enumerate(groups)
+            -1 not in ids[g][self._first_needed(group, hit) : hit // group.block_size] for g, group in enumerate(groups)
         ):
             hit -= self.align
         if not hit:

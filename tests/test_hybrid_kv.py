@@ -1,0 +1,134 @@
+"""The grouped KV cache (worker/kv_layout.py, engine/kv_group_manager.py): sliding-window layers keep only their
+window. Tiny Gemma 3 (sliding/full) and Mistral (every layer sliding) checkpoints with a window of 7 and blocks of
+4: greedy output equals transformers and the whole-context layout with prompts and generations past the window;
+blocks are given back as the window passes them; prefix-cache hits and preemption stay exact; the same memory
+holds the expected multiple of context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from novainfer import LLM, SamplingParams
+from novainfer.engine.kv_group_manager import KVGroupBlockManager
+from novainfer.sampling_params import SamplingParams as Params
+from novainfer.sequence import Sequence
+from novainfer.worker import model_runner
+from novainfer.worker.kv_layout import NULL_BLOCK, KVGroup, plan_kv_layout
+from tests.tiny_models import WINDOW, hf_greedy_with, make_tiny_model
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The capital of France is",
+    "Hello, my name is",
+    "One two three four five six seven eight nine ten eleven twelve",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    return {
+        arch: make_tiny_model(str(tmp_path_factory.mktemp(arch)), arch, seed=17, layers=layers)
+        for arch, layers in (("gemma3", 2), ("mistral", 2))
+    }
+
+
+def run(path: str, prompts: list[str], **kw) -> tuple[list[list[int]], LLM]:
+    llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16, **kw)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+def whole_context(monkeypatch) -> None:
+    """The layout every layer kept before: the whole context (the reference the grouped one must equal)."""
+    monkeypatch.setattr(model_runner, "kv_layout_of", lambda layers, block_size: None)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_greedy_equals_transformers_and_the_whole_context_layout(arch, paths, monkeypatch):
+    got, llm = run(paths[arch], PROMPTS)
+    bm = llm.llm_engine.block_manager
+    assert isinstance(bm, KVGroupBlockManager)
+    assert [g.sliding_window for g in bm.groups] == ([None, WINDOW] if arch == "gemma3" else [WINDOW])
+    tok = llm.get_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(paths[arch], dtype=torch.float32).eval()
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens == hf_greedy_with(model, tok.encode(prompt), GREEDY.max_tokens), prompt
+    llm.llm_engine.shutdown()
+    whole_context(monkeypatch)
+    ref, llm = run(paths[arch], PROMPTS)
+    assert not isinstance(llm.llm_engine.block_manager, KVGroupBlockManager)
+    assert got == ref
+
+
+def test_prefix_cache_hit_is_exact(paths):
+    """A second request with the same long prompt starts from cached blocks (past the window) and decodes the
+    same tokens as the cache-off run."""
+    path = paths["gemma3"]
+    prompt = PROMPTS[0] + " and the capital of Spain is"
+    off, _ = run(path, [prompt], enable_prefix_caching=False)
+    llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16, enable_prefix_caching=True)
+    first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    second = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    assert second.num_cached_tokens > 2 * WINDOW
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids == off[0]
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+def test_preemption_under_a_tiny_cache(arch, paths, monkeypatch):
+    got, llm = run(paths[arch], PROMPTS * 2, num_gpu_blocks={"gemma3": 40, "mistral": 12}[arch])
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    whole_context(monkeypatch)
+    ref, _ = run(paths[arch], PROMPTS * 2)
+    assert got == ref
+
+
+def test_sliding_groups_free_blocks_past_the_window():
+    """A sequence decoding past the window: the full group keeps every block, each sliding group only those its
+    window reaches, and the rest go back to the pool."""
+    groups = (KVGroup(None, 4), KVGroup(WINDOW, 4), KVGroup(WINDOW, 4))
+    bm = KVGroupBlockManager(64, 4, groups, enable_prefix_caching=True)
+    free0 = bm.num_free_blocks
+    assert free0 == 63  # the null block is never handed out
+    seq = Sequence(list(range(100, 110)), Params(max_tokens=40))
+    bm.admit(seq, bm.find_cached_prefix(seq))
+    bm.allocate_slots(seq, 10)
+    seq.num_computed_tokens = 10
+    assert bm.group_usage(seq) == [3, 3, 3]
+    for t in range(30):
+        seq.append_token(200 + t)
+        bm.allocate_slots(seq, 1)
+        seq.num_computed_tokens += 1
+        start = seq.num_computed_tokens - 1
+        kept = (start + 1 + 3) // 4 - max(0, start - WINDOW + 1) // 4
+        assert bm.group_usage(seq) == [(start + 4) // 4, kept, kept], start
+        assert all(b == NULL_BLOCK for b in seq.group_tables[0][: max(0, start - WINDOW + 1) // 4])
+    assert bm.group_usage(seq)[1] <= (WINDOW + 3) // 4 + 1
+    assert free0 - bm.num_free_blocks == sum(bm.group_usage(seq))
+    bm.free(seq)
+    assert bm.num_free_blocks == free0
+
+
+def test_same_memory_holds_more_context(paths):
+    """Gemma 3's 5:1 pattern: the grouped layout holds about six times the context in the memory that held the
+    whole-context layout's tokens; in the engine, the same CPU budget gives more context than before."""
+    sliding, full = (1024, 16 * 128), (None, 16 * 128)
+    layout = plan_kv_layout([sliding] * 5 + [full] + [sliding] * 5 + [full], 16)
+    whole_blocks = 4096  # 64k tokens of every layer
+    blocks = whole_blocks * 12 // layout.num_slots  # the same bytes in blocks of num_slots layers
+    assert 5.5 * whole_blocks * 16 < layout.max_context(blocks) < 6 * whole_blocks * 16
+    llm = LLM(paths["gemma3"], dtype="float32", block_size=4, cpu_kv_cache_tokens=400, max_model_len=512)
+    bm = llm.llm_engine.block_manager
+    assert bm.num_blocks == 400 // 4 * 2  # 2 layers a whole-context block, 1 layer a pool block
+    assert llm.llm_engine.engine_core.max_model_len == 512  # more than the whole-context layout's 400 tokens
+    tokens = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True), use_tqdm=False)
+    assert len(tokens[0].outputs[0].token_ids) == 300
