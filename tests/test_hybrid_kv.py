@@ -132,3 +132,74 @@ def test_same_memory_holds_more_context(paths):
     assert llm.llm_engine.engine_core.max_model_len == 512  # more than the whole-context layout's 400 tokens
     tokens = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True), use_tqdm=False)
     assert len(tokens[0].outputs[0].token_ids) == 300
+
+
+def test_prefix_hit_needs_only_the_window():
+    """A hit past the window takes every block of the full group and only the window's blocks of the sliding one
+    (null below it); once a window block is evicted, the hit ends before it."""
+    groups = (KVGroup(None, 4), KVGroup(WINDOW, 4))
+    bm = KVGroupBlockManager(64, 4, groups, enable_prefix_caching=True)
+    prompt = list(range(100, 141))  # 41 tokens: a hit leaves the last one to compute
+    a = Sequence(prompt, Params(max_tokens=4))
+    bm.admit(a, bm.find_cached_prefix(a))
+    bm.allocate_slots(a, len(prompt))
+    a.num_computed_tokens = len(prompt)
+    bm.free(a)
+    b = Sequence(prompt, Params(max_tokens=4))
+    hit = bm.find_cached_prefix(b)
+    assert hit.num_tokens == 40
+    lo = (40 - WINDOW + 1) // 4
+    assert hit.block_ids[1][:lo] == [NULL_BLOCK] * lo and NULL_BLOCK not in hit.block_ids[1][lo:]
+    assert len(hit.block_ids[0]) == len(hit.block_ids[1]) == 10 and NULL_BLOCK not in hit.block_ids[0]
+    assert bm.can_admit(b, hit, 1)
+    bm.admit(b, hit)
+    assert bm.group_usage(b) == [10, 10 - lo] and b.num_computed_tokens == 40
+    bm.free(b)
+    # evict the sliding group's last window block: the hit must end where that group's window is still whole
+    victim = hit.block_ids[1][-1]
+    while True:
+        taken = bm._take_free_block()
+        if taken == victim:
+            break
+    assert bm.find_cached_prefix(Sequence(prompt, Params(max_tokens=4))).num_tokens < 40
+
+
+def test_step_wire_sends_the_group_tables():
+    """The mp driver's step message carries the other groups' tables when one grew, and the worker's mirror
+    takes them."""
+    from novainfer.executor.step_wire import StepPacker, StepReceiver
+    from novainfer.step_types import ScheduledSequence, SchedulerOutput
+
+    seq = Sequence([1, 2, 3, 4, 5], Params(max_tokens=4))
+    seq.block_table, seq.group_tables = [3, 4], [[5, 6]]
+    packer, receiver = StepPacker(), StepReceiver(worker=None)
+    mirror_of = lambda: receiver.seqs[seq.seq_id]  # noqa: E731
+    receiver.unpack(packer.pack(SchedulerOutput([ScheduledSequence(seq, 5)])))
+    assert mirror_of().block_table == [3, 4] and mirror_of().group_tables == [[5, 6]]
+    seq.num_computed_tokens = 5
+    seq.group_tables[0].append(7)
+    seq.group_tables[0][0] = NULL_BLOCK
+    msg = packer.pack(SchedulerOutput([ScheduledSequence(seq, 1)]))
+    assert msg.rows[0][5] is None  # group 0's table did not change
+    receiver.unpack(msg)
+    assert mirror_of().group_tables == [[NULL_BLOCK, 6, 7]]
+    assert packer.pack(SchedulerOutput([ScheduledSequence(seq, 1)])).rows[0][8] is None  # nothing changed
+
+
+def test_ngram_speculation_equals_plain_decoding(paths):
+    """Verify steps over a grouped cache (guesses past the window, rejected ones rolled back) decode as plain
+    steps do."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 5, 6, 7], [100, 200, 300] * 6]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    outs = []
+    for kw in ({}, {"speculative_config": spec}):
+        llm = LLM(paths["gemma3"], dtype="float32", block_size=4, num_gpu_blocks=128, **kw)
+        assert isinstance(llm.llm_engine.block_manager, KVGroupBlockManager)
+        outs.append(
+            [
+                o.outputs[0].token_ids
+                for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            ]
+        )
+    assert outs[0] == outs[1]

@@ -43,6 +43,7 @@ class KVGroupBlockManager(BlockManager):
         self.align = lcm(*(g.block_size for g in groups))  # a prefix hit ends on every group's block boundary
         del self.free_block_ids[NULL_BLOCK]
         self.blocks[NULL_BLOCK].ref_count = 1  # never freed, never evicted
+        self.block_group = [0] * num_blocks  # the group whose prefix cache names each block
 
     def group_usage(self, seq: Sequence) -> list[int]:
         """Blocks seq holds in each group (its null entries not counted)."""
@@ -191,8 +192,19 @@ class KVGroupBlockManager(BlockManager):
                 continue
             block.hash, block.token_ids = key, tokens
             self.hash_to_block_id[key] = block.block_id
+            self.block_group[block.block_id] = g
             if self.kv_events is not None and not g:  # events name group 0's blocks, as a plain cache's
                 self.kv_events.append(stored(prev, hashes[i - 1] if i else None, tokens, bs))
+
+    def _take_free_block(self) -> int:
+        """The plain manager's, except that evicting another group's block sends no KV event (none was stored)."""
+        block_id = next(iter(self.free_block_ids))
+        block = self.blocks[block_id]
+        if self.block_group[block_id] and block.hash != -1:
+            if self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+            block.hash, block.token_ids = -1, []
+        return super()._take_free_block()
 
     # ---- release -------------------------------------------------------------------------------
     def _release(self, block_id: int) -> None:

@@ -21,7 +21,7 @@ from novainfer.step_types import ScheduledSequence, SchedulerOutput
 class StepMessage:
     new_seqs: list[tuple[int, int, Any, int]]  # (seq_id, index, sampling_params, num_prompt_tokens), first sight
     # (seq_id, the step's start position, num_new_tokens, samples, appended token ids, block table or None, blocked ids,
-    # hybrid models' (state_slot, state_restore, state_save) or None)
+    # hybrid models' (state_slot, state_restore, state_save) or None, a grouped cache's other block tables or None)
     rows: list[tuple[int, int, int, bool, list[int], list[int] | None, list[int], tuple | None, list | None]]
     finished_seq_ids: list[int]
     num_preempted: int
