@@ -24,14 +24,7 @@ PROMPTS = [
     "One two three four five six seven eight nine ten eleven twelve",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -72,15 +65,20 @@ def test_greedy_equals_transformers_and_the_whole_context_layout(arch, paths, mo
 
 def test_prefix_cache_hit_is_exact(paths):
     """A second request with the same long prompt starts from cached blocks (past the window) and decodes the
-    same tokens as the cache-off run."""
+    same tokens as the cache-off run; so does a next turn (a session's) that continues prompt and reply."""
     path = paths["gemma3"]
     prompt = PROMPTS[0] + " and the capital of Spain is"
-    off, _ = run(path, [prompt], enable_prefix_caching=False)
-    llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16, enable_prefix_caching=True)
-    first = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
-    second = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+    off = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16, enable_prefix_caching=False)
+    on = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16, enable_prefix_caching=True)
+    first = on.generate([prompt], GREEDY, use_tqdm=False)[0]
+    second = on.generate([prompt], GREEDY, use_tqdm=False)[0]
+    ref = off.generate([prompt], GREEDY, use_tqdm=False)[0]
     assert second.num_cached_tokens > 2 * WINDOW
-    assert first.outputs[0].token_ids == second.outputs[0].token_ids == off[0]
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids == ref.outputs[0].token_ids
+    turn = {"prompt_token_ids": first.prompt_token_ids + first.outputs[0].token_ids + [5, 6, 7]}
+    cont, cont_ref = (llm.generate([turn], GREEDY, use_tqdm=False)[0] for llm in (on, off))
+    assert cont.num_cached_tokens >= len(turn["prompt_token_ids"]) - 3 - 4
+    assert cont.outputs[0].token_ids == cont_ref.outputs[0].token_ids
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "mistral"])
@@ -203,3 +201,18 @@ def test_ngram_speculation_equals_plain_decoding(paths):
             ]
         )
     assert outs[0] == outs[1]
+
+
+def test_decode_graph_inputs_per_group():
+    """A decode graph's static inputs hold a block table and slot row per KV group; each group's metadata reads its
+    own, and rows padded up to the captured batch size write nowhere (slot -1) in every group."""
+    from novainfer.worker.cuda_graph import DecodeGraphs
+
+    graphs = DecodeGraphs(lambda i, p: None, 4, 3, 8, torch.float32, torch.device("cpu"), lambda bs: 1, num_groups=2)
+    tables = torch.arange(1, 13, dtype=torch.int32).view(2, 3, 2)
+    zeros = torch.zeros(3, dtype=torch.long)
+    graphs.load_inputs(zeros, zeros, torch.arange(6).view(2, 3), torch.tensor([5, 6, 7], dtype=torch.int32), tables)
+    meta = graphs.metadata(4)
+    assert [g.block_tables[:3, :2].tolist() for g in meta.groups] == tables.tolist()
+    assert [g.slot_mapping.tolist() for g in meta.groups] == [[0, 1, 2, -1], [3, 4, 5, -1]]
+    assert meta.groups[0] is meta and meta.seq_lens.tolist() == [5, 6, 7, 1]
