@@ -216,3 +216,27 @@ def test_decode_graph_inputs_per_group():
     assert [g.block_tables[:3, :2].tolist() for g in meta.groups] == tables.tolist()
     assert [g.slot_mapping.tolist() for g in meta.groups] == [[0, 1, 2, -1], [3, 4, 5, -1]]
     assert meta.groups[0] is meta and meta.seq_lens.tolist() == [5, 6, 7, 1]
+
+
+def test_gemma4_full_layers_take_longer_blocks(tmp_path):
+    """Gemma 4 with full-attention layers half as wide a token as its sliding ones (1 KV head of 32 against 4 of
+    16): their group's blocks hold 8 tokens where the sliding groups' hold 4, in the same bytes. Greedy equals
+    transformers in a batch, on prefix-cache hits (aligned to both block sizes) and under preemption."""
+    from tests.test_gemma4 import PROMPTS as G4_PROMPTS, hf_greedy, save_tiny
+
+    path = save_tiny(tmp_path, moe=False, num_global_key_value_heads=1)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16, enable_prefix_caching=True)
+    bm = llm.llm_engine.block_manager
+    assert [(g.sliding_window, g.block_size) for g in bm.groups] == [(None, 8), (WINDOW, 4), (WINDOW, 4)]
+    ids = [llm.get_tokenizer().encode(p) for p in G4_PROMPTS]
+    refs = [hf_greedy(model, i, 16) for i in ids]
+    for _ in range(2):  # the second pass starts from cached prefixes
+        outs = llm.generate(G4_PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == refs
+    assert max(o.num_cached_tokens for o in outs) >= 8 and all(o.num_cached_tokens % 8 == 0 for o in outs)
+    small = LLM(path, dtype="float32", block_size=4, max_num_batched_tokens=16, num_gpu_blocks=30)
+    outs = small.generate(G4_PROMPTS * 2, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs * 2
+    assert small.llm_engine.scheduler.num_preemptions > 0
