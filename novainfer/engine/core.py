@@ -97,10 +97,11 @@ class EngineCore:
         if self.kv_events is not None:
             self.block_manager.kv_events = []
         logger.info(
-            "engine core ready: model=%s blocks=%d (%d tokens) max_model_len=%d async_scheduling=%s",
+            "engine core ready: model=%s blocks=%d (%d tokens of one sequence's context) max_model_len=%d "
+            "async_scheduling=%s",
             mc.model,
             self.num_blocks,
-            self.num_blocks * bs,
+            cache_tokens,
             self.max_model_len,
             self.async_scheduling,
         )

@@ -40,10 +40,16 @@ class KVGroupBlockManager(BlockManager):
         if num_blocks < 2:
             raise ValueError(f"a grouped KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.groups = groups
+        # a 64-bit salt a group (0 for group 0): keys of one chained hash differ between groups
+        self._salts = [0] + [hash_block([g], 0) for g in range(1, len(groups))]
         self.align = lcm(*(g.block_size for g in groups))  # a prefix hit ends on every group's block boundary
         del self.free_block_ids[NULL_BLOCK]
         self.blocks[NULL_BLOCK].ref_count = 1  # never freed, never evicted
         self.block_group = [0] * num_blocks  # the group whose prefix cache names each block
+        # seq_id -> (tokens its tables hold, the fill that registers a block): below both a step neither allocates
+        # nor registers, and allocate_slots returns at once; windows then slide with the next step that does (at
+        # least once a block: a block is given back at most one block late)
+        self._quiet: dict[int, tuple[int, int]] = {}
 
     def group_usage(self, seq: Sequence) -> list[int]:
         """Blocks seq holds in each group (its null entries not counted)."""
@@ -54,7 +60,7 @@ class KVGroupBlockManager(BlockManager):
 
     def _key(self, group: int, block_hash: int) -> int:
         """The prefix cache's key of a group's block: group 0's is its chained hash, the others' salted by group."""
-        return block_hash if not group else hash_block([group], block_hash)
+        return block_hash ^ self._salts[group]
 
     def _first_needed(self, group: KVGroup, start: int) -> int:
         """The first block of group a query at position start or later still reads."""
@@ -65,6 +71,9 @@ class KVGroupBlockManager(BlockManager):
 
     def needs_blocks(self, seq: Sequence, num_tokens: int) -> bool:
         total = seq.num_computed_tokens + num_tokens
+        quiet = self._quiet.get(seq.seq_id)
+        if quiet is not None and total <= quiet[0]:
+            return False
         return any(len(t) * g.block_size < total for t, g in zip(self._tables(seq), self.groups))
 
     # ---- prefix cache -------------------------------------------------------------------------
@@ -124,6 +133,7 @@ class KVGroupBlockManager(BlockManager):
 
     def admit(self, seq: Sequence, cached: GroupPrefixHit) -> None:
         assert not seq.block_table
+        self._quiet.pop(seq.seq_id, None)
         tables: list[list[int]] = []
         for ids in cached.block_ids:
             for block_id in ids:
@@ -163,13 +173,18 @@ class KVGroupBlockManager(BlockManager):
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, num_lookahead_slots: int = 0) -> None:
         """Slide the windows, then as the plain manager: room for the new tokens (and lookahead slots) in every
         group, and each group's newly filled blocks offered to the prefix cache."""
+        start = seq.num_computed_tokens
+        total = start + num_new_tokens
+        needed = total + num_lookahead_slots
+        filled = min(total, len(seq.token_ids))
+        quiet = self._quiet.get(seq.seq_id)
+        if quiet is not None and needed <= quiet[0] and filled < quiet[1]:
+            return
         if not seq.group_tables:
             seq.group_tables = [[] for _ in self.groups[1:]]
             seq.group_hashes = [[] for _ in self.groups[1:]]
         self._slide(seq)
-        total = seq.num_computed_tokens + num_new_tokens
-        needed = total + num_lookahead_slots
-        filled = min(total, len(seq.token_ids))
+        done: dict[int, list[int]] = {}
         for g, (group, table, hashes) in enumerate(
             zip(self.groups, self._tables(seq), [seq.block_hashes, *seq.group_hashes])
         ):
@@ -177,24 +192,42 @@ class KVGroupBlockManager(BlockManager):
             for _ in range(-(-needed // bs) - len(table)):
                 table.append(self._take_free_block())
             if self.enable_prefix_caching and len(hashes) < filled // bs:
-                self._register(seq, g, table, hashes, filled // bs)
+                self._register(seq, g, table, hashes, filled // bs, done)
+        self._quiet[seq.seq_id] = self._quiet_bounds(seq)
 
-    def _register(self, seq: Sequence, g: int, table: list[int], hashes: list[int], num_full: int) -> None:
-        """Hash group g's blocks up to num_full and offer each to the prefix cache (first writer wins)."""
+    def _quiet_bounds(self, seq: Sequence) -> tuple[int, int]:
+        """Where seq's next allocation and registration happen (see _quiet)."""
+        held = fill = 1 << 62
+        hashes = [seq.block_hashes, *seq.group_hashes]
+        for group, table, group_hashes in zip(self.groups, self._tables(seq), hashes):
+            held = min(held, len(table) * group.block_size)
+            if self.enable_prefix_caching:
+                fill = min(fill, (len(group_hashes) + 1) * group.block_size)
+        return held, fill
+
+    def _register(
+        self, seq: Sequence, g: int, table: list[int], hashes: list[int], num_full: int, done: dict[int, list[int]]
+    ) -> None:
+        """Hash group g's blocks up to num_full and offer each to the prefix cache (first writer wins); done: the
+        hash lists this step already extended, by block size (groups of one block size share their chain)."""
         bs = self.groups[g].block_size
+        known = done.get(bs, hashes)
         prev = hashes[-1] if hashes else -1
         for i in range(len(hashes), num_full):
-            tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            prev = hash_block(tokens, prev)
+            if i < len(known):
+                prev = known[i]
+            else:
+                prev = hash_block(seq.token_ids[i * bs : (i + 1) * bs], prev)
             hashes.append(prev)
             block, key = self.blocks[table[i]], self._key(g, prev)
             if table[i] == NULL_BLOCK or block.hash != -1 or key in self.hash_to_block_id:
                 continue
-            block.hash, block.token_ids = key, tokens
+            block.hash, block.token_ids = key, seq.token_ids[i * bs : (i + 1) * bs]
             self.hash_to_block_id[key] = block.block_id
             self.block_group[block.block_id] = g
             if self.kv_events is not None and not g:  # events name group 0's blocks, as a plain cache's
-                self.kv_events.append(stored(prev, hashes[i - 1] if i else None, tokens, bs))
+                self.kv_events.append(stored(prev, hashes[i - 1] if i else None, block.token_ids, bs))
+        done.setdefault(bs, hashes)
 
     def _take_free_block(self) -> int:
         """The plain manager's, except that evicting another group's block sends no KV event (none was stored)."""
@@ -215,6 +248,7 @@ class KVGroupBlockManager(BlockManager):
             self.free_block_ids[block_id] = None
 
     def free(self, seq: Sequence) -> None:
+        self._quiet.pop(seq.seq_id, None)
         for table in self._tables(seq):
             for block_id in reversed(table):
                 if block_id != NULL_BLOCK:
