@@ -244,3 +244,18 @@ def test_gemma4_full_layers_take_longer_blocks(tmp_path):
     outs = small.generate(G4_PROMPTS * 2, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == refs * 2
     assert small.llm_engine.scheduler.num_preemptions > 0
+
+
+def test_capacity_benchmark_gemma3_27b():
+    """benchmarks/kv_capacity.py's Gemma-3-27B row against the arithmetic: 62 layers of 16 KV heads x 128 in bf16
+    before; after, 10 full layers a pool block (one full group, six sliding ones of up to 10 layers, each holding
+    its 1024-token window in at most 66 blocks of 16)."""
+    from benchmarks.kv_capacity import capacity_row
+
+    budget = 40 << 30
+    row = capacity_row("gemma-3-27b", budget, 16, 32768, 2)
+    token = 2 * 16 * 128 * 2  # K and V of one layer, bytes
+    assert row["before"] == budget // (62 * token * 16) * 16
+    blocks = budget // (10 * token * 16)
+    assert row["after"] == (blocks - 1 - 6 * 66) * 16
+    assert 6.0 < row["after"] / row["before"] < 62 / 10
