@@ -42,6 +42,9 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at (first) admission
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hash of each full block in block_table, in order
+        # a grouped KV cache (worker/kv_layout.py): the tables and hashes of KV groups 1.. (block_table is group 0's)
+        self.group_tables: list[list[int]] = []
+        self.group_hashes: list[list[int]] = []
         # hybrid models (engine/state_slots.py): the state slot it owns while admitted, and the prefix cache's
         # (position, checkpoint slot) to restore its state from at admission and to save its state to
         self.state_slot = -1

@@ -21,6 +21,16 @@ def step_loop(request):
         yield request.param
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, which only contend on the shared machine: a module opts in
+    with pytestmark = pytest.mark.usefixtures("one_thread")."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2(tmp_path_factory):
     return make_tiny_model(str(tmp_path_factory.mktemp("qwen2")), "qwen2", tie=False)

@@ -186,9 +186,10 @@ def test_kv_shared_layers_read_their_source_and_hold_no_cache(dense):
     assert [a.kv_source is None for a in attn] == [True, True, True, False, False]
     assert attn[3].k_cache.numel() == attn[4].k_cache.numel() == 0
     assert attn[0].k_cache.shape == (16, 4, 4, 16) and attn[2].k_cache.shape == (16, 4, 2, 32)
-    assert attn[0].k_cache.data_ptr() != attn[1].k_cache.data_ptr()
-    # K and V, 4 tokens a block, float32: two sliding layers of 4 x 16 and one full layer of 2 x 32
-    assert runner.kv_bytes_per_block() == 2 * 4 * 4 * (4 * 16 + 4 * 16 + 2 * 32)
+    # the grouped cache (worker/kv_layout.py): each computing layer is a KV group of its own with its own block
+    # table over one pool, whose block is one layer's K and V of 4 tokens in float32 (4 x 16 = 2 x 32 values)
+    assert sorted(a.kv_group for a in attn[:3]) == [0, 1, 2] and attn[2].kv_group == 0
+    assert runner.kv_bytes_per_block() == 2 * 4 * 4 * (4 * 16)
 
 
 @pytest.mark.parametrize("which", ["dense", "moe"])

@@ -41,6 +41,9 @@ class AttentionMetadata:
     # hybrid models: the state slot each sequence's linear-attention layers continue, and the prefix cache's
     # checkpoint copies (layers/linear_attention.StateSlotsMetadata); None runs them stateless (a profiling forward)
     state_slots: Any = None
+    # a grouped KV cache (worker/kv_layout.py): each KV group's metadata (its block tables and slots; this one is
+    # group 0's); None where every layer reads these
+    groups: "list[AttentionMetadata] | None" = None
 
     @property
     def num_seqs(self) -> int:

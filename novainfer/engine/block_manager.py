@@ -79,6 +79,10 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
+    def num_cached_tokens(self, cached: list[int]) -> int:
+        """Tokens a find_cached_prefix hit covers."""
+        return len(cached) * self.block_size
+
     def can_admit(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
         """Whether the cached prefix plus num_new_tokens more tokens fit in free blocks now."""
         fresh = self.blocks_needed(len(cached) * self.block_size + num_new_tokens) - len(cached)
@@ -100,6 +104,10 @@ class BlockManager:
         self.num_prefix_hits += seq.num_computed_tokens
 
     # ---- growth --------------------------------------------------------------------------------
+    def needs_blocks(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether num_tokens more tokens run past seq's blocks (the scheduler's cheap check before can_append)."""
+        return len(seq.block_table) * self.block_size < seq.num_computed_tokens + num_tokens
+
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         return needed <= self.num_free_blocks

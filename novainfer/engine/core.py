@@ -34,6 +34,7 @@ from novainfer.spec_decode import make_proposer
 from novainfer.spec_decode.stats import SpecDecodeStats
 from novainfer.step_types import ModelRunnerOutput, SchedulerOutput, StepFuture
 from novainfer.structured_output import StructuredOutputManager
+from novainfer.worker.kv_layout import worker_kv_layout
 from novainfer.worker.state_cache import worker_num_state_slots
 
 logger = logging.getLogger(__name__)
@@ -65,9 +66,13 @@ class EngineCore:
         self.num_blocks = min(self.executor.collective_rpc("determine_num_blocks"))
         self.executor.collective_rpc("initialize_cache", self.num_blocks)
         bs = config.cache_config.block_size
-        self.max_model_len = resolve_max_model_len(config, self.num_blocks * bs)
+        kv_layout = self.executor.collective_rpc(worker_kv_layout)[0]  # ranks split heads, not layers: one layout
+        cache_tokens = self.num_blocks * bs if kv_layout is None else kv_layout.max_context(self.num_blocks)
+        if cache_tokens is None:  # every layer slides: any context fits
+            cache_tokens = mc.hf_config.max_position_embeddings
+        self.max_model_len = resolve_max_model_len(config, cache_tokens)
         self.block_manager = make_block_manager(
-            config, mc.hf_config, self.num_blocks, self.executor.collective_rpc(worker_num_state_slots)
+            config, mc.hf_config, self.num_blocks, self.executor.collective_rpc(worker_num_state_slots), kv_layout
         )
         spec = config.speculative_config
         self.scheduler = Scheduler(
@@ -92,10 +97,11 @@ class EngineCore:
         if self.kv_events is not None:
             self.block_manager.kv_events = []
         logger.info(
-            "engine core ready: model=%s blocks=%d (%d tokens) max_model_len=%d async_scheduling=%s",
+            "engine core ready: model=%s blocks=%d (%d tokens of one sequence's context) max_model_len=%d "
+            "async_scheduling=%s",
             mc.model,
             self.num_blocks,
-            self.num_blocks * bs,
+            cache_tokens,
             self.max_model_len,
             self.async_scheduling,
         )

@@ -41,7 +41,6 @@ class Scheduler:
         self._finished_since_step = []
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
-        block_size = bm.block_size
 
         lookahead = self.num_lookahead_slots
         # 1. running sequences, oldest first; preempt the newest when blocks run out
@@ -53,7 +52,7 @@ class Scheduler:
             if spec:  # a decode step that also verifies the proposer's guesses, as many as the budget leaves
                 spec = spec[: budget - n] if n == 1 else []
                 n += len(spec)
-            if len(seq.block_table) * block_size < seq.num_computed_tokens + n + lookahead:  # needs another block
+            if bm.needs_blocks(seq, n + lookahead):
                 while not bm.can_append(seq, n + lookahead):
                     victim = self.running[-1]
                     self._preempt(victim)
@@ -72,8 +71,9 @@ class Scheduler:
             if seq.num_pending_tokens:  # preempted while a launched step samples its next token: wait for it
                 break
             cached = bm.find_cached_prefix(seq)
-            n = min(len(seq) - len(cached) * bm.block_size, budget)
-            if not self.config.enable_chunked_prefill and n < len(seq) - len(cached) * bm.block_size:
+            uncached = len(seq) - bm.num_cached_tokens(cached)
+            n = min(uncached, budget)
+            if not self.config.enable_chunked_prefill and n < uncached:
                 break
             if not bm.can_admit(seq, cached, n + lookahead):
                 break

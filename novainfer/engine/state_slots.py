@@ -15,6 +15,7 @@ from collections import OrderedDict
 from typing import Any
 
 from novainfer.engine.block_manager import BlockManager
+from novainfer.engine.kv_group_manager import KVGroupBlockManager
 from novainfer.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -86,12 +87,17 @@ class HybridBlockManager(BlockManager):
 
 
 def make_block_manager(
-    config: Any, hf_config: Any, num_blocks: int, state_slots: list[tuple[int, int]]
+    config: Any, hf_config: Any, num_blocks: int, state_slots: list[tuple[int, int]], kv_layout: Any = None
 ) -> BlockManager:
     """The engine's block manager: for a hybrid model (each rank reporting (slots, checkpoints) > 0) with state
-    slots and checkpoints, the fewest any rank has; else the plain one."""
+    slots and checkpoints, the fewest any rank has; for a grouped KV cache (kv_layout, worker/kv_layout.py) one
+    block table per KV group; else the plain one."""
     cc = config.cache_config
     num_slots, num_checkpoints = min(n for n, _ in state_slots), min(c for _, c in state_slots)
+    if kv_layout is not None:
+        if num_slots > 0:
+            raise ValueError("a model with both linear-attention and sliding-window layers is not supported")
+        return KVGroupBlockManager(num_blocks, cc.block_size, kv_layout.groups, cc.enable_prefix_caching)
     if num_slots <= 0:
         return BlockManager(num_blocks, cc.block_size, cc.enable_prefix_caching)
     if cc.enable_prefix_caching and not num_checkpoints:

@@ -21,8 +21,8 @@ from novainfer.step_types import ScheduledSequence, SchedulerOutput
 class StepMessage:
     new_seqs: list[tuple[int, int, Any, int]]  # (seq_id, index, sampling_params, num_prompt_tokens), first sight
     # (seq_id, the step's start position, num_new_tokens, samples, appended token ids, block table or None, blocked ids,
-    # hybrid models' (state_slot, state_restore, state_save) or None)
-    rows: list[tuple[int, int, int, bool, list[int], list[int] | None, list[int], tuple | None]]
+    # hybrid models' (state_slot, state_restore, state_save) or None, a grouped cache's other block tables or None)
+    rows: list[tuple[int, int, int, bool, list[int], list[int] | None, list[int], tuple | None, list | None]]
     finished_seq_ids: list[int]
     num_preempted: int
     grammar_bitmask: Any = None  # sent resolved (host tensor), see SchedulerOutput
@@ -42,7 +42,7 @@ class StepPacker:
             seq = s.seq
             state = self.sent.get(seq.seq_id)
             if state is None:
-                state = self.sent[seq.seq_id] = [0, None, -1]
+                state = self.sent[seq.seq_id] = [0, None, -1, None]
                 new.append((seq.seq_id, seq.index, seq.sampling_params, seq.num_prompt_tokens))
             tokens = seq.token_ids[state[0] :]
             state[0] = len(seq.token_ids)
@@ -52,9 +52,14 @@ class StepPacker:
             else:
                 state[1], state[2] = table, len(table)
                 table = list(table)
+            groups = None  # a grouped KV cache's other tables, sent when one was replaced or grew
+            if seq.group_tables:
+                shape = tuple((id(t), len(t)) for t in seq.group_tables)
+                if shape != state[3]:
+                    state[3], groups = shape, [list(t) for t in seq.group_tables]
             state = (seq.state_slot, seq.state_restore, seq.state_save) if seq.state_slot >= 0 else None
             rows.append(
-                (seq.seq_id, s.start, s.num_new_tokens, s.samples, tokens, table, seq.min_tokens_blocked, state)
+                (seq.seq_id, s.start, s.num_new_tokens, s.samples, tokens, table, seq.min_tokens_blocked, state, groups)
             )
         return StepMessage(new, rows, list(sched.finished_seq_ids), sched.num_preempted, sched.grammar_bitmask)
 
@@ -80,15 +85,18 @@ class StepReceiver:
                 num_prompt_tokens=num_prompt_tokens,
                 token_ids=[],
                 block_table=[],
+                group_tables=[],
             )
             self.seqs[seq_id] = mirror
         scheduled = []
-        for seq_id, computed, num_new, samples, tokens, table, blocked, state in msg.rows:
+        for seq_id, computed, num_new, samples, tokens, table, blocked, state, groups in msg.rows:
             seq = self.seqs[seq_id]
             seq.token_ids.extend(tokens)
             seq.num_computed_tokens = computed
             if table is not None:
                 seq.block_table = table
+            if groups is not None:
+                seq.group_tables = groups
             seq.min_tokens_blocked = blocked
             if state is not None:
                 seq.state_slot, seq.state_restore, seq.state_save = state

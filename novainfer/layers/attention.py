@@ -19,6 +19,7 @@ class Attention(nn.Module):
     learned attention sinks); the owner module keeps the parameter, this layer only reads it.
     kv_source: another (earlier) layer whose cache this one reads instead of its own (Gemma 4's KV sharing);
     such a layer takes no k/v, stores nothing and is given no cache of its own.
+    kv_group: the KV group whose block table the cache's layout gives this layer (worker/kv_layout.py).
     """
 
     def __init__(
@@ -45,12 +46,15 @@ class Attention(nn.Module):
             raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
         self.k_cache = self.v_cache = torch.tensor([])
+        self.kv_group = 0
         self.backend = torch_backend  # the runner binds triton_backend on the GPU
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         meta = get_attention_metadata()
         q = q.view(-1, self.num_heads, self.head_dim)
         owner = self if self.kv_source is None else self.kv_source
+        if getattr(meta, "groups", None) is not None:  # a grouped cache: this layer's group's tables and slots
+            meta = meta.groups[owner.kv_group]
         if self.kv_source is None:
             k = k.view(-1, self.num_kv_heads, self.head_dim)
             v = v.view(-1, self.num_kv_heads, self.head_dim)

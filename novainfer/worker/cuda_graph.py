@@ -6,12 +6,14 @@ up to the next captured size (padding rows write nowhere: slot -1) and replays. 
 class captures speculative decoding's verify step, where every sequence brings query_len tokens (its last
 token and its guesses); those graphs run the prefill attention kernel, whose grid depends only on the
 batch size and query_len. A hybrid model's graphs (state_slots=True) also take each sequence's state slot from a
-static buffer (padding rows: slot -1, which the Gated DeltaNet kernels neither read nor write).
+static buffer (padding rows: slot -1, which the Gated DeltaNet kernels neither read nor write). A grouped KV cache
+(worker/kv_layout.py) has a static block table and slot row per KV group, which each group's layers read.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -73,6 +75,7 @@ class DecodeGraphs:
         num_splits: Callable[[int], int],
         query_len: int = 1,
         state_slots: bool = False,
+        num_groups: int = 1,
     ):
         self.forward = forward  # (input_ids, positions) -> hidden states: the runner's decode_forward
         self.sizes = batch_size_ladder(max_num_seqs)
@@ -81,27 +84,33 @@ class DecodeGraphs:
         n, i32 = self.sizes[-1], dict(dtype=torch.int32, device=device)
         self.input_ids = torch.zeros(n * q, dtype=torch.long, device=device)
         self.positions = torch.zeros(n * q, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((n * q,), -1, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((num_groups, n * q), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.full((n,), q, **i32)
         self.query_start_loc = torch.arange(n + 1, **i32) * q
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, **i32)  # column 0 stays a valid block id
+        self.block_tables = torch.zeros(num_groups, n, max_blocks_per_seq, **i32)  # column 0 stays a valid block id
         self.hidden = torch.zeros(n * q, hidden_size, dtype=dtype, device=device)
         self.state_slots = torch.full((n,), -1, dtype=torch.long, device=device) if state_slots else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def metadata(self, bs: int) -> AttentionMetadata:
         q = self.query_len
-        return AttentionMetadata(
+        meta = AttentionMetadata(
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs],
-            slot_mapping=self.slot_mapping[: bs * q],
-            block_tables=self.block_tables[:bs],
+            slot_mapping=self.slot_mapping[0, : bs * q],
+            block_tables=self.block_tables[0, :bs],
             max_query_len=q,
-            max_seq_len=self.block_tables.shape[1],
+            max_seq_len=self.block_tables.shape[2],
             num_splits=self.num_splits(bs) if q == 1 else 1,
             cuda_graph=True,
             state_slots=None if self.state_slots is None else StateSlotsMetadata(self.state_slots[:bs], []),
         )
+        if self.block_tables.shape[0] > 1:
+            meta.groups = [meta] + [
+                replace(meta, block_tables=self.block_tables[g, :bs], slot_mapping=self.slot_mapping[g, : bs * q])
+                for g in range(1, self.block_tables.shape[0])
+            ]
+        return meta
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -135,19 +144,22 @@ class DecodeGraphs:
         block_tables: torch.Tensor,
         state_slots: torch.Tensor | None = None,
     ) -> None:
-        """Copy one step's inputs (host tensors, pinned) into the static buffers; pad to the graph's size."""
+        """Copy one step's inputs (host tensors, pinned) into the static buffers; pad to the graph's size. A grouped
+        cache's block_tables [groups, seqs, width] and slot_mapping [groups, tokens] fill every group's."""
         n, q = seq_lens.shape[0], self.query_len
         bs = bucket(self.sizes, n)
         t = n * q
+        groups = self.block_tables.shape[0]
         self.input_ids[:t].copy_(input_ids, non_blocking=True)
         self.positions[:t].copy_(positions, non_blocking=True)
-        self.slot_mapping[:t].copy_(slot_mapping, non_blocking=True)
+        self.slot_mapping[:, :t].copy_(slot_mapping.view(groups, t), non_blocking=True)
         self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
-        self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        block_tables = block_tables.view(groups, n, -1)
+        self.block_tables[:, :n, : block_tables.shape[2]].copy_(block_tables, non_blocking=True)
         if self.state_slots is not None:
             self.state_slots[:n].copy_(state_slots, non_blocking=True)
         if bs > n:
-            self.slot_mapping[t : bs * q].fill_(-1)
+            self.slot_mapping[:, t : bs * q].fill_(-1)
             self.seq_lens[n:bs].fill_(q)
             if self.state_slots is not None:
                 self.state_slots[n:bs].fill_(-1)

@@ -54,15 +54,16 @@ class InputBatch:
         self.num_blocks[row] = self._lengths[row] = len(block_table)
         return row
 
-    def gather(self, scheduled: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def gather(self, scheduled: Sequence[Any], group: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A step's rows, start positions and new-token counts (int64 arrays) in one pass over its
         ScheduledSequences; rows are added or brought up to date as row() does, which only new or grown
-        tables need (a steady decode step calls it once per block_size steps per sequence)."""
+        tables need (a steady decode step calls it once per block_size steps per sequence). group: the KV group
+        whose tables this batch mirrors (a grouped cache, worker/kv_layout.py; 0 is Sequence.block_table)."""
         row_of, sources, lengths = self.row_of, self._sources, self._lengths
         rows, starts, counts = [], [], []
         for s in scheduled:
             seq = s.seq
-            table = seq.block_table
+            table = seq.block_table if not group else seq.group_tables[group - 1]
             row = row_of.get(seq.seq_id)
             if row is None or sources[row] is not table or lengths[row] != len(table):
                 row = self.row(seq.seq_id, table)

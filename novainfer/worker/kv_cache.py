@@ -4,7 +4,8 @@ model's Attention layers read. The target's runner and the draft model's runner 
 
 A layer that reads another's cache (kv_source, Gemma 4's KV sharing) gets no cache of its own. Where the
 layers' K/V shapes differ (Gemma 4: wider heads on its full-attention layers), the one tensor is flat and each
-layer's views are consecutive slices of it."""
+layer's views are consecutive slices of it. A model with sliding-window layers takes the grouped layout of
+worker/kv_layout.py instead: one block pool, a block table per KV group, sliding groups keeping only their window."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from novainfer.layers.sampler import Sampler
 from novainfer.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from novainfer.sampling_params import SamplingParams
 from novainfer.worker.kernel_warmup import one_sequence_metadata
+from novainfer.worker.kv_layout import KVLayout, allocate_grouped, plan_kv_layout
 
 
 def _cache_owners(layers: list[Attention]) -> list[Attention]:
@@ -34,6 +36,11 @@ def kv_bytes_per_block(layers: list[Attention], block_size: int, kv_dtype: torch
     return sum(2 * block_size * a.num_kv_heads * a.head_dim * kv_dtype.itemsize for a in _cache_owners(layers))
 
 
+def kv_layout_of(layers: list[Attention], block_size: int) -> KVLayout | None:
+    """The grouped layout of the layers' caches (worker/kv_layout.py), or None for the whole-context one."""
+    return plan_kv_layout([(a.sliding_window, a.num_kv_heads * a.head_dim) for a in _cache_owners(layers)], block_size)
+
+
 def allocate_kv_cache(
     layers: list[Attention],
     num_blocks: int,
@@ -41,10 +48,15 @@ def allocate_kv_cache(
     kv_dtype: torch.dtype,
     device: torch.device,
     backend: ModuleType,
+    layout: KVLayout | None = None,
 ) -> torch.Tensor:
-    """One tensor [2, layers, blocks, block_size, kv_heads, head_dim] (flat where the layers' shapes differ);
-    each layer gets views and the backend."""
+    """One tensor [2, layers, blocks, block_size, kv_heads, head_dim] (flat where the layers' shapes differ), or
+    the grouped layout's; each layer gets views and the backend."""
     owners = _cache_owners(layers)
+    for layer in layers:
+        layer.backend = backend
+    if layout is not None:
+        return allocate_grouped(owners, layout, num_blocks, block_size, kv_dtype, device)
     shapes = {(a.num_kv_heads, a.head_dim) for a in owners}
     a = owners[0]
     shape = (2, len(owners), num_blocks, block_size, a.num_kv_heads, a.head_dim)
@@ -65,8 +77,6 @@ def allocate_kv_cache(
         k, v = kv_cache[offset : offset + 2 * per_layer[i]].chunk(2)
         layer.k_cache, layer.v_cache = k.view(view), v.view(view)
         offset += 2 * per_layer[i]
-    for layer in layers:
-        layer.backend = backend
     return kv_cache
 
 
@@ -83,13 +93,17 @@ def num_blocks_that_fit(
     bytes_per_block: int,
     profile_run: Callable[[], None],
     cpu_state_bytes: int = 0,
+    whole_context_bytes_per_block: int | None = None,
 ) -> int:
     """Blocks that fit: configured, else free GPU memory after profile_run, else the CPU budget (less what a
-    hybrid model's state slots take of it)."""
+    hybrid model's state slots take of it). The CPU budget counts tokens of the whole-context layout
+    (whole_context_bytes_per_block a block), so a grouped layout gets as many bytes, in its own blocks."""
     if cc.num_gpu_blocks is not None:
         return cc.num_gpu_blocks
     if device.type != "cuda":
-        return max(1, cc.cpu_kv_cache_tokens // block_size - -(-cpu_state_bytes // bytes_per_block))
+        whole = whole_context_bytes_per_block or bytes_per_block
+        num_blocks = cc.cpu_kv_cache_tokens // block_size - -(-cpu_state_bytes // whole)
+        return max(1, num_blocks * whole // bytes_per_block)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     profile_run()

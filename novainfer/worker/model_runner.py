@@ -26,9 +26,11 @@ from novainfer.worker.draft_model_runner import DraftModelRunner
 from novainfer.spec_decode.rejection_sampler import rejection_sample
 from novainfer.step_types import ModelRunnerOutput, SchedulerOutput
 from novainfer.worker.kernel_warmup import warm_up_kernels
+from novainfer.worker.kv_layout import log_kv_layout
 from novainfer.worker.kv_cache import (
     allocate_kv_cache,
     kv_bytes_per_block,
+    kv_layout_of,
     num_blocks_that_fit,
     profile_step,
     release_kv_cache,
@@ -62,6 +64,9 @@ class ModelRunner:
             self.drafter = DraftModelRunner(config, hf_config, self.dtype, self.kv_dtype, device, self.max_model_len)
         self.model = load_model(mc.model, hf_config, self.dtype, device, mc.load_format, quant)
         self._attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # sliding-window layers: the grouped layout (kv_layout.py) that keeps only their window; the whole-context
+        # layout with a draft model, which addresses the target's blocks with the target's one table
+        self.kv_layout = kv_layout_of(self._attention_layers, self.block_size) if self.drafter is None else None
         # hybrid models (linear-attention layers): their per-sequence state slots
         self.state_cache = StateCache.for_model(
             self.model, config, self.dtype, device, self.kv_bytes_per_block() // self.block_size
@@ -82,6 +87,7 @@ class ModelRunner:
             sc.max_num_seqs,
             self.max_blocks_per_seq,
             self.state_cache,
+            [g.block_size for g in self.kv_layout.groups] if self.kv_layout is not None else None,
         )
         self._prev: PreviousStep | None = None  # the last step that sampled: its ids stay on the device
         # on the CPU a step's forward and sampling run on this thread, so the host can plan the next step meanwhile
@@ -101,15 +107,27 @@ class ModelRunner:
 
     def kv_bytes_per_block(self) -> int:
         """The target's cache per block, plus the draft model's (it has as many blocks)."""
+        if self.kv_layout is not None:
+            return self.kv_layout.bytes_per_block(self.block_size, self.kv_dtype.itemsize)
         draft = self.drafter.kv_bytes_per_block() if self.drafter is not None else 0
         return kv_bytes_per_block(self.attention_layers(), self.block_size, self.kv_dtype) + draft
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit: configured, else free GPU memory after a profiling forward, else the CPU budget."""
         state = self.state_cache.nbytes() if self.state_cache is not None else 0  # the CPU budget holds it too
-        return num_blocks_that_fit(
-            self.config.cache_config, self.device, self.block_size, self.kv_bytes_per_block(), self.profile_run, state
+        whole = kv_bytes_per_block(self.attention_layers(), self.block_size, self.kv_dtype)
+        num_blocks = num_blocks_that_fit(
+            self.config.cache_config,
+            self.device,
+            self.block_size,
+            self.kv_bytes_per_block(),
+            self.profile_run,
+            state,
+            whole,
         )
+        if self.kv_layout is not None:
+            log_kv_layout(self.kv_layout, num_blocks, num_blocks * self.kv_bytes_per_block() // whole, self.block_size)
+        return num_blocks
 
     def profile_run(self) -> None:
         """The peak memory of a step, with a scratch cache (worker/kv_cache.py)."""
@@ -133,9 +151,17 @@ class ModelRunner:
         """One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; each layer gets views. A draft model
         gets its own cache of as many blocks, so the target's block tables address it too."""
         self.kv_cache = allocate_kv_cache(
-            self.attention_layers(), num_blocks, self.block_size, self.kv_dtype, self.device, self.attn_backend
+            self.attention_layers(),
+            num_blocks,
+            self.block_size,
+            self.kv_dtype,
+            self.device,
+            self.attn_backend,
+            self.kv_layout,
         )
-        self.decode_strategy = select_decode_strategy(self.model, self.attn_backend)
+        # the whole-stack paths read one block table: not a cache of several KV groups
+        several = self.kv_layout is not None and len(self.kv_layout.groups) > 1
+        self.decode_strategy = None if several else select_decode_strategy(self.model, self.attn_backend)
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks, self.attn_backend)
         if self.state_cache is not None:  # allocated once: on CUDA the profile run's measure includes it
@@ -178,6 +204,7 @@ class ModelRunner:
             self.device,
             self.num_splits,
             state_slots=self.state_cache is not None,
+            num_groups=len(self.inputs.group_batches),
         )
         self.graphs.capture()
         spec = self.config.speculative_config
@@ -191,6 +218,7 @@ class ModelRunner:
                 self.device,
                 self.num_splits,
                 query_len=spec.num_speculative_tokens + 1,
+                num_groups=len(self.inputs.group_batches),
             )
             self.verify_graphs.capture()
 
@@ -231,9 +259,9 @@ class ModelRunner:
                 graphs.load_inputs(
                     inp.input_ids,
                     inp.positions,
-                    inp.slot_mapping,
+                    inp.slot_mapping if inp.group_slot_mapping is None else inp.group_slot_mapping,
                     inp.seq_lens_t,
-                    inp.block_tables,
+                    inp.block_tables if inp.group_block_tables is None else inp.group_block_tables,
                     None if state is None else state.slots,
                 )
                 if inp.feed is not None:

@@ -5,7 +5,7 @@ sampling rows and generators of running sequences) and uploads them for attentio
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import chain
 from typing import Any, Iterator
 
@@ -60,12 +60,16 @@ class StepInputs:
     spec_num_drafts: list[int] | None = None
     spec_draft_ids: list[int] | None = None
     state_slots: Any = None  # hybrid models: linear_attention.StateSlotsMetadata (worker/state_cache.py)
+    # a grouped KV cache (worker/kv_layout.py): every group's block tables [groups, num_seqs, width] and slots
+    # [groups, num_tokens]; block_tables and slot_mapping above are group 0's
+    group_block_tables: torch.Tensor | None = None
+    group_slot_mapping: torch.Tensor | None = None
 
 
 class HostBuffers:
     """Preallocated (pinned on CUDA) host buffers the step inputs are written into, sized for the largest step."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, pin: bool):
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, pin: bool, num_groups: int = 1):
         def buf(n: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(n, dtype=dtype, pin_memory=pin)
 
@@ -79,6 +83,9 @@ class HostBuffers:
         # TokenFeed's indices: a copy from pageable memory would wait for the step in flight, undoing the overlap
         self.feed_dst = buf(max_seqs, torch.long)
         self.feed_src = buf(max_seqs, torch.long)
+        if num_groups > 1:
+            self.group_block_tables = buf(num_groups * max_seqs * max_blocks_per_seq, torch.int32)
+            self.group_slot_mapping = buf(num_groups * max_tokens, torch.long)
 
 
 class TokenFeed:
@@ -106,12 +113,17 @@ class StepInputBuilder:
         max_seqs: int,
         max_blocks_per_seq: int,
         state_cache: Any = None,
+        group_block_sizes: list[int] | None = None,
     ):
         self.block_size, self.vocab_size, self.device = block_size, vocab_size, device
         self.state_cache = state_cache  # hybrid models: worker/state_cache.StateCache, else None
-        self.input_batch = InputBatch(max_seqs, max_blocks_per_seq)
+        # a grouped KV cache with several groups: each group's tokens a block, and a batch mirroring its tables
+        self.group_block_sizes = group_block_sizes if group_block_sizes and len(group_block_sizes) > 1 else None
+        groups = len(self.group_block_sizes or [0])
+        self.group_batches = [InputBatch(max_seqs, max_blocks_per_seq) for _ in range(groups)]
+        self.input_batch = self.group_batches[0]
         self.host_sets = [
-            HostBuffers(max_tokens, max_seqs, max_blocks_per_seq, pin=device.type == "cuda") for _ in range(2)
+            HostBuffers(max_tokens, max_seqs, max_blocks_per_seq, device.type == "cuda", groups) for _ in range(2)
         ]
         self.host = self.host_sets[0]
         self.num_steps = 0
@@ -127,7 +139,8 @@ class StepInputBuilder:
         the overlap's PreviousStep, whose sampled ids feed the inputs still pending (worker/overlap.py)."""
         for seq_id in sched.finished_seq_ids:
             self.generators.pop(seq_id, None)
-            self.input_batch.remove(seq_id)
+            for group_batch in self.group_batches:
+                group_batch.remove(seq_id)
             self._rows.pop(seq_id, None)
         scheduled, batch = sched.scheduled, self.input_batch
         num_seqs = len(scheduled)
@@ -221,11 +234,28 @@ class StepInputBuilder:
         )
         if spec is not None:
             inp.spec_num_drafts, inp.spec_draft_ids = spec
+        if self.group_block_sizes is not None:
+            self._group_tables(inp, scheduled, token_rows, positions)
         if self.state_cache is not None:
             inp.state_slots = self.state_cache.step_metadata(scheduled)
         if sampling_rows:  # uploaded now, while the device is idle, so the forward is not waited on later
             inp.sampling_metadata = self._sampling_metadata(sampling_rows, sample_seq_ids if spec is None else None)
         return inp
+
+    def _group_tables(self, inp: StepInputs, scheduled: list, token_rows: np.ndarray, positions: np.ndarray) -> None:
+        """Every KV group's block tables and slots, packed [groups, ...] for one upload; group 0 is the step's."""
+        h, num_seqs, num_tokens = self.host, len(scheduled), inp.input_ids.shape[0]
+        rows = [batch.gather(scheduled, g)[0] for g, batch in enumerate(self.group_batches)]
+        width = max(int(batch.num_blocks[r].max()) for batch, r in zip(self.group_batches, rows))
+        groups = len(rows)
+        tables = h.group_block_tables[: groups * num_seqs * width].view(groups, num_seqs, width)
+        slots = h.group_slot_mapping[: groups * num_tokens].view(groups, num_tokens)
+        assert all(np.array_equal(r, rows[0]) for r in rows), "the KV groups' input batches disagree on rows"
+        for g, (batch, r, bs) in enumerate(zip(self.group_batches, rows, self.group_block_sizes)):
+            tables.numpy()[g] = batch.block_tables[r, :width]
+            slots.numpy()[g] = batch.slots(token_rows, positions, bs)  # every batch has the same rows
+        inp.group_block_tables, inp.group_slot_mapping = tables, slots
+        inp.block_tables, inp.slot_mapping = tables[0], slots[0]
 
     def _feed_from_previous(self, prev: Any, scheduled: list, known: list[int]) -> TokenFeed:
         """Where each pending input token (-1 in known) lies in the previous step's sampled ids."""
@@ -285,11 +315,14 @@ class StepInputBuilder:
             return x.to(self.device, non_blocking=True)
 
         max_query_len = inp.max_query_len
+        grouped = inp.group_block_tables is not None
+        tables = up(inp.group_block_tables if grouped else inp.block_tables)
+        slots = up(inp.group_slot_mapping if grouped else inp.slot_mapping)
         meta = AttentionMetadata(
             query_start_loc=up(inp.query_start_loc_t),
             seq_lens=up(inp.seq_lens_t),
-            slot_mapping=up(inp.slot_mapping),
-            block_tables=up(inp.block_tables),
+            slot_mapping=slots[0] if grouped else slots,
+            block_tables=tables[0] if grouped else tables,
             max_query_len=max_query_len,
             max_seq_len=max(inp.seq_lens),
             query_start_loc_cpu=inp.query_start_loc,
@@ -298,12 +331,25 @@ class StepInputBuilder:
             state_slots=inp.state_slots.on(self.device) if inp.state_slots is not None else None,
         )
         num_tokens = inp.input_ids.shape[0]
-        if (
+        per_token = (
             per_token
             and inp.spec_num_drafts is not None
             and sum(inp.spec_num_drafts) + len(inp.spec_num_drafts) == num_tokens
-        ):  # only sequences that verify
+        )  # only sequences that verify
+        if per_token:
             meta.per_token = per_token_metadata(
                 inp.query_start_loc, inp.positions, meta.slot_mapping, meta.block_tables
             )
+        if grouped:
+            meta.groups = [meta] + [
+                replace(
+                    meta,
+                    block_tables=tables[g],
+                    slot_mapping=slots[g],
+                    per_token=per_token_metadata(inp.query_start_loc, inp.positions, slots[g], tables[g])
+                    if per_token
+                    else None,
+                )
+                for g in range(1, tables.shape[0])
+            ]
         return meta
