@@ -17,7 +17,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from novainfer.loader import gguf_qwen35
+from novainfer.loader import gguf_families, gguf_qwen35
 from novainfer.loader.gguf_file import GGUFFile
 
 # GGUF architecture -> (HF architecture, transformers config class name)
@@ -27,6 +27,7 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
     "qwen35": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig"),  # loader/gguf_qwen35.py
     "qwen35moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig"),
+    **gguf_families.ARCHITECTURES,  # Gemma 2 / 3, Phi-3, Qwen2-MoE, Qwen3-MoE (and Mixtral: llama with experts)
 }
 
 # per-layer GGUF tensor name -> HF name (after "model.layers.N.")
@@ -64,7 +65,8 @@ def load_gguf_config(path: str) -> Any:
     arch = reader.field("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
-    hf_arch, config_cls = ARCHITECTURES[arch]
+    family = gguf_families.handles(arch, reader.metadata)
+    hf_arch, config_cls = gguf_families.architecture(arch, reader.metadata) if family else ARCHITECTURES[arch]
     tensor_names = {t.name for t in reader.tensors}
     embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
     num_heads = int(reader.field(f"{arch}.attention.head_count"))
@@ -88,9 +90,21 @@ def load_gguf_config(path: str) -> Any:
     if arch in gguf_qwen35.ARCHS:
         gguf_qwen35.check_keys(reader.metadata)
         kwargs.update(gguf_qwen35.config_kwargs(reader.field))
+    elif family:
+        gguf_families.check_keys(reader.metadata)
+        kwargs.update(gguf_families.config_kwargs(reader.field, lambda name: _small_tensor(path, name)))
     else:
         kwargs["intermediate_size"] = int(reader.field(f"{arch}.feed_forward_length"))
     return getattr(transformers, config_cls)(**kwargs)
+
+
+def _small_tensor(path: str, name: str) -> np.ndarray | None:
+    """A (small) tensor's values as float32, or None where the file has no such tensor (config read from tensors)."""
+    reader = _reader(path)
+    tensor = next((t for t in reader.tensors if t.name == name), None)
+    if tensor is None:
+        return None
+    return np.asarray(dequantize(reader.tensor_data(reader.open_map(), tensor), tensor.tensor_type), np.float32)
 
 
 def load_gguf_vocab(path: str) -> dict[str, int]:
@@ -182,8 +196,12 @@ def _tensor_names(path: str):
     """The HF-name function for the file's architecture, and for qwen35 the transforms that undo its converter's
     (None for the others)."""
     reader = _reader(path)
-    if reader.field("general.architecture") in gguf_qwen35.ARCHS:
+    arch = reader.field("general.architecture")
+    if arch in gguf_qwen35.ARCHS:
         fixer = gguf_qwen35.Qwen35Tensors(load_gguf_config(path))
+        return fixer.hf_name, fixer
+    if gguf_families.handles(arch, reader.metadata):
+        fixer = gguf_families.FamilyTensors(arch, load_gguf_config(path))
         return fixer.hf_name, fixer
     return hf_name, None
 
