@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from novainfer.loader.gguf_families import COMMON_KEYS, MOE_KEYS
+
 logger = logging.getLogger(__name__)
 
 ARCH = "qwen35"
@@ -76,33 +78,21 @@ SHIFTED_NORMS = (
 SMALL_ROWS = 16  # 2-D tensors of fewer output rows (ssm_alpha / ssm_beta) load dequantized
 
 # qwen35.* metadata this reader maps (or checks); any other qwen35.* key is refused
-KNOWN_KEYS = {
-    "block_count",
-    "context_length",
-    "embedding_length",
-    "feed_forward_length",
-    "attention.head_count",
-    "attention.head_count_kv",
-    "attention.key_length",
-    "attention.value_length",
-    "attention.layer_norm_rms_epsilon",
-    "rope.freq_base",
-    "rope.dimension_count",
-    "rope.dimension_sections",
-    "ssm.conv_kernel",
-    "ssm.state_size",
-    "ssm.group_count",
-    "ssm.time_step_rank",
-    "ssm.inner_size",
-    "attention.recurrent_layers",
-    "full_attention_interval",
-    "nextn_predict_layers",
-    "vocab_size",
-    "expert_count",
-    "expert_used_count",
-    "expert_feed_forward_length",
-    "expert_shared_feed_forward_length",
-}
+KNOWN_KEYS = (
+    COMMON_KEYS
+    | MOE_KEYS
+    | {
+        "rope.dimension_sections",
+        "ssm.conv_kernel",
+        "ssm.state_size",
+        "ssm.group_count",
+        "ssm.time_step_rank",
+        "ssm.inner_size",
+        "attention.recurrent_layers",
+        "full_attention_interval",
+        "nextn_predict_layers",
+    }
+)
 
 
 def hf_name(gguf_name: str, num_layers: int) -> str | None:
