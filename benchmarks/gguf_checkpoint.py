@@ -163,7 +163,8 @@ def write_qwen2_q4_k_m(path: str, shape: Qwen2Shape, seed: int = 0) -> str:
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp holds convert_hf_to_gguf.py, conversion/, gguf-py/
 # the converter names a BPE pre-tokenizer by the hash of a test string's tokens; a tiny test tokenizer hashes to
 # none it knows, so the runner pins this one (GPT-2's split regex: the tiny tokenizers' ByteLevel pre-tokenizer);
-# the families whose converter reads only a SentencePiece tokenizer.model (Gemma, Mistral, Phi-3) write the tiny
+# the families whose converter reads only a SentencePiece tokenizer.model (Gemma, Mistral, Phi-3) or Gemma 4's
+# byte-fallback BPE write the tiny
 # checkpoints' byte-level BPE tokenizer.json as llama.cpp's converter writes any BPE one (tokenizer model gpt2)
 TEST_PRE_TOKENIZER = "gpt-2"
 LLAMA_FTYPES = {"Q8_0": 7, "Q4_K_M": 15, "Q4_0": 2, "Q6_K": 18}  # llama_ftype values for llama_model_quantize
@@ -179,6 +180,14 @@ def byte_level_without_model(self, *args, **kwargs):
         return self._set_vocab_gpt2()
     return sentencepiece(self, *args, **kwargs)
 conversion.base.TextModel._set_vocab_sentencepiece = byte_level_without_model
+import conversion.gemma
+gemma4_vocab = conversion.gemma.Gemma4Model.set_vocab
+def gemma4_vocab_or_byte_level(self):
+    try:
+        gemma4_vocab(self)
+    except FileNotFoundError:  # not Gemma 4's byte-fallback BPE: the tiny checkpoints' byte-level one
+        self._set_vocab_gpt2()
+conversion.gemma.Gemma4Model.set_vocab = gemma4_vocab_or_byte_level
 import conversion.phi
 phi3_vocab = conversion.phi.Phi3MiniModel.set_vocab
 conversion.phi.Phi3MiniModel.set_vocab = lambda self: (
