@@ -24,23 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from novainfer.loader.gguf_families import COMMON_KEYS, MOE_KEYS
+from novainfer.loader.gguf_families import COMMON_KEYS, MOE_KEYS, SHARED_LAYER_NAMES
 
 ARCH = "gemma4"
 LAYER_NAMES = {
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "attn_norm.weight": "input_layernorm.weight",
+    **SHARED_LAYER_NAMES,
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
     "layer_output_scale.weight": "layer_scalar",
     "inp_gate.weight": "per_layer_input_gate.weight",
     "proj.weight": "per_layer_projection.weight",
