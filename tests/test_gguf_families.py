@@ -3,7 +3,8 @@ tests/tiny_models.py: Mistral and Mixtral (written as `llama`), Gemma 2, Gemma 3
 factors as tensors), Qwen2-MoE (shared expert and its gate), Qwen3-MoE (stacked `*_exps` experts) and Gemma 4
 (`gemma4`: per-layer embeddings, KV-shared layers, k_eq_v full layers; and the MoE variant).
 
-  * the f32 file gives the HF folder's greedy tokens, with the tokenizer and chat template read from the file;
+  * the f32 file gives transformers' greedy tokens on the HF folder, with the tokenizer and chat template read from
+    the file;
   * llama.cpp (llama-cpp-python) on the same f32 file agrees with NovaInfer's logits in >= 99% of top-1 tokens;
   * the Q8_0 file, kept quantized, agrees with the float32 reference on its own dequantized weights in >= 99% of
     teacher-forced top-1 tokens and is no further from it in KL than llama.cpp is on the same file.
@@ -25,7 +26,7 @@ import torch
 from benchmarks.gguf_checkpoint import convert_hf_to_gguf, llama_cpp_converter
 from tests.test_model_families import one_thread  # noqa: F401  (autouse: one intra-op thread, as there)
 from tests.test_gemma4 import save_tiny
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import hf_greedy, make_tiny_model
 
 FAMILIES = {  # tiny_models family -> (config overrides, layers, extra tokens)
     "mistral": (dict(sliding_window=None), 2, ()),
@@ -78,27 +79,23 @@ def chunks(n: int = 2, length: int = 64) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("family", ALL)
-def test_f32_gguf_greedy_equals_the_hf_folder_with_the_files_tokenizer(family, family_files):
+def test_f32_gguf_greedy_equals_transformers_on_the_hf_folder_with_the_files_tokenizer(family, family_files):
     from transformers import AutoTokenizer
 
     from novainfer import LLM, SamplingParams
 
     files = family_files(family)
     hf_tok = AutoTokenizer.from_pretrained(files["hf"])
+    llm = LLM(files["f32"], dtype="float32", max_model_len=256, block_size=4, max_num_batched_tokens=16)
+    tok = llm.get_tokenizer()  # the tokenizer and chat template come from the file
+    ids = tok.encode(PROMPT)
+    assert ids == hf_tok.encode(PROMPT)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert tok.apply_chat_template(messages, tokenize=False) == hf_tok.apply_chat_template(messages, tokenize=False)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    greedy = {}
-    for key in ("f32", "hf"):
-        llm = LLM(files[key], dtype="float32", max_model_len=256, block_size=4, max_num_batched_tokens=16)
-        if key == "f32":  # the tokenizer and chat template come from the file
-            tok = llm.get_tokenizer()
-            assert tok.encode(PROMPT) == hf_tok.encode(PROMPT)
-            messages = [{"role": "user", "content": "Hi"}]
-            assert tok.apply_chat_template(messages, tokenize=False) == hf_tok.apply_chat_template(
-                messages, tokenize=False
-            )
-        greedy[key] = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
-        llm.llm_engine.shutdown()
-    assert list(greedy["f32"]) == list(greedy["hf"])
+    got = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    llm.llm_engine.shutdown()
+    assert list(got) == hf_greedy(files["hf"], ids, 16)
 
 
 @pytest.mark.parametrize("family", ALL)
