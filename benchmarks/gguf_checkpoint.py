@@ -162,7 +162,10 @@ def write_qwen2_q4_k_m(path: str, shape: Qwen2Shape, seed: int = 0) -> str:
 # ---- GGUF files made by llama.cpp's own converter and quantizer ----------------------------------------------
 LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendor/llama.cpp holds convert_hf_to_gguf.py, conversion/, gguf-py/
 # the converter names a BPE pre-tokenizer by the hash of a test string's tokens; a tiny test tokenizer hashes to
-# none it knows, so the runner pins this one (GPT-2's split regex: the tiny tokenizers' ByteLevel pre-tokenizer)
+# none it knows, so the runner pins this one (GPT-2's split regex: the tiny tokenizers' ByteLevel pre-tokenizer);
+# the families whose converter reads only a SentencePiece tokenizer.model (Gemma, Mistral, Phi-3) or Gemma 4's
+# byte-fallback BPE write the tiny
+# checkpoints' byte-level BPE tokenizer.json as llama.cpp's converter writes any BPE one (tokenizer model gpt2)
 TEST_PRE_TOKENIZER = "gpt-2"
 LLAMA_FTYPES = {"Q8_0": 7, "Q4_K_M": 15, "Q4_0": 2, "Q6_K": 18}  # llama_ftype values for llama_model_quantize
 _CONVERT_RUNNER = """
@@ -171,6 +174,25 @@ src, pre = sys.argv[1], sys.argv[2]
 sys.path[:0] = [src, src + "/gguf-py"]
 import conversion.base
 conversion.base.TextModel.get_vocab_base_pre = lambda self, tokenizer: pre
+sentencepiece = conversion.base.TextModel._set_vocab_sentencepiece
+def byte_level_without_model(self, *args, **kwargs):
+    if not (self.dir_model / "tokenizer.model").is_file():
+        return self._set_vocab_gpt2()
+    return sentencepiece(self, *args, **kwargs)
+conversion.base.TextModel._set_vocab_sentencepiece = byte_level_without_model
+import conversion.gemma
+gemma4_vocab = conversion.gemma.Gemma4Model.set_vocab
+def gemma4_vocab_or_byte_level(self):
+    try:
+        gemma4_vocab(self)
+    except FileNotFoundError:  # not Gemma 4's byte-fallback BPE: the tiny checkpoints' byte-level one
+        self._set_vocab_gpt2()
+conversion.gemma.Gemma4Model.set_vocab = gemma4_vocab_or_byte_level
+import conversion.phi
+phi3_vocab = conversion.phi.Phi3MiniModel.set_vocab
+conversion.phi.Phi3MiniModel.set_vocab = lambda self: (
+    phi3_vocab(self) if (self.dir_model / "tokenizer.model").is_file() else self._set_vocab_gpt2()
+)
 sys.argv = [src + "/convert_hf_to_gguf.py"] + sys.argv[3:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -228,8 +250,11 @@ def llama_cpp_converter(download: bool = True) -> str | None:
     return dest
 
 
-def convert_hf_to_gguf(hf_dir: str, out: str, outtype: str = "f32", pre_tokenizer: str = TEST_PRE_TOKENIZER) -> str:
-    """Run llama.cpp's convert_hf_to_gguf.py (its own gguf-py) on an HF folder: outtype f32, f16, bf16 or q8_0."""
+def convert_hf_to_gguf(
+    hf_dir: str, out: str, outtype: str = "f32", pre_tokenizer: str = TEST_PRE_TOKENIZER, no_mtp: bool = True
+) -> str:
+    """Run llama.cpp's convert_hf_to_gguf.py (its own gguf-py) on an HF folder: outtype f32, f16, bf16 or q8_0;
+    no_mtp for the families whose converter has a multi-token-prediction head to leave out (the others refuse it)."""
     import subprocess
     import sys
 
@@ -250,8 +275,7 @@ def convert_hf_to_gguf(hf_dir: str, out: str, outtype: str = "f32", pre_tokenize
         out,
         "--outtype",
         outtype,
-        "--no-mtp",
-    ]
+    ] + (["--no-mtp"] if no_mtp else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0 or not os.path.isfile(out):
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{proc.stderr[-3000:]}")

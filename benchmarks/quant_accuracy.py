@@ -95,6 +95,18 @@ def kl_and_top1(ref: torch.Tensor, test: torch.Tensor) -> tuple[float, float]:
     return kl.mean().item(), (ref.argmax(-1) == test.argmax(-1)).double().mean().item()
 
 
+def against_float32_reference(path: str, chunks: list[list[int]]) -> tuple[tuple[float, float], tuple | None]:
+    """(KL, top-1) of the file kept quantized, and of llama.cpp on the same file (None without llama_cpp), each
+    against the float32 reference on the file's own dequantized weights (the tests' check of a quantized GGUF)."""
+    ref = novainfer_logits(path, chunks, quantized=False)
+    ours = kl_and_top1(ref, novainfer_logits(path, chunks, quantized=True))
+    try:
+        theirs = kl_and_top1(ref, llamacpp_logits(path, chunks, 1))
+    except ImportError:
+        theirs = None
+    return ours, theirs
+
+
 def make_chunks(path: str, positions: int, ctx: int) -> list[list[int]]:
     from novainfer.loader.model_loader import load_tokenizer
 

@@ -121,13 +121,15 @@ def make_tiny_model(
     head_dim: int = 16,
     extra_tokens: tuple[str, ...] = (),
     chat_template: str | None = None,
+    overrides: dict | None = None,
 ) -> str:
     """Save a random tiny model of the given architecture (qwen2, llama, qwen3 or a FAMILIES key) plus
     tokenizer to path.
 
     hidden_size is num_heads * head_dim (64 by default); Qwen3 keeps its own head_dim of 32. MoE routers get
     weights three times larger than the rest, so routing is decisive and uneven rather than near-uniform.
-    extra_tokens and chat_template make a tokenizer of another chat format (e.g. a thinking model's)."""
+    extra_tokens and chat_template make a tokenizer of another chat format (e.g. a thinking model's); overrides
+    replace config fields of a FAMILIES entry (e.g. what a GGUF file can carry)."""
     tokenizer = make_tokenizer(vocab_size, extra_tokens)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
@@ -164,7 +166,7 @@ def make_tiny_model(
         config = Qwen3Config(**common, head_dim=32)
     elif arch in FAMILIES:
         config_cls, extra = FAMILIES[arch]
-        config = getattr(transformers, config_cls)(**{**common, **extra})
+        config = getattr(transformers, config_cls)(**{**common, **extra, **(overrides or {})})
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

@@ -17,7 +17,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from novainfer.loader import gguf_qwen35
+from novainfer.loader import gguf_families, gguf_gemma4, gguf_qwen35
 from novainfer.loader.gguf_file import GGUFFile
 
 # GGUF architecture -> (HF architecture, transformers config class name)
@@ -27,6 +27,8 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
     "qwen35": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig"),  # loader/gguf_qwen35.py
     "qwen35moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig"),
+    "gemma4": ("Gemma4ForCausalLM", "Gemma4TextConfig"),  # loader/gguf_gemma4.py
+    **gguf_families.ARCHITECTURES,  # Gemma 2 / 3, Phi-3, Qwen2-MoE, Qwen3-MoE (and Mixtral: llama with experts)
 }
 
 # per-layer GGUF tensor name -> HF name (after "model.layers.N.")
@@ -64,7 +66,8 @@ def load_gguf_config(path: str) -> Any:
     arch = reader.field("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(ARCHITECTURES))}")
-    hf_arch, config_cls = ARCHITECTURES[arch]
+    family = gguf_families.handles(arch, reader.metadata)
+    hf_arch, config_cls = gguf_families.architecture(arch, reader.metadata) if family else ARCHITECTURES[arch]
     tensor_names = {t.name for t in reader.tensors}
     embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
     num_heads = int(reader.field(f"{arch}.attention.head_count"))
@@ -75,7 +78,7 @@ def load_gguf_config(path: str) -> Any:
         hidden_size=hidden,
         num_hidden_layers=int(reader.field(f"{arch}.block_count")),
         num_attention_heads=num_heads,
-        num_key_value_heads=int(reader.field(f"{arch}.attention.head_count_kv", num_heads)),
+        num_key_value_heads=_first(reader.field(f"{arch}.attention.head_count_kv", num_heads)),
         head_dim=int(reader.field(f"{arch}.attention.key_length", hidden // num_heads)),
         rms_norm_eps=float(reader.field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(reader.field(f"{arch}.rope.freq_base", 10000.0)),
@@ -88,9 +91,32 @@ def load_gguf_config(path: str) -> Any:
     if arch in gguf_qwen35.ARCHS:
         gguf_qwen35.check_keys(reader.metadata)
         kwargs.update(gguf_qwen35.config_kwargs(reader.field))
+    elif arch == gguf_gemma4.ARCH:
+        gguf_gemma4.check_keys(reader.metadata)
+        shapes = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+        kwargs.update(gguf_gemma4.config_kwargs(reader.field, shapes, lambda name: _small_tensor(path, name)))
+    elif family:
+        gguf_families.check_keys(reader.metadata)
+        kwargs.update(gguf_families.config_kwargs(reader.field, lambda name: _small_tensor(path, name)))
     else:
         kwargs["intermediate_size"] = int(reader.field(f"{arch}.feed_forward_length"))
-    return getattr(transformers, config_cls)(**kwargs)
+    config = getattr(transformers, config_cls)(**kwargs)
+    config.allow_global_per_layer_attribute_access = True  # as model_info does for HF configs (Gemma 4's layers)
+    return config
+
+
+def _first(value: Any) -> int:
+    """A per-layer metadata array's first entry (the family's reader sets per-layer values), or the value."""
+    return int(value[0]) if isinstance(value, (list, tuple)) else int(value)
+
+
+def _small_tensor(path: str, name: str) -> np.ndarray | None:
+    """A (small) tensor's values as float32, or None where the file has no such tensor (config read from tensors)."""
+    reader = _reader(path)
+    tensor = next((t for t in reader.tensors if t.name == name), None)
+    if tensor is None:
+        return None
+    return np.asarray(dequantize(reader.tensor_data(reader.open_map(), tensor), tensor.tensor_type), np.float32)
 
 
 def load_gguf_vocab(path: str) -> dict[str, int]:
@@ -129,7 +155,10 @@ def load_gguf_tokenizer(path: str) -> Any:
         os.path.basename(path),
         os.path.dirname(cached),
     )
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    # AutoTokenizer first builds a config from the file, which fails on gemma4's per-layer arrays (head_count_kv)
+    auto = _reader(path).field("general.architecture") != gguf_gemma4.ARCH
+    cls = AutoTokenizer if auto else transformers.TokenizersBackend
+    tokenizer = cls.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     try:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         tmp = tempfile.mkdtemp(prefix="tmp-", dir=os.path.dirname(cached))
@@ -182,8 +211,15 @@ def _tensor_names(path: str):
     """The HF-name function for the file's architecture, and for qwen35 the transforms that undo its converter's
     (None for the others)."""
     reader = _reader(path)
-    if reader.field("general.architecture") in gguf_qwen35.ARCHS:
+    arch = reader.field("general.architecture")
+    if arch in gguf_qwen35.ARCHS:
         fixer = gguf_qwen35.Qwen35Tensors(load_gguf_config(path))
+        return fixer.hf_name, fixer
+    if gguf_families.handles(arch, reader.metadata):
+        fixer = gguf_families.FamilyTensors(arch, load_gguf_config(path))
+        return fixer.hf_name, fixer
+    if arch == gguf_gemma4.ARCH:
+        fixer = gguf_gemma4.Gemma4Tensors()
         return fixer.hf_name, fixer
     return hf_name, None
 
@@ -205,7 +241,7 @@ def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple
     reader = _reader(path)
     arch = reader.field("general.architecture")
     num_heads = int(reader.field(f"{arch}.attention.head_count"))
-    num_kv_heads = int(reader.field(f"{arch}.attention.head_count_kv", num_heads))
+    num_kv_heads = _first(reader.field(f"{arch}.attention.head_count_kv", num_heads))
     logged: set[str] = set()
     name_of, fixer = _tensor_names(path)
     file_map = reader.open_map()  # unmapped once the last tensor view is gone: no file pages stay resident

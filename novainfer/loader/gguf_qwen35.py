@@ -24,12 +24,15 @@ from typing import Any
 
 import numpy as np
 
+from novainfer.loader.gguf_families import COMMON_KEYS, MOE_KEYS, SHARED_LAYER_NAMES
+
 logger = logging.getLogger(__name__)
 
 ARCH = "qwen35"
 ARCHS = ("qwen35", "qwen35moe")  # Qwen3.5 dense and MoE
 # per-layer GGUF tensor (name before its ".weight"/".bias", or the whole name) -> HF name after "model.layers.N."
 LAYER_NAMES = {
+    **SHARED_LAYER_NAMES,
     "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
     "attn_gate.weight": "linear_attn.in_proj_z.weight",
     "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
@@ -39,17 +42,7 @@ LAYER_NAMES = {
     "ssm_conv1d.weight": "linear_attn.conv1d.weight",
     "ssm_norm.weight": "linear_attn.norm.weight",
     "ssm_out.weight": "linear_attn.out_proj.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "attn_norm.weight": "input_layernorm.weight",
     "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
     # qwen35moe: [E, ...] expert stacks (split per expert by fix), the router, the gated shared expert
     "ffn_gate_exps.weight": "mlp.experts.gate_proj.weight",
     "ffn_up_exps.weight": "mlp.experts.up_proj.weight",
@@ -76,33 +69,21 @@ SHIFTED_NORMS = (
 SMALL_ROWS = 16  # 2-D tensors of fewer output rows (ssm_alpha / ssm_beta) load dequantized
 
 # qwen35.* metadata this reader maps (or checks); any other qwen35.* key is refused
-KNOWN_KEYS = {
-    "block_count",
-    "context_length",
-    "embedding_length",
-    "feed_forward_length",
-    "attention.head_count",
-    "attention.head_count_kv",
-    "attention.key_length",
-    "attention.value_length",
-    "attention.layer_norm_rms_epsilon",
-    "rope.freq_base",
-    "rope.dimension_count",
-    "rope.dimension_sections",
-    "ssm.conv_kernel",
-    "ssm.state_size",
-    "ssm.group_count",
-    "ssm.time_step_rank",
-    "ssm.inner_size",
-    "attention.recurrent_layers",
-    "full_attention_interval",
-    "nextn_predict_layers",
-    "vocab_size",
-    "expert_count",
-    "expert_used_count",
-    "expert_feed_forward_length",
-    "expert_shared_feed_forward_length",
-}
+KNOWN_KEYS = (
+    COMMON_KEYS
+    | MOE_KEYS
+    | {
+        "rope.dimension_sections",
+        "ssm.conv_kernel",
+        "ssm.state_size",
+        "ssm.group_count",
+        "ssm.time_step_rank",
+        "ssm.inner_size",
+        "attention.recurrent_layers",
+        "full_attention_interval",
+        "nextn_predict_layers",
+    }
+)
 
 
 def hf_name(gguf_name: str, num_layers: int) -> str | None:

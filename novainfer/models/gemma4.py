@@ -24,7 +24,7 @@ from novainfer.layers.attention import Attention
 from novainfer.layers.embedding import VocabParallelEmbedding
 from novainfer.layers.fused_moe import FusedMoE
 from novainfer.layers.fused_moe.routing import select_experts
-from novainfer.layers.layernorm import GemmaRMSNorm
+from novainfer.layers.layernorm import GemmaRMSNorm, RMSNorm
 from novainfer.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -59,6 +59,16 @@ class Gemma4RMSNorm(GemmaRMSNorm):
         xf = x.float()
         xf = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
         return (xf if self.weight is None else xf * self.weight.float()).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Gemma's forward, but on the quantized CPU path RMSNorm's C op with the weight as stored (not 1 + w);
+        the weightless v norm always in torch."""
+        if self.fused_cpu and self.weight is not None:
+            return RMSNorm.forward(self, x, residual)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
 
 
 def check_supported(config: Any) -> None:
