@@ -2,7 +2,8 @@
 torch decode path, for a batch mixing continuing sequences and a one-token prompt that must ignore its slot's stale
 state; the prefill (csrc/gated_delta_prefill_cpu.c) against the torch references of kernels/gated_delta_rule.py
 (causal_conv1d_torch, chunk_gated_delta_rule_torch) on packed sequences of varied lengths across chunk boundaries,
-from carried states. Outputs and the conv / recurrent states left in each slot equal within 1e-5 relative."""
+from carried states; the gated RMSNorm against its torch form. Outputs and the conv / recurrent states left in each
+slot equal within 1e-5 relative."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from novainfer.kernels import gated_delta_rule as gdr
 from novainfer.layers import linear_attention
-from novainfer.layers.linear_attention import GatedDeltaNet
+from novainfer.layers.linear_attention import GatedDeltaNet, GatedRMSNorm
 from novainfer.kernels.cpu import gated_delta as gated_delta_cpu
 from tests.test_linear_attention import run
 
@@ -97,3 +98,16 @@ def test_c_prefill_equals_torch_reference(isa, lens):
         assert relative(out[rows], ref[rows]) < 1e-5, f"sequence {n} of {length} tokens"
         assert relative(ssm_c[slots[n]], ssm_t[slots[n]]) < 1e-5
     assert torch.equal(conv_c[5], conv0[5]) and torch.equal(ssm_c[5], ssm0[5])
+
+
+def test_c_gated_rms_norm_equals_torch(monkeypatch):
+    """130 rows (three tasks, the last one short) of 84 values (eight at a time, then a scalar rest)."""
+    gen = torch.Generator().manual_seed(5)
+    norm = GatedRMSNorm(84, 1e-6)
+    norm.weight.data = torch.randn(84, generator=gen)
+    x, z = torch.randn(65, 2, 84, generator=gen) * 3, torch.randn(65, 2, 84, generator=gen) * 4
+    got = norm(x, z)
+    monkeypatch.setattr(gated_delta_cpu, "gated_rms_norm", lambda *a: None)
+    want = norm(x, z)
+    assert got.shape == want.shape and relative(got, want) < 1e-6
+    assert ((got - want).abs() <= 1e-5 * want.abs() + 1e-6).all()

@@ -89,6 +89,9 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        fused = gated_delta_cpu.gated_rms_norm(x, z, self.weight, self.eps)  # float32 on the CPU: one C call
+        if fused is not None:
+            return fused
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -48,6 +48,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.gated_delta_prefill.restype = _I
     lib.set_gated_delta_prefill_isa.argtypes = [_I]
     lib.set_gated_delta_prefill_isa.restype = _I
+    lib.gated_rms_norm.argtypes = [_P, _P, _P, ctypes.c_float, _I, _I, _P, _I]
+    lib.gated_rms_norm.restype = None
     return lib
 
 
@@ -168,4 +170,18 @@ def prefill(
     )
     if rc:
         raise MemoryError("gated_delta prefill: out of memory for its task table")
+    return out
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """weight * x / sqrt(mean(x^2) + eps) * silu(z) over the last dim, in one C call; None where the C kernels do not
+    take these (not float32 CPU tensors, or not built): the caller runs its torch form."""
+    if x.is_cuda or not (x.dtype is z.dtype is weight.dtype is torch.float32) or _lib() is None:
+        return None
+    x, z, weight = x.contiguous(), z.contiguous(), weight.contiguous()
+    out = torch.empty_like(x)
+    d = x.shape[-1]
+    _lib().gated_rms_norm(
+        x.data_ptr(), z.data_ptr(), weight.data_ptr(), eps, x.numel() // d, d, out.data_ptr(), library.num_threads()
+    )
     return out
