@@ -75,6 +75,28 @@ def usable(mixed: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tenso
     )
 
 
+def _operands(
+    mixed: torch.Tensor,
+    ssm_state: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    slots: torch.Tensor,
+    num_k_heads: int,
+    head_k_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """g, beta (float32) and slots (int64) as the C calls take them, once the state's shape fits the channels."""
+    c = mixed.shape[1]
+    nv, dk, dv = ssm_state.shape[1:]
+    if dk != head_k_dim or c != 2 * num_k_heads * head_k_dim + nv * dv:
+        raise ValueError(f"gated_delta: state {tuple(ssm_state.shape)} does not fit {c} conv channels")
+    return g.float().contiguous(), beta.float().contiguous(), slots.to(torch.int64).contiguous()
+
+
+def _tail(g: torch.Tensor, beta: torch.Tensor, dims: tuple[int, ...], scratch: torch.Tensor, out: torch.Tensor) -> list:
+    """The arguments both C calls end with: g, beta, (C, K, nk, nv, dk, dv), scratch, out, threads."""
+    return [g.data_ptr(), beta.data_ptr(), *dims, scratch.data_ptr(), out.data_ptr(), library.num_threads()]
+
+
 def decode_step(
     mixed: torch.Tensor,
     conv_state: torch.Tensor,
@@ -90,11 +112,8 @@ def decode_step(
     """One token of B sequences: updates conv_state / ssm_state in their slots, returns out [B, nv, dv]."""
     b, c = mixed.shape
     nv, dk, dv = ssm_state.shape[1:]
-    if dk != head_k_dim or c != 2 * num_k_heads * head_k_dim + nv * dv:
-        raise ValueError(f"gated_delta decode: state {tuple(ssm_state.shape)} does not fit {c} conv channels")
+    g, beta, slots64 = _operands(mixed, ssm_state, g, beta, slots, num_k_heads, head_k_dim)
     weight = conv_weight.reshape(c, -1).float().contiguous()
-    g, beta = g.float().contiguous(), beta.float().contiguous()
-    slots64 = slots.to(torch.int64).contiguous()
     cont = continues.to(torch.uint8).contiguous()
     scratch = torch.empty(b, c, dtype=torch.float32)
     out = torch.empty(b, nv, dv, dtype=torch.float32)
@@ -107,17 +126,7 @@ def decode_step(
         cont.data_ptr(),
         b,
         weight.data_ptr(),
-        g.data_ptr(),
-        beta.data_ptr(),
-        c,
-        weight.shape[1],
-        num_k_heads,
-        nv,
-        dk,
-        dv,
-        scratch.data_ptr(),
-        out.data_ptr(),
-        library.num_threads(),
+        *_tail(g, beta, (c, weight.shape[1], num_k_heads, nv, dk, dv), scratch, out),
     )
     return out
 
@@ -139,11 +148,8 @@ def prefill(
     returns out [T, nv, dv]."""
     t, c = mixed.shape
     nv, dk, dv = ssm_state.shape[1:]
-    if dk != head_k_dim or c != 2 * num_k_heads * head_k_dim + nv * dv:
-        raise ValueError(f"gated_delta prefill: state {tuple(ssm_state.shape)} does not fit {c} conv channels")
+    g, beta, slots64 = _operands(mixed, ssm_state, g, beta, slots, num_k_heads, head_k_dim)
     weight_t = conv_weight.reshape(c, -1).float().t().contiguous()  # [K, C]: the conv's taps over channels
-    g, beta = g.float().contiguous(), beta.float().contiguous()
-    slots64 = slots.to(torch.int64).contiguous()
     cu = cu_seqlens.to(torch.int32).contiguous()
     scratch = torch.empty(t, c, dtype=torch.float32)
     out = torch.empty(t, nv, dv, dtype=torch.float32)
@@ -156,17 +162,7 @@ def prefill(
         cu.data_ptr(),
         slots64.shape[0],
         weight_t.data_ptr(),
-        g.data_ptr(),
-        beta.data_ptr(),
-        c,
-        weight_t.shape[0],
-        num_k_heads,
-        nv,
-        dk,
-        dv,
-        scratch.data_ptr(),
-        out.data_ptr(),
-        library.num_threads(),
+        *_tail(g, beta, (c, weight_t.shape[0], num_k_heads, nv, dk, dv), scratch, out),
     )
     if rc:
         raise MemoryError("gated_delta prefill: out of memory for its task table")
