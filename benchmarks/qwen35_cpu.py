@@ -4,7 +4,8 @@ its own process with the same thread count: batch-1 greedy decode tok/s and the 
 prompt, every timed run on a fresh prompt (no prefix cache helps either engine). Example:
     python benchmarks/qwen35_cpu.py --threads 2 --json out.json
 
-Decode tok/s is (n - 1) / (time for n new tokens - time for 1) on a --prompt-len prompt. The file is written
+Decode tok/s is (n - 1) / (time for n new tokens - time for 1) on a --prompt-len prompt. The JSON's top level
+holds each engine's best (novainfer_prefill_ms, llamacpp_decode_tok_s, ...) for benchmarks/tree_ab.py --key. The file is written
 once under --path (a few minutes: the random HF checkpoint, its float16 conversion, the quantization) and reused.
 """
 
@@ -136,6 +137,11 @@ def main() -> None:
             results[engine] = json.load(f)
         os.remove(out)
     results["load_avg_at_end"] = os.getloadavg()
+    for engine in ("novainfer", "llamacpp"):  # top-level bests, for benchmarks/tree_ab.py --key
+        r = results.get(engine)
+        if r and "error" not in r:
+            results[f"{engine}_decode_tok_s"] = max(r["decode_tok_s"])
+            results[f"{engine}_prefill_ms"] = min(r["prefill_ms"])
     print(f"\n{args.shape}, Q4_K_M, batch 1, {args.threads} threads; load average {results['load_avg_at_start']}")
     print(f"| engine | decode tok/s: best (rounds) | {args.prefill_len}-token prefill ms: best (rounds) |")
     print("|---|---|---|")

@@ -1,87 +1,51 @@
-"""The Gated DeltaNet reference (layers/linear_attention.py) against transformers' torch fallbacks on random
-tensors: the chunked prefill form and the batched decode step, from zero and from a carried state, and the
-layer's forward split into chunks and decodes against one pass over the whole sequence; the layer's Triton path
-(the kernels interpreted on the CPU) against its torch path, step by step on the same slots."""
+"""The Gated DeltaNet layer (layers/linear_attention.py; its kernels are tested against transformers in
+test_gated_delta_kernels.py and test_gated_delta_cpu.py): its forward split into chunks and decodes against one
+pass over the whole sequence, checkpoints saved and restored inside a chunk; the layer's Triton path (the kernels
+interpreted on the CPU) against its CPU path, step by step on the same slots."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-from transformers.models.qwen3_next.modeling_qwen3_next import (
-    torch_chunk_gated_delta_rule,
-    torch_recurrent_gated_delta_rule,
-)
 
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata
-from novainfer.layers.linear_attention import (
-    GatedDeltaNet,
-    StateSlotsMetadata,
-    gated_delta_chunked,
-    gated_delta_step,
-    l2_normalize,
-)
-
-
-def random_inputs(length: int, k_heads: int = 2, v_heads: int = 4, dk: int = 8, dv: int = 6, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(length, k_heads, dk, generator=gen)
-    k = torch.randn(length, k_heads, dk, generator=gen)
-    v = torch.randn(length, v_heads, dv, generator=gen)
-    g = -torch.rand(length, v_heads, generator=gen) * 0.5
-    beta = torch.rand(length, v_heads, generator=gen)
-    state = torch.randn(v_heads, dk, dv, generator=gen) * 0.3
-    return q, k, v, g, beta, state
-
-
-def ours_inputs(q: torch.Tensor, k: torch.Tensor, rep: int):
-    """Our kernels take q and k normalised, q scaled, and repeated to the value heads."""
-    qn = (l2_normalize(q) * q.shape[-1] ** -0.5).repeat_interleave(rep, dim=1)
-    return qn, l2_normalize(k).repeat_interleave(rep, dim=1)
-
-
-@pytest.mark.parametrize("length,chunk,with_state", [(5, 64, False), (37, 8, True), (64, 16, True)])
-def test_chunked_matches_transformers(length, chunk, with_state):
-    q, k, v, g, beta, state = random_inputs(length)
-    init = state if with_state else torch.zeros_like(state)
-    ref, ref_state = torch_chunk_gated_delta_rule(
-        q[None],
-        k[None],
-        v[None],
-        g[None],
-        beta[None],
-        initial_state=init[None],
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-    )
-    qn, kn = ours_inputs(q, k, 2)
-    out, final = gated_delta_chunked(qn, kn, v, g, beta, init, chunk=chunk)
-    torch.testing.assert_close(out, ref[0], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(final, ref_state[0], atol=1e-5, rtol=1e-4)
-
-
-def test_decode_step_matches_transformers_recurrence():
-    batch = [random_inputs(1, seed=s) for s in range(3)]
-    q, k, v, g, beta, state = (torch.stack([b[i][0] if i < 5 else b[i] for b in batch]) for i in range(6))
-    ref, ref_state = torch_recurrent_gated_delta_rule(
-        q[:, None],
-        k[:, None],
-        v[:, None],
-        g[:, None],
-        beta[:, None],
-        initial_state=state,
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
-    )
-    qn, kn = ours_inputs(q, k, 2)
-    out, final = gated_delta_step(qn, kn, v, g, beta, state)
-    torch.testing.assert_close(out, ref[:, 0], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(final, ref_state, atol=1e-5, rtol=1e-4)
+from novainfer.layers.linear_attention import GatedDeltaNet, StateSlotsMetadata
 
 
 class TinyConfig:
     hidden_size, rms_norm_eps, hidden_act = 32, 1e-6, "silu"
     linear_num_key_heads, linear_num_value_heads, linear_key_head_dim, linear_value_head_dim = 2, 4, 8, 6
     linear_conv_kernel_dim = 4
+
+
+def step_metadata(
+    layer: GatedDeltaNet,
+    lens: list[int],
+    seq_lens: list[int],
+    slots: list[int] | None,
+    restores: dict[int, int] | None = None,
+    saves: dict[int, tuple[int, int]] | None = None,
+) -> AttentionMetadata:
+    """A step's metadata, the fresh sequences' slots zeroed first as the runner does."""
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    fresh = [i for i in range(len(lens)) if seq_lens[i] == lens[i]]
+    state = (
+        None if slots is None else StateSlotsMetadata(torch.tensor(slots), slots, restores or {}, saves or {}, fresh)
+    )
+    if state is not None:
+        state.zero_fresh(layer.conv_state, layer.ssm_state)
+    return AttentionMetadata(
+        query_start_loc=torch.tensor(qsl),
+        seq_lens=torch.tensor(seq_lens),
+        slot_mapping=torch.zeros(0),
+        block_tables=torch.zeros(0),
+        max_query_len=max(lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+        state_slots=state,
+    )
 
 
 def run(
@@ -93,23 +57,8 @@ def run(
     restores: dict[int, int] | None = None,
     saves: dict[int, tuple[int, int]] | None = None,
 ):
-    qsl = [0]
-    for n in lens:
-        qsl.append(qsl[-1] + n)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(qsl),
-        seq_lens=torch.tensor(seq_lens),
-        slot_mapping=torch.zeros(0),
-        block_tables=torch.zeros(0),
-        max_query_len=max(lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
-        state_slots=None
-        if slots is None
-        else StateSlotsMetadata(torch.tensor(slots), slots, restores or {}, saves or {}),
-    )
-    with attention_metadata(meta), torch.no_grad():
+    """The layer's forward on hidden states x."""
+    with attention_metadata(step_metadata(layer, lens, seq_lens, slots, restores, saves)), torch.no_grad():
         return layer(x)
 
 
@@ -118,7 +67,7 @@ def test_layer_chunks_and_decodes_equal_one_pass():
     layer = GatedDeltaNet(TinyConfig())
     for p in layer.parameters():
         p.data.normal_(0, 0.3)
-    layer.conv_state = torch.full((3, 3, layer.conv_dim), 7.0)  # stale contents: a fresh start must ignore them
+    layer.conv_state = torch.full((3, 3, layer.conv_dim), 7.0)  # stale contents: a fresh start zeroes them
     layer.ssm_state = torch.full((3, 4, 8, 6), 7.0)
     x = torch.randn(11, 32)
     whole = run(layer, x, [11], [11], None)
@@ -175,27 +124,8 @@ def mix(
     restores: dict[int, int] | None = None,
     saves: dict[int, tuple[int, int]] | None = None,
 ):
-    """The layer's conv + delta rule on x's projections, the fresh sequences' slots zeroed first as the runner does."""
-    qsl = [0]
-    for n in lens:
-        qsl.append(qsl[-1] + n)
-    fresh = [i for i in range(len(lens)) if seq_lens[i] == lens[i]]
-    state = (
-        None if slots is None else StateSlotsMetadata(torch.tensor(slots), slots, restores or {}, saves or {}, fresh)
-    )
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor(qsl),
-        seq_lens=torch.tensor(seq_lens),
-        slot_mapping=torch.zeros(0),
-        block_tables=torch.zeros(0),
-        max_query_len=max(lens),
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=qsl,
-        seq_lens_cpu=seq_lens,
-        state_slots=state,
-    )
-    if state is not None:
-        state.zero_fresh(layer.conv_state, layer.ssm_state)
+    """The layer's conv + delta rule on x's projections."""
+    meta = step_metadata(layer, lens, seq_lens, slots, restores, saves)
     return layer.mix(*project(layer, x), meta, use_triton=use_triton).float()
 
 

@@ -3,11 +3,11 @@
 
 Per token t of a head (q and k L2-normalised, q scaled by k_dim^-1/2):
     S <- exp(g_t) S;   u_t = beta_t (v_t - S^T k_t);   S <- S + k_t u_t^T;   o_t = S^T q_t
-On CUDA tensors the layer runs the Triton kernels of kernels/gated_delta_rule.py on the slot pools in place: a
-decode step as causal_conv1d_update + fused_recurrent_gated_delta_rule (no host reads: CUDA graphs capture it), a
-prefill as causal_conv1d + a chunked rule (fla's chunk_gated_delta_rule when fla-core imports, else ours). Elsewhere
-the pure-torch reference here runs: a prefill (or prefill chunk) in chunks of CHUNK tokens solved as one triangular
-system per chunk, a decode step as the recurrence batched over sequences. The state lives in slots bound by the
+The layer runs the kernels of kernels/gated_delta_rule.py on the slot pools in place: a decode step as
+causal_conv1d_update + fused_recurrent_gated_delta_rule (no host reads: CUDA graphs capture it), a prefill as
+causal_conv1d + a chunked rule (fla's chunk_gated_delta_rule when fla-core imports, else ours). On CUDA tensors
+these are Triton kernels; on the CPU in float32 the C kernels of kernels/cpu/gated_delta.py (one call per step for
+conv and rule), else the torch references. The state lives in slots bound by the
 runner (worker/state_cache.py); which slot a sequence owns comes with the step's attention metadata (state_slots).
 A sequence whose step starts at position 0 starts from a zero state (the kernels read its slot, which the runner
 zeroes first: StateSlotsMetadata.fresh).
@@ -27,15 +27,17 @@ from torch import nn
 from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
 from novainfer.distributed import get_tp_group, shard_dim
 from novainfer.kernels.gated_delta_rule import (
+    causal_conv1d_torch,
     causal_conv1d_triton,
+    causal_conv1d_update_torch,
     causal_conv1d_update_triton,
+    chunk_gated_delta_rule_torch,
     chunk_gated_delta_rule_triton,
+    fused_recurrent_gated_delta_rule_torch,
     fused_recurrent_gated_delta_rule_triton,
 )
 from novainfer.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from novainfer.kernels.cpu import gated_delta as gated_delta_cpu
-
-CHUNK = 64  # tokens per chunk of the chunked prefill form
 
 
 @dataclass
@@ -78,61 +80,6 @@ def fla_chunk_rule() -> Callable | None:
     return chunk_gated_delta_rule
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim (the FLA convention transformers follows)."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
-
-
-def gated_delta_chunked(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    chunk: int = CHUNK,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's delta rule over L tokens, chunk by chunk, in float32.
-
-    q, k: [L, H, Dk] (normalised and scaled already), v: [L, H, Dv], g, beta: [L, H], state: [H, Dk, Dv].
-    Returns (out [L, H, Dv], final state). Within a chunk with cumulative log-decay G, the new values u
-    solve (I + A) u = beta v - beta exp(G) K S0 with A[t, j] = beta_t exp(G_t - G_j) k_t.k_j for j < t."""
-    q, k, v = (x.float().transpose(0, 1) for x in (q, k, v))  # [H, L, D]
-    g, beta = g.float().transpose(0, 1), beta.float().transpose(0, 1)  # [H, L]
-    length = q.shape[1]
-    out = torch.empty_like(v)
-    s = state.float()
-    for c0 in range(0, length, chunk):
-        c1 = min(c0 + chunk, length)
-        qc, kc, vc, bc = q[:, c0:c1], k[:, c0:c1], v[:, c0:c1], beta[:, c0:c1]
-        cum = g[:, c0:c1].cumsum(-1)  # [H, C]
-        n = c1 - c0
-        diff = cum.unsqueeze(-1) - cum.unsqueeze(-2)  # [H, C, C]: G_t - G_j
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        decay = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
-        kk = kc @ kc.transpose(-1, -2)
-        a = (bc.unsqueeze(-1) * kk * decay).tril(-1)
-        eye = torch.eye(n, dtype=a.dtype, device=a.device)
-        rhs = bc.unsqueeze(-1) * (vc - (cum.exp().unsqueeze(-1) * kc) @ s)
-        u = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)  # [H, C, Dv]
-        out[:, c0:c1] = cum.exp().unsqueeze(-1) * (qc @ s) + ((qc @ kc.transpose(-1, -2)) * decay) @ u
-        last = cum[:, -1:]  # [H, 1]
-        s = last.exp().unsqueeze(-1) * s + ((last - cum).exp().unsqueeze(-1) * kc).transpose(-1, -2) @ u
-    return out.transpose(0, 1), s
-
-
-def gated_delta_step(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of B sequences: q, k [B, H, Dk], v [B, H, Dv], g, beta [B, H], state [B, H, Dk, Dv] (float32).
-    Returns (out [B, H, Dv], new state)."""
-    s = state * g.float().exp()[..., None, None]
-    kf, vf = k.float(), v.float()
-    u = beta.float().unsqueeze(-1) * (vf - (s * kf.unsqueeze(-1)).sum(-2))
-    s = s + kf.unsqueeze(-1) * u.unsqueeze(-2)
-    return (s * q.float().unsqueeze(-1)).sum(-2), s
-
-
 class GatedRMSNorm(nn.Module):
     """RMSNorm over each head's values, times silu(z): weight * norm(x) * silu(z), the norm taken in float32."""
 
@@ -146,6 +93,9 @@ class GatedRMSNorm(nn.Module):
             from novainfer.kernels.fused_ops import gated_rms_norm
 
             return gated_rms_norm(x.contiguous(), z.contiguous(), self.weight, self.eps)
+        fused = gated_delta_cpu.gated_rms_norm(x, z, self.weight, self.eps)  # float32 on the CPU: one C call
+        if fused is not None:
+            return fused
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -242,18 +192,26 @@ class GatedDeltaNet(nn.Module):
         self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata, use_triton: bool
     ) -> torch.Tensor:
         """The conv and the delta rule of a step's tokens, [T, v_heads, v_dim]: the Triton kernels (on CUDA; tests
-        call them on the CPU under TRITON_INTERPRET) or the torch reference."""
+        call them on the CPU under TRITON_INTERPRET), else the C kernels or the torch references."""
         state = meta.state_slots
         decode = meta.max_query_len == 1 and state is not None and not state.restores and not state.saves
-        if use_triton:
-            return (
-                self._decode_kernels(mixed, g, beta, state.slots)
-                if decode
-                else self._prefill_kernels(mixed, g, beta, meta)
+        if not decode:
+            return self._prefill(mixed, g, beta, meta, use_triton)
+        if not use_triton and gated_delta_cpu.usable(mixed, self.conv_state, self.ssm_state):
+            continues = meta.seq_lens[: mixed.shape[0]] > 1
+            return gated_delta_cpu.decode_step(
+                mixed,
+                self.conv_state,
+                self.ssm_state,
+                state.slots,
+                continues,
+                self.conv1d.weight,
+                g,
+                beta,
+                self.num_k_heads,
+                self.head_k_dim,
             )
-        if decode:
-            return self._decode(mixed, g, beta, state.slots, meta.seq_lens[: mixed.shape[0]] > 1)
-        return self._prefill(mixed, g, beta, meta)
+        return self._decode(mixed, g, beta, state.slots, use_triton)
 
     def _split(self, conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views of the conv output [T, conv_dim] as the kernels take them: q, k [T, k_heads, k_dim], v."""
@@ -265,13 +223,15 @@ class GatedDeltaNet(nn.Module):
             v.view(n, self.num_v_heads, self.head_v_dim),
         )
 
-    def _decode_kernels(
-        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor
+    def _decode(
+        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor, use_triton: bool
     ) -> torch.Tensor:
         """One token per sequence on the slot pools in place (a fresh sequence's slot was zeroed; a negative slot is
         a graph's padding row); nothing here reads the device, so a CUDA graph captures it."""
-        conv = causal_conv1d_update_triton(mixed, self.conv1d.weight[:, 0], None, self.conv_state, slots)
-        return fused_recurrent_gated_delta_rule_triton(*self._split(conv), g, beta, self.ssm_state, slots)
+        conv_update = causal_conv1d_update_triton if use_triton else causal_conv1d_update_torch
+        rule = fused_recurrent_gated_delta_rule_triton if use_triton else fused_recurrent_gated_delta_rule_torch
+        conv = conv_update(mixed, self.conv1d.weight[:, 0], None, self.conv_state, slots)
+        return rule(*self._split(conv), g, beta, self.ssm_state, slots)
 
     def _chunk_rule(
         self,
@@ -308,8 +268,30 @@ class GatedDeltaNet(nn.Module):
         pool[slots] = final
         return o[0]
 
-    def _prefill_kernels(
-        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata
+    def _run(
+        self,
+        x: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+        slots: torch.Tensor,
+        cu: torch.Tensor,
+        use_triton: bool,
+    ) -> torch.Tensor:
+        """Conv and chunked rule over packed runs of tokens, each from and back into its slot of the pools."""
+        if use_triton:
+            conv = causal_conv1d_triton(x, self.conv1d.weight[:, 0], None, conv_pool, slots, cu)
+            return self._chunk_rule(*self._split(conv), g, beta, ssm_pool, slots, cu)
+        if gated_delta_cpu.usable(x, conv_pool, ssm_pool):
+            return gated_delta_cpu.prefill(
+                x, conv_pool, ssm_pool, slots, cu, self.conv1d.weight, g, beta, self.num_k_heads, self.head_k_dim
+            )
+        conv = causal_conv1d_torch(x, self.conv1d.weight[:, 0], None, conv_pool, slots, cu)
+        return chunk_gated_delta_rule_torch(*self._split(conv), g, beta, ssm_pool, slots, cu)
+
+    def _prefill(
+        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata, use_triton: bool
     ) -> torch.Tensor:
         """All sequences' runs batched into one conv and one chunked-rule launch per wave. A save at a cut splits
         its sequence into two runs in consecutive waves, the state copied to the checkpoint in between; a restore
@@ -353,8 +335,7 @@ class GatedDeltaNet(nn.Module):
             cu = torch.tensor([0] + [b - a for _, (a, b, _) in wave], dtype=torch.int32).cumsum(0, dtype=torch.int32)
             cu = cu.to(dev, non_blocking=True)
             slots = torch.tensor([state.slots_cpu[i] for i, _ in wave], dtype=torch.long).to(dev, non_blocking=True)
-            conv = causal_conv1d_triton(x, self.conv1d.weight[:, 0], None, conv_pool, slots, cu)
-            o = self._chunk_rule(*self._split(conv), gw, bw, ssm_pool, slots, cu)
+            o = self._run(x, gw, bw, conv_pool, ssm_pool, slots, cu, use_triton)
             if idx is None:
                 out = o
             else:
@@ -363,86 +344,6 @@ class GatedDeltaNet(nn.Module):
                 if ckpt >= 0:
                     self._copy_state(state.slots_cpu[i], ckpt)
                     saved_later.pop(ckpt, None)
-        return out
-
-    def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Split the conv output [T, conv_dim] into q, k (normalised, q scaled, repeated to v heads) and v."""
-        n = conv_out.shape[0]
-        q, k, v = conv_out.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        rep = self.num_v_heads // self.num_k_heads
-        q = l2_normalize(q.view(n, self.num_k_heads, self.head_k_dim)) * self.head_k_dim**-0.5
-        k = l2_normalize(k.view(n, self.num_k_heads, self.head_k_dim))
-        if rep > 1:
-            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
-        return q, k, v.view(n, self.num_v_heads, self.head_v_dim)
-
-    def _decode(
-        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor, continues: torch.Tensor
-    ) -> torch.Tensor:
-        """One token per sequence: a decode continues its slot's state, a one-token prompt (continues False)
-        starts from zeros. On the CPU in float32, one C call (kernels/cpu/gated_delta.py)."""
-        if gated_delta_cpu.usable(mixed, self.conv_state, self.ssm_state):
-            return gated_delta_cpu.decode_step(
-                mixed,
-                self.conv_state,
-                self.ssm_state,
-                slots,
-                continues,
-                self.conv1d.weight,
-                g,
-                beta,
-                self.num_k_heads,
-                self.head_k_dim,
-            )
-        weight = self.conv1d.weight[:, 0]  # [C, K]
-        prev = torch.where(continues[:, None, None], self.conv_state[slots].transpose(1, 2), 0)
-        window = torch.cat([prev, mixed.unsqueeze(-1).to(self.conv_state.dtype)], dim=-1)
-        self.conv_state[slots] = window[..., 1:].transpose(1, 2)
-        conv = F.silu((window.float() * weight.float()).sum(-1))  # [B, C]
-        q, k, v = self._qkv(conv.to(mixed.dtype))
-        ssm = torch.where(continues[:, None, None, None], self.ssm_state[slots], 0)
-        out, new_state = gated_delta_step(q, k, v, g, beta, ssm)
-        self.ssm_state[slots] = new_state
-        return out
-
-    def _prefill(
-        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """Sequence by sequence: the conv over the slot's window plus this step's tokens, then the chunked rule."""
-        qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        if qsl is None or seq_lens is None:
-            qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
-        state = meta.state_slots
-        slots = state.slots_cpu if state is not None else None
-        weight = self.conv1d.weight.float()
-        out = torch.empty(mixed.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=mixed.device)
-        for i in range(len(seq_lens)):
-            lo, hi = qsl[i], qsl[i + 1]
-            if hi == lo:
-                continue
-            fresh = slots is None or seq_lens[i] == hi - lo  # the step starts the sequence at position 0
-            if not fresh and i in state.restores:
-                self._copy_state(state.restores[i], slots[i])
-            x = mixed[lo:hi].t().float()  # [C, L]
-            if fresh:
-                prev = torch.zeros(self.kernel - 1, self.conv_dim, dtype=torch.float32, device=x.device).t()
-                s = torch.zeros(self.state_shapes()[1], dtype=torch.float32, device=x.device)
-            else:
-                prev, s = self.conv_state[slots[i]].t().float(), self.ssm_state[slots[i]]
-            window = torch.cat([prev, x], dim=-1)  # [C, K - 1 + L]
-            conv = F.silu(F.conv1d(window.unsqueeze(0), weight, groups=self.conv_dim)[0])  # [C, L]
-            q, k, v = self._qkv(conv.t().to(mixed.dtype))
-            cut, ckpt = state.saves.get(i, (hi - lo, -1)) if slots is not None else (hi - lo, -1)
-            parts = [(0, cut, ckpt), (cut, hi - lo, -1)] if 0 < cut < hi - lo else [(0, hi - lo, ckpt)]
-            for a, b, save_to in parts:  # split at a checkpoint to save the state there
-                o, s = gated_delta_chunked(q[a:b], k[a:b], v[a:b], g[lo + a : lo + b], beta[lo + a : lo + b], s)
-                out[lo + a : lo + b] = o
-                if save_to >= 0:
-                    self.conv_state[save_to] = window[:, b : b + self.kernel - 1].t().to(self.conv_state.dtype)
-                    self.ssm_state[save_to] = s
-            if slots is not None:
-                self.conv_state[slots[i]] = window[:, -(self.kernel - 1) :].t().to(self.conv_state.dtype)
-                self.ssm_state[slots[i]] = s
         return out
 
     def _copy_state(self, src: int, dst: int) -> None:

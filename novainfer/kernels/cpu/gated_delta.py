@@ -1,6 +1,7 @@
-"""The Gated DeltaNet decode step on the CPU in C (csrc/gated_delta_cpu.c): conv window, SiLU, q/k
-normalisation and the gated delta rule of every (sequence, value head) in one call, in place of ~20 small torch
-ops per layer (layers/linear_attention.py: GatedDeltaNet._decode keeps the torch form as the reference)."""
+"""The Gated DeltaNet on the CPU in C: the decode step (csrc/gated_delta_cpu.c) and the prefill of packed sequences
+(csrc/gated_delta_prefill_cpu.c), each one call for conv window, SiLU, q/k normalisation and the gated delta rule
+of every (sequence, value head), in place of many small torch ops per layer (kernels/gated_delta_rule.py holds
+the torch references)."""
 
 from __future__ import annotations
 
@@ -43,12 +44,20 @@ def _lib() -> ctypes.CDLL | None:
     lib.gated_delta_decode.restype = None
     lib.set_gated_delta_isa.argtypes = [_I]
     lib.set_gated_delta_isa.restype = _I
+    lib.gated_delta_prefill.argtypes = [_P, ctypes.c_int64, _P, _P, _P, _P, _I, _P, _P, _P, *[_I] * 6, _P, _P, _I]
+    lib.gated_delta_prefill.restype = _I
+    lib.set_gated_delta_prefill_isa.argtypes = [_I]
+    lib.set_gated_delta_prefill_isa.restype = _I
+    lib.gated_rms_norm.argtypes = [_P, _P, _P, ctypes.c_float, _I, _I, _P, _I]
+    lib.gated_rms_norm.restype = None
     return lib
 
 
 def set_isa(isa: str) -> str:
     """ "scalar", "avx512" (where the CPU has it) or "auto"; returns the one in use (tests compare both)."""
-    used = _lib().set_gated_delta_isa({"scalar": 0, "avx512": 1, "auto": -1}[isa])
+    code = {"scalar": 0, "avx512": 1, "auto": -1}[isa]
+    used = _lib().set_gated_delta_isa(code)
+    _lib().set_gated_delta_prefill_isa(code)
     return "avx512" if used else "scalar"
 
 
@@ -66,6 +75,28 @@ def usable(mixed: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tenso
     )
 
 
+def _operands(
+    mixed: torch.Tensor,
+    ssm_state: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    slots: torch.Tensor,
+    num_k_heads: int,
+    head_k_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """g, beta (float32) and slots (int64) as the C calls take them, once the state's shape fits the channels."""
+    c = mixed.shape[1]
+    nv, dk, dv = ssm_state.shape[1:]
+    if dk != head_k_dim or c != 2 * num_k_heads * head_k_dim + nv * dv:
+        raise ValueError(f"gated_delta: state {tuple(ssm_state.shape)} does not fit {c} conv channels")
+    return g.float().contiguous(), beta.float().contiguous(), slots.to(torch.int64).contiguous()
+
+
+def _tail(g: torch.Tensor, beta: torch.Tensor, dims: tuple[int, ...], scratch: torch.Tensor, out: torch.Tensor) -> list:
+    """The arguments both C calls end with: g, beta, (C, K, nk, nv, dk, dv), scratch, out, threads."""
+    return [g.data_ptr(), beta.data_ptr(), *dims, scratch.data_ptr(), out.data_ptr(), library.num_threads()]
+
+
 def decode_step(
     mixed: torch.Tensor,
     conv_state: torch.Tensor,
@@ -81,11 +112,8 @@ def decode_step(
     """One token of B sequences: updates conv_state / ssm_state in their slots, returns out [B, nv, dv]."""
     b, c = mixed.shape
     nv, dk, dv = ssm_state.shape[1:]
-    if dk != head_k_dim or c != 2 * num_k_heads * head_k_dim + nv * dv:
-        raise ValueError(f"gated_delta decode: state {tuple(ssm_state.shape)} does not fit {c} conv channels")
+    g, beta, slots64 = _operands(mixed, ssm_state, g, beta, slots, num_k_heads, head_k_dim)
     weight = conv_weight.reshape(c, -1).float().contiguous()
-    g, beta = g.float().contiguous(), beta.float().contiguous()
-    slots64 = slots.to(torch.int64).contiguous()
     cont = continues.to(torch.uint8).contiguous()
     scratch = torch.empty(b, c, dtype=torch.float32)
     out = torch.empty(b, nv, dv, dtype=torch.float32)
@@ -98,16 +126,58 @@ def decode_step(
         cont.data_ptr(),
         b,
         weight.data_ptr(),
-        g.data_ptr(),
-        beta.data_ptr(),
-        c,
-        weight.shape[1],
-        num_k_heads,
-        nv,
-        dk,
-        dv,
-        scratch.data_ptr(),
-        out.data_ptr(),
-        library.num_threads(),
+        *_tail(g, beta, (c, weight.shape[1], num_k_heads, nv, dk, dv), scratch, out),
+    )
+    return out
+
+
+def prefill(
+    mixed: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    slots: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    conv_weight: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    num_k_heads: int,
+    head_k_dim: int,
+) -> torch.Tensor:
+    """Packed sequences' tokens mixed [T, C] (sequence n: rows cu_seqlens[n] .. cu_seqlens[n+1] - 1), each from
+    its slot's conv window and recurrent state (zeros for a fresh sequence), both left updated in the slot;
+    returns out [T, nv, dv]."""
+    t, c = mixed.shape
+    nv, dk, dv = ssm_state.shape[1:]
+    g, beta, slots64 = _operands(mixed, ssm_state, g, beta, slots, num_k_heads, head_k_dim)
+    weight_t = conv_weight.reshape(c, -1).float().t().contiguous()  # [K, C]: the conv's taps over channels
+    cu = cu_seqlens.to(torch.int32).contiguous()
+    scratch = torch.empty(t, c, dtype=torch.float32)
+    out = torch.empty(t, nv, dv, dtype=torch.float32)
+    rc = _lib().gated_delta_prefill(
+        mixed.data_ptr(),
+        mixed.stride(0),
+        conv_state.data_ptr(),
+        ssm_state.data_ptr(),
+        slots64.data_ptr(),
+        cu.data_ptr(),
+        slots64.shape[0],
+        weight_t.data_ptr(),
+        *_tail(g, beta, (c, weight_t.shape[0], num_k_heads, nv, dk, dv), scratch, out),
+    )
+    if rc:
+        raise MemoryError("gated_delta prefill: out of memory for its task table")
+    return out
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """weight * x / sqrt(mean(x^2) + eps) * silu(z) over the last dim, in one C call; None where the C kernels do not
+    take these (not float32 CPU tensors, or not built): the caller runs its torch form."""
+    if x.is_cuda or not (x.dtype is z.dtype is weight.dtype is torch.float32) or _lib() is None:
+        return None
+    x, z, weight = x.contiguous(), z.contiguous(), weight.contiguous()
+    out = torch.empty_like(x)
+    d = x.shape[-1]
+    _lib().gated_rms_norm(
+        x.data_ptr(), z.data_ptr(), weight.data_ptr(), eps, x.numel() // d, d, out.data_ptr(), library.num_threads()
     )
     return out

@@ -33,6 +33,7 @@ _SOURCES = [
     "decoder_stack_cpu.c",
     "repack_panels_cpu.c",
     "gated_delta_cpu.c",
+    "gated_delta_prefill_cpu.c",
 ]
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float

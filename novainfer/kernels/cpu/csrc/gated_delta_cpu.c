@@ -5,13 +5,15 @@
  * Per value head h (key head h / (nv / nk): value heads are grouped by key head), with S its state:
  *   S *= exp(g);  u = beta (v - S^T k);  S += k u^T;  out = S^T q
  * done in two sweeps over S's rows (decay + S^T k, then the update + S^T q). gated_delta_head_ref is the
- * scalar form; an AVX-512 form of the same sweeps runs where the CPU has AVX-512F (picked at run time). */
+ * scalar form; an AVX-512 form of the same sweeps runs where the CPU has AVX-512F (picked at run time).
+ * gated_rms_norm is the layer's output norm (layers/linear_attention.py: GatedRMSNorm is the torch reference). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "cpu_pool.h"
+#include "simd_cpu.h"
 
 typedef struct {
     const float *mixed; int64_t mixed_stride;
@@ -145,4 +147,37 @@ void gated_delta_decode(const float *mixed, int64_t mixed_stride, float *conv_st
                  conv_out, out};
     pool_run(conv_seq, &j, B, nthreads < B ? nthreads : B);
     pool_run(head_task, &j, B * nv, nthreads);
+}
+
+#define NORM_ROWS 64 /* rows per gated_rms_norm task */
+
+typedef struct { const float *x, *z, *w; float eps; int rows, D; float *out; } norm_job;
+
+static void norm_rows(void *arg, int task) {
+    const norm_job *j = arg;
+    const int r1 = (task + 1) * NORM_ROWS < j->rows ? (task + 1) * NORM_ROWS : j->rows, D = j->D;
+    for (int r = task * NORM_ROWS; r < r1; r++) {
+        const float *x = j->x + (size_t)r * D, *z = j->z + (size_t)r * D;
+        float *o = j->out + (size_t)r * D;
+        float ss = 0.f;
+        for (int c = 0; c < D; c++) ss += x[c] * x[c];
+        const float rs = 1.f / sqrtf(ss / D + j->eps);
+        int c = 0;
+        for (; c + 8 <= D; c += 8) {
+            const __m256 zv = _mm256_loadu_ps(z + c);
+            const __m256 ez = exp8(_mm256_sub_ps(_mm256_setzero_ps(), zv));
+            const __m256 silu = _mm256_div_ps(zv, _mm256_add_ps(_mm256_set1_ps(1.f), ez));
+            const __m256 xn = _mm256_mul_ps(_mm256_loadu_ps(x + c), _mm256_set1_ps(rs));
+            _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(j->w + c), xn), silu));
+        }
+        for (; c < D; c++) o[c] = j->w[c] * (x[c] * rs) * (z[c] / (1.f + expf(-z[c])));
+    }
+}
+
+/* out = w * x / sqrt(mean(x^2) + eps) * silu(z) over each of the rows of D floats of x and z (contiguous). */
+void gated_rms_norm(const float *x, const float *z, const float *w, float eps, int rows, int D, float *out,
+                    int nthreads) {
+    const norm_job j = {x, z, w, eps, rows, D, out};
+    const int tasks = (rows + NORM_ROWS - 1) / NORM_ROWS;
+    if (tasks > 0) pool_run(norm_rows, (void *)&j, tasks, nthreads < tasks ? nthreads : tasks);
 }

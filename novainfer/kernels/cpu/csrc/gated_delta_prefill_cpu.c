@@ -1,0 +1,225 @@
+/* The Gated DeltaNet prefill in float32: the causal conv1d (+ SiLU, q/k L2 normalisation) of packed sequences'
+ * tokens, then the gated delta rule token by token on each (sequence, value head)'s [Dk, Dv] state, read from and
+ * left in the sequence's slot (kernels/gated_delta_rule.py: causal_conv1d_torch and chunk_gated_delta_rule_torch
+ * are the torch references).
+ *
+ * Each column of a head's state evolves on its own, so the rule runs column block by column block, the block
+ * (Dk x 64 floats) staying in L1 across all the sequence's tokens. Per token t (decay a = exp(g_t)):
+ *   kv = S^T k;  qs = S^T q;  u = beta (v - a kv);  out = a qs + (k.q) u;  S = a S + k u^T
+ * and the AVX-512 form sweeps S once per token: the update of token t fused with S^T k and S^T q of token t + 1.
+ * prefill_head_ref is the scalar form of the same recurrence. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_pool.h"
+#include "simd_cpu.h"
+
+#define TOKEN_BLOCK 16 /* tokens per conv task */
+
+typedef struct {
+    const float *x; int64_t x_stride;
+    float *conv_state, *ssm_state; const int64_t *slots; const int32_t *cu; int N;
+    const float *conv_wt; /* [K, C]: the conv weight transposed */
+    const float *g, *beta;
+    int C, K, nk, nv, dk, dv;
+    float *conv_out;   /* [T, C]: q (normalised, scaled), k (normalised), v */
+    float *out;        /* [T, nv, dv] */
+    int *block_seq;    /* conv task -> its sequence */
+    int *block_start;  /* conv task -> its first token */
+} prefill_job;
+
+static void l2_normalize(float *x, int n, float scale) {
+    float ss = 0.f;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    const float r = scale / sqrtf(ss + 1e-6f);
+    for (int i = 0; i < n; i++) x[i] *= r;
+}
+
+/* Up to TOKEN_BLOCK tokens of one sequence: the conv over the slot's window and the sequence's earlier tokens,
+ * SiLU, then each key head's q and k normalised. */
+static void conv_block(void *arg, int task) {
+    const prefill_job *j = arg;
+    const int n = j->block_seq[task], s = j->cu[n], e = j->cu[n + 1], C = j->C, K = j->K, W = K - 1;
+    const int t0 = j->block_start[task], t1 = t0 + TOKEN_BLOCK < e ? t0 + TOKEN_BLOCK : e;
+    const float *win = j->conv_state + (size_t)j->slots[n] * W * C; /* [W][C]: positions s - W .. s - 1 */
+    const int key_dim = j->nk * j->dk;
+    for (int t = t0; t < t1; t++) {
+        float *co = j->conv_out + (size_t)t * C;
+        for (int c = 0; c < C; c++) co[c] = 0.f;
+        for (int w = 0; w < K; w++) {
+            const int p = t - W + w; /* the input position tap w reads */
+            const float *in = p >= s ? j->x + (size_t)p * j->x_stride : win + (size_t)(p - s + W) * C;
+            const float *wt = j->conv_wt + (size_t)w * C;
+            for (int c = 0; c < C; c++) co[c] += in[c] * wt[c];
+        }
+        int c = 0;
+        for (; c + 8 <= C; c += 8) {
+            const __m256 a = _mm256_loadu_ps(co + c);
+            const __m256 e8 = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
+            _mm256_storeu_ps(co + c, _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.f), e8)));
+        }
+        for (; c < C; c++) co[c] = co[c] / (1.f + expf(-co[c]));
+        for (int h = 0; h < j->nk; h++) {
+            l2_normalize(co + (size_t)h * j->dk, j->dk, 1.f / sqrtf((float)j->dk));
+            l2_normalize(co + key_dim + (size_t)h * j->dk, j->dk, 1.f);
+        }
+    }
+}
+
+/* The operands of token t for value head h (key head kh): pointers into conv_out, decay and beta. */
+typedef struct { const float *q, *k, *v; float a, b, kq; } token_in;
+
+static inline token_in token_at(const prefill_job *j, int t, int h, int kh) {
+    const int key_dim = j->nk * j->dk;
+    const float *co = j->conv_out + (size_t)t * j->C;
+    token_in r = {co + (size_t)kh * j->dk, co + key_dim + (size_t)kh * j->dk, co + 2 * key_dim + (size_t)h * j->dv,
+                  expf(j->g[(size_t)t * j->nv + h]), j->beta[(size_t)t * j->nv + h], 0.f};
+    for (int i = 0; i < j->dk; i++) r.kq += r.q[i] * r.k[i];
+    return r;
+}
+
+/* Scalar: columns c0 .. c0 + nc - 1 of state S (row stride dv) over tokens s .. e - 1, out's columns written. */
+static void prefill_head_ref(const prefill_job *j, float *S, int h, int kh, int s, int e, int c0, int nc) {
+    const int dk = j->dk, dv = j->dv;
+    float kv[nc], qs[nc];
+    for (int t = s; t < e; t++) {
+        const token_in in = token_at(j, t, h, kh);
+        for (int c = 0; c < nc; c++) kv[c] = qs[c] = 0.f;
+        for (int i = 0; i < dk; i++) {
+            const float *row = S + (size_t)i * dv + c0;
+            for (int c = 0; c < nc; c++) {
+                kv[c] += row[c] * in.k[i];
+                qs[c] += row[c] * in.q[i];
+            }
+        }
+        float *o = j->out + ((size_t)t * j->nv + h) * dv + c0;
+        for (int c = 0; c < nc; c++) {
+            kv[c] = in.b * (in.v[c0 + c] - in.a * kv[c]); /* kv becomes u */
+            o[c] = in.a * qs[c] + in.kq * kv[c];
+        }
+        for (int i = 0; i < dk; i++) {
+            float *row = S + (size_t)i * dv + c0;
+            for (int c = 0; c < nc; c++) row[c] = in.a * row[c] + in.k[i] * kv[c];
+        }
+    }
+}
+
+/* AVX-512: NB x 16 columns from c0, one sweep of S per token (token t's update fused with token t + 1's
+ * S^T k and S^T q). */
+#define PREFILL_HEAD_AVX512(NB)                                                                                     \
+    __attribute__((target("avx512f"))) static void prefill_head_avx512_##NB(                                      \
+        const prefill_job *j, float *S, int h, int kh, int s, int e, int c0) {                                     \
+        const int dk = j->dk, dv = j->dv;                                                                          \
+        __m512 kv[NB], qs[NB];                                                                                     \
+        token_in in = token_at(j, s, h, kh);                                                                       \
+        for (int b = 0; b < NB; b++) kv[b] = qs[b] = _mm512_setzero_ps();                                          \
+        for (int i = 0; i < dk; i++) {                                                                             \
+            const float *row = S + (size_t)i * dv + c0;                                                            \
+            const __m512 ki = _mm512_set1_ps(in.k[i]), qi = _mm512_set1_ps(in.q[i]);                               \
+            for (int b = 0; b < NB; b++) {                                                                         \
+                const __m512 x = _mm512_loadu_ps(row + 16 * b);                                                    \
+                kv[b] = _mm512_fmadd_ps(x, ki, kv[b]);                                                             \
+                qs[b] = _mm512_fmadd_ps(x, qi, qs[b]);                                                             \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int t = s; t < e; t++) {                                                                              \
+            const __m512 a = _mm512_set1_ps(in.a), beta = _mm512_set1_ps(in.b), kq = _mm512_set1_ps(in.kq);        \
+            __m512 u[NB];                                                                                          \
+            float *o = j->out + ((size_t)t * j->nv + h) * dv + c0;                                                 \
+            for (int b = 0; b < NB; b++) {                                                                         \
+                const __m512 v = _mm512_loadu_ps(in.v + c0 + 16 * b);                                              \
+                u[b] = _mm512_mul_ps(beta, _mm512_fnmadd_ps(a, kv[b], v));                                         \
+                _mm512_storeu_ps(o + 16 * b, _mm512_fmadd_ps(a, qs[b], _mm512_mul_ps(kq, u[b])));                  \
+            }                                                                                                      \
+            const float *k = in.k;                                                                                 \
+            if (t + 1 == e) {                                                                                      \
+                for (int i = 0; i < dk; i++) {                                                                     \
+                    float *row = S + (size_t)i * dv + c0;                                                          \
+                    const __m512 ki = _mm512_set1_ps(k[i]);                                                        \
+                    for (int b = 0; b < NB; b++)                                                                   \
+                        _mm512_storeu_ps(row + 16 * b,                                                             \
+                                         _mm512_fmadd_ps(ki, u[b], _mm512_mul_ps(a, _mm512_loadu_ps(row + 16 * b)))); \
+                }                                                                                                  \
+                break;                                                                                             \
+            }                                                                                                      \
+            in = token_at(j, t + 1, h, kh);                                                                        \
+            for (int b = 0; b < NB; b++) kv[b] = qs[b] = _mm512_setzero_ps();                                      \
+            for (int i = 0; i < dk; i++) {                                                                         \
+                float *row = S + (size_t)i * dv + c0;                                                              \
+                const __m512 ki = _mm512_set1_ps(k[i]), nk = _mm512_set1_ps(in.k[i]), nq = _mm512_set1_ps(in.q[i]);  \
+                for (int b = 0; b < NB; b++) {                                                                     \
+                    const __m512 x = _mm512_fmadd_ps(ki, u[b], _mm512_mul_ps(a, _mm512_loadu_ps(row + 16 * b)));   \
+                    _mm512_storeu_ps(row + 16 * b, x);                                                             \
+                    kv[b] = _mm512_fmadd_ps(x, nk, kv[b]);                                                         \
+                    qs[b] = _mm512_fmadd_ps(x, nq, qs[b]);                                                         \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+    }
+PREFILL_HEAD_AVX512(4)
+PREFILL_HEAD_AVX512(1)
+
+static int use_avx512 = -1; /* -1: not yet probed; set_gated_delta_prefill_isa overrides */
+
+/* (sequence, value head) pair `task`: the rule over the sequence's tokens on that head's state in its slot. */
+static void rule_task(void *arg, int task) {
+    const prefill_job *j = arg;
+    const int n = task / j->nv, h = task % j->nv, kh = h / (j->nv / j->nk), s = j->cu[n], e = j->cu[n + 1];
+    if (e == s) return;
+    float *S = j->ssm_state + ((size_t)j->slots[n] * j->nv + h) * j->dk * j->dv;
+    int c = 0;
+    if (use_avx512) {
+        for (; c + 64 <= j->dv; c += 64) prefill_head_avx512_4(j, S, h, kh, s, e, c);
+        for (; c + 16 <= j->dv; c += 16) prefill_head_avx512_1(j, S, h, kh, s, e, c);
+    }
+    if (c < j->dv) prefill_head_ref(j, S, h, kh, s, e, c, j->dv - c);
+}
+
+/* isa: 0 scalar, 1 AVX-512 (where the CPU has it), -1 the best available; returns whether AVX-512 is used. */
+int set_gated_delta_prefill_isa(int isa) {
+    __builtin_cpu_init();
+    const int has = __builtin_cpu_supports("avx512f");
+    use_avx512 = isa == 0 ? 0 : has;
+    return use_avx512;
+}
+
+/* Each sequence's conv window becomes its last W inputs (positions e - W .. e - 1; older ones from the window). */
+static void keep_windows(const prefill_job *j) {
+    const int C = j->C, W = j->K - 1;
+    for (int n = 0; n < j->N; n++) {
+        const int s = j->cu[n], e = j->cu[n + 1];
+        float *win = j->conv_state + (size_t)j->slots[n] * W * C;
+        for (int w = 0; w < W; w++) { /* ascending: row w reads row w + (e - s) > w, not yet overwritten */
+            const int p = e - W + w;
+            const float *src = p >= s ? j->x + (size_t)p * j->x_stride : win + (size_t)(p - s + W) * C;
+            memmove(win + (size_t)w * C, src, sizeof(float) * C);
+        }
+    }
+}
+
+/* The prefill of N packed sequences (tokens cu[n] .. cu[n+1] - 1 of x [T, C], row stride x_stride): each continues
+ * from conv_state[slots[n]] ([slots, K-1, C]) and ssm_state[slots[n]] ([slots, nv, dk, dv]) and leaves its final
+ * states there (a fresh sequence's slot must hold zeros). conv_wt [K, C]; g, beta [T, nv]; conv_out scratch of
+ * T * C floats; out [T, nv, dv]. Returns 0, or -1 when out of memory. */
+int gated_delta_prefill(const float *x, int64_t x_stride, float *conv_state, float *ssm_state, const int64_t *slots,
+                        const int32_t *cu, int N, const float *conv_wt, const float *g, const float *beta, int C, int K,
+                        int nk, int nv, int dk, int dv, float *conv_out, float *out, int nthreads) {
+    if (use_avx512 < 0) set_gated_delta_prefill_isa(-1);
+    int blocks = 0;
+    for (int n = 0; n < N; n++) blocks += (cu[n + 1] - cu[n] + TOKEN_BLOCK - 1) / TOKEN_BLOCK;
+    if (blocks == 0) return 0;
+    int *table = malloc(sizeof(int) * 2 * (blocks + 1));
+    if (table == NULL) return -1;
+    prefill_job j = {x,  x_stride, conv_state, ssm_state, slots, cu, N,        conv_wt,     g,
+                     beta, C, K, nk, nv, dk, dv, conv_out, out, table, table + blocks + 1};
+    for (int n = 0, b = 0; n < N; n++)
+        for (int t = cu[n]; t < cu[n + 1]; t += TOKEN_BLOCK, b++) j.block_seq[b] = n, j.block_start[b] = t;
+    pool_run(conv_block, &j, blocks, nthreads < blocks ? nthreads : blocks);
+    keep_windows(&j);
+    pool_run(rule_task, &j, N * nv, nthreads);
+    free(table);
+    return 0;
+}
