@@ -25,7 +25,9 @@ def quant_gemm(x: torch.Tensor, w: PackedWeight, panel: bool = False) -> torch.T
     f16 = int(w.scale_f16)
     if w.e2m1:
         mxfp4_gemm = lib.mxfp4_gemm_panel if panel else lib.mxfp4_gemm
-        rc = mxfp4_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), w.scales.data_ptr(), f16, n, y.data_ptr(), num_threads())
+        rc = mxfp4_gemm(
+            x.data_ptr(), m, k, w.qweight.data_ptr(), w.scales.data_ptr(), f16, n, y.data_ptr(), num_threads()
+        )
     elif w.kind == "q4":
         rc = q4_gemm(
             x.data_ptr(),

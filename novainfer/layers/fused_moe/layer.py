@@ -16,6 +16,7 @@ from novainfer.distributed import get_tp_group, shard_dim
 from novainfer.layers.activation import get_act_and_mul
 from novainfer.layers.fused_moe.moe_torch import fused_experts_grouped, fused_experts_torch
 from novainfer.layers.fused_moe.routing import select_experts
+from novainfer.layers.quantization import current_quant_config
 
 
 class FusedMoE(nn.Module):
@@ -36,9 +37,16 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_act = hidden_act
         self.local_inter = intermediate_size // self.tp_size
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.local_inter, hidden_size), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_inter), requires_grad=False)
-        self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+        config = current_quant_config()
+        self.quant_method = config.get_moe_method(self) if config is not None else None
+        if self.quant_method is not None:  # the method registers the expert parameters it stores
+            self.quant_method.create_weights(self, num_experts, hidden_size, self.local_inter)
+        else:
+            self.w13_weight = nn.Parameter(
+                torch.empty(num_experts, 2 * self.local_inter, hidden_size), requires_grad=False
+            )
+            self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_inter), requires_grad=False)
+            self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
         self.act_fn = get_act_and_mul(hidden_act)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, str]) -> None:
@@ -62,6 +70,8 @@ class FusedMoE(nn.Module):
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """The experts over routing already chosen (a family whose router scales the weights: Gemma 4)."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
         if hidden_states.is_cuda:
             from novainfer.kernels.fused_moe import fused_experts
 
