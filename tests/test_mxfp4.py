@@ -186,3 +186,14 @@ def test_selector_picks_mxfp4_from_the_checkpoint_config():
 
     mc = SimpleNamespace(hf_config=SimpleNamespace(quantization_config=dict(GPT_OSS_QUANT)), quantization=None)
     assert isinstance(get_quant_config(mc, torch.device("cpu")), Mxfp4Config)
+
+
+def test_dummy_load_format_draws_mxfp4_experts():
+    from novainfer.loader.model_loader import initialize_dummy_weights
+
+    with building_with(Mxfp4Config(GPT_OSS_QUANT, torch.device("cpu"))):
+        layer = FusedMoE(E, TOP_K, H, INTER, renormalize=True)
+    initialize_dummy_weights(layer)
+    assert layer.w13_blocks.dtype == torch.uint8 and len(torch.unique(layer.w13_blocks)) > 200
+    w = dequantize_mxfp4(layer.w2_blocks, layer.w2_scales)
+    assert 0.01 < w.std().item() < 0.04 and torch.isfinite(w).all()

@@ -11,8 +11,8 @@ gpt-oss-like exponents, random biases) and token count:
 The activation is SiLU-and-mul over [gate; up] (the kernel takes any act-and-mul module: gpt-oss's clamped SwiGLU
 runs the same GEMMs).
 
-    python -m tests.gpu.mxfp4_checks            # CUDA, real shapes (from the repository root)
-    TRITON_INTERPRET=1 python -m tests.gpu.mxfp4_checks --tiny   # CPU, tiny shapes, float32
+    PYTHONPATH=. python tests/gpu/mxfp4_checks.py            # CUDA, real shapes (from the repository root)
+    PYTHONPATH=. TRITON_INTERPRET=1 python tests/gpu/mxfp4_checks.py --tiny   # CPU, tiny shapes, float32
 Exit status 1 when a check fails.
 """
 

@@ -86,6 +86,7 @@ class Mxfp4MoEMethod(FusedMoEMethodBase):
             for suffix, full in (("blocks", (*shape, 16)), ("scales", shape)):
                 param = nn.Parameter(torch.empty(full, dtype=torch.uint8), requires_grad=False)
                 param.weight_loader = partial(self.weight_loader, layer, prefix)
+                param.draw_dummy = partial(_draw_blocks if suffix == "blocks" else _draw_scales, param)
                 layer.register_parameter(f"{prefix}_{suffix}", param)
         layer.mxfp4_packed = None  # the CPU's per-expert PackedWeights (w13, w2), once repacked
 
@@ -171,6 +172,16 @@ def _as_bytes(loaded: torch.Tensor, experts: int) -> torch.Tensor:
     ):
         raise ValueError(f"MXFP4 blocks/scales must be bytes (uint8); got {loaded.dtype} values that are not")
     return as_int.to(torch.uint8)
+
+
+def _draw_blocks(param: nn.Parameter, gen: torch.Generator) -> None:
+    """load_format="dummy": uniform random e2m1 codes."""
+    param.data.copy_(torch.randint(0, 256, param.shape, dtype=torch.uint8, generator=gen, device=gen.device))
+
+
+def _draw_scales(param: nn.Parameter, gen: torch.Generator) -> None:
+    """load_format="dummy": every block scaled by 2^-7, so the weights' std is about 0.02 (the dense draw's)."""
+    param.data.fill_(127 - 7)
 
 
 def _checked(part: torch.Tensor, shape: torch.Size) -> torch.Tensor:
