@@ -12,6 +12,8 @@ The torch reference is layers/fused_moe/moe_torch.py.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -136,11 +138,17 @@ def _grouped_gemm(
 ) -> None:
     assert a.stride(1) == 1 and b.stride(2) == 1 and out.stride(1) == 1
     args = (a, b, out, sorted_ids, block_experts, num_padded, num_pairs, a_row_div, topk_weights)
+    launch_with_fallback(lambda t: _launch(*args, t), tiles)
+
+
+def launch_with_fallback(launch: Callable[[tuple[int, int, int, int, int]], None], tiles) -> None:
+    """launch(tiles); where this GPU's shared memory is short of them (a smaller GPU than the sweep's), launch with
+    FALLBACK_TILES' N, K, warps and stages instead, and remember it (moe_tiles picks those next time)."""
     try:
-        _launch(*args, tiles)
-    except triton.runtime.errors.OutOfResources:  # the shared memory of a smaller GPU than the sweep's
+        launch(tiles)
+    except triton.runtime.errors.OutOfResources:
         _too_big.add(tiles)
-        _launch(*args, (tiles[0], *FALLBACK_TILES[1:]))
+        launch((tiles[0], *FALLBACK_TILES[1:]))
 
 
 def _launch(a, b, out, sorted_ids, block_experts, num_padded, num_pairs, a_row_div, topk_weights, tiles) -> None:
@@ -182,20 +190,42 @@ def fused_experts(
     act_and_mul: nn.Module,
 ) -> torch.Tensor:
     """Same contract as layers/fused_moe/moe_torch.fused_experts_torch: [tokens, hidden] -> [tokens, hidden]."""
+
+    def gemm(down: bool, a, out, ids, a_row_div: int, weights, tiles) -> None:
+        _grouped_gemm(a, w2 if down else w13, out, *ids, out.shape[0], a_row_div, weights, tiles)
+
+    return routed_experts(
+        hidden_states, topk_weights, topk_ids, w13.shape[0], w13.shape[1], w2.shape[2], act_and_mul, gemm
+    )
+
+
+def routed_experts(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    n13: int,
+    inter: int,
+    act_and_mul: nn.Module,
+    gemm: Callable[..., None],
+) -> torch.Tensor:
+    """Steps 1-4 of the module docstring for any weight format: gemm(down, a, out, (sorted ids, block experts,
+    padded total), a_row_div, routing weights or None, tiles) runs one grouped GEMM of the format's gate/up
+    (n13 outputs) or down (inter inputs) weights."""
     tokens, hidden = hidden_states.shape
-    top_k, num_experts = topk_ids.shape[1], w13.shape[0]
+    top_k = topk_ids.shape[1]
     num_pairs = tokens * top_k
     if tokens == 0:
         return torch.zeros_like(hidden_states)
-    up_tiles = moe_tiles(num_pairs, num_experts, w13.shape[1], w13.shape[2], down=False)
-    down_tiles = moe_tiles(num_pairs, num_experts, w2.shape[1], w2.shape[2], down=True)
+    up_tiles = moe_tiles(num_pairs, num_experts, n13, hidden, down=False)
+    down_tiles = moe_tiles(num_pairs, num_experts, hidden, inter, down=True)
     assert up_tiles[0] == down_tiles[0]  # one alignment serves both GEMMs
-    sorted_ids, block_experts, num_padded = align_by_expert(topk_ids, num_experts, up_tiles[0])
+    ids = align_by_expert(topk_ids, num_experts, up_tiles[0])
     x = hidden_states.contiguous()
-    gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, sorted_ids, block_experts, num_padded, num_pairs, top_k, None, up_tiles)
+    gate_up = torch.empty(num_pairs, n13, dtype=x.dtype, device=x.device)
+    gemm(False, x, gate_up, ids, top_k, None, up_tiles)
     act = act_and_mul(gate_up)
     down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.to(x.dtype).contiguous().flatten()  # rounded as the reference rounds them
-    _grouped_gemm(act, w2, down, sorted_ids, block_experts, num_padded, num_pairs, 1, weights, down_tiles)
+    gemm(True, act, down, ids, 1, weights, down_tiles)
     return down.view(tokens, top_k, hidden).sum(dim=1)

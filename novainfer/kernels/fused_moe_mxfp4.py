@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from novainfer.kernels.fused_moe import FALLBACK_TILES, align_by_expert, moe_tiles
+from novainfer.kernels.fused_moe import launch_with_fallback, routed_experts
 
 
 @triton.jit
@@ -103,49 +103,43 @@ def _mxfp4_grouped_gemm_kernel(
 
 
 def _grouped_gemm(a, blocks, scales, bias, out, sorted_ids, block_experts, num_padded, a_row_div, weights, tiles):
-    """One grouped GEMM (blocks [E, N, K/2], scales [E, N, K/32]); falls back to small tiles where the GPU's
-    shared memory is short."""
+    """One grouped GEMM (blocks [E, N, K/2], scales [E, N, K/32]) with the tiles of kernels/fused_moe.py."""
     assert a.stride(1) == 1 and blocks.stride(2) == 1 and scales.stride(2) == 1 and out.stride(1) == 1
     n, k = blocks.shape[1], blocks.shape[2] * 2
-    block_m = tiles[0]
-    for attempt in (tiles, (block_m, *FALLBACK_TILES[1:])):
-        block_n, block_k, warps, stages = attempt[1:]
-        block_k = max(32, block_k)
-        grid = (sorted_ids.numel() // block_m, triton.cdiv(n, block_n))
-        try:
-            _mxfp4_grouped_gemm_kernel[grid](
-                a,
-                blocks,
-                scales,
-                bias if bias is not None else out,
-                out,
-                weights if weights is not None else out,
-                sorted_ids,
-                block_experts,
-                num_padded,
-                n,
-                k,
-                out.shape[0],
-                a.stride(0),
-                blocks.stride(0),
-                blocks.stride(1),
-                scales.stride(0),
-                scales.stride(1),
-                out.stride(0),
-                A_ROW_DIV=a_row_div,
-                MUL_ROUTED_WEIGHT=weights is not None,
-                HAS_BIAS=bias is not None,
-                BLOCK_M=block_m,
-                BLOCK_N=block_n,
-                BLOCK_K=block_k,
-                PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-                num_warps=warps,
-                num_stages=stages,
-            )
-            return
-        except triton.runtime.errors.OutOfResources:
-            if attempt is not tiles:
-                raise
+
+    def launch(t: tuple[int, int, int, int, int]) -> None:
+        block_m, block_n, block_k, warps, stages = t
+        _mxfp4_grouped_gemm_kernel[(sorted_ids.numel() // block_m, triton.cdiv(n, block_n))](
+            a,
+            blocks,
+            scales,
+            bias if bias is not None else out,
+            out,
+            weights if weights is not None else out,
+            sorted_ids,
+            block_experts,
+            num_padded,
+            n,
+            k,
+            out.shape[0],
+            a.stride(0),
+            blocks.stride(0),
+            blocks.stride(1),
+            scales.stride(0),
+            scales.stride(1),
+            out.stride(0),
+            A_ROW_DIV=a_row_div,
+            MUL_ROUTED_WEIGHT=weights is not None,
+            HAS_BIAS=bias is not None,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=max(32, block_k),  # whole blocks of 32 a step
+            PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            num_warps=warps,
+            num_stages=stages,
+        )
+
+    launch_with_fallback(launch, tiles)
 
 
 def fused_experts_mxfp4(
@@ -164,21 +158,10 @@ def fused_experts_mxfp4(
 
     w13_blocks uint8 [E, 2 * inter, hidden / 2] (gate rows, then up rows), w13_scales uint8 [E, 2 * inter,
     hidden / 32], w2_blocks [E, hidden, inter / 2], w2_scales [E, hidden, inter / 32]; biases [E, N] or None."""
-    tokens, hidden = hidden_states.shape
-    top_k, num_experts = topk_ids.shape[1], w13_blocks.shape[0]
-    num_pairs = tokens * top_k
-    if tokens == 0:
-        return torch.zeros_like(hidden_states)
-    n13, n2, inter = w13_blocks.shape[1], w2_blocks.shape[1], w2_blocks.shape[2] * 2
-    up_tiles = moe_tiles(num_pairs, num_experts, n13, hidden, down=False)
-    down_tiles = moe_tiles(num_pairs, num_experts, n2, inter, down=True)
-    sorted_ids, block_experts, num_padded = align_by_expert(topk_ids, num_experts, up_tiles[0])
-    x = hidden_states.contiguous()
-    gate_up = torch.empty(num_pairs, n13, dtype=x.dtype, device=x.device)
-    ids = (sorted_ids, block_experts, num_padded)
-    _grouped_gemm(x, w13_blocks, w13_scales, w13_bias, gate_up, *ids, top_k, None, up_tiles)
-    act = act_and_mul(gate_up).contiguous()
-    down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    weights = topk_weights.to(x.dtype).contiguous().flatten()
-    _grouped_gemm(act, w2_blocks, w2_scales, w2_bias, down, *ids, 1, weights, (up_tiles[0], *down_tiles[1:]))
-    return down.view(tokens, top_k, hidden).sum(dim=1)
+
+    def gemm(down: bool, a, out, ids, a_row_div: int, weights, tiles) -> None:
+        blocks, scales, bias = (w2_blocks, w2_scales, w2_bias) if down else (w13_blocks, w13_scales, w13_bias)
+        _grouped_gemm(a, blocks, scales, bias, out, *ids, a_row_div, weights, tiles)
+
+    n13, inter = w13_blocks.shape[1], w2_blocks.shape[2] * 2
+    return routed_experts(hidden_states, topk_weights, topk_ids, w13_blocks.shape[0], n13, inter, act_and_mul, gemm)
