@@ -208,8 +208,8 @@ def _experts_cpu(layer: nn.Module, x: torch.Tensor, topk_weights, topk_ids, b13,
 
     w13, w2 = layer.mxfp4_packed
     xf = x.float().contiguous()
-    out = torch.zeros_like(xf)
     weights = topk_weights.to(x.dtype).float()  # rounded as the reference rounds them
+    rows, ys = [], []
     for expert in torch.unique(topk_ids).tolist():
         token_idx, slot = torch.where(topk_ids == expert)
         h = quant_gemm(xf[token_idx], w13[expert])
@@ -218,8 +218,10 @@ def _experts_cpu(layer: nn.Module, x: torch.Tensor, topk_weights, topk_ids, b13,
         y = quant_gemm(layer.act_fn(h).float().contiguous(), w2[expert])
         if b2 is not None:
             y += b2[expert].float()
-        out.index_add_(0, token_idx, y * weights[token_idx, slot, None])
-    return out.to(x.dtype)
+        rows.append(token_idx)
+        ys.append(y.mul_(weights[token_idx, slot, None]))
+    # one scatter-add for all experts: torch's threads and the kernels' pool then meet once a layer, not per expert
+    return torch.zeros_like(xf).index_add_(0, torch.cat(rows), torch.cat(ys)).to(x.dtype)
 
 
 class Mxfp4Config(QuantizationConfig):
