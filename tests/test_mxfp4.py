@@ -172,8 +172,9 @@ def test_unsupported_variants_are_refused_naming_the_field():
             {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head", "router", "embed_tokens"]},
             torch.device("cpu"),
         )
-    with pytest.raises(ValueError, match="quantization='fp8'"):
-        Mxfp4Config(GPT_OSS_QUANT, torch.device("cpu"), "fp8")
+    for asked in ("fp8", "none"):  # MXFP4 experts stay in four bits: no other quantization, no dequantizing
+        with pytest.raises(ValueError, match=f"quantization='{asked}'"):
+            Mxfp4Config(GPT_OSS_QUANT, torch.device("cpu"), asked)
     with building_with(Mxfp4Config(GPT_OSS_QUANT, torch.device("cpu"))):
         with pytest.raises(ValueError, match="hidden_size divisible by 32"):
             FusedMoE(E, TOP_K, 48, INTER, renormalize=True)

@@ -232,7 +232,7 @@ class Mxfp4Config(QuantizationConfig):
         unknown = sorted(set(hf_quant_config) - KNOWN_FIELDS)
         if unknown:
             raise ValueError(f"quantization_config.{unknown[0]} is not supported for quant_method 'mxfp4'")
-        if quantization not in (None, "none"):
+        if quantization not in (None, "gguf"):  # gguf: a llama.cpp file's MXFP4 experts (loader/gguf_gpt_oss.py)
             raise ValueError(
                 f"quantization={quantization!r} does not apply to an MXFP4 checkpoint (its experts are "
                 "quantized already); leave quantization unset"
