@@ -1,4 +1,4 @@
-"""gpt-oss GGUF files made by llama.cpp's own converter from a tiny random MXFP4 checkpoint read back
+"""gpt-oss GGUF files made by llama.cpp's own converter from tiny random checkpoints (MXFP4 and float experts) read back
 (loader/gguf_gpt_oss.py): the config's fields, and every tensor in transformers' layout equal to the checkpoint's,
 the MXFP4 experts byte for byte (gate/up interleaved again), so the experts stay in four bits."""
 
@@ -17,8 +17,9 @@ from tests.test_mxfp4 import random_mxfp4
 E, H, INTER, LAYERS, HEADS, KV, HEAD_DIM, VOCAB = 4, 64, 64, 2, 4, 2, 16, 512
 
 
-def write_gpt_oss_mxfp4(path: str) -> dict[str, torch.Tensor]:
-    """A random gpt-oss checkpoint as the released ones store it (MXFP4 experts), with the tests' tokenizer."""
+def write_gpt_oss(path: str, mxfp4: bool) -> dict[str, torch.Tensor]:
+    """A random gpt-oss checkpoint as the released ones store it (MXFP4 experts), or with float experts in
+    transformers' layout, with the tests' tokenizer."""
     from tests.tiny_models import make_tokenizer
 
     os.makedirs(path, exist_ok=True)
@@ -53,15 +54,21 @@ def write_gpt_oss_mxfp4(path: str) -> dict[str, torch.Tensor]:
         "tie_word_embeddings": False,
         "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
         "pad_token_id": tokenizer.pad_token_id,
-        "quantization_config": {
-            "quant_method": "mxfp4",
-            "modules_to_not_convert": [
-                "model.layers.*.self_attn",
-                "model.layers.*.mlp.router",
-                "model.embed_tokens",
-                "lm_head",
-            ],
-        },
+        **(
+            {
+                "quantization_config": {
+                    "quant_method": "mxfp4",
+                    "modules_to_not_convert": [
+                        "model.layers.*.self_attn",
+                        "model.layers.*.mlp.router",
+                        "model.embed_tokens",
+                        "lm_head",
+                    ],
+                }
+            }
+            if mxfp4
+            else {}
+        ),
     }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
@@ -81,8 +88,11 @@ def write_gpt_oss_mxfp4(path: str) -> dict[str, torch.Tensor]:
         t[p + "self_attn.sinks"] = rnd(HEADS)
         t[p + "mlp.router.weight"], t[p + "mlp.router.bias"] = rnd(E, H), rnd(E)
         e = p + "mlp.experts."
-        t[e + "gate_up_proj_blocks"], t[e + "gate_up_proj_scales"] = random_mxfp4(E, 2 * INTER, H, seed=i)
-        t[e + "down_proj_blocks"], t[e + "down_proj_scales"] = random_mxfp4(E, H, INTER, seed=10 + i)
+        if mxfp4:
+            t[e + "gate_up_proj_blocks"], t[e + "gate_up_proj_scales"] = random_mxfp4(E, 2 * INTER, H, seed=i)
+            t[e + "down_proj_blocks"], t[e + "down_proj_scales"] = random_mxfp4(E, H, INTER, seed=10 + i)
+        else:  # transformers' float layout: [E, in, out], gate/up interleaved on the last axis
+            t[e + "gate_up_proj"], t[e + "down_proj"] = rnd(E, H, 2 * INTER), rnd(E, INTER, H)
         t[e + "gate_up_proj_bias"], t[e + "down_proj_bias"] = rnd(E, 2 * INTER), rnd(E, H)
     save_file({k: v.contiguous() for k, v in t.items()}, os.path.join(path, "model.safetensors"))
     return t
@@ -93,8 +103,11 @@ def files(tmp_path_factory):
     if llama_cpp_converter() is None:
         pytest.skip("llama.cpp's converter (llama-cpp-python sdist) could not be fetched")
     root = tmp_path_factory.mktemp("gpt-oss-gguf")
-    tensors = write_gpt_oss_mxfp4(str(root / "hf"))
-    return tensors, convert_hf_to_gguf(str(root / "hf"), str(root / "f32.gguf"), "f32", no_mtp=False)
+    out = {}
+    for kind in ("mxfp4", "float"):
+        tensors = write_gpt_oss(str(root / kind), kind == "mxfp4")
+        out[kind] = tensors, convert_hf_to_gguf(str(root / kind), str(root / f"{kind}.gguf"), "f32", no_mtp=False)
+    return out
 
 
 def test_config_from_the_gguf_metadata(files):
@@ -102,7 +115,7 @@ def test_config_from_the_gguf_metadata(files):
     from novainfer.layers.quantization.selector import get_quant_config
     from novainfer.loader.gguf_loader import load_gguf_config
 
-    _, path = files
+    _, path = files["mxfp4"]
     cfg = load_gguf_config(path)
     assert type(cfg).__name__ == "GptOssConfig"
     assert (cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size) == (E, 2, INTER)
@@ -116,12 +129,14 @@ def test_config_from_the_gguf_metadata(files):
 
     mc = SimpleNamespace(hf_config=cfg, quantization=None, is_gguf=True)
     assert isinstance(get_quant_config(mc, torch.device("cpu")), Mxfp4Config)
+    assert getattr(load_gguf_config(files["float"][1]), "quantization_config", None) is None
 
 
-def test_tensors_come_back_in_the_checkpoint_layout(files):
+@pytest.mark.parametrize("kind", ["mxfp4", "float"])
+def test_tensors_come_back_in_the_checkpoint_layout(files, kind):
     from novainfer.loader.gguf_loader import count_gguf_weights, iter_gguf_weights
 
-    want, path = files
+    want, path = files[kind]
     got = dict(iter_gguf_weights(path, keep_quantized=True))
     assert count_gguf_weights(path) == len(got)
     assert sorted(got) == sorted(want)
