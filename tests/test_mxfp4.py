@@ -198,3 +198,12 @@ def test_dummy_load_format_draws_mxfp4_experts():
     assert layer.w13_blocks.dtype == torch.uint8 and len(torch.unique(layer.w13_blocks)) > 200
     w = dequantize_mxfp4(layer.w2_blocks, layer.w2_scales)
     assert 0.01 < w.std().item() < 0.04 and torch.isfinite(w).all()
+
+
+def test_gpu_check_script_runs_on_tiny_shapes(capsys):
+    """tests/gpu/mxfp4_checks.py end to end on the CPU interpreter (its --tiny run), so it does not rot."""
+    pytest.importorskip("novainfer.kernels.fused_moe_mxfp4")
+    from tests.gpu.mxfp4_checks import run
+
+    assert run(tiny=True)
+    assert "tiny-a" in capsys.readouterr().out
