@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from benchmarks.gguf_checkpoint import convert_hf_to_gguf, llama_cpp_converter
-from tests.test_mxfp4 import random_mxfp4
+from tests.test_mxfp4 import GPT_OSS_QUANT, random_mxfp4
 
 E, H, INTER, LAYERS, HEADS, KV, HEAD_DIM, VOCAB = 4, 64, 64, 2, 4, 2, 16, 512
 
@@ -54,21 +54,7 @@ def write_gpt_oss(path: str, mxfp4: bool) -> dict[str, torch.Tensor]:
         "tie_word_embeddings": False,
         "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
         "pad_token_id": tokenizer.pad_token_id,
-        **(
-            {
-                "quantization_config": {
-                    "quant_method": "mxfp4",
-                    "modules_to_not_convert": [
-                        "model.layers.*.self_attn",
-                        "model.layers.*.mlp.router",
-                        "model.embed_tokens",
-                        "lm_head",
-                    ],
-                }
-            }
-            if mxfp4
-            else {}
-        ),
+        **({"quantization_config": GPT_OSS_QUANT} if mxfp4 else {}),
     }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
