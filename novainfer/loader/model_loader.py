@@ -63,7 +63,8 @@ def load_model(
     def named():
         for name, t in bar:
             current[0] = name
-            yield name, t.to(device=device, dtype=dtype)
+            integer = not getattr(t, "is_floating_point", lambda: True)()  # bytes of a quantized format: kept as is
+            yield name, t.to(device=device, dtype=None if integer else dtype)
 
     try:
         missing = net.load_weights(named())
