@@ -207,3 +207,23 @@ def test_gpu_check_script_runs_on_tiny_shapes(capsys):
 
     assert run(tiny=True)
     assert "tiny-a" in capsys.readouterr().out
+
+
+def test_gguf_mxfp4_weights_merge_with_others_exactly():
+    """A fused layer (q/k/v, gate/up) of GGUF MXFP4 parts, or of MXFP4 and Q8_0 parts, dequantizes to its parts."""
+    import numpy as np
+    from gguf.quants import quantize
+
+    from novainfer.kernels.cpu.repack import merge_rows
+
+    a_b, a_s = random_mxfp4(1, 24, 64, seed=1)  # 24 rows: not whole panels of 16, so the rows are re-laid
+    b_b, b_s = random_mxfp4(1, 40, 64, seed=2)
+    a = repack(mxfp4_from_hf(a_b, a_s)[0].numpy(), GGMLQuantizationType.MXFP4, (24, 64))
+    b = repack(mxfp4_from_hf(b_b, b_s)[0].numpy(), GGMLQuantizationType.MXFP4, (40, 64))
+    q8 = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
+    c = repack(quantize(q8, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0, (16, 64))
+    want = [transformers_dense(a_b, a_s)[0], transformers_dense(b_b, b_s)[0], c.dequantize()]
+    same = merge_rows([a, b])
+    assert same.e2m1 and torch.equal(same.dequantize(), torch.cat(want[:2]))
+    mixed = merge_rows([a, b, c])
+    assert mixed.kind == "q8" and not mixed.e2m1 and torch.equal(mixed.dequantize(), torch.cat(want))
