@@ -228,8 +228,11 @@ def llama_cpp_converter(download: bool = True) -> str | None:
     return dest
 
 
-def convert_hf_to_gguf(hf_dir: str, out: str, outtype: str = "f32", pre_tokenizer: str = TEST_PRE_TOKENIZER) -> str:
-    """Run llama.cpp's convert_hf_to_gguf.py (its own gguf-py) on an HF folder: outtype f32, f16, bf16 or q8_0."""
+def convert_hf_to_gguf(
+    hf_dir: str, out: str, outtype: str = "f32", pre_tokenizer: str = TEST_PRE_TOKENIZER, no_mtp: bool = True
+) -> str:
+    """Run llama.cpp's convert_hf_to_gguf.py (its own gguf-py) on an HF folder: outtype f32, f16, bf16 or q8_0.
+    no_mtp: pass --no-mtp (the converter refuses it for architectures without a multi-token-prediction head)."""
     import subprocess
     import sys
 
@@ -250,7 +253,7 @@ def convert_hf_to_gguf(hf_dir: str, out: str, outtype: str = "f32", pre_tokenize
         out,
         "--outtype",
         outtype,
-        "--no-mtp",
+        *(["--no-mtp"] if no_mtp else []),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0 or not os.path.isfile(out):

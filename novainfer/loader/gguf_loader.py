@@ -17,7 +17,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from novainfer.loader import gguf_qwen35
+from novainfer.loader import gguf_gpt_oss, gguf_qwen35
 from novainfer.loader.gguf_file import GGUFFile
 
 # GGUF architecture -> (HF architecture, transformers config class name)
@@ -27,6 +27,7 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
     "qwen35": ("Qwen3_5ForCausalLM", "Qwen3_5TextConfig"),  # loader/gguf_qwen35.py
     "qwen35moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig"),
+    "gpt-oss": ("GptOssForCausalLM", "GptOssConfig"),  # loader/gguf_gpt_oss.py
 }
 
 # per-layer GGUF tensor name -> HF name (after "model.layers.N.")
@@ -88,6 +89,9 @@ def load_gguf_config(path: str) -> Any:
     if arch in gguf_qwen35.ARCHS:
         gguf_qwen35.check_keys(reader.metadata)
         kwargs.update(gguf_qwen35.config_kwargs(reader.field))
+    elif arch == gguf_gpt_oss.ARCH:
+        gguf_gpt_oss.check_keys(reader.metadata)
+        kwargs.update(gguf_gpt_oss.config_kwargs(reader.field, {t.name: t.tensor_type for t in reader.tensors}))
     else:
         kwargs["intermediate_size"] = int(reader.field(f"{arch}.feed_forward_length"))
     return getattr(transformers, config_cls)(**kwargs)
@@ -185,6 +189,9 @@ def _tensor_names(path: str):
     if reader.field("general.architecture") in gguf_qwen35.ARCHS:
         fixer = gguf_qwen35.Qwen35Tensors(load_gguf_config(path))
         return fixer.hf_name, fixer
+    if reader.field("general.architecture") == gguf_gpt_oss.ARCH:
+        fixer = gguf_gpt_oss.GptOssTensors(load_gguf_config(path))
+        return fixer.hf_name, fixer
     return hf_name, None
 
 
@@ -217,7 +224,10 @@ def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple
         qtype = GGMLQuantizationType(tensor.tensor_type)
         quantized = qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
         block = GGML_QUANT_SIZES[qtype][0]
-        if (
+        raw = getattr(fixer, "keep_raw", lambda _: False)(name)  # bytes the fixer turns into its own layout
+        if raw:
+            data = _read_bytes(path, tensor).reshape(*shape[:-1], -1)
+        elif (
             keep_quantized
             and quantized
             and len(shape) == 2
@@ -247,7 +257,7 @@ def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple
             data = unpermute_rotary_rows(data, num_kv_heads)
         parts = [(name, data)] if fixer is None else fixer.fix(name, data, block)
         for name, data in parts:
-            if data.dtype == np.uint8:
+            if data.dtype == np.uint8 and not raw:
                 shape = (data.shape[0], shape[-1])
                 yield name, GGUFQuantTensor(tensor.name, np.ascontiguousarray(data), qtype, shape)
             else:

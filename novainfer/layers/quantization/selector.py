@@ -14,7 +14,14 @@ logger = logging.getLogger(__name__)
 
 def get_quant_config(mc: ModelConfig, device: torch.device, tp_size: int = 1) -> QuantizationConfig | None:
     """Fp8Config for quantization="fp8"; GGUFCPUConfig for a GGUF model on one CPU rank (unless dequantizing
-    was asked for); else None."""
+    was asked for); Mxfp4Config for a checkpoint whose quantization_config says mxfp4; else None."""
+    hf_quant = getattr(mc.hf_config, "quantization_config", None) or {}
+    if not isinstance(hf_quant, dict):
+        hf_quant = hf_quant.to_dict()
+    if hf_quant.get("quant_method") == "mxfp4":
+        from novainfer.layers.quantization.mxfp4 import Mxfp4Config
+
+        return Mxfp4Config(hf_quant, device, mc.quantization)
     if mc.quantization == "fp8":
         return _fp8_config(mc, device)
     if not mc.is_gguf or device.type != "cpu" or tp_size != 1 or mc.quantization == "none":
