@@ -41,9 +41,30 @@ def random_mxfp4(*shape: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor
     return blocks, scales
 
 
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float weights [..., N, K] as MXFP4 in transformers' layout (blocks [..., N, K/32, 16], scales [..., N, K/32]),
+    quantized by gguf-py (GGUF type MXFP4: the same format) and re-laid by the GGUF reader."""
+    from gguf.quants import quantize
+
+    from novainfer.loader.gguf_gpt_oss import ggml_to_hf
+
+    ggml = quantize(w.float().numpy(), GGMLQuantizationType.MXFP4)
+    return tuple(torch.from_numpy(a) for a in ggml_to_hf(ggml))
+
+
 def transformers_dense(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """transformers' dequantization, as [E, out, in] float32."""
     return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
+
+
+def test_quantized_float_weights_come_back_close():
+    """The tests' quantizer (quantize_mxfp4) round-trips through transformers' dequantization: within e2m1's widest
+    step (2 x the block's scale 2^(floor(log2 amax) - 2), at most amax / 2: ggml clips what exceeds 6 x scale)."""
+    w = torch.randn(E, 40, 128, generator=torch.Generator().manual_seed(1)) * 0.3
+    back = transformers_dense(*quantize_mxfp4(w))
+    amax = w.view(E, 40, 4, 32).abs().amax(-1, keepdim=True)
+    assert ((back - w).view(E, 40, 4, 32).abs() <= amax / 2).all()
+    assert ((back - w).norm() / w.norm()).item() < 0.15
 
 
 def test_format_matches_transformers_and_gguf():
