@@ -297,7 +297,8 @@ def save_tiny_mxfp4(path) -> str:
 
     from safetensors.torch import load_file, save_file
 
-    from tests.test_mxfp4 import GPT_OSS_QUANT, quantize_mxfp4
+    from novainfer.layers.quantization.mxfp4 import quantize_mxfp4
+    from novainfer.loader.gguf_gpt_oss import QUANTIZATION_CONFIG
 
     save_tiny(path, intermediate_size=MX_INTER)
     file = os.path.join(path, "model.safetensors")
@@ -308,7 +309,7 @@ def save_tiny_mxfp4(path) -> str:
     save_file(tensors, file, metadata={"format": "pt"})
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
-    config["quantization_config"] = GPT_OSS_QUANT
+    config["quantization_config"] = QUANTIZATION_CONFIG
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     return str(path)

@@ -17,18 +17,11 @@ from novainfer.kernels.cpu.repack import mxfp4_from_hf, repack
 from novainfer.layers.activation import SiluAndMul
 from novainfer.layers.fused_moe import FusedMoE, fused_experts_torch, select_experts
 from novainfer.layers.quantization import building_with
-from novainfer.layers.quantization.mxfp4 import Mxfp4Config, dequantize_mxfp4
+from novainfer.layers.quantization.mxfp4 import Mxfp4Config, dequantize_mxfp4, quantize_mxfp4
+from novainfer.loader.gguf_gpt_oss import QUANTIZATION_CONFIG
 
 E, H, INTER, TOP_K = 4, 96, 64, 2  # H: three blocks of 32, so a 64-wide K tile has a masked tail
-GPT_OSS_QUANT = {
-    "quant_method": "mxfp4",
-    "modules_to_not_convert": [
-        "model.layers.*.self_attn",
-        "model.layers.*.mlp.router",
-        "model.embed_tokens",
-        "lm_head",
-    ],
-}
+GPT_OSS_QUANT = QUANTIZATION_CONFIG
 needs_c = pytest.mark.skipif(not library.available(), reason="the C kernels do not build here")
 
 
@@ -41,27 +34,21 @@ def random_mxfp4(*shape: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor
     return blocks, scales
 
 
-def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float weights [..., N, K] as MXFP4 in transformers' layout (blocks [..., N, K/32, 16], scales [..., N, K/32]),
-    quantized by gguf-py (GGUF type MXFP4: the same format) and re-laid by the GGUF reader."""
-    from gguf.quants import quantize
-
-    from novainfer.loader.gguf_gpt_oss import ggml_to_hf
-
-    ggml = quantize(w.float().numpy(), GGMLQuantizationType.MXFP4)
-    return tuple(torch.from_numpy(a) for a in ggml_to_hf(ggml))
-
-
 def transformers_dense(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """transformers' dequantization, as [E, out, in] float32."""
     return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
 
 
-def test_quantized_float_weights_come_back_close():
-    """The tests' quantizer (quantize_mxfp4) round-trips through transformers' dequantization: within e2m1's widest
-    step (2 x the block's scale 2^(floor(log2 amax) - 2), at most amax / 2: ggml clips what exceeds 6 x scale)."""
+def test_quantizer_writes_llama_cpp_bytes_and_round_trips():
+    """quantize_mxfp4 (which writes the tests' MXFP4 checkpoints) gives gguf-py's MXFP4 quantizer's bytes, and
+    transformers dequantizes them back within e2m1's widest step (2 x the block's scale, at most amax / 2)."""
+    from gguf.quants import quantize
+
     w = torch.randn(E, 40, 128, generator=torch.Generator().manual_seed(1)) * 0.3
-    back = transformers_dense(*quantize_mxfp4(w))
+    w[0, 0, :32] = 0  # an all-zero block
+    blocks, scales = quantize_mxfp4(w)
+    assert torch.equal(mxfp4_from_hf(blocks, scales), torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType.MXFP4)))
+    back = transformers_dense(blocks, scales)
     amax = w.view(E, 40, 4, 32).abs().amax(-1, keepdim=True)
     assert ((back - w).view(E, 40, 4, 32).abs() <= amax / 2).all()
     assert ((back - w).norm() / w.norm()).item() < 0.15

@@ -71,6 +71,7 @@ KNOWN_KEYS = {
     "expert_feed_forward_length",
 }
 DENSE_MODULES = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+QUANTIZATION_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": DENSE_MODULES}  # the released checkpoints'
 
 
 def check_keys(metadata: dict[str, Any]) -> None:
@@ -119,7 +120,7 @@ def config_kwargs(field: Any, tensor_types: dict[str, int]) -> dict[str, Any]:
         rms_norm_eps=float(field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
     )
     if experts_mxfp4(tensor_types):
-        kwargs["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": DENSE_MODULES}
+        kwargs["quantization_config"] = dict(QUANTIZATION_CONFIG)
     return kwargs
 
 

@@ -223,12 +223,12 @@ def bench(dev: str, tiny: bool, experts: str) -> None:
 
     from benchmarks.checkpoints import word_level_tokenizer
     from novainfer import LLM, SamplingParams
-    from tests.test_mxfp4 import GPT_OSS_QUANT
+    from novainfer.loader.gguf_gpt_oss import QUANTIZATION_CONFIG
 
     shape = TINY_SHAPE if tiny else GPT_OSS_20B
     path = tempfile.mkdtemp(prefix="gpt_oss_20b_shape_")
     config = transformers.GptOssConfig(
-        **shape, **({"quantization_config": GPT_OSS_QUANT} if experts == "mxfp4" else {})
+        **shape, **({"quantization_config": QUANTIZATION_CONFIG} if experts == "mxfp4" else {})
     )
     config.architectures = ["GptOssForCausalLM"]
     config.save_pretrained(path)

@@ -42,6 +42,19 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return w.flatten(-2).to(dtype)
 
 
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights [..., N, K] -> MXFP4 blocks uint8 [..., N, K/32, 16] and scales [..., N, K/32] (dequantize_mxfp4's
+    inverse up to rounding): per 32 weights the scale 2^(floor(log2 amax) - 2), each weight its nearest e2m1 value,
+    the first of a tie (llama.cpp's quantizer's choices, so its bytes); writes MXFP4 checkpoints of float weights."""
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
+    b = w.float().reshape(*w.shape[:-1], w.shape[-1] // 32, 32)
+    amax = b.abs().amax(-1)
+    e = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2 + 127, torch.zeros_like(amax)).to(torch.int32)
+    candidates = torch.ldexp(lut, (e - 127)[..., None, None])  # [..., K/32, 1, 16]
+    codes = (candidates - b[..., None]).abs().argmin(-1).to(torch.uint8)  # [..., K/32, 32]
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), e.to(torch.uint8)
+
+
 class Mxfp4MoEMethod(FusedMoEMethodBase):
     """A FusedMoE layer's experts as MXFP4 blocks and scales (see the module docstring)."""
 
