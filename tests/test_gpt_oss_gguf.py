@@ -163,24 +163,33 @@ def mxfp4_dir(files, tmp_path_factory):
     return path
 
 
+def test_tokenizer_from_the_gguf(files, mxfp4_dir):
+    """The file's tokenizer (converted by transformers as PreTrainedTokenizerFast: AutoTokenizer would read the
+    file's config first, and transformers' reader fails on gpt-oss's rope.scaling keys) encodes as the HF one."""
+    from transformers import AutoTokenizer
+
+    from novainfer.loader.gguf_loader import load_gguf_tokenizer
+
+    text = "Hello, my name is Bob and the capital of France is"
+    assert load_gguf_tokenizer(files["mxfp4"][1]).encode(text) == AutoTokenizer.from_pretrained(mxfp4_dir).encode(text)
+
+
 def test_mxfp4_gguf_runs_as_its_hf_checkpoint(files, mxfp4_dir):
-    """NovaInfer on the GGUF file (MXFP4 experts kept in four bits) gives the HF MXFP4 checkpoint's greedy tokens,
-    with the same logprobs: the file holds the same bytes."""
-    # tokenizer: transformers' GGUF reader fails on gpt-oss files' rope.scaling keys (it takes a key's name for its
-    # value), so the file's own tokenizer cannot be converted; the ids are given anyway
-    from_gguf, from_hf = greedy(files["mxfp4"][1], tokenizer=mxfp4_dir), greedy(mxfp4_dir)
+    """NovaInfer on the GGUF file (MXFP4 experts kept in four bits; its own tokenizer) gives the HF MXFP4
+    checkpoint's greedy tokens, with the same logprobs: the file holds the same bytes."""
+    from_gguf, from_hf = greedy(files["mxfp4"][1]), greedy(mxfp4_dir)
     for (g_tokens, g_lps), (h_tokens, h_lps) in zip(from_gguf, from_hf):
         assert g_tokens == h_tokens
         assert max(abs(a - b) for a, b in zip(g_lps, h_lps)) < 1e-5
 
 
-def test_llama_cpp_runs_the_same_file(files, mxfp4_dir):
+def test_llama_cpp_runs_the_same_file(files):
     """llama.cpp (llama-cpp-python) on the same MXFP4 GGUF, teacher-forced on NovaInfer's greedy continuations:
     its top-1 token agrees with ours at >= 90% of the generated positions (its MXFP4 GEMMs take activations in
     Q8_0, ours in int16 per 32, so near-ties may flip)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     path = files["mxfp4"][1]
-    ours = greedy(path, tokenizer=mxfp4_dir)
+    ours = greedy(path)
     llm = llama_cpp.Llama(path, n_ctx=64, n_batch=64, n_threads=1, logits_all=True, verbose=False)
     agree = total = 0
     for prompt, (tokens, _) in zip(PROMPTS, ours):

@@ -110,7 +110,7 @@ def load_gguf_tokenizer(path: str) -> Any:
     seconds (9 s for the default model on the 2-core machine), so the result is saved under CACHE_DIR, keyed by
     the file (path, size, modification time) and the transformers version; later loads read it in ~0.2 s."""
     import transformers
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from novainfer.platform import CACHE_DIR
 
@@ -133,7 +133,11 @@ def load_gguf_tokenizer(path: str) -> Any:
         os.path.basename(path),
         os.path.dirname(cached),
     )
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    # gpt-oss's tokenizer class is PreTrainedTokenizerFast (its checkpoints say so); AutoTokenizer would read the
+    # file's config first, and transformers' GGUF reader fails on gpt-oss's rope.scaling keys
+    gpt_oss = _reader(path).field("general.architecture") == gguf_gpt_oss.ARCH
+    tokenizer_cls = PreTrainedTokenizerFast if gpt_oss else AutoTokenizer
+    tokenizer = tokenizer_cls.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
     try:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         tmp = tempfile.mkdtemp(prefix="tmp-", dir=os.path.dirname(cached))
