@@ -117,7 +117,7 @@ def make_file(path: str, s: dict = SHAPE, seed: int = 0) -> str:
     from gguf import GGMLQuantizationType as T
     from gguf import GGUFWriter
 
-    from benchmarks.gguf_checkpoint import add_tokenizer
+    from benchmarks.gguf_checkpoint import add_tokenizer, finish_file
     from novainfer.loader.default_model import default_model_path
 
     rng = np.random.default_rng(seed)
@@ -136,14 +136,7 @@ def make_file(path: str, s: dict = SHAPE, seed: int = 0) -> str:
         else:
             dtype = np.dtype(np.float16 if kind == "f16" else np.float32)
             w.add_tensor_info(name, shape, dtype, int(np.prod(shape)) * dtype.itemsize)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    for name, shape, kind in plan:
-        w.write_tensor_data(tensor_data(rng, name, shape, kind))
-    w.close()
-    os.replace(tmp, path)
-    return path
+    return finish_file(w, (tensor_data(rng, name, shape, kind) for name, shape, kind in plan), tmp, path)
 
 
 def main() -> None:
