@@ -14,6 +14,7 @@ keeps its first tokens and their merges); llama.cpp and transformers (hence Nova
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -149,11 +150,17 @@ def write_qwen2_q4_k_m(path: str, shape: Qwen2Shape, seed: int = 0) -> str:
             per, nbytes = BLOCKS[qtype]
             row = dims[1] // per * nbytes
             w.add_tensor_info(name, (dims[0], row), np.dtype(np.uint8), dims[0] * row, raw_dtype=qtype)
+    return finish_file(w, (tensor_data(rng, name, dims, qtype) for name, dims, qtype in plan), tmp, path)
+
+
+def finish_file(w: GGUFWriter, tensors: Iterable[np.ndarray], tmp: str, path: str) -> str:
+    """The header, metadata and tensor infos added to w, then each tensor's data as it is drawn (one in memory at
+    a time); the file renamed from tmp to path once complete."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for name, dims, qtype in plan:
-        w.write_tensor_data(tensor_data(rng, name, dims, qtype))
+    for data in tensors:
+        w.write_tensor_data(data)
     w.close()
     os.replace(tmp, path)
     return path
@@ -253,8 +260,8 @@ def llama_cpp_converter(download: bool = True) -> str | None:
 def convert_hf_to_gguf(
     hf_dir: str, out: str, outtype: str = "f32", pre_tokenizer: str = TEST_PRE_TOKENIZER, no_mtp: bool = True
 ) -> str:
-    """Run llama.cpp's convert_hf_to_gguf.py (its own gguf-py) on an HF folder: outtype f32, f16, bf16 or q8_0;
-    no_mtp for the families whose converter has a multi-token-prediction head to leave out (the others refuse it)."""
+    """Run llama.cpp's convert_hf_to_gguf.py (its own gguf-py) on an HF folder: outtype f32, f16, bf16 or q8_0.
+    no_mtp: pass --no-mtp (the converter refuses it for architectures without a multi-token-prediction head)."""
     import subprocess
     import sys
 
@@ -275,7 +282,8 @@ def convert_hf_to_gguf(
         out,
         "--outtype",
         outtype,
-    ] + (["--no-mtp"] if no_mtp else [])
+        *(["--no-mtp"] if no_mtp else []),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0 or not os.path.isfile(out):
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{proc.stderr[-3000:]}")

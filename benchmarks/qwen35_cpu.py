@@ -95,6 +95,7 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--label", default=None, help="the table's title (default: the shape, Q4_K_M)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -142,7 +143,8 @@ def main() -> None:
         if r and "error" not in r:
             results[f"{engine}_decode_tok_s"] = max(r["decode_tok_s"])
             results[f"{engine}_prefill_ms"] = min(r["prefill_ms"])
-    print(f"\n{args.shape}, Q4_K_M, batch 1, {args.threads} threads; load average {results['load_avg_at_start']}")
+    label = args.label or f"{args.shape}, Q4_K_M"
+    print(f"\n{label}, batch 1, {args.threads} threads; load average {results['load_avg_at_start']}")
     print(f"| engine | decode tok/s: best (rounds) | {args.prefill_len}-token prefill ms: best (rounds) |")
     print("|---|---|---|")
     for engine in ("novainfer", "llamacpp"):

@@ -5,6 +5,8 @@ YaRN rope with positions past original_max_position_embeddings, q/k/v/o biases, 
 a router with a bias, experts with biases and a swiglu_limit small enough that the clamp bites. Greedy tokens
 must equal transformers' and the chosen tokens' logprobs lie within 1e-4. The pieces (routing and experts, the
 Triton MoE kernel with biases and the clamped SwiGLU, the rope tables) are checked on their own too.
+The same checkpoint with its experts quantized to MXFP4 in the released on-disk layout runs against transformers
+on its own dequantization of them, one rank and two, with the experts kept in four bits.
 """
 
 from __future__ import annotations
@@ -153,10 +155,14 @@ def test_tensor_parallel_refuses_indivisible_kv_heads(tmp_path):
         LLM(path, dtype="float32", tensor_parallel_size=2, distributed_executor_backend="uni", master_port=0)
 
 
-def test_refuses_mxfp4_checkpoints_naming_the_field(tmp_path):
-    """A released (MXFP4) checkpoint's quantization_config is refused at start-up, not loaded wrong."""
-    path = save_tiny(tmp_path, quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": []})
-    with pytest.raises(NotImplementedError, match="quantization_config quant_method='mxfp4'"):
+def test_refuses_other_quantization_naming_the_field(tmp_path):
+    """quantization_config of a method other than mxfp4, or mxfp4 asking for more than the experts, is refused at
+    start-up naming the field, not loaded wrong."""
+    path = save_tiny(tmp_path / "bnb", quantization_config={"quant_method": "bitsandbytes"})
+    with pytest.raises(NotImplementedError, match="quantization_config quant_method='bitsandbytes'"):
+        LLM(path, dtype="float32", num_gpu_blocks=8)
+    path = save_tiny(tmp_path / "mx", quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": []})
+    with pytest.raises(ValueError, match="quantization_config.modules_to_not_convert"):
         LLM(path, dtype="float32", num_gpu_blocks=8)
 
 
@@ -272,3 +278,133 @@ def test_bf16_cache_runs_the_c_attention_kernels_with_sinks(tiny, monkeypatch):
         assert got.token_ids == tokens
         assert max(abs(got.logprobs[i][t].logprob - lp) for i, (t, lp) in enumerate(zip(tokens, lps))) < 5e-3
     assert seen["decode"] > 0 and seen["prefill"] > 0
+
+
+# ---- MXFP4 experts (the released checkpoints' format) ------------------------------------------------------------
+
+MX_INTER = 64  # MXFP4 blocks are 32 wide: the intermediate size per tp rank must be whole blocks
+# the C MXFP4 GEMMs round activations to int16 per 32 (test_mxfp4: ~1e-4 relative a GEMM): 7e-5 measured here,
+# 3.5e-4 on a checkpoint of random codes (larger weights)
+C_KERNEL_LOGPROB_TOL = 5e-4
+
+
+def save_tiny_mxfp4(path) -> str:
+    """save_tiny's checkpoint (intermediate size 64) with the experts quantized to MXFP4 and stored as the released
+    checkpoints store them: gate_up_proj_blocks [E, 2I, hidden/32, 16] / _scales (output rows gate/up interleaved),
+    down_proj_blocks / _scales, quantization_config quant_method mxfp4; biases stay float."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from novainfer.layers.quantization.mxfp4 import quantize_mxfp4
+    from novainfer.loader.gguf_gpt_oss import QUANTIZATION_CONFIG
+
+    save_tiny(path, intermediate_size=MX_INTER)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(tensors.pop(name).transpose(1, 2))  # [E, in, out] -> per output row
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, file, metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = QUANTIZATION_CONFIG
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_mxfp4(tmp_path_factory):
+    return save_tiny_mxfp4(tmp_path_factory.mktemp("gpt_oss_mxfp4"))
+
+
+def mxfp4_reference(path: str, ids: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens and logprobs with the checkpoint's experts dequantized on load (its own
+    convert_moe_packed_tensors), float32 on the CPU."""
+    from transformers import Mxfp4Config
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    key = path + ":mxfp4"
+    if key not in _REFS:
+        model = GptOssForCausalLM.from_pretrained(
+            path, dtype=torch.float32, quantization_config=Mxfp4Config(dequantize=True)
+        ).eval()
+        from safetensors import safe_open
+
+        with safe_open(f"{path}/model.safetensors", "pt") as f:  # the reference runs the stored values exactly
+            p = "model.layers.0.mlp.experts.gate_up_proj"
+            want = convert_moe_packed_tensors(
+                f.get_tensor(p + "_blocks"), f.get_tensor(p + "_scales"), dtype=torch.float32
+            )
+        assert torch.equal(model.model.layers[0].mlp.experts.gate_up_proj, want)
+        _REFS[key] = hf_greedy_logprobs(model, ids, N)
+    return _REFS[key]
+
+
+def assert_tokens_and_logprobs(outs, refs, tol: float) -> None:
+    for out, (tokens, lps) in zip(outs, refs):
+        got = out.outputs[0]
+        assert got.token_ids == tokens
+        assert max(abs(got.logprobs[i][t].logprob - lp) for i, (t, lp) in enumerate(zip(tokens, lps))) < tol
+
+
+def expert_bits_per_weight(model: torch.nn.Module) -> list[float]:
+    """Each FusedMoE layer's expert-weight bytes (its parameters but the biases, and the CPU's repacked panels
+    where it holds them) x 8 per expert weight."""
+    from novainfer.layers.fused_moe import FusedMoE
+
+    bits = []
+    for layer in (m for m in model.modules() if isinstance(m, FusedMoE)):
+        stored = sum(p.nbytes for n, p in layer.named_parameters() if not n.endswith("bias"))
+        stored += sum(w.nbytes() for part in (layer.mxfp4_packed or ()) for w in part)
+        weights = layer.num_experts * 3 * layer.local_inter * layer.w2_bias.shape[1]
+        bits.append(stored * 8 / weights)
+    return bits
+
+
+@pytest.mark.parametrize("c_kernels", [True, False])
+def test_mxfp4_experts_match_transformers_dequantized(tiny_mxfp4, c_kernels, monkeypatch):
+    """The MXFP4 checkpoint against transformers on its own dequantization: greedy tokens equal; logprobs within
+    1e-4 where the experts dequantize in torch (no C kernels: float32 as the reference), within
+    C_KERNEL_LOGPROB_TOL through the C MXFP4 GEMMs (int16 activations per 32). The experts stay four bits: 4.25
+    bits a weight as loaded (blocks + e8m0 scales), 4.5 once repacked into the C kernels' panels (float16 scales)."""
+    from novainfer.kernels.cpu import library
+
+    if c_kernels and not library.available():
+        pytest.skip("the C kernels need a compiler and AVX2")
+    if not c_kernels:
+        monkeypatch.setattr(library, "available", lambda: False)
+    llm = LLM(tiny_mxfp4, dtype="float32", block_size=4, max_num_batched_tokens=16)
+    ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_tokens_and_logprobs(outs, mxfp4_reference(tiny_mxfp4, ids), C_KERNEL_LOGPROB_TOL if c_kernels else 1e-4)
+    model = llm.llm_engine.executor.workers[0].model_runner.model
+    experts = model.model.layers[0].mlp.experts
+    assert not hasattr(experts, "w13_weight") and (experts.mxfp4_packed is not None) == c_kernels
+    assert expert_bits_per_weight(model) == [4.5 if c_kernels else 4.25] * len(model.model.layers)
+
+
+def test_mxfp4_tensor_parallel_two_ranks_match_transformers(tiny_mxfp4):
+    """tp=2 with MXFP4 experts: each rank keeps its half of gate, of up (from the interleaved rows) and of down's
+    blocks, the down bias on rank 0; tokens as transformers' on the dequantized weights."""
+    llm = LLM(
+        tiny_mxfp4,
+        dtype="float32",
+        block_size=4,
+        tensor_parallel_size=2,
+        distributed_executor_backend="uni",
+        master_port=0,
+    )
+    try:
+        ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert_tokens_and_logprobs(outs, mxfp4_reference(tiny_mxfp4, ids), C_KERNEL_LOGPROB_TOL)
+        ranks = [w.model_runner.model for w in llm.llm_engine.executor.workers]
+        for m in ranks:
+            assert expert_bits_per_weight(m)[0] in (4.25, 4.5)
+        down = [m.model.layers[0].mlp.experts.w2_bias for m in ranks]
+        assert down[0].any() and not down[1].any()
+    finally:
+        llm.llm_engine.shutdown()

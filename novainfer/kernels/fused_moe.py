@@ -13,10 +13,51 @@ The torch reference is layers/fused_moe/moe_torch.py.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
 from torch import nn
+
+
+@triton.jit
+def tile_rows(sorted_ids_ptr, block_experts_ptr, N, num_valid, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's pairs (padding rows hold num_valid), their mask, the block's expert, its columns and mask."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + rows)
+    expert = tl.load(block_experts_ptr + tl.program_id(0)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pair, pair < num_valid, expert, cols, cols < N
+
+
+@triton.jit
+def store_rows(
+    acc,
+    c_ptr,
+    stride_cm,
+    bias_ptr,
+    stride_bias,
+    topk_weights_ptr,
+    pair,
+    mmask,
+    expert,
+    cols,
+    nmask,
+    HAS_BIAS: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+):
+    """The grouped GEMMs' epilogue: acc (+ bias[expert]) (times the pair's routing weight) stored at C[pair]."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_bias + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
+    if MUL_ROUTED_WEIGHT:
+        w = tl.load(topk_weights_ptr + pair, mask=mmask, other=0.0)
+        acc = acc * w[:, None]
+    tl.store(
+        c_ptr + pair.to(tl.int64)[:, None] * stride_cm + cols[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=mmask[:, None] & nmask[None, :],
+    )
 
 
 @triton.jit
@@ -47,16 +88,9 @@ def _grouped_gemm_kernel(
 ):
     """C[pair] = (A[pair // A_ROW_DIV] @ B[expert]^T + bias[expert]) (times the pair's routing weight) for one
     block of pairs."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):  # the grid is sized for the worst case
+    if tl.program_id(0) * BLOCK_M >= tl.load(num_padded_ptr):  # the grid is sized for the worst case
         return
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ids_ptr + rows)  # padding rows hold num_valid
-    mmask = pair < num_valid
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = cols < N
+    pair, mmask, expert, cols, nmask = tile_rows(sorted_ids_ptr, block_experts_ptr, N, num_valid, BLOCK_M, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     a_rows = (pair // A_ROW_DIV).to(tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -71,15 +105,20 @@ def _grouped_gemm_kernel(
             other=0.0,
         )
         acc += tl.dot(a, b, input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + expert * stride_bias + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    if MUL_ROUTED_WEIGHT:
-        w = tl.load(topk_weights_ptr + pair, mask=mmask, other=0.0)
-        acc = acc * w[:, None]
-    tl.store(
-        c_ptr + pair.to(tl.int64)[:, None] * stride_cm + cols[None, :],
-        acc.to(c_ptr.dtype.element_ty),
-        mask=mmask[:, None] & nmask[None, :],
+    store_rows(
+        acc,
+        c_ptr,
+        stride_cm,
+        bias_ptr,
+        stride_bias,
+        topk_weights_ptr,
+        pair,
+        mmask,
+        expert,
+        cols,
+        nmask,
+        HAS_BIAS,
+        MUL_ROUTED_WEIGHT,
     )
 
 
@@ -145,11 +184,17 @@ def _grouped_gemm(
     assert a.stride(1) == 1 and b.stride(2) == 1 and out.stride(1) == 1
     assert bias is None or (bias.shape == b.shape[:2] and bias.stride(1) == 1)
     args = (a, b, out, sorted_ids, block_experts, num_padded, num_pairs, a_row_div, topk_weights, bias)
+    launch_with_fallback(lambda t: _launch(*args, t), tiles)
+
+
+def launch_with_fallback(launch: Callable[[tuple[int, int, int, int, int]], None], tiles) -> None:
+    """launch(tiles); where this GPU's shared memory is short of them (a smaller GPU than the sweep's), launch with
+    FALLBACK_TILES' N, K, warps and stages instead, and remember it (moe_tiles picks those next time)."""
     try:
-        _launch(*args, tiles)
-    except triton.runtime.errors.OutOfResources:  # the shared memory of a smaller GPU than the sweep's
+        launch(tiles)
+    except triton.runtime.errors.OutOfResources:
         _too_big.add(tiles)
-        _launch(*args, (tiles[0], *FALLBACK_TILES[1:]))
+        launch((tiles[0], *FALLBACK_TILES[1:]))
 
 
 def _launch(a, b, out, sorted_ids, block_experts, num_padded, num_pairs, a_row_div, topk_weights, bias, tiles) -> None:
@@ -196,22 +241,45 @@ def fused_experts(
     w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as layers/fused_moe/moe_torch.fused_experts_torch: [tokens, hidden] -> [tokens, hidden]."""
+
+    def gemm(down: bool, a, out, ids, a_row_div: int, weights, tiles) -> None:
+        b, bias = (w2, w2_bias) if down else (w13, w13_bias)
+        _grouped_gemm(a, b, out, *ids, out.shape[0], a_row_div, weights, tiles, bias)
+
+    return routed_experts(
+        hidden_states, topk_weights, topk_ids, w13.shape[0], w13.shape[1], w2.shape[2], act_and_mul, gemm
+    )
+
+
+def routed_experts(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    n13: int,
+    inter: int,
+    act_and_mul: nn.Module,
+    gemm: Callable[..., None],
+) -> torch.Tensor:
+    """Steps 1-4 of the module docstring for any weight format: gemm(down, a, out, (sorted ids, block experts,
+    padded total), a_row_div, routing weights or None, tiles) runs one grouped GEMM of the format's gate/up
+    (n13 outputs) or down (inter inputs) weights."""
     tokens, hidden = hidden_states.shape
-    top_k, num_experts = topk_ids.shape[1], w13.shape[0]
+    top_k = topk_ids.shape[1]
     num_pairs = tokens * top_k
     if tokens == 0:
         return torch.zeros_like(hidden_states)
-    up_tiles = moe_tiles(num_pairs, num_experts, w13.shape[1], w13.shape[2], down=False)
-    down_tiles = moe_tiles(num_pairs, num_experts, w2.shape[1], w2.shape[2], down=True)
+    up_tiles = moe_tiles(num_pairs, num_experts, n13, hidden, down=False)
+    down_tiles = moe_tiles(num_pairs, num_experts, hidden, inter, down=True)
     assert up_tiles[0] == down_tiles[0]  # one alignment serves both GEMMs
-    sorted_ids, block_experts, num_padded = align_by_expert(topk_ids, num_experts, up_tiles[0])
+    ids = align_by_expert(topk_ids, num_experts, up_tiles[0])
     x = hidden_states.contiguous()
-    gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, sorted_ids, block_experts, num_padded, num_pairs, top_k, None, up_tiles, w13_bias)
+    gate_up = torch.empty(num_pairs, n13, dtype=x.dtype, device=x.device)
+    gemm(False, x, gate_up, ids, top_k, None, up_tiles)
     act = act_and_mul(gate_up)
     down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.to(x.dtype).contiguous().flatten()  # rounded as the reference rounds them
-    _grouped_gemm(act, w2, down, sorted_ids, block_experts, num_padded, num_pairs, 1, weights, down_tiles, w2_bias)
+    gemm(True, act, down, ids, 1, weights, down_tiles)
     return down.view(tokens, top_k, hidden).sum(dim=1)
 
 

@@ -17,7 +17,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 
-from novainfer.loader import gguf_families, gguf_gemma4, gguf_qwen35
+from novainfer.loader import gguf_families, gguf_gemma4, gguf_gpt_oss, gguf_qwen35
 from novainfer.loader.gguf_file import GGUFFile
 
 # GGUF architecture -> (HF architecture, transformers config class name)
@@ -29,6 +29,7 @@ ARCHITECTURES = {
     "qwen35moe": ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextConfig"),
     "gemma4": ("Gemma4ForCausalLM", "Gemma4TextConfig"),  # loader/gguf_gemma4.py
     **gguf_families.ARCHITECTURES,  # Gemma 2 / 3, Phi-3, Qwen2-MoE, Qwen3-MoE (and Mixtral: llama with experts)
+    "gpt-oss": ("GptOssForCausalLM", "GptOssConfig"),  # loader/gguf_gpt_oss.py
 }
 
 # per-layer GGUF tensor name -> HF name (after "model.layers.N.")
@@ -98,6 +99,9 @@ def load_gguf_config(path: str) -> Any:
     elif family:
         gguf_families.check_keys(reader.metadata)
         kwargs.update(gguf_families.config_kwargs(reader.field, lambda name: _small_tensor(path, name)))
+    elif arch == gguf_gpt_oss.ARCH:
+        gguf_gpt_oss.check_keys(reader.metadata)
+        kwargs.update(gguf_gpt_oss.config_kwargs(reader.field, {t.name: t.tensor_type for t in reader.tensors}))
     else:
         kwargs["intermediate_size"] = int(reader.field(f"{arch}.feed_forward_length"))
     config = getattr(transformers, config_cls)(**kwargs)
@@ -132,7 +136,7 @@ def load_gguf_tokenizer(path: str) -> Any:
     seconds (9 s for the default model on the 2-core machine), so the result is saved under CACHE_DIR, keyed by
     the file (path, size, modification time) and the transformers version; later loads read it in ~0.2 s."""
     import transformers
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     from novainfer.platform import CACHE_DIR
 
@@ -156,9 +160,12 @@ def load_gguf_tokenizer(path: str) -> Any:
         os.path.dirname(cached),
     )
     # AutoTokenizer first builds a config from the file, which fails on gemma4's per-layer arrays (head_count_kv)
-    auto = _reader(path).field("general.architecture") != gguf_gemma4.ARCH
-    cls = AutoTokenizer if auto else transformers.TokenizersBackend
-    tokenizer = cls.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    # and on gpt-oss's rope.scaling keys: those two take the tokenizer class their checkpoints name
+    arch = _reader(path).field("general.architecture")
+    classes = {gguf_gemma4.ARCH: transformers.TokenizersBackend, gguf_gpt_oss.ARCH: PreTrainedTokenizerFast}
+    tokenizer = classes.get(arch, AutoTokenizer).from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path)
+    )
     try:
         os.makedirs(os.path.dirname(cached), exist_ok=True)
         tmp = tempfile.mkdtemp(prefix="tmp-", dir=os.path.dirname(cached))
@@ -221,6 +228,9 @@ def _tensor_names(path: str):
     if arch == gguf_gemma4.ARCH:
         fixer = gguf_gemma4.Gemma4Tensors()
         return fixer.hf_name, fixer
+    if arch == gguf_gpt_oss.ARCH:
+        fixer = gguf_gpt_oss.GptOssTensors(load_gguf_config(path))
+        return fixer.hf_name, fixer
     return hf_name, None
 
 
@@ -253,7 +263,10 @@ def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple
         qtype = GGMLQuantizationType(tensor.tensor_type)
         quantized = qtype not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
         block = GGML_QUANT_SIZES[qtype][0]
-        if (
+        raw = getattr(fixer, "keep_raw", lambda _: False)(name)  # bytes the fixer turns into its own layout
+        if raw:
+            data = _read_bytes(path, tensor).reshape(*shape[:-1], -1)
+        elif (
             keep_quantized
             and quantized
             and len(shape) == 2
@@ -283,7 +296,7 @@ def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple
             data = unpermute_rotary_rows(data, num_kv_heads)
         parts = [(name, data)] if fixer is None else fixer.fix(name, data, block)
         for name, data in parts:
-            if data.dtype == np.uint8:
+            if data.dtype == np.uint8 and not raw:
                 shape = (data.shape[0], shape[-1])
                 yield name, GGUFQuantTensor(tensor.name, np.ascontiguousarray(data), qtype, shape)
             else:

@@ -63,7 +63,9 @@ def load_model(
     def named():
         for name, t in bar:
             current[0] = name
-            keep = quant_config is not None and quant_config.keeps_stored_dtype(name, t)
+            # a quantized format's packed bytes, float8 weights and scales stay as stored
+            integer = not getattr(t, "is_floating_point", lambda: True)()
+            keep = integer or (quant_config is not None and quant_config.keeps_stored_dtype(name, t))
             yield name, t.to(device=device) if keep else t.to(device=device, dtype=dtype)
 
     try:
@@ -93,7 +95,9 @@ def initialize_dummy_weights(net: nn.Module, std: float = 0.02, seed: int = 0) -
     norm weights as their layers built them; every rank draws its own shards."""
     gen = torch.Generator(device=next(net.parameters()).device).manual_seed(seed)
     for name, param in net.named_parameters():
-        if name.endswith("bias"):
+        if getattr(param, "draw_dummy", None) is not None:  # a quantized one draws its own (layers/quantization)
+            param.draw_dummy(gen)
+        elif name.endswith("bias"):
             param.zero_()
         elif param.dim() >= 2:
             param.normal_(0.0, std, generator=gen)

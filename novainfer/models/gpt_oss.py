@@ -1,4 +1,4 @@
-"""gpt-oss (20B, 120B) with bf16/fp32 weights: the Llama decoder with gpt-oss's attention and experts.
+"""gpt-oss (20B, 120B): the Llama decoder with gpt-oss's attention and experts.
 
 Attention has q/k/v/o biases and learned sinks (one logit per head that joins every softmax and emits nothing),
 alternates sliding-window (layer_types, sliding_window) and full layers, and rotates with YaRN rope (the
@@ -7,7 +7,10 @@ experts with biases behind a router with a bias: the top-k router logits are sof
 each expert applies the clamped SwiGLU ((up + 1) * gate * sigmoid(alpha * gate), gate clamped above at
 swiglu_limit, up to [-limit, limit]). The checkpoint stacks the experts with gate and up interleaved on the last
 dim (gate_up_proj [E, hidden, 2I]: gate = [..., ::2], up = [..., 1::2]); they are handed to FusedMoE per expert,
-through its weight_loader, as unfused HF names.
+through its weight_loader, as unfused HF names. The released checkpoints (quantization_config quant_method
+mxfp4) store the experts as MXFP4 blocks and scales (gate_up_proj_blocks [E, 2I, hidden/32, 16], rows
+interleaved likewise); those load whole, as stored, into the MXFP4 method's parameters and stay four bits a
+weight (layers/quantization/mxfp4.py); the biases stay float either way.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from novainfer.models.llama import LlamaAttention, layer_type_of, sliding_window
 from novainfer.models.moe import MoeForCausalLM
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
+_MXFP4 = (("gate_up_proj", "w13"), ("down_proj", "w2"))  # HF stacked expert tensor -> FusedMoE parameter prefix
+_PARTS = ("blocks", "scales")
 
 
 def check_supported(config: Any) -> None:
@@ -34,10 +39,11 @@ def check_supported(config: Any) -> None:
     quant = getattr(config, "quantization_config", None)
     if quant:
         method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-        raise NotImplementedError(
-            f"gpt-oss quantization_config quant_method={method!r} is not supported yet: only bf16/fp32 "
-            "checkpoints load (MXFP4 experts are a separate piece of work)"
-        )
+        if method != "mxfp4":  # its other fields are checked by layers/quantization/mxfp4.py's Mxfp4Config
+            raise NotImplementedError(
+                f"gpt-oss quantization_config quant_method={method!r} is not supported: only 'mxfp4' (the released "
+                "checkpoints' experts) and unquantized bf16/fp32 checkpoints load"
+            )
     unknown = sorted(set(config.layer_types) - set(_LAYER_TYPES))
     if unknown:
         raise NotImplementedError(f"gpt-oss layer_types {unknown} are not supported (only {list(_LAYER_TYPES)})")
@@ -98,6 +104,9 @@ class GptOssMLP(nn.Module):
 
 
 class GptOssForCausalLM(MoeForCausalLM):
+    # MXFP4 checkpoints: each layer's stacked experts as blocks and scales, loaded whole by the MXFP4 method
+    checkpoint_renames = {f"experts.{hf}_{part}": f"experts.{ours}_{part}" for hf, ours in _MXFP4 for part in _PARTS}
+
     def __init__(self, config: Any):
         check_supported(config)
         super().__init__(config)
@@ -109,9 +118,10 @@ class GptOssForCausalLM(MoeForCausalLM):
         return GptOssMLP(config)
 
     def split_fused_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        """The stacked experts as per-expert HF names (gate and up de-interleaved, transposed to [out, in])."""
+        """The stacked float experts as per-expert HF names (gate and up de-interleaved, transposed to [out, in]);
+        MXFP4 blocks and scales pass whole, as stored (the MXFP4 method's loader takes them so)."""
         for name, tensor in weights:
-            if ".mlp.experts." not in name:
+            if ".mlp.experts." not in name or name.endswith(("_blocks", "_scales")):
                 yield name, tensor
                 continue
             prefix, stacked = name.rsplit(".", 1)

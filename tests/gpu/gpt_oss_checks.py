@@ -1,4 +1,4 @@
-"""gpt-oss (bf16/fp32 weights) on a GPU, in one call:
+"""gpt-oss (bf16/fp32 weights and MXFP4 experts) on a GPU, in one call:
 
 (a) attention sinks in the Triton decode (one program per KV head, and split contexts) and prefill kernels
     against the torch reference, on gpt-oss-20b's head shapes (64 query heads, 8 KV heads, head_dim 64) with
@@ -6,9 +6,10 @@
 (b) the MoE kernels (grouped GEMMs with the expert biases, the clamped SwiGLU) against the torch reference on
     gpt-oss-20b's expert shape (32 experts, top 4, hidden = intermediate = 2880), bf16;
 (c) the engine's greedy tokens against transformers in fp32 on the GPU, on tests/test_gpt_oss.py's tiny random
-    checkpoint (sliding + full layers, YaRN, sinks, biased router and experts), prefix caching off and on;
+    checkpoint (sliding + full layers, YaRN, sinks, biased router and experts), prefix caching off and on; and
+    on the same checkpoint with MXFP4 experts (the Triton MXFP4 kernel) against transformers' dequantization;
 (d) throughput (256 prompts x 512 + 256 tokens) and batch-1 decode latency of the gpt-oss-20b shape with random
-    bf16 weights (load_format dummy), and the GPU memory its weights take.
+    weights (load_format dummy), bf16 experts and MXFP4 experts (random codes), and the memory its weights take.
 Prints one table; exits non-zero when a check fails.
 
     python3 tests/gpu/gpt_oss_checks.py          # on the GPU machine
@@ -164,62 +165,75 @@ def moe_kernel_checks(dev: str, tiny: bool) -> None:
 
 
 def model_checks(dev: str, n: int) -> None:
-    """(c): greedy tokens of the tiny checkpoint, fp32 on the device, against transformers fp32 on the device."""
-    from transformers import GptOssForCausalLM
+    """(c): greedy tokens of the tiny checkpoint (float experts, then MXFP4 experts), fp32 on the device, against
+    transformers fp32 on the device (on its own dequantization of the MXFP4 experts)."""
+    from transformers import GptOssForCausalLM, Mxfp4Config
 
     from novainfer import LLM, SamplingParams
-    from tests.test_gpt_oss import PROMPTS, save_tiny
+    from tests.test_gpt_oss import PROMPTS, save_tiny, save_tiny_mxfp4
     from tests.tiny_models import hf_greedy_logprobs
 
-    path = save_tiny(tempfile.mkdtemp(prefix="gpt_oss_tiny_"))
-    model = GptOssForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev).eval()
-    for module in model.modules():  # transformers < 5.2x fixes alpha and limit in the module, not from the config
-        if hasattr(module, "limit") and hasattr(module, "alpha"):
-            module.alpha = getattr(model.config, "swiglu_alpha", module.alpha)
-            module.limit = getattr(model.config, "swiglu_limit", module.limit)
-    llm = None
-    for prefix in (False, True):
-        llm = LLM(
-            path,
-            dtype="float32",
-            block_size=4 if dev == "cpu" else 16,
-            max_num_batched_tokens=16,
-            enable_prefix_caching=prefix,
-            gpu_memory_utilization=0.3,
-        )
-        tok = llm.get_tokenizer()
-        prompts = [tok.encode(p) for p in PROMPTS]
-        prompts.append(prompts[1] + tok.encode(" Paris is"))  # extends a prompt: a prefix-cache hit
-        if prefix is False:
-            with torch.device(dev):
-                refs = [t for t, _ in hf_greedy_logprobs(model, prompts, n)]
-        greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-        same = sum(o.outputs[0].token_ids == r for o, r in zip(outs, refs))
-        check(
-            f"tiny fp32 vs HF, prefix cache {'on' if prefix else 'off'}",
-            f"{same}/{len(prompts)} prompts equal, {n} tokens each",
-            same == len(prompts),
-        )
-        llm.llm_engine.shutdown()
-        del llm
+    for experts, save in (("float", save_tiny), ("mxfp4", save_tiny_mxfp4)):
+        path = save(tempfile.mkdtemp(prefix=f"gpt_oss_tiny_{experts}_"))
+        quant = {"quantization_config": Mxfp4Config(dequantize=True)} if experts == "mxfp4" else {}
+        model = GptOssForCausalLM.from_pretrained(path, dtype=torch.float32, **quant).to(dev).eval()
+        for module in model.modules():  # transformers < 5.2x fixes alpha and limit in the module, not the config
+            if hasattr(module, "limit") and hasattr(module, "alpha"):
+                module.alpha = getattr(model.config, "swiglu_alpha", module.alpha)
+                module.limit = getattr(model.config, "swiglu_limit", module.limit)
+        llm = None
+        for prefix in (False, True) if experts == "float" else (True,):
+            llm = LLM(
+                path,
+                dtype="float32",
+                block_size=4 if dev == "cpu" else 16,
+                max_num_batched_tokens=16,
+                enable_prefix_caching=prefix,
+                gpu_memory_utilization=0.3,
+            )
+            tok = llm.get_tokenizer()
+            prompts = [tok.encode(p) for p in PROMPTS]
+            prompts.append(prompts[1] + tok.encode(" Paris is"))  # extends a prompt: a prefix-cache hit
+            if prefix is False or experts == "mxfp4":
+                with torch.device(dev):
+                    refs = [t for t, _ in hf_greedy_logprobs(model, prompts, n)]
+            greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+            same = sum(o.outputs[0].token_ids == r for o, r in zip(outs, refs))
+            check(
+                f"tiny fp32 {experts} experts vs HF, prefix cache {'on' if prefix else 'off'}",
+                f"{same}/{len(prompts)} prompts equal, {n} tokens each",
+                same == len(prompts),
+            )
+            llm.llm_engine.shutdown()
+            del llm
+            release()
+        del model
         release()
-    del model
-    release()
 
 
-def bench(dev: str, tiny: bool) -> None:
-    """(d): the gpt-oss-20b shape, random weights drawn in place: tok/s of a batch and batch-1 ms per token."""
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters, and of the MXFP4 experts' CPU panels where they were repacked into them."""
+    packed = sum(w.nbytes() for m in model.modules() for part in (getattr(m, "mxfp4_packed", None) or ()) for w in part)
+    return sum(p.numel() * p.element_size() for p in model.parameters()) + packed
+
+
+def bench(dev: str, tiny: bool, experts: str) -> None:
+    """(d): the gpt-oss-20b shape, random weights drawn in place (experts "float": in the model's dtype; "mxfp4":
+    random codes kept in four bits): tok/s of a batch and batch-1 ms per token."""
     import random
 
     import transformers
 
     from benchmarks.checkpoints import word_level_tokenizer
     from novainfer import LLM, SamplingParams
+    from novainfer.loader.gguf_gpt_oss import QUANTIZATION_CONFIG
 
     shape = TINY_SHAPE if tiny else GPT_OSS_20B
     path = tempfile.mkdtemp(prefix="gpt_oss_20b_shape_")
-    config = transformers.GptOssConfig(**shape)
+    config = transformers.GptOssConfig(
+        **shape, **({"quantization_config": QUANTIZATION_CONFIG} if experts == "mxfp4" else {})
+    )
     config.architectures = ["GptOssForCausalLM"]
     config.save_pretrained(path)
     word_level_tokenizer(config.vocab_size).save_pretrained(path)
@@ -227,7 +241,7 @@ def bench(dev: str, tiny: bool) -> None:
     before = torch.cuda.memory_allocated() if dev == "cuda" else 0
     llm = LLM(path, load_format="dummy", max_model_len=4096 if dev == "cuda" else 256, **kw)
     runner = llm.llm_engine.executor.workers[0].model_runner
-    weights_gb = sum(p.numel() * p.element_size() for p in runner.model.parameters()) / 1e9
+    weights_gb = weight_bytes(runner.model) / 1e9
     num, inp, outl = (4, 32, 16) if tiny else (256, 512, 256)
     rng = random.Random(0)
     top = min(config.vocab_size, 10000) - 1
@@ -253,7 +267,7 @@ def bench(dev: str, tiny: bool) -> None:
     name = "tiny gpt-oss shape" if tiny else "gpt-oss-20b shape"
     dtype = "bf16" if dev == "cuda" else "fp32"
     check(
-        f"bench {name} ({dtype}, dummy)",
+        f"bench {name} ({dtype}, {experts} experts, dummy)",
         f"{gen / elapsed:.0f} tok/s ({num} x {inp}+{outl}), batch-1 decode {decode_ms:.2f} ms/token, "
         f"weights {weights_gb:.1f} GB, graphs {'on' if getattr(runner, 'graphs', None) is not None else 'off'}"
         + (f", device memory before load {before / 1e9:.1f} GB" if dev == "cuda" else ""),
@@ -264,9 +278,9 @@ def bench(dev: str, tiny: bool) -> None:
 
 
 def report() -> None:
-    print(f"\n{'check':<52} {'ok':<5} detail")
+    print(f"\n{'check':<58} {'ok':<5} detail")
     for name, detail, ok in rows:
-        print(f"{name:<52} {'PASS' if ok else 'FAIL':<5} {detail}")
+        print(f"{name:<58} {'PASS' if ok else 'FAIL':<5} {detail}")
     failed = [r for r in rows if not r[2]]
     print(f"\n{len(rows) - len(failed)}/{len(rows)} passed")
     sys.exit(1 if failed else 0)
@@ -296,7 +310,8 @@ def main() -> None:
         model_checks(dev, 8 if args.tiny else 24)
     print(f"checks took {time.perf_counter() - t:.0f} s", flush=True)
     if "bench" not in args.skip:
-        bench(dev, args.tiny)
+        for experts in ("float", "mxfp4"):
+            bench(dev, args.tiny, experts)
     report()
 
 

@@ -65,6 +65,8 @@ class DecoderLayerDesc(ctypes.Structure):
 
 def qlinear_desc(w: PackedWeight, bias: torch.Tensor | None) -> QLinearDesc:
     """A packed weight and its (contiguous float32) bias as the C stack reads them."""
+    if w.e2m1:
+        raise ValueError("the C decoder stack does not read MXFP4 (e2m1) weights; GGUF type MXFP4 outside the experts")
     return QLinearDesc(
         w.qweight.data_ptr(),
         w.scales.data_ptr(),

@@ -34,6 +34,7 @@ _SOURCES = [
     "repack_panels_cpu.c",
     "gated_delta_cpu.c",
     "gated_delta_prefill_cpu.c",
+    "mxfp4_ref_cpu.c",
 ]
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -85,6 +86,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.q8_gemm.argtypes = [_P, _I, _I, _P, _I, _P, _P, _I, _I, _I, _P, _I]
     lib.q4_gemm_panel.argtypes = lib.q4_gemm.argtypes
     lib.q8_gemm_panel.argtypes = lib.q8_gemm.argtypes
+    lib.mxfp4_gemm.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P, _I]
+    lib.mxfp4_gemm_panel.argtypes = lib.mxfp4_gemm.argtypes
+    lib.mxfp4_gemm_ref.argtypes = [_P, _I, _I, _P, _I, _P]
+    lib.mxfp4_gemm_ref.restype = None
     lib.set_panel_min_rows.argtypes = [_I]
     lib.set_gemm_isa.argtypes = [_I]
     lib.set_gemm_isa.restype = _I

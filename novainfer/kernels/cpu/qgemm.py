@@ -23,7 +23,12 @@ def quant_gemm(x: torch.Tensor, w: PackedWeight, panel: bool = False) -> torch.T
     n = w.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     f16 = int(w.scale_f16)
-    if w.kind == "q4":
+    if w.e2m1:
+        mxfp4_gemm = lib.mxfp4_gemm_panel if panel else lib.mxfp4_gemm
+        rc = mxfp4_gemm(
+            x.data_ptr(), m, k, w.qweight.data_ptr(), w.scales.data_ptr(), f16, n, y.data_ptr(), num_threads()
+        )
+    elif w.kind == "q4":
         rc = q4_gemm(
             x.data_ptr(),
             m,
@@ -73,7 +78,7 @@ def dequantize(w: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tenso
     zeros = None if w.zeros is None else w.zeros.data_ptr()
     library().dequantize(
         w.qweight.data_ptr(),
-        int(w.kind == "q4"),
+        2 if w.e2m1 else int(w.kind == "q4"),
         w.group,
         w.scales.data_ptr(),
         zeros,
@@ -85,6 +90,16 @@ def dequantize(w: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tenso
         num_threads(),
     )
     return out
+
+
+def mxfp4_gemm_ref(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The scalar C reference (csrc/mxfp4_ref_cpu.c) of quant_gemm on an MXFP4 weight given as GGUF's
+    block_mxfp4 rows (uint8 [N, K/32 * 17]): x [M, K] float32 -> [M, N], the SIMD kernels' bits (tests)."""
+    m, k = x.shape
+    x, blocks = x.contiguous(), blocks.contiguous()
+    y = torch.empty(m, blocks.shape[0], dtype=torch.float32)
+    library().mxfp4_gemm_ref(x.data_ptr(), m, k, blocks.data_ptr(), blocks.shape[0], y.data_ptr())
+    return y
 
 
 # ---- test hooks: both kernels, and both tile sets, give every row the same bits; the tests compare them -------

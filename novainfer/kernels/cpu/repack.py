@@ -10,6 +10,9 @@ Scales and zeros are stored as float16 where every value of the tensor survives 
 else float32 (the K-quants' d*sc products usually need more than float16's 11 bits). The kernels widen float16
 exactly, so both give the same results to the bit; the decode step reads fewer bytes.
 Q5_K and Q6_K cost 8 bits a weight in memory instead of 5.5 / 6.6, and nothing in accuracy.
+MXFP4 (e2m1 codes, an e8m0 exponent per 32) keeps its codes as q4 nibbles (`e2m1`: the kernels read each code
+through the table of its doubled values, integers in [-12, 12]) and scale 2^(e - 128), no zero: 4.5 bits a weight
+where the exponents fit float16 (2^-24..2^15; any real checkpoint), else 5.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ BLOCK = {
     T.Q4_K: (256, 144),
     T.Q5_K: (256, 176),
     T.Q6_K: (256, 210),
+    T.MXFP4: (32, 17),
 }
 SUPPORTED = frozenset(BLOCK)
 
@@ -45,6 +49,7 @@ class PackedWeight:
     zeros: torch.Tensor | None  # the scales' shape and dtype; None: all zero
     group: int
     shape: tuple[int, int]
+    e2m1: bool = False  # q4 nibbles are MXFP4 codes (E2M1_X2 gives their values), not 0..15
 
     def __post_init__(self) -> None:
         if self.scales.dtype not in (torch.float16, torch.float32):
@@ -63,6 +68,7 @@ class PackedWeight:
         zeros: torch.Tensor | None,
         group: int,
         shape: tuple[int, int],
+        e2m1: bool = False,
     ) -> "PackedWeight":
         """A weight given in the row layout (q4 uint8 [N, K/2] in GGML's nibble order, q8 int8 [N, K]; scales and
         zeros [N, K/group])."""
@@ -74,6 +80,7 @@ class PackedWeight:
             None if zp is None else t(zp),
             group,
             shape,
+            e2m1,
         )
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -95,7 +102,7 @@ class PackedWeight:
     def float32_scales(self) -> "PackedWeight":
         """The same weight with float32 scales and zeros (merge_rows of mixed parts; the tests' reference)."""
         z = None if self.zeros is None else self.zeros.float()
-        return PackedWeight(self.kind, self.qweight, self.scales.float(), z, self.group, self.shape)
+        return PackedWeight(self.kind, self.qweight, self.scales.float(), z, self.group, self.shape, self.e2m1)
 
     def nbytes(self) -> int:
         """Bytes of quants, scales and zeros: what one pass over the weight reads."""
@@ -107,7 +114,8 @@ class PackedWeight:
         n, k = self.shape
         q, scales, zeros = self.rows()
         if self.kind == "q4":
-            vals = torch.from_numpy(panel_layout.q4_values(q.numpy())).float().view(n, k // 32, 32)
+            vals = torch.from_numpy(panel_layout.q4_values(q.numpy())).view(n, k // 32, 32)
+            vals = (E2M1_X2[vals.long()] if self.e2m1 else vals).float()
         else:
             vals = q.float().view(n, k // self.group, self.group)
         out = vals * scales.float().unsqueeze(-1)
@@ -143,6 +151,23 @@ def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sc.astype(np.float32), mn.astype(np.float32)
 
 
+E2M1_X2 = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)  # csrc/panel_cpu.h
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """MXFP4's exponent bytes -> 2^(e - 128) in float32 (ggml's half scale, for the doubled e2m1 values)."""
+    return np.ldexp(np.float32(1), e.astype(np.int32) - 128).astype(np.float32)
+
+
+def mxfp4_from_hf(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """An HF MXFP4 weight (blocks uint8 [..., K/32, 16], element 2j the low nibble of byte j, 2j + 1 the high;
+    scales uint8 [..., K/32]) -> GGUF's block_mxfp4 bytes uint8 [..., K/32 * 17] (the exponent, then element i
+    low and i + 16 high in byte i): the same weights, the layout repack() takes."""
+    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).flatten(-2)  # [..., K/32, 32] in element order
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    return torch.cat([scales.unsqueeze(-1), qs], dim=-1).flatten(-2)
+
+
 # type -> (kind, group, has zero points) of the layout it repacks into
 LAYOUT = {
     T.Q4_0: ("q4", 32, True),
@@ -151,6 +176,7 @@ LAYOUT = {
     T.Q4_K: ("q4", 32, True),
     T.Q5_K: ("q8", 32, True),
     T.Q6_K: ("q8", 16, False),
+    T.MXFP4: ("q4", 32, False),
 }
 CHUNK_BYTES = 1 << 22  # GGUF bytes repacked at a time: the numpy temporaries stay a few times this, not the tensor
 
@@ -182,7 +208,8 @@ def repack(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> PackedWeight:
             zeros[at] = panel_layout.groups_to_panels(zero)
     scales, zeros = _narrow(scales, zeros)
     t = torch.from_numpy
-    return PackedWeight(kind, t(qweight), t(scales), None if zeros is None else t(zeros), group, shape)
+    z = None if zeros is None else t(zeros)
+    return PackedWeight(kind, t(qweight), t(scales), z, group, shape, qtype == T.MXFP4)
 
 
 def _narrow(scales: np.ndarray, zeros: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -206,6 +233,8 @@ def _repack_blocks(b: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray, np.
         else:
             zero, qs = _f16(b[..., 2:4]).reshape(n, -1), b[..., 4:20]
         return qs.reshape(n, k // 2), d, zero
+    if qtype == T.MXFP4:
+        return b[..., 1:17].reshape(n, k // 2), e8m0_half(b[..., 0]), None
     if qtype == T.Q8_0:
         return b[..., 2:34].view(np.int8).reshape(n, k), _f16(b[..., 0:2]).reshape(n, -1), None
     if qtype in (T.Q4_K, T.Q5_K):
@@ -232,7 +261,7 @@ def _repack_blocks(b: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray, np.
 def merge_rows(parts: list[PackedWeight]) -> PackedWeight:
     """Stack weights along N (fused q/k/v or gate/up). Mixed kinds go to the q8 container, exactly."""
     k = parts[0].shape[1]
-    if len({(p.kind, p.group) for p in parts}) > 1:
+    if len({(p.kind, p.group, p.e2m1) for p in parts}) > 1:
         group = min(p.group for p in parts)
         parts = [_as_q8(p, group) for p in parts]
     if len({p.scales.dtype for p in parts}) > 1:
@@ -252,19 +281,20 @@ def merge_rows(parts: list[PackedWeight]) -> PackedWeight:
             zeros,
             first.group,
             (n, k),
+            first.e2m1,
         )
     rows = [p.rows() for p in parts]
     zeros = torch.cat([zeros_of(p, z, s) for p, (_, s, z) in zip(parts, rows)]) if has_zeros else None
-    return PackedWeight.from_rows(
-        first.kind, torch.cat([q for q, _, _ in rows]), torch.cat([s for _, s, _ in rows]), zeros, first.group, (n, k)
-    )
+    quants, scales = torch.cat([q for q, _, _ in rows]), torch.cat([s for _, s, _ in rows])
+    return PackedWeight.from_rows(first.kind, quants, scales, zeros, first.group, (n, k), first.e2m1)
 
 
 def _as_q8(p: PackedWeight, group: int) -> PackedWeight:
     """The same weight in the int8 container with groups of `group` (a divisor of p.group)."""
     q, scales, zeros = p.rows()
     if p.kind == "q4":
-        q = torch.from_numpy(panel_layout.q4_values(q.numpy())).to(torch.int8)
+        q = torch.from_numpy(panel_layout.q4_values(q.numpy()))
+        q = E2M1_X2[q.long()] if p.e2m1 else q.to(torch.int8)
     rep = p.group // group
     zeros = None if zeros is None else zeros.repeat_interleave(rep, dim=1)
     return PackedWeight.from_rows("q8", q, scales.repeat_interleave(rep, dim=1), zeros, group, p.shape)

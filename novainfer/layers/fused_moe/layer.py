@@ -6,7 +6,9 @@ projection (row-parallel). The output is this rank's partial sum; the MoE block 
 bias (gpt-oss), w13_bias [experts, 2 * inter / tp] is sharded as w13's rows and w2_bias [experts, hidden] is
 held by rank 0 alone (zeros elsewhere), so the all-reduce adds it once.
 On CUDA the Triton kernel (kernels/fused_moe.py) runs the experts, elsewhere torch's grouped_mm over the
-tokens sorted by expert (the loop reference where torch lacks grouped_mm).
+tokens sorted by expert (the loop reference where torch lacks grouped_mm). Under a quantization config with an
+experts method (MXFP4: layers/quantization/mxfp4.py) that method registers, loads and runs the expert weights
+instead; the biases and act_fn stay the layer's, and the method reads them from it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from novainfer.distributed import get_tp_group, shard_dim
 from novainfer.layers.activation import get_act_and_mul
 from novainfer.layers.fused_moe.moe_torch import fused_experts_grouped, fused_experts_torch
 from novainfer.layers.fused_moe.routing import select_experts
+from novainfer.layers.quantization import current_quant_config
 
 
 class FusedMoE(nn.Module):
@@ -41,11 +44,18 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_act = hidden_act
         self.local_inter = intermediate_size // self.tp_size
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.local_inter, hidden_size), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_inter), requires_grad=False)
-        self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
+        config = current_quant_config()
+        self.quant_method = config.get_moe_method(self) if config is not None else None
+        if self.quant_method is not None:  # the method registers the expert parameters it stores
+            self.quant_method.create_weights(self, num_experts, hidden_size, self.local_inter)
+        else:
+            self.w13_weight = nn.Parameter(
+                torch.empty(num_experts, 2 * self.local_inter, hidden_size), requires_grad=False
+            )
+            self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.local_inter), requires_grad=False)
+            self.w13_weight.weight_loader = self.w2_weight.weight_loader = self.weight_loader
         self.w13_bias = self.w2_bias = None
-        if bias:
+        if bias:  # dense in either case: the quantization method reads them from the layer
             self.w13_bias = nn.Parameter(torch.zeros(num_experts, 2 * self.local_inter), requires_grad=False)
             self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden_size), requires_grad=False)
             self.w13_bias.weight_loader = self.w2_bias.weight_loader = self.weight_loader
@@ -81,6 +91,8 @@ class FusedMoE(nn.Module):
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """The experts over routing already chosen (a family whose router scales the weights: Gemma 4)."""
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
         if hidden_states.is_cuda:
             from novainfer.kernels.fused_moe import fused_experts
 

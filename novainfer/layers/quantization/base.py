@@ -38,6 +38,23 @@ class QuantizeMethodBase:
         raise NotImplementedError
 
 
+class FusedMoEMethodBase:
+    """How a FusedMoE layer stores its experts' weights and runs them (vLLM's FusedMoEMethodBase)."""
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        """Register the layer's expert parameters (intermediate_size: this rank's), each with its weight_loader."""
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Turn the loaded parameters into the stored form, once every one is in."""
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """This rank's partial sum over each token's experts (FusedMoE.apply_routed's contract)."""
+        raise NotImplementedError
+
+
 class QuantizationConfig:
     """Picks a method per layer while a model is built; None keeps the layer dense.
 
@@ -57,6 +74,10 @@ class QuantizationConfig:
         """Whether the loader hands this checkpoint tensor over as stored (a packed or float8 weight, its scales)
         instead of cast to the model's dtype."""
         return False
+
+    def get_moe_method(self, layer: nn.Module) -> FusedMoEMethodBase | None:
+        """The method of a FusedMoE layer's experts; None keeps them dense."""
+        return None
 
     def process_model_after_loading(self, net: nn.Module) -> None:
         """Once every layer holds its stored weight: whole-model placement (e.g. the CPU weight arena)."""

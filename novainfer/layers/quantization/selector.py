@@ -15,9 +15,10 @@ logger = logging.getLogger(__name__)
 
 def get_quant_config(mc: ModelConfig, device: torch.device, tp_size: int = 1) -> QuantizationConfig | None:
     """Fp8Config for quantization="fp8"; GGUFCPUConfig for a GGUF model on one CPU rank (unless dequantizing
-    was asked for); a pre-quantized checkpoint's own format (quantization_config, prequantized_config); else None."""
+    was asked for); a pre-quantized checkpoint's own format (quantization_config, prequantized_config: MXFP4 experts
+    also from a GGUF file); else None."""
     qc = getattr(mc.hf_config, "quantization_config", None)
-    if qc is not None and not mc.is_gguf:
+    if qc is not None and (not mc.is_gguf or _quant_method(qc) == "mxfp4"):
         return prequantized_config(mc, qc, device)
     if mc.quantization == "fp8":
         return _fp8_config(mc, device)
@@ -51,11 +52,19 @@ def _fp8_config(mc: ModelConfig, device: torch.device) -> QuantizationConfig:
     return Fp8Config(device)
 
 
+def _quant_method(qc: Any) -> str | None:
+    return (qc if isinstance(qc, dict) else qc.to_dict()).get("quant_method")
+
+
 def prequantized_config(mc: ModelConfig, qc: Any, device: torch.device) -> QuantizationConfig:
     """The config of a checkpoint quantized already (its config.json's quantization_config); ValueError naming
     the field where we do not implement it."""
     qc = qc if isinstance(qc, dict) else qc.to_dict()
     method = qc.get("quant_method")
+    if method == "mxfp4":  # MoE experts in four bits (gpt-oss); the config refuses what it does not cover
+        from novainfer.layers.quantization.mxfp4 import Mxfp4Config
+
+        return Mxfp4Config(qc, device, mc.quantization)
     if mc.quantization not in (None, "none", method):
         raise ValueError(
             f"quantization={mc.quantization!r} was asked for, but {mc.model} is quantized already "
@@ -83,5 +92,5 @@ def prequantized_config(mc: ModelConfig, qc: Any, device: torch.device) -> Quant
         return ct_config(qc, device)
     raise ValueError(
         f"quantization_config.quant_method={method!r} is not implemented (implemented: fp8 with "
-        "weight_block_size, gptq, awq, compressed-tensors)"
+        "weight_block_size, gptq, awq, compressed-tensors, mxfp4)"
     )

@@ -11,6 +11,13 @@ int q4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, 
             int N, float *y, int nthreads);
 int q8_gemm(const float *x, int M, int K, const int8_t *w, int G, const void *scales, const void *zeros,
             int has_zeros, int scale_f16, int N, float *y, int nthreads);
+/* MXFP4: q4 panels of e2m1 codes, scales 2^(e - 128) (kernels/cpu/repack.py); mxfp4_gemm_ref: the scalar
+ * reference on GGUF's block_mxfp4 rows (mxfp4_ref_cpu.c) */
+int mxfp4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_f16, int N, float *y,
+               int nthreads);
+int mxfp4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_f16, int N,
+                     float *y, int nthreads);
+void mxfp4_gemm_ref(const float *x, int M, int K, const uint8_t *blocks, int N, float *y);
 void set_panel_min_rows(int rows);
 int num_chunks(int N, int nthreads);  /* chunks of output rows a kernel splits N rows into for the pool */
 int q4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros,

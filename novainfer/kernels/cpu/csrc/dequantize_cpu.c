@@ -22,7 +22,7 @@ static inline int quant_at(const dequant_job *j, int64_t n, int k) {
     if (j->q4) {  /* 4 elements per 32 bytes; nibble t = 2 * (k-pair % 2) + h of the lane's uint16 */
         const uint8_t *u = b + (size_t)(k / 4) * 32 + 2 * lane;
         const int t = 2 * ((k / 2) & 1) + h, v = u[0] | u[1] << 8;
-        return (v >> (4 * t)) & 15;
+        return j->q4 == 2 ? E2M1_X2[(v >> (4 * t)) & 15] : (v >> (4 * t)) & 15;
     }
     return ((const int8_t *)b)[(size_t)(k / 2) * 32 + 2 * lane + h];  /* the lane's low byte: half 0 */
 }
@@ -42,7 +42,7 @@ static void dequant_chunk(void *arg, int chunk) {
     }
 }
 
-/* q4 (q4=1, G=32) or int8 (q4=0, G 16 or 32; zeros may be NULL) weights [N, K] in panels -> out float32 [R, K]:
+/* q4 (q4=1, G=32; q4=2: MXFP4's e2m1 codes, panel_cpu.h's E2M1_X2) or int8 (q4=0, G 16 or 32; zeros may be NULL) weights [N, K] in panels -> out float32 [R, K]:
  * rows[0..R) of the weight (NULL: its first R rows; the caller checks the ids). scales and zeros are float16
  * when scale_f16, else float32. */
 void dequantize(const void *w, int q4, int G, const void *scales, const void *zeros, int scale_f16, int K,

@@ -30,6 +30,18 @@ static inline __attribute__((always_inline)) void q4_vectors(const uint8_t *b, _
     v[3] = _mm256_srli_epi16(q, 12);
 }
 
+/* MXFP4's e2m1 code (sign bit 3) -> twice its value, an integer in [-12, 12]; times 2^(e - 128) per 32 weights
+ * that is the weight (the scales of an e2m1 PackedWeight hold the 2^(e - 128), kernels/cpu/repack.py). */
+#define E2M1_X2_BYTES 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
+static const int8_t E2M1_X2[16] = {E2M1_X2_BYTES};
+
+/* q4 vectors of e2m1 codes (0..15 in int16 lanes) -> their doubled values, sign-extended: a byte shuffle (the
+ * lanes' high bytes index entry 0, a zero) then the low byte's sign into the high one. */
+static inline __attribute__((always_inline)) void e2m1_vectors(__m256i v[4]) {
+    const __m256i t = _mm256_setr_epi8(E2M1_X2_BYTES, E2M1_X2_BYTES);
+    for (int i = 0; i < 4; i++) v[i] = _mm256_srai_epi16(_mm256_slli_epi16(_mm256_shuffle_epi8(t, v[i]), 8), 8);
+}
+
 /* q8: the 2 k-pair vectors (half 0, half 1) of one k-pair, sign-extended. */
 static inline __attribute__((always_inline)) void q8_vectors(const int8_t *b, __m256i v[2]) {
     const __m256i q = _mm256_loadu_si256((const __m256i *)b);

@@ -150,6 +150,11 @@ static inline __attribute__((always_inline)) void few_tile512(const gemm_job *j,
                 v[1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), lo);
                 v[2] = _mm512_and_si512(_mm512_srli_epi16(q, 8), lo);
                 v[3] = _mm512_srli_epi16(q, 12);
+                if (j->e2m1) {  /* the codes' doubled values (panel_cpu.h), one word permute each */
+                    const __m512i t = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -12, -8, -6,
+                                                       -4, -3, -2, -1, 0, 12, 8, 6, 4, 3, 2, 1, 0);
+                    for (int i = 0; i < 4; i++) v[i] = _mm512_permutexvar_epi16(v[i], t);
+                }
             } else {  /* k-pairs p, p + 1 then p + 2, p + 3: low byte half 0, high byte half 1 */
                 const uint8_t *b = wb + (size_t)p * 32;
                 const __m512i q0 = _mm512_loadu_si512(b), q1 = _mm512_loadu_si512(b + 64);

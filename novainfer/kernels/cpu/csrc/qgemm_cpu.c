@@ -66,6 +66,7 @@ static inline __attribute__((always_inline)) void tile(const gemm_job *j, int pa
             for (int p = p0; p < p0 + G / 2; p += 2) {  /* 4 elements (two k-pairs) per 32 bytes */
                 __m256i v[4];
                 q4_vectors(wb + (size_t)p * 16, v);
+                if (j->e2m1) e2m1_vectors(v);
                 madd_rows(v[0], v[1], xq, K, p, mr, a);
                 madd_rows(v[2], v[3], xq, K, p + 1, mr, a);
             }
@@ -177,5 +178,14 @@ int q8_gemm(const float *x, int M, int K, const int8_t *w, int G, const void *sc
     if (M >= panel_min_rows) return q8_gemm_panel(x, M, K, w, G, scales, zeros, has_zeros, scale_f16, N, y, nthreads);
     gemm_job j = {.M = M, .K = K, .G = G, .N = N, .w = w, .scales = scales, .zeros = zeros,
                   .has_zeros = has_zeros, .q4 = 0, .scale_f16 = scale_f16, .y = y};
+    return run_gemm(&j, x, nthreads);
+}
+
+/* MXFP4 weights (q4 panels of e2m1 codes, scales 2^(e - 128) as float16 or float32, no zeros). */
+int mxfp4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_f16, int N, float *y,
+               int nthreads) {
+    if (M >= panel_min_rows) return mxfp4_gemm_panel(x, M, K, w, scales, scale_f16, N, y, nthreads);
+    gemm_job j = {.M = M, .K = K, .G = 32, .N = N, .w = w, .scales = scales, .zeros = scales, .has_zeros = 0,
+                  .q4 = 1, .e2m1 = 1, .scale_f16 = scale_f16, .y = y};
     return run_gemm(&j, x, nthreads);
 }

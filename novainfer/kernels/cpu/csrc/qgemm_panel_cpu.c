@@ -38,6 +38,7 @@ static void unpack_panel(const panel_job *j, int pnl, int16_t *wp, float *sp, fl
         for (int c = 0; c < K / 4; c++, o += 4) {
             __m256i v[4];
             q4_vectors(b + (size_t)c * 32, v);
+            if (j->e2m1) e2m1_vectors(v);
             for (int t = 0; t < 4; t++) _mm256_store_si256(o + t, v[t]);
         }
     else
@@ -238,5 +239,12 @@ int q8_gemm_panel(const float *x, int M, int K, const int8_t *w, int G, const vo
                   int has_zeros, int scale_f16, int N, float *y, int nthreads) {
     panel_job j = {.M = M, .K = K, .G = G, .N = N, .w = w, .scales = scales, .zeros = zeros,
                    .has_zeros = has_zeros, .q4 = 0, .scale_f16 = scale_f16, .y = y};
+    return run_panel(&j, x, nthreads);
+}
+
+int mxfp4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_f16, int N,
+                     float *y, int nthreads) {
+    panel_job j = {.M = M, .K = K, .G = 32, .N = N, .w = w, .scales = scales, .zeros = scales, .has_zeros = 0,
+                   .q4 = 1, .e2m1 = 1, .scale_f16 = scale_f16, .y = y};
     return run_panel(&j, x, nthreads);
 }
