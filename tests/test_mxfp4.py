@@ -193,7 +193,9 @@ def test_selector_picks_mxfp4_from_the_checkpoint_config():
 
     from novainfer.layers.quantization.selector import get_quant_config
 
-    mc = SimpleNamespace(hf_config=SimpleNamespace(quantization_config=dict(GPT_OSS_QUANT)), quantization=None)
+    mc = SimpleNamespace(
+        hf_config=SimpleNamespace(quantization_config=dict(GPT_OSS_QUANT)), quantization=None, is_gguf=False, model="m"
+    )
     assert isinstance(get_quant_config(mc, torch.device("cpu")), Mxfp4Config)
 
 
