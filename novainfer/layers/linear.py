@@ -9,11 +9,11 @@ weight. Each layer keeps the group current when it was built (see parallel_state
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from novainfer.distributed import get_tp_group, get_tp_size, shard_dim
 from novainfer.layers.quantization import current_quant_config
+from novainfer.layers.row_invariant import linear
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -59,7 +59,7 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -131,7 +131,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the bias is added once, after the reduction
-        y = F.linear(x, self.weight) if self.quant_method is None else self.quant_method.apply(self, x)
+        y = linear(x, self.weight) if self.quant_method is None else self.quant_method.apply(self, x)
         if self.tp_size > 1 and self.reduce_results:
             y = self.tp_group.all_reduce(y)
         return y if self.bias is None else y + self.bias
