@@ -110,3 +110,23 @@ def test_default_model_same_bits_after_preemption_and_on_a_prefix_hit():
     assert answers(small, prompts) == alone
     assert small.llm_engine.scheduler.num_preemptions > 0
     assert answers(small, prompts[1:2]) == alone[1:2]  # its blocks are cached now
+
+
+def test_batch_invariant_gemm_gives_a_row_the_same_bits_in_any_batch_interpreted():
+    """The CUDA mode's fixed-tile GEMM (Triton, interpreted here in float32): a row alone equals it among 2, 3 and
+    70 rows, and matches the float32 reference; tests/gpu/batch_invariance_check.py checks bf16 on a GPU."""
+    pytest.importorskip("triton")
+    from tests.gpu import batch_invariance_check as check
+
+    check.rows.clear()
+    check.kernel_check("cpu", torch.float32, 96, 130, [1, 2, 3, 70])
+    assert len(check.rows) == 3 and all(ok is not False for *_, ok in check.rows), check.rows
+
+
+def test_batch_invariant_refuses_what_it_cannot_make_invariant():
+    from novainfer.config import EngineConfig
+
+    for kw in ({"quantization": "fp8"}, {"tensor_parallel_size": 2}):
+        with pytest.raises(ValueError, match="batch_invariant"):
+            EngineConfig.from_kwargs("some-model", batch_invariant=True, **kw)
+    assert EngineConfig.from_kwargs("some-model", batch_invariant=True).batch_invariant
