@@ -180,6 +180,8 @@ def main() -> int:
             str(args.slots),
             "--max-queue-len",
             "0",
+            "--max-model-len",
+            "4096",
             *args.serve_args.split(),
         ],
         stdout=subprocess.DEVNULL,
@@ -188,7 +190,7 @@ def main() -> int:
     busy: list[subprocess.Popen] = []
     try:
         wait_ready(port, serve)
-        busy = occupy(port, args.slots, 100000)
+        busy = occupy(port, args.slots, 3000)
         wait_running(port, args.slots)
         for _ in range(args.rounds):
             rows.append(summary("trivial server, engine busy", asyncio.run(burst(tport, args.burst, body))))

@@ -10,6 +10,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -22,12 +23,12 @@ typedef struct {
     int bt_stride; const int32_t *seq_lens; int nh, nkv, D, block_size, window, max_len; float scale, soft_cap;
     float *scores, *out;
     const int *items;  /* work item -> (sk, chunk), two ints each */
-    float *inv;        /* a split context's 1 / exp-sum per (sequence, head), between its passes */
+    _Atomic int *done; /* per (sequence, KV head) of a split context: its chunks whose scores are written */
 } attn_job;
 
 /* Positions per work item (the last of a context may be shorter). A context longer than this has its scores
- * computed in chunks so both cores share one sequence's heads (batch 1 has only nkv items otherwise), then its
- * softmax per head over the whole row and its P V per block of 32 dims: a split never changes a row's bits. */
+ * computed in chunks so both cores share one sequence's heads (batch 1 has only nkv items otherwise); the chunk
+ * that finishes last then takes the softmax over the whole row and P V: a split never changes a row's bits. */
 #define ATTN_CHUNK 256
 
 #define SK 16  /* keys per score block: two vectors of 8 keys */
@@ -111,11 +112,17 @@ static inline void visible_range(const attn_job *j, int s, int *start, int *len)
     *start = j->window > 0 && *len > j->window ? *len - j->window : 0;
 }
 
+/* Work items of one sequence's context for one KV head: its visible positions in chunks of ATTN_CHUNK. */
+static int context_chunks(int len, int window) {
+    const int visible = window > 0 && len > window ? window : len;
+    return visible > ATTN_CHUNK ? (visible + ATTN_CHUNK - 1) / ATTN_CHUNK : 1;
+}
+
 /* Item it: sequence s = sk / nkv, kv head g = sk % nkv (the group of query heads that share it), positions of
  * chunk c. Keys are widened from bf16 SK positions at a time, transposed (a lane per key), and serve every head
  * of the group; the softmax exponentials are vectorized; each widened V vector serves up to PV_HEADS heads,
  * accumulated in registers 32 values at a time. A context in one chunk is finished here; a chunk of a split one
- * leaves its scores for split_softmax and split_weigh. */
+ * leaves its scores; the last of its chunks to finish finishes it. */
 static void attend(void *arg, int it) {
     const attn_job *j = arg;
     const int sk = j->items[2 * it], c = j->items[2 * it + 1];
@@ -151,7 +158,22 @@ static void attend(void *arg, int it) {
                     prefetch_row(j->k_cache + ((size_t)bt[pa / bs] * bs + pa % bs) * row_stride + (size_t)g * D, D);
                 prefetch_row(j->v_cache + row, D);
             }
-            for (int d0 = 0; d0 < D; d0 += 8) {
+            int d0 = 0;
+            /* 16 dims at a time: transpose 8 keys' dim pairs (one 32-bit element each), then widen the even dim of a
+             * pair by a shift and the odd one by a mask: no conversion shuffles */
+            for (; d0 + 16 <= D; d0 += 16) {
+                __m256i r[8];
+                for (int t = 0; t < 8; t++)
+                    r[t] = kr[t] ? _mm256_loadu_si256((const __m256i *)(kr[t] + d0)) : _mm256_setzero_si256();
+                transpose8(r);
+                const __m256i hi16 = _mm256_set1_epi32((int)0xFFFF0000u);
+                for (int e = 0; e < 8; e++) {
+                    _mm256_storeu_ps(kt + (size_t)(d0 + 2 * e) * SK + h, _mm256_castsi256_ps(_mm256_slli_epi32(r[e], 16)));
+                    _mm256_storeu_ps(kt + (size_t)(d0 + 2 * e + 1) * SK + h,
+                                     _mm256_castsi256_ps(_mm256_and_si256(r[e], hi16)));
+                }
+            }
+            for (; d0 < D; d0 += 8) {
                 __m256i r[8];
                 for (int t = 0; t < 8; t++)
                     r[t] = kr[t] ? _mm256_castps_si256(load_bf16(kr[t] + d0)) : _mm256_setzero_si256();
@@ -161,45 +183,14 @@ static void attend(void *arg, int it) {
         }
         scores16(q0, group, kt, D, n, j->scale, j->soft_cap, sc + p0, max_len);
     }
-    if (!whole) return;
+    /* a split context: the last of its chunks to finish (the others' scores are visible after the atomic) goes on */
+    if (!whole && atomic_fetch_add(&j->done[sk], 1) + 1 < context_chunks(len, j->window)) return;
     float inv[group];
     for (int i = 0; i < group; i++)  /* the soft cap was applied with the scores */
-        inv[i] = softmax_row(sc + (size_t)i * max_len + lo, hi - lo, 0, hi - lo - 1, 0.f, NULL);
+        inv[i] = softmax_row(sc + (size_t)i * max_len + start, len - start, 0, len - start - 1, 0.f, NULL);
     for (int i0 = 0; i0 < group; i0 += PV_HEADS)
         for (int c0 = 0; c0 < D; c0 += 32)
-            weigh_block(j, bt, s, g, lo, hi, i0, group - i0 < PV_HEADS ? group - i0 : PV_HEADS, c0, sc, inv);
-}
-
-/* Work items of one sequence's context for one KV head: its visible positions in chunks of ATTN_CHUNK. */
-static int context_chunks(int len, int window) {
-    const int visible = window > 0 && len > window ? window : len;
-    return visible > ATTN_CHUNK ? (visible + ATTN_CHUNK - 1) / ATTN_CHUNK : 1;
-}
-
-/* Split context sk = s * nkv + g (item it: sk): each head's softmax over its whole visible row. */
-static void split_softmax(void *arg, int it) {
-    const attn_job *j = arg;
-    const int sk = j->items[2 * it], s = sk / j->nkv, group = j->nh / j->nkv;
-    int start, len;
-    visible_range(j, s, &start, &len);
-    float *sc = j->scores + (size_t)sk * group * j->max_len;
-    for (int i = 0; i < group; i++)
-        j->inv[(size_t)sk * group + i] = softmax_row(sc + (size_t)i * j->max_len + start, len - start, 0,
-                                                     len - start - 1, 0.f, NULL);
-}
-
-/* Split context items[2 * (it / nb)] (nb blocks of 32 dims each), block it % nb: P V for every head. */
-static void split_weigh(void *arg, int it) {
-    const attn_job *j = arg;
-    const int nb = (j->D + 31) / 32, sk = j->items[2 * (it / nb)], c0 = it % nb * 32;
-    const int s = sk / j->nkv, g = sk % j->nkv, group = j->nh / j->nkv;
-    int start, len;
-    visible_range(j, s, &start, &len);
-    const float *sc = j->scores + (size_t)sk * group * j->max_len;
-    const int32_t *bt = j->block_tables + (size_t)s * j->bt_stride;
-    for (int i0 = 0; i0 < group; i0 += PV_HEADS)
-        weigh_block(j, bt, s, g, start, len, i0, group - i0 < PV_HEADS ? group - i0 : PV_HEADS, c0, sc,
-                    j->inv + (size_t)sk * group);
+            weigh_block(j, bt, s, g, start, len, i0, group - i0 < PV_HEADS ? group - i0 : PV_HEADS, c0, sc, inv);
 }
 
 /* One query per sequence: q [S, nh, D] (row stride q_stride) against the bf16 cache through block tables
@@ -216,36 +207,27 @@ int decode_attention_bf16(const float *q, int q_stride, const uint16_t *k_cache,
     for (int s = 0; s < S; s++) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
     attn_job j = {q, q_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens, nh, nkv, D, block_size,
                   window, max_len, scale, soft_cap, NULL, out, NULL, NULL};
-    int nitems = 0, nsplit = 0;
+    int nitems = 0, split = 0;
     for (int s = 0; s < S; s++) {
         const int n = context_chunks(seq_lens[s], window);
         nitems += nkv * n;
-        nsplit += n > 1 ? nkv : 0;
+        split |= n > 1;
     }
-    int *items = malloc(sizeof(int) * 2 * (size_t)(nitems + nsplit));
+    int *items = malloc(sizeof(int) * 2 * (size_t)nitems);
     j.scores = malloc(sizeof(float) * (size_t)S * nh * max_len);
-    j.inv = nsplit ? malloc(sizeof(float) * (size_t)S * nh) : NULL;
-    if (!items || !j.scores || (nsplit && !j.inv)) {
-        free(items), free(j.scores), free(j.inv);
+    j.done = split ? calloc((size_t)S * nkv, sizeof(_Atomic int)) : NULL;
+    if (!items || !j.scores || (split && !j.done)) {
+        free(items), free(j.scores), free((void *)j.done);
         return KV_NO_MEMORY;
     }
-    int *split = items + 2 * (size_t)nitems;  /* one entry (sk, 0) per split context */
-    for (int s = 0, it = 0, sp = 0; s < S; s++) {
+    for (int s = 0, it = 0; s < S; s++) {
         const int n = context_chunks(seq_lens[s], window);
-        for (int g = 0; g < nkv; g++) {
+        for (int g = 0; g < nkv; g++)
             for (int c = 0; c < n; c++, it++) items[2 * it] = s * nkv + g, items[2 * it + 1] = c;
-            if (n > 1) split[2 * sp] = s * nkv + g, split[2 * sp + 1] = 0, sp++;
-        }
     }
     j.items = items;
     const size_t work = (size_t)S * nh * max_len * D;
-    const int threads = work > (1 << 14) ? nthreads : 1;  /* small steps: not worth waking a worker */
-    pool_run(attend, &j, nitems, threads);
-    if (nsplit) {
-        j.items = split;
-        pool_run(split_softmax, &j, nsplit, threads);
-        pool_run(split_weigh, &j, nsplit * ((D + 31) / 32), threads);
-    }
-    free(items), free(j.scores), free(j.inv);
+    pool_run(attend, &j, nitems, work > (1 << 14) ? nthreads : 1);  /* small steps: not worth waking a worker */
+    free(items), free(j.scores), free((void *)j.done);
     return KV_OK;
 }
