@@ -17,16 +17,18 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import textwrap
 import time
 import urllib.request
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.checkpoints import resolve_model  # noqa: E402
+from benchmarks.router_replicas import wait_for  # noqa: E402
+from tests.server_utils import free_port  # noqa: E402
 
 TRIVIAL = textwrap.dedent(
     """
@@ -43,25 +45,6 @@ TRIVIAL = textwrap.dedent(
     uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return
-        except Exception:
-            time.sleep(0.5)
-    raise SystemExit("server did not become ready")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -110,6 +93,14 @@ def summary(name: str, results: list[tuple[float, float, int]], cpu: float | Non
         "connect_p99_ms": percentile(conn, 0.99),
         "frontend_cpu_ms_per_refusal": None if cpu is None else cpu * 1e3 / len(results),
     }
+
+
+def table_row(r: dict) -> str:
+    cpu = "" if r["frontend_cpu_ms_per_refusal"] is None else f"{r['frontend_cpu_ms_per_refusal']:.2f}"
+    return (
+        f"| {r['setup']} | {r['429s']}/{r['n']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['max_ms']:.1f} | "
+        f"{r['connect_p50_ms']:.1f} / {r['connect_p99_ms']:.1f} | {cpu} |"
+    )
 
 
 def occupy(port: int, slots: int, max_tokens: int) -> list[subprocess.Popen]:
@@ -161,7 +152,7 @@ def main() -> int:
 
     tport = free_port()
     trivial = subprocess.Popen([sys.executable, "-c", TRIVIAL, str(tport)])
-    wait_ready(tport, trivial)
+    wait_for(f"http://127.0.0.1:{tport}/health", trivial)
     for _ in range(args.rounds):
         rows.append(summary("trivial server, machine idle", asyncio.run(burst(tport, args.burst, body))))
 
@@ -189,7 +180,7 @@ def main() -> int:
     )
     busy: list[subprocess.Popen] = []
     try:
-        wait_ready(port, serve)
+        wait_for(f"http://127.0.0.1:{port}/health", serve, timeout=300)
         busy = occupy(port, args.slots, 3000)
         wait_running(port, args.slots)
         for _ in range(args.rounds):
@@ -205,20 +196,11 @@ def main() -> int:
         serve.wait(30)
         trivial.wait(30)
 
-    print(
-        f"\n{args.burst} simultaneous requests, {args.slots} busy slots, {os.cpu_count()} cores, {args.rounds} rounds"
-    )
-    print("| setup | 429s | p50 ms | p99 ms | max ms | connect p50 / p99 ms | front-end CPU ms per refusal |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        cpu = "" if r["frontend_cpu_ms_per_refusal"] is None else f"{r['frontend_cpu_ms_per_refusal']:.2f}"
-        print(
-            f"| {r['setup']} | {r['429s']}/{r['n']} | {r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['max_ms']:.1f} | "
-            f"{r['connect_p50_ms']:.1f} / {r['connect_p99_ms']:.1f} | {cpu} |"
-        )
+    title = f"{args.burst} simultaneous requests, {args.slots} busy slots, {os.cpu_count()} cores, {args.rounds} rounds"
+    header = "| setup | 429s | p50 ms | p99 ms | max ms | connect p50 / p99 ms | front-end CPU ms per refusal |"
+    print("\n".join(["", title, header, "|---|---|---|---|---|---|---|", *map(table_row, rows)]))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+        Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
 
 
