@@ -1,6 +1,7 @@
 """Reliability findings of 2026-11-27 against a real `novainfer serve`: duplicate X-Request-Id, client chat
 templates, stalled SSE readers, bounds on client-controlled state, slowloris, and small input checks."""
 
+import asyncio
 import json
 import socket
 import threading
@@ -464,3 +465,40 @@ def test_ipc_directory_of_a_killed_front_end_is_removed_at_the_next_start(tiny_q
         assert not os.path.exists(directory)
     finally:
         again.stop()
+
+
+class _Untouchable:
+    """A tokenizer and engine that fail the test if a refused request reaches them."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"a request refused for capacity touched {name!r} (tokenizing, rendering or the engine)")
+
+
+def test_burst_refusal_comes_before_any_template_or_tokenization_work():
+    """Issue 35 item 8: with every slot and queue place taken, a chat or completion request is refused (429 with
+    Retry-After) before its prompt is rendered or tokenized, and without waiting on the engine: the tokenizer and
+    engine here raise if touched. (benchmarks/burst_429.py times it; wall times are not asserted on this machine.)"""
+    from novainfer.server.errors import APIError
+    from novainfer.server.limits import AdmissionLimiter
+    from novainfer.server.protocol import ChatCompletionRequest, CompletionRequest
+    from novainfer.server.serving import OpenAIServing, ServedModel
+    from novainfer.server.serving_completions import CompletionHandler
+    from novainfer.server.sessions import SessionStore
+
+    async def run() -> list[APIError]:
+        limiter = AdmissionLimiter(max_concurrent=1, max_queue_len=0)
+        slot = await limiter.acquire()  # the one slot is busy; no queue
+        model = ServedModel("m", "/nowhere", _Untouchable(), _Untouchable(), 64)
+        handler = CompletionHandler(OpenAIServing([model], limiter, SessionStore()))
+        errors = []
+        chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi " * 1000}]})
+        completion = CompletionRequest.model_validate({"prompt": "hi " * 1000})
+        for call in (handler.chat(chat, "r1", None), handler.completion(completion, "r2", None)):
+            with pytest.raises(APIError) as info:
+                await call
+            errors.append(info.value)
+        slot.release()
+        return errors
+
+    for err in asyncio.run(run()):
+        assert err.status == 429 and err.headers["Retry-After"] == "1", err

@@ -53,6 +53,12 @@ class EngineConfig:
     attention_backend: str = setting(
         "auto", "auto: triton on CUDA, cpu elsewhere", choices=("auto", "cpu", "torch", "triton")
     )
+    batch_invariant: bool = setting(
+        False,
+        "CUDA: a request gets the same bits alone or in any batch (fixed GEMM and attention tiles, no batch-sized "
+        "split-K; vLLM's VLLM_BATCH_INVARIANT), at a throughput cost; the CPU's bf16 and quantized paths are "
+        "batch-invariant without it",
+    )
     speculative_config: SpeculativeConfig | None = setting(
         None,
         'speculative decoding as JSON, vLLM\'s keys: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
@@ -122,6 +128,11 @@ class EngineConfig:
             )
         if mc.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {mc.load_format!r}")
+        if self.batch_invariant and (mc.quantization == "fp8" or p.tensor_parallel_size > 1):
+            raise ValueError(
+                "batch_invariant runs unquantized weights on one rank (fp8 GEMMs and the all-reduce pick their "
+                "algorithm by batch size)"
+            )
         sc = self.speculative_config
         if sc is not None:
             sc.validate()

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from novainfer.kernels import batch_invariant
 from novainfer.kernels.fused_ops import rope_mix
 
 
@@ -503,7 +504,7 @@ PREFILL_TILES: dict[int, tuple[int, int, int, int]] = {64: (64, 64, 4, 2), 1 << 
 def prefill_tiles(head_dim: int, max_query_len: int) -> tuple[int, int, int, int]:
     """The tile shape and launch settings of the prefill kernel for this head size and longest query."""
     block_m, block_n, warps, stages = next(t for hd, t in sorted(PREFILL_TILES.items()) if head_dim <= hd)
-    return (block_m if max_query_len > 32 else 16), block_n, warps, stages
+    return (block_m if max_query_len > 32 or batch_invariant.enabled() else 16), block_n, warps, stages
 
 
 def prefill_attention(

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from novainfer.layers.quantization import current_quant_config
+from novainfer.layers.row_invariant import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -43,4 +44,4 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, hidden_states)
-        return F.linear(hidden_states, self.weight)
+        return linear(hidden_states, self.weight)

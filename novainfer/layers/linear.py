@@ -9,11 +9,11 @@ weight. Each layer keeps the group current when it was built (see parallel_state
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from novainfer.distributed import get_tp_group, get_tp_size, shard_dim
 from novainfer.layers.quantization import current_quant_config
+from novainfer.layers.row_invariant import linear
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -139,12 +139,14 @@ class RowParallelLinear(LinearBase):
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias); one row on the GPU through the Triton GEMV, which reads each weight row once in one
-    launch (cuBLAS splits a one-row product into a GEMM and a reduction)."""
+    launch (cuBLAS splits a one-row product into a GEMM and a reduction), except in batch-invariant mode."""
     if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype != torch.float32 and weight.is_contiguous():
+        from novainfer.kernels import batch_invariant
         from novainfer.kernels.gemv import gemv
 
-        return gemv(x.contiguous(), weight, bias)
-    return F.linear(x, weight, bias)
+        if not batch_invariant.enabled():
+            return gemv(x.contiguous(), weight, bias)
+    return linear(x, weight, bias)
 
 
 def _copy_checked(target: torch.Tensor, loaded: torch.Tensor, param: nn.Parameter) -> None:

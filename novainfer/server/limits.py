@@ -44,15 +44,23 @@ class AdmissionLimiter:
     def num_active(self) -> int:
         return self.max_concurrent - self._semaphore._value
 
+    def check(self) -> None:
+        """Raise OverloadedError now if a request arriving now would be refused: called before any tokenization or
+        template work, so a burst's refusals cost the event loop no more than their parsing."""
+        if self._semaphore.locked() and self.num_waiting >= self.max_queue_len:
+            raise self._overloaded()
+
+    def _overloaded(self) -> OverloadedError:
+        return OverloadedError(
+            f"server is at capacity: {self.num_active} requests in flight "
+            f"(max_concurrent_requests={self.max_concurrent}) and {self.num_waiting} "
+            f"queued (max_queue_len={self.max_queue_len}); retry later",
+            self.retry_after,
+        )
+
     async def acquire(self) -> Slot:
         """Wait for a slot if the queue has room; raise OverloadedError if it has none."""
-        if self._semaphore.locked() and self.num_waiting >= self.max_queue_len:
-            raise OverloadedError(
-                f"server is at capacity: {self.num_active} requests in flight "
-                f"(max_concurrent_requests={self.max_concurrent}) and {self.num_waiting} "
-                f"queued (max_queue_len={self.max_queue_len}); retry later",
-                self.retry_after,
-            )
+        self.check()
         self.num_waiting += 1
         try:
             await self._semaphore.acquire()

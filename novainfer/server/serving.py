@@ -123,6 +123,17 @@ class OpenAIServing:
         for m in self.models.values():
             m.engine.cancel_all()
 
+    def check_capacity(self) -> None:
+        """429 at once when every slot and queue place is taken: before the prompt is rendered or tokenized."""
+        try:
+            self.limiter.check()
+        except OverloadedError as exc:
+            raise self._overloaded(exc) from None
+
+    @staticmethod
+    def _overloaded(exc: OverloadedError) -> APIError:
+        return APIError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": str(exc.retry_after)})
+
     def check_available(self, model: ServedModel) -> None:
         """503 while the server shuts down or when the model's engine loop has died."""
         if self.draining:
@@ -246,9 +257,7 @@ class OpenAIServing:
         try:
             slot = await self.limiter.acquire()
         except OverloadedError as exc:
-            raise APIError(
-                429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": str(exc.retry_after)}
-            ) from None
+            raise self._overloaded(exc) from None
         gen = Generation(model, request_id, prompts, slot)
         try:
             self.check_available(model)  # the drain may have begun while this request waited for its slot

@@ -18,6 +18,8 @@ from novainfer.attention import cpu_backend, get_attn_backend, torch_backend
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata
 from novainfer.config import EngineConfig, resolve_cache_dtype
 from novainfer.layers.attention import Attention
+from novainfer.layers.fused_moe.layer import FusedMoE
+from novainfer.layers.linear_attention import GatedDeltaNet
 from novainfer.layers.quantization.selector import get_quant_config
 from novainfer.layers.sampler import Sampler, sampling_threads
 from novainfer.loader.model_loader import load_model
@@ -100,6 +102,14 @@ class ModelRunner:
         self.verify_graphs: DecodeGraphs | None = None  # speculative decoding's verify step (CUDA)
         self.ladder = batch_size_ladder(sc.max_num_seqs)  # the decode batch sizes graphs are captured for
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        if device.type == "cuda":
+            from novainfer.kernels import batch_invariant
+
+            if config.batch_invariant and any(isinstance(m, (FusedMoE, GatedDeltaNet)) for m in self.model.modules()):
+                raise ValueError(
+                    "batch_invariant covers dense attention models (MoE and DeltaNet kernels tile by batch)"
+                )
+            batch_invariant.set_enabled(config.batch_invariant)
 
     # ---- KV cache --------------------------------------------------------------------------------
     def attention_layers(self) -> list[Attention]:
@@ -159,9 +169,12 @@ class ModelRunner:
             self.attn_backend,
             self.kv_layout,
         )
-        # the whole-stack paths read one block table: not a cache of several KV groups
+        # the whole-stack paths read one block table (not a cache of several KV groups), and batch-invariant mode
+        # takes no batch-1 GEMV stack (its sums differ from the GEMM's a batch takes)
         several = self.kv_layout is not None and len(self.kv_layout.groups) > 1
-        self.decode_strategy = None if several else select_decode_strategy(self.model, self.attn_backend)
+        invariant_gpu = self.config.batch_invariant and self.device.type == "cuda"
+        skip = several or invariant_gpu
+        self.decode_strategy = None if skip else select_decode_strategy(self.model, self.attn_backend)
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks, self.attn_backend)
         if self.state_cache is not None:  # allocated once: on CUDA the profile run's measure includes it
@@ -226,8 +239,8 @@ class ModelRunner:
         """Split-K parts for a decode batch: enough programs to fill the GPU, each part >= 256 tokens of the
         longest allowed context. A function of the batch size's graph bucket only, so eager and replayed
         steps of one batch compute the same sums."""
-        if self.attn_backend in (torch_backend, cpu_backend):
-            return 1
+        if self.attn_backend in (torch_backend, cpu_backend) or self.config.batch_invariant:
+            return 1  # batch-invariant mode: one part whatever the batch
         return split_k_parts(
             bucket(self.ladder, num_seqs), self.attention_layers()[0].num_kv_heads, self.num_sms, self.max_model_len
         )
