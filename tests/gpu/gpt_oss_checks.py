@@ -64,6 +64,7 @@ GPT_OSS_20B = dict(
     pad_token_id=0,
     bos_token_id=None,
 )
+GPT_OSS_120B = dict(GPT_OSS_20B, num_hidden_layers=36, num_local_experts=128)  # bf16 would not fit one GPU
 TINY_SHAPE = dict(
     GPT_OSS_20B,
     vocab_size=512,
@@ -218,9 +219,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters()) + packed
 
 
-def bench(dev: str, tiny: bool, experts: str) -> None:
-    """(d): the gpt-oss-20b shape, random weights drawn in place (experts "float": in the model's dtype; "mxfp4":
-    random codes kept in four bits): tok/s of a batch and batch-1 ms per token."""
+def bench(dev: str, tiny: bool, experts: str, size: str = "20b") -> None:
+    """(d): the gpt-oss-20b (or 120b) shape, random weights drawn in place (experts "float": in the model's dtype;
+    "mxfp4": random codes kept in four bits): tok/s of a batch and batch-1 ms per token."""
     import random
 
     import transformers
@@ -229,8 +230,8 @@ def bench(dev: str, tiny: bool, experts: str) -> None:
     from novainfer import LLM, SamplingParams
     from novainfer.loader.gguf_gpt_oss import QUANTIZATION_CONFIG
 
-    shape = TINY_SHAPE if tiny else GPT_OSS_20B
-    path = tempfile.mkdtemp(prefix="gpt_oss_20b_shape_")
+    shape = TINY_SHAPE if tiny else GPT_OSS_120B if size == "120b" else GPT_OSS_20B
+    path = tempfile.mkdtemp(prefix=f"gpt_oss_{size}_shape_")
     config = transformers.GptOssConfig(
         **shape, **({"quantization_config": QUANTIZATION_CONFIG} if experts == "mxfp4" else {})
     )
@@ -264,7 +265,7 @@ def bench(dev: str, tiny: bool, experts: str) -> None:
     timed(8)
     steps = 16 if tiny else 256
     decode_ms = (min(timed(steps + 1) for _ in range(2)) - min(timed(1) for _ in range(2))) / steps * 1e3
-    name = "tiny gpt-oss shape" if tiny else "gpt-oss-20b shape"
+    name = "tiny gpt-oss shape" if tiny else f"gpt-oss-{size} shape"
     dtype = "bf16" if dev == "cuda" else "fp32"
     check(
         f"bench {name} ({dtype}, {experts} experts, dummy)",
@@ -312,6 +313,8 @@ def main() -> None:
     if "bench" not in args.skip:
         for experts in ("float", "mxfp4"):
             bench(dev, args.tiny, experts)
+        if not args.tiny:
+            bench(dev, False, "mxfp4", "120b")
     report()
 
 
