@@ -123,8 +123,11 @@ class OpenAIServing:
         for m in self.models.values():
             m.engine.cancel_all()
 
-    def check_capacity(self) -> None:
-        """429 at once when every slot and queue place is taken: before the prompt is rendered or tokenized."""
+    def check_capacity(self, model: ServedModel, request_id: str) -> None:
+        """429 at once when every slot and queue place is taken: before the prompt is rendered or tokenized. A
+        duplicate of a running request's id is the client's error whatever the load: its 409 comes first."""
+        if model.engine.in_use(request_id) or model.engine.in_use(f"{request_id}-0"):
+            raise self._duplicate(request_id)
         try:
             self.limiter.check()
         except OverloadedError as exc:

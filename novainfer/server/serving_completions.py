@@ -58,7 +58,7 @@ class CompletionHandler:
     # ---- building the engine requests ----------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request_id: str, raw: Request):
         model = self.serving.resolve_model(req.model)
-        self.serving.check_capacity()
+        self.serving.check_capacity(model, request_id)
         fmt = self.chat_format(model)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         plan = plan_tools(req, self.tools, fmt.tool_parser, model.tokenizer)
@@ -154,7 +154,7 @@ class CompletionHandler:
 
     async def completion(self, req: CompletionRequest, request_id: str, raw: Request):
         model = self.serving.resolve_model(req.model)
-        self.serving.check_capacity()
+        self.serving.check_capacity(model, request_id)
         prompts = self._prompts(req.prompt)
         if len(prompts) * req.n > MAX_SEQUENCES:
             raise APIError(
