@@ -1,14 +1,17 @@
 """Block-scaled FP8 products (DeepSeek-V3 / Qwen3-FP8 style) for layers/quantization/fp8_block.py.
 
 The weight is float8_e4m3fn [N, K] with one float32 scale per [BN_S, BK_S] block (weight_scale_inv, [N/BN_S,
-K/BK_S]); activations are quantized per token per BK_S-wide group at run time (scale amax/448). One K step of
-the GEMM is one group: its float8 tl.dot is scaled by the row's and the block's scales and added in float32.
-
-per_token_group_quant: x [M, K] -> float8 [M, K] and float32 scales [M, K/BK_S] (one program per row and group).
-fp8_block_gemm: the prefill/batched product of the quantized x and the weight.
-fp8_block_gemv: decode (a few rows); reads each weight byte once for all rows, quantizing x's groups in registers
-exactly as per_token_group_quant does, so both paths give the same product.
-The torch references are fp8_block.quantize_groups and fp8_block.block_reference.
+K/BK_S]). fp8_block_linear picks by the number of rows of x:
+- up to WEIGHT_ONLY_MAX_M (16) rows, where reading the weight is the whole cost, the product is weight-only: x stays
+  bf16 and each weight byte is widened exactly in registers (no activation quantization, no extra kernel: 1 byte a
+  weight is all that moves). fp8_block_gemv (<= 4 rows): a program reads a few whole weight rows once for all rows
+  of x, sums over K in registers and stores (no split-K atomics); its rows share a scale block row, so the block
+  scale multiplies x's columns, not each weight. 5..16 rows: the GEMM's weight-only path (bf16 tl.dot);
+- more rows: x quantized per token per BK_S-wide group (per_token_group_quant, scale amax/448), then the float8
+  GEMM, one K step a group, its tl.dot scaled by the row's and the block's scales and added in float32.
+Weight-only is the dequantized model's product (closer to it than the quantized path, which also rounds x).
+Tile shapes: GEMV_TILES / GEMM_CANDIDATES, swept by benchmarks/quant_gpu.py on a GPU. The torch references are
+fp8_block.quantize_groups, fp8_block.block_reference (x quantized) and fp8_block.weight_only_reference.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from novainfer.kernels.tiling import grouped_tile, split_k
+from novainfer.kernels.tiling import grouped_tile
 
 
 @triton.jit
@@ -51,7 +54,9 @@ def _block_gemm_kernel(
     M,
     N,
     K,
+    stride_am,
     stride_cm,
+    A_FP8: tl.constexpr,
     GROUP_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -63,28 +68,27 @@ def _block_gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    mmask, nmask = offs_m < M, offs_n < N
+    mload = tl.minimum(offs_m, M - 1).to(tl.int64)  # edge tiles re-read the last row / column: no M, N masks
+    nload = tl.minimum(offs_n, N - 1).to(tl.int64)
     k_groups = tl.cdiv(K, BLOCK_K)
-    a_s_row = as_ptr + offs_m * k_groups
-    b_s_row = bs_ptr + (offs_n // GROUP_N) * k_groups
+    a_s_row = as_ptr + mload * k_groups
+    b_s_row = bs_ptr + (nload // GROUP_N) * k_groups
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(0, k_groups):
         kmask = kb * BLOCK_K + offs_k < K
         a = tl.load(
-            a_ptr + offs_m[:, None] * K + (kb * BLOCK_K + offs_k)[None, :],
-            mask=mmask[:, None] & kmask[None, :],
-            other=0.0,
+            a_ptr + mload[:, None] * stride_am + (kb * BLOCK_K + offs_k)[None, :], mask=kmask[None, :], other=0.0
         )
-        b = tl.load(
-            b_ptr + offs_n[None, :] * K + (kb * BLOCK_K + offs_k)[:, None],
-            mask=kmask[:, None] & nmask[None, :],
-            other=0.0,
-        )
-        a_s = tl.load(a_s_row + kb, mask=mmask, other=0.0)
-        b_s = tl.load(b_s_row + kb, mask=nmask, other=0.0)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        b = tl.load(b_ptr + nload[None, :] * K + (kb * BLOCK_K + offs_k)[:, None], mask=kmask[:, None], other=0.0)
+        b_s = tl.load(b_s_row + kb)
+        if A_FP8:  # both quantized: the float8 product, scaled by the row's group and the weight's block
+            a_s = tl.load(a_s_row + kb)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        else:  # weight-only: x as it is (bf16), the weight's float8 widened exactly
+            acc += tl.dot(a, b.to(a.dtype)) * b_s[None, :]
     c = acc.to(c_ptr.dtype.element_ty)
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], c, mask=mmask[:, None] & nmask[None, :])
+    cmask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], c, mask=cmask)
 
 
 @triton.jit
@@ -96,48 +100,75 @@ def _block_gemv_kernel(
     N,
     K,
     stride_xm,
-    K_PER_SPLIT,
+    stride_om,
     M: tl.constexpr,
-    M_PAD: tl.constexpr,
     GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    MIN_SCALE: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # BLOCK_N divides GROUP_N: a program's rows share one block row, so the block scale goes onto x's columns
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rload = tl.minimum(rows, N - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    mrows = tl.arange(0, M_PAD)
-    nmask = offs_n < N
-    k_groups = tl.cdiv(K, BLOCK_K)
-    k_begin = pid_k * K_PER_SPLIT
-    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
-    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):  # the weight tile and its scales are loaded once for all M rows
-        kmask = k0 + offs_k < K
-        xmask = (mrows < M)[:, None] & kmask[None, :]
-        x = tl.load(x_ptr + mrows[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=xmask, other=0.0)
-        x_s, xq = _quant_group(x.to(tl.float32), FP8_MAX, MIN_SCALE)
-        xq = xq.to(w_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(
-            w_ptr + offs_n[:, None] * K + (k0 + offs_k)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0
-        ).to(tl.float32)
-        w_s = tl.load(ws_ptr + (offs_n // GROUP_N) * k_groups + k0 // BLOCK_K, mask=nmask, other=0.0)
-        for m in tl.static_range(M):
-            pick = mrows == m
-            xq_m = tl.sum(tl.where(pick[:, None], xq, 0.0), 0)
-            x_s_m = tl.sum(tl.where(pick, x_s, 0.0), 0)
-            part = tl.sum(w * xq_m[None, :], axis=1) * (w_s * x_s_m)
-            acc += tl.where(pick[:, None], part[None, :], 0.0)
-    omask = (mrows < M)[:, None] & nmask[None, :]
-    tl.atomic_add(out_ptr + mrows[:, None] * N + offs_n[None, :], acc, mask=omask)
+    w_rows = w_ptr + rload[:, None] * K
+    s_row = ws_ptr + (tl.program_id(0) * BLOCK_N // GROUP_N) * tl.cdiv(K, GROUP_K)
+    acc0 = tl.zeros([BLOCK_N], tl.float32)
+    acc1 = tl.zeros([BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_N], tl.float32)
+    acc3 = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        kmask = kk < K
+        if EVEN_K:
+            w = tl.load(w_rows + kk[None, :]).to(tl.float32)
+        else:
+            w = tl.load(w_rows + kk[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
+        s = tl.load(s_row + kk // GROUP_K, mask=kmask, other=0.0)
+        acc0 += tl.sum(w * (tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32) * s)[None, :], 1)
+        if M > 1:
+            x1 = tl.load(x_ptr + stride_xm + kk, mask=kmask, other=0.0).to(tl.float32)
+            acc1 += tl.sum(w * (x1 * s)[None, :], 1)
+        if M > 2:
+            x2 = tl.load(x_ptr + 2 * stride_xm + kk, mask=kmask, other=0.0).to(tl.float32)
+            acc2 += tl.sum(w * (x2 * s)[None, :], 1)
+        if M > 3:
+            x3 = tl.load(x_ptr + 3 * stride_xm + kk, mask=kmask, other=0.0).to(tl.float32)
+            acc3 += tl.sum(w * (x3 * s)[None, :], 1)
+    dt = out_ptr.dtype.element_ty
+    omask = rows < N
+    tl.store(out_ptr + rows, acc0.to(dt), mask=omask)
+    if M > 1:
+        tl.store(out_ptr + stride_om + rows, acc1.to(dt), mask=omask)
+    if M > 2:
+        tl.store(out_ptr + 2 * stride_om + rows, acc2.to(dt), mask=omask)
+    if M > 3:
+        tl.store(out_ptr + 3 * stride_om + rows, acc3.to(dt), mask=omask)
 
 
 FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
-GEMV_MAX_M = 4
+GEMV_MAX_M = 4  # up to this many rows: the weight-only GEMV
+WEIGHT_ONLY_MAX_M = 16  # up to this many rows x stays bf16 (the GEMV, then the GEMM's weight-only path)
+
+# (BLOCK_N, BLOCK_K, num_warps) of the GEMV (BLOCK_N divides the 64 or 128 rows of a scale block); GEMV_TILES by
+# (N, K), else GEMV_DEFAULT; GEMV_CANDIDATES are what benchmarks/quant_gpu.py sweeps (reasoned, not yet measured)
+GEMV_CANDIDATES: list[tuple[int, int, int]] = [(4, 512, 4), (8, 512, 4), (2, 1024, 4), (8, 256, 2), (16, 512, 8)]
+GEMV_DEFAULT = (4, 512, 4)
+GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the GEMM by the row count's bucket; BLOCK_K is the scale block
+GEMM_CANDIDATES: dict[int, list[tuple[int, int, int, int]]] = {
+    16: [(16, 64, 4, 4), (16, 128, 4, 4), (16, 32, 2, 4)],
+    64: [(32, 64, 4, 4), (64, 64, 4, 3), (64, 128, 4, 3)],
+    256: [(64, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)],
+    1 << 30: [(128, 128, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 256, 8, 3)],
+}
+
+
+def gemm_bucket(m: int) -> int:
+    """The GEMM_CANDIDATES key of m rows."""
+    return next(b for b in GEMM_CANDIDATES if m <= b)
 
 
 def per_token_group_quant(x: torch.Tensor, group: int, out_dtype: torch.dtype = torch.float8_e4m3fn):
@@ -157,37 +188,36 @@ def per_token_group_quant(x: torch.Tensor, group: int, out_dtype: torch.dtype = 
 
 
 def fp8_block_gemm(
-    xq: torch.Tensor,
-    x_scale: torch.Tensor,
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
     weight: torch.Tensor,
     w_scale: torch.Tensor,
     block: tuple[int, int],
     out_dtype: torch.dtype,
+    tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """Quantized x [M, K] (contiguous) with its group scales times weight [N, K] with its block scales."""
-    m, k = xq.shape
+    """a [M, K] (unit stride along K) times weight [N, K] with its block scales: a quantized with its group scales
+    a_scale, or (a_scale None) weight-only, a as it is."""
+    m, k = a.shape
     n = weight.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
-    if xq.is_cuda:
-        if m <= 32:  # few rows: narrow N tiles so that enough programs run; many: large tiles
-            block_m, block_n, warps, stages = 16, 64, 4, 4
-        elif m <= 256:
-            block_m, block_n, warps, stages = 64, 128, 4, 3
-        else:
-            block_m, block_n, warps, stages = 128, 128, 8, 3
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if a.is_cuda:
+        block_m, block_n, warps, stages = tiles or GEMM_CANDIDATES[gemm_bucket(m)][0]
     else:
         block_m, block_n, warps, stages = 16, 32, 4, 1
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _block_gemm_kernel[grid](
-        xq,
-        x_scale,
+        a,
+        a_scale if a_scale is not None else w_scale,
         weight,
         w_scale,
         out,
         m,
         n,
         k,
+        a.stride(0),
         out.stride(0),
+        A_FP8=a_scale is not None,
         GROUP_N=block[0],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -199,15 +229,23 @@ def fp8_block_gemm(
     return out
 
 
-def fp8_block_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]):
-    """x [M, K] (M <= GEMV_MAX_M, unquantized) times the block-scaled weight -> [M, N] in x's dtype."""
+def fp8_block_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: tuple[int, int],
+    tiles: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """x [M, K] (M <= GEMV_MAX_M, unit stride along K, not quantized) times the block-scaled weight -> [M, N]."""
     m, k = x.shape
     n = weight.shape[0]
-    block_n = 32 if x.is_cuda else 16
-    tiles_n = triton.cdiv(n, block_n)
-    split, k_per_split = split_k(k, tiles_n, block[1], x.device, programs_per_sm=4)
-    out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
-    _block_gemv_kernel[(tiles_n, split)](
+    assert m <= GEMV_MAX_M and x.stride(1) == 1, x.shape
+    block_n, block_k, warps = tiles or GEMV_TILES.get((n, k), GEMV_DEFAULT)
+    if not x.is_cuda:
+        block_n, block_k, warps = 4, 64, 4
+    block_n = min(block_n, block[0])
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _block_gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
         w_scale,
@@ -215,14 +253,24 @@ def fp8_block_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
         n,
         k,
         x.stride(0),
-        k_per_split,
+        out.stride(0),
         M=m,
-        M_PAD=triton.next_power_of_2(m),
         GROUP_N=block[0],
+        GROUP_K=block[1],
         BLOCK_N=block_n,
-        BLOCK_K=block[1],
-        FP8_MAX=FP8_MAX,
-        MIN_SCALE=MIN_SCALE,
-        num_warps=4,
+        BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
+        num_warps=warps,
     )
-    return out.to(x.dtype)
+    return out
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]):
+    """x [M, K] (contiguous) times the block-scaled weight -> [M, N] in x's dtype: weight-only (x as it is) up to
+    WEIGHT_ONLY_MAX_M rows, where reading the weight is the cost; x quantized per group and the float8 GEMM above."""
+    m = x.shape[0]
+    if m <= GEMV_MAX_M:
+        return fp8_block_gemv(x, weight, w_scale, block)
+    if m <= WEIGHT_ONLY_MAX_M:
+        return fp8_block_gemm(x, None, weight, w_scale, block, x.dtype)
+    return fp8_block_gemm(*per_token_group_quant(x, block[1]), weight, w_scale, block, x.dtype)
