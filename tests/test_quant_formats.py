@@ -429,14 +429,13 @@ def test_tp_split_off_group_boundary_and_moe_are_refused(base, tmp_path):
 @pytest.mark.parametrize("group", [32, 128])
 def test_int4_kernels_match_the_torch_reference(m, group):
     g = torch.Generator().manual_seed(m + group)
-    k, n = 256, 100  # N not a multiple of the tiles: the edge tiles clamp their loads
+    k, n = (224 if group == 32 else 384), 100  # N not a multiple of the tiles: the edge tiles clamp their loads
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     scales = torch.rand(n, k // group, generator=g) * 0.1
     zeros = torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.uint8)
     qweight = pack_int4(codes)
     assert torch.equal(unpack_int4(qweight), codes)
-    # of each 32 inputs, input 4j + w sits in nibble j of word w
-    assert int(qweight[5, 9] >> 8 & 0xF) == int(codes[5, 32 * 2 + 4 * 2 + 1])
+    assert int(qweight[5, 9] >> 8 & 0xF) == int(codes[5, 32 * 2 + 4 * 2 + 1]), "input 4j + w in nibble j of word w"
     w = dequantize_int4(qweight, scales, zeros, group)
     torch.testing.assert_close(
         w, ((codes.float() - zeros.float().repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)).T
@@ -444,8 +443,13 @@ def test_int4_kernels_match_the_torch_reference(m, group):
     x = torch.randn(m, k, generator=g)
     want = x @ w
     torch.testing.assert_close(int4_gemm(x, qweight, scales, zeros, group), want, rtol=1e-4, atol=1e-4)
+    # split over K (as for few rows on a GPU): float32 partial sums added atomically
+    torch.testing.assert_close(int4_gemm(x, qweight, scales, zeros, group, split=3), want, rtol=1e-4, atol=1e-4)
     if m <= 4:
         torch.testing.assert_close(int4_gemv(x, qweight, scales, zeros, group), want, rtol=1e-4, atol=1e-4)
+        # K steps longer than K's last one (the GPU's long steps): the tail step masks its chunks
+        got = int4_gemv(x, qweight, scales, zeros, group, tiles=(8, 256, 4))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("m", [1, 2, 8, 20])
@@ -472,6 +476,8 @@ def test_fp8_block_kernels_match_the_torch_reference(m):
     torch.testing.assert_close(y_wo, want_wo, rtol=1e-5, atol=1e-5)
     if m <= 4:
         torch.testing.assert_close(fp8_block_gemv(xr, w, ws, (128, 128)), want_wo, rtol=1e-5, atol=1e-5)
+        got = fp8_block_gemv(xr, w, ws, (128, 128), tiles=(8, 512, 4))  # one masked step longer than K
+        torch.testing.assert_close(got, want_wo, rtol=1e-5, atol=1e-5)
     if m <= 16:
         torch.testing.assert_close(fp8_block_linear(xr, w, ws, (128, 128)), want_wo, rtol=1e-5, atol=1e-5)
 

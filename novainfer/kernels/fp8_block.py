@@ -32,16 +32,24 @@ def _quant_group(x, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
 
 @triton.jit
 def _group_quant_kernel(
-    x_ptr, out_ptr, scale_ptr, K, stride_xm, G: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    K,
+    stride_xm,
+    G: tl.constexpr,
+    GROUPS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    grp = tl.program_id(1)
-    offs = grp * G + tl.arange(0, G)
+    grps = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # GROUPS groups of the row a program
+    offs = grps[:, None] * G + tl.arange(0, G)[None, :]
     mask = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    scale, q = _quant_group(x[None, :], FP8_MAX, MIN_SCALE)
-    tl.store(scale_ptr + row * tl.cdiv(K, G) + grp + tl.arange(0, 1), scale)
-    tl.store(out_ptr + row * K + offs[None, :], q.to(out_ptr.dtype.element_ty), mask=mask[None, :])
+    scale, q = _quant_group(x, FP8_MAX, MIN_SCALE)
+    tl.store(scale_ptr + row * tl.cdiv(K, G) + grps, scale, mask=grps < tl.cdiv(K, G))
+    tl.store(out_ptr + row * K + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -57,6 +65,7 @@ def _block_gemm_kernel(
     stride_am,
     stride_cm,
     A_FP8: tl.constexpr,
+    EVEN_K: tl.constexpr,
     GROUP_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -75,11 +84,15 @@ def _block_gemm_kernel(
     b_s_row = bs_ptr + (nload // GROUP_N) * k_groups
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(0, k_groups):
-        kmask = kb * BLOCK_K + offs_k < K
-        a = tl.load(
-            a_ptr + mload[:, None] * stride_am + (kb * BLOCK_K + offs_k)[None, :], mask=kmask[None, :], other=0.0
-        )
-        b = tl.load(b_ptr + nload[None, :] * K + (kb * BLOCK_K + offs_k)[:, None], mask=kmask[:, None], other=0.0)
+        a_ptrs = a_ptr + mload[:, None] * stride_am + (kb * BLOCK_K + offs_k)[None, :]
+        b_ptrs = b_ptr + nload[None, :] * K + (kb * BLOCK_K + offs_k)[:, None]
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            kmask = kb * BLOCK_K + offs_k < K
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
         b_s = tl.load(b_s_row + kb)
         if A_FP8:  # both quantized: the float8 product, scaled by the row's group and the weight's block
             a_s = tl.load(a_s_row + kb)
@@ -122,9 +135,10 @@ def _block_gemv_kernel(
         kk = k0 + offs_k
         kmask = kk < K
         if EVEN_K:
-            w = tl.load(w_rows + kk[None, :]).to(tl.float32)
+            w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first").to(tl.float32)
         else:
-            w = tl.load(w_rows + kk[None, :], mask=kmask[None, :], other=0.0).to(tl.float32)
+            w = tl.load(w_rows + kk[None, :], mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
+            w = w.to(tl.float32)
         s = tl.load(s_row + kk // GROUP_K, mask=kmask, other=0.0)
         acc0 += tl.sum(w * (tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32) * s)[None, :], 1)
         if M > 1:
@@ -154,8 +168,9 @@ WEIGHT_ONLY_MAX_M = 16  # up to this many rows x stays bf16 (the GEMV, then the 
 
 # (BLOCK_N, BLOCK_K, num_warps) of the GEMV (BLOCK_N divides the 64 or 128 rows of a scale block); GEMV_TILES by
 # (N, K), else GEMV_DEFAULT; GEMV_CANDIDATES are what benchmarks/quant_gpu.py sweeps (reasoned, not yet measured)
-GEMV_CANDIDATES: list[tuple[int, int, int]] = [(4, 512, 4), (8, 512, 4), (2, 1024, 4), (8, 256, 2), (16, 512, 8)]
-GEMV_DEFAULT = (4, 512, 4)
+# (all programs together have N * BLOCK_K bytes in flight: long K steps, as for kernels/int4_gemm.py's GEMV)
+GEMV_CANDIDATES: list[tuple[int, int, int]] = [(4, 1024, 4), (8, 1024, 8), (2, 2048, 4), (8, 512, 4), (4, 512, 2)]
+GEMV_DEFAULT = (4, 1024, 4)
 GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the GEMM by the row count's bucket; BLOCK_K is the scale block
 GEMM_CANDIDATES: dict[int, list[tuple[int, int, int, int]]] = {
@@ -180,9 +195,10 @@ def per_token_group_quant(x: torch.Tensor, group: int, out_dtype: torch.dtype = 
     groups = triton.cdiv(k, group)
     out = torch.empty((m, k), dtype=out_dtype, device=x.device)
     scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    per = 8  # groups a program: 8 KB of bf16 read, far fewer programs than one a group
     if m:
-        _group_quant_kernel[(m, groups)](
-            x, out, scale, k, x.stride(0), G=group, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=1
+        _group_quant_kernel[(m, triton.cdiv(groups, per))](
+            x, out, scale, k, x.stride(0), G=group, GROUPS=per, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=4
         )
     return out, scale
 
@@ -218,6 +234,7 @@ def fp8_block_gemm(
         a.stride(0),
         out.stride(0),
         A_FP8=a_scale is not None,
+        EVEN_K=k % block[1] == 0,
         GROUP_N=block[0],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -240,9 +257,9 @@ def fp8_block_gemv(
     m, k = x.shape
     n = weight.shape[0]
     assert m <= GEMV_MAX_M and x.stride(1) == 1, x.shape
+    if tiles is None and not x.is_cuda:
+        tiles = (4, 64, 4)  # the interpreter: small tiles
     block_n, block_k, warps = tiles or GEMV_TILES.get((n, k), GEMV_DEFAULT)
-    if not x.is_cuda:
-        block_n, block_k, warps = 4, 64, 4
     block_n = min(block_n, block[0])
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _block_gemv_kernel[(triton.cdiv(n, block_n),)](

@@ -55,6 +55,7 @@ def _int4_gemv_kernel(
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     C: tl.constexpr = BLOCK_K // 32  # 32-input chunks (four words) a step
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -68,25 +69,32 @@ def _int4_gemv_kernel(
     acc1 = tl.zeros([BLOCK_N, C], tl.float32)
     acc2 = tl.zeros([BLOCK_N, C], tl.float32)
     acc3 = tl.zeros([BLOCK_N, C], tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # BLOCK_K divides K
-        q = tl.load(q_ptrs + k0 // 8)
+    for k0 in range(0, K, BLOCK_K):
         grp = sz_row + ((k0 + chunk * 32) // GROUP)[None, :]
-        s = tl.load(s_ptr + grp).to(tl.float32)
-        zoff = (tl.load(z_ptr + grp).to(tl.float32) + 8388608.0)[:, :, None]
+        if EVEN_K:
+            q = tl.load(q_ptrs + k0 // 8, eviction_policy="evict_first")
+            s = tl.load(s_ptr + grp).to(tl.float32)
+            zoff = (tl.load(z_ptr + grp).to(tl.float32) + 8388608.0)[:, :, None]
+        else:  # K is a multiple of 32: the tail step masks whole chunks (their x and scales read as 0)
+            cmask = (k0 + chunk * 32 < K)[None, :]
+            q = tl.load(q_ptrs + k0 // 8, mask=cmask[:, :, None], other=0, eviction_policy="evict_first")
+            s = tl.load(s_ptr + grp, mask=cmask, other=0.0).to(tl.float32)
+            zoff = (tl.load(z_ptr + grp, mask=cmask, other=0).to(tl.float32) + 8388608.0)[:, :, None]
         p0 = tl.zeros([BLOCK_N, C, 4], tl.float32)
         p1 = tl.zeros([BLOCK_N, C, 4], tl.float32)
         p2 = tl.zeros([BLOCK_N, C, 4], tl.float32)
         p3 = tl.zeros([BLOCK_N, C, 4], tl.float32)
+        xmask = k0 + x_k < K  # all true but in the tail step
         for j in tl.static_range(8):
             w = _codes(q, j, zoff)
             xj = x_ptr + k0 + 4 * j + x_k
-            p0 += tl.load(xj).to(tl.float32)[None, :, :] * w
+            p0 += tl.load(xj, mask=xmask, other=0.0).to(tl.float32)[None, :, :] * w
             if M > 1:
-                p1 += tl.load(xj + stride_xm).to(tl.float32)[None, :, :] * w
+                p1 += tl.load(xj + stride_xm, mask=xmask, other=0.0).to(tl.float32)[None, :, :] * w
             if M > 2:
-                p2 += tl.load(xj + 2 * stride_xm).to(tl.float32)[None, :, :] * w
+                p2 += tl.load(xj + 2 * stride_xm, mask=xmask, other=0.0).to(tl.float32)[None, :, :] * w
             if M > 3:
-                p3 += tl.load(xj + 3 * stride_xm).to(tl.float32)[None, :, :] * w
+                p3 += tl.load(xj + 3 * stride_xm, mask=xmask, other=0.0).to(tl.float32)[None, :, :] * w
         acc0 += tl.sum(p0, 2) * s  # a chunk lies in one group: its scale once per 32 inputs
         if M > 1:
             acc1 += tl.sum(p1, 2) * s
@@ -159,11 +167,20 @@ def _int4_gemm_kernel(
 
 GEMV_MAX_M = 4  # up to this many rows of x go through the GEMV (one read of the codes for all rows)
 
-# (BLOCK_N, BLOCK_K, num_warps) of the GEMV. A step loads BLOCK_N * BLOCK_K / 2 bytes: at least a 16-byte vector
-# per thread, several in flight. GEMV_TILES is by (N, K); other shapes take GEMV_DEFAULT; GEMV_CANDIDATES are what
-# benchmarks/quant_gpu.py sweeps (reasoned defaults, not yet measured: the sweep's best replace them)
-GEMV_CANDIDATES: list[tuple[int, int, int]] = [(4, 512, 2), (8, 512, 4), (16, 256, 4), (8, 1024, 4), (16, 512, 8)]
-GEMV_DEFAULT = (8, 512, 4)
+# (BLOCK_N, BLOCK_K, num_warps) of the GEMV. A step loads BLOCK_N * BLOCK_K / 2 bytes, a 16-byte vector or more per
+# thread; all programs together have N * BLOCK_K / 2 bytes in flight, which must cover HBM's latency (~3-4 MB on an
+# H200) even for a 3584-row layer: hence long K steps (a masked tail where BLOCK_K does not divide K). GEMV_TILES is
+# by (N, K); other shapes take GEMV_DEFAULT; GEMV_CANDIDATES are what benchmarks/quant_gpu.py sweeps (reasoned
+# defaults, not yet measured: the sweep's best replace them)
+GEMV_CANDIDATES: list[tuple[int, int, int]] = [
+    (8, 1024, 4),
+    (4, 1024, 4),
+    (4, 2048, 4),
+    (16, 1024, 8),
+    (8, 512, 4),
+    (2, 2048, 2),
+]
+GEMV_DEFAULT = (8, 1024, 4)
 GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMM by the row count's bucket (BLOCK_K is capped at
@@ -193,11 +210,10 @@ def int4_gemv(
     m, k = x.shape
     n = qweight.shape[0]
     assert m <= GEMV_MAX_M and x.stride(1) == 1, x.shape
+    if tiles is None and not x.is_cuda:
+        tiles = (4, 64, 4)  # the interpreter: small tiles
     block_n, block_k, warps = tiles or GEMV_TILES.get((n, k), GEMV_DEFAULT)
-    if not x.is_cuda:
-        block_n, block_k, warps = min(block_n, 4), 64, 4
-    while k % block_k:
-        block_k //= 2  # K is a multiple of 32 (of the group size)
+    block_k = min(block_k, triton.next_power_of_2(k))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
@@ -213,6 +229,7 @@ def int4_gemv(
         GROUP=group,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
         num_warps=warps,
     )
     return out
@@ -225,8 +242,10 @@ def int4_gemm(
     zeros: torch.Tensor,
     group: int,
     tiles: tuple[int, int, int, int, int] | None = None,
+    split: int | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (unit stride along K) times the packed weight -> [M, N] in x's dtype (K a multiple of 32)."""
+    """x [M, K] (unit stride along K) times the packed weight -> [M, N] in x's dtype (K a multiple of 32); split:
+    the K splits (None: as many as fill the GPU's SMs once with programs)."""
     m, k = x.shape
     n = qweight.shape[0]
     if x.is_cuda:
@@ -235,7 +254,11 @@ def int4_gemm(
         block_m, block_n, block_k, warps, stages = 16, 32, 32, 4, 1
     block_k = min(block_k, group)
     tiles_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    split, per_split = split_k(k, tiles_mn, block_k, x.device, programs_per_sm=1)
+    if split is None:
+        split, per_split = split_k(k, tiles_mn, block_k, x.device, programs_per_sm=1)
+    else:
+        per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+        split = triton.cdiv(k, per_split)
     if split > 1:
         out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
     else:
