@@ -121,35 +121,38 @@ def _block_gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    # BLOCK_N divides GROUP_N: a program's rows share one block row, so the block scale goes onto x's columns
+    # a step is [BLOCK_N rows, NB scale blocks, GROUP_K inputs]; BLOCK_N divides GROUP_N, so a program's rows share
+    # one block row and each block's scale multiplies x's GROUP_K columns once, not each weight
+    NB: tl.constexpr = BLOCK_K // GROUP_K
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rload = tl.minimum(rows, N - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + rload[:, None] * K
+    kk = tl.arange(0, NB)[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]  # [NB, GROUP_K]
+    w_ptrs = w_ptr + rload[:, None, None] * K + kk[None, :, :]
     s_row = ws_ptr + (tl.program_id(0) * BLOCK_N // GROUP_N) * tl.cdiv(K, GROUP_K)
     acc0 = tl.zeros([BLOCK_N], tl.float32)
     acc1 = tl.zeros([BLOCK_N], tl.float32)
     acc2 = tl.zeros([BLOCK_N], tl.float32)
     acc3 = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        kmask = kk < K
+        kmask = k0 + kk < K
         if EVEN_K:
-            w = tl.load(w_rows + kk[None, :], eviction_policy="evict_first").to(tl.float32)
+            w = tl.load(w_ptrs + k0, eviction_policy="evict_first").to(tl.float32)
         else:
-            w = tl.load(w_rows + kk[None, :], mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
+            w = tl.load(w_ptrs + k0, mask=kmask[None, :, :], other=0.0, eviction_policy="evict_first")
             w = w.to(tl.float32)
-        s = tl.load(s_row + kk // GROUP_K, mask=kmask, other=0.0)
-        acc0 += tl.sum(w * (tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32) * s)[None, :], 1)
+        blk = k0 // GROUP_K + tl.arange(0, NB)
+        s = tl.load(s_row + blk, mask=blk < tl.cdiv(K, GROUP_K), other=0.0)[:, None]
+        x0 = tl.load(x_ptr + k0 + kk, mask=kmask, other=0.0).to(tl.float32) * s
+        acc0 += tl.sum(tl.sum(w * x0[None, :, :], 2), 1)
         if M > 1:
-            x1 = tl.load(x_ptr + stride_xm + kk, mask=kmask, other=0.0).to(tl.float32)
-            acc1 += tl.sum(w * (x1 * s)[None, :], 1)
+            x1 = tl.load(x_ptr + stride_xm + k0 + kk, mask=kmask, other=0.0).to(tl.float32) * s
+            acc1 += tl.sum(tl.sum(w * x1[None, :, :], 2), 1)
         if M > 2:
-            x2 = tl.load(x_ptr + 2 * stride_xm + kk, mask=kmask, other=0.0).to(tl.float32)
-            acc2 += tl.sum(w * (x2 * s)[None, :], 1)
+            x2 = tl.load(x_ptr + 2 * stride_xm + k0 + kk, mask=kmask, other=0.0).to(tl.float32) * s
+            acc2 += tl.sum(tl.sum(w * x2[None, :, :], 2), 1)
         if M > 3:
-            x3 = tl.load(x_ptr + 3 * stride_xm + kk, mask=kmask, other=0.0).to(tl.float32)
-            acc3 += tl.sum(w * (x3 * s)[None, :], 1)
+            x3 = tl.load(x_ptr + 3 * stride_xm + k0 + kk, mask=kmask, other=0.0).to(tl.float32) * s
+            acc3 += tl.sum(tl.sum(w * x3[None, :, :], 2), 1)
     dt = out_ptr.dtype.element_ty
     omask = rows < N
     tl.store(out_ptr + rows, acc0.to(dt), mask=omask)
@@ -258,9 +261,9 @@ def fp8_block_gemv(
     n = weight.shape[0]
     assert m <= GEMV_MAX_M and x.stride(1) == 1, x.shape
     if tiles is None and not x.is_cuda:
-        tiles = (4, 64, 4)  # the interpreter: small tiles
+        tiles = (4, 128, 4)  # the interpreter: small tiles
     block_n, block_k, warps = tiles or GEMV_TILES.get((n, k), GEMV_DEFAULT)
-    block_n = min(block_n, block[0])
+    block_n, block_k = min(block_n, block[0]), max(block_k, block[1])  # whole scale blocks a step
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _block_gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
