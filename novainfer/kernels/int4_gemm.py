@@ -140,22 +140,22 @@ def _int4_gemm_kernel(
     mload = tl.minimum(offs_m, M - 1).to(tl.int64)  # edge tiles re-read the last row/column: unmasked loads
     nload = tl.minimum(offs_n, N - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    # words as [C, 1, 4, BLOCK_N]: unpacked by the nibble index j on axis 1, input c * 32 + 4 j + w is row k
-    word = tl.arange(0, C)[:, None, None, None] * 4 + tl.arange(0, 4)[None, None, :, None]
-    q_ptrs = q_ptr + nload[None, None, None, :] * (K // 8) + word
-    shifts = (tl.arange(0, 8) * 4)[None, :, None, None]
+    # a step's words as [BLOCK_N, BLOCK_K / 8], contiguous along K (coalesced); split to [BLOCK_N, C, 1, 4] and
+    # unpacked by the nibble index j on axis 2, input c * 32 + 4 j + w is column k of the tile
+    q_ptrs = q_ptr + nload[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]
+    shifts = (tl.arange(0, 8) * 4)[None, None, :, None]
     sz_col = nload * (K // GROUP)
     k_begin = tl.program_id(1) * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):  # BLOCK_K divides GROUP and K: one scale row per step, no K mask
         a = tl.load(x_ptr + mload[:, None] * stride_xm + (k0 + offs_k)[None, :])
-        q = tl.load(q_ptrs + k0 // 8)
-        codes = tl.reshape(((q >> shifts) & 0xF) | MAGIC, [BLOCK_K, BLOCK_N]).to(tl.float32, bitcast=True)
+        q = tl.reshape(tl.load(q_ptrs + k0 // 8), [BLOCK_N, C, 1, 4])
+        codes = tl.reshape(((q >> shifts) & 0xF) | MAGIC, [BLOCK_N, BLOCK_K]).to(tl.float32, bitcast=True)
         g = k0 // GROUP
         s = tl.load(s_ptr + sz_col + g).to(tl.float32)
         zoff = tl.load(z_ptr + sz_col + g).to(tl.float32) + 8388608.0
-        w = ((codes - zoff[None, :]) * s[None, :]).to(a.dtype)
+        w = tl.trans(((codes - zoff[:, None]) * s[:, None]).to(a.dtype))  # [BLOCK_K, BLOCK_N]
         acc = tl.dot(a, w, acc)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
