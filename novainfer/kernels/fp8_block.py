@@ -126,8 +126,9 @@ def _block_gemv_kernel(
     NB: tl.constexpr = BLOCK_K // GROUP_K
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rload = tl.minimum(rows, N - 1).to(tl.int64)
-    kk = tl.arange(0, NB)[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :]  # [NB, GROUP_K]
-    w_ptrs = w_ptr + rload[:, None, None] * K + kk[None, :, :]
+    # [BLOCK_N, NB, GROUP_K], the same for every row: x is loaded in the weight tile's own layout, not converted
+    kk = (tl.arange(0, NB)[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :])[None, :, :] + 0 * rows[:, None, None]
+    w_ptrs = w_ptr + rload[:, None, None] * K + kk
     s_row = ws_ptr + (tl.program_id(0) * BLOCK_N // GROUP_N) * tl.cdiv(K, GROUP_K)
     acc0 = tl.zeros([BLOCK_N], tl.float32)
     acc1 = tl.zeros([BLOCK_N], tl.float32)
@@ -138,21 +139,20 @@ def _block_gemv_kernel(
         if EVEN_K:
             w = tl.load(w_ptrs + k0, eviction_policy="evict_first").to(tl.float32)
         else:
-            w = tl.load(w_ptrs + k0, mask=kmask[None, :, :], other=0.0, eviction_policy="evict_first")
-            w = w.to(tl.float32)
+            w = tl.load(w_ptrs + k0, mask=kmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         blk = k0 // GROUP_K + tl.arange(0, NB)
-        s = tl.load(s_row + blk, mask=blk < tl.cdiv(K, GROUP_K), other=0.0)[:, None]
+        s = tl.load(s_row + blk, mask=blk < tl.cdiv(K, GROUP_K), other=0.0)[None, :, None]
         x0 = tl.load(x_ptr + k0 + kk, mask=kmask, other=0.0).to(tl.float32) * s
-        acc0 += tl.sum(tl.sum(w * x0[None, :, :], 2), 1)
+        acc0 += tl.sum(tl.sum(w * x0, 2), 1)
         if M > 1:
             x1 = tl.load(x_ptr + stride_xm + k0 + kk, mask=kmask, other=0.0).to(tl.float32) * s
-            acc1 += tl.sum(tl.sum(w * x1[None, :, :], 2), 1)
+            acc1 += tl.sum(tl.sum(w * x1, 2), 1)
         if M > 2:
             x2 = tl.load(x_ptr + 2 * stride_xm + k0 + kk, mask=kmask, other=0.0).to(tl.float32) * s
-            acc2 += tl.sum(tl.sum(w * x2[None, :, :], 2), 1)
+            acc2 += tl.sum(tl.sum(w * x2, 2), 1)
         if M > 3:
             x3 = tl.load(x_ptr + 3 * stride_xm + k0 + kk, mask=kmask, other=0.0).to(tl.float32) * s
-            acc3 += tl.sum(tl.sum(w * x3[None, :, :], 2), 1)
+            acc3 += tl.sum(tl.sum(w * x3, 2), 1)
     dt = out_ptr.dtype.element_ty
     omask = rows < N
     tl.store(out_ptr + rows, acc0.to(dt), mask=omask)

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from novainfer.kernels.tiling import grouped_tile, split_k
 
-MAGIC = 0x4B000000  # float32 bits of 2^23: OR-ing a code 0..15 into the mantissa gives 2^23 + code
+MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: OR-ing a code 0..15 into the mantissa gives 2^23 + code
 
 
 @triton.jit
@@ -49,6 +49,7 @@ def _int4_gemv_kernel(
     out_ptr,
     N,
     K,
+    stride_qn,
     stride_xm,
     stride_om,
     M: tl.constexpr,
@@ -62,9 +63,11 @@ def _int4_gemv_kernel(
     rload = tl.minimum(rows, N - 1).to(tl.int64)  # the last tile re-reads row N - 1: no masks on the loads
     chunk = tl.arange(0, C)
     lane = tl.arange(0, 4)
-    q_ptrs = q_ptr + rload[:, None, None] * (K // 8) + (chunk[:, None] * 4 + lane[None, :])[None, :, :]
+    q_ptrs = q_ptr + rload[:, None, None] * stride_qn + (chunk[:, None] * 4 + lane[None, :])[None, :, :]
     sz_row = rload[:, None] * (K // GROUP)
-    x_k = chunk[:, None] * 32 + lane[None, :]  # [C, 4]: input of nibble 0 of each word
+    # [BLOCK_N, C, 4]: input of nibble 0 of each word, the same for every row: x is loaded in the weight tile's own
+    # layout (a [C, 4] load would be converted into it through shared memory, eight times a step)
+    x_k = (chunk[:, None] * 32 + lane[None, :])[None, :, :] + 0 * rows[:, None, None]
     acc0 = tl.zeros([BLOCK_N, C], tl.float32)
     acc1 = tl.zeros([BLOCK_N, C], tl.float32)
     acc2 = tl.zeros([BLOCK_N, C], tl.float32)
@@ -88,13 +91,22 @@ def _int4_gemv_kernel(
         for j in tl.static_range(8):
             w = _codes(q, j, zoff)
             xj = x_ptr + k0 + 4 * j + x_k
-            p0 += tl.load(xj, mask=xmask, other=0.0).to(tl.float32)[None, :, :] * w
-            if M > 1:
-                p1 += tl.load(xj + stride_xm, mask=xmask, other=0.0).to(tl.float32)[None, :, :] * w
-            if M > 2:
-                p2 += tl.load(xj + 2 * stride_xm, mask=xmask, other=0.0).to(tl.float32)[None, :, :] * w
-            if M > 3:
-                p3 += tl.load(xj + 3 * stride_xm, mask=xmask, other=0.0).to(tl.float32)[None, :, :] * w
+            if EVEN_K:
+                p0 += tl.load(xj).to(tl.float32) * w
+                if M > 1:
+                    p1 += tl.load(xj + stride_xm).to(tl.float32) * w
+                if M > 2:
+                    p2 += tl.load(xj + 2 * stride_xm).to(tl.float32) * w
+                if M > 3:
+                    p3 += tl.load(xj + 3 * stride_xm).to(tl.float32) * w
+            else:
+                p0 += tl.load(xj, mask=xmask, other=0.0).to(tl.float32) * w
+                if M > 1:
+                    p1 += tl.load(xj + stride_xm, mask=xmask, other=0.0).to(tl.float32) * w
+                if M > 2:
+                    p2 += tl.load(xj + 2 * stride_xm, mask=xmask, other=0.0).to(tl.float32) * w
+                if M > 3:
+                    p3 += tl.load(xj + 3 * stride_xm, mask=xmask, other=0.0).to(tl.float32) * w
         acc0 += tl.sum(p0, 2) * s  # a chunk lies in one group: its scale once per 32 inputs
         if M > 1:
             acc1 += tl.sum(p1, 2) * s
@@ -123,6 +135,7 @@ def _int4_gemm_kernel(
     M,
     N,
     K,
+    stride_qn,
     stride_xm,
     stride_om,
     K_PER_SPLIT,
@@ -142,7 +155,7 @@ def _int4_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     # a step's words as [BLOCK_N, BLOCK_K / 8], contiguous along K (coalesced); split to [BLOCK_N, C, 1, 4] and
     # unpacked by the nibble index j on axis 2, input c * 32 + 4 j + w is column k of the tile
-    q_ptrs = q_ptr + nload[:, None] * (K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]
+    q_ptrs = q_ptr + nload[:, None] * stride_qn + tl.arange(0, BLOCK_K // 8)[None, :]
     shifts = (tl.arange(0, 8) * 4)[None, None, :, None]
     sz_col = nload * (K // GROUP)
     k_begin = tl.program_id(1) * K_PER_SPLIT
@@ -224,6 +237,7 @@ def int4_gemv(
         out,
         n,
         k,
+        qweight.stride(0),
         x.stride(0),
         out.stride(0),
         M=m,
@@ -273,6 +287,7 @@ def int4_gemm(
         m,
         n,
         k,
+        qweight.stride(0),
         x.stride(0),
         out.stride(0),
         per_split,
