@@ -5,6 +5,11 @@ in bf16, block FP8, compressed-tensors FP8 and INT4: bench-shape throughput, bat
     python benchmarks/quant_gpu.py --out /tmp/quant          # on an H100/H200
     TRITON_INTERPRET=1 python benchmarks/quant_gpu.py --tiny  # the same steps on the CPU, tiny shapes
 
+Kernel times are device times: each call captured in a CUDA graph (as decode runs), over enough copies of the weight
+that none is read from L2; each quantized kernel is also run with every candidate tile shape of its module (the
+sweep), the package's default and the best printed per shape, then the best tiles per shape / row bucket to paste
+into GEMV_TILES / GEMM_CANDIDATES. Every candidate is checked against the torch reference.
+
 Targets (issue 38), printed beside the results: INT4 batch-1 >= 2.5x bf16 and bench shape >= bf16; block FP8
 bench shape >= 1.1x bf16 and batch-1 >= 1.6x.
 """
@@ -130,6 +135,7 @@ def candidates(fmt: str, m: int, n: int, k: int, device: torch.device) -> list[t
     """(label, tiles) of a format's kernel at m rows: the package's choice first (tiles None), then on a GPU the
     sweep's (the CPU interpreter runs fixed tiles)."""
     from novainfer.kernels import fp8_block, int4_gemm
+    from novainfer.kernels.tiling import row_bucket
 
     mod = fp8_block if fmt == "fp8-block" else int4_gemm
     if device.type != "cuda":
@@ -137,7 +143,7 @@ def candidates(fmt: str, m: int, n: int, k: int, device: torch.device) -> list[t
     if m <= mod.GEMV_MAX_M:
         default = mod.GEMV_TILES.get((n, k), mod.GEMV_DEFAULT)
         return [("default", None)] + [(f"gemv{t}", t) for t in mod.GEMV_CANDIDATES if t != default]
-    bucket = mod.gemm_bucket(m)
+    bucket = row_bucket(m, mod.GEMM_CANDIDATES)
     return [("default", None)] + [(f"gemm{t}", t) for t in mod.GEMM_CANDIDATES[bucket][1:]]
 
 
@@ -219,6 +225,7 @@ def print_best_tiles(rows: list[dict]) -> None:
     """Per format: the best GEMV tiles per (N, K) (GEMV_TILES to paste) and, per GEMM row bucket, the candidate
     with the least total time over the shapes (its GEMM_CANDIDATES entry to put first)."""
     from novainfer.kernels import fp8_block, int4_gemm
+    from novainfer.kernels.tiling import row_bucket
 
     for fmt, mod in (("fp8-block", fp8_block), ("int4", int4_gemm)):
         gemv = {(r["n"], r["k"]): r[f"{fmt}_best_tiles"] for r in rows if r["m"] == 1}
@@ -226,7 +233,7 @@ def print_best_tiles(rows: list[dict]) -> None:
         buckets: dict[int, dict[str, float]] = {}
         for r in rows:
             if r["m"] > mod.GEMV_MAX_M:
-                tot = buckets.setdefault(mod.gemm_bucket(r["m"]), {})
+                tot = buckets.setdefault(row_bucket(r["m"], mod.GEMM_CANDIDATES), {})
                 for lb, us in r[f"{fmt}_sweep"].items():
                     tot[lb] = tot.get(lb, 0.0) + us
         for b, tot in buckets.items():

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from novainfer.kernels.tiling import grouped_tile
+from novainfer.kernels.tiling import grouped_tile, row_bucket
 
 
 @triton.jit
@@ -184,11 +184,6 @@ GEMM_CANDIDATES: dict[int, list[tuple[int, int, int, int]]] = {
 }
 
 
-def gemm_bucket(m: int) -> int:
-    """The GEMM_CANDIDATES key of m rows."""
-    return next(b for b in GEMM_CANDIDATES if m <= b)
-
-
 def per_token_group_quant(x: torch.Tensor, group: int, out_dtype: torch.dtype = torch.float8_e4m3fn):
     """x [M, K] -> (quantized [M, K] in out_dtype, float32 scales [M, ceil(K / group)]); out_dtype float32
     returns the clamped quotients before the cast (the interpreter's float8 cast does not round as CUDA's)."""
@@ -221,7 +216,7 @@ def fp8_block_gemm(
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if a.is_cuda:
-        block_m, block_n, warps, stages = tiles or GEMM_CANDIDATES[gemm_bucket(m)][0]
+        block_m, block_n, warps, stages = tiles or GEMM_CANDIDATES[row_bucket(m, GEMM_CANDIDATES)][0]
     else:
         block_m, block_n, warps, stages = 16, 32, 4, 1
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from novainfer.kernels.tiling import grouped_tile, split_k
+from novainfer.kernels.tiling import grouped_tile, row_bucket, split_k
 
 MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: OR-ing a code 0..15 into the mantissa gives 2^23 + code
 
@@ -207,11 +207,6 @@ GEMM_CANDIDATES: dict[int, list[tuple[int, int, int, int, int]]] = {
 }
 
 
-def gemm_bucket(m: int) -> int:
-    """The GEMM_CANDIDATES key of m rows."""
-    return next(b for b in GEMM_CANDIDATES if m <= b)
-
-
 def int4_gemv(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -264,7 +259,7 @@ def int4_gemm(
     m, k = x.shape
     n = qweight.shape[0]
     if x.is_cuda:
-        block_m, block_n, block_k, warps, stages = tiles or GEMM_CANDIDATES[gemm_bucket(m)][0]
+        block_m, block_n, block_k, warps, stages = tiles or GEMM_CANDIDATES[row_bucket(m, GEMM_CANDIDATES)][0]
     else:
         block_m, block_n, block_k, warps, stages = 16, 32, 32, 4, 1
     block_k = min(block_k, group)
