@@ -6,7 +6,7 @@ K/BK_S]). fp8_block_linear picks by the number of rows of x:
   bf16 and each weight byte is widened exactly in registers (no activation quantization, no extra kernel: 1 byte a
   weight is all that moves). fp8_block_gemv (<= 4 rows): a program reads a few whole weight rows once for all rows
   of x, sums over K in registers and stores (no split-K atomics); its rows share a scale block row, so the block
-  scale multiplies x's columns, not each weight. 5..16 rows: the GEMM's weight-only path (bf16 tl.dot);
+  scale multiplies each block's partial sum. 5..16 rows: the GEMM's weight-only path (bf16 tl.dot);
 - more rows: x quantized per token per BK_S-wide group (per_token_group_quant, scale amax/448), then the float8
   GEMM, one K step a group, its tl.dot scaled by the row's and the block's scales and added in float32.
 Weight-only is the dequantized model's product (closer to it than the quantized path, which also rounds x).
@@ -122,7 +122,7 @@ def _block_gemv_kernel(
     EVEN_K: tl.constexpr,
 ):
     # a step is [BLOCK_N rows, NB scale blocks, GROUP_K inputs]; BLOCK_N divides GROUP_N, so a program's rows share
-    # one block row and each block's scale multiplies x's GROUP_K columns once, not each weight
+    # one block row and each block's scale multiplies its partial sum, not each weight
     NB: tl.constexpr = BLOCK_K // GROUP_K
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rload = tl.minimum(rows, N - 1).to(tl.int64)
@@ -141,18 +141,18 @@ def _block_gemv_kernel(
         else:
             w = tl.load(w_ptrs + k0, mask=kmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         blk = k0 // GROUP_K + tl.arange(0, NB)
-        s = tl.load(s_row + blk, mask=blk < tl.cdiv(K, GROUP_K), other=0.0)[None, :, None]
-        x0 = tl.load(x_ptr + k0 + kk, mask=kmask, other=0.0).to(tl.float32) * s
-        acc0 += tl.sum(tl.sum(w * x0, 2), 1)
+        s = tl.load(s_row + blk, mask=blk < tl.cdiv(K, GROUP_K), other=0.0)[None, :]  # on each block's sum
+        x0 = tl.load(x_ptr + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
+        acc0 += tl.sum(tl.sum(w * x0, 2) * s, 1)
         if M > 1:
-            x1 = tl.load(x_ptr + stride_xm + k0 + kk, mask=kmask, other=0.0).to(tl.float32) * s
-            acc1 += tl.sum(tl.sum(w * x1, 2), 1)
+            x1 = tl.load(x_ptr + stride_xm + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
+            acc1 += tl.sum(tl.sum(w * x1, 2) * s, 1)
         if M > 2:
-            x2 = tl.load(x_ptr + 2 * stride_xm + k0 + kk, mask=kmask, other=0.0).to(tl.float32) * s
-            acc2 += tl.sum(tl.sum(w * x2, 2), 1)
+            x2 = tl.load(x_ptr + 2 * stride_xm + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
+            acc2 += tl.sum(tl.sum(w * x2, 2) * s, 1)
         if M > 3:
-            x3 = tl.load(x_ptr + 3 * stride_xm + k0 + kk, mask=kmask, other=0.0).to(tl.float32) * s
-            acc3 += tl.sum(tl.sum(w * x3, 2), 1)
+            x3 = tl.load(x_ptr + 3 * stride_xm + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
+            acc3 += tl.sum(tl.sum(w * x3, 2) * s, 1)
     dt = out_ptr.dtype.element_ty
     omask = rows < N
     tl.store(out_ptr + rows, acc0.to(dt), mask=omask)
