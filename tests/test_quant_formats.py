@@ -15,6 +15,8 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -505,3 +507,21 @@ def test_start_up_probe_refuses_wrong_kernels():
         probe_kernels("INT4", [(want.flip(0), want)], 2e-2)
     with pytest.raises(ValueError, match="wrong results"):
         probe_kernels("INT4", [(torch.full((4, 8), float("nan")), want)], 2e-2)
+
+
+def test_gpu_kernels_compile_for_hopper_with_vector_weight_loads():
+    """What the CPU interpreter cannot show: the kernels compile for sm_90 (tests/sm90_ptx.py, in a process without
+    the interpreter), the GEMVs read their weights in 16-byte vectors and unpack INT4 without int-to-float
+    conversions, the GEMM runs on wgmma and its split-K adds atomically."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "tests", "sm90_ptx.py")], env=env, capture_output=True, text=True, cwd=root
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ptx = json.loads(proc.stdout.splitlines()[-1])
+    assert "v4.b32" in ptx["int4_gemv"] and "cvt.rn.f32.s32" not in ptx["int4_gemv"]
+    assert "ld.global.L1::evict_first.L2::cache_hint.v4.b32" in ptx["fp8_gemv"]
+    gemm = ptx["int4_gemm_split"]
+    assert "wgmma.mma_async" in gemm and ("red.global" in gemm or "atom.global" in gemm)
