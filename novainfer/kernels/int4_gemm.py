@@ -189,9 +189,9 @@ GEMV_CANDIDATES: list[tuple[int, int, int]] = [
     (8, 1024, 4),
     (4, 1024, 4),
     (4, 2048, 4),
-    (16, 1024, 8),
+    (8, 1024, 8),
     (8, 512, 4),
-    (2, 2048, 2),
+    (16, 1024, 8),
 ]
 GEMV_DEFAULT = (8, 1024, 4)
 GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
