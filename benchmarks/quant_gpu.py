@@ -194,8 +194,14 @@ def kernel_rows(shapes, rows: list[int], device: torch.device, iters: int) -> li
             for fmt in ("fp8-block", "int4"):
                 sweep = {}
                 for label, tiles in candidates(fmt, m, n, k, device):
-                    err = rel(kernel_fn(fmt, x, ops, 0, tiles)(), refs[fmt])
-                    us = device_us(lambda i: kernel_fn(fmt, x, ops, i, tiles), nbytes[fmt], device, iters)
+                    try:
+                        err = rel(kernel_fn(fmt, x, ops, 0, tiles)(), refs[fmt])
+                        us = device_us(lambda i: kernel_fn(fmt, x, ops, i, tiles), nbytes[fmt], device, iters)
+                    except Exception as e:  # a candidate this GPU cannot run (shared memory): skipped, not fatal
+                        if tiles is None:
+                            raise
+                        print(f"  {fmt} {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                        continue
                     sweep[label] = (us, err, tiles)
                 best = min(sweep, key=lambda lb: sweep[lb][0])
                 row[f"{fmt}_us"] = sweep["default"][0]
