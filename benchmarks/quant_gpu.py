@@ -237,13 +237,16 @@ def print_best_tiles(rows: list[dict]) -> None:
         gemv = {(r["n"], r["k"]): r[f"{fmt}_best_tiles"] for r in rows if r["m"] == 1}
         print(f"{fmt}: GEMV_TILES (M=1 best) = " + repr({key: t for key, t in gemv.items() if t is not None}))
         buckets: dict[int, dict[str, float]] = {}
+        runs: dict[int, dict[str, int]] = {}
         for r in rows:
             if r["m"] > mod.GEMV_MAX_M:
-                tot = buckets.setdefault(row_bucket(r["m"], mod.GEMM_CANDIDATES), {})
+                b = row_bucket(r["m"], mod.GEMM_CANDIDATES)
+                tot, cnt = buckets.setdefault(b, {}), runs.setdefault(b, {})
                 for lb, us in r[f"{fmt}_sweep"].items():
-                    tot[lb] = tot.get(lb, 0.0) + us
+                    tot[lb], cnt[lb] = tot.get(lb, 0.0) + us, cnt.get(lb, 0) + 1
         for b, tot in buckets.items():
-            best = min(tot, key=tot.get)
+            full = [lb for lb in tot if runs[b][lb] == runs[b]["default"]]  # ran on every shape of the bucket
+            best = min(full, key=tot.get)
             print(
                 f"{fmt}: GEMM bucket M<={b}: best {best} ({tot[best]:.1f} us over shapes; default {tot['default']:.1f})"
             )
