@@ -5,6 +5,11 @@ in bf16, block FP8, compressed-tensors FP8 and INT4: bench-shape throughput, bat
     python benchmarks/quant_gpu.py --out /tmp/quant          # on an H100/H200
     TRITON_INTERPRET=1 python benchmarks/quant_gpu.py --tiny  # the same steps on the CPU, tiny shapes
 
+Kernel times are device times: each call captured in a CUDA graph (as decode runs), over enough copies of the weight
+that none is read from L2; each quantized kernel is also run with every candidate tile shape of its module (the
+sweep), the package's default and the best printed per shape, then the best tiles per shape / row bucket to paste
+into GEMV_TILES / GEMM_CANDIDATES. Every candidate is checked against the torch reference.
+
 Targets (issue 38), printed beside the results: INT4 batch-1 >= 2.5x bf16 and bench shape >= bf16; block FP8
 bench shape >= 1.1x bf16 and batch-1 >= 1.6x.
 """
@@ -69,16 +74,12 @@ MAX_REL = {"fp8-block": 1e-2, "int4": 1e-2}
 
 
 def timed(fn, iters: int) -> float:
-    """Median seconds of fn (CUDA events on the GPU)."""
+    """Median seconds of fn (wall clock; the CPU path)."""
     fn()
     times = []
     for _ in range(iters):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
@@ -87,61 +88,168 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def kernel_rows(shapes, rows: list[int], device: torch.device, iters: int) -> list[dict]:
-    """Each layer shape and row count: bf16 F.linear, block FP8 and INT4 (g128) kernels; rel err vs torch refs."""
-    from novainfer.kernels.fp8_block import GEMV_MAX_M as FP8_GEMV, fp8_block_gemm, fp8_block_gemv
-    from novainfer.kernels.fp8_block import per_token_group_quant
+L2_FLUSH_BYTES = 160 << 20  # a graph's calls read this many weight bytes, over copies: none stays in L2 (50 MB)
+
+
+def device_us(make_fn, weight_bytes: int, device: torch.device, iters: int) -> float:
+    """Microseconds per call of make_fn(i)() for i over enough weight copies that L2 holds none from the call before:
+    on the GPU one CUDA graph of one call per copy, replayed (decode runs in graphs: no launch cost counted)."""
+    if device.type != "cuda":
+        return timed(make_fn(0), iters) * 1e6
+    from benchmarks.tuning.gemv_tiles import graph_us
+
+    copies = max(1, -(-L2_FLUSH_BYTES // weight_bytes))
+    return graph_us([make_fn(i) for i in range(copies)], reps=max(3, 4 * iters // copies))
+
+
+class Operands:
+    """One layer's random weight in bf16, block FP8 and INT4 (symmetric g128), each in copies for device_us."""
+
+    def __init__(self, k: int, n: int, device: torch.device, g: torch.Generator):
+        from novainfer.layers.quantization.fp8_block import expand_blocks
+        from novainfer.layers.quantization.int4 import pack_int4
+
+        w = torch.randn(n, k, device=device, generator=g) * 0.02
+        nb, kb = -(-n // 128), -(-k // 128)
+        pad = torch.nn.functional.pad(w, (0, kb * 128 - k, 0, nb * 128 - n)).view(nb, 128, kb, 128)
+        self.ws = pad.abs().amax(dim=(1, 3)) / 448
+        self.wq = (w / expand_blocks(self.ws, (128, 128), (n, k))).to(torch.float8_e4m3fn)
+        wg = w.reshape(n, k // 128, 128)
+        s4 = wg.abs().amax(2) / 7  # [N, K/G]
+        codes = (wg / s4[:, :, None]).round().clamp(-8, 7).add(8).reshape(n, k).to(torch.uint8)
+        self.q4, self.z4 = pack_int4(codes), torch.full(s4.shape, 8, dtype=torch.uint8, device=device)
+        self.s4 = s4.half() if device.type == "cuda" else s4  # GPTQ's float16 scales, as the layer keeps them
+        self.w16 = w.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+        self.copies: dict[str, list] = {}
+
+    def copy(self, what: str, i: int):
+        """Copy i of a format's tensors (copy 0: the originals)."""
+        base = {"bf16": (self.w16,), "fp8": (self.wq, self.ws), "int4": (self.q4, self.s4, self.z4)}[what]
+        have = self.copies.setdefault(what, [base])
+        while len(have) <= i:
+            have.append(tuple(t.clone() for t in base))
+        return have[i]
+
+
+def candidates(fmt: str, m: int, n: int, k: int, device: torch.device) -> list[tuple[str, object]]:
+    """(label, tiles) of a format's kernel at m rows: the package's choice first (tiles None), then on a GPU the
+    sweep's (the CPU interpreter runs fixed tiles)."""
+    from novainfer.kernels import fp8_block, int4_gemm
+    from novainfer.kernels.tiling import row_bucket
+
+    mod = fp8_block if fmt == "fp8-block" else int4_gemm
+    if device.type != "cuda":
+        return [("default", None)]
+    if m <= mod.GEMV_MAX_M:
+        default = mod.GEMV_TILES.get((n, k), mod.GEMV_DEFAULT)
+        return [("default", None)] + [(f"gemv{t}", t) for t in mod.GEMV_CANDIDATES if t != default]
+    bucket = row_bucket(m, mod.GEMM_CANDIDATES)
+    return [("default", None)] + [(f"gemm{t}", t) for t in mod.GEMM_CANDIDATES[bucket][1:]]
+
+
+def kernel_fn(fmt: str, x: torch.Tensor, ops: Operands, i: int, tiles):
+    """The callable that runs fmt's kernel on copy i of the weight with the given tiles (None: the default)."""
+    from novainfer.kernels.fp8_block import GEMV_MAX_M as FP8_GEMV, WEIGHT_ONLY_MAX_M, fp8_block_gemm
+    from novainfer.kernels.fp8_block import fp8_block_gemv, per_token_group_quant
     from novainfer.kernels.int4_gemm import GEMV_MAX_M as INT4_GEMV, int4_gemm, int4_gemv
-    from novainfer.layers.quantization.fp8_block import block_reference, expand_blocks
-    from novainfer.layers.quantization.int4 import dequantize_int4, pack_int32
+
+    m = x.shape[0]
+    if fmt == "bf16":
+        (w16,) = ops.copy("bf16", i)
+        return lambda: torch.nn.functional.linear(x, w16)
+    if fmt == "fp8-block":
+        wq, ws = ops.copy("fp8", i)
+        if m <= FP8_GEMV:
+            return lambda: fp8_block_gemv(x, wq, ws, (128, 128), tiles)
+        if m <= WEIGHT_ONLY_MAX_M:
+            return lambda: fp8_block_gemm(x, None, wq, ws, (128, 128), x.dtype, tiles)
+        return lambda: fp8_block_gemm(*per_token_group_quant(x, 128), wq, ws, (128, 128), x.dtype, tiles)
+    q4, s4, z4 = ops.copy("int4", i)
+    if m <= INT4_GEMV:
+        return lambda: int4_gemv(x, q4, s4, z4, 128, tiles)
+    return lambda: int4_gemm(x, q4, s4, z4, 128, tiles)
+
+
+def kernel_rows(shapes, rows: list[int], device: torch.device, iters: int) -> list[dict]:
+    """Each layer shape and row count: bf16 F.linear and the block FP8 and INT4 (g128) kernels, each with every
+    candidate tile shape (device time, CUDA graphs, weights not in L2); rel err of each against its torch
+    reference. The package's default and the best candidate are both reported."""
+    from novainfer.kernels.fp8_block import WEIGHT_ONLY_MAX_M
+    from novainfer.layers.quantization.fp8_block import block_reference, weight_only_reference
+    from novainfer.layers.quantization.int4 import dequantize_int4
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     out = []
     g = torch.Generator(device=device).manual_seed(0)
     for name, k, n in shapes:
-        w = torch.randn(n, k, device=device, generator=g) * 0.02
-        # block FP8 weight
-        nb, kb = -(-n // 128), -(-k // 128)
-        pad = torch.nn.functional.pad(w, (0, kb * 128 - k, 0, nb * 128 - n)).view(nb, 128, kb, 128)
-        ws = pad.abs().amax(dim=(1, 3)) / 448
-        wq = (w / expand_blocks(ws, (128, 128), (n, k))).to(torch.float8_e4m3fn)
-        # INT4 weight, symmetric groups of 128
-        wg = w.T.reshape(k // 128, 128, n)
-        s4 = wg.abs().amax(1) / 7
-        codes = (wg / s4[:, None]).round().clamp(-8, 7).add(8).reshape(k, n).to(torch.uint8)
-        q4, z4d = pack_int32(codes), torch.full(s4.shape, 8, dtype=torch.uint8, device=device)
-        s4d = s4.half() if device.type == "cuda" else s4  # GPTQ's float16 scales, as the layer keeps them
-        w16 = w.to(dtype)
+        ops = Operands(k, n, device, g)
+        nbytes = {"bf16": 2 * n * k, "fp8-block": n * k, "int4": n * k // 2}
+        w4 = dequantize_int4(ops.q4, ops.s4, ops.z4, 128)
         for m in rows:
             x = torch.randn(m, k, device=device, generator=g).to(dtype)
-            t_bf16 = timed(lambda: torch.nn.functional.linear(x, w16), iters)
-            if m <= FP8_GEMV:
-                fp8 = lambda: fp8_block_gemv(x, wq, ws, (128, 128))  # noqa: E731
-            else:
-                fp8 = lambda: fp8_block_gemm(*per_token_group_quant(x, 128), wq, ws, (128, 128), dtype)  # noqa: E731
-            int4 = (
-                (lambda: int4_gemv(x, q4, s4d, z4d, 128))
-                if m <= INT4_GEMV
-                else (lambda: int4_gemm(x, q4, s4d, z4d, 128))
-            )
-            ref8 = block_reference(x, wq, ws, (128, 128))
-            ref4 = x.float() @ dequantize_int4(q4, s4d, z4d, 128)
-            row = dict(layer=name, m=m, k=k, n=n, bf16_us=t_bf16 * 1e6)
-            for fmt, fn, ref, nbytes in (("fp8-block", fp8, ref8, n * k), ("int4", int4, ref4, n * k // 2)):
-                t = timed(fn, iters)
-                row[f"{fmt}_us"] = t * 1e6
-                row[f"{fmt}_x"] = t_bf16 / t
-                row[f"{fmt}_gbs"] = nbytes / t / 1e9
-                row[f"{fmt}_rel"] = rel(fn(), ref)
+            t_bf16 = device_us(lambda i: kernel_fn("bf16", x, ops, i, None), nbytes["bf16"], device, iters)
+            ref8 = weight_only_reference if m <= WEIGHT_ONLY_MAX_M else block_reference
+            refs = {"fp8-block": ref8(x, ops.wq, ops.ws, (128, 128)), "int4": x.float() @ w4}
+            row = dict(layer=name, m=m, k=k, n=n, bf16_us=t_bf16)
+            for fmt in ("fp8-block", "int4"):
+                sweep = {}
+                for label, tiles in candidates(fmt, m, n, k, device):
+                    try:
+                        err = rel(kernel_fn(fmt, x, ops, 0, tiles)(), refs[fmt])
+                        us = device_us(lambda i: kernel_fn(fmt, x, ops, i, tiles), nbytes[fmt], device, iters)
+                    except Exception as e:  # a candidate this GPU cannot run (shared memory): skipped, not fatal
+                        if tiles is None:
+                            raise
+                        print(f"  {fmt} {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                        continue
+                    sweep[label] = (us, err, tiles)
+                best = min(sweep, key=lambda lb: sweep[lb][0])
+                row[f"{fmt}_us"] = sweep["default"][0]
+                row[f"{fmt}_x"] = t_bf16 / sweep["default"][0]
+                row[f"{fmt}_gbs"] = nbytes[fmt] / sweep["default"][0] / 1e3
+                row[f"{fmt}_best"] = best
+                row[f"{fmt}_best_us"] = sweep[best][0]
+                row[f"{fmt}_best_tiles"] = sweep[best][2]
+                row[f"{fmt}_rel"] = max(e for _, e, _ in sweep.values())
                 row[f"{fmt}_ok"] = device.type != "cuda" or row[f"{fmt}_rel"] <= MAX_REL[fmt]
+                row[f"{fmt}_sweep"] = {lb: v[0] for lb, v in sweep.items()}
             out.append(row)
             print(
-                f"{name:13s} M={m:5d} bf16 {t_bf16 * 1e6:8.1f} us | fp8-block {row['fp8-block_us']:8.1f} us "
-                f"({row['fp8-block_x']:.2f}x, rel {row['fp8-block_rel']:.1e}) | int4 {row['int4_us']:8.1f} us "
-                f"({row['int4_x']:.2f}x, {row['int4_gbs']:.0f} GB/s, rel {row['int4_rel']:.1e})",
+                f"{name:13s} M={m:5d} bf16 {t_bf16:8.1f} us | "
+                + " | ".join(
+                    f"{f} {row[f + '_us']:8.1f} us ({row[f + '_x']:.2f}x, {row[f + '_gbs']:.0f} GB/s, "
+                    f"best {row[f + '_best_us']:.1f} {row[f + '_best']}, rel {row[f + '_rel']:.1e})"
+                    for f in ("fp8-block", "int4")
+                ),
                 flush=True,
             )
+    print_best_tiles(out)
     return out
+
+
+def print_best_tiles(rows: list[dict]) -> None:
+    """Per format: the best GEMV tiles per (N, K) (GEMV_TILES to paste) and, per GEMM row bucket, the candidate
+    with the least total time over the shapes (its GEMM_CANDIDATES entry to put first)."""
+    from novainfer.kernels import fp8_block, int4_gemm
+    from novainfer.kernels.tiling import row_bucket
+
+    for fmt, mod in (("fp8-block", fp8_block), ("int4", int4_gemm)):
+        gemv = {(r["n"], r["k"]): r[f"{fmt}_best_tiles"] for r in rows if r["m"] == 1}
+        print(f"{fmt}: GEMV_TILES (M=1 best) = " + repr({key: t for key, t in gemv.items() if t is not None}))
+        buckets: dict[int, dict[str, float]] = {}
+        runs: dict[int, dict[str, int]] = {}
+        for r in rows:
+            if r["m"] > mod.GEMV_MAX_M:
+                b = row_bucket(r["m"], mod.GEMM_CANDIDATES)
+                tot, cnt = buckets.setdefault(b, {}), runs.setdefault(b, {})
+                for lb, us in r[f"{fmt}_sweep"].items():
+                    tot[lb], cnt[lb] = tot.get(lb, 0.0) + us, cnt.get(lb, 0) + 1
+        for b, tot in buckets.items():
+            full = [lb for lb in tot if runs[b][lb] == runs[b]["default"]]  # ran on every shape of the bucket
+            best = min(full, key=tot.get)
+            print(
+                f"{fmt}: GEMM bucket M<={b}: best {best} ({tot[best]:.1f} us over shapes; default {tot['default']:.1f})"
+            )
 
 
 def model_folder(base: str, fmt: str, out_dir: str) -> str:
@@ -225,7 +333,7 @@ def main() -> None:
     result: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     if args.part in ("all", "kernels"):
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        shapes, rows = (SHAPES_TINY, [1, 20]) if args.tiny else (SHAPES_7B, [1, 4, 32, 256, 4096])
+        shapes, rows = (SHAPES_TINY, [1, 3, 8, 20]) if args.tiny else (SHAPES_7B, [1, 4, 16, 32, 256, 4096])
         result["kernels"] = kernel_rows(shapes, rows, device, 1 if args.tiny else 50)
         bad = [f"{r['layer']} M={r['m']} {f}" for r in result["kernels"] for f in MAX_REL if not r[f"{f}_ok"]]
         print("kernel checks: " + (f"FAILED {bad}" if bad else f"all within {MAX_REL} of the torch references"))

@@ -15,6 +15,8 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,10 +24,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from novainfer import LLM, SamplingParams
-from novainfer.kernels.fp8_block import fp8_block_gemm, fp8_block_gemv, per_token_group_quant
+from novainfer.kernels.fp8_block import fp8_block_gemm, fp8_block_gemv, fp8_block_linear, per_token_group_quant
 from novainfer.kernels.int4_gemm import int4_gemm, int4_gemv
-from novainfer.layers.quantization.fp8_block import block_reference, quantize_groups
-from novainfer.layers.quantization.int4 import dequantize_int4, pack_int32
+from novainfer.layers.quantization.fp8_block import block_reference, quantize_groups, weight_only_reference
+from novainfer.layers.quantization.int4 import dequantize_int4, pack_int4, unpack_int4
 from tests.tiny_models import make_tiny_model
 
 F8 = torch.float8_e4m3fn
@@ -359,7 +361,7 @@ def test_int4_tensor_parallel_splits_on_group_boundaries(base, tmp_path):
     qdir, ddir = write_pair(base, str(tmp_path / "tp"), quantize, qconfig)
     llm = LLM(qdir, device="cpu", dtype="float32", tensor_parallel_size=2)
     down = llm.llm_engine.executor.workers[1].model_runner.model.model.layers[0].mlp.down_proj
-    assert down.qweight.shape == (64 // 8, 128) and down.scales.shape == (64 // 32, 128)
+    assert down.qweight.shape == (128, 64 // 8) and down.scales.shape == (128, 64 // 32)  # [N, K/8], [N, K/G]
     ids = prompts(3, 24, seed=2)
     got, want = top1(llm, ids), hf_top1(hf_reference(ddir, act), ids)
     assert sum(a == b for a, b in zip(got, want)) / len(want) >= 0.99
@@ -429,23 +431,30 @@ def test_tp_split_off_group_boundary_and_moe_are_refused(base, tmp_path):
 @pytest.mark.parametrize("group", [32, 128])
 def test_int4_kernels_match_the_torch_reference(m, group):
     g = torch.Generator().manual_seed(m + group)
-    k, n = 256, 96
-    codes = torch.randint(0, 16, (k, n), generator=g, dtype=torch.uint8)
-    scales = torch.rand(k // group, n, generator=g) * 0.1
-    zeros = torch.randint(0, 16, (k // group, n), generator=g, dtype=torch.uint8)
-    qweight = pack_int32(codes)
+    k, n = (224 if group == 32 else 384), 100  # N not a multiple of the tiles: the edge tiles clamp their loads
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(n, k // group, generator=g) * 0.1
+    zeros = torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.uint8)
+    qweight = pack_int4(codes)
+    assert torch.equal(unpack_int4(qweight), codes)
+    assert int(qweight[5, 9] >> 8 & 0xF) == int(codes[5, 32 * 2 + 4 * 2 + 1]), "input 4j + w in nibble j of word w"
     w = dequantize_int4(qweight, scales, zeros, group)
     torch.testing.assert_close(
-        w, (codes.float() - zeros.float().repeat_interleave(group, 0)) * scales.repeat_interleave(group, 0)
+        w, ((codes.float() - zeros.float().repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)).T
     )
     x = torch.randn(m, k, generator=g)
     want = x @ w
     torch.testing.assert_close(int4_gemm(x, qweight, scales, zeros, group), want, rtol=1e-4, atol=1e-4)
+    # split over K (as for few rows on a GPU): float32 partial sums added atomically
+    torch.testing.assert_close(int4_gemm(x, qweight, scales, zeros, group, split=3), want, rtol=1e-4, atol=1e-4)
     if m <= 4:
         torch.testing.assert_close(int4_gemv(x, qweight, scales, zeros, group), want, rtol=1e-4, atol=1e-4)
+        # K steps longer than K's last one (the GPU's long steps): the tail step masks its chunks
+        got = int4_gemv(x, qweight, scales, zeros, group, tiles=(8, 256, 4))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("m", [1, 2, 20])
+@pytest.mark.parametrize("m", [1, 2, 8, 20])
 def test_fp8_block_kernels_match_the_torch_reference(m):
     g = torch.Generator().manual_seed(m)
     k, n = 256, 192  # N not a multiple of the 128-row block: the last block row is partial
@@ -461,8 +470,18 @@ def test_fp8_block_kernels_match_the_torch_reference(m):
     assert torch.equal(st, s) and torch.equal(qt.to(F8).float(), q.float())
     want = block_reference(x, w, ws, (128, 128))
     torch.testing.assert_close(fp8_block_gemm(q, s, w, ws, (128, 128), torch.float32), want, rtol=1e-5, atol=1e-5)
+    # few rows: weight-only, x unquantized (the GEMV up to 4 rows, the GEMM's bf16 path up to 16)
+    xr = torch.randn(m, k, generator=g)
+    want_wo = weight_only_reference(xr, w, ws, (128, 128))
+    assert (want_wo - block_reference(xr, w, ws, (128, 128))).norm() > 1e-3 * want_wo.norm()  # they do differ
+    y_wo = fp8_block_gemm(xr, None, w, ws, (128, 128), torch.float32)
+    torch.testing.assert_close(y_wo, want_wo, rtol=1e-5, atol=1e-5)
     if m <= 4:
-        torch.testing.assert_close(fp8_block_gemv(x, w, ws, (128, 128)), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fp8_block_gemv(xr, w, ws, (128, 128)), want_wo, rtol=1e-5, atol=1e-5)
+        got = fp8_block_gemv(xr, w, ws, (128, 128), tiles=(8, 512, 4))  # one masked step longer than K
+        torch.testing.assert_close(got, want_wo, rtol=1e-5, atol=1e-5)
+    if m <= 16:
+        torch.testing.assert_close(fp8_block_linear(xr, w, ws, (128, 128)), want_wo, rtol=1e-5, atol=1e-5)
 
 
 def test_cli_refusal_is_one_line(base, tmp_path):
@@ -488,3 +507,21 @@ def test_start_up_probe_refuses_wrong_kernels():
         probe_kernels("INT4", [(want.flip(0), want)], 2e-2)
     with pytest.raises(ValueError, match="wrong results"):
         probe_kernels("INT4", [(torch.full((4, 8), float("nan")), want)], 2e-2)
+
+
+def test_gpu_kernels_compile_for_hopper_with_vector_weight_loads():
+    """What the CPU interpreter cannot show: the kernels compile for sm_90 (tests/sm90_ptx.py, in a process without
+    the interpreter), the GEMVs read their weights in 16-byte vectors and unpack INT4 without int-to-float
+    conversions, the GEMM runs on wgmma and its split-K adds atomically."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "tests", "sm90_ptx.py")], env=env, capture_output=True, text=True, cwd=root
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ptx = json.loads(proc.stdout.splitlines()[-1])
+    assert "v4.b32" in ptx["int4_gemv"] and "cvt.rn.f32.s32" not in ptx["int4_gemv"]
+    assert "ld.global.L1::evict_first.L2::cache_hint.v4.b32" in ptx["fp8_gemv"]
+    gemm = ptx["int4_gemm_split"]
+    assert "wgmma.mma_async" in gemm and ("red.global" in gemm or "atom.global" in gemm)

@@ -1,14 +1,17 @@
 """Block-scaled FP8 products (DeepSeek-V3 / Qwen3-FP8 style) for layers/quantization/fp8_block.py.
 
 The weight is float8_e4m3fn [N, K] with one float32 scale per [BN_S, BK_S] block (weight_scale_inv, [N/BN_S,
-K/BK_S]); activations are quantized per token per BK_S-wide group at run time (scale amax/448). One K step of
-the GEMM is one group: its float8 tl.dot is scaled by the row's and the block's scales and added in float32.
-
-per_token_group_quant: x [M, K] -> float8 [M, K] and float32 scales [M, K/BK_S] (one program per row and group).
-fp8_block_gemm: the prefill/batched product of the quantized x and the weight.
-fp8_block_gemv: decode (a few rows); reads each weight byte once for all rows, quantizing x's groups in registers
-exactly as per_token_group_quant does, so both paths give the same product.
-The torch references are fp8_block.quantize_groups and fp8_block.block_reference.
+K/BK_S]). fp8_block_linear picks by the number of rows of x:
+- up to WEIGHT_ONLY_MAX_M (16) rows, where reading the weight is the whole cost, the product is weight-only: x stays
+  bf16 and each weight byte is widened exactly in registers (no activation quantization, no extra kernel: 1 byte a
+  weight is all that moves). fp8_block_gemv (<= 4 rows): a program reads a few whole weight rows once for all rows
+  of x, sums over K in registers and stores (no split-K atomics); its rows share a scale block row, so the block
+  scale multiplies each block's partial sum. 5..16 rows: the GEMM's weight-only path (bf16 tl.dot);
+- more rows: x quantized per token per BK_S-wide group (per_token_group_quant, scale amax/448), then the float8
+  GEMM, one K step a group, its tl.dot scaled by the row's and the block's scales and added in float32.
+Weight-only is the dequantized model's product (closer to it than the quantized path, which also rounds x).
+Tile shapes: GEMV_TILES / GEMM_CANDIDATES, swept by benchmarks/quant_gpu.py on a GPU. The torch references are
+fp8_block.quantize_groups, fp8_block.block_reference (x quantized) and fp8_block.weight_only_reference.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from novainfer.kernels.tiling import grouped_tile, split_k
+from novainfer.kernels.tiling import grouped_tile, row_bucket
 
 
 @triton.jit
@@ -29,16 +32,24 @@ def _quant_group(x, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
 
 @triton.jit
 def _group_quant_kernel(
-    x_ptr, out_ptr, scale_ptr, K, stride_xm, G: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    K,
+    stride_xm,
+    G: tl.constexpr,
+    GROUPS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    grp = tl.program_id(1)
-    offs = grp * G + tl.arange(0, G)
+    grps = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)  # GROUPS groups of the row a program
+    offs = grps[:, None] * G + tl.arange(0, G)[None, :]
     mask = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    scale, q = _quant_group(x[None, :], FP8_MAX, MIN_SCALE)
-    tl.store(scale_ptr + row * tl.cdiv(K, G) + grp + tl.arange(0, 1), scale)
-    tl.store(out_ptr + row * K + offs[None, :], q.to(out_ptr.dtype.element_ty), mask=mask[None, :])
+    scale, q = _quant_group(x, FP8_MAX, MIN_SCALE)
+    tl.store(scale_ptr + row * tl.cdiv(K, G) + grps, scale, mask=grps < tl.cdiv(K, G))
+    tl.store(out_ptr + row * K + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -51,7 +62,10 @@ def _block_gemm_kernel(
     M,
     N,
     K,
+    stride_am,
     stride_cm,
+    A_FP8: tl.constexpr,
+    EVEN_K: tl.constexpr,
     GROUP_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -63,28 +77,31 @@ def _block_gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    mmask, nmask = offs_m < M, offs_n < N
+    mload = tl.minimum(offs_m, M - 1).to(tl.int64)  # edge tiles re-read the last row / column: no M, N masks
+    nload = tl.minimum(offs_n, N - 1).to(tl.int64)
     k_groups = tl.cdiv(K, BLOCK_K)
-    a_s_row = as_ptr + offs_m * k_groups
-    b_s_row = bs_ptr + (offs_n // GROUP_N) * k_groups
+    a_s_row = as_ptr + mload * k_groups
+    b_s_row = bs_ptr + (nload // GROUP_N) * k_groups
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(0, k_groups):
-        kmask = kb * BLOCK_K + offs_k < K
-        a = tl.load(
-            a_ptr + offs_m[:, None] * K + (kb * BLOCK_K + offs_k)[None, :],
-            mask=mmask[:, None] & kmask[None, :],
-            other=0.0,
-        )
-        b = tl.load(
-            b_ptr + offs_n[None, :] * K + (kb * BLOCK_K + offs_k)[:, None],
-            mask=kmask[:, None] & nmask[None, :],
-            other=0.0,
-        )
-        a_s = tl.load(a_s_row + kb, mask=mmask, other=0.0)
-        b_s = tl.load(b_s_row + kb, mask=nmask, other=0.0)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs = a_ptr + mload[:, None] * stride_am + (kb * BLOCK_K + offs_k)[None, :]
+        b_ptrs = b_ptr + nload[None, :] * K + (kb * BLOCK_K + offs_k)[:, None]
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            kmask = kb * BLOCK_K + offs_k < K
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+        b_s = tl.load(b_s_row + kb)
+        if A_FP8:  # both quantized: the float8 product, scaled by the row's group and the weight's block
+            a_s = tl.load(a_s_row + kb)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        else:  # weight-only: x as it is (bf16), the weight's float8 widened exactly
+            acc += tl.dot(a, b.to(a.dtype)) * b_s[None, :]
     c = acc.to(c_ptr.dtype.element_ty)
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], c, mask=mmask[:, None] & nmask[None, :])
+    cmask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], c, mask=cmask)
 
 
 @triton.jit
@@ -96,48 +113,75 @@ def _block_gemv_kernel(
     N,
     K,
     stride_xm,
-    K_PER_SPLIT,
+    stride_om,
     M: tl.constexpr,
-    M_PAD: tl.constexpr,
     GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    MIN_SCALE: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mrows = tl.arange(0, M_PAD)
-    nmask = offs_n < N
-    k_groups = tl.cdiv(K, BLOCK_K)
-    k_begin = pid_k * K_PER_SPLIT
-    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
-    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):  # the weight tile and its scales are loaded once for all M rows
-        kmask = k0 + offs_k < K
-        xmask = (mrows < M)[:, None] & kmask[None, :]
-        x = tl.load(x_ptr + mrows[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=xmask, other=0.0)
-        x_s, xq = _quant_group(x.to(tl.float32), FP8_MAX, MIN_SCALE)
-        xq = xq.to(w_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(
-            w_ptr + offs_n[:, None] * K + (k0 + offs_k)[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0
-        ).to(tl.float32)
-        w_s = tl.load(ws_ptr + (offs_n // GROUP_N) * k_groups + k0 // BLOCK_K, mask=nmask, other=0.0)
-        for m in tl.static_range(M):
-            pick = mrows == m
-            xq_m = tl.sum(tl.where(pick[:, None], xq, 0.0), 0)
-            x_s_m = tl.sum(tl.where(pick, x_s, 0.0), 0)
-            part = tl.sum(w * xq_m[None, :], axis=1) * (w_s * x_s_m)
-            acc += tl.where(pick[:, None], part[None, :], 0.0)
-    omask = (mrows < M)[:, None] & nmask[None, :]
-    tl.atomic_add(out_ptr + mrows[:, None] * N + offs_n[None, :], acc, mask=omask)
+    # a step is [BLOCK_N rows, NB scale blocks, GROUP_K inputs]; BLOCK_N divides GROUP_N, so a program's rows share
+    # one block row and each block's scale multiplies its partial sum, not each weight
+    NB: tl.constexpr = BLOCK_K // GROUP_K
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rload = tl.minimum(rows, N - 1).to(tl.int64)
+    # [BLOCK_N, NB, GROUP_K], the same for every row: x is loaded in the weight tile's own layout, not converted
+    kk = (tl.arange(0, NB)[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :])[None, :, :] + 0 * rows[:, None, None]
+    w_ptrs = w_ptr + rload[:, None, None] * K + kk
+    s_row = ws_ptr + (tl.program_id(0) * BLOCK_N // GROUP_N) * tl.cdiv(K, GROUP_K)
+    acc0 = tl.zeros([BLOCK_N], tl.float32)
+    acc1 = tl.zeros([BLOCK_N], tl.float32)
+    acc2 = tl.zeros([BLOCK_N], tl.float32)
+    acc3 = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = k0 + kk < K
+        if EVEN_K:
+            w = tl.load(w_ptrs + k0, eviction_policy="evict_first").to(tl.float32)
+        else:
+            w = tl.load(w_ptrs + k0, mask=kmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        blk = k0 // GROUP_K + tl.arange(0, NB)
+        s = tl.load(s_row + blk, mask=blk < tl.cdiv(K, GROUP_K), other=0.0)[None, :]  # on each block's sum
+        x0 = tl.load(x_ptr + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
+        acc0 += tl.sum(tl.sum(w * x0, 2) * s, 1)
+        if M > 1:
+            x1 = tl.load(x_ptr + stride_xm + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
+            acc1 += tl.sum(tl.sum(w * x1, 2) * s, 1)
+        if M > 2:
+            x2 = tl.load(x_ptr + 2 * stride_xm + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
+            acc2 += tl.sum(tl.sum(w * x2, 2) * s, 1)
+        if M > 3:
+            x3 = tl.load(x_ptr + 3 * stride_xm + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
+            acc3 += tl.sum(tl.sum(w * x3, 2) * s, 1)
+    dt = out_ptr.dtype.element_ty
+    omask = rows < N
+    tl.store(out_ptr + rows, acc0.to(dt), mask=omask)
+    if M > 1:
+        tl.store(out_ptr + stride_om + rows, acc1.to(dt), mask=omask)
+    if M > 2:
+        tl.store(out_ptr + 2 * stride_om + rows, acc2.to(dt), mask=omask)
+    if M > 3:
+        tl.store(out_ptr + 3 * stride_om + rows, acc3.to(dt), mask=omask)
 
 
 FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
-GEMV_MAX_M = 4
+GEMV_MAX_M = 4  # up to this many rows: the weight-only GEMV
+WEIGHT_ONLY_MAX_M = 16  # up to this many rows x stays bf16 (the GEMV, then the GEMM's weight-only path)
+
+# (BLOCK_N, BLOCK_K, num_warps) of the GEMV (BLOCK_N divides the 64 or 128 rows of a scale block); GEMV_TILES by
+# (N, K), else GEMV_DEFAULT; GEMV_CANDIDATES are what benchmarks/quant_gpu.py sweeps (reasoned, not yet measured)
+# (all programs together have N * BLOCK_K bytes in flight: long K steps, as for kernels/int4_gemm.py's GEMV)
+GEMV_CANDIDATES: list[tuple[int, int, int]] = [(4, 1024, 4), (8, 1024, 8), (2, 2048, 4), (8, 512, 4), (4, 512, 2)]
+GEMV_DEFAULT = (4, 1024, 4)
+GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the GEMM by the row count's bucket; BLOCK_K is the scale block
+GEMM_CANDIDATES: dict[int, list[tuple[int, int, int, int]]] = {
+    16: [(16, 64, 4, 4), (16, 128, 4, 4), (16, 32, 2, 4)],
+    64: [(32, 64, 4, 4), (64, 64, 4, 3), (64, 128, 4, 3)],
+    256: [(64, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)],
+    1 << 30: [(128, 128, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 256, 8, 3)],
+}
 
 
 def per_token_group_quant(x: torch.Tensor, group: int, out_dtype: torch.dtype = torch.float8_e4m3fn):
@@ -149,45 +193,46 @@ def per_token_group_quant(x: torch.Tensor, group: int, out_dtype: torch.dtype = 
     groups = triton.cdiv(k, group)
     out = torch.empty((m, k), dtype=out_dtype, device=x.device)
     scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    per = 8  # groups a program: 8 KB of bf16 read, far fewer programs than one a group
     if m:
-        _group_quant_kernel[(m, groups)](
-            x, out, scale, k, x.stride(0), G=group, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=1
+        _group_quant_kernel[(m, triton.cdiv(groups, per))](
+            x, out, scale, k, x.stride(0), G=group, GROUPS=per, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=4
         )
     return out, scale
 
 
 def fp8_block_gemm(
-    xq: torch.Tensor,
-    x_scale: torch.Tensor,
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
     weight: torch.Tensor,
     w_scale: torch.Tensor,
     block: tuple[int, int],
     out_dtype: torch.dtype,
+    tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """Quantized x [M, K] (contiguous) with its group scales times weight [N, K] with its block scales."""
-    m, k = xq.shape
+    """a [M, K] (unit stride along K) times weight [N, K] with its block scales: a quantized with its group scales
+    a_scale, or (a_scale None) weight-only, a as it is."""
+    m, k = a.shape
     n = weight.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
-    if xq.is_cuda:
-        if m <= 32:  # few rows: narrow N tiles so that enough programs run; many: large tiles
-            block_m, block_n, warps, stages = 16, 64, 4, 4
-        elif m <= 256:
-            block_m, block_n, warps, stages = 64, 128, 4, 3
-        else:
-            block_m, block_n, warps, stages = 128, 128, 8, 3
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if a.is_cuda:
+        block_m, block_n, warps, stages = tiles or GEMM_CANDIDATES[row_bucket(m, GEMM_CANDIDATES)][0]
     else:
         block_m, block_n, warps, stages = 16, 32, 4, 1
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _block_gemm_kernel[grid](
-        xq,
-        x_scale,
+        a,
+        a_scale if a_scale is not None else w_scale,
         weight,
         w_scale,
         out,
         m,
         n,
         k,
+        a.stride(0),
         out.stride(0),
+        A_FP8=a_scale is not None,
+        EVEN_K=k % block[1] == 0,
         GROUP_N=block[0],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -199,15 +244,23 @@ def fp8_block_gemm(
     return out
 
 
-def fp8_block_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]):
-    """x [M, K] (M <= GEMV_MAX_M, unquantized) times the block-scaled weight -> [M, N] in x's dtype."""
+def fp8_block_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    w_scale: torch.Tensor,
+    block: tuple[int, int],
+    tiles: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """x [M, K] (M <= GEMV_MAX_M, unit stride along K, not quantized) times the block-scaled weight -> [M, N]."""
     m, k = x.shape
     n = weight.shape[0]
-    block_n = 32 if x.is_cuda else 16
-    tiles_n = triton.cdiv(n, block_n)
-    split, k_per_split = split_k(k, tiles_n, block[1], x.device, programs_per_sm=4)
-    out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
-    _block_gemv_kernel[(tiles_n, split)](
+    assert m <= GEMV_MAX_M and x.stride(1) == 1, x.shape
+    if tiles is None and not x.is_cuda:
+        tiles = (4, 128, 4)  # the interpreter: small tiles
+    block_n, block_k, warps = tiles or GEMV_TILES.get((n, k), GEMV_DEFAULT)
+    block_n, block_k = min(block_n, block[0]), max(block_k, block[1])  # whole scale blocks a step
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _block_gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
         w_scale,
@@ -215,14 +268,24 @@ def fp8_block_gemv(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
         n,
         k,
         x.stride(0),
-        k_per_split,
+        out.stride(0),
         M=m,
-        M_PAD=triton.next_power_of_2(m),
         GROUP_N=block[0],
+        GROUP_K=block[1],
         BLOCK_N=block_n,
-        BLOCK_K=block[1],
-        FP8_MAX=FP8_MAX,
-        MIN_SCALE=MIN_SCALE,
-        num_warps=4,
+        BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
+        num_warps=warps,
     )
-    return out.to(x.dtype)
+    return out
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]):
+    """x [M, K] (contiguous) times the block-scaled weight -> [M, N] in x's dtype: weight-only (x as it is) up to
+    WEIGHT_ONLY_MAX_M rows, where reading the weight is the cost; x quantized per group and the float8 GEMM above."""
+    m = x.shape[0]
+    if m <= GEMV_MAX_M:
+        return fp8_block_gemv(x, weight, w_scale, block)
+    if m <= WEIGHT_ONLY_MAX_M:
+        return fp8_block_gemm(x, None, weight, w_scale, block, x.dtype)
+    return fp8_block_gemm(*per_token_group_quant(x, block[1]), weight, w_scale, block, x.dtype)

@@ -35,3 +35,8 @@ def split_k(k: int, tiles_n: int, block_k: int, device: torch.device, programs_p
     split = max(1, min(triton.cdiv(programs_per_sm * sms, tiles_n), k // (4 * block_k)))
     per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     return triton.cdiv(k, per_split), per_split
+
+
+def row_bucket(m: int, table: dict[int, object]) -> int:
+    """The key of a tile table by row count (ascending upper bounds) that m rows fall in."""
+    return next(b for b in table if m <= b)

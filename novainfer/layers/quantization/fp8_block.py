@@ -6,9 +6,9 @@ The checkpoint's weight is float8_e4m3fn [N, K] with one float32 scale per [bn, 
 bk-wide group (scale amax/448, activation_scheme dynamic). The weight stays as stored; a fused layer stacks its
 shards' rows and scale rows, which needs each shard (and each rank's slice) to cover whole blocks.
 
-On CUDA (sm_89+) the Triton kernels of kernels/fp8_block.py run: a GEMV for a few rows of x (quantizing x's
-groups in registers), else the per-token-group quantization and the block GEMM. The torch reference
-(quantize_groups, block_reference: both operands dequantized, a float32 matmul) is the CPU path.
+On CUDA (sm_89+) the Triton kernels of kernels/fp8_block.py run (fp8_block_linear): weight-only up to 16 rows of x
+(x stays bf16), else the per-token-group quantization and the block GEMM. The torch reference (quantize_groups,
+block_reference: both operands dequantized, a float32 matmul) is the CPU path.
 """
 
 from __future__ import annotations
@@ -53,6 +53,13 @@ def block_reference(
     xd = q.float() * s.repeat_interleave(block[1], 1)[:, : x.shape[1]]
     wd = weight.float() * expand_blocks(w_scale.float(), block, tuple(weight.shape))
     return xd @ wd.T
+
+
+def weight_only_reference(
+    x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """The torch reference of the weight-only path (few rows): x as it is times the dequantized weight -> [M, N]."""
+    return x.float() @ (weight.float() * expand_blocks(w_scale.float(), block, tuple(weight.shape))).T
 
 
 @dataclass
@@ -123,13 +130,9 @@ class Fp8BlockLinearMethod(PrequantizedLinearMethod):
         x2 = x.reshape(-1, x.shape[-1])
         w, s = layer.weight, layer.weight_scale_inv
         if x2.is_cuda:
-            from novainfer.kernels.fp8_block import GEMV_MAX_M, fp8_block_gemm, fp8_block_gemv, per_token_group_quant
+            from novainfer.kernels.fp8_block import fp8_block_linear
 
-            x2 = x2.contiguous()
-            if x2.shape[0] <= GEMV_MAX_M:
-                y = fp8_block_gemv(x2, w, s, self.block)
-            else:
-                y = fp8_block_gemm(*per_token_group_quant(x2, self.block[1]), w, s, self.block, x.dtype)
+            y = fp8_block_linear(x2.contiguous(), w, s, self.block)
         else:
             y = block_reference(x2, w, s, self.block).to(x.dtype)
         if bias is not None:
@@ -192,14 +195,14 @@ def fp8_block_config(qc: dict, device: torch.device) -> Fp8BlockConfig:
 
 def check_block_kernels(device: torch.device, block: tuple[int, int]) -> None:
     """The GEMV and the quantize + GEMM path against block_reference on small operands, once at start-up."""
-    from novainfer.kernels.fp8_block import fp8_block_gemm, fp8_block_gemv, per_token_group_quant
+    from novainfer.kernels.fp8_block import fp8_block_linear
 
     g = torch.Generator(device=device).manual_seed(0)
     n, k = 2 * block[0], 2 * block[1]
     weight = (torch.randn(n, k, generator=g, device=device) * 100).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     w_scale = torch.rand(2, 2, generator=g, device=device) * 1e-3 + 1e-4
-    x1, x2 = (torch.randn(m, k, generator=g, device=device).to(torch.bfloat16) for m in (1, 40))
-    cases = [(fp8_block_gemv(x1, weight, w_scale, block), block_reference(x1, weight, w_scale, block))]
-    y2 = fp8_block_gemm(*per_token_group_quant(x2, block[1]), weight, w_scale, block, torch.bfloat16)
-    cases.append((y2, block_reference(x2, weight, w_scale, block)))
+    cases = []
+    for m, ref in ((1, weight_only_reference), (8, weight_only_reference), (40, block_reference)):
+        x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
+        cases.append((fp8_block_linear(x, weight, w_scale, block), ref(x, weight, w_scale, block)))
     probe_kernels(f"block FP8 (weight_block_size={list(block)})", cases, 2e-2)

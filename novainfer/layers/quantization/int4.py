@@ -2,8 +2,8 @@
 
 Each format's tensors are unpacked at load to one logical form per shard (codes 0..15 [N, K], scales and zero
 points [N, K/G], GPTQ's g_idx), sliced for this rank, stacked, and packed into the one layout the kernels read
-(kernels/int4_gemm.py: codes int32 [K/8, N] packed along K, scales [K/G, N] in the checkpoint's dtype, zero
-points [K/G, N] uint8),
+(kernels/int4_gemm.py: codes int32 [N, K/8] packed along K, interleaved by 32 inputs; scales [N, K/G] in the
+checkpoint's dtype, zero points [N, K/G] uint8),
 w[n, k] = (code - zero) * scale. The formats differ only in unpack():
 - GPTQ: qweight int32 [K/8, N] (row 8i+j in bits 4j), qzeros int32 [K/G, N/8] (column 8i+j in bits 4j; stored
   as zero - 1 unless checkpoint_format is gptq_v2), scales [K/G, N], g_idx [K] (the group of each input row;
@@ -57,11 +57,21 @@ def unpack_int32(packed: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(
     return out.movedim(-1, dim) if dim != packed.dim() - 1 else out
 
 
-def pack_int32(codes: torch.Tensor) -> torch.Tensor:
-    """codes [K, N] (0..15) -> int32 [K/8, N], row 8i+j in bits 4j (the kernels' layout)."""
-    c = codes.to(torch.int32).view(codes.shape[0] // PACK, PACK, codes.shape[1])
-    shifts = torch.arange(0, 32, 4, device=codes.device, dtype=torch.int32).view(1, PACK, 1)
-    return (c << shifts).sum(dim=1, dtype=torch.int32)  # disjoint bits: the sum is the bitwise or
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] (0..15, K a multiple of 32) -> the kernels' int32 [N, K/8]: of each 32 inputs, input 4j + w in
+    nibble j of word w (kernels/int4_gemm.py says why)."""
+    n, k = codes.shape
+    c = codes.to(torch.int32).reshape(n, k // 32, PACK, 4)  # [N, chunk, j, w]
+    shifts = torch.arange(0, 32, 4, device=codes.device, dtype=torch.int32).view(1, 1, PACK, 1)
+    return (c << shifts).sum(dim=2, dtype=torch.int32).view(n, k // PACK)  # disjoint bits: the sum is the or
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """The kernels' int32 [N, K/8] -> codes uint8 [N, K] (pack_int4's inverse)."""
+    n, words = qweight.shape
+    shifts = torch.arange(0, 32, 4, device=qweight.device, dtype=torch.int32).view(1, 1, PACK, 1)
+    nib = (qweight.view(n, words // 4, 1, 4) >> shifts) & 0xF  # [N, chunk, j, w]
+    return nib.reshape(n, words * PACK).to(torch.uint8)
 
 
 @dataclass
@@ -76,9 +86,9 @@ class Int4Shard:
 
 
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> torch.Tensor:
-    """The kernels' layout -> float32 W^T [K, N] (the torch reference)."""
-    codes = unpack_int32(qweight, 0).float()
-    return (codes - zeros.float().repeat_interleave(group, 0)) * scales.float().repeat_interleave(group, 0)
+    """The kernels' layout -> float32 W^T [K, N] (the torch reference: x @ it)."""
+    codes = unpack_int4(qweight).float()
+    return ((codes - zeros.float().repeat_interleave(group, 1)) * scales.float().repeat_interleave(group, 1)).T
 
 
 @dataclass(frozen=True)
@@ -175,7 +185,7 @@ class Int4LinearMethod(PrequantizedLinearMethod):
             codes = codes[:, perm]
         if codes.shape != (layer.output_size, layer.input_size):
             raise ValueError(f"INT4 weight of shape {tuple(codes.shape)} for {layer_label(layer)}")
-        self._set(layer, pack_int32(codes.T.contiguous()), scales.T.contiguous(), zeros.T.contiguous(), perm)
+        self._set(layer, pack_int4(codes), scales.contiguous(), zeros.contiguous(), perm)
 
     def _set(self, layer: nn.Module, qweight, scales, zeros, perm) -> None:
         layer.qweight = nn.Parameter(qweight, requires_grad=False)
@@ -190,15 +200,15 @@ class Int4LinearMethod(PrequantizedLinearMethod):
     def draw_dummy(self, layer: nn.Module, std: float, gen: torch.Generator) -> None:
         """load_format="dummy": N(0, std^2) weights quantized symmetrically per group into the stored layout."""
         g = self.fmt.group_size
-        w = torch.randn(layer.input_size, layer.output_size, generator=gen, device=gen.device) * std
-        wg = w.view(-1, g, w.shape[1])
-        scales = (wg.abs().amax(1) / 7).clamp(min=1e-8)  # [K/G, N]
-        codes = (wg / scales[:, None]).round().clamp(-8, 7).add(8).view_as(w).to(torch.uint8)
+        w = torch.randn(layer.output_size, layer.input_size, generator=gen, device=gen.device) * std
+        wg = w.view(w.shape[0], -1, g)
+        scales = (wg.abs().amax(2) / 7).clamp(min=1e-8)  # [N, K/G]
+        codes = (wg / scales[:, :, None]).round().clamp(-8, 7).add(8).view_as(w).to(torch.uint8)
         for name in self.tensor_names:
             layer._parameters.pop(name, None)
         layer.stash = {}
         zeros = torch.full(scales.shape, 8, dtype=torch.uint8, device=scales.device)
-        self._set(layer, pack_int32(codes), scales.to(layer.act_dtype), zeros, None)
+        self._set(layer, pack_int4(codes), scales.to(layer.act_dtype), zeros, None)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
@@ -277,10 +287,11 @@ def check_int4_kernels(device: torch.device, group: int, dtype: torch.dtype = to
 
     g = torch.Generator(device=device).manual_seed(0)
     k, n = 2 * group, 64
-    codes = torch.randint(0, 16, (k, n), generator=g, device=device, dtype=torch.uint8)
-    scales = (torch.rand(k // group, n, generator=g, device=device) * 0.01).to(dtype)
-    zeros = torch.randint(0, 16, (k // group, n), generator=g, device=device).to(torch.uint8)
-    qweight, w = pack_int32(codes), dequantize_int4(pack_int32(codes), scales, zeros, group)
+    codes = torch.randint(0, 16, (n, k), generator=g, device=device, dtype=torch.uint8)
+    scales = (torch.rand(n, k // group, generator=g, device=device) * 0.01).to(dtype)
+    zeros = torch.randint(0, 16, (n, k // group), generator=g, device=device).to(torch.uint8)
+    qweight = pack_int4(codes)
+    w = dequantize_int4(qweight, scales, zeros, group)
     x1, x2 = (torch.randn(m, k, generator=g, device=device).to(dtype) for m in (1, 40))
     cases = [(int4_gemv(x1, qweight, scales, zeros, group), x1.float() @ w)]
     cases.append((int4_gemm(x2, qweight, scales, zeros, group), x2.float() @ w))
