@@ -123,6 +123,9 @@ def _watch_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
+FRONT_END_PRIORITY = 5  # how much nicer the engine core runs than the front-end on a CPU device
+
+
 def cpu_threads() -> int:
     """Torch threads for a core on the CPU: every core this process may use but one, left to the front-end.
     Two processes whose threads together outnumber the cores make each parallel op wait for a descheduled
@@ -150,6 +153,9 @@ def run_engine_core(
     signal.signal(signal.SIGTERM, _on_sigterm)
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
     if config.resolve_device().type == "cpu":
+        # the front-end shares these cores: a niced engine lets it answer (a 429, a stream's next chunk) at once
+        # when it wakes, and costs the engine nothing while the front-end sleeps (before any thread starts)
+        os.nice(FRONT_END_PRIORITY)
         torch.set_num_threads(cpu_threads())
         from novainfer.kernels.cpu import library
 
