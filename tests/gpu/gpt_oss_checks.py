@@ -290,7 +290,7 @@ def report() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="the CPU, tiny shapes (Triton interpreted)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["sinks", "moe", "hf", "bench"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["sinks", "moe", "hf", "bench", "bench-float"])
     args = ap.parse_args()
     dev = "cpu" if args.tiny else "cuda"
     if dev == "cuda" and not torch.cuda.is_available():
@@ -312,7 +312,8 @@ def main() -> None:
     print(f"checks took {time.perf_counter() - t:.0f} s", flush=True)
     if "bench" not in args.skip:
         for experts in ("float", "mxfp4"):
-            bench(dev, args.tiny, experts)
+            if experts != "float" or "bench-float" not in args.skip:
+                bench(dev, args.tiny, experts)
         if not args.tiny:
             bench(dev, False, "mxfp4", "120b")
     report()
