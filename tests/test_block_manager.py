@@ -94,3 +94,30 @@ def test_chunked_prefill_splits_by_budget():
         chunks.append(out.scheduled[0].num_new_tokens)
         assert out.scheduled[0].samples == (out.scheduled[0].start + chunks[-1] == 25)
     assert chunks == [10, 10, 5]
+
+
+def test_unmixed_steps_carry_prompt_or_decode_tokens_never_both():
+    """Batch-invariant mode's scheduler (mixed_steps=False): while prompts are waiting or mid-prefill a step carries
+    prompt tokens only; decodes resume when none can go, and every sequence still finishes."""
+    bm = BlockManager(num_blocks=40, block_size=4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8), bm, mixed_steps=False)
+    seqs = [seq(list(range(10 + i))) for i in range(3)]
+    sched.add(seqs[0])
+    kinds, steps = [], 0
+    while sched.has_unfinished() and steps < 200:
+        if steps == 3:  # arrives while the first decodes
+            for s in seqs[1:]:
+                sched.add(s)
+        out = sched.schedule()
+        prompt = [x for x in out.scheduled if x.start < x.seq.num_prompt_tokens]
+        decode = [x for x in out.scheduled if x.start >= x.seq.num_prompt_tokens]
+        assert not (prompt and decode), out.scheduled
+        kinds.append("p" if prompt else "d")
+        for x in out.scheduled:  # the step ran: a sampled token for each sequence that samples
+            x.seq.num_pending_tokens = 0
+            if x.samples:
+                x.seq.append_token(7)
+                if x.seq.num_output_tokens >= 4:
+                    sched.finish(x.seq)
+        steps += 1
+    assert not sched.has_unfinished() and "p" in kinds[3:] and "d" in kinds

@@ -76,7 +76,10 @@ class EngineCore:
         )
         spec = config.speculative_config
         self.scheduler = Scheduler(
-            config.scheduler_config, self.block_manager, spec.num_lookahead_slots if spec is not None else 0
+            config.scheduler_config,
+            self.block_manager,
+            spec.num_lookahead_slots if spec is not None else 0,
+            mixed_steps=not config.batch_invariant,
         )
         self.proposer = make_proposer(spec, self.executor) if spec is not None else None
         self.num_speculative_tokens = spec.num_speculative_tokens if spec is not None else 0

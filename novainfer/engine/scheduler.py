@@ -21,8 +21,17 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, num_lookahead_slots: int = 0):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        num_lookahead_slots: int = 0,
+        mixed_steps: bool = True,
+    ):
         self.config = config
+        # False (batch-invariant mode): a step carries prompt tokens or decode tokens, never both, so a decode token
+        # always takes the decode attention kernel, as it does alone
+        self.mixed_steps = mixed_steps
         self.block_manager = block_manager
         self.num_lookahead_slots = num_lookahead_slots  # KV slots a draft model writes past each step's tokens
         self.waiting: deque[Sequence] = deque()
@@ -37,8 +46,28 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_seq_ids=self._finished_since_step)
-        self._finished_since_step = []
+        if self.mixed_steps or not self._has_prompt_work():
+            out = self._schedule(decodes=True)
+        else:
+            out = self._schedule(decodes=False)
+            if not out.scheduled and not out.num_preempted:  # no prompt could go (memory, limits): decode instead
+                out = self._schedule(decodes=True)
+        out.finished_seq_ids, self._finished_since_step = self._finished_since_step, []
+        return out
+
+    def _has_prompt_work(self) -> bool:
+        """Whether a running sequence has prompt tokens left or a waiting one could start."""
+        return any(self._remaining(seq) > 1 for seq in self.running) or bool(
+            self.waiting and len(self.running) < self.config.max_num_seqs
+        )
+
+    @staticmethod
+    def _remaining(seq: Sequence) -> int:
+        return len(seq.token_ids) + seq.num_pending_tokens - seq.num_computed_tokens
+
+    def _schedule(self, decodes: bool) -> SchedulerOutput:
+        """One step's work; decodes False leaves the running sequences' one-token decode steps out."""
+        out = SchedulerOutput(finished_seq_ids=[])
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
 
@@ -47,7 +76,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(len(seq.token_ids) + seq.num_pending_tokens - seq.num_computed_tokens, budget)
+            if not decodes and self._remaining(seq) == 1:
+                i += 1
+                continue
+            n = min(self._remaining(seq), budget)
             spec = seq.spec_token_ids
             if spec:  # a decode step that also verifies the proposer's guesses, as many as the budget leaves
                 spec = spec[: budget - n] if n == 1 else []
