@@ -109,3 +109,17 @@ def test_triton_prefill_with_sinks_matches_the_reference(window):
     out = kernels.prefill_attention(q, kc, vc, bt, qsl, sl, max(qlen), 0.3, sliding_window=window, sinks=sinks)
     want = torch_backend.paged_attention(q, kc, vc, meta, 0.3, window, None, sinks)
     assert rel_err(out, want) < 1e-5
+
+
+@pytest.mark.skipif(not library.available(), reason="the CPU kernels did not build")
+def test_bf16_query_on_the_cpu_backend_keeps_its_sinks():
+    """A bfloat16 model on the CPU: the backend widens the query for the C kernels and must pass the sinks on."""
+    nh, nkv, d = 6, 2, 16
+    q, kc, vc, bt, qsl, sl, meta = make_case(6, [0, 9, 4], [11, 6, 1], nh, nkv, head_dim=d)
+    kc, vc = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
+    sinks = sinks_of(nh, 3).to(torch.bfloat16)
+    got = cpu_backend.paged_attention(q.to(torch.bfloat16), kc, vc, meta, 0.3, None, None, sinks)
+    want = torch_backend.paged_attention(
+        q.to(torch.bfloat16).float(), kc.float(), vc.float(), meta, 0.3, None, None, sinks.float()
+    )
+    torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), rtol=2e-2, atol=2e-2)

@@ -45,11 +45,13 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [num_tokens, heads, head_dim] -> output of the same shape (see torch_backend.paged_attention)."""
-    if query.dtype is torch.bfloat16 and _c_path(query.float(), k_cache) and query.shape[2] % 16 == 0:
+    if query.dtype is torch.bfloat16 and query.shape[2] % 16 == 0:
         # dense bfloat16: the C kernels on the query widened exactly, so a token gets the same bits decoded, in a
         # prefill, a chunk or after a cached prefix (torch's flash, masked and batched paths each round otherwise)
         wide = query.float()
-        return paged_attention(wide, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap).to(query.dtype)
+        if _c_path(wide, k_cache):
+            out = paged_attention(wide, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, sinks)
+            return out.to(query.dtype)
     if meta.max_query_len == 1 and query.shape[0] == meta.num_seqs:
         return decode_attention(query, k_cache, v_cache, meta, scale, sliding_window, logits_soft_cap, sinks)
     if meta.per_token is not None:  # a verify step: every token as a decode step computes it
