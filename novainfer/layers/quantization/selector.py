@@ -52,14 +52,19 @@ def _fp8_config(mc: ModelConfig, device: torch.device) -> QuantizationConfig:
     return Fp8Config(device)
 
 
+def _as_dict(qc: Any) -> dict:
+    """A config.json quantization_config as a dict (transformers may hand over its config object)."""
+    return qc if isinstance(qc, dict) else qc.to_dict()
+
+
 def _quant_method(qc: Any) -> str | None:
-    return (qc if isinstance(qc, dict) else qc.to_dict()).get("quant_method")
+    return _as_dict(qc).get("quant_method")
 
 
 def prequantized_config(mc: ModelConfig, qc: Any, device: torch.device) -> QuantizationConfig:
     """The config of a checkpoint quantized already (its config.json's quantization_config); ValueError naming
     the field where we do not implement it."""
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    qc = _as_dict(qc)
     method = qc.get("quant_method")
     if method == "mxfp4":  # MoE experts in four bits (gpt-oss); the config refuses what it does not cover
         from novainfer.layers.quantization.mxfp4 import Mxfp4Config
