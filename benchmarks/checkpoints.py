@@ -127,6 +127,52 @@ CONFIGS = {
             tie_word_embeddings=True,
         ),
     ),
+    # published shapes of Gemma-4-31B (dense) and Gemma-4-26B-A4B (a dense MLP beside 128 experts, 8 active): 5 sliding
+    # layers (window 1024, 256-wide heads) to 1 full layer (512-wide heads, fewer KV heads, K = V), 262k vocabulary
+    "gemma-4-31b": (
+        "Gemma4TextConfig",
+        dict(
+            hidden_size=5376,
+            intermediate_size=21504,
+            num_hidden_layers=60,
+            num_attention_heads=32,
+            num_key_value_heads=16,
+            head_dim=256,
+            global_head_dim=512,
+            num_global_key_value_heads=4,
+            attention_k_eq_v=True,
+            sliding_window=1024,
+            vocab_size=262144,
+            hidden_size_per_layer_input=0,
+            max_position_embeddings=262144,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "gemma-4-26b-a4b": (
+        "Gemma4TextConfig",
+        dict(
+            hidden_size=2816,
+            intermediate_size=2112,
+            num_hidden_layers=30,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=256,
+            global_head_dim=512,
+            num_global_key_value_heads=2,
+            attention_k_eq_v=True,
+            sliding_window=1024,
+            vocab_size=262144,
+            hidden_size_per_layer_input=0,
+            enable_moe_block=True,
+            num_experts=128,
+            top_k_experts=8,
+            moe_intermediate_size=704,
+            max_position_embeddings=262144,
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=True,
+        ),
+    ),
     # published shapes of Qwen3.5-9B and Qwen3.5-35B-A3B (text models; hybrid: 3 Gated DeltaNet layers to 1 gated
     # full-attention layer, DeltaNet 16 key heads / 32 value heads of dim 128, conv width 4, partial RoPE 0.25)
     "qwen3.5-9b": (
@@ -210,7 +256,7 @@ CONFIGS = {
     ),
 }
 # no 15-70 GB write on the GPU machine
-DUMMY = {"qwen2.5-7b", "qwen3-30b-a3b", "gemma-2-9b", "qwen3.5-9b", "qwen3.5-35b-a3b"}
+DUMMY = {"qwen2.5-7b", "qwen3-30b-a3b", "gemma-2-9b", "qwen3.5-9b", "qwen3.5-35b-a3b", "gemma-4-31b", "gemma-4-26b-a4b"}
 
 
 def word_level_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:

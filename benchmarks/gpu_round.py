@@ -40,6 +40,15 @@ PARTS = {
         ("lat 7b", ["benchmarks/latency.py", "--model", "random:qwen2.5-7b", "--repeat", "3"]),
     ],
     "moe": [("tput qwen3-30b-a3b", ["benchmarks/throughput.py", "--model", "random:qwen3-30b-a3b"])],
+    # Gemma 4 on the bench shape and batch-1 (issue 36), Gemma-2-9B as the known baseline of the same call
+    "gemma4": [
+        ("tput gemma-2-9b", ["benchmarks/throughput.py", "--model", "random:gemma-2-9b"]),
+        ("tput gemma-4-31b", ["benchmarks/throughput.py", "--model", "random:gemma-4-31b"]),
+        ("tput gemma-4-26b-a4b", ["benchmarks/throughput.py", "--model", "random:gemma-4-26b-a4b"]),
+        ("lat gemma-2-9b", ["benchmarks/latency.py", "--model", "random:gemma-2-9b", "--repeat", "3"]),
+        ("lat gemma-4-31b", ["benchmarks/latency.py", "--model", "random:gemma-4-31b", "--repeat", "3"]),
+        ("lat gemma-4-26b-a4b", ["benchmarks/latency.py", "--model", "random:gemma-4-26b-a4b", "--repeat", "3"]),
+    ],
     # the overlapped step loop on and off, with the kernel and parity checks first
     "checks-0.5b": [
         ("gpu_check", ["tests/gpu/gpu_check.py"]),
