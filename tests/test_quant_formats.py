@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from novainfer import LLM, SamplingParams
 from novainfer.kernels.fp8_block import fp8_block_gemm, fp8_block_gemv, fp8_block_linear, per_token_group_quant
-from novainfer.kernels.int4_gemm import int4_gemm, int4_gemv
+from novainfer.kernels.int4_gemm import DEQUANT_MIN_M, int4_dequantize, int4_gemm, int4_gemv, int4_linear
 from novainfer.layers.quantization.fp8_block import block_reference, quantize_groups, weight_only_reference
 from novainfer.layers.quantization.int4 import dequantize_int4, pack_int4, unpack_int4
 from tests.tiny_models import make_tiny_model
@@ -452,6 +452,23 @@ def test_int4_kernels_match_the_torch_reference(m, group):
         # K steps longer than K's last one (the GPU's long steps): the tail step masks its chunks
         got = int4_gemv(x, qweight, scales, zeros, group, tiles=(8, 256, 4))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(int4_linear(x, qweight, scales, zeros, group), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_dequantize_kernel_and_the_prefill_path(group):
+    """int4_dequantize (the scratch weight of prefill-sized products) equals the torch reference bit for bit, and
+    int4_linear from DEQUANT_MIN_M rows (dequantize, then a dense product) gives x @ w."""
+    g = torch.Generator().manual_seed(group)
+    k, n = 1152, 24  # K not a multiple of the kernel's 1024-wide step: the tail program masks its stores
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(n, k // group, generator=g) * 0.1).half()
+    zeros = torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.uint8)
+    qweight = pack_int4(codes)
+    w = dequantize_int4(qweight, scales.float(), zeros, group)
+    assert torch.equal(int4_dequantize(qweight, scales, zeros, group, torch.float32), w.T)
+    x = torch.randn(DEQUANT_MIN_M, k, generator=g)
+    torch.testing.assert_close(int4_linear(x, qweight, scales, zeros, group), x @ w, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("m", [1, 2, 8, 20])

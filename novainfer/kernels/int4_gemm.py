@@ -19,6 +19,9 @@ same order before calling these kernels.
 int4_gemv: a few rows of x (decode); a program reads BLOCK_N whole weight rows once for all rows of x.
 int4_gemm: more rows; a tile of codes is unpacked and dequantized in registers, then one tl.dot per K step, split
 over K (float32 atomics) where the output tiles alone would leave SMs idle.
+int4_linear picks: the GEMV up to GEMV_MAX_M rows, the GEMM up to DEQUANT_MIN_M - 1, and from DEQUANT_MIN_M rows
+(prefill, where the product is compute-bound) int4_dequantize into a bf16 scratch weight and cuBLAS: the unpacking
+is then paid once per weight, not once per BLOCK_M rows, and the tensor cores run cuBLAS's tuned bf16 GEMM.
 Tile shapes: GEMV_TILES / GEMM_TILES, candidates benchmarks/quant_gpu.py sweeps on a GPU. The torch reference is
 int4.dequantize_int4 followed by a matmul.
 """
@@ -178,7 +181,25 @@ def _int4_gemm_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _int4_dequant_kernel(q_ptr, s_ptr, z_ptr, out_ptr, K, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One row's BLOCK_K inputs a program: codes [BLOCK_K / 8] words -> (code - zero) * scale in out's dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    k0 = tl.program_id(1) * BLOCK_K
+    C: tl.constexpr = BLOCK_K // 32
+    q = tl.load(q_ptr + row * (K // 8) + k0 // 8 + tl.arange(0, C)[:, None, None] * 4 + tl.arange(0, 4)[None, None, :])
+    j = tl.arange(0, 8)[None, :, None]
+    # input c * 32 + 4 j + w is nibble j of word w of chunk c
+    k = k0 + tl.arange(0, C)[:, None, None] * 32 + 4 * j + tl.arange(0, 4)[None, None, :]
+    grp = row * (K // GROUP) + k // GROUP
+    zoff = tl.load(z_ptr + grp).to(tl.float32) + 8388608.0
+    codes = (((q >> (4 * j)) & 0xF) | MAGIC).to(tl.float32, bitcast=True) - zoff
+    w = codes * tl.load(s_ptr + grp).to(tl.float32)
+    tl.store(out_ptr + row * K + k, w.to(out_ptr.dtype.element_ty), mask=k < K)
+
+
 GEMV_MAX_M = 4  # up to this many rows of x go through the GEMV (one read of the codes for all rows)
+DEQUANT_MIN_M = 128  # from this many rows: dequantize into a scratch weight, then cuBLAS (quant_paths.py measures)
 
 # (BLOCK_N, BLOCK_K, num_warps) of the GEMV. A step loads BLOCK_N * BLOCK_K / 2 bytes, a 16-byte vector or more per
 # thread; all programs together have N * BLOCK_K / 2 bytes in flight, which must cover HBM's latency (~3-4 MB on an
@@ -296,3 +317,24 @@ def int4_gemm(
         num_stages=stages,
     )
     return out if split == 1 else out.to(x.dtype)
+
+
+def int4_dequantize(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The packed weight as a dense [N, K] tensor of dtype (K a multiple of 32)."""
+    n, k = qweight.shape[0], qweight.shape[1] * 8
+    out = torch.empty((n, k), dtype=dtype, device=qweight.device)
+    block_k = min(1024, triton.next_power_of_2(k))
+    _int4_dequant_kernel[(n, triton.cdiv(k, block_k))](qweight, scales, zeros, out, k, GROUP=group, BLOCK_K=block_k)
+    return out
+
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int):
+    """x [M, K] (contiguous) times the packed weight -> [M, N] in x's dtype, by the kernel that suits M rows."""
+    m = x.shape[0]
+    if m <= GEMV_MAX_M:
+        return int4_gemv(x, qweight, scales, zeros, group)
+    if m < DEQUANT_MIN_M:
+        return int4_gemm(x, qweight, scales, zeros, group)
+    return torch.nn.functional.linear(x, int4_dequantize(qweight, scales, zeros, group, x.dtype))

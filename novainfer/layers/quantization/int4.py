@@ -216,11 +216,9 @@ class Int4LinearMethod(PrequantizedLinearMethod):
             x2 = x2.index_select(1, layer.perm)
         g = self.fmt.group_size
         if x2.is_cuda:
-            from novainfer.kernels.int4_gemm import GEMV_MAX_M, int4_gemm, int4_gemv
+            from novainfer.kernels.int4_gemm import int4_linear
 
-            x2 = x2.contiguous()
-            kernel = int4_gemv if x2.shape[0] <= GEMV_MAX_M else int4_gemm
-            y = kernel(x2, layer.qweight, layer.scales, layer.qzeros, g)
+            y = int4_linear(x2.contiguous(), layer.qweight, layer.scales, layer.qzeros, g)
         else:
             w = dequantize_int4(layer.qweight, layer.scales, layer.qzeros, g)
             y = (x2.float() @ w).to(x.dtype)
