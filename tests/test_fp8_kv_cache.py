@@ -191,3 +191,36 @@ def test_engine_greedy_tokens_with_fp8_cache_match_fp32_cache(tiny_qwen2, backen
         total += len(seq) - 1
     print(f"{backend}: fp8 vs fp32 KV greedy agreement {free_agree:.3f}, teacher-forced top-1 {agree / total:.3f}")
     assert agree / total >= floor
+
+
+def test_checkpoint_kv_scales_reach_the_attention_layers(tiny_qwen2, tmp_path):
+    """vLLM's `self_attn.k_scale`/`v_scale` (and the older `kv_scale`) in a checkpoint set the layers' scales; the
+    fp8 cache then stores K/V divided by them; a scale with more than one value is refused naming it."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from novainfer import LLM, SamplingParams
+
+    path = shutil.copytree(tiny_qwen2, tmp_path / "scaled")
+    scales = {
+        "model.layers.0.self_attn.k_scale": torch.tensor(0.25),
+        "model.layers.0.self_attn.v_scale": torch.tensor(0.125),
+        "model.layers.1.self_attn.kv_scale": torch.tensor([0.5]),
+    }
+    save_file(scales, str(path / "kv_scales.safetensors"))
+    llm = LLM(str(path), dtype="float32", attention_backend="torch", block_size=4, kv_cache_dtype="fp8")
+    runner = llm.llm_engine.executor.workers[0].model_runner
+    layers = runner.attention_layers()
+    assert [(a.k_scale, a.v_scale) for a in layers] == [(0.25, 0.125), (0.5, 0.5)]
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 1
+    ref_llm = LLM(tiny_qwen2, dtype="float32", attention_backend="torch", block_size=4, kv_cache_dtype="fp8")
+    ref_llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    ref = ref_llm.llm_engine.executor.workers[0].model_runner.attention_layers()[0]
+    # the same K rows (the first block), stored at scale 1 and at 0.25: four times the values, within e4m3 rounding
+    block = next(i for i in range(ref.k_cache.shape[0]) if layers[0].k_cache[i].float().abs().sum() > 0)
+    assert torch.allclose(layers[0].k_cache[block].float() * 0.25, ref.k_cache[block].float(), rtol=0.13, atol=1e-2)
+    save_file({"model.layers.0.self_attn.k_scale": torch.ones(2)}, str(path / "kv_scales.safetensors"))
+    with pytest.raises(ValueError, match="model.layers.0.self_attn.k_scale"):
+        LLM(str(path), dtype="float32", attention_backend="torch", kv_cache_dtype="fp8")
