@@ -16,8 +16,19 @@ from novainfer.kernels.kv_fp8 import is_fp8
 def to_cache(x, scale, cache_ptr, FP8: tl.constexpr):
     """x as the cache at cache_ptr stores it: divided by scale and clamped into e4m3 for an fp8 cache."""
     if FP8:
-        x = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)  # kv_fp8.FP8_MAX
+        x = _round_to_e4m3(tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0))  # kv_fp8.FP8_MAX
     return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """float32 y (|y| <= 448) rounded to nearest even on e4m3's grid, so the cast after it is exact: the GPU's
+    conversion gives these bits anyway, Triton's CPU interpreter rounds some values wrongly (31.9 -> 16)."""
+    bits = y.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    a = tl.abs(y)
+    sub = (a + 16384.0) - 16384.0  # below 2**-6: multiples of 2**-9, the float32 ulp at 2**14
+    return tl.where(a < 0.015625, tl.where(y < 0, -sub, sub), normal)
 
 
 @triton.jit
