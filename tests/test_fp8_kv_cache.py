@@ -142,6 +142,16 @@ def test_bad_names_and_backends_are_refused_naming_the_field():
         resolve_cache_dtype(cfg, torch.bfloat16, torch.device("cuda"))
 
 
+def test_fp8_cache_is_refused_on_gpus_before_sm89(monkeypatch):
+    """Triton's e4m3 conversions need Ada/Hopper: an A100 is told so at start-up."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    cfg = EngineConfig.from_kwargs("m", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8' needs .* 8.9 or newer; this is sm_80"):
+        resolve_cache_dtype(cfg, torch.bfloat16, torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_cache_dtype(cfg, torch.bfloat16, torch.device("cuda")) == FP8
+
+
 def test_fp8_block_takes_half_the_bytes_of_bf16():
     """Capacity doubles: the GPU's block count is its memory budget over these bytes."""
     from types import SimpleNamespace

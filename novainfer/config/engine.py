@@ -236,7 +236,7 @@ _DERIVED = {f.name for section in SECTIONS.values() for f in dataclasses.fields(
 
 def resolve_cache_dtype(cfg: EngineConfig, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV cache's dtype: as asked, else the model's; bfloat16 on the CPU unless float32 was asked for. An fp8
-    cache is refused where the CPU attention backend would read it."""
+    cache is refused where the CPU attention backend would read it, and for Triton on a GPU older than sm_89."""
     import torch
 
     name = cfg.cache_config.cache_dtype
@@ -246,6 +246,12 @@ def resolve_cache_dtype(cfg: EngineConfig, model_dtype: torch.dtype, device: tor
             raise ValueError(
                 f"kv_cache_dtype={name!r} needs the Triton attention backend (the CPU attention kernels read a "
                 "bfloat16 or float32 cache); use kv_cache_dtype=auto on the CPU"
+            )
+        cap = torch.cuda.get_device_capability(device) if device.type == "cuda" and backend != "torch" else None
+        if cap is not None and cap < (8, 9):  # Triton converts to and from e4m3 on Ada/Hopper and newer only
+            raise ValueError(
+                f"kv_cache_dtype={name!r} needs an NVIDIA GPU of compute capability 8.9 or newer; this is "
+                f"sm_{cap[0]}{cap[1]}"
             )
         return torch.float8_e4m3fn
     if name != "auto":
