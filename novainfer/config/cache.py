@@ -28,8 +28,8 @@ class CacheConfig:
     )
     cache_dtype: str = setting(
         "auto",
-        "auto: the model's dtype; bfloat16 on the CPU unless --dtype float32; fp8 (fp8_e4m3): float8 e4m3 with "
-        "per-layer k/v scales (1.0 unless the checkpoint has them), half bf16's bytes, GPU (Triton) only",
+        "auto: the model's dtype; bfloat16 on the CPU unless --dtype float32; fp8 (fp8_e4m3): float8 e4m3 with a "
+        "k and v scale per layer (1.0 unless the checkpoint has them), half bf16's bytes, GPU (Triton) only",
         flag="kv-cache-dtype",
         choices=CACHE_DTYPES,
     )
