@@ -16,7 +16,7 @@ def get_attn_backend(name: str, device: torch.device, kv_dtype: torch.dtype, dty
 
     if name == "auto":
         name = "triton" if device.type == "cuda" else "cpu"
-    if name == "torch" and kv_dtype == dtype:
+    if name == "torch" and (kv_dtype == dtype or kv_dtype.itemsize == 1):  # the same dtype, or the scaled fp8
         return torch_backend
     if name in ("cpu", "torch"):  # the torch reference needs the cache in the activations' dtype
         return cpu_backend

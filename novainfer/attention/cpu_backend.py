@@ -24,9 +24,16 @@ def _c_path(x: torch.Tensor, cache: torch.Tensor) -> bool:
 
 
 def store_kv(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write the step's K/V [num_tokens, kv_heads, head_dim] into cache slots (cast to the cache's dtype)."""
+    """Write the step's K/V [num_tokens, kv_heads, head_dim] into cache slots (cast to the cache's dtype; the
+    scales are an fp8 cache's, which the engine gives this backend none of: resolve_cache_dtype refuses it)."""
     if _c_path(key, k_cache) and key.stride(1) == key.shape[2] and value.stride(1) == value.shape[2]:
         return cpu_ops.store_kv_bf16(key, value, k_cache, v_cache, slot_mapping)
     if k_cache.dtype != key.dtype:
@@ -43,8 +50,11 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """query [num_tokens, heads, head_dim] -> output of the same shape (see torch_backend.paged_attention)."""
+    """query [num_tokens, heads, head_dim] -> output of the same shape (see torch_backend.paged_attention; no fp8
+    cache comes here, so the scales are unused)."""
     if query.dtype is torch.bfloat16 and query.shape[2] % 16 == 0:
         # dense bfloat16: the C kernels on the query widened exactly, so a token gets the same bits decoded, in a
         # prefill, a chunk or after a cached prefix (torch's flash, masked and batched paths each round otherwise)

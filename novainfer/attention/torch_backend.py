@@ -1,4 +1,7 @@
-"""Reference attention on the paged cache in plain torch: the CPU path and the GPU kernels' oracle."""
+"""Reference attention on the paged cache in plain torch: the CPU path and the GPU kernels' oracle.
+
+An fp8 (e4m3) cache holds K/V divided by the layer's k_scale/v_scale and clamped to +-448; it is read back
+dequantized (widened, times the scale), then attended as any other cache."""
 
 from __future__ import annotations
 
@@ -6,13 +9,24 @@ import torch
 import torch.nn.functional as F
 
 from novainfer.attention.metadata import AttentionMetadata, SlotAttentionMetadata
+from novainfer.kernels.kv_fp8 import is_fp8, read_kv, to_fp8
 
 
 def store_kv(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write the step's K/V [num_tokens, kv_heads, head_dim] into cache slots; slot -1 is skipped."""
+    """Write the step's K/V [num_tokens, kv_heads, head_dim] into cache slots; slot -1 is skipped (k_scale,
+    v_scale: an fp8 cache's scales)."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    if is_fp8(k_cache):  # copied as bytes: torch's CPU index_copy_ has no float8 kernel
+        key, value = to_fp8(key, k_scale).view(torch.uint8), to_fp8(value, v_scale).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[valid])
@@ -53,9 +67,11 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached context (the last sliding_window keys;
-    sinks [heads]: each head's sink logit, see attend).
+    sinks [heads]: each head's sink logit, see attend; k_scale/v_scale: an fp8 cache's scales).
 
     query: [num_tokens, heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim].
     The i-th of a sequence's q new tokens sits at position seq_len - q + i and sees keys up to it.
@@ -74,8 +90,8 @@ def paged_attention(
         num_blocks = (seq_len + block_size - 1) // block_size
         blocks = meta.block_tables[i, :num_blocks]
         # a cache stored in a narrower dtype (bf16 KV on the CPU) is read in the activations' dtype
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(query.dtype)
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(query.dtype)
+        k = read_kv(k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len], query.dtype, k_scale)
+        v = read_kv(v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len], query.dtype, v_scale)
         q = query[q_start:q_end].transpose(0, 1)  # [heads, q_len, d]
         k = k.transpose(0, 1).repeat_interleave(group, dim=0)
         v = v.transpose(0, 1).repeat_interleave(group, dim=0)

@@ -20,8 +20,11 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """One new token per sequence takes the split-K decode kernel; anything else the prefill kernel."""
+    """One new token per sequence takes the split-K decode kernel; anything else the prefill kernel (k_scale,
+    v_scale: an fp8 cache's scales)."""
     if meta.max_query_len == 1:
         return decode_attention(
             query,
@@ -34,6 +37,8 @@ def paged_attention(
             sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap,
             sinks=sinks,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
     return prefill_attention(
         query,
@@ -47,4 +52,6 @@ def paged_attention(
         sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap,
         sinks=sinks,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from novainfer.config.fields import setting
 
-CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3")
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # vLLM's names of an e4m3 cache with per-layer k/v scales
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,8 @@ class CacheConfig:
     )
     cache_dtype: str = setting(
         "auto",
-        "auto: the model's dtype; bfloat16 on the CPU unless --dtype float32",
+        "auto: the model's dtype; bfloat16 on the CPU unless --dtype float32; fp8 (fp8_e4m3): float8 e4m3 with a "
+        "k and v scale per layer (1.0 unless the checkpoint has them), half bf16's bytes, GPU (Triton) only",
         flag="kv-cache-dtype",
         choices=CACHE_DTYPES,
     )
@@ -40,6 +42,6 @@ class CacheConfig:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.cache_dtype not in CACHE_DTYPES:
-            raise ValueError(f"cache_dtype must be auto, float32, bfloat16 or float16, got {self.cache_dtype!r}")
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(CACHE_DTYPES)}; got {self.cache_dtype!r}")
         if self.cpu_kv_cache_tokens < 1:
             raise ValueError(f"cpu_kv_cache_tokens must be >= 1, got {self.cpu_kv_cache_tokens}")

@@ -10,7 +10,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
-from novainfer.config.cache import CacheConfig
+from novainfer.config.cache import FP8_CACHE_DTYPES, CacheConfig
 from novainfer.config.fields import setting
 from novainfer.config.kv_events import KVEventsConfig
 from novainfer.config.model import QUANTIZATIONS, ModelConfig, _parse_dtype, to_torch_dtype
@@ -81,13 +81,18 @@ class EngineConfig:
         parts: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
         top: dict[str, Any] = {}
         owners = {f.name: (section, f) for section, f in engine_arg_fields()}
+        # a field's flag is vLLM's name of it (kv_cache_dtype for cache_dtype): taken as a keyword argument too
+        owners |= {f.metadata["flag"].replace("-", "_"): (s, f) for s, f in owners.values() if f.metadata.get("flag")}
         for key, value in kw.items():
             if key not in owners:
                 if key in _DERIVED:
                     raise TypeError(f"engine argument {key!r} is derived by the engine, not set")
                 raise TypeError(f"unknown engine argument {key!r}")
-            section, _ = owners[key]
-            (parts[section] if section else top)[key] = value
+            section, f = owners[key]
+            target = parts[section] if section else top
+            if f.name in target:
+                raise TypeError(f"engine argument {f.name!r} given twice (as {key!r} too)")
+            target[f.name] = value
         dtype = parts["model_config"].get("dtype")
         if isinstance(dtype, str):
             parts["model_config"]["dtype"] = _parse_dtype(dtype)
@@ -230,10 +235,25 @@ _DERIVED = {f.name for section in SECTIONS.values() for f in dataclasses.fields(
 
 
 def resolve_cache_dtype(cfg: EngineConfig, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV cache's dtype: as asked, else the model's; bfloat16 on the CPU unless float32 was asked for."""
+    """The KV cache's dtype: as asked, else the model's; bfloat16 on the CPU unless float32 was asked for. An fp8
+    cache is refused where the CPU attention backend would read it, and for Triton on a GPU older than sm_89."""
     import torch
 
     name = cfg.cache_config.cache_dtype
+    if name in FP8_CACHE_DTYPES:
+        backend = cfg.attention_backend
+        if backend == "cpu" or (backend == "auto" and device.type != "cuda"):
+            raise ValueError(
+                f"kv_cache_dtype={name!r} needs the Triton attention backend (the CPU attention kernels read a "
+                "bfloat16 or float32 cache); use kv_cache_dtype=auto on the CPU"
+            )
+        cap = torch.cuda.get_device_capability(device) if device.type == "cuda" and backend != "torch" else None
+        if cap is not None and cap < (8, 9):  # Triton converts to and from e4m3 on Ada/Hopper and newer only
+            raise ValueError(
+                f"kv_cache_dtype={name!r} needs an NVIDIA GPU of compute capability 8.9 or newer; this is "
+                f"sm_{cap[0]}{cap[1]}"
+            )
+        return torch.float8_e4m3fn
     if name != "auto":
         return to_torch_dtype(name)
     if device.type == "cpu" and cfg.model_config.dtype is None:

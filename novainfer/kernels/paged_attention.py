@@ -17,6 +17,9 @@ start at the window's first tile, so a long context costs only the window), logi
 (cap * tanh(score / cap) before the softmax, Gemma 2) and attention sinks (one logit per head that joins the
 softmax's normalizer and emits nothing, gpt-oss: folded in once the keys are done). The torch reference is
 attention/torch_backend.py.
+
+An fp8 (e4m3) cache is read widened to the query's dtype; its layer's k_scale is folded into the softmax scale and
+its v_scale into the output (the values were stored divided by them, kernels/kv_store.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import triton.language as tl
 
 from novainfer.kernels import batch_invariant
 from novainfer.kernels.fused_ops import rope_mix
+from novainfer.kernels.kv_fp8 import is_fp8
+from novainfer.kernels.kv_store import to_cache
 
 
 @triton.jit
@@ -58,8 +63,9 @@ def _load_kv_tile(
 def _attend_tile(q, k, v, valid, m, l, acc, scale, soft_cap, HAS_SOFT_CAP: tl.constexpr, PRECISION: tl.constexpr):
     """One online-softmax step: fold a K/V tile into the running max m, sum l and output acc (float32).
 
-    A row that has seen no visible key yet (a window's edge) keeps m = -inf, l = 0 and acc = 0."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    A row that has seen no visible key yet (a window's edge) keeps m = -inf, l = 0 and acc = 0. K/V stored narrower
+    (fp8) are widened to q's dtype."""
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
     if HAS_SOFT_CAP:  # cap * tanh(s / cap), tanh written with exp (saturates to +-1 without overflow)
         s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0))
     s = tl.where(valid, s, float("-inf"))
@@ -68,7 +74,7 @@ def _attend_tile(q, k, v, valid, m, l, acc, scale, soft_cap, HAS_SOFT_CAP: tl.co
     alpha = tl.exp(m - m_ref)
     p = tl.exp(s - m_ref[:, None])
     l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
     return m_new, l, acc
 
 
@@ -101,6 +107,8 @@ def _decode_kernel(
     slot_ptr,
     sinks_ptr,
     scale,
+    k_scale,
+    v_scale,
     window,
     soft_cap,
     q_stride_t,
@@ -122,6 +130,7 @@ def _decode_kernel(
     HAS_SINKS: tl.constexpr,
     ROPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -167,8 +176,9 @@ def _decode_kernel(
                 slot = tl.load(slot_ptr + seq).to(tl.int64)
                 cache_off = (slot * NUM_KV_HEADS + kvh) * HEAD_DIM + d
                 smask = d < tl.where(slot >= 0, HEAD_DIM, 0)  # a padding row (slot -1) writes nothing
-                tl.store(k_cache_ptr + cache_off, k_new, mask=smask)
-                tl.store(v_cache_ptr + cache_off, tl.load(v_new_ptr + kv_off), mask=smask)
+                tl.store(k_cache_ptr + cache_off, to_cache(k_new, k_scale, k_cache_ptr, FP8), mask=smask)
+                v_new = to_cache(tl.load(v_new_ptr + kv_off), v_scale, v_cache_ptr, FP8)
+                tl.store(v_cache_ptr + cache_off, v_new, mask=smask)
                 tl.debug_barrier()  # the stores are seen by this program's threads reading the last tile
 
         tile_start = first_tile + split * tiles_per_split
@@ -204,7 +214,7 @@ def _decode_kernel(
         if used == 1:
             if HAS_SINKS:
                 m, l, acc = _fold_sink(m, l, acc, sink)
-            tl.store(o_ptrs, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+            tl.store(o_ptrs, (acc / l[:, None] * v_scale).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
         else:  # write this split's partial result; the last split of (seq, kvh) to finish merges them all
             row = (seq * NUM_KV_HEADS * GROUP + heads) * NUM_SPLITS  # [GROUP_PAD] first partial row of each head
             tl.store(part_acc_ptr + (row + split)[:, None] * HEAD_DIM + d[None, :], acc, mask=gmask[:, None])
@@ -217,7 +227,7 @@ def _decode_kernel(
                 out = _merge_splits(
                     part_acc_ptr, part_ml_ptr, row, gmask, used, d, sink, NUM_SPLITS, HEAD_DIM, HAS_SINKS
                 )
-                tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+                tl.store(o_ptrs, (out * v_scale).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
 @triton.jit
@@ -286,6 +296,7 @@ def _prefill_kernel(
     out_ptr,
     sinks_ptr,
     scale,
+    v_scale,
     window,
     soft_cap,
     q_stride_t,
@@ -350,7 +361,7 @@ def _prefill_kernel(
         m, l, acc = _attend_tile(q, k, v, valid, m, l, acc, scale, soft_cap, HAS_SOFT_CAP, PRECISION)
     if HAS_SINKS:
         m, l, acc = _fold_sink(m, l, acc, tl.load(sinks_ptr + head).to(tl.float32) + tl.zeros([BLOCK_M], tl.float32))
-    out = acc / tl.where(rmask, l, 1.0)[:, None]
+    out = acc / tl.where(rmask, l, 1.0)[:, None] * v_scale
     tl.store(
         out_ptr + (q_start + rows)[:, None] * o_stride_t + head * o_stride_h + d[None, :],
         out.to(out_ptr.dtype.element_ty),
@@ -407,6 +418,8 @@ def decode_attention(
     rope: DecodeRope | None = None,
     min_split_keys: int = 64,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q: [num_seqs, heads, head_dim], one new token per sequence; returns the same shape.
 
@@ -414,10 +427,12 @@ def decode_attention(
     num_splits (a power of two) bounds the parts each context (the window's part of it) is divided into,
     computed in parallel; a part spans at least min_split_keys keys (rounded to tiles), so a short context
     takes one program per KV head and no merge. sinks [heads]: each head's sink logit (gpt-oss).
+    k_scale/v_scale: an fp8 cache's scales (ignored for any other cache).
     """
     num_heads, head_dim, block_size, num_kv_heads = _check(q, k_cache)
     num_seqs = q.shape[0]
     group = num_heads // num_kv_heads
+    fp8 = is_fp8(k_cache)
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
         return out
@@ -447,7 +462,9 @@ def decode_attention(
         counters,
         *r,
         _sinks_arg(sinks, num_heads, out),
-        scale,
+        scale * k_scale if fp8 else scale,
+        k_scale if fp8 else 1.0,
+        v_scale if fp8 else 1.0,
         sliding_window or 0,
         logits_soft_cap or 1.0,
         q.stride(0),
@@ -469,6 +486,7 @@ def decode_attention(
         HAS_SINKS=sinks is not None,
         ROPE=rope is not None,
         PRECISION=_precision(q.dtype),
+        FP8=fp8,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -520,9 +538,12 @@ def prefill_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens (packed in q: [tokens, heads, head_dim]) over its context
-    (its last sliding_window keys when a window is given; sinks [heads]: each head's sink logit)."""
+    (its last sliding_window keys when a window is given; sinks [heads]: each head's sink logit; k_scale/v_scale:
+    an fp8 cache's scales, ignored for any other cache)."""
     num_heads, head_dim, block_size, num_kv_heads = _check(q, k_cache)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
@@ -539,7 +560,8 @@ def prefill_attention(
         seq_lens,
         out,
         _sinks_arg(sinks, num_heads, out),
-        scale,
+        scale * k_scale if is_fp8(k_cache) else scale,
+        v_scale if is_fp8(k_cache) else 1.0,
         sliding_window or 0,
         logits_soft_cap or 1.0,
         q.stride(0),

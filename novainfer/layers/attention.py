@@ -46,6 +46,7 @@ class Attention(nn.Module):
             raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
         self.k_cache = self.v_cache = torch.tensor([])
+        self.k_scale = self.v_scale = 1.0  # an fp8 cache's scales (kernels/kv_fp8.py); other caches ignore them
         self.kv_group = 0
         self.backend = torch_backend  # the runner binds triton_backend on the GPU
 
@@ -58,12 +59,14 @@ class Attention(nn.Module):
         if self.kv_source is None:
             k = k.view(-1, self.num_kv_heads, self.head_dim)
             v = v.view(-1, self.num_kv_heads, self.head_dim)
-            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         window, cap = self.sliding_window, self.logits_soft_cap
         if isinstance(meta, SlotAttentionMetadata):  # the core API's SLOT cache: per-query visibility mask
             o = torch_backend.masked_attention(
                 q, owner.k_cache, owner.v_cache, meta, self.scale, window, cap, self.sinks
             )
         else:
-            o = self.backend.paged_attention(q, owner.k_cache, owner.v_cache, meta, self.scale, window, cap, self.sinks)
+            o = self.backend.paged_attention(
+                q, owner.k_cache, owner.v_cache, meta, self.scale, window, cap, self.sinks, owner.k_scale, owner.v_scale
+            )
         return o.reshape(-1, self.num_heads * self.head_dim)

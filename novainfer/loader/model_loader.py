@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from novainfer.distributed import ShardError
 from novainfer.layers.quantization import QuantizationConfig, building_with
+from novainfer.loader.kv_scales import take_kv_scales
 from novainfer.loader.model_info import eos_token_ids, load_hf_config, load_tokenizer, resolve_model_path  # noqa: F401
 from novainfer.models.registry import get_model_class
 
@@ -69,7 +70,7 @@ def load_model(
             yield name, t.to(device=device) if keep else t.to(device=device, dtype=dtype)
 
     try:
-        missing = net.load_weights(named())
+        missing = net.load_weights(take_kv_scales(net, named()))
     except ShardError as exc:
         raise exc.with_name(current[0]) from None
     if missing:

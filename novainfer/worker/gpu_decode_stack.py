@@ -78,6 +78,8 @@ class GPUDecodeStack:
             meta.num_splits,
             sliding_window=a.sliding_window,
             logits_soft_cap=a.logits_soft_cap,
+            k_scale=a.k_scale,
+            v_scale=a.v_scale,
             rope=DecodeRope(
                 positions,
                 rope.cos_cache,
