@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from novainfer import LLM, SamplingParams
+from novainfer.kernels import fp8_block as fp8_kernels
 from novainfer.kernels.fp8_block import fp8_block_gemm, fp8_block_gemv, fp8_block_linear, per_token_group_quant
 from novainfer.kernels.int4_gemm import DEQUANT_MIN_M, int4_dequantize, int4_gemm, int4_gemv, int4_linear
 from novainfer.layers.quantization.fp8_block import block_reference, quantize_groups, weight_only_reference
@@ -497,8 +498,14 @@ def test_fp8_block_kernels_match_the_torch_reference(m):
         torch.testing.assert_close(fp8_block_gemv(xr, w, ws, (128, 128)), want_wo, rtol=1e-5, atol=1e-5)
         got = fp8_block_gemv(xr, w, ws, (128, 128), tiles=(8, 512, 4))  # one masked step longer than K
         torch.testing.assert_close(got, want_wo, rtol=1e-5, atol=1e-5)
-    if m <= 16:
+    if m <= fp8_kernels.WEIGHT_ONLY_MAX_M:
         torch.testing.assert_close(fp8_block_linear(xr, w, ws, (128, 128)), want_wo, rtol=1e-5, atol=1e-5)
+    if m == 1:  # from DEQUANT_MIN_M rows: the weight dequantized by the kernel, then a dense product
+        wd = fp8_kernels.fp8_block_dequantize(w, ws, (128, 128), torch.float32)
+        assert torch.equal(wd, w.float() * ws.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k])
+        xl = torch.randn(fp8_kernels.DEQUANT_MIN_M, k, generator=g)
+        want_l = weight_only_reference(xl, w, ws, (128, 128))
+        torch.testing.assert_close(fp8_block_linear(xl, w, ws, (128, 128)), want_l, rtol=1e-5, atol=1e-5)
 
 
 def test_cli_refusal_is_one_line(base, tmp_path):

@@ -9,9 +9,10 @@ K/BK_S]). fp8_block_linear picks by the number of rows of x:
   scale multiplies each block's partial sum. 5..16 rows: the GEMM's weight-only path (bf16 tl.dot);
 - more rows: x quantized per token per BK_S-wide group (per_token_group_quant, scale amax/448), then the float8
   GEMM, one K step a group, its tl.dot scaled by the row's and the block's scales and added in float32.
-  Where torch has cuBLAS's block-scaled FP8 GEMM (1x128 activation groups by 128x128 weight blocks: Hopper, CUDA
-  12.9+), rows from SCALED_MM_MIN_M go there instead; whether it runs, and which of torch's two spellings does, is
-  probed once per weight shape against the Triton GEMM (scaled_mm_block).
+- from DEQUANT_MIN_M rows (prefill, compute-bound), the weight dequantized into a bf16 scratch (fp8_block_dequantize)
+  and cuBLAS's bf16 GEMM: the Triton float8 GEMM ran at 0.2-0.5x of bf16 there on an H200.
+The thresholds come from benchmarks/tuning/quant_paths.py on an H200 (Qwen2.5-7B's layers): the float8 GEMM beat the
+weight-only paths from 2 rows on.
 Weight-only is the dequantized model's product (closer to it than the quantized path, which also rounds x).
 Tile shapes: GEMV_TILES / GEMM_CANDIDATES, swept by benchmarks/quant_gpu.py on a GPU. The torch references are
 fp8_block.quantize_groups, fp8_block.block_reference (x quantized) and fp8_block.weight_only_reference.
@@ -19,17 +20,11 @@ fp8_block.quantize_groups, fp8_block.block_reference (x quantized) and fp8_block
 
 from __future__ import annotations
 
-import logging
-import weakref
-
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from novainfer.kernels.tiling import grouped_tile, row_bucket
-
-logger = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -46,8 +41,6 @@ def _group_quant_kernel(
     scale_ptr,
     K,
     stride_xm,
-    stride_sm,
-    stride_sg,
     G: tl.constexpr,
     GROUPS: tl.constexpr,
     FP8_MAX: tl.constexpr,
@@ -59,7 +52,7 @@ def _group_quant_kernel(
     mask = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
     scale, q = _quant_group(x, FP8_MAX, MIN_SCALE)
-    tl.store(scale_ptr + row * stride_sm + grps * stride_sg, scale, mask=grps < tl.cdiv(K, G))
+    tl.store(scale_ptr + row * tl.cdiv(K, G) + grps, scale, mask=grps < tl.cdiv(K, G))
     tl.store(out_ptr + row * K + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -177,55 +170,39 @@ def _block_gemv_kernel(
 
 FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
-GEMV_MAX_M = 4  # up to this many rows: the weight-only GEMV
-WEIGHT_ONLY_MAX_M = 16  # up to this many rows x stays bf16 (the GEMV, then the GEMM's weight-only path)
-SCALED_MM_MIN_M = 17  # from this many rows cuBLAS's block-scaled GEMM, where it runs (benchmarks/tuning/quant_paths.py)
+GEMV_ROWS = 4  # the most rows the GEMV kernel takes
+GEMV_MAX_M = 1  # up to this many rows fp8_block_linear takes the GEMV (1.2-1.4x bf16 at one row, 0.5-0.8x at two)
+WEIGHT_ONLY_MAX_M = 1  # up to this many rows x stays bf16; above, x is quantized per group for the float8 GEMM
+DEQUANT_MIN_M = 512  # from this many rows: the weight dequantized to bf16, then cuBLAS
 
 # (BLOCK_N, BLOCK_K, num_warps) of the GEMV (BLOCK_N divides the 64 or 128 rows of a scale block); GEMV_TILES by
-# (N, K), else GEMV_DEFAULT; GEMV_CANDIDATES are what benchmarks/quant_gpu.py sweeps (reasoned, not yet measured)
+# (N, K), else GEMV_DEFAULT; GEMV_CANDIDATES are what benchmarks/quant_gpu.py sweeps (GEMV_TILES: its best on an H200)
 # (all programs together have N * BLOCK_K bytes in flight: long K steps, as for kernels/int4_gemm.py's GEMV)
 GEMV_CANDIDATES: list[tuple[int, int, int]] = [(4, 1024, 4), (8, 1024, 8), (2, 2048, 4), (8, 512, 4), (4, 512, 2)]
 GEMV_DEFAULT = (4, 1024, 4)
-GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
+GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {(37888, 3584): (8, 512, 4), (3584, 18944): (2, 2048, 4)}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the GEMM by the row count's bucket; BLOCK_K is the scale block
 GEMM_CANDIDATES: dict[int, list[tuple[int, int, int, int]]] = {
-    16: [(16, 64, 4, 4), (16, 128, 4, 4), (16, 32, 2, 4)],
+    16: [(16, 32, 2, 4), (16, 64, 4, 4), (16, 128, 4, 4)],
     64: [(32, 64, 4, 4), (64, 64, 4, 3), (64, 128, 4, 3)],
     256: [(64, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)],
-    1 << 30: [(128, 128, 4, 3), (128, 128, 8, 3), (64, 128, 4, 3), (128, 256, 8, 3)],
+    1 << 30: [(64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3)],
 }
 
 
-def per_token_group_quant(
-    x: torch.Tensor, group: int, out_dtype: torch.dtype = torch.float8_e4m3fn, column_major_scales: bool = False
-):
+def per_token_group_quant(x: torch.Tensor, group: int, out_dtype: torch.dtype = torch.float8_e4m3fn):
     """x [M, K] -> (quantized [M, K] in out_dtype, float32 scales [M, ceil(K / group)]); out_dtype float32
-    returns the clamped quotients before the cast (the interpreter's float8 cast does not round as CUDA's);
-    column_major_scales: the scales laid out with stride (1, M), as cuBLAS's block-scaled GEMM reads them."""
+    returns the clamped quotients before the cast (the interpreter's float8 cast does not round as CUDA's)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     groups = triton.cdiv(k, group)
     out = torch.empty((m, k), dtype=out_dtype, device=x.device)
-    if column_major_scales:
-        scale = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
-    else:
-        scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     per = 8  # groups a program: 8 KB of bf16 read, far fewer programs than one a group
     if m:
         _group_quant_kernel[(m, triton.cdiv(groups, per))](
-            x,
-            out,
-            scale,
-            k,
-            x.stride(0),
-            scale.stride(0),
-            scale.stride(1),
-            G=group,
-            GROUPS=per,
-            FP8_MAX=FP8_MAX,
-            MIN_SCALE=MIN_SCALE,
-            num_warps=4,
+            x, out, scale, k, x.stride(0), G=group, GROUPS=per, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=4
         )
     return out, scale
 
@@ -280,10 +257,10 @@ def fp8_block_gemv(
     block: tuple[int, int],
     tiles: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (M <= GEMV_MAX_M, unit stride along K, not quantized) times the block-scaled weight -> [M, N]."""
+    """x [M, K] (M <= GEMV_ROWS, unit stride along K, not quantized) times the block-scaled weight -> [M, N]."""
     m, k = x.shape
     n = weight.shape[0]
-    assert m <= GEMV_MAX_M and x.stride(1) == 1, x.shape
+    assert m <= GEMV_ROWS and x.stride(1) == 1, x.shape
     if tiles is None and not x.is_cuda:
         tiles = (4, 128, 4)  # the interpreter: small tiles
     block_n, block_k, warps = tiles or GEMV_TILES.get((n, k), GEMV_DEFAULT)
@@ -309,70 +286,40 @@ def fp8_block_gemv(
     return out
 
 
-# torch's two spellings of cuBLAS's 1x128 x 128x128 block-scaled GEMM: the weight's scales [K/128 (padded to a
-# multiple of 4 for the newer one), N/128] with stride (1, rows)
-def _mm_v2(a, a_s, w, w_s_t, out_dtype):
-    rec = F.ScalingType
-    return F.scaled_mm(a, w.t(), a_s, rec.BlockWise1x128, w_s_t, rec.BlockWise128x128, output_dtype=out_dtype)
+@triton.jit
+def _block_dequant_kernel(
+    w_ptr, ws_ptr, out_ptr, N, K, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK: tl.constexpr
+):
+    """One [GROUP_N, BLOCK] tile a program (BLOCK a multiple of GROUP_K): float8 times its block's scale."""
+    rows = tl.program_id(0) * GROUP_N + tl.arange(0, GROUP_N)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = (rows < N)[:, None] & (cols < K)[None, :]
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    s = tl.load(ws_ptr + tl.program_id(0) * tl.cdiv(K, GROUP_K) + cols // GROUP_K, mask=cols < K, other=0.0)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * s[None, :]
+    tl.store(out_ptr + offs, w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _mm_v1(a, a_s, w, w_s_t, out_dtype):
-    return torch._scaled_mm(a, w.t(), a_s, w_s_t, out_dtype=out_dtype)
-
-
-_SPELLINGS = {"v2": (_mm_v2, 4), "v1": (_mm_v1, 1)}  # name -> (call, the K-block padding of the weight's scales)
-_MM_FOR_SHAPE: dict[tuple[int, int], str | None] = {}  # (N, K) -> the spelling that ran correctly, None: none did
-_MM_SCALES: "weakref.WeakKeyDictionary[torch.Tensor, dict]" = weakref.WeakKeyDictionary()
-
-
-def _mm_weight_scales(w_scale: torch.Tensor, pad: int) -> torch.Tensor:
-    """weight_scale_inv [N/128, K/128] as cuBLAS reads it (made once per weight and padding)."""
-    per = _MM_SCALES.setdefault(w_scale, {})
-    if pad not in per:
-        kb = w_scale.shape[1]
-        per[pad] = F.pad(w_scale.float(), (0, -(-kb // pad) * pad - kb)).contiguous().t()
-    return per[pad]
-
-
-def scaled_mm_block(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]):
-    """x [M, K] times the block-scaled weight through cuBLAS (x quantized per 128-wide group), or None where torch
-    has no such GEMM for this weight: the first call per weight shape tries each spelling against the Triton GEMM."""
+def fp8_block_dequantize(weight: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int], dtype: torch.dtype):
+    """The block-scaled weight as a dense [N, K] tensor of dtype."""
     n, k = weight.shape
-    if not x.is_cuda or block != (128, 128) or n % 128 or k % 128:
-        return None
-    name = _MM_FOR_SHAPE.get((n, k), "")
-    if name is None:
-        return None
-    a, a_s = per_token_group_quant(x, 128, column_major_scales=True)
-    if name:
-        call, pad = _SPELLINGS[name]
-        return call(a, a_s, weight, _mm_weight_scales(w_scale, pad), x.dtype)
-    want = fp8_block_gemm(a, a_s.contiguous(), weight, w_scale, block, torch.float32)
-    for name, (call, pad) in _SPELLINGS.items():
-        try:
-            got = call(a, a_s, weight, _mm_weight_scales(w_scale, pad), x.dtype)
-        except (RuntimeError, AttributeError, TypeError, ValueError):
-            continue
-        if ((got.float() - want).norm() <= 1e-2 * want.norm()).item():
-            _MM_FOR_SHAPE[(n, k)] = name
-            logger.info("block FP8 [%d, %d]: cuBLAS's block-scaled GEMM (%s) from %d rows", n, k, name, SCALED_MM_MIN_M)
-            return got
-    _MM_FOR_SHAPE[(n, k)] = None
-    logger.info("block FP8 [%d, %d]: torch has no block-scaled cuBLAS GEMM here; the Triton GEMM runs", n, k)
-    return None
+    out = torch.empty((n, k), dtype=dtype, device=weight.device)
+    width = block[1] * max(1, 1024 // block[1])
+    _block_dequant_kernel[(triton.cdiv(n, block[0]), triton.cdiv(k, width))](
+        weight, w_scale, out, n, k, GROUP_N=block[0], GROUP_K=block[1], BLOCK=width
+    )
+    return out
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]):
     """x [M, K] (contiguous) times the block-scaled weight -> [M, N] in x's dtype: weight-only (x as it is) up to
-    WEIGHT_ONLY_MAX_M rows, where reading the weight is the cost; x quantized per group and the float8 GEMM above
-    (cuBLAS's from SCALED_MM_MIN_M rows where it runs)."""
+    WEIGHT_ONLY_MAX_M rows, where reading the weight is the cost; x quantized per group and the float8 GEMM above;
+    from DEQUANT_MIN_M rows the dequantized weight and cuBLAS."""
     m = x.shape[0]
     if m <= GEMV_MAX_M:
         return fp8_block_gemv(x, weight, w_scale, block)
-    if m >= SCALED_MM_MIN_M:
-        y = scaled_mm_block(x, weight, w_scale, block)
-        if y is not None:
-            return y
+    if m >= DEQUANT_MIN_M:
+        return torch.nn.functional.linear(x, fp8_block_dequantize(weight, w_scale, block, x.dtype))
     if m <= WEIGHT_ONLY_MAX_M:
         return fp8_block_gemm(x, None, weight, w_scale, block, x.dtype)
     return fp8_block_gemm(*per_token_group_quant(x, block[1]), weight, w_scale, block, x.dtype)

@@ -199,7 +199,7 @@ def _int4_dequant_kernel(q_ptr, s_ptr, z_ptr, out_ptr, K, GROUP: tl.constexpr, B
 
 
 GEMV_MAX_M = 4  # up to this many rows of x go through the GEMV (one read of the codes for all rows)
-DEQUANT_MIN_M = 128  # from this many rows: dequantize into a scratch weight, then cuBLAS (quant_paths.py measures)
+DEQUANT_MIN_M = 64  # from this many rows: dequantize into a scratch weight, then cuBLAS (quant_paths.py measures)
 
 # (BLOCK_N, BLOCK_K, num_warps) of the GEMV. A step loads BLOCK_N * BLOCK_K / 2 bytes, a 16-byte vector or more per
 # thread; all programs together have N * BLOCK_K / 2 bytes in flight, which must cover HBM's latency (~3-4 MB on an
@@ -215,14 +215,19 @@ GEMV_CANDIDATES: list[tuple[int, int, int]] = [
     (16, 1024, 8),
 ]
 GEMV_DEFAULT = (8, 1024, 4)
-GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {}
+GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {  # the sweep's best on an H200 (Qwen2.5-7B's layers)
+    (4608, 3584): (4, 1024, 4),
+    (3584, 3584): (4, 2048, 4),
+    (37888, 3584): (8, 512, 4),
+    (3584, 18944): (4, 2048, 4),
+}
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMM by the row count's bucket (BLOCK_K is capped at
 # the group size); split-K fills the GPU where the output tiles cannot
 GEMM_CANDIDATES: dict[int, list[tuple[int, int, int, int, int]]] = {
     16: [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 64, 4, 5), (16, 32, 128, 2, 4)],
     64: [(32, 64, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (32, 128, 128, 4, 4)],
-    256: [(64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (64, 64, 128, 4, 4), (128, 64, 64, 4, 4)],
+    256: [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4), (128, 64, 64, 4, 4)],
     # prefill: a weight tile is dequantized once per BLOCK_M rows, so tall tiles amortize the unpacking
     1 << 30: [(128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3)],
 }

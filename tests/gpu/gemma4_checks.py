@@ -1,6 +1,6 @@
 """Gemma 4 on the GPU in float32 (issue 36): the tiny dense (per-layer embeddings, KV-shared layers, a window shorter
 than the prompts) and MoE checkpoints of tests/test_gemma4.py through the Triton kernels and the decode CUDA graphs,
-greedy tokens equal to transformers' on the same GPU, with prefix caching on and off, a mixed batch and each prompt
+greedy tokens equal to transformers' (float32, CPU), with prefix caching on and off, a mixed batch and each prompt
 alone, and under preemption. Prints one PASS/FAIL table.
 
   python tests/gpu/gemma4_checks.py                                  # CUDA, graphs on
@@ -28,8 +28,9 @@ from tests.tiny_models import hf_greedy_logprobs  # noqa: E402
 
 
 def model_check(which: str, path: str, device: str, n: int) -> None:
-    """Engine greedy == transformers' on `device`; logprobs within 1e-3; cache on/off; alone; preempted."""
-    hf = Gemma4ForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    """Engine greedy on `device` == transformers' (float32 on the CPU, the exact reference); logprobs within 1e-3;
+    cache on/off; alone; preempted."""
+    hf = Gemma4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
     ids = None
     for prefix in (True, False):
