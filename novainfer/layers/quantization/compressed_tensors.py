@@ -22,8 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from novainfer.layers.linear import LinearBase
-from novainfer.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
+from novainfer.layers.quantization.base import FusedMoEMethodBase, QuantizationConfig, QuantizeMethodBase
 from novainfer.layers.quantization.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
@@ -33,7 +32,13 @@ from novainfer.layers.quantization.fp8 import (
     fp8_linear,
     quantize_rows,
 )
-from novainfer.layers.quantization.prequantized import PrequantizedLinearMethod, ShardSlice, layer_label
+from novainfer.layers.quantization.prequantized import (
+    PrequantizedLinearMethod,
+    ShardSlice,
+    layer_label,
+    quantized_linear,
+    refuse_unquantized_modules,
+)
 
 
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,14 +108,20 @@ class CtFp8LinearMethod(PrequantizedLinearMethod):
 class CtFp8Config(QuantizationConfig):
     """Every dense linear layer is a compressed-tensors FP8 one (the embedding and lm_head stay dense)."""
 
-    def __init__(self, device: torch.device, static_input: bool):
+    def __init__(self, device: torch.device, static_input: bool, strategy_field: str = "weights.strategy"):
         fuse_bias, fast_accum = check_device_support(device)
         quantize = cuda_quantizer(device) if device.type == "cuda" else quantize_rows
         self.opts = Fp8Options(fuse_bias, fast_accum, quantize)
-        self.static_input = static_input
+        self.static_input, self.strategy_field = static_input, strategy_field
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
-        return CtFp8LinearMethod(self.opts, self.static_input) if isinstance(layer, LinearBase) else None
+        return CtFp8LinearMethod(self.opts, self.static_input) if quantized_linear(layer) else None
+
+    def get_moe_method(self, layer: nn.Module) -> FusedMoEMethodBase:
+        raise ValueError(
+            f"quantization_config.{self.strategy_field} (compressed-tensors FP8 per channel / per tensor): MoE experts "
+            "in this scheme are not implemented (FP8_BLOCK experts are)"
+        )
 
     def keeps_stored_dtype(self, name: str, tensor: torch.Tensor) -> bool:
         return tensor.dtype == FP8_DTYPE or name.endswith((".weight_scale", ".input_scale"))
@@ -134,9 +145,7 @@ def ct_config(qc: dict, device: torch.device) -> QuantizationConfig:
     field = f"config_groups.{group_name}"
     if list(scheme.targets) != ["Linear"]:
         raise _refuse(f"{field}.targets", scheme.targets, "only targets ['Linear'] is implemented")
-    ignored = [i for i in cfg.ignore or [] if i not in ("lm_head", "re:.*lm_head", "re:^lm_head$")]
-    if ignored:
-        raise _refuse("ignore", ignored, "layers left unquantized (other than the lm_head) are not supported")
+    refuse_unquantized_modules("ignore", list(cfg.ignore or []), "compressed-tensors")
     if scheme.output_activations is not None:
         raise _refuse(f"{field}.output_activations", "set", "output activation quantization is not implemented")
     if cfg.kv_cache_scheme is not None:
@@ -165,7 +174,7 @@ def ct_config(qc: dict, device: torch.device) -> QuantizationConfig:
                 f"{a.strategy}/dynamic={a.dynamic}",
                 "per-token dynamic or per-tensor static FP8 activations only",
             )
-        return CtFp8Config(device, static_input=not a.dynamic)
+        return CtFp8Config(device, not a.dynamic, f"{field}.weights.strategy={w.strategy!r}")
     if fmt == "pack-quantized":
         from novainfer.layers.quantization.int4 import GROUP_SIZES, Int4Config, Int4Format
 

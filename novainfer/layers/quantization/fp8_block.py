@@ -18,14 +18,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from novainfer.layers.linear import LinearBase
-from novainfer.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
+from novainfer.layers.quantization.base import FusedMoEMethodBase, QuantizationConfig, QuantizeMethodBase
 from novainfer.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from novainfer.layers.quantization.prequantized import (
     PrequantizedLinearMethod,
     ShardSlice,
     layer_label,
     probe_kernels,
+    quantized_linear,
+    refuse_unquantized_modules,
     shard_slices,
 )
 
@@ -162,7 +163,12 @@ class Fp8BlockConfig(QuantizationConfig):
         self.block, self.scale_name = block, scale_name
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
-        return Fp8BlockLinearMethod(self.block, self.scale_name) if isinstance(layer, LinearBase) else None
+        return Fp8BlockLinearMethod(self.block, self.scale_name) if quantized_linear(layer) else None
+
+    def get_moe_method(self, layer: nn.Module) -> FusedMoEMethodBase:
+        from novainfer.layers.quantization.prequantized_moe import Fp8BlockMoEMethod
+
+        return Fp8BlockMoEMethod(self.block, self.scale_name)
 
     def keeps_stored_dtype(self, name: str, tensor: torch.Tensor) -> bool:
         return tensor.dtype == FP8_DTYPE or name.endswith("." + self.scale_name)
@@ -185,11 +191,8 @@ def fp8_block_config(qc: dict, device: torch.device) -> Fp8BlockConfig:
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ValueError(f"quantization_config.fmt={fmt!r}: only e4m3 (float8_e4m3fn) is implemented")
-    if qc.get("modules_to_not_convert") or qc.get("ignored_layers"):
-        raise ValueError(
-            "quantization_config.modules_to_not_convert / ignored_layers: layers left unquantized in an "
-            "FP8 checkpoint are not supported"
-        )
+    for field in ("modules_to_not_convert", "ignored_layers"):
+        refuse_unquantized_modules(field, qc.get(field), "fp8")
     return Fp8BlockConfig((int(block[0]), int(block[1])), device)
 
 

@@ -24,13 +24,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from novainfer.layers.linear import LinearBase
-from novainfer.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
+from novainfer.layers.quantization.base import FusedMoEMethodBase, QuantizationConfig, QuantizeMethodBase
 from novainfer.layers.quantization.prequantized import (
     PrequantizedLinearMethod,
     ShardSlice,
     layer_label,
     probe_kernels,
+    quantized_linear,
+    refuse_unquantized_modules,
     shard_slices,
 )
 
@@ -38,7 +39,6 @@ PACK = 8  # 4-bit codes per int32
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ word holds column AWQ_ORDER[j] of its eight
 GROUP_SIZES = (32, 64, 128)
 UNSUPPORTED_FIELDS = {  # set (truthy) in a GPTQ / AWQ quantization_config, each changes what the layers hold
-    "modules_to_not_convert": "leaving layers unquantized",
     "dynamic": "a per-module override of bits or group size",
     "lm_head": "a quantized lm_head",
     "is_marlin_format": "the Marlin-repacked layout",
@@ -249,7 +249,17 @@ class Int4Config(QuantizationConfig):
         self.fmt = fmt
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
-        return Int4LinearMethod(self.fmt) if isinstance(layer, LinearBase) else None
+        return Int4LinearMethod(self.fmt) if quantized_linear(layer) else None
+
+    def get_moe_method(self, layer: nn.Module) -> FusedMoEMethodBase:
+        if self.fmt.desc_act:
+            raise ValueError(
+                f"quantization_config.desc_act=true ({self.fmt.name}): act-order (a permuted g_idx) MoE experts are "
+                "not implemented"
+            )
+        from novainfer.layers.quantization.prequantized_moe import Int4MoEMethod
+
+        return Int4MoEMethod(Int4LinearMethod(self.fmt))
 
     def keeps_stored_dtype(self, name: str, tensor: torch.Tensor) -> bool:
         return name.rsplit(".", 1)[-1] in self.STORED
@@ -264,6 +274,7 @@ def int4_format(qc: dict) -> Int4Format:
     group = qc.get("group_size", qc.get("q_group_size"))
     if group not in GROUP_SIZES:
         raise ValueError(f"quantization_config.group_size={group} ({method}): implemented are {GROUP_SIZES}")
+    refuse_unquantized_modules("modules_to_not_convert", qc.get("modules_to_not_convert"), method)
     for key, why in UNSUPPORTED_FIELDS.items():
         if qc.get(key):
             raise ValueError(f"quantization_config.{key}={qc[key]!r} ({method}): {why} is not supported")

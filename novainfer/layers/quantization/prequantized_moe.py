@@ -1,0 +1,302 @@
+"""Pre-quantized MoE experts (block FP8, GPTQ / AWQ / compressed-tensors INT4) kept quantized in a FusedMoE layer.
+
+The checkpoint stores each expert's projections as the dense format does (experts.E.gate_proj.weight +
+weight_scale_inv; qweight / qzeros / scales / g_idx; weight_packed / weight_scale / weight_zero_point). The layer
+registers one placeholder per format tensor name and stacked side (w13_<name>, w2_<name>; the model maps
+experts.E.<proj>.<name> to them with shard id (E, w1 | w3 | w2)), stashes what arrives, and once every tensor is
+in, unpacks each with the dense format's own unpack (fp8_block.py, int4.py), takes this rank's slice (gate/up
+rows, down columns) and stacks the experts:
+- block FP8: w13_weight float8 [E, 2I, H] (gate rows then up rows), w13_weight_scale [E, 2I/bn, H/bk], w2_weight
+  [E, H, I], w2_weight_scale [E, H/bn, I/bk] (I this rank's intermediate size; whole blocks on each side);
+- INT4: int4.py's kernel layout per expert, stacked: w13_qweight int32 [E, 2I, H/8], w13_scales (as stored) and
+  w13_qzeros uint8 [E, 2I, H/G], likewise w2_* [E, H, I/8], [E, H, I/G]. Act-order (a permuted g_idx) is refused.
+On CUDA kernels/fused_moe_quant.py runs them; on the CPU, as the dense layers do, each call dequantizes the experts
+it routes to (float32) and runs the torch experts (weight-only: the activations stay as they are).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from novainfer.layers.fused_moe.moe_torch import fused_experts_torch
+from novainfer.layers.quantization.base import FusedMoEMethodBase
+from novainfer.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from novainfer.layers.quantization.fp8_block import Fp8BlockLinearMethod, expand_blocks
+from novainfer.layers.quantization.int4 import Int4LinearMethod, Int4Shard, pack_int4, unpack_int4
+from novainfer.layers.quantization.prequantized import PrequantizedLinearMethod, ShardSlice
+
+# the formats' per-expert tensor names besides weight (the model maps experts.E.<proj>.<name> to w13_ / w2_<name>)
+EXPERT_TENSOR_NAMES = (
+    "weight_scale_inv",
+    "weight_scale",
+    "qweight",
+    "qzeros",
+    "scales",
+    "g_idx",
+    "weight_packed",
+    "weight_zero_point",
+    "weight_shape",
+)
+
+
+@dataclass
+class ExpertProjection:
+    """One expert projection's shape, for the dense unpackers' messages: [N, K] as the checkpoint stores it."""
+
+    output_size: int
+    input_size: int
+    tp_size: int
+
+
+def dequantize_fp8_block_experts(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Stacked float8 experts [E, N, K] and block scales [E, N/bn, K/bk] -> float32 [E, N, K] (the reference)."""
+    return torch.stack([wi.float() * expand_blocks(si.float(), block, tuple(wi.shape)) for wi, si in zip(w, scale)])
+
+
+def dequantize_int4_experts(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int):
+    """Stacked INT4 experts (qweight [E, N, K/8], scales / zeros [E, N, K/G]) -> float32 [E, N, K]."""
+    e, n, words = qweight.shape
+    codes = unpack_int4(qweight.reshape(e * n, words)).view(e, n, words * 8).float()
+    return (codes - zeros.float().repeat_interleave(group, 2)) * scales.float().repeat_interleave(group, 2)
+
+
+class PrequantizedMoEMethod(FusedMoEMethodBase):
+    """Collects the experts' checkpoint tensors and stacks them (the module docstring); subclasses store and run."""
+
+    stored: tuple[str, ...] = ()  # the stacked tensors of one side (w13_ / w2_ prefixed), for draws and reports
+
+    def __init__(self, linear: PrequantizedLinearMethod):
+        self.linear = linear
+
+    def check_sizes(self, hidden_size: int, intermediate_size: int, tp_size: int) -> None:
+        """Raise ValueError naming the config field where the experts' shapes break the format's boundaries."""
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        self.check_sizes(hidden_size, intermediate_size, layer.tp_size)
+        layer.hidden_size, layer.stash = hidden_size, {}
+        layer.act_dtype = torch.get_default_dtype()  # the model's dtype while it is built
+        for side in ("w13", "w2"):
+            for name in self.linear.tensor_names:
+                param = nn.Parameter(torch.empty(0), requires_grad=False)
+                param.weight_loader = partial(self._stash, layer, name)
+                layer.register_parameter(f"{side}_{name}", param)
+
+    def _stash(self, layer: nn.Module, name: str, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
+        expert, kind = shard_id
+        if not 0 <= expert < layer.num_experts:
+            raise ValueError(f"expert {expert} out of range: the config has {layer.num_experts} experts")
+        layer.stash[(name, expert, kind)] = loaded
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if not layer.stash:
+            return  # done already, or drawn by draw_dummy
+        inter, hidden, rank, size = layer.local_inter, layer.hidden_size, layer.tp_rank, layer.tp_size
+        slices = {
+            "w1": (ExpertProjection(inter * size, hidden, size), ShardSlice(0, rank * inter, inter)),
+            "w3": (ExpertProjection(inter * size, hidden, size), ShardSlice(0, rank * inter, inter)),
+            "w2": (ExpertProjection(hidden, inter * size, size), ShardSlice(1, rank * inter, inter)),
+        }
+        experts = []
+        for e in range(layer.num_experts):
+            shards = {}
+            for kind, (proj, sl) in slices.items():
+                tensors = {name: layer.stash.pop((name, e, kind), None) for name in self.linear.tensor_names}
+                lacking = [n for n, t in tensors.items() if t is None]
+                if lacking:
+                    raise ValueError(f"the checkpoint lacks expert {e}'s {kind} tensor(s) {', '.join(lacking)}")
+                shards[kind] = self.linear.take_slice(proj, self.linear.unpack(proj, tensors), sl)
+            experts.append(shards)
+        layer.stash = {}
+        for side in ("w13", "w2"):
+            for name in self.linear.tensor_names:
+                layer._parameters.pop(f"{side}_{name}", None)
+        self.store(layer, experts)
+
+    def store(self, layer: nn.Module, experts: list[dict]) -> None:
+        """Per expert its sliced w1 / w3 / w2 shards (the format's logical form) -> the layer's stacked tensors."""
+        raise NotImplementedError
+
+    def set_stored(self, layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        for name, t in tensors.items():
+            layer.register_parameter(name, nn.Parameter(t.contiguous(), requires_grad=False))
+
+    def dequantized(self, layer: nn.Module, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The given experts' w13 [e, 2I, H] and w2 [e, H, I] in float32 (the torch reference's weights)."""
+        raise NotImplementedError
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        if x.is_cuda:
+            return self.apply_cuda(layer, x, topk_weights, topk_ids)
+        used = torch.unique(topk_ids)
+        remap = torch.zeros(layer.num_experts, dtype=torch.long, device=topk_ids.device)
+        remap[used] = torch.arange(used.numel(), device=topk_ids.device)
+        w13, w2 = self.dequantized(layer, used)  # float32, as the dense layers' CPU reference multiplies
+        return fused_experts_torch(x.float(), w13, w2, topk_weights, remap[topk_ids], layer.act_fn).to(x.dtype)
+
+    def apply_cuda(self, layer: nn.Module, x, topk_weights, topk_ids) -> torch.Tensor:
+        raise NotImplementedError
+
+    def draw_dummy(self, layer: nn.Module, std: float, gen: torch.Generator) -> None:
+        """load_format="dummy": N(0, std^2) experts quantized into the stored layout."""
+        e, inter, hidden = layer.num_experts, layer.local_inter, layer.hidden_size
+        w13 = torch.randn(e, 2 * inter, hidden, generator=gen, device=gen.device) * std
+        w2 = torch.randn(e, hidden, inter, generator=gen, device=gen.device) * std
+        layer.stash = {}
+        for side in ("w13", "w2"):
+            for name in self.linear.tensor_names:
+                layer._parameters.pop(f"{side}_{name}", None)
+        self.set_stored(layer, {**self.quantize(layer, "w13", w13), **self.quantize(layer, "w2", w2)})
+
+    def quantize(self, layer: nn.Module, side: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Float experts [E, N, K] -> the stored tensors of one side (dummy weights, benchmarks)."""
+        raise NotImplementedError
+
+
+class Fp8BlockMoEMethod(PrequantizedMoEMethod):
+    """Block-scaled FP8 experts as stored (quant_method fp8 with weight_block_size; compressed-tensors FP8_BLOCK)."""
+
+    def __init__(self, block: tuple[int, int], scale_name: str):
+        super().__init__(Fp8BlockLinearMethod(block, scale_name))
+        self.block = block
+
+    def check_sizes(self, hidden_size: int, intermediate_size: int, tp_size: int) -> None:
+        bn, bk = self.block
+        for what, size, b in (
+            ("hidden_size", hidden_size, bk),
+            ("moe intermediate_size per tensor-parallel rank (gate/up rows)", intermediate_size, bn),
+            ("moe intermediate_size per tensor-parallel rank (down columns)", intermediate_size, bk),
+        ):
+            if size % b:
+                raise ValueError(
+                    f"quantization_config.weight_block_size={list(self.block)} does not divide the experts' {what} "
+                    f"({size}, tp_size={tp_size}): block FP8 experts need whole blocks"
+                )
+
+    def store(self, layer: nn.Module, experts: list[dict]) -> None:
+        def stack(kinds: tuple[str, ...], attr: str) -> torch.Tensor:
+            return torch.stack([torch.cat([getattr(x[k], attr) for k in kinds]) for x in experts])
+
+        self.set_stored(
+            layer,
+            {
+                "w13_weight": stack(("w1", "w3"), "weight"),
+                "w13_weight_scale": stack(("w1", "w3"), "scale"),
+                "w2_weight": stack(("w2",), "weight"),
+                "w2_weight_scale": stack(("w2",), "scale"),
+            },
+        )
+
+    def dequantized(self, layer: nn.Module, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(
+            dequantize_fp8_block_experts(
+                getattr(layer, f"{s}_weight")[experts], getattr(layer, f"{s}_weight_scale")[experts], self.block
+            )
+            for s in ("w13", "w2")
+        )
+
+    def quantize(self, layer: nn.Module, side: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        e, n, k = w.shape
+        bn, bk = self.block
+        blocks = w.view(e, n // bn, bn, k // bk, bk)
+        scale = blocks.abs().amax(dim=(2, 4)).clamp(min=MIN_SCALE) / FP8_MAX
+        full = scale.repeat_interleave(bn, 1).repeat_interleave(bk, 2)
+        q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return {f"{side}_weight": q, f"{side}_weight_scale": scale.float()}
+
+    def apply_cuda(self, layer: nn.Module, x, topk_weights, topk_ids) -> torch.Tensor:
+        from novainfer.kernels.fused_moe_quant import fused_experts_fp8_block
+
+        return fused_experts_fp8_block(
+            x,
+            layer.w13_weight,
+            layer.w13_weight_scale,
+            layer.w2_weight,
+            layer.w2_weight_scale,
+            self.block,
+            topk_weights,
+            topk_ids,
+            layer.act_fn,
+        )
+
+
+class Int4MoEMethod(PrequantizedMoEMethod):
+    """INT4 experts (GPTQ without act-order, AWQ, compressed-tensors pack-quantized) in int4.py's kernel layout."""
+
+    def __init__(self, linear: Int4LinearMethod):
+        super().__init__(linear)
+        self.group = linear.fmt.group_size
+
+    def check_sizes(self, hidden_size: int, intermediate_size: int, tp_size: int) -> None:
+        for what, size in (
+            ("hidden_size", hidden_size),
+            ("moe intermediate_size per tensor-parallel rank", intermediate_size),
+        ):
+            if size % self.group:
+                raise ValueError(
+                    f"quantization_config.group_size={self.group} does not divide the experts' {what} ({size}, "
+                    f"tp_size={tp_size}): INT4 experts need whole groups"
+                )
+
+    def store(self, layer: nn.Module, experts: list[dict]) -> None:
+        stored = {}
+        for side, kinds in (("w13", ("w1", "w3")), ("w2", ("w2",))):
+            shards: list[list[Int4Shard]] = [[x[k] for k in kinds] for x in experts]
+            if any(s.g_idx is not None for row in shards for s in row):
+                raise ValueError(
+                    "quantization_config.desc_act: an expert's g_idx is permuted (act-order); act-order MoE experts "
+                    "are not implemented"
+                )
+            codes = torch.stack([torch.cat([s.codes for s in row]) for row in shards])
+            e, n, k = codes.shape
+            stored[f"{side}_qweight"] = pack_int4(codes.view(e * n, k)).view(e, n, k // 8)
+            stored[f"{side}_scales"] = torch.stack([torch.cat([s.scales for s in row]) for row in shards])
+            stored[f"{side}_qzeros"] = torch.stack([torch.cat([s.zeros for s in row]) for row in shards]).to(
+                torch.uint8
+            )
+        self.set_stored(layer, stored)
+
+    def dequantized(self, layer: nn.Module, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(
+            dequantize_int4_experts(
+                getattr(layer, f"{s}_qweight")[experts],
+                getattr(layer, f"{s}_scales")[experts],
+                getattr(layer, f"{s}_qzeros")[experts],
+                self.group,
+            )
+            for s in ("w13", "w2")
+        )
+
+    def quantize(self, layer: nn.Module, side: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        e, n, k = w.shape
+        g = self.group
+        wg = w.view(e, n, k // g, g)
+        scales = (wg.abs().amax(-1) / 7).clamp(min=1e-8)
+        codes = (wg / scales[..., None]).round().clamp(-8, 7).add(8).view(e * n, k).to(torch.uint8)
+        return {
+            f"{side}_qweight": pack_int4(codes).view(e, n, k // 8),
+            f"{side}_scales": scales.to(layer.act_dtype),
+            f"{side}_qzeros": torch.full(scales.shape, 8, dtype=torch.uint8, device=w.device),
+        }
+
+    def apply_cuda(self, layer: nn.Module, x, topk_weights, topk_ids) -> torch.Tensor:
+        from novainfer.kernels.fused_moe_quant import fused_experts_int4
+
+        return fused_experts_int4(
+            x,
+            layer.w13_qweight,
+            layer.w13_scales,
+            layer.w13_qzeros,
+            layer.w2_qweight,
+            layer.w2_scales,
+            layer.w2_qzeros,
+            self.group,
+            topk_weights,
+            topk_ids,
+            layer.act_fn,
+        )

@@ -1,0 +1,243 @@
+"""Pre-quantized MoE experts (layers/quantization/prequantized_moe.py, kernels/fused_moe_quant.py) on the CPU.
+
+Tiny Qwen3-MoE, Qwen2-MoE (shared expert) and Mixtral checkpoints are written in each format's on-disk layout, every
+expert projection (and every dense projection) quantized as the format's tools store it, the routers left dense;
+the reference is transformers running the same model with the weights dequantized to float32 (the dense FP8
+projections' inputs also quantized per token group, as the format does at run time: the experts on the CPU are
+weight-only). NovaInfer must agree on >= 99% of teacher-forced top-1 tokens and give the same greedy continuation.
+The Triton grouped GEMMs run under TRITON_INTERPRET=1 against the torch reference (dequantize, then the experts in
+torch); what is not implemented is refused at start-up naming the field.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from novainfer import LLM, SamplingParams
+from novainfer.layers.fused_moe.moe_torch import fused_experts_torch
+from novainfer.layers.activation import get_act_and_mul
+from novainfer.layers.quantization.prequantized_moe import dequantize_fp8_block_experts, dequantize_int4_experts
+from tests.test_quant_formats import (
+    FORMATS,
+    X_AMAX,
+    _format,
+    fake_quant_input,
+    hf_greedy,
+    hf_top1,
+    prompts,
+    top1,
+    with_quant_config,
+)
+from tests.tiny_models import make_tiny_model
+
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+F8 = torch.float8_e4m3fn
+MOE_FORMATS = ["fp8-block", "ct-fp8-block", "gptq-sym", "awq", "ct-w4a16-sym-g32", "ct-w4a16-asym-g64"]
+FAMILIES = {  # every projection a multiple of 128 wide (block FP8's blocks)
+    "qwen3_moe": dict(head_dim=32, moe_intermediate_size=128),
+    "qwen2_moe": dict(moe_intermediate_size=128, shared_expert_intermediate_size=128),
+    "mixtral": dict(intermediate_size=128),
+}
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("moeq")
+    return {
+        arch: make_tiny_model(
+            str(root / arch), arch, seed=11, num_heads=4, num_kv_heads=4, head_dim=32, overrides=overrides
+        )
+        for arch, overrides in FAMILIES.items()
+    }
+
+
+def write_pair(base: str, out: str, quantize, qconfig: dict) -> tuple[str, str]:
+    """(quantized folder, its float32 dequantized twin): every projection, the experts' too, quantized."""
+    qdir = with_quant_config(base, out + "-q", qconfig, weights=False)
+    ddir = shutil.copytree(base, out + "-deq", ignore=shutil.ignore_patterns("*.safetensors"))
+    qt, dt = {}, {}
+    for i, (name, t) in enumerate(sorted(load_file(os.path.join(base, "model.safetensors")).items())):
+        prefix, proj, kind = (name.rsplit(".", 2) + ["", ""])[:3]
+        if proj in PROJ and kind == "weight":
+            tensors, deq = quantize(t.float(), i)
+            qt.update({f"{prefix}.{proj}.{k}": v for k, v in tensors.items()})
+            dt[name] = deq.float().contiguous()
+        else:
+            qt[name] = dt[name] = t
+    save_file(qt, os.path.join(qdir, "model.safetensors"))
+    save_file(dt, os.path.join(ddir, "model.safetensors"))
+    return qdir, ddir
+
+
+def hf_reference(ddir: str, act: str | None):
+    """transformers on the dequantized twin; the dense FP8 projections (nn.Linear) quantize their inputs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32).eval()
+    if act is not None:
+        for name, mod in model.named_modules():
+            if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in PROJ:
+                mod.register_forward_pre_hook(fake_quant_input(act, X_AMAX / 448))
+    return model
+
+
+def experts_of(llm: LLM):
+    return llm.llm_engine.executor.workers[0].model_runner.model.model.layers[0].mlp.experts
+
+
+@pytest.mark.parametrize(
+    "arch,name",
+    [("qwen3_moe", n) for n in MOE_FORMATS]
+    + [("qwen2_moe", "fp8-block"), ("qwen2_moe", "awq"), ("mixtral", "gptq-sym")],
+)
+def test_moe_checkpoint_matches_its_dequantized_model(bases, tmp_path, arch, name):
+    quantize, qconfig, act = _format(name)
+    qdir, ddir = write_pair(bases[arch], str(tmp_path / name), quantize, qconfig)
+    llm = LLM(qdir, device="cpu", dtype="float32")
+    experts = experts_of(llm)
+    stored = {n: p for n, p in experts.named_parameters()}
+    if "w13_qweight" in stored:  # kept 4-bit: [E, 2I, H/8] int32 words
+        assert stored["w13_qweight"].dtype == torch.int32 and stored["w13_qweight"].shape == (
+            6 - (arch == "mixtral"),
+            256,
+            16,
+        )
+        assert stored["w2_qweight"].shape[1:] == (128, 16)
+    else:  # kept float8 with [E, N/128, K/128] block scales
+        assert stored["w13_weight"].dtype == F8 and stored["w13_weight_scale"].shape[1:] == (2, 1)
+    ref = hf_reference(ddir, act)
+    ids = prompts(5, 32, seed=3)
+    got, want = top1(llm, ids), hf_top1(ref, ids)
+    agree = sum(a == b for a, b in zip(got, want)) / len(want)
+    assert len(want) == 5 * 31 and agree >= 0.99, agree
+    out = llm.generate(
+        [{"prompt_token_ids": p} for p in ids[:2]],
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert [list(o.outputs[0].token_ids) for o in out] == [hf_greedy(ref, p, 6) for p in ids[:2]]
+
+
+@pytest.mark.parametrize("name", ["fp8-block", "gptq-sym"])
+def test_moe_dummy_load_draws_quantized_experts(bases, tmp_path, name):
+    _, qconfig, _ = _format(name)
+    folder = with_quant_config(bases["qwen3_moe"], str(tmp_path / "cfg"), qconfig, weights=False)
+    llm = LLM(folder, device="cpu", dtype="float32", load_format="dummy")
+    experts = experts_of(llm)
+    w13 = experts.w13_weight if name == "fp8-block" else experts.w13_qweight
+    assert w13.dtype == (F8 if name == "fp8-block" else torch.int32) and w13.shape[0] == 6
+    out = llm.generate(
+        [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False
+    )
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_moe_refusals_name_the_field(bases, tmp_path):
+    src = bases["qwen3_moe"]
+    _, act_order, _ = _format("gptq-asym-act-order")
+    _, ct_channel, _ = _format("ct-fp8-dynamic")
+    cases = [
+        (act_order, "desc_act=true .gptq.: act-order"),
+        (ct_channel, "weights.strategy='channel'"),
+        ({**FORMATS["fp8-block"][1], "modules_to_not_convert": ["model.layers.0.mlp.experts"]}, "modules_to_not_conv"),
+    ]
+    for i, (qconfig, match) in enumerate(cases):
+        folder = with_quant_config(src, str(tmp_path / f"m{i}"), qconfig)
+        with pytest.raises(ValueError, match=match):
+            LLM(folder, device="cpu", dtype="float32", load_format="dummy")
+    # block FP8 experts need whole 128-blocks: a 96-wide expert is refused
+    odd = make_tiny_model(
+        str(tmp_path / "odd"),
+        "qwen3_moe",
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=32,
+        overrides=dict(head_dim=32, moe_intermediate_size=96),
+    )
+    folder = with_quant_config(odd, str(tmp_path / "odd-q"), FORMATS["fp8-block"][1], weights=False)
+    with pytest.raises(ValueError, match=r"weight_block_size=\[128, 128\] does not divide the experts'"):
+        LLM(folder, device="cpu", dtype="float32", load_format="dummy")
+
+
+def test_routers_listed_unquantized_are_accepted(bases, tmp_path):
+    """Qwen's FP8 MoE checkpoints name their routers in modules_to_not_convert: they stay dense here anyway."""
+    qconfig = {**FORMATS["fp8-block"][1], "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.gate"]}
+    folder = with_quant_config(bases["qwen3_moe"], str(tmp_path / "m"), qconfig, weights=False)
+    llm = LLM(folder, device="cpu", dtype="float32", load_format="dummy")
+    gate = llm.llm_engine.executor.workers[0].model_runner.model.model.layers[0].mlp.gate
+    assert gate.quant_method is None and gate.weight.dtype == torch.float32
+
+
+# ---- the grouped GEMMs under the interpreter ------------------------------------------------------------------
+def _routing(tokens: int, experts: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=g)
+    weights, ids = torch.softmax(logits, -1).topk(k, -1)
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_fp8_block_moe_kernel_matches_the_torch_reference(tokens):
+    from novainfer.kernels.fused_moe_quant import fused_experts_fp8_block
+    from novainfer.layers.quantization.fp8_block import quantize_groups
+
+    g = torch.Generator().manual_seed(tokens)
+    e, hidden, inter, block = 4, 256, 128, (128, 128)
+    w13 = (torch.randn(e, 2 * inter, hidden, generator=g) * 40).clamp(-440, 440).to(F8)
+    w2 = (torch.randn(e, hidden, inter, generator=g) * 40).clamp(-440, 440).to(F8)
+    s13 = torch.rand(e, 2, 2, generator=g) * 1e-3 + 1e-4
+    s2 = torch.rand(e, 2, 1, generator=g) * 1e-3 + 1e-4
+    x = torch.randn(tokens, hidden, generator=g)
+    weights, ids = _routing(tokens, e, 2, tokens)
+    act = get_act_and_mul("silu")
+    d13, d2 = dequantize_fp8_block_experts(w13, s13, block), dequantize_fp8_block_experts(w2, s2, block)
+    assert torch.equal(d13[1, 130, 5], w13[1, 130, 5].float() * s13[1, 1, 0])  # block (row 1, column 0)
+    want = fused_experts_torch(x, d13, d2, weights, ids, act)
+    got = fused_experts_fp8_block(x, w13, s13, w2, s2, block, weights, ids, act, quantize_activations=False)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+    # per-token-group FP8 activations: the reference quantizes each GEMM's input the same way
+    class QuantIn(torch.nn.Module):
+        def forward(self, h):
+            q, s = quantize_groups(act(h), 128)
+            return q.float() * s.repeat_interleave(128, 1)
+
+    xq, xs = quantize_groups(x, 128)
+    want_q = fused_experts_torch(xq.float() * xs.repeat_interleave(128, 1), d13, d2, weights, ids, QuantIn())
+    got_q = fused_experts_fp8_block(x, w13, s13, w2, s2, block, weights, ids, act, quantize_activations=True)
+    torch.testing.assert_close(got_q, want_q, rtol=2e-3, atol=2e-3)
+    assert (want_q - want).norm() > 1e-3 * want.norm()  # the two paths do differ
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 33])
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_moe_kernel_matches_the_torch_reference(tokens, group):
+    from novainfer.kernels.fused_moe_quant import fused_experts_int4
+    from novainfer.layers.quantization.int4 import pack_int4
+
+    g = torch.Generator().manual_seed(tokens + group)
+    e, hidden, inter = 5, 256, 128
+
+    def packed(n: int, k: int):
+        codes = torch.randint(0, 16, (e * n, k), generator=g, dtype=torch.uint8)
+        scales = torch.rand(e, n, k // group, generator=g) * 0.05
+        zeros = torch.randint(0, 16, (e, n, k // group), generator=g, dtype=torch.uint8)
+        return pack_int4(codes).view(e, n, k // 8), scales, zeros
+
+    q13, s13, z13 = packed(2 * inter, hidden)
+    q2, s2, z2 = packed(hidden, inter)
+    x = torch.randn(tokens, hidden, generator=g)
+    weights, ids = _routing(tokens, e, 2, tokens + 1)
+    act = get_act_and_mul("silu")
+    d13 = dequantize_int4_experts(q13, s13, z13, group)
+    from novainfer.layers.quantization.int4 import dequantize_int4
+
+    torch.testing.assert_close(d13[3], dequantize_int4(q13[3], s13[3], z13[3], group).T)  # the dense layout's
+    want = fused_experts_torch(x, d13, dequantize_int4_experts(q2, s2, z2, group), weights, ids, act)
+    got = fused_experts_int4(x, q13, s13, z13, q2, s2, z2, group, weights, ids, act)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
