@@ -21,7 +21,12 @@ from safetensors.torch import load_file, save_file
 from novainfer import LLM, SamplingParams
 from novainfer.layers.fused_moe.moe_torch import fused_experts_torch
 from novainfer.layers.activation import get_act_and_mul
-from novainfer.layers.quantization.prequantized_moe import dequantize_fp8_block_experts, dequantize_int4_experts
+from novainfer.layers.quantization.prequantized_moe import (
+    dequantize_fp8_block_experts,
+    dequantize_int4_experts,
+    fused_experts_fp8_block_reference,
+    fused_experts_int4_reference,
+)
 from tests.test_quant_formats import (
     FORMATS,
     X_AMAX,
@@ -184,7 +189,6 @@ def _routing(tokens: int, experts: int, k: int, seed: int):
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_fp8_block_moe_kernel_matches_the_torch_reference(tokens):
     from novainfer.kernels.fused_moe_quant import fused_experts_fp8_block
-    from novainfer.layers.quantization.fp8_block import quantize_groups
 
     g = torch.Generator().manual_seed(tokens)
     e, hidden, inter, block = 4, 256, 128, (128, 128)
@@ -195,22 +199,13 @@ def test_fp8_block_moe_kernel_matches_the_torch_reference(tokens):
     x = torch.randn(tokens, hidden, generator=g)
     weights, ids = _routing(tokens, e, 2, tokens)
     act = get_act_and_mul("silu")
-    d13, d2 = dequantize_fp8_block_experts(w13, s13, block), dequantize_fp8_block_experts(w2, s2, block)
+    d13 = dequantize_fp8_block_experts(w13, s13, block)
     assert torch.equal(d13[1, 130, 5], w13[1, 130, 5].float() * s13[1, 1, 0])  # block (row 1, column 0)
-    want = fused_experts_torch(x, d13, d2, weights, ids, act)
-    got = fused_experts_fp8_block(x, w13, s13, w2, s2, block, weights, ids, act, quantize_activations=False)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-
-    # per-token-group FP8 activations: the reference quantizes each GEMM's input the same way
-    class QuantIn(torch.nn.Module):
-        def forward(self, h):
-            q, s = quantize_groups(act(h), 128)
-            return q.float() * s.repeat_interleave(128, 1)
-
-    xq, xs = quantize_groups(x, 128)
-    want_q = fused_experts_torch(xq.float() * xs.repeat_interleave(128, 1), d13, d2, weights, ids, QuantIn())
-    got_q = fused_experts_fp8_block(x, w13, s13, w2, s2, block, weights, ids, act, quantize_activations=True)
-    torch.testing.assert_close(got_q, want_q, rtol=2e-3, atol=2e-3)
+    for quantized in (False, True):  # weight-only; per-token-group FP8 activations (quantized alike by the reference)
+        want = fused_experts_fp8_block_reference(x, w13, s13, w2, s2, block, weights, ids, act, quantized)
+        got = fused_experts_fp8_block(x, w13, s13, w2, s2, block, weights, ids, act, quantize_activations=quantized)
+        torch.testing.assert_close(got, want, rtol=2e-3 if quantized else 1e-4, atol=2e-3 if quantized else 1e-4)
+    want_q, want = want, fused_experts_torch(x, d13, dequantize_fp8_block_experts(w2, s2, block), weights, ids, act)
     assert (want_q - want).norm() > 1e-3 * want.norm()  # the two paths do differ
 
 
@@ -218,7 +213,7 @@ def test_fp8_block_moe_kernel_matches_the_torch_reference(tokens):
 @pytest.mark.parametrize("group", [32, 128])
 def test_int4_moe_kernel_matches_the_torch_reference(tokens, group):
     from novainfer.kernels.fused_moe_quant import fused_experts_int4
-    from novainfer.layers.quantization.int4 import pack_int4
+    from novainfer.layers.quantization.int4 import dequantize_int4, pack_int4
 
     g = torch.Generator().manual_seed(tokens + group)
     e, hidden, inter = 5, 256, 128
@@ -235,9 +230,7 @@ def test_int4_moe_kernel_matches_the_torch_reference(tokens, group):
     weights, ids = _routing(tokens, e, 2, tokens + 1)
     act = get_act_and_mul("silu")
     d13 = dequantize_int4_experts(q13, s13, z13, group)
-    from novainfer.layers.quantization.int4 import dequantize_int4
-
     torch.testing.assert_close(d13[3], dequantize_int4(q13[3], s13[3], z13[3], group).T)  # the dense layout's
-    want = fused_experts_torch(x, d13, dequantize_int4_experts(q2, s2, z2, group), weights, ids, act)
+    want = fused_experts_int4_reference(x, (q13, s13, z13), (q2, s2, z2), group, weights, ids, act)
     got = fused_experts_int4(x, q13, s13, z13, q2, s2, z2, group, weights, ids, act)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -300,3 +300,49 @@ class Int4MoEMethod(PrequantizedMoEMethod):
             topk_ids,
             layer.act_fn,
         )
+
+
+def fused_experts_fp8_block_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    block: tuple[int, int],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act_and_mul: nn.Module,
+    quantize_activations: bool,
+) -> torch.Tensor:
+    """The torch reference of kernels/fused_moe_quant.fused_experts_fp8_block in float32: the experts dequantized,
+    each GEMM's input quantized per token group first where quantize_activations (fp8_block.quantize_groups)."""
+    from novainfer.layers.quantization.fp8_block import quantize_groups
+
+    def rounded(h: torch.Tensor) -> torch.Tensor:
+        if not quantize_activations:
+            return h
+        q, s = quantize_groups(h, block[1])
+        return q.float() * s.repeat_interleave(block[1], 1)[:, : h.shape[1]]
+
+    class _ActThenRound(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return rounded(act_and_mul(h))
+
+    d13 = dequantize_fp8_block_experts(w13, w13_scale, block)
+    d2 = dequantize_fp8_block_experts(w2, w2_scale, block)
+    return fused_experts_torch(rounded(x.float()), d13, d2, topk_weights, topk_ids, _ActThenRound())
+
+
+def fused_experts_int4_reference(
+    x: torch.Tensor,
+    w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    group: int,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act_and_mul: nn.Module,
+) -> torch.Tensor:
+    """The torch reference of kernels/fused_moe_quant.fused_experts_int4 in float32; w13 / w2: (qweight, scales,
+    zeros)."""
+    d13, d2 = dequantize_int4_experts(*w13, group), dequantize_int4_experts(*w2, group)
+    return fused_experts_torch(x.float(), d13, d2, topk_weights, topk_ids, act_and_mul)
