@@ -11,8 +11,11 @@ torch); what is not implemented is refused at start-up naming the field.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -234,3 +237,18 @@ def test_int4_moe_kernel_matches_the_torch_reference(tokens, group):
     want = fused_experts_int4_reference(x, (q13, s13, z13), (q2, s2, z2), group, weights, ids, act)
     got = fused_experts_int4(x, q13, s13, z13, q2, s2, z2, group, weights, ids, act)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_moe_kernels_compile_for_hopper_on_wgmma():
+    """What the interpreter cannot show: the grouped GEMMs compile for sm_90 (tests/sm90_moe_ptx.py, in a process
+    without the interpreter), on wgmma, the quantized-activation FP8 path as a float8 e4m3 product."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "tests", "sm90_moe_ptx.py")], env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ptx = json.loads(proc.stdout.splitlines()[-1])
+    assert all("wgmma.mma_async" in p for p in ptx.values()), [k for k, p in ptx.items() if "wgmma" not in p]
+    assert ".e4m3.e4m3" in ptx["fp8_moe_quantized"] and ".bf16.bf16" in ptx["fp8_moe_weight_only"]
