@@ -252,3 +252,29 @@ def test_moe_kernels_compile_for_hopper_on_wgmma():
     ptx = json.loads(proc.stdout.splitlines()[-1])
     assert all("wgmma.mma_async" in p for p in ptx.values()), [k for k, p in ptx.items() if "wgmma" not in p]
     assert ".e4m3.e4m3" in ptx["fp8_moe_quantized"] and ".bf16.bf16" in ptx["fp8_moe_weight_only"]
+
+
+def test_int4_experts_split_by_tensor_parallelism(bases, tmp_path):
+    """tp=2 (uni): each rank takes its half of every expert's gate/up rows and down columns; same top-1."""
+    quantize, qconfig, act = _format("gptq-sym")
+    qdir, ddir = write_pair(bases["qwen3_moe"], str(tmp_path / "tp"), quantize, qconfig)
+    llm = LLM(qdir, device="cpu", dtype="float32", tensor_parallel_size=2)
+    experts = llm.llm_engine.executor.workers[1].model_runner.model.model.layers[0].mlp.experts
+    assert experts.w13_qweight.shape == (6, 2 * 64, 128 // 8) and experts.w2_qweight.shape == (6, 128, 64 // 8)
+    ids = prompts(3, 24, seed=4)
+    got, want = top1(llm, ids), hf_top1(hf_reference(ddir, act), ids)
+    assert sum(a == b for a, b in zip(got, want)) / len(want) >= 0.99
+
+
+def test_start_up_probe_of_the_moe_kernels():
+    """The CUDA start-up probe (here under the interpreter, float32) passes the kernels and refuses wrong ones."""
+    from novainfer.layers.quantization.int4 import Int4Format, Int4LinearMethod
+    from novainfer.layers.quantization.prequantized_moe import Fp8BlockMoEMethod, Int4MoEMethod, check_moe_kernels
+
+    cpu = torch.device("cpu")
+    check_moe_kernels(Fp8BlockMoEMethod((128, 128), "weight_scale_inv"), cpu, torch.float32)
+    int4 = Int4MoEMethod(Int4LinearMethod(Int4Format("awq", 64, symmetric=False)))
+    check_moe_kernels(int4, cpu, torch.float32)
+    int4.apply_cuda = lambda layer, x, w, ids: Int4MoEMethod.apply_cuda(int4, layer, x, w, ids.flip(1))  # swapped
+    with pytest.raises(ValueError, match=r"Int4MoEMethod \(fused MoE\): the GPU kernels give wrong results"):
+        check_moe_kernels(int4, cpu, torch.float32)

@@ -160,15 +160,20 @@ class Fp8BlockConfig(QuantizationConfig):
         check_block_device(device, "a block-scaled FP8 checkpoint")
         if device.type == "cuda":
             check_block_kernels(device, block)
-        self.block, self.scale_name = block, scale_name
+        self.block, self.scale_name, self.device = block, scale_name, device
+        self.moe_checked = device.type != "cuda"
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
         return Fp8BlockLinearMethod(self.block, self.scale_name) if quantized_linear(layer) else None
 
     def get_moe_method(self, layer: nn.Module) -> FusedMoEMethodBase:
-        from novainfer.layers.quantization.prequantized_moe import Fp8BlockMoEMethod
+        from novainfer.layers.quantization.prequantized_moe import Fp8BlockMoEMethod, check_moe_kernels
 
-        return Fp8BlockMoEMethod(self.block, self.scale_name)
+        method = Fp8BlockMoEMethod(self.block, self.scale_name)
+        if not self.moe_checked:  # the first MoE layer: the grouped GEMMs on this GPU, once
+            check_moe_kernels(method, self.device)
+            self.moe_checked = True
+        return method
 
     def keeps_stored_dtype(self, name: str, tensor: torch.Tensor) -> bool:
         return tensor.dtype == FP8_DTYPE or name.endswith("." + self.scale_name)

@@ -246,7 +246,8 @@ class Int4Config(QuantizationConfig):
     def __init__(self, fmt: Int4Format, device: torch.device):
         if device.type == "cuda":
             check_int4_kernels(device, fmt.group_size)
-        self.fmt = fmt
+        self.fmt, self.device = fmt, device
+        self.moe_checked = device.type != "cuda"
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
         return Int4LinearMethod(self.fmt) if quantized_linear(layer) else None
@@ -257,9 +258,13 @@ class Int4Config(QuantizationConfig):
                 f"quantization_config.desc_act=true ({self.fmt.name}): act-order (a permuted g_idx) MoE experts are "
                 "not implemented"
             )
-        from novainfer.layers.quantization.prequantized_moe import Int4MoEMethod
+        from novainfer.layers.quantization.prequantized_moe import Int4MoEMethod, check_moe_kernels
 
-        return Int4MoEMethod(Int4LinearMethod(self.fmt))
+        method = Int4MoEMethod(Int4LinearMethod(self.fmt))
+        if not self.moe_checked:  # the first MoE layer: the grouped GEMMs on this GPU, once
+            check_moe_kernels(method, self.device)
+            self.moe_checked = True
+        return method
 
     def keeps_stored_dtype(self, name: str, tensor: torch.Tensor) -> bool:
         return name.rsplit(".", 1)[-1] in self.STORED

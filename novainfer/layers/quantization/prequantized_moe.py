@@ -157,6 +157,34 @@ class PrequantizedMoEMethod(FusedMoEMethodBase):
         """Float experts [E, N, K] -> the stored tensors of one side (dummy weights, benchmarks)."""
         raise NotImplementedError
 
+    def reference(self, layer: nn.Module, x, topk_weights, topk_ids, quantized: bool) -> torch.Tensor:
+        """The torch reference of apply_cuda (float32); quantized: with the FP8 activations the kernel quantizes."""
+        raise NotImplementedError
+
+
+def check_moe_kernels(method: PrequantizedMoEMethod, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """The method's fused-MoE kernels against its torch reference on small experts of this device, at a decode and a
+    prefill token count, once at start-up (dtype: the activations'; tests pass float32 under the interpreter)."""
+    from novainfer.kernels.fp8_block import WEIGHT_ONLY_MAX_M
+    from novainfer.layers.activation import get_act_and_mul
+    from novainfer.layers.fused_moe.routing import select_experts
+    from novainfer.layers.quantization.prequantized import probe_kernels
+
+    g = torch.Generator(device=device).manual_seed(0)
+    layer = nn.Module()
+    layer.num_experts, layer.act_dtype, layer.act_fn = 4, dtype, get_act_and_mul("silu")
+    hidden, inter = 256, 128
+    for side, (n, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
+        w = torch.randn(layer.num_experts, n, k, generator=g, device=device) * 0.05
+        method.set_stored(layer, method.quantize(layer, side, w))
+    cases = []
+    for tokens in (3, 2 * WEIGHT_ONLY_MAX_M):
+        x = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
+        weights, ids = select_experts(torch.randn(tokens, layer.num_experts, generator=g, device=device), 2, True)
+        ref = method.reference(layer, x, weights, ids, tokens > WEIGHT_ONLY_MAX_M)
+        cases.append((method.apply_cuda(layer, x, weights, ids), ref))
+    probe_kernels(f"{type(method).__name__} (fused MoE)", cases, 2e-2)
+
 
 class Fp8BlockMoEMethod(PrequantizedMoEMethod):
     """Block-scaled FP8 experts as stored (quant_method fp8 with weight_block_size; compressed-tensors FP8_BLOCK)."""
@@ -208,6 +236,20 @@ class Fp8BlockMoEMethod(PrequantizedMoEMethod):
         full = scale.repeat_interleave(bn, 1).repeat_interleave(bk, 2)
         q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         return {f"{side}_weight": q, f"{side}_weight_scale": scale.float()}
+
+    def reference(self, layer: nn.Module, x, topk_weights, topk_ids, quantized: bool) -> torch.Tensor:
+        return fused_experts_fp8_block_reference(
+            x,
+            layer.w13_weight,
+            layer.w13_weight_scale,
+            layer.w2_weight,
+            layer.w2_weight_scale,
+            self.block,
+            topk_weights,
+            topk_ids,
+            layer.act_fn,
+            quantized,
+        )
 
     def apply_cuda(self, layer: nn.Module, x, topk_weights, topk_ids) -> torch.Tensor:
         from novainfer.kernels.fused_moe_quant import fused_experts_fp8_block
@@ -283,6 +325,11 @@ class Int4MoEMethod(PrequantizedMoEMethod):
             f"{side}_scales": scales.to(layer.act_dtype),
             f"{side}_qzeros": torch.full(scales.shape, 8, dtype=torch.uint8, device=w.device),
         }
+
+    def reference(self, layer: nn.Module, x, topk_weights, topk_ids, quantized: bool) -> torch.Tensor:
+        w13 = (layer.w13_qweight, layer.w13_scales, layer.w13_qzeros)
+        w2 = (layer.w2_qweight, layer.w2_scales, layer.w2_qzeros)
+        return fused_experts_int4_reference(x, w13, w2, self.group, topk_weights, topk_ids, layer.act_fn)
 
     def apply_cuda(self, layer: nn.Module, x, topk_weights, topk_ids) -> torch.Tensor:
         from novainfer.kernels.fused_moe_quant import fused_experts_int4
