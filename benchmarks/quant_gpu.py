@@ -339,7 +339,7 @@ def moe_kernel_rows(shape: dict, tokens: list[int], device: torch.device, iters:
             "fp8-block": lambda: fused_experts_fp8_block_reference(
                 x, *ops.fp8["w13"], *ops.fp8["w2"], (128, 128), weights, ids, act, m > WEIGHT_ONLY_MAX_M
             ),
-            "int4": lambda: fused_experts_int4_reference(x, ops.int4["w13"], ops.int4["w2"], 128, weights, ids, act),
+            "int4": lambda: fused_experts_int4_reference(x, *ops.int4["w13"], *ops.int4["w2"], 128, weights, ids, act),
         }
         touched = torch.unique(ids).numel() / shape["experts"]  # the share of the experts' bytes a call reads
         row = dict(tokens=m)

@@ -34,8 +34,8 @@ from tests.test_quant_formats import (
     FORMATS,
     X_AMAX,
     _format,
+    assert_agrees,
     fake_quant_input,
-    hf_greedy,
     hf_top1,
     prompts,
     top1,
@@ -118,17 +118,7 @@ def test_moe_checkpoint_matches_its_dequantized_model(bases, tmp_path, arch, nam
         assert stored["w2_qweight"].shape[1:] == (128, 16)
     else:  # kept float8 with [E, N/128, K/128] block scales
         assert stored["w13_weight"].dtype == F8 and stored["w13_weight_scale"].shape[1:] == (2, 1)
-    ref = hf_reference(ddir, act)
-    ids = prompts(5, 32, seed=3)
-    got, want = top1(llm, ids), hf_top1(ref, ids)
-    agree = sum(a == b for a, b in zip(got, want)) / len(want)
-    assert len(want) == 5 * 31 and agree >= 0.99, agree
-    out = llm.generate(
-        [{"prompt_token_ids": p} for p in ids[:2]],
-        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-        use_tqdm=False,
-    )
-    assert [list(o.outputs[0].token_ids) for o in out] == [hf_greedy(ref, p, 6) for p in ids[:2]]
+    assert_agrees(llm, hf_reference(ddir, act), prompts(5, 32, seed=3), 6)
 
 
 @pytest.mark.parametrize("name", ["fp8-block", "gptq-sym"])
@@ -234,7 +224,7 @@ def test_int4_moe_kernel_matches_the_torch_reference(tokens, group):
     act = get_act_and_mul("silu")
     d13 = dequantize_int4_experts(q13, s13, z13, group)
     torch.testing.assert_close(d13[3], dequantize_int4(q13[3], s13[3], z13[3], group).T)  # the dense layout's
-    want = fused_experts_int4_reference(x, (q13, s13, z13), (q2, s2, z2), group, weights, ids, act)
+    want = fused_experts_int4_reference(x, q13, s13, z13, q2, s2, z2, group, weights, ids, act)
     got = fused_experts_int4(x, q13, s13, z13, q2, s2, z2, group, weights, ids, act)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 

@@ -143,22 +143,18 @@ def _int4_moe_kernel(
     )
 
 
-def _precision(a: torch.Tensor) -> str:
-    return "ieee" if a.dtype == torch.float32 else "tf32"
-
-
-def _fp8_gemm(a, a_scale, w, w_scale, block, out, sorted_ids, block_experts, num_padded, a_row_div, weights, tiles):
-    """One block-FP8 grouped GEMM (w [E, N, K] float8, w_scale [E, N/BN_S, K/BK_S])."""
-    assert a.stride(1) == 1 and w.stride(2) == 1 and w_scale.stride(2) == 1 and out.stride(1) == 1
-    n, k = w.shape[1], w.shape[2]
+def _grouped_gemm(kernel, a, operands, strides, out, ids, a_row_div, weights, tiles, n, k, block_k, **meta) -> None:
+    """Launch one quantized grouped GEMM: kernel(a, *operands, out, routing..., N, K, pairs, stride_am, *strides,
+    stride_cm, meta) over the aligned pairs ids (sorted ids, block experts, padded total); block_k(t) narrows the
+    tiles' BLOCK_K to the format's scale blocks."""
+    assert a.stride(1) == 1 and out.stride(1) == 1
+    sorted_ids, block_experts, num_padded = ids
 
     def launch(t: tuple[int, int, int, int, int]) -> None:
-        block_m, block_n, block_k, warps, stages = t
-        _fp8_block_moe_kernel[(sorted_ids.numel() // block_m, triton.cdiv(n, block_n))](
+        block_m, block_n, bk, warps, stages = t
+        kernel[(sorted_ids.numel() // block_m, triton.cdiv(n, block_n))](
             a,
-            a_scale if a_scale is not None else out,
-            w,
-            w_scale,
+            *operands,
             out,
             weights if weights is not None else out,
             sorted_ids,
@@ -168,23 +164,17 @@ def _fp8_gemm(a, a_scale, w, w_scale, block, out, sorted_ids, block_experts, num
             k,
             out.shape[0],
             a.stride(0),
-            a_scale.stride(0) if a_scale is not None else 0,
-            w.stride(0),
-            w.stride(1),
-            w_scale.stride(0),
-            w_scale.stride(1),
+            *strides,
             out.stride(0),
             A_ROW_DIV=a_row_div,
             MUL_ROUTED_WEIGHT=weights is not None,
-            A_QUANTIZED=a_scale is not None,
-            BN_S=block[0],
-            BK_S=block[1],
             BLOCK_M=block_m,
             BLOCK_N=block_n,
-            BLOCK_K=min(block_k, block[1]),  # one scale column a step
-            PRECISION=_precision(a),
+            BLOCK_K=block_k(bk),
+            PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
             num_warps=warps,
             num_stages=stages,
+            **meta,
         )
 
     launch_with_fallback(launch, tiles)
@@ -218,51 +208,29 @@ def fused_experts_fp8_block(
             a = q.to(torch.float8_e4m3fn).float()
         elif quantize_activations:
             a, a_scale = per_token_group_quant(a.contiguous(), block[1])
-        _fp8_gemm(a, a_scale, w, s, block, out, *ids, a_row_div, weights, tiles)
+        assert w.stride(2) == 1 and s.stride(2) == 1
+        strides = (a_scale.stride(0) if a_scale is not None else 0, *w.stride()[:2], *s.stride()[:2])
+        operands = (a_scale if a_scale is not None else out, w, s)
+        _grouped_gemm(
+            _fp8_block_moe_kernel,
+            a,
+            operands,
+            strides,
+            out,
+            ids,
+            a_row_div,
+            weights,
+            tiles,
+            w.shape[1],
+            w.shape[2],
+            lambda bk: min(bk, block[1]),  # one scale column a step
+            A_QUANTIZED=a_scale is not None,
+            BN_S=block[0],
+            BK_S=block[1],
+        )
 
     n13, inter = w13.shape[1], w2.shape[2]
     return routed_experts(hidden_states, topk_weights, topk_ids, w13.shape[0], n13, inter, act_and_mul, gemm)
-
-
-def _int4_gemm(a, qweight, scales, zeros, group, out, sorted_ids, block_experts, num_padded, a_row_div, weights, tiles):
-    """One INT4 grouped GEMM (qweight [E, N, K/8], scales and zeros [E, N, K/G] with equal strides)."""
-    assert a.stride(1) == 1 and qweight.stride(2) == 1 and out.stride(1) == 1
-    assert scales.stride() == zeros.stride() and scales.stride(2) == 1
-    n, k = qweight.shape[1], qweight.shape[2] * 8
-
-    def launch(t: tuple[int, int, int, int, int]) -> None:
-        block_m, block_n, block_k, warps, stages = t
-        _int4_moe_kernel[(sorted_ids.numel() // block_m, triton.cdiv(n, block_n))](
-            a,
-            qweight,
-            scales,
-            zeros,
-            out,
-            weights if weights is not None else out,
-            sorted_ids,
-            block_experts,
-            num_padded,
-            n,
-            k,
-            out.shape[0],
-            a.stride(0),
-            qweight.stride(0),
-            qweight.stride(1),
-            scales.stride(0),
-            scales.stride(1),
-            out.stride(0),
-            A_ROW_DIV=a_row_div,
-            MUL_ROUTED_WEIGHT=weights is not None,
-            GROUP=group,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
-            BLOCK_K=max(32, min(block_k, group)),  # whole 32-input chunks, one group a step
-            PRECISION=_precision(a),
-            num_warps=warps,
-            num_stages=stages,
-        )
-
-    launch_with_fallback(launch, tiles)
 
 
 def fused_experts_int4(
@@ -284,7 +252,25 @@ def fused_experts_int4(
 
     def gemm(down: bool, a, out, ids, a_row_div: int, weights, tiles) -> None:
         q, s, z = (w2_qweight, w2_scales, w2_zeros) if down else (w13_qweight, w13_scales, w13_zeros)
-        _int4_gemm(a.contiguous(), q, s, z, group, out, *ids, a_row_div, weights, tiles)
+        assert q.stride(2) == 1 and s.stride() == z.stride() and s.stride(2) == 1
+        strides = (*q.stride()[:2], *s.stride()[:2])
+        n, k = q.shape[1], q.shape[2] * 8
+        block_k = lambda bk: max(32, min(bk, group))  # noqa: E731  whole 32-input chunks, one group a step
+        _grouped_gemm(
+            _int4_moe_kernel,
+            a.contiguous(),
+            (q, s, z),
+            strides,
+            out,
+            ids,
+            a_row_div,
+            weights,
+            tiles,
+            n,
+            k,
+            block_k,
+            GROUP=group,
+        )
 
     n13, inter = w13_qweight.shape[1], w2_qweight.shape[2] * 8
     return routed_experts(hidden_states, topk_weights, topk_ids, w13_qweight.shape[0], n13, inter, act_and_mul, gemm)

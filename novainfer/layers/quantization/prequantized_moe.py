@@ -139,8 +139,16 @@ class PrequantizedMoEMethod(FusedMoEMethodBase):
         w13, w2 = self.dequantized(layer, used)  # float32, as the dense layers' CPU reference multiplies
         return fused_experts_torch(x.float(), w13, w2, topk_weights, remap[topk_ids], layer.act_fn).to(x.dtype)
 
-    def apply_cuda(self, layer: nn.Module, x, topk_weights, topk_ids) -> torch.Tensor:
+    def operands(self, layer: nn.Module) -> tuple:
+        """The stored experts as the kernel and its reference take them (after x, before the routing)."""
         raise NotImplementedError
+
+    def kernel(self):
+        """kernels/fused_moe_quant.py's fused experts of the format."""
+        raise NotImplementedError
+
+    def apply_cuda(self, layer: nn.Module, x, topk_weights, topk_ids) -> torch.Tensor:
+        return self.kernel()(x, *self.operands(layer), topk_weights, topk_ids, layer.act_fn)
 
     def draw_dummy(self, layer: nn.Module, std: float, gen: torch.Generator) -> None:
         """load_format="dummy": N(0, std^2) experts quantized into the stored layout."""
@@ -159,6 +167,10 @@ class PrequantizedMoEMethod(FusedMoEMethodBase):
 
     def reference(self, layer: nn.Module, x, topk_weights, topk_ids, quantized: bool) -> torch.Tensor:
         """The torch reference of apply_cuda (float32); quantized: with the FP8 activations the kernel quantizes."""
+        return self.reference_fn(x, *self.operands(layer), topk_weights, topk_ids, layer.act_fn, quantized)
+
+    @staticmethod
+    def reference_fn(*args) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -237,34 +249,17 @@ class Fp8BlockMoEMethod(PrequantizedMoEMethod):
         q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         return {f"{side}_weight": q, f"{side}_weight_scale": scale.float()}
 
-    def reference(self, layer: nn.Module, x, topk_weights, topk_ids, quantized: bool) -> torch.Tensor:
-        return fused_experts_fp8_block_reference(
-            x,
-            layer.w13_weight,
-            layer.w13_weight_scale,
-            layer.w2_weight,
-            layer.w2_weight_scale,
-            self.block,
-            topk_weights,
-            topk_ids,
-            layer.act_fn,
-            quantized,
-        )
+    def operands(self, layer: nn.Module) -> tuple:
+        return layer.w13_weight, layer.w13_weight_scale, layer.w2_weight, layer.w2_weight_scale, self.block
 
-    def apply_cuda(self, layer: nn.Module, x, topk_weights, topk_ids) -> torch.Tensor:
+    def kernel(self):
         from novainfer.kernels.fused_moe_quant import fused_experts_fp8_block
 
-        return fused_experts_fp8_block(
-            x,
-            layer.w13_weight,
-            layer.w13_weight_scale,
-            layer.w2_weight,
-            layer.w2_weight_scale,
-            self.block,
-            topk_weights,
-            topk_ids,
-            layer.act_fn,
-        )
+        return fused_experts_fp8_block
+
+    @staticmethod
+    def reference_fn(*args) -> torch.Tensor:
+        return fused_experts_fp8_block_reference(*args)
 
 
 class Int4MoEMethod(PrequantizedMoEMethod):
@@ -326,27 +321,18 @@ class Int4MoEMethod(PrequantizedMoEMethod):
             f"{side}_qzeros": torch.full(scales.shape, 8, dtype=torch.uint8, device=w.device),
         }
 
-    def reference(self, layer: nn.Module, x, topk_weights, topk_ids, quantized: bool) -> torch.Tensor:
+    def operands(self, layer: nn.Module) -> tuple:
         w13 = (layer.w13_qweight, layer.w13_scales, layer.w13_qzeros)
-        w2 = (layer.w2_qweight, layer.w2_scales, layer.w2_qzeros)
-        return fused_experts_int4_reference(x, w13, w2, self.group, topk_weights, topk_ids, layer.act_fn)
+        return (*w13, layer.w2_qweight, layer.w2_scales, layer.w2_qzeros, self.group)
 
-    def apply_cuda(self, layer: nn.Module, x, topk_weights, topk_ids) -> torch.Tensor:
+    def kernel(self):
         from novainfer.kernels.fused_moe_quant import fused_experts_int4
 
-        return fused_experts_int4(
-            x,
-            layer.w13_qweight,
-            layer.w13_scales,
-            layer.w13_qzeros,
-            layer.w2_qweight,
-            layer.w2_scales,
-            layer.w2_qzeros,
-            self.group,
-            topk_weights,
-            topk_ids,
-            layer.act_fn,
-        )
+        return fused_experts_int4
+
+    @staticmethod
+    def reference_fn(*args) -> torch.Tensor:
+        return fused_experts_int4_reference(*args[:-1])  # no activation quantization to follow
 
 
 def fused_experts_fp8_block_reference(
@@ -382,14 +368,18 @@ def fused_experts_fp8_block_reference(
 
 def fused_experts_int4_reference(
     x: torch.Tensor,
-    w13: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    w2: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    w13_qweight: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_zeros: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_zeros: torch.Tensor,
     group: int,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     act_and_mul: nn.Module,
 ) -> torch.Tensor:
-    """The torch reference of kernels/fused_moe_quant.fused_experts_int4 in float32; w13 / w2: (qweight, scales,
-    zeros)."""
-    d13, d2 = dequantize_int4_experts(*w13, group), dequantize_int4_experts(*w2, group)
+    """The torch reference of kernels/fused_moe_quant.fused_experts_int4 (same arguments) in float32."""
+    d13 = dequantize_int4_experts(w13_qweight, w13_scales, w13_zeros, group)
+    d2 = dequantize_int4_experts(w2_qweight, w2_scales, w2_zeros, group)
     return fused_experts_torch(x.float(), d13, d2, topk_weights, topk_ids, act_and_mul)
