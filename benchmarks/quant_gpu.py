@@ -265,13 +265,13 @@ def print_best_tiles(rows: list[dict]) -> None:
 
 class MoeOperands:
     """One MoE layer's random experts (std 0.02) in bf16, block FP8 and INT4 (symmetric g128, float16 scales), packed
-    as the experts methods store them (layers/quantization/prequantized_moe.py)."""
+    as the experts methods store them (layers/quantization/fp8_block.py, int4.py)."""
 
     def __init__(self, shape: dict, device: torch.device, g: torch.Generator):
         from types import SimpleNamespace
 
-        from novainfer.layers.quantization.int4 import Int4Format, Int4LinearMethod
-        from novainfer.layers.quantization.prequantized_moe import Fp8BlockMoEMethod, Int4MoEMethod
+        from novainfer.layers.quantization.fp8_block import Fp8BlockMoEMethod
+        from novainfer.layers.quantization.int4 import Int4Format, Int4LinearMethod, Int4MoEMethod
 
         e, h, inter = shape["experts"], shape["hidden"], shape["inter"]
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -308,10 +308,8 @@ def moe_kernel_rows(shape: dict, tokens: list[int], device: torch.device, iters:
     from novainfer.kernels.fused_moe_quant import fused_experts_fp8_block, fused_experts_int4
     from novainfer.layers.activation import get_act_and_mul
     from novainfer.layers.fused_moe.routing import select_experts
-    from novainfer.layers.quantization.prequantized_moe import (
-        fused_experts_fp8_block_reference,
-        fused_experts_int4_reference,
-    )
+    from novainfer.layers.quantization.fp8_block import fused_experts_fp8_block_reference
+    from novainfer.layers.quantization.int4 import fused_experts_int4_reference
 
     g = torch.Generator(device=device).manual_seed(0)
     ops = MoeOperands(shape, device, g)

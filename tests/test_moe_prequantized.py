@@ -24,12 +24,8 @@ from safetensors.torch import load_file, save_file
 from novainfer import LLM, SamplingParams
 from novainfer.layers.fused_moe.moe_torch import fused_experts_torch
 from novainfer.layers.activation import get_act_and_mul
-from novainfer.layers.quantization.prequantized_moe import (
-    dequantize_fp8_block_experts,
-    dequantize_int4_experts,
-    fused_experts_fp8_block_reference,
-    fused_experts_int4_reference,
-)
+from novainfer.layers.quantization.fp8_block import dequantize_fp8_block_experts, fused_experts_fp8_block_reference
+from novainfer.layers.quantization.int4 import dequantize_int4_experts, fused_experts_int4_reference
 from tests.test_quant_formats import (
     FORMATS,
     X_AMAX,
@@ -259,7 +255,9 @@ def test_int4_experts_split_by_tensor_parallelism(bases, tmp_path):
 def test_start_up_probe_of_the_moe_kernels():
     """The CUDA start-up probe (here under the interpreter, float32) passes the kernels and refuses wrong ones."""
     from novainfer.layers.quantization.int4 import Int4Format, Int4LinearMethod
-    from novainfer.layers.quantization.prequantized_moe import Fp8BlockMoEMethod, Int4MoEMethod, check_moe_kernels
+    from novainfer.layers.quantization.fp8_block import Fp8BlockMoEMethod
+    from novainfer.layers.quantization.int4 import Int4MoEMethod
+    from novainfer.layers.quantization.prequantized_moe import check_moe_kernels
 
     cpu = torch.device("cpu")
     check_moe_kernels(Fp8BlockMoEMethod((128, 128), "weight_scale_inv"), cpu, torch.float32)

@@ -4,8 +4,9 @@ The checkpoint stores each expert's projections as the dense format does (expert
 weight_scale_inv; qweight / qzeros / scales / g_idx; weight_packed / weight_scale / weight_zero_point). The layer
 registers one placeholder per format tensor name and stacked side (w13_<name>, w2_<name>; the model maps
 experts.E.<proj>.<name> to them with shard id (E, w1 | w3 | w2)), stashes what arrives, and once every tensor is
-in, unpacks each with the dense format's own unpack (fp8_block.py, int4.py), takes this rank's slice (gate/up
-rows, down columns) and stacks the experts:
+in, unpacks each with the dense format's own unpack, takes this rank's slice (gate/up rows, down columns) and
+stacks the experts (each format's subclass, beside its dense method: fp8_block.Fp8BlockMoEMethod,
+int4.Int4MoEMethod):
 - block FP8: w13_weight float8 [E, 2I, H] (gate rows then up rows), w13_weight_scale [E, 2I/bn, H/bk], w2_weight
   [E, H, I], w2_weight_scale [E, H/bn, I/bk] (I this rank's intermediate size; whole blocks on each side);
 - INT4: int4.py's kernel layout per expert, stacked: w13_qweight int32 [E, 2I, H/8], w13_scales (as stored) and
@@ -24,9 +25,6 @@ from torch import nn
 
 from novainfer.layers.fused_moe.moe_torch import fused_experts_torch
 from novainfer.layers.quantization.base import FusedMoEMethodBase
-from novainfer.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
-from novainfer.layers.quantization.fp8_block import Fp8BlockLinearMethod, expand_blocks
-from novainfer.layers.quantization.int4 import Int4LinearMethod, Int4Shard, pack_int4, unpack_int4
 from novainfer.layers.quantization.prequantized import PrequantizedLinearMethod, ShardSlice
 
 # the formats' per-expert tensor names besides weight (the model maps experts.E.<proj>.<name> to w13_ / w2_<name>)
@@ -50,18 +48,6 @@ class ExpertProjection:
     output_size: int
     input_size: int
     tp_size: int
-
-
-def dequantize_fp8_block_experts(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """Stacked float8 experts [E, N, K] and block scales [E, N/bn, K/bk] -> float32 [E, N, K] (the reference)."""
-    return torch.stack([wi.float() * expand_blocks(si.float(), block, tuple(wi.shape)) for wi, si in zip(w, scale)])
-
-
-def dequantize_int4_experts(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int):
-    """Stacked INT4 experts (qweight [E, N, K/8], scales / zeros [E, N, K/G]) -> float32 [E, N, K]."""
-    e, n, words = qweight.shape
-    codes = unpack_int4(qweight.reshape(e * n, words)).view(e, n, words * 8).float()
-    return (codes - zeros.float().repeat_interleave(group, 2)) * scales.float().repeat_interleave(group, 2)
 
 
 class PrequantizedMoEMethod(FusedMoEMethodBase):
@@ -196,190 +182,3 @@ def check_moe_kernels(method: PrequantizedMoEMethod, device: torch.device, dtype
         ref = method.reference(layer, x, weights, ids, tokens > WEIGHT_ONLY_MAX_M)
         cases.append((method.apply_cuda(layer, x, weights, ids), ref))
     probe_kernels(f"{type(method).__name__} (fused MoE)", cases, 2e-2)
-
-
-class Fp8BlockMoEMethod(PrequantizedMoEMethod):
-    """Block-scaled FP8 experts as stored (quant_method fp8 with weight_block_size; compressed-tensors FP8_BLOCK)."""
-
-    def __init__(self, block: tuple[int, int], scale_name: str):
-        super().__init__(Fp8BlockLinearMethod(block, scale_name))
-        self.block = block
-
-    def check_sizes(self, hidden_size: int, intermediate_size: int, tp_size: int) -> None:
-        bn, bk = self.block
-        for what, size, b in (
-            ("hidden_size", hidden_size, bk),
-            ("moe intermediate_size per tensor-parallel rank (gate/up rows)", intermediate_size, bn),
-            ("moe intermediate_size per tensor-parallel rank (down columns)", intermediate_size, bk),
-        ):
-            if size % b:
-                raise ValueError(
-                    f"quantization_config.weight_block_size={list(self.block)} does not divide the experts' {what} "
-                    f"({size}, tp_size={tp_size}): block FP8 experts need whole blocks"
-                )
-
-    def store(self, layer: nn.Module, experts: list[dict]) -> None:
-        def stack(kinds: tuple[str, ...], attr: str) -> torch.Tensor:
-            return torch.stack([torch.cat([getattr(x[k], attr) for k in kinds]) for x in experts])
-
-        self.set_stored(
-            layer,
-            {
-                "w13_weight": stack(("w1", "w3"), "weight"),
-                "w13_weight_scale": stack(("w1", "w3"), "scale"),
-                "w2_weight": stack(("w2",), "weight"),
-                "w2_weight_scale": stack(("w2",), "scale"),
-            },
-        )
-
-    def dequantized(self, layer: nn.Module, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(
-            dequantize_fp8_block_experts(
-                getattr(layer, f"{s}_weight")[experts], getattr(layer, f"{s}_weight_scale")[experts], self.block
-            )
-            for s in ("w13", "w2")
-        )
-
-    def quantize(self, layer: nn.Module, side: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        e, n, k = w.shape
-        bn, bk = self.block
-        blocks = w.view(e, n // bn, bn, k // bk, bk)
-        scale = blocks.abs().amax(dim=(2, 4)).clamp(min=MIN_SCALE) / FP8_MAX
-        full = scale.repeat_interleave(bn, 1).repeat_interleave(bk, 2)
-        q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        return {f"{side}_weight": q, f"{side}_weight_scale": scale.float()}
-
-    def operands(self, layer: nn.Module) -> tuple:
-        return layer.w13_weight, layer.w13_weight_scale, layer.w2_weight, layer.w2_weight_scale, self.block
-
-    def kernel(self):
-        from novainfer.kernels.fused_moe_quant import fused_experts_fp8_block
-
-        return fused_experts_fp8_block
-
-    @staticmethod
-    def reference_fn(*args) -> torch.Tensor:
-        return fused_experts_fp8_block_reference(*args)
-
-
-class Int4MoEMethod(PrequantizedMoEMethod):
-    """INT4 experts (GPTQ without act-order, AWQ, compressed-tensors pack-quantized) in int4.py's kernel layout."""
-
-    def __init__(self, linear: Int4LinearMethod):
-        super().__init__(linear)
-        self.group = linear.fmt.group_size
-
-    def check_sizes(self, hidden_size: int, intermediate_size: int, tp_size: int) -> None:
-        for what, size in (
-            ("hidden_size", hidden_size),
-            ("moe intermediate_size per tensor-parallel rank", intermediate_size),
-        ):
-            if size % self.group:
-                raise ValueError(
-                    f"quantization_config.group_size={self.group} does not divide the experts' {what} ({size}, "
-                    f"tp_size={tp_size}): INT4 experts need whole groups"
-                )
-
-    def store(self, layer: nn.Module, experts: list[dict]) -> None:
-        stored = {}
-        for side, kinds in (("w13", ("w1", "w3")), ("w2", ("w2",))):
-            shards: list[list[Int4Shard]] = [[x[k] for k in kinds] for x in experts]
-            if any(s.g_idx is not None for row in shards for s in row):
-                raise ValueError(
-                    "quantization_config.desc_act: an expert's g_idx is permuted (act-order); act-order MoE experts "
-                    "are not implemented"
-                )
-            codes = torch.stack([torch.cat([s.codes for s in row]) for row in shards])
-            e, n, k = codes.shape
-            stored[f"{side}_qweight"] = pack_int4(codes.view(e * n, k)).view(e, n, k // 8)
-            stored[f"{side}_scales"] = torch.stack([torch.cat([s.scales for s in row]) for row in shards])
-            stored[f"{side}_qzeros"] = torch.stack([torch.cat([s.zeros for s in row]) for row in shards]).to(
-                torch.uint8
-            )
-        self.set_stored(layer, stored)
-
-    def dequantized(self, layer: nn.Module, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(
-            dequantize_int4_experts(
-                getattr(layer, f"{s}_qweight")[experts],
-                getattr(layer, f"{s}_scales")[experts],
-                getattr(layer, f"{s}_qzeros")[experts],
-                self.group,
-            )
-            for s in ("w13", "w2")
-        )
-
-    def quantize(self, layer: nn.Module, side: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        e, n, k = w.shape
-        g = self.group
-        wg = w.view(e, n, k // g, g)
-        scales = (wg.abs().amax(-1) / 7).clamp(min=1e-8)
-        codes = (wg / scales[..., None]).round().clamp(-8, 7).add(8).view(e * n, k).to(torch.uint8)
-        return {
-            f"{side}_qweight": pack_int4(codes).view(e, n, k // 8),
-            f"{side}_scales": scales.to(layer.act_dtype),
-            f"{side}_qzeros": torch.full(scales.shape, 8, dtype=torch.uint8, device=w.device),
-        }
-
-    def operands(self, layer: nn.Module) -> tuple:
-        w13 = (layer.w13_qweight, layer.w13_scales, layer.w13_qzeros)
-        return (*w13, layer.w2_qweight, layer.w2_scales, layer.w2_qzeros, self.group)
-
-    def kernel(self):
-        from novainfer.kernels.fused_moe_quant import fused_experts_int4
-
-        return fused_experts_int4
-
-    @staticmethod
-    def reference_fn(*args) -> torch.Tensor:
-        return fused_experts_int4_reference(*args[:-1])  # no activation quantization to follow
-
-
-def fused_experts_fp8_block_reference(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scale: torch.Tensor,
-    block: tuple[int, int],
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    act_and_mul: nn.Module,
-    quantize_activations: bool,
-) -> torch.Tensor:
-    """The torch reference of kernels/fused_moe_quant.fused_experts_fp8_block in float32: the experts dequantized,
-    each GEMM's input quantized per token group first where quantize_activations (fp8_block.quantize_groups)."""
-    from novainfer.layers.quantization.fp8_block import quantize_groups
-
-    def rounded(h: torch.Tensor) -> torch.Tensor:
-        if not quantize_activations:
-            return h
-        q, s = quantize_groups(h, block[1])
-        return q.float() * s.repeat_interleave(block[1], 1)[:, : h.shape[1]]
-
-    class _ActThenRound(nn.Module):
-        def forward(self, h: torch.Tensor) -> torch.Tensor:
-            return rounded(act_and_mul(h))
-
-    d13 = dequantize_fp8_block_experts(w13, w13_scale, block)
-    d2 = dequantize_fp8_block_experts(w2, w2_scale, block)
-    return fused_experts_torch(rounded(x.float()), d13, d2, topk_weights, topk_ids, _ActThenRound())
-
-
-def fused_experts_int4_reference(
-    x: torch.Tensor,
-    w13_qweight: torch.Tensor,
-    w13_scales: torch.Tensor,
-    w13_zeros: torch.Tensor,
-    w2_qweight: torch.Tensor,
-    w2_scales: torch.Tensor,
-    w2_zeros: torch.Tensor,
-    group: int,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    act_and_mul: nn.Module,
-) -> torch.Tensor:
-    """The torch reference of kernels/fused_moe_quant.fused_experts_int4 (same arguments) in float32."""
-    d13 = dequantize_int4_experts(w13_qweight, w13_scales, w13_zeros, group)
-    d2 = dequantize_int4_experts(w2_qweight, w2_scales, w2_zeros, group)
-    return fused_experts_torch(x.float(), d13, d2, topk_weights, topk_ids, act_and_mul)
