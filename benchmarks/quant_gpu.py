@@ -74,7 +74,7 @@ FORMATS = {  # name -> the quantization_config written into the random model's c
     },
     "int4-gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False},
 }
-MOE_FORMATS = ("bf16", "fp8-block", "int4-gptq")  # compressed-tensors per-channel FP8 experts are refused
+MOE_FORMATS = ("bf16", "fp8-block", "ct-fp8", "int4-gptq")
 # one Qwen3-30B-A3B MoE layer (one rank), and its tiny stand-in for the interpreter
 MOE_SHAPE = dict(experts=128, hidden=2048, inter=768, top_k=8)
 MOE_SHAPE_TINY = dict(experts=8, hidden=256, inter=128, top_k=2)

@@ -41,7 +41,15 @@ from tests.tiny_models import make_tiny_model
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 F8 = torch.float8_e4m3fn
-MOE_FORMATS = ["fp8-block", "ct-fp8-block", "gptq-sym", "awq", "ct-w4a16-sym-g32", "ct-w4a16-asym-g64"]
+MOE_FORMATS = [
+    "fp8-block",
+    "ct-fp8-block",
+    "ct-fp8-dynamic",
+    "gptq-sym",
+    "awq",
+    "ct-w4a16-sym-g32",
+    "ct-w4a16-asym-g64",
+]
 FAMILIES = {  # every projection a multiple of 128 wide (block FP8's blocks)
     "qwen3_moe": dict(head_dim=32, moe_intermediate_size=128),
     "qwen2_moe": dict(moe_intermediate_size=128, shared_expert_intermediate_size=128),
@@ -112,8 +120,9 @@ def test_moe_checkpoint_matches_its_dequantized_model(bases, tmp_path, arch, nam
             16,
         )
         assert stored["w2_qweight"].shape[1:] == (128, 16)
-    else:  # kept float8 with [E, N/128, K/128] block scales
-        assert stored["w13_weight"].dtype == F8 and stored["w13_weight_scale"].shape[1:] == (2, 1)
+    else:  # kept float8 with [E, N/128, K/128] block scales, or [E, N, 1] per channel
+        scales = (256, 1) if name == "ct-fp8-dynamic" else (2, 1)
+        assert stored["w13_weight"].dtype == F8 and stored["w13_weight_scale"].shape[1:] == scales
     assert_agrees(llm, hf_reference(ddir, act), prompts(5, 32, seed=3), 6)
 
 
@@ -134,10 +143,10 @@ def test_moe_dummy_load_draws_quantized_experts(bases, tmp_path, name):
 def test_moe_refusals_name_the_field(bases, tmp_path):
     src = bases["qwen3_moe"]
     _, act_order, _ = _format("gptq-asym-act-order")
-    _, ct_channel, _ = _format("ct-fp8-dynamic")
+    _, ct_static, _ = _format("ct-fp8-static")
     cases = [
         (act_order, "desc_act=true .gptq.: act-order"),
-        (ct_channel, "weights.strategy='channel'"),
+        (ct_static, r"input_activations.dynamic=False .compressed-tensors.: static FP8 input scales on MoE"),
         ({**FORMATS["fp8-block"][1], "modules_to_not_convert": ["model.layers.0.mlp.experts"]}, "modules_to_not_conv"),
     ]
     for i, (qconfig, match) in enumerate(cases):
@@ -255,12 +264,15 @@ def test_int4_experts_split_by_tensor_parallelism(bases, tmp_path):
 def test_start_up_probe_of_the_moe_kernels():
     """The CUDA start-up probe (here under the interpreter, float32) passes the kernels and refuses wrong ones."""
     from novainfer.layers.quantization.int4 import Int4Format, Int4LinearMethod
+    from novainfer.layers.quantization.compressed_tensors import CtFp8MoEMethod
+    from novainfer.layers.quantization.fp8 import Fp8Options, quantize_rows
     from novainfer.layers.quantization.fp8_block import Fp8BlockMoEMethod
     from novainfer.layers.quantization.int4 import Int4MoEMethod
     from novainfer.layers.quantization.prequantized_moe import check_moe_kernels
 
     cpu = torch.device("cpu")
     check_moe_kernels(Fp8BlockMoEMethod((128, 128), "weight_scale_inv"), cpu, torch.float32)
+    check_moe_kernels(CtFp8MoEMethod(Fp8Options(quantize=quantize_rows)), cpu, torch.float32)
     int4 = Int4MoEMethod(Int4LinearMethod(Int4Format("awq", 64, symmetric=False)))
     check_moe_kernels(int4, cpu, torch.float32)
     int4.apply_cuda = lambda layer, x, w, ids: Int4MoEMethod.apply_cuda(int4, layer, x, w, ids.flip(1))  # swapped

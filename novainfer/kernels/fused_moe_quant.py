@@ -16,6 +16,8 @@ layers/fused_moe/moe_torch.py's fused_experts_torch.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -191,23 +193,28 @@ def fused_experts_fp8_block(
     topk_ids: torch.Tensor,
     act_and_mul: nn.Module,
     quantize_activations: bool | None = None,
+    act_quant: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """[tokens, hidden] -> [tokens, hidden]: sum_k weight_k * down_e(act(gate_up_e x)) with block-FP8 experts:
     w13 float8 [E, 2 * inter, hidden] (gate rows, then up rows), w13_scale [E, 2 * inter / BN_S, hidden / BK_S],
     w2 [E, hidden, inter], w2_scale [E, hidden / BN_S, inter / BK_S]. quantize_activations None: per-token-group
     FP8 activations above WEIGHT_ONLY_MAX_M tokens, weight-only below (float32 activations: quantized values
-    kept in float32, the interpreter's way)."""
+    kept in float32, the interpreter's way). act_quant: x -> (float8 x, float32 scales [rows, K / BK_S]) instead of
+    per_token_group_quant (compressed-tensors' per-token rows: block (1, K), one scale a row)."""
     if quantize_activations is None:
         quantize_activations = hidden_states.shape[0] > WEIGHT_ONLY_MAX_M
 
     def gemm(down: bool, a, out, ids, a_row_div: int, weights, tiles) -> None:
         w, s = (w2, w2_scale) if down else (w13, w13_scale)
         a_scale = None
-        if quantize_activations and a.dtype == torch.float32:  # float8 values held in float32, rounded by torch
-            q, a_scale = per_token_group_quant(a.contiguous(), block[1], out_dtype=torch.float32)
-            a = q.to(torch.float8_e4m3fn).float()
-        elif quantize_activations:
-            a, a_scale = per_token_group_quant(a.contiguous(), block[1])
+        if quantize_activations:
+            interpreted = a.dtype == torch.float32  # float8 values held in float32, rounded by torch
+            if act_quant is not None:
+                q, a_scale = act_quant(a.contiguous())
+            else:
+                out_dtype = torch.float32 if interpreted else torch.float8_e4m3fn
+                q, a_scale = per_token_group_quant(a.contiguous(), block[1], out_dtype=out_dtype)
+            a = q.to(torch.float8_e4m3fn).float() if interpreted else q
         assert w.stride(2) == 1 and s.stride(2) == 1
         strides = (a_scale.stride(0) if a_scale is not None else 0, *w.stride()[:2], *s.stride()[:2])
         operands = (a_scale if a_scale is not None else out, w, s)

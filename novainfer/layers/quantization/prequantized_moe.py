@@ -172,6 +172,7 @@ def check_moe_kernels(method: PrequantizedMoEMethod, device: torch.device, dtype
     layer = nn.Module()
     layer.num_experts, layer.act_dtype, layer.act_fn = 4, dtype, get_act_and_mul("silu")
     hidden, inter = 256, 128
+    method.check_sizes(hidden, inter, 1)
     for side, (n, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
         w = torch.randn(layer.num_experts, n, k, generator=g, device=device) * 0.05
         method.set_stored(layer, method.quantize(layer, side, w))
