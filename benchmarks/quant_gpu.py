@@ -299,10 +299,27 @@ class MoeOperands:
         }
 
 
+# (BLOCK_N, BLOCK_K, warps, stages) the MoE sweep tries for both quantized grouped GEMMs, BLOCK_M as
+# kernels/fused_moe.py's moe_tiles picks it (one alignment serves both GEMMs)
+MOE_TILE_CANDIDATES = [(64, 128, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4), (32, 128, 4, 3), (256, 64, 8, 4)]
+
+
+def moe_candidates(m: int, shape: dict, device: torch.device) -> list[tuple[str, object]]:
+    """(label, (gate/up tiles, down tiles)) of the quantized fused MoE at m tokens: the package's choice first
+    (None), then on a GPU the sweep's."""
+    from novainfer.kernels.fused_moe import moe_tiles
+
+    if device.type != "cuda":
+        return [("default", None)]
+    block_m = moe_tiles(m * shape["top_k"], shape["experts"], 2 * shape["inter"], shape["hidden"], False)[0]
+    return [("default", None)] + [(str(c), ((block_m, *c), (block_m, *c))) for c in MOE_TILE_CANDIDATES]
+
+
 def moe_kernel_rows(shape: dict, tokens: list[int], device: torch.device, iters: int) -> list[dict]:
     """Per token count: the bf16 fused MoE, the block-FP8 one (the package's choice of weight-only or FP8
-    activations by token count) and the INT4 one, device time each (CUDA graphs), rel err of each quantized kernel
-    against its torch reference (the experts dequantized, float32)."""
+    activations by token count) and the INT4 one, device time each (CUDA graphs), each quantized one also with
+    every candidate tile shape (the sweep: default and best printed); rel err of every run against its torch
+    reference (the experts dequantized, float32)."""
     from novainfer.kernels.fp8_block import WEIGHT_ONLY_MAX_M
     from novainfer.kernels.fused_moe import fused_experts
     from novainfer.kernels.fused_moe_quant import fused_experts_fp8_block, fused_experts_int4
@@ -321,37 +338,51 @@ def moe_kernel_rows(shape: dict, tokens: list[int], device: torch.device, iters:
         logits = torch.randn(m, shape["experts"], device=device, generator=g)
         weights, ids = select_experts(logits, shape["top_k"], True)
 
-        def runs(i: int) -> dict:
-            """Each format's call on routing copy i (its experts shifted by i * top_k: a graph of several copies
-            reads experts that the call before did not leave in L2)."""
+        def run(fmt: str, i: int, tiles):
+            """fmt's call on routing copy i (its experts shifted by i * top_k: a graph of several copies reads
+            experts that the call before did not leave in L2) with the given tiles (None: the package's)."""
             ids_i = (ids + i * shape["top_k"]) % shape["experts"]
-            return {
-                "bf16": lambda: fused_experts(x, ops.bf16["w13"], ops.bf16["w2"], weights, ids_i, act),
-                "fp8-block": lambda: fused_experts_fp8_block(
-                    x, *ops.fp8["w13"], *ops.fp8["w2"], (128, 128), weights, ids_i, act
-                ),
-                "int4": lambda: fused_experts_int4(x, *ops.int4["w13"], *ops.int4["w2"], 128, weights, ids_i, act),
-            }
+            if fmt == "bf16":
+                return lambda: fused_experts(x, ops.bf16["w13"], ops.bf16["w2"], weights, ids_i, act)
+            if fmt == "fp8-block":
+                w = (*ops.fp8["w13"], *ops.fp8["w2"], (128, 128))
+                return lambda: fused_experts_fp8_block(x, *w, weights, ids_i, act, tiles=tiles)
+            w = (*ops.int4["w13"], *ops.int4["w2"], 128)
+            return lambda: fused_experts_int4(x, *w, weights, ids_i, act, tiles=tiles)
 
         refs = {
-            "fp8-block": lambda: fused_experts_fp8_block_reference(
+            "fp8-block": fused_experts_fp8_block_reference(
                 x, *ops.fp8["w13"], *ops.fp8["w2"], (128, 128), weights, ids, act, m > WEIGHT_ONLY_MAX_M
             ),
-            "int4": lambda: fused_experts_int4_reference(x, *ops.int4["w13"], *ops.int4["w2"], 128, weights, ids, act),
+            "int4": fused_experts_int4_reference(x, *ops.int4["w13"], *ops.int4["w2"], 128, weights, ids, act),
         }
         touched = torch.unique(ids).numel() / shape["experts"]  # the share of the experts' bytes a call reads
         row = dict(tokens=m)
-        for fmt in ("bf16", "fp8-block", "int4"):
-            row[f"{fmt}_us"] = device_us(lambda i: runs(i)[fmt], int(ops.nbytes[fmt] * touched), device, iters)
-            if fmt in refs:
-                row[f"{fmt}_rel"] = rel(runs(0)[fmt](), refs[fmt]())
-                row[f"{fmt}_x"] = row["bf16_us"] / row[f"{fmt}_us"]
-                row[f"{fmt}_ok"] = device.type != "cuda" or row[f"{fmt}_rel"] <= MAX_REL[fmt]
+        row["bf16_us"] = device_us(lambda i: run("bf16", i, None), int(ops.nbytes["bf16"] * touched), device, iters)
+        for fmt in ("fp8-block", "int4"):
+            sweep = {}
+            for label, tiles in moe_candidates(m, shape, device):
+                try:
+                    err = rel(run(fmt, 0, tiles)(), refs[fmt])
+                    us = device_us(lambda i: run(fmt, i, tiles), int(ops.nbytes[fmt] * touched), device, iters)
+                except Exception as e:  # a candidate this GPU cannot run: skipped, not fatal
+                    if tiles is None:
+                        raise
+                    print(f"  {fmt} {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                sweep[label] = (us, err)
+            best = min(sweep, key=lambda lb: sweep[lb][0])
+            row[f"{fmt}_us"], row[f"{fmt}_best"], row[f"{fmt}_best_us"] = sweep["default"][0], best, sweep[best][0]
+            row[f"{fmt}_x"] = row["bf16_us"] / row[f"{fmt}_us"]
+            row[f"{fmt}_rel"] = max(e for _, e in sweep.values())
+            row[f"{fmt}_ok"] = device.type != "cuda" or row[f"{fmt}_rel"] <= MAX_REL[fmt]
+        del refs
         out.append(row)
         print(
             f"MoE tokens={m:5d} bf16 {row['bf16_us']:9.1f} us | "
             + " | ".join(
-                f"{f} {row[f + '_us']:9.1f} us ({row[f + '_x']:.2f}x, rel {row[f + '_rel']:.1e})"
+                f"{f} {row[f + '_us']:9.1f} us ({row[f + '_x']:.2f}x, best {row[f + '_best_us']:.1f} "
+                f"{row[f + '_best']}, rel {row[f + '_rel']:.1e})"
                 for f in ("fp8-block", "int4")
             ),
             flush=True,

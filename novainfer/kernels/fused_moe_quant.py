@@ -194,13 +194,15 @@ def fused_experts_fp8_block(
     act_and_mul: nn.Module,
     quantize_activations: bool | None = None,
     act_quant: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    tiles: tuple | None = None,
 ) -> torch.Tensor:
     """[tokens, hidden] -> [tokens, hidden]: sum_k weight_k * down_e(act(gate_up_e x)) with block-FP8 experts:
     w13 float8 [E, 2 * inter, hidden] (gate rows, then up rows), w13_scale [E, 2 * inter / BN_S, hidden / BK_S],
     w2 [E, hidden, inter], w2_scale [E, hidden / BN_S, inter / BK_S]. quantize_activations None: per-token-group
     FP8 activations above WEIGHT_ONLY_MAX_M tokens, weight-only below (float32 activations: quantized values
     kept in float32, the interpreter's way). act_quant: x -> (float8 x, float32 scales [rows, K / BK_S]) instead of
-    per_token_group_quant (compressed-tensors' per-token rows: block (1, K), one scale a row)."""
+    per_token_group_quant (compressed-tensors' per-token rows: block (1, K), one scale a row). tiles: (gate/up,
+    down) tiles instead of kernels/fused_moe.py's choice (a benchmark's sweep)."""
     if quantize_activations is None:
         quantize_activations = hidden_states.shape[0] > WEIGHT_ONLY_MAX_M
 
@@ -237,7 +239,7 @@ def fused_experts_fp8_block(
         )
 
     n13, inter = w13.shape[1], w2.shape[2]
-    return routed_experts(hidden_states, topk_weights, topk_ids, w13.shape[0], n13, inter, act_and_mul, gemm)
+    return routed_experts(hidden_states, topk_weights, topk_ids, w13.shape[0], n13, inter, act_and_mul, gemm, tiles)
 
 
 def fused_experts_int4(
@@ -252,10 +254,11 @@ def fused_experts_int4(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     act_and_mul: nn.Module,
+    tiles: tuple | None = None,
 ) -> torch.Tensor:
     """[tokens, hidden] -> [tokens, hidden] with INT4 experts: w13_qweight int32 [E, 2 * inter, hidden / 8] (gate
     rows, then up rows), w13_scales / w13_zeros [E, 2 * inter, hidden / G]; w2_* [E, hidden, inter / 8] and
-    [E, hidden, inter / G]."""
+    [E, hidden, inter / G]; tiles as fused_experts_fp8_block's."""
 
     def gemm(down: bool, a, out, ids, a_row_div: int, weights, tiles) -> None:
         q, s, z = (w2_qweight, w2_scales, w2_zeros) if down else (w13_qweight, w13_scales, w13_zeros)
@@ -280,4 +283,5 @@ def fused_experts_int4(
         )
 
     n13, inter = w13_qweight.shape[1], w2_qweight.shape[2] * 8
-    return routed_experts(hidden_states, topk_weights, topk_ids, w13_qweight.shape[0], n13, inter, act_and_mul, gemm)
+    num_experts = w13_qweight.shape[0]
+    return routed_experts(hidden_states, topk_weights, topk_ids, num_experts, n13, inter, act_and_mul, gemm, tiles)
