@@ -75,6 +75,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         for param in (f"{side}_{tensor}" for side in ("w13", "w2") for tensor in self._TENSORS):
             if param_name.endswith(f".experts.{param}"):
                 prefix, (side, kind) = param_name[: -len(param)], param.split("_", 1)
+                if kind in EXPERT_TENSOR_NAMES and not getattr(self.get_parameter(param_name), "per_expert", False):
+                    break  # a stacked checkpoint tensor of the same name (gpt-oss's MXFP4 scales)
                 names = [
                     f"{prefix}{e}.{hf}.{kind}"
                     for e in range(num_experts_of(self.config))

@@ -69,6 +69,7 @@ class PrequantizedMoEMethod(FusedMoEMethodBase):
             for name in self.linear.tensor_names:
                 param = nn.Parameter(torch.empty(0), requires_grad=False)
                 param.weight_loader = partial(self._stash, layer, name)
+                param.per_expert = True  # filled from experts.E.<proj>.<name> (models/moe.py)
                 layer.register_parameter(f"{side}_{name}", param)
 
     def _stash(self, layer: nn.Module, name: str, param: nn.Parameter, loaded: torch.Tensor, shard_id) -> None:
