@@ -4,22 +4,21 @@ Tiny Qwen3-MoE, Qwen2-MoE (shared expert) and Mixtral checkpoints are written in
 expert projection (and every dense projection) quantized as the format's tools store it, the routers left dense;
 the reference is transformers running the same model with the weights dequantized to float32 (the dense FP8
 projections' inputs also quantized per token group, as the format does at run time: the experts on the CPU are
-weight-only). NovaInfer must agree on >= 99% of teacher-forced top-1 tokens and give the same greedy continuation.
-The Triton grouped GEMMs run under TRITON_INTERPRET=1 against the torch reference (dequantize, then the experts in
-torch); what is not implemented is refused at start-up naming the field.
+weight-only). NovaInfer must agree on >= 99% of teacher-forced top-1 tokens and give the same greedy continuation
+(writers and reference: tests/test_quant_formats.py). The Triton grouped GEMMs run under TRITON_INTERPRET=1
+against the torch references (dequantize, then the experts in torch); what is not implemented is refused at
+start-up naming the field.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from novainfer import LLM, SamplingParams
 from novainfer.layers.fused_moe.moe_torch import fused_experts_torch
@@ -28,18 +27,17 @@ from novainfer.layers.quantization.fp8_block import dequantize_fp8_block_experts
 from novainfer.layers.quantization.int4 import dequantize_int4_experts, fused_experts_int4_reference
 from tests.test_quant_formats import (
     FORMATS,
-    X_AMAX,
     _format,
     assert_agrees,
-    fake_quant_input,
+    hf_reference,
     hf_top1,
     prompts,
     top1,
     with_quant_config,
+    write_pair,
 )
 from tests.tiny_models import make_tiny_model
 
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 F8 = torch.float8_e4m3fn
 MOE_FORMATS = [
     "fp8-block",
@@ -66,36 +64,6 @@ def bases(tmp_path_factory) -> dict[str, str]:
         )
         for arch, overrides in FAMILIES.items()
     }
-
-
-def write_pair(base: str, out: str, quantize, qconfig: dict) -> tuple[str, str]:
-    """(quantized folder, its float32 dequantized twin): every projection, the experts' too, quantized."""
-    qdir = with_quant_config(base, out + "-q", qconfig, weights=False)
-    ddir = shutil.copytree(base, out + "-deq", ignore=shutil.ignore_patterns("*.safetensors"))
-    qt, dt = {}, {}
-    for i, (name, t) in enumerate(sorted(load_file(os.path.join(base, "model.safetensors")).items())):
-        prefix, proj, kind = (name.rsplit(".", 2) + ["", ""])[:3]
-        if proj in PROJ and kind == "weight":
-            tensors, deq = quantize(t.float(), i)
-            qt.update({f"{prefix}.{proj}.{k}": v for k, v in tensors.items()})
-            dt[name] = deq.float().contiguous()
-        else:
-            qt[name] = dt[name] = t
-    save_file(qt, os.path.join(qdir, "model.safetensors"))
-    save_file(dt, os.path.join(ddir, "model.safetensors"))
-    return qdir, ddir
-
-
-def hf_reference(ddir: str, act: str | None):
-    """transformers on the dequantized twin; the dense FP8 projections (nn.Linear) quantize their inputs."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(ddir, dtype=torch.float32).eval()
-    if act is not None:
-        for name, mod in model.named_modules():
-            if isinstance(mod, torch.nn.Linear) and name.rsplit(".", 1)[-1] in PROJ:
-                mod.register_forward_pre_hook(fake_quant_input(act, X_AMAX / 448))
-    return model
 
 
 def experts_of(llm: LLM):

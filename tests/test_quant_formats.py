@@ -31,7 +31,7 @@ from novainfer.layers.quantization.int4 import dequantize_int4, pack_int4, unpac
 from tests.tiny_models import make_tiny_model
 
 F8 = torch.float8_e4m3fn
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")  # w*: Mixtral
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
@@ -148,7 +148,8 @@ def with_quant_config(src: str, folder: str, qconfig: dict | None, weights: bool
 
 
 def write_pair(base: str, out: str, quantize, qconfig: dict) -> tuple[str, str]:
-    """(quantized folder, its float32 dequantized twin) from the dense tiny model at base."""
+    """(quantized folder, its float32 dequantized twin) from the dense tiny model at base: every projection (an MoE's
+    experts' too) quantized, the rest (routers among them) as they are."""
     qdir = with_quant_config(base, out + "-q", qconfig, weights=False)
     ddir = shutil.copytree(base, out + "-deq", ignore=shutil.ignore_patterns("*.safetensors"))
     dense = load_file(os.path.join(base, "model.safetensors"))
