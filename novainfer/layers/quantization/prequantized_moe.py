@@ -53,8 +53,6 @@ class ExpertProjection:
 class PrequantizedMoEMethod(FusedMoEMethodBase):
     """Collects the experts' checkpoint tensors and stacks them (the module docstring); subclasses store and run."""
 
-    stored: tuple[str, ...] = ()  # the stacked tensors of one side (w13_ / w2_ prefixed), for draws and reports
-
     def __init__(self, linear: PrequantizedLinearMethod):
         self.linear = linear
 
