@@ -4,6 +4,13 @@ in bf16, block FP8, compressed-tensors FP8 and INT4: bench-shape throughput, bat
 
     python benchmarks/quant_gpu.py --out /tmp/quant          # on an H100/H200
     TRITON_INTERPRET=1 python benchmarks/quant_gpu.py --tiny  # the same steps on the CPU, tiny shapes
+    python benchmarks/quant_gpu.py --part moe                 # the MoE experts on Qwen3-30B-A3B's shapes
+    TRITON_INTERPRET=1 python benchmarks/quant_gpu.py --tiny --part moe
+
+--part moe: the fused-MoE grouped GEMMs (kernels/fused_moe_quant.py: block FP8, INT4 g128) against their torch
+references and the bf16 fused MoE (kernels/fused_moe.py) on one Qwen3-30B-A3B layer (128 experts, 8 active,
+hidden 2048, expert inter 768) by token count, then the whole random Qwen3-30B-A3B in bf16, block FP8 and INT4
+(random:qwen3-moe-small with --tiny).
 
 Kernel times are device times: each call captured in a CUDA graph (as decode runs), over enough copies of the weight
 that none is read from L2; each quantized kernel is also run with every candidate tile shape of its module (the
@@ -67,6 +74,10 @@ FORMATS = {  # name -> the quantization_config written into the random model's c
     },
     "int4-gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False},
 }
+MOE_FORMATS = ("bf16", "fp8-block", "ct-fp8", "int4-gptq")
+# one Qwen3-30B-A3B MoE layer (one rank), and its tiny stand-in for the interpreter
+MOE_SHAPE = dict(experts=128, hidden=2048, inter=768, top_k=8)
+MOE_SHAPE_TINY = dict(experts=8, hidden=256, inter=128, top_k=2)
 TARGETS = {"fp8-block": (1.1, 1.6), "int4-gptq": (1.0, 2.5)}  # (bench shape, batch-1) x bf16
 # relative error against the torch reference on the GPU (bf16 output rounding, float32 accumulation); under the CPU
 # interpreter the float8 cast truncates where CUDA rounds, so the fp8 figure is only printed there
@@ -252,6 +263,134 @@ def print_best_tiles(rows: list[dict]) -> None:
             )
 
 
+class MoeOperands:
+    """One MoE layer's random experts (std 0.02) in bf16, block FP8 and INT4 (symmetric g128, float16 scales), packed
+    as the experts methods store them (layers/quantization/fp8_block.py, int4.py)."""
+
+    def __init__(self, shape: dict, device: torch.device, g: torch.Generator):
+        from types import SimpleNamespace
+
+        from novainfer.layers.quantization.fp8_block import Fp8BlockMoEMethod
+        from novainfer.layers.quantization.int4 import Int4Format, Int4LinearMethod, Int4MoEMethod
+
+        e, h, inter = shape["experts"], shape["hidden"], shape["inter"]
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        fp8, int4 = (
+            Fp8BlockMoEMethod((128, 128), "weight_scale_inv"),
+            Int4MoEMethod(Int4LinearMethod(Int4Format("gptq", 128))),
+        )
+        held = SimpleNamespace(act_dtype=torch.float16 if device.type == "cuda" else torch.float32)
+        self.bf16, self.fp8, self.int4 = {}, {}, {}
+        for side, (n, k) in (("w13", (2 * inter, h)), ("w2", (h, inter))):
+            w = torch.randn(e, n, k, device=device, generator=g) * 0.02
+            self.bf16[side] = w.to(dtype)
+            q = fp8.quantize(held, side, w)
+            self.fp8[side] = (q[f"{side}_weight"], q[f"{side}_weight_scale"])
+            q = int4.quantize(held, side, w)
+            self.int4[side] = (q[f"{side}_qweight"], q[f"{side}_scales"], q[f"{side}_qzeros"])
+            del w
+        self.nbytes = {
+            f: sum(
+                t.numel() * t.element_size()
+                for side in d.values()
+                for t in (side if isinstance(side, tuple) else (side,))
+            )
+            for f, d in (("bf16", self.bf16), ("fp8-block", self.fp8), ("int4", self.int4))
+        }
+
+
+# (BLOCK_N, BLOCK_K, warps, stages) the MoE sweep tries for both quantized grouped GEMMs, BLOCK_M as
+# kernels/fused_moe.py's moe_tiles picks it (one alignment serves both GEMMs)
+MOE_TILE_CANDIDATES = [(64, 128, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4), (32, 128, 4, 3), (256, 64, 8, 4)]
+
+
+def moe_candidates(m: int, shape: dict, device: torch.device) -> list[tuple[str, object]]:
+    """(label, (gate/up tiles, down tiles)) of the quantized fused MoE at m tokens: the package's choice first
+    (None), then on a GPU the sweep's."""
+    from novainfer.kernels.fused_moe import moe_tiles
+
+    if device.type != "cuda":
+        return [("default", None)]
+    block_m = moe_tiles(m * shape["top_k"], shape["experts"], 2 * shape["inter"], shape["hidden"], False)[0]
+    return [("default", None)] + [(str(c), ((block_m, *c), (block_m, *c))) for c in MOE_TILE_CANDIDATES]
+
+
+def moe_kernel_rows(shape: dict, tokens: list[int], device: torch.device, iters: int) -> list[dict]:
+    """Per token count: the bf16 fused MoE, the block-FP8 one (the package's choice of weight-only or FP8
+    activations by token count) and the INT4 one, device time each (CUDA graphs), each quantized one also with
+    every candidate tile shape (the sweep: default and best printed); rel err of every run against its torch
+    reference (the experts dequantized, float32)."""
+    from novainfer.kernels.fp8_block import WEIGHT_ONLY_MAX_M
+    from novainfer.kernels.fused_moe import fused_experts
+    from novainfer.kernels.fused_moe_quant import fused_experts_fp8_block, fused_experts_int4
+    from novainfer.layers.activation import get_act_and_mul
+    from novainfer.layers.fused_moe.routing import select_experts
+    from novainfer.layers.quantization.fp8_block import fused_experts_fp8_block_reference
+    from novainfer.layers.quantization.int4 import fused_experts_int4_reference
+
+    g = torch.Generator(device=device).manual_seed(0)
+    ops = MoeOperands(shape, device, g)
+    act = get_act_and_mul("silu")
+    dtype = ops.bf16["w13"].dtype
+    out = []
+    for m in tokens:
+        x = torch.randn(m, shape["hidden"], device=device, generator=g).to(dtype)
+        logits = torch.randn(m, shape["experts"], device=device, generator=g)
+        weights, ids = select_experts(logits, shape["top_k"], True)
+
+        def run(fmt: str, i: int, tiles):
+            """fmt's call on routing copy i (its experts shifted by i * top_k: a graph of several copies reads
+            experts that the call before did not leave in L2) with the given tiles (None: the package's)."""
+            ids_i = (ids + i * shape["top_k"]) % shape["experts"]
+            if fmt == "bf16":
+                return lambda: fused_experts(x, ops.bf16["w13"], ops.bf16["w2"], weights, ids_i, act)
+            if fmt == "fp8-block":
+                w = (*ops.fp8["w13"], *ops.fp8["w2"], (128, 128))
+                return lambda: fused_experts_fp8_block(x, *w, weights, ids_i, act, tiles=tiles)
+            w = (*ops.int4["w13"], *ops.int4["w2"], 128)
+            return lambda: fused_experts_int4(x, *w, weights, ids_i, act, tiles=tiles)
+
+        refs = {
+            "fp8-block": fused_experts_fp8_block_reference(
+                x, *ops.fp8["w13"], *ops.fp8["w2"], (128, 128), weights, ids, act, m > WEIGHT_ONLY_MAX_M
+            ),
+            "int4": fused_experts_int4_reference(x, *ops.int4["w13"], *ops.int4["w2"], 128, weights, ids, act),
+        }
+        touched = torch.unique(ids).numel() / shape["experts"]  # the share of the experts' bytes a call reads
+        row = dict(tokens=m)
+        row["bf16_us"] = device_us(lambda i: run("bf16", i, None), int(ops.nbytes["bf16"] * touched), device, iters)
+        for fmt in ("fp8-block", "int4"):
+            sweep = {}
+            for label, tiles in moe_candidates(m, shape, device):
+                try:
+                    err = rel(run(fmt, 0, tiles)(), refs[fmt])
+                    us = device_us(lambda i: run(fmt, i, tiles), int(ops.nbytes[fmt] * touched), device, iters)
+                except Exception as e:  # a candidate this GPU cannot run: skipped, not fatal
+                    if tiles is None:
+                        raise
+                    print(f"  {fmt} {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                sweep[label] = (us, err)
+            best = min(sweep, key=lambda lb: sweep[lb][0])
+            row[f"{fmt}_us"], row[f"{fmt}_best"], row[f"{fmt}_best_us"] = sweep["default"][0], best, sweep[best][0]
+            row[f"{fmt}_x"] = row["bf16_us"] / row[f"{fmt}_us"]
+            row[f"{fmt}_rel"] = max(e for _, e in sweep.values())
+            row[f"{fmt}_ok"] = device.type != "cuda" or row[f"{fmt}_rel"] <= MAX_REL[fmt]
+        del refs
+        out.append(row)
+        print(
+            f"MoE tokens={m:5d} bf16 {row['bf16_us']:9.1f} us | "
+            + " | ".join(
+                f"{f} {row[f + '_us']:9.1f} us ({row[f + '_x']:.2f}x, best {row[f + '_best_us']:.1f} "
+                f"{row[f + '_best']}, rel {row[f + '_rel']:.1e})"
+                for f in ("fp8-block", "int4")
+            ),
+            flush=True,
+        )
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+    return out
+
+
 def model_folder(base: str, fmt: str, out_dir: str) -> str:
     """A config-only copy of the random model with fmt's quantization_config."""
     import shutil
@@ -282,12 +421,14 @@ def e2e_one(path: str, args: argparse.Namespace) -> dict:
         kw["gpu_memory_utilization"] = 0.85
     llm = LLM(path, **kw)
     model = llm.llm_engine.executor.workers[0].model_runner.model
-    linear = sum(
+    linear = sum(  # the linear layers' and the experts' weights (biases aside)
         t.numel() * t.element_size()
         for m in model.modules()
-        if hasattr(m, "quant_method") and type(m).__name__.endswith("Linear")
+        if hasattr(m, "quant_method") and type(m).__name__.endswith(("Linear", "FusedMoE"))
         for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False))
         if t is not getattr(m, "bias", None)
+        and t is not getattr(m, "w13_bias", None)
+        and t is not getattr(m, "w2_bias", None)
     )
     total = sum(t.numel() * t.element_size() for t in model.parameters())
     rng = random.Random(0)
@@ -309,8 +450,8 @@ def e2e_one(path: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and workloads (the CPU, TRITON_INTERPRET=1)")
-    ap.add_argument("--part", default="all", choices=["all", "kernels", "e2e"])
-    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--part", default="all", choices=["all", "kernels", "e2e", "moe", "moe-kernels", "moe-e2e"])
+    ap.add_argument("--formats", default=None, help="e2e formats (default: all; with --part moe: MOE_FORMATS)")
     ap.add_argument("--out", default="/tmp/novainfer-quant")
     ap.add_argument("--num-prompts", type=int, default=None, help="bench shape: 256 prompts of 100-1024 tokens")
     ap.add_argument("--input-len", type=int, default=None)
@@ -338,24 +479,20 @@ def main() -> None:
         bad = [f"{r['layer']} M={r['m']} {f}" for r in result["kernels"] for f in MAX_REL if not r[f"{f}_ok"]]
         print("kernel checks: " + (f"FAILED {bad}" if bad else f"all within {MAX_REL} of the torch references"))
         result["kernel_failures"] = bad
+    if args.part in ("moe", "moe-kernels"):
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        shape, tokens = (MOE_SHAPE_TINY, [1, 5, 20]) if args.tiny else (MOE_SHAPE, [1, 4, 16, 64, 256, 1024, 4096])
+        result["moe_kernels"] = moe_kernel_rows(shape, tokens, device, 1 if args.tiny else 20)
+        bad = [f"tokens={r['tokens']} {f}" for r in result["moe_kernels"] for f in MAX_REL if not r[f"{f}_ok"]]
+        print("MoE kernel checks: " + (f"FAILED {bad}" if bad else f"all within {MAX_REL} of the torch references"))
+        result["kernel_failures"] = bad
+    if args.part in ("moe", "moe-e2e"):
+        name = "qwen3-moe-small" if args.tiny else "qwen3-30b-a3b"
+        result["e2e"] = run_e2e(resolve_model(f"random:{name}"), (args.formats or ",".join(MOE_FORMATS)), args)
+        print_table(result, name)
     if args.part in ("all", "e2e"):
         base = resolve_model("random:qwen3-dense-small" if args.tiny else "random:qwen2.5-7b")
-        result["e2e"] = {}
-        for fmt in args.formats.split(","):
-            cmd = [sys.executable, os.path.abspath(__file__), "--e2e-one", model_folder(base, fmt, args.out)]
-            cmd += ["--num-prompts", str(args.num_prompts), "--decode-tokens", str(args.decode_tokens)]
-            cmd += ["--repeat", str(args.repeat), "--max-model-len", str(args.max_model_len)]
-            for flag, v in (("--input-len", args.input_len), ("--output-len", args.output_len)):
-                if v:
-                    cmd += [flag, str(v)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            line = [ln for ln in proc.stdout.splitlines() if ln.startswith("E2E ")]
-            if proc.returncode or not line:
-                print(f"{fmt}: failed (rc {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
-                continue
-            result["e2e"][fmt] = json.loads(line[0][4:])
-            print(fmt, result["e2e"][fmt], flush=True)
-            gc.collect()
+        result["e2e"] = run_e2e(base, args.formats or ",".join(FORMATS), args)
         print_table(result, "qwen3-dense-small" if args.tiny else "Qwen2.5-7B")
     with open(os.path.join(args.out, "quant_gpu.json"), "w") as f:
         json.dump(result, f, indent=2)
@@ -363,12 +500,33 @@ def main() -> None:
         sys.exit(1)
 
 
+def run_e2e(base: str, formats: str, args: argparse.Namespace) -> dict:
+    """Each format (comma-separated) of the random model at base in its own process: e2e_one's figures."""
+    result = {}
+    for fmt in formats.split(","):
+        cmd = [sys.executable, os.path.abspath(__file__), "--e2e-one", model_folder(base, fmt, args.out)]
+        cmd += ["--num-prompts", str(args.num_prompts), "--decode-tokens", str(args.decode_tokens)]
+        cmd += ["--repeat", str(args.repeat), "--max-model-len", str(args.max_model_len)]
+        for flag, v in (("--input-len", args.input_len), ("--output-len", args.output_len)):
+            if v:
+                cmd += [flag, str(v)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("E2E ")]
+        if proc.returncode or not line:
+            print(f"{fmt}: failed (rc {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+            continue
+        result[fmt] = json.loads(line[0][4:])
+        print(fmt, result[fmt], flush=True)
+        gc.collect()
+    return result
+
+
 def print_table(result: dict, shape: str) -> None:
     e2e = result.get("e2e", {})
     base = e2e.get("bf16")
     print(f"\n{result['device']}: random {shape} weights packed in each format (load_format dummy)")
     print(
-        f"{'format':10s} | {'linear GB':>9s} | {'bench tok/s':>11s} | {'x bf16':>6s} | {'batch-1 tok/s':>13s} | "
+        f"{'format':10s} | {'weight GB':>9s} | {'bench tok/s':>11s} | {'x bf16':>6s} | {'batch-1 tok/s':>13s} | "
         f"{'x bf16':>6s} | target (bench, batch-1)"
     )
     for fmt, r in e2e.items():

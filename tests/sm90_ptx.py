@@ -31,23 +31,28 @@ def ptx(fn, types: dict[str, str], constexprs: dict, warps: int, stages: int) ->
 
 INT4 = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "out_ptr": "*bf16"}
 FP8 = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16"}
-out = {
-    "int4_gemv": ptx(
-        int4_gemm._int4_gemv_kernel, INT4, {"M": 1, "GROUP": 128, "BLOCK_N": 8, "BLOCK_K": 1024, "EVEN_K": False}, 4, 1
-    ),
-    "fp8_gemv": ptx(
-        fp8_block._block_gemv_kernel,
-        FP8,
-        {"M": 2, "GROUP_N": 128, "GROUP_K": 128, "BLOCK_N": 4, "BLOCK_K": 1024, "EVEN_K": True},
-        4,
-        1,
-    ),
-    "int4_gemm_split": ptx(
-        int4_gemm._int4_gemm_kernel,
-        INT4 | {"out_ptr": "*fp32"},
-        {"GROUP": 128, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT": 2},
-        4,
-        3,
-    ),
-}
-print(json.dumps(out))
+if __name__ == "__main__":
+    out = {
+        "int4_gemv": ptx(
+            int4_gemm._int4_gemv_kernel,
+            INT4,
+            {"M": 1, "GROUP": 128, "BLOCK_N": 8, "BLOCK_K": 1024, "EVEN_K": False},
+            4,
+            1,
+        ),
+        "fp8_gemv": ptx(
+            fp8_block._block_gemv_kernel,
+            FP8,
+            {"M": 2, "GROUP_N": 128, "GROUP_K": 128, "BLOCK_N": 4, "BLOCK_K": 1024, "EVEN_K": True},
+            4,
+            1,
+        ),
+        "int4_gemm_split": ptx(
+            int4_gemm._int4_gemm_kernel,
+            INT4 | {"out_ptr": "*fp32"},
+            {"GROUP": 128, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT": 2},
+            4,
+            3,
+        ),
+    }
+    print(json.dumps(out))

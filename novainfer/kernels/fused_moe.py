@@ -260,17 +260,18 @@ def routed_experts(
     inter: int,
     act_and_mul: nn.Module,
     gemm: Callable[..., None],
+    tiles: tuple[tuple[int, int, int, int, int], tuple[int, int, int, int, int]] | None = None,
 ) -> torch.Tensor:
     """Steps 1-4 of the module docstring for any weight format: gemm(down, a, out, (sorted ids, block experts,
     padded total), a_row_div, routing weights or None, tiles) runs one grouped GEMM of the format's gate/up
-    (n13 outputs) or down (inter inputs) weights."""
+    (n13 outputs) or down (inter inputs) weights. tiles: (gate/up, down) instead of moe_tiles' (a sweep's)."""
     tokens, hidden = hidden_states.shape
     top_k = topk_ids.shape[1]
     num_pairs = tokens * top_k
     if tokens == 0:
         return torch.zeros_like(hidden_states)
-    up_tiles = moe_tiles(num_pairs, num_experts, n13, hidden, down=False)
-    down_tiles = moe_tiles(num_pairs, num_experts, hidden, inter, down=True)
+    up_tiles = moe_tiles(num_pairs, num_experts, n13, hidden, down=False) if tiles is None else tiles[0]
+    down_tiles = moe_tiles(num_pairs, num_experts, hidden, inter, down=True) if tiles is None else tiles[1]
     assert up_tiles[0] == down_tiles[0]  # one alignment serves both GEMMs
     ids = align_by_expert(topk_ids, num_experts, up_tiles[0])
     x = hidden_states.contiguous()

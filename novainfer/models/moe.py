@@ -18,6 +18,7 @@ from novainfer.distributed import get_tp_group
 from novainfer.layers.fused_moe import FusedMoE
 from novainfer.layers.fused_moe.layer import expert_params_mapping
 from novainfer.layers.linear import ReplicatedLinear
+from novainfer.layers.quantization.prequantized_moe import EXPERT_TENSOR_NAMES
 from novainfer.models.llama import LlamaForCausalLM, LlamaMLP
 
 
@@ -50,11 +51,13 @@ class SparseMoeBlock(nn.Module):
 
 
 class MoeForCausalLM(LlamaForCausalLM):
-    """Adds per-expert checkpoint names (experts.E.<proj>.weight, and .bias where the experts have biases) to the
-    Llama weight routing."""
+    """Adds per-expert checkpoint names (experts.E.<proj>.weight, .bias where the experts have biases, and a
+    pre-quantized format's tensors, e.g. .qweight: layers/quantization/prequantized_moe.py) to the Llama weight
+    routing; experts.E.<proj>.<tensor> fills the stacked parameter w13_<tensor> or w2_<tensor>."""
 
     expert_projections = ("gate_proj", "down_proj", "up_proj")  # HF names of gate, down, up (Mixtral: w1, w2, w3)
-    _EXPERT = re.compile(r"\.experts\.(\d+)\.(\w+)\.(weight|bias)$")
+    _TENSORS = ("weight", "bias", *EXPERT_TENSOR_NAMES)
+    _EXPERT = re.compile(rf"\.experts\.(\d+)\.(\w+)\.({'|'.join(_TENSORS)})$")
 
     def param_target(self, name: str) -> tuple[str, Any]:
         for hf, ours in self.checkpoint_renames.items():
@@ -69,14 +72,16 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def checkpoint_names(self, param_name: str) -> list[str]:
         mapping = expert_params_mapping(*self.expert_projections)
-        for param in ("w13_weight", "w2_weight", "w13_bias", "w2_bias"):
+        for param in (f"{side}_{tensor}" for side in ("w13", "w2") for tensor in self._TENSORS):
             if param_name.endswith(f".experts.{param}"):
-                prefix, kind = param_name[: -len(param)], param.split("_")[1]
+                prefix, (side, kind) = param_name[: -len(param)], param.split("_", 1)
+                if kind in EXPERT_TENSOR_NAMES and not getattr(self.get_parameter(param_name), "per_expert", False):
+                    break  # a stacked checkpoint tensor of the same name (gpt-oss's MXFP4 scales)
                 names = [
                     f"{prefix}{e}.{hf}.{kind}"
                     for e in range(num_experts_of(self.config))
                     for hf, (p, _) in mapping.items()
-                    if p == param.replace(f"_{kind}", "_weight")
+                    if p == f"{side}_weight"
                 ]
                 for hf, ours in self.checkpoint_renames.items():
                     names = [n.replace(ours, hf) for n in names]

@@ -22,8 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from novainfer.layers.linear import LinearBase
-from novainfer.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
+from novainfer.layers.quantization.base import FusedMoEMethodBase, QuantizationConfig, QuantizeMethodBase
 from novainfer.layers.quantization.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
@@ -33,7 +32,15 @@ from novainfer.layers.quantization.fp8 import (
     fp8_linear,
     quantize_rows,
 )
-from novainfer.layers.quantization.prequantized import PrequantizedLinearMethod, ShardSlice, layer_label
+from novainfer.layers.quantization.fp8_block import Fp8BlockMoEMethod, Fp8BlockShard
+from novainfer.layers.quantization.prequantized import (
+    PrequantizedLinearMethod,
+    ShardSlice,
+    layer_label,
+    quantized_linear,
+    refuse_unquantized_modules,
+)
+from novainfer.layers.quantization.prequantized_moe import PrequantizedMoEMethod, check_moe_kernels
 
 
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,17 +107,53 @@ class CtFp8LinearMethod(PrequantizedLinearMethod):
         return fp8_linear(x, layer.weight, layer.weight_scale, bias, opts)
 
 
+class CtFp8MoEMethod(Fp8BlockMoEMethod):
+    """compressed-tensors FP8 experts per channel (a per-tensor scale kept per row) with dynamic per-token inputs:
+    block FP8 whose block is a whole row, (1, max(hidden, inter)), so w13_weight_scale / w2_weight_scale are
+    [E, N, 1]; the grouped GEMMs quantize their inputs per token (the dense layers' quantizer)."""
+
+    def __init__(self, opts: Fp8Options):
+        PrequantizedMoEMethod.__init__(self, CtFp8LinearMethod(opts, static_input=False))
+        self.opts, self.block = opts, (1, 1)
+
+    def check_sizes(self, hidden_size: int, intermediate_size: int, tp_size: int) -> None:
+        self.block = (1, max(hidden_size, intermediate_size))  # any width: no tile spans more than one block
+
+    def store(self, layer: nn.Module, experts: list[dict]) -> None:
+        rows = [{k: Fp8BlockShard(s.weight, s.scale.reshape(-1, 1)) for k, s in x.items()} for x in experts]
+        super().store(layer, rows)
+
+    def quantize(self, layer: nn.Module, side: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, scale = quantize_rows(w.reshape(-1, w.shape[-1]))
+        return {f"{side}_weight": q.view(w.shape), f"{side}_weight_scale": scale.view(*w.shape[:2], 1)}
+
+    def apply_cuda(self, layer: nn.Module, x, topk_weights, topk_ids) -> torch.Tensor:
+        return self.kernel()(x, *self.operands(layer), topk_weights, topk_ids, layer.act_fn, None, self.opts.quantize)
+
+
 class CtFp8Config(QuantizationConfig):
     """Every dense linear layer is a compressed-tensors FP8 one (the embedding and lm_head stay dense)."""
 
-    def __init__(self, device: torch.device, static_input: bool):
+    def __init__(self, device: torch.device, static_input: bool, input_field: str = "input_activations"):
         fuse_bias, fast_accum = check_device_support(device)
         quantize = cuda_quantizer(device) if device.type == "cuda" else quantize_rows
         self.opts = Fp8Options(fuse_bias, fast_accum, quantize)
-        self.static_input = static_input
+        self.static_input, self.input_field, self.device = static_input, input_field, device
+        self.moe_checked = device.type != "cuda"
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
-        return CtFp8LinearMethod(self.opts, self.static_input) if isinstance(layer, LinearBase) else None
+        return CtFp8LinearMethod(self.opts, self.static_input) if quantized_linear(layer) else None
+
+    def get_moe_method(self, layer: nn.Module) -> FusedMoEMethodBase:
+        if self.static_input:
+            raise _refuse(
+                f"{self.input_field}.dynamic", False, "static FP8 input scales on MoE experts are not implemented"
+            )
+        method = CtFp8MoEMethod(self.opts)
+        if not self.moe_checked:  # the first MoE layer: the grouped GEMMs on this GPU, once
+            check_moe_kernels(method, self.device)
+            self.moe_checked = True
+        return method
 
     def keeps_stored_dtype(self, name: str, tensor: torch.Tensor) -> bool:
         return tensor.dtype == FP8_DTYPE or name.endswith((".weight_scale", ".input_scale"))
@@ -134,9 +177,7 @@ def ct_config(qc: dict, device: torch.device) -> QuantizationConfig:
     field = f"config_groups.{group_name}"
     if list(scheme.targets) != ["Linear"]:
         raise _refuse(f"{field}.targets", scheme.targets, "only targets ['Linear'] is implemented")
-    ignored = [i for i in cfg.ignore or [] if i not in ("lm_head", "re:.*lm_head", "re:^lm_head$")]
-    if ignored:
-        raise _refuse("ignore", ignored, "layers left unquantized (other than the lm_head) are not supported")
+    refuse_unquantized_modules("ignore", list(cfg.ignore or []), "compressed-tensors")
     if scheme.output_activations is not None:
         raise _refuse(f"{field}.output_activations", "set", "output activation quantization is not implemented")
     if cfg.kv_cache_scheme is not None:
@@ -165,7 +206,7 @@ def ct_config(qc: dict, device: torch.device) -> QuantizationConfig:
                 f"{a.strategy}/dynamic={a.dynamic}",
                 "per-token dynamic or per-tensor static FP8 activations only",
             )
-        return CtFp8Config(device, static_input=not a.dynamic)
+        return CtFp8Config(device, not a.dynamic, f"{field}.input_activations")
     if fmt == "pack-quantized":
         from novainfer.layers.quantization.int4 import GROUP_SIZES, Int4Config, Int4Format
 

@@ -18,16 +18,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from novainfer.layers.linear import LinearBase
-from novainfer.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
+from novainfer.layers.quantization.base import FusedMoEMethodBase, QuantizationConfig, QuantizeMethodBase
 from novainfer.layers.quantization.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from novainfer.layers.fused_moe.moe_torch import fused_experts_torch
 from novainfer.layers.quantization.prequantized import (
     PrequantizedLinearMethod,
     ShardSlice,
     layer_label,
     probe_kernels,
+    quantized_linear,
+    refuse_unquantized_modules,
     shard_slices,
 )
+from novainfer.layers.quantization.prequantized_moe import PrequantizedMoEMethod, check_moe_kernels
 
 
 def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,6 +143,105 @@ class Fp8BlockLinearMethod(PrequantizedLinearMethod):
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
+def dequantize_fp8_block_experts(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Stacked float8 experts [E, N, K] and block scales [E, N/bn, K/bk] -> float32 [E, N, K] (the reference)."""
+    return torch.stack([wi.float() * expand_blocks(si.float(), block, tuple(wi.shape)) for wi, si in zip(w, scale)])
+
+
+def fused_experts_fp8_block_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    block: tuple[int, int],
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act_and_mul: nn.Module,
+    quantize_activations: bool,
+) -> torch.Tensor:
+    """The torch reference of kernels/fused_moe_quant.fused_experts_fp8_block in float32: the experts dequantized,
+    each GEMM's input quantized per token group first where quantize_activations (fp8_block.quantize_groups)."""
+
+    def rounded(h: torch.Tensor) -> torch.Tensor:
+        if not quantize_activations:
+            return h
+        q, s = quantize_groups(h, block[1])
+        return q.float() * s.repeat_interleave(block[1], 1)[:, : h.shape[1]]
+
+    class _ActThenRound(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return rounded(act_and_mul(h))
+
+    d13 = dequantize_fp8_block_experts(w13, w13_scale, block)
+    d2 = dequantize_fp8_block_experts(w2, w2_scale, block)
+    return fused_experts_torch(rounded(x.float()), d13, d2, topk_weights, topk_ids, _ActThenRound())
+
+
+class Fp8BlockMoEMethod(PrequantizedMoEMethod):
+    """Block-scaled FP8 experts as stored (quant_method fp8 with weight_block_size; compressed-tensors FP8_BLOCK)."""
+
+    def __init__(self, block: tuple[int, int], scale_name: str):
+        super().__init__(Fp8BlockLinearMethod(block, scale_name))
+        self.block = block
+
+    def check_sizes(self, hidden_size: int, intermediate_size: int, tp_size: int) -> None:
+        bn, bk = self.block
+        for what, size, b in (
+            ("hidden_size", hidden_size, bk),
+            ("moe intermediate_size per tensor-parallel rank (gate/up rows)", intermediate_size, bn),
+            ("moe intermediate_size per tensor-parallel rank (down columns)", intermediate_size, bk),
+        ):
+            if size % b:
+                raise ValueError(
+                    f"quantization_config.weight_block_size={list(self.block)} does not divide the experts' {what} "
+                    f"({size}, tp_size={tp_size}): block FP8 experts need whole blocks"
+                )
+
+    def store(self, layer: nn.Module, experts: list[dict]) -> None:
+        def stack(kinds: tuple[str, ...], attr: str) -> torch.Tensor:
+            return torch.stack([torch.cat([getattr(x[k], attr) for k in kinds]) for x in experts])
+
+        self.set_stored(
+            layer,
+            {
+                "w13_weight": stack(("w1", "w3"), "weight"),
+                "w13_weight_scale": stack(("w1", "w3"), "scale"),
+                "w2_weight": stack(("w2",), "weight"),
+                "w2_weight_scale": stack(("w2",), "scale"),
+            },
+        )
+
+    def dequantized(self, layer: nn.Module, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(
+            dequantize_fp8_block_experts(
+                getattr(layer, f"{s}_weight")[experts], getattr(layer, f"{s}_weight_scale")[experts], self.block
+            )
+            for s in ("w13", "w2")
+        )
+
+    def quantize(self, layer: nn.Module, side: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        e, n, k = w.shape
+        bn, bk = self.block
+        blocks = w.view(e, n // bn, bn, k // bk, bk)
+        scale = blocks.abs().amax(dim=(2, 4)).clamp(min=MIN_SCALE) / FP8_MAX
+        full = scale.repeat_interleave(bn, 1).repeat_interleave(bk, 2)
+        q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return {f"{side}_weight": q, f"{side}_weight_scale": scale.float()}
+
+    def operands(self, layer: nn.Module) -> tuple:
+        return layer.w13_weight, layer.w13_weight_scale, layer.w2_weight, layer.w2_weight_scale, self.block
+
+    def kernel(self):
+        from novainfer.kernels.fused_moe_quant import fused_experts_fp8_block
+
+        return fused_experts_fp8_block
+
+    @staticmethod
+    def reference_fn(*args) -> torch.Tensor:
+        return fused_experts_fp8_block_reference(*args)
+
+
 def check_block_device(device: torch.device, what: str) -> None:
     """Raise ValueError where the block FP8 kernels cannot run (float8 tl.dot needs sm_89+)."""
     if device.type == "cuda":
@@ -159,10 +261,18 @@ class Fp8BlockConfig(QuantizationConfig):
         check_block_device(device, "a block-scaled FP8 checkpoint")
         if device.type == "cuda":
             check_block_kernels(device, block)
-        self.block, self.scale_name = block, scale_name
+        self.block, self.scale_name, self.device = block, scale_name, device
+        self.moe_checked = device.type != "cuda"
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
-        return Fp8BlockLinearMethod(self.block, self.scale_name) if isinstance(layer, LinearBase) else None
+        return Fp8BlockLinearMethod(self.block, self.scale_name) if quantized_linear(layer) else None
+
+    def get_moe_method(self, layer: nn.Module) -> FusedMoEMethodBase:
+        method = Fp8BlockMoEMethod(self.block, self.scale_name)
+        if not self.moe_checked:  # the first MoE layer: the grouped GEMMs on this GPU, once
+            check_moe_kernels(method, self.device)
+            self.moe_checked = True
+        return method
 
     def keeps_stored_dtype(self, name: str, tensor: torch.Tensor) -> bool:
         return tensor.dtype == FP8_DTYPE or name.endswith("." + self.scale_name)
@@ -185,11 +295,8 @@ def fp8_block_config(qc: dict, device: torch.device) -> Fp8BlockConfig:
     fmt = qc.get("fmt", "e4m3")
     if fmt != "e4m3":
         raise ValueError(f"quantization_config.fmt={fmt!r}: only e4m3 (float8_e4m3fn) is implemented")
-    if qc.get("modules_to_not_convert") or qc.get("ignored_layers"):
-        raise ValueError(
-            "quantization_config.modules_to_not_convert / ignored_layers: layers left unquantized in an "
-            "FP8 checkpoint are not supported"
-        )
+    for field in ("modules_to_not_convert", "ignored_layers"):
+        refuse_unquantized_modules(field, qc.get(field), "fp8")
     return Fp8BlockConfig((int(block[0]), int(block[1])), device)
 
 

@@ -24,21 +24,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from novainfer.layers.linear import LinearBase
-from novainfer.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
+from novainfer.layers.quantization.base import FusedMoEMethodBase, QuantizationConfig, QuantizeMethodBase
+from novainfer.layers.fused_moe.moe_torch import fused_experts_torch
 from novainfer.layers.quantization.prequantized import (
     PrequantizedLinearMethod,
     ShardSlice,
     layer_label,
     probe_kernels,
+    quantized_linear,
+    refuse_unquantized_modules,
     shard_slices,
 )
+from novainfer.layers.quantization.prequantized_moe import PrequantizedMoEMethod, check_moe_kernels
 
 PACK = 8  # 4-bit codes per int32
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble j of an AWQ word holds column AWQ_ORDER[j] of its eight
 GROUP_SIZES = (32, 64, 128)
 UNSUPPORTED_FIELDS = {  # set (truthy) in a GPTQ / AWQ quantization_config, each changes what the layers hold
-    "modules_to_not_convert": "leaving layers unquantized",
     "dynamic": "a per-module override of bits or group size",
     "lm_head": "a quantized lm_head",
     "is_marlin_format": "the Marlin-repacked layout",
@@ -227,6 +229,105 @@ class Int4LinearMethod(PrequantizedLinearMethod):
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
+def dequantize_int4_experts(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int):
+    """Stacked INT4 experts (qweight [E, N, K/8], scales / zeros [E, N, K/G]) -> float32 [E, N, K]."""
+    e, n, words = qweight.shape
+    codes = unpack_int4(qweight.reshape(e * n, words)).view(e, n, words * 8).float()
+    return (codes - zeros.float().repeat_interleave(group, 2)) * scales.float().repeat_interleave(group, 2)
+
+
+def fused_experts_int4_reference(
+    x: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_zeros: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_zeros: torch.Tensor,
+    group: int,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act_and_mul: nn.Module,
+) -> torch.Tensor:
+    """The torch reference of kernels/fused_moe_quant.fused_experts_int4 (same arguments) in float32."""
+    d13 = dequantize_int4_experts(w13_qweight, w13_scales, w13_zeros, group)
+    d2 = dequantize_int4_experts(w2_qweight, w2_scales, w2_zeros, group)
+    return fused_experts_torch(x.float(), d13, d2, topk_weights, topk_ids, act_and_mul)
+
+
+class Int4MoEMethod(PrequantizedMoEMethod):
+    """INT4 experts (GPTQ without act-order, AWQ, compressed-tensors pack-quantized) in int4.py's kernel layout."""
+
+    def __init__(self, linear: Int4LinearMethod):
+        super().__init__(linear)
+        self.group = linear.fmt.group_size
+
+    def check_sizes(self, hidden_size: int, intermediate_size: int, tp_size: int) -> None:
+        for what, size in (
+            ("hidden_size", hidden_size),
+            ("moe intermediate_size per tensor-parallel rank", intermediate_size),
+        ):
+            if size % self.group:
+                raise ValueError(
+                    f"quantization_config.group_size={self.group} does not divide the experts' {what} ({size}, "
+                    f"tp_size={tp_size}): INT4 experts need whole groups"
+                )
+
+    def store(self, layer: nn.Module, experts: list[dict]) -> None:
+        stored = {}
+        for side, kinds in (("w13", ("w1", "w3")), ("w2", ("w2",))):
+            shards: list[list[Int4Shard]] = [[x[k] for k in kinds] for x in experts]
+            if any(s.g_idx is not None for row in shards for s in row):
+                raise ValueError(
+                    "quantization_config.desc_act: an expert's g_idx is permuted (act-order); act-order MoE experts "
+                    "are not implemented"
+                )
+            codes = torch.stack([torch.cat([s.codes for s in row]) for row in shards])
+            e, n, k = codes.shape
+            stored[f"{side}_qweight"] = pack_int4(codes.view(e * n, k)).view(e, n, k // 8)
+            stored[f"{side}_scales"] = torch.stack([torch.cat([s.scales for s in row]) for row in shards])
+            stored[f"{side}_qzeros"] = torch.stack([torch.cat([s.zeros for s in row]) for row in shards]).to(
+                torch.uint8
+            )
+        self.set_stored(layer, stored)
+
+    def dequantized(self, layer: nn.Module, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(
+            dequantize_int4_experts(
+                getattr(layer, f"{s}_qweight")[experts],
+                getattr(layer, f"{s}_scales")[experts],
+                getattr(layer, f"{s}_qzeros")[experts],
+                self.group,
+            )
+            for s in ("w13", "w2")
+        )
+
+    def quantize(self, layer: nn.Module, side: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        e, n, k = w.shape
+        g = self.group
+        wg = w.view(e, n, k // g, g)
+        scales = (wg.abs().amax(-1) / 7).clamp(min=1e-8)
+        codes = (wg / scales[..., None]).round().clamp(-8, 7).add(8).view(e * n, k).to(torch.uint8)
+        return {
+            f"{side}_qweight": pack_int4(codes).view(e, n, k // 8),
+            f"{side}_scales": scales.to(layer.act_dtype),
+            f"{side}_qzeros": torch.full(scales.shape, 8, dtype=torch.uint8, device=w.device),
+        }
+
+    def operands(self, layer: nn.Module) -> tuple:
+        w13 = (layer.w13_qweight, layer.w13_scales, layer.w13_qzeros)
+        return (*w13, layer.w2_qweight, layer.w2_scales, layer.w2_qzeros, self.group)
+
+    def kernel(self):
+        from novainfer.kernels.fused_moe_quant import fused_experts_int4
+
+        return fused_experts_int4
+
+    @staticmethod
+    def reference_fn(*args) -> torch.Tensor:
+        return fused_experts_int4_reference(*args[:-1])  # no activation quantization to follow
+
+
 class Int4Config(QuantizationConfig):
     """Every dense linear layer is INT4 (the embedding and lm_head stay in the model's dtype)."""
 
@@ -244,10 +345,23 @@ class Int4Config(QuantizationConfig):
     def __init__(self, fmt: Int4Format, device: torch.device):
         if device.type == "cuda":
             check_int4_kernels(device, fmt.group_size)
-        self.fmt = fmt
+        self.fmt, self.device = fmt, device
+        self.moe_checked = device.type != "cuda"
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
-        return Int4LinearMethod(self.fmt) if isinstance(layer, LinearBase) else None
+        return Int4LinearMethod(self.fmt) if quantized_linear(layer) else None
+
+    def get_moe_method(self, layer: nn.Module) -> FusedMoEMethodBase:
+        if self.fmt.desc_act:
+            raise ValueError(
+                f"quantization_config.desc_act=true ({self.fmt.name}): act-order (a permuted g_idx) MoE experts are "
+                "not implemented"
+            )
+        method = Int4MoEMethod(Int4LinearMethod(self.fmt))
+        if not self.moe_checked:  # the first MoE layer: the grouped GEMMs on this GPU, once
+            check_moe_kernels(method, self.device)
+            self.moe_checked = True
+        return method
 
     def keeps_stored_dtype(self, name: str, tensor: torch.Tensor) -> bool:
         return name.rsplit(".", 1)[-1] in self.STORED
@@ -262,6 +376,7 @@ def int4_format(qc: dict) -> Int4Format:
     group = qc.get("group_size", qc.get("q_group_size"))
     if group not in GROUP_SIZES:
         raise ValueError(f"quantization_config.group_size={group} ({method}): implemented are {GROUP_SIZES}")
+    refuse_unquantized_modules("modules_to_not_convert", qc.get("modules_to_not_convert"), method)
     for key, why in UNSUPPORTED_FIELDS.items():
         if qc.get(key):
             raise ValueError(f"quantization_config.{key}={qc[key]!r} ({method}): {why} is not supported")

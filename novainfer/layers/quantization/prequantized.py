@@ -9,6 +9,7 @@ row-parallel ones columns (K); the format checks at start-up that its packing an
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -18,11 +19,55 @@ from torch import nn
 
 from novainfer.layers.linear import (
     ColumnParallelLinear,
+    LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
 )
 from novainfer.layers.quantization.base import QuantizeMethodBase
+
+
+# modules every pre-quantized format keeps in the model's dtype here: the lm_head, the embedding and the MoE routers
+# (mlp.gate, Qwen2-MoE's shared_expert_gate: ReplicatedLinear layers, which the formats' tools leave unquantized)
+KEPT_DENSE = re.compile(r"(^|\.)(lm_head|embed_tokens|(mlp|block_sparse_moe)\.gate|shared_expert_gate)$")
+# names of quantized modules an unquantized-modules pattern must not match
+QUANTIZED_PROBES = tuple(
+    f"model.layers.0.{m}"
+    for m in (
+        "self_attn.q_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.down_proj",
+        "mlp.experts.0.gate_proj",
+        "mlp.experts.0.down_proj",
+        "mlp.shared_expert.gate_proj",
+        "block_sparse_moe.experts.0.w1",
+        "block_sparse_moe.experts.0.w2",
+    )
+)
+
+
+def quantized_linear(layer: nn.Module) -> bool:
+    """Whether a pre-quantized format's method takes this layer: every linear layer but the replicated ones (MoE
+    routers and shared-expert gates, stored unquantized)."""
+    return isinstance(layer, LinearBase) and not isinstance(layer, ReplicatedLinear)
+
+
+def refuse_unquantized_modules(field: str, entries: list[str] | None, method: str) -> None:
+    """ValueError naming the field where a checkpoint leaves modules unquantized that we would quantize; entries
+    naming only what stays dense anyway (KEPT_DENSE; a `re:` pattern matching no QUANTIZED_PROBES) pass."""
+    for entry in entries or []:
+        if entry.startswith("re:"):
+            pattern = re.compile(entry[3:])
+            if not any(pattern.match(name) for name in QUANTIZED_PROBES):
+                continue
+        elif KEPT_DENSE.search(entry):
+            continue
+        raise ValueError(
+            f"quantization_config.{field} lists {entry!r} ({method}): layers left unquantized (other than the "
+            "lm_head, the embedding and the MoE routers) are not supported"
+        )
 
 
 @dataclass(frozen=True)

@@ -77,12 +77,6 @@ def prequantized_config(mc: ModelConfig, qc: Any, device: torch.device) -> Quant
         )
     if mc.quantization == "none":
         raise ValueError(f"quantization='none': {mc.model} is stored quantized (quant_method={method!r})")
-    experts = getattr(mc.hf_config, "num_experts", None) or getattr(mc.hf_config, "num_local_experts", None)
-    if experts:
-        raise ValueError(
-            f"quantization_config.quant_method={method!r}: pre-quantized MoE experts are not implemented yet "
-            f"({mc.model} has {experts} experts per layer)"
-        )
     if method == "fp8":
         from novainfer.layers.quantization.fp8_block import fp8_block_config
 

@@ -1,0 +1,43 @@
+"""Compile the pre-quantized fused-MoE kernels (kernels/fused_moe_quant.py) for an H100/H200 (sm_90) on a machine
+without a GPU; print their PTX as one JSON line (tests/test_moe_prequantized.py checks it). Run without
+TRITON_INTERPRET."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from novainfer.kernels import fused_moe_quant  # noqa: E402
+from tests.sm90_ptx import ptx  # noqa: E402
+
+ROUTING = {"c_ptr": "*bf16", "topk_weights_ptr": "*bf16", "sorted_ids_ptr": "*i32", "block_experts_ptr": "*i32"}
+ROUTING |= {"num_padded_ptr": "*i32"}
+TILES = {"A_ROW_DIV": 1, "MUL_ROUTED_WEIGHT": True, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "PRECISION": "tf32"}
+FP8 = ROUTING | {"a_scale_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32"}
+out = {
+    "fp8_moe_weight_only": ptx(
+        fused_moe_quant._fp8_block_moe_kernel,
+        FP8 | {"a_ptr": "*bf16"},
+        TILES | {"A_QUANTIZED": False, "BN_S": 128, "BK_S": 128},
+        4,
+        3,
+    ),
+    "fp8_moe_quantized": ptx(
+        fused_moe_quant._fp8_block_moe_kernel,
+        FP8 | {"a_ptr": "*fp8e4nv"},
+        TILES | {"A_QUANTIZED": True, "BN_S": 128, "BK_S": 128, "BLOCK_K": 128},
+        4,
+        3,
+    ),
+    "int4_moe": ptx(
+        fused_moe_quant._int4_moe_kernel,
+        ROUTING | {"a_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8"},
+        TILES | {"GROUP": 128},
+        4,
+        3,
+    ),
+}
+print(json.dumps(out))
