@@ -14,9 +14,9 @@ logger = logging.getLogger(__name__)
 
 
 def get_quant_config(mc: ModelConfig, device: torch.device, tp_size: int = 1) -> QuantizationConfig | None:
-    """Fp8Config for quantization="fp8"; GGUFCPUConfig for a GGUF model on one CPU rank, GGUFGPUConfig on one GPU
-    (unless dequantizing was asked for: quantization="none"); a pre-quantized checkpoint's own format (quantization_config, prequantized_config: MXFP4 experts
-    also from a GGUF file); else None."""
+    """Fp8Config for quantization="fp8"; GGUFCPUConfig for a GGUF model on one CPU rank, GGUFGPUConfig on one
+    GPU (unless dequantizing was asked for: quantization="none"); a pre-quantized checkpoint's own format
+    (quantization_config, prequantized_config: MXFP4 experts also from a GGUF file); else None."""
     qc = getattr(mc.hf_config, "quantization_config", None)
     if qc is not None and (not mc.is_gguf or _quant_method(qc) == "mxfp4"):
         return prequantized_config(mc, qc, device)
