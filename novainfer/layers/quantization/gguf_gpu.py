@@ -117,14 +117,3 @@ class GGUFGPUConfig(QuantizationConfig):
             return None
         return GGUFGPULinearMethod()
 
-
-def weight_bytes(net: nn.Module) -> int:
-    """Bytes of the model's GGUF parts on the GPU (the benchmark's memory row)."""
-    seen: set[int] = set()
-    total = 0
-    for m in net.modules():
-        if isinstance(getattr(m, "quant_method", None), GGUFGPULinearMethod) and m.weight.packed is not None:
-            if id(m.weight.packed) not in seen:
-                seen.add(id(m.weight.packed))
-                total += sum(p.nbytes() for p in m.weight.packed)
-    return total
