@@ -12,7 +12,7 @@ the GPU, batch-1 decode, 32 concurrent streams, bench-shape throughput. One tabl
 Kernel times are device times: each call captured in a CUDA graph, over enough weight copies that none is read
 from L2 (benchmarks/quant_gpu.py's device_us). At one row every GEMV tile candidate of kernels/gguf_gemm.py is also
 timed and checked, and the best printed (to paste into GEMV_DEFAULT). The Q4_K_M types (Q4_K, Q6_K) run on every
-layer shape; Q4_0, Q4_1, Q8_0 and Q5_K on o_proj's.
+layer shape; Q4_0, Q4_1, Q8_0 and Q5_K on o_proj's (the second shape).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def kernel_rows(shapes, rows: list[int], device: torch.device, iters: int) -> li
     out = []
     for name, k, n in shapes:
         w16 = [(torch.randn(n, k, device=device, generator=g) * 0.02).to(dtype)]
-        for qtype in MIX_TYPES + (OTHER_TYPES if name == "o_proj" or len(shapes) == len(SHAPES_TINY) else []):
+        for qtype in MIX_TYPES + (OTHER_TYPES if name == shapes[1][0] else []):  # o_proj of the 7B
             w, blocks = random_weight(qtype, n, k, device, rng)
             ref_ok = check_reference(blocks, qtype, w)
             ref = gguf_gemm.dequantize(w)
@@ -140,9 +140,9 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
         if id(p) not in seen:
             seen.add(id(p))
             total += p.numel() * p.element_size()
-            parts = getattr(p, "packed", None)
-            if parts is not None:
-                total += sum(part.nbytes() for part in parts)
+            packed = getattr(p, "packed", None)  # the GPU method's parts (a list), the CPU method's PackedWeight
+            if packed is not None:
+                total += sum(part.nbytes() for part in (packed if isinstance(packed, list) else [packed]))
     return total
 
 
@@ -225,7 +225,7 @@ def main() -> None:
         print(f"wrote {path} ({os.path.getsize(path) / 1e9:.2f} GB) in {result['write_s']:.1f} s", flush=True)
     if args.part in ("all", "kernels"):
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        shapes, rows = (SHAPES_TINY, [1, 3, 8, 20]) if args.tiny else (SHAPES_7B, [1, 4, 8, 16, 32, 256, 2048])
+        shapes, rows = (SHAPES_TINY, [1, 20]) if args.tiny else (SHAPES_7B, [1, 4, 8, 16, 32, 256, 2048])
         result["kernels"] = kernel_rows(shapes, rows, device, 1 if args.tiny else 50)
         bad = [
             f"{r['layer']} {r['qtype']} M={r['m']}"
@@ -271,7 +271,7 @@ def print_table(result: dict, shape: str) -> None:
     if e2e:
         base = e2e.get("dequantized")
         print(
-            f"\n{'mode':12s} | {'weights GB':>10s} | {'load s':>6s} | {'batch-1 tok/s':>13s} | "
+            f"\n{'mode':12s} | {'weights MB':>10s} | {'load s':>6s} | {'batch-1 tok/s':>13s} | "
             f"{'32 streams tok/s':>16s} | {'bench tok/s':>11s} | x dequantized (batch-1, 32 streams, bench)"
         )
         for mode, r in e2e.items():
@@ -279,7 +279,7 @@ def print_table(result: dict, shape: str) -> None:
             if base:
                 ratio = ", ".join(f"{r[k] / base[k]:.2f}" for k in ("decode_tok_s", "streams_tok_s", "bench_tok_s"))
             print(
-                f"{mode:12s} | {r['weight_bytes'] / 1e9:10.2f} | {r['load_s']:6.1f} | {r['decode_tok_s']:13.1f} | "
+                f"{mode:12s} | {r['weight_bytes'] / 1e6:10.1f} | {r['load_s']:6.1f} | {r['decode_tok_s']:13.1f} | "
                 f"{r['streams_tok_s']:16.1f} | {r['bench_tok_s']:11.1f} | {ratio}"
             )
 

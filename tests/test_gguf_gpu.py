@@ -11,6 +11,7 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from benchmarks.gguf_checkpoint import SHAPES, write_qwen2_q4_k_m
 from novainfer.kernels.gguf_gemm import GGUFWeight, dequantize, gguf_gemm, gguf_gemv, gguf_matmul
+from novainfer.layers.quantization import gguf_gpu
 from novainfer.layers.quantization.gguf_gpu import GGUFGPUConfig, gpu_layout
 from tests.test_quantized_cpu import random_blocks
 
@@ -31,10 +32,12 @@ def close(y: torch.Tensor, x: torch.Tensor, ref: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_layout_is_exact_and_kernels_equal_the_reference(qtype):
+def test_layout_is_exact_and_kernels_equal_the_reference(qtype, monkeypatch):
     n, k = 37, 768  # odd rows (a partial row tile), three super-blocks (a masked GEMV tail with BLOCK_K 512)
     w, ref = weight(qtype, n, k, int(qtype))
     assert torch.equal(dequantize(w), ref)  # the repack loses nothing: the same float32 products as gguf's
+    monkeypatch.setattr(gguf_gpu, "CHUNK_BYTES", 1)  # one row a chunk: the same layout
+    assert torch.equal(dequantize(weight(qtype, n, k, int(qtype))[0]), ref)
     g = torch.Generator().manual_seed(0)
     for m, tiles in ((1, None), (5, (4, 512, 4))):
         x = torch.randn(m, k, generator=g)

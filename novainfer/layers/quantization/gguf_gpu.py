@@ -19,7 +19,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from torch import nn
 
-from novainfer.kernels.cpu.repack import BLOCK, CHUNK_BYTES, _k_scales, _repack_blocks
+from novainfer.kernels.cpu.repack import BLOCK
 from novainfer.kernels.gguf_gemm import FORMATS, GGUFWeight, dequantize, gguf_matmul
 from novainfer.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 from novainfer.layers.quantization.gguf_cpu import GGUFCPULinearMethod, GGUFQuantTensor
@@ -29,41 +29,65 @@ logger = logging.getLogger(__name__)
 GPU_TYPES = frozenset(T[name] for name in FORMATS)
 
 
-def _f16(b: np.ndarray, n: int) -> np.ndarray:
-    """Two bytes a block -> float16 [n, blocks] (as stored: exact)."""
-    return np.ascontiguousarray(b).view(np.float16).reshape(n, -1)
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """Two bytes a block [n, blocks, 2] -> float16 [n, blocks] (as stored: exact)."""
+    return b.contiguous().view(torch.float16).view(b.shape[0], -1)
 
 
-def _factors(b: np.ndarray, qtype: T) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None, np.ndarray | None]:
-    """uint8 [n, blocks, bytes per block] -> (d, sc, dm, mn) of the GPU layout (kernels/gguf_gemm.py)."""
-    n = b.shape[0]
-    if qtype in (T.Q4_0, T.Q8_0):
-        return _f16(b[..., 0:2], n), None, None, None
-    if qtype == T.Q4_1:
-        return _f16(b[..., 0:2], n), None, _f16(b[..., 2:4], n), None
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K's 12 bytes a super-block -> its eight 6-bit scales and eight 6-bit mins, uint8 [n, blocks * 8]
+    (ggml's get_scale_min_k4)."""
+    lo_sc, lo_mn, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([lo_sc & 63, (hi & 15) | ((lo_sc >> 6) << 4)], dim=-1)
+    mn = torch.cat([lo_mn & 63, (hi >> 4) | ((lo_mn >> 6) << 4)], dim=-1)
+    return sc.reshape(s.shape[0], -1), mn.reshape(s.shape[0], -1)
+
+
+def _repack(b: torch.Tensor, qtype: T) -> tuple[torch.Tensor, ...]:
+    """GGUF blocks uint8 [n, blocks, bytes per block] -> (qweight, d, sc, dm, mn) of the GPU layout."""
+    n, k = b.shape[0], b.shape[1] * BLOCK[qtype][0]
+    if qtype in (T.Q4_0, T.Q4_1):
+        q = b[..., 2:18] if qtype == T.Q4_0 else b[..., 4:20]  # byte i: input i low, i + 16 high (the layout's)
+        dm = _f16(b[..., 2:4]) if qtype == T.Q4_1 else None
+        return q.reshape(n, k // 2), _f16(b[..., 0:2]), None, dm, None
+    if qtype == T.Q8_0:
+        return b[..., 2:34].contiguous().view(torch.int8).reshape(n, k), _f16(b[..., 0:2]), None, None, None
     if qtype in (T.Q4_K, T.Q5_K):
         sc, mn = _k_scales(b[..., 4:16])
-        u8 = np.uint8
-        return _f16(b[..., 0:2], n), sc.astype(u8).reshape(n, -1), -_f16(b[..., 2:4], n), mn.astype(u8).reshape(n, -1)
-    return _f16(b[..., 208:210], n), b[..., 192:208].view(np.int8).reshape(n, -1), None, None  # Q6_K
+        qs = b[..., -128:].reshape(n, -1, 4, 32)  # four 64-input chunks: inputs 0..31 low nibbles, 32..63 high
+        if qtype == T.Q4_K:  # to groups of 32 whose byte i holds input i (low) and i + 16 (high)
+            a, c = qs[..., :16], qs[..., 16:]
+            q = torch.stack([(a & 15) | (c << 4), (a >> 4) | (c & 0xF0)], dim=3).reshape(n, k // 2)
+        else:  # Q5_K: bit 2j (2j + 1) of qh[l] is the fifth bit of chunk j's low (high) nibble l
+            qh = b[..., 16:48].reshape(n, -1, 1, 32)
+            shift = torch.arange(0, 8, 2, device=b.device, dtype=torch.uint8).view(1, 1, 4, 1)
+            lo = (qs & 15) | (((qh >> shift) & 1) << 4)
+            hi = (qs >> 4) | (((qh >> (shift + 1)) & 1) << 4)
+            q = torch.stack([lo, hi], dim=3).reshape(n, k).view(torch.int8)
+        return q, _f16(b[..., 0:2]), sc, -_f16(b[..., 2:4]), mn
+    # Q6_K: two halves of 128 inputs; l < 32 of a half: ql[l], ql[l + 32] give inputs l, l + 32 (low nibbles) and
+    # l + 64, l + 96 (high), with two high bits each from qh[l] at bits 0, 2, 4, 6
+    ql, qh = b[..., 0:128].reshape(n, -1, 2, 64), b[..., 128:192].reshape(n, -1, 2, 32)
+    nib = [ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4]
+    q = torch.stack([v | (((qh >> (2 * i)) & 3) << 4) for i, v in enumerate(nib)], dim=3)
+    q = (q.view(torch.int8) - 32).reshape(n, k)
+    return q, _f16(b[..., 208:210]), b[..., 192:208].contiguous().view(torch.int8).reshape(n, -1), None, None
+
+
+CHUNK_BYTES = 64 << 20  # GGUF bytes repacked at a time: the temporaries stay a few times this, not the tensor
 
 
 def gpu_layout(data: np.ndarray, qtype: T, shape: tuple[int, int], device: torch.device) -> GGUFWeight:
-    """GGUF blocks of a [N, K] weight (uint8 [N, bytes per row]) -> the GPU layout on device, exactly; rows go
-    CHUNK_BYTES at a time (a 152k-row lm_head would otherwise take GBs of temporaries)."""
+    """GGUF blocks of a [N, K] weight (uint8 [N, bytes per row]) -> the GPU layout on device, exactly (the bytes
+    go to the device as they are and are rearranged there, CHUNK_BYTES of rows at a time)."""
     n, k = shape
     per, nbytes = BLOCK[qtype]
     if k % per:
         raise ValueError(f"row length {k} is not a multiple of {qtype.name}'s block of {per}")
-    b = np.asarray(data, dtype=np.uint8).reshape(n, k // per, nbytes)
+    raw = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8)).view(n, k // per, nbytes)
     step = max(1, CHUNK_BYTES // (k // per * nbytes))
-    chunks = []
-    for r in range(0, n, step):
-        q = _repack_blocks(b[r : r + step], qtype)[0]
-        chunks.append(
-            [None if a is None else torch.from_numpy(a).to(device) for a in (q, *_factors(b[r : r + step], qtype))]
-        )
-    parts = [None if c[0] is None else torch.cat(list(c)) for c in zip(*chunks)]
+    chunks = [_repack(raw[r : r + step].to(device), qtype) for r in range(0, n, step)]
+    parts = [None if c[0] is None else torch.cat(list(c)) if len(c) > 1 else c[0] for c in zip(*chunks)]
     return GGUFWeight(qtype.name, *parts, shape)
 
 
@@ -116,4 +140,3 @@ class GGUFGPUConfig(QuantizationConfig):
         if getattr(layer, "tp_size", 1) != 1:
             return None
         return GGUFGPULinearMethod()
-
