@@ -164,6 +164,7 @@ def _gguf_gemv_kernel(
     out_ptr,
     N,
     K,
+    stride_qn,
     stride_xm,
     stride_om,
     M: tl.constexpr,
@@ -187,8 +188,7 @@ def _gguf_gemv_kernel(
     lane = tl.arange(0, W)
     NG = K // GROUP
     NS = NG // SUB
-    row_bytes = K // 2 if Q4 else K
-    q_ptrs = q_ptr + rload[:, None, None] * row_bytes + (chunk[:, None] * W + lane[None, :])[None, :, :]
+    q_ptrs = q_ptr + rload[:, None, None] * stride_qn + (chunk[:, None] * W + lane[None, :])[None, :, :]
     x_off = chunk[:, None] * GROUP + lane[None, :]  # [C, W]: the inputs of each group's bytes (low nibbles)
     mrow = tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -235,6 +235,7 @@ def _gguf_gemm_kernel(
     M,
     N,
     K,
+    stride_qn,
     stride_xm,
     stride_om,
     K_PER_SPLIT,
@@ -262,8 +263,7 @@ def _gguf_gemm_kernel(
     lane = tl.arange(0, W)
     NG = K // GROUP
     NS = NG // SUB
-    row_bytes = K // 2 if Q4 else K
-    q_ptrs = q_ptr + nload[:, None, None] * row_bytes + (chunk[:, None] * W + lane[None, :])[None, :, :]
+    q_ptrs = q_ptr + nload[:, None, None] * stride_qn + (chunk[:, None] * W + lane[None, :])[None, :, :]
     x_cols = tl.reshape(chunk[:, None] * GROUP + lane[None, :], [C * W])  # the inputs of the tile's (low) bytes
     x_ptrs = x_ptr + mload[:, None] * stride_xm + x_cols[None, :]
     k_begin = tl.program_id(1) * K_PER_SPLIT
@@ -338,6 +338,7 @@ def gguf_gemv(
         out,
         n,
         k,
+        w.qweight.stride(0),
         x.stride(0),
         out.stride(0),
         M=m,
@@ -386,6 +387,7 @@ def gguf_gemm(
         m,
         n,
         k,
+        w.qweight.stride(0),
         x.stride(0),
         dst.stride(0),
         per_split,
