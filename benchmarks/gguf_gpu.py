@@ -72,14 +72,6 @@ def check_reference(blocks: np.ndarray, qtype: str, w) -> bool:
     return bool(np.array_equal(got, want))
 
 
-def clone(w):
-    """A copy of a GGUFWeight (its own memory: the timed calls read weights that are not in L2)."""
-    from novainfer.kernels.gguf_gemm import GGUFWeight
-
-    fields = [None if t is None else t.clone() for t in (w.qweight, w.d, w.sc, w.dm, w.mn)]
-    return GGUFWeight(w.qtype, *fields, w.shape)
-
-
 def kernel_rows(shapes, rows: list[int], device: torch.device, iters: int) -> list[dict]:
     """Each layer shape, type and row count: the GGUF kernel against x @ dequantize(w)^T and bf16 F.linear's time."""
     from novainfer.kernels import gguf_gemm
@@ -101,7 +93,7 @@ def kernel_rows(shapes, rows: list[int], device: torch.device, iters: int) -> li
 
                 def quant(i: int, tiles=None):
                     while len(copies) <= i:
-                        copies.append(clone(w))
+                        copies.append(w.map(torch.clone, w.shape[0]))  # L2 holds none
                     if tiles is not None:
                         return lambda: gguf_gemm.gguf_gemv(x, copies[i], tiles=tiles)
                     return lambda: gguf_gemm.gguf_matmul(x, [copies[i]])

@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
 from benchmarks.gguf_checkpoint import SHAPES, write_qwen2_q4_k_m
+from novainfer.kernels.cpu.repack import BLOCK
 from novainfer.kernels.gguf_gemm import GGUFWeight, dequantize, gguf_gemm, gguf_gemv, gguf_matmul
 from novainfer.layers.quantization import gguf_gpu
 from novainfer.layers.quantization.gguf_gpu import GGUFGPUConfig, gpu_layout
@@ -36,6 +37,8 @@ def test_layout_is_exact_and_kernels_equal_the_reference(qtype, monkeypatch):
     n, k = 37, 768  # odd rows (a partial row tile), three super-blocks (a masked GEMV tail with BLOCK_K 512)
     w, ref = weight(qtype, n, k, int(qtype))
     assert torch.equal(dequantize(w), ref)  # the repack loses nothing: the same float32 products as gguf's
+    per, nbytes = BLOCK[qtype]
+    assert w.nbytes() <= 1.03 * n * k // per * nbytes  # about the file's bytes (Q4_K / Q5_K: 2 bytes a 256 more)
     monkeypatch.setattr(gguf_gpu, "CHUNK_BYTES", 1)  # one row a chunk: the same layout
     assert torch.equal(dequantize(weight(qtype, n, k, int(qtype))[0]), ref)
     g = torch.Generator().manual_seed(0)

@@ -3,17 +3,18 @@
 Layout. GGML interleaves each block's float16 factors with its quants (an 18..210-byte record), which no GPU load
 reads coalesced and 16 bytes wide. At load each tensor is repacked, without re-quantizing, into separate contiguous
 arrays, row major like a bf16 weight (a row's quants run contiguously along K):
-- qweight: 4-bit types (Q4_0, Q4_1, Q4_K) uint8 [N, K/2], each group of 32 inputs as 16 bytes, byte i holding input
-  i (low nibble) and i + 16 (high; GGML's own Q4_0 order); 5/6/8-bit types (Q5_K, Q6_K, Q8_0) int8 [N, K], one
-  value a byte (Q5_K 0..31, Q6_K -32..31 with GGML's offset applied): 8 bits a weight in memory instead of
-  5.5 / 6.6, bought for a plain byte load;
-- d: float16 [N, K / SUPER], the file's block factor (SUPER = 256 for the K-quants, the group for the others);
-- sc: the K-quants' per-group sub-scales [N, K / GROUP] (uint8 6-bit for Q4_K / Q5_K, int8 for Q6_K), or None;
+- qweight: every type but Q8_0 uint8 [N, K/2], the low four bits of each input, each group of 32 inputs as 16
+  bytes, byte i holding input i (low nibble) and i + 16 (high nibble; GGML's own Q4_0 order); Q8_0 int8 [N, K];
+- qh: the bits above the fourth (Q5_K one, Q6_K two) in a plane uint8 [N, K/32 * 4 * HB]: of each group's 4 * HB
+  bytes, byte b holds inputs b, b + 4 HB, b + 8 HB, ... at bits 0, HB, 2 HB, ... so a thread's 16 inputs need one
+  small load; None for the others;
+- d: float16 [N, K / SUPER], the file's block factor (SUPER = 256 for the K-quants, 32 for the others);
+- sc: the K-quants' sub-scales [N, K / SG] (SG = 32; Q6_K's int8 per 16 inputs, SG = 16), or None;
 - dm: float16 [N, K / SUPER], the zero's factor (-dmin for Q4_K / Q5_K, Q4_1's m), or None;
-- mn: uint8 [N, K / GROUP], the K-quants' 6-bit mins, or None.
-  w[n, k] = (q - OFF) * d[n, s] * sc[n, g] + dm[n, s] * mn[n, g]  (g = k // GROUP, s = g // SUB; absent terms 1,
-  OFF = 8 for Q4_0, else 0): the products GGML forms, in float32, so the repack is exact and Q4_K costs 4.6 bits a
-  weight (the file's 4.5).
+- mn: uint8 [N, K / 32], the K-quants' 6-bit mins, or None.
+  w[n, k] = (q - OFF) * d[n, s] * sc[n, g] + dm[n, s] * mn[n, g]  (g = k // SG, s = k // SUPER; absent terms 1,
+  OFF = 8 for Q4_0, 32 for Q6_K, else 0): the products GGML forms, in float32, so the repack is exact and each
+  type keeps about its file size (Q4_K 4.6 bits a weight, Q5_K 5.6, Q6_K 6.6, Q8_0 8.5).
 
 gguf_gemv: up to GEMV_MAX_M rows of x (decode). A program takes BLOCK_N whole weight rows, reads each weight byte
 once for all rows of x and sums over the whole of K in float32 registers (a 7B's 3584-row layers make 448
@@ -39,23 +40,29 @@ from novainfer.kernels.tiling import grouped_tile, row_bucket, split_k
 class GGUFFormat:
     """How one GGML type is laid out after the repack (see the module docstring)."""
 
-    q4: bool
-    group: int
-    sub: int  # groups per d / dm factor
+    q4: bool  # low nibbles in qweight (every type but Q8_0)
+    hb: int  # bits a weight in the qh plane
+    half: bool  # sub-scales per 16 inputs: a group of 32's low nibbles take one, its high nibbles the next (Q6_K)
+    sub: int  # scale groups per d / dm factor
     off: int
     has_sc: bool
     has_dm: bool
     has_mn: bool
 
+    @property
+    def scale_group(self) -> int:
+        return 16 if self.half else 32
+
 
 FORMATS = {
-    "Q4_0": GGUFFormat(True, 32, 1, 8, False, False, False),
-    "Q4_1": GGUFFormat(True, 32, 1, 0, False, True, False),
-    "Q8_0": GGUFFormat(False, 32, 1, 0, False, False, False),
-    "Q4_K": GGUFFormat(True, 32, 8, 0, True, True, True),
-    "Q5_K": GGUFFormat(False, 32, 8, 0, True, True, True),
-    "Q6_K": GGUFFormat(False, 16, 16, 0, True, False, False),
+    "Q4_0": GGUFFormat(True, 0, False, 1, 8, False, False, False),
+    "Q4_1": GGUFFormat(True, 0, False, 1, 0, False, True, False),
+    "Q8_0": GGUFFormat(False, 0, False, 1, 0, False, False, False),
+    "Q4_K": GGUFFormat(True, 0, False, 8, 0, True, True, True),
+    "Q5_K": GGUFFormat(True, 1, False, 8, 0, True, True, True),
+    "Q6_K": GGUFFormat(True, 2, True, 16, 32, True, False, False),
 }
+ARRAYS = ("qweight", "d", "sc", "dm", "mn", "qh")
 
 
 @dataclass
@@ -68,38 +75,48 @@ class GGUFWeight:
     sc: torch.Tensor | None
     dm: torch.Tensor | None
     mn: torch.Tensor | None
+    qh: torch.Tensor | None
     shape: tuple[int, int]
 
     @property
     def fmt(self) -> GGUFFormat:
         return FORMATS[self.qtype]
 
-    def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.qweight, self.d, self.sc, self.dm, self.mn) if t is not None]
+    def arrays(self) -> list[torch.Tensor | None]:
+        """The ARRAYS in order (None where the type has none)."""
+        return [getattr(self, a) for a in ARRAYS]
 
     def nbytes(self) -> int:
         """Bytes one pass over the weight reads."""
-        return sum(t.nbytes for t in self.tensors())
+        return sum(t.nbytes for t in self.arrays() if t is not None)
+
+    def map(self, fn, rows: int) -> "GGUFWeight":
+        """The weight whose arrays are fn(array), with `rows` rows (a gather, a copy)."""
+        return GGUFWeight(self.qtype, *[None if t is None else fn(t) for t in self.arrays()], (rows, self.shape[1]))
 
     def select_rows(self, rows: torch.Tensor) -> "GGUFWeight":
         """The weight's rows `rows` (an embedding lookup's gather)."""
-        pick = [
-            None if t is None else t.index_select(0, rows) for t in (self.qweight, self.d, self.sc, self.dm, self.mn)
-        ]
-        return GGUFWeight(self.qtype, *pick, (rows.numel(), self.shape[1]))
+        return self.map(lambda t: t.index_select(0, rows), rows.numel())
 
     @staticmethod
     def cat_rows(parts: list["GGUFWeight"]) -> "GGUFWeight":
         """Parts of one type stacked along N (the shards of a fused layer)."""
-        first = parts[0]
+        arrays = [None if ts[0] is None else torch.cat(ts) for ts in zip(*[p.arrays() for p in parts])]
+        return GGUFWeight(parts[0].qtype, *arrays, (sum(p.shape[0] for p in parts), parts[0].shape[1]))
 
-        def cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
-            return None if ts[0] is None else torch.cat(ts)
 
-        fields = zip(*[(p.qweight, p.d, p.sc, p.dm, p.mn) for p in parts])
-        return GGUFWeight(
-            first.qtype, *[cat(list(f)) for f in fields], (sum(p.shape[0] for p in parts), first.shape[1])
-        )
+def pack_nibbles(v: torch.Tensor, hb: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Quants uint8 [n, k] in input order (0 .. 2^(4 + hb) - 1) -> (qweight [n, k/2], qh plane or None)."""
+    n, k = v.shape
+    v = v.view(n, k // 32, 32)
+    low = v & 15
+    q = (low[..., :16] | (low[..., 16:] << 4)).reshape(n, k // 2)
+    if not hb:
+        return q, None
+    nb = 4 * hb  # bytes a group; input e sits in byte e % nb at bit hb * (e // nb)
+    h = (v >> 4).to(torch.int32).view(n, k // 32, 32 // nb, nb)
+    shift = (hb * torch.arange(32 // nb, device=v.device, dtype=torch.int32)).view(1, 1, -1, 1)
+    return q, (h << shift).sum(2).to(torch.uint8).reshape(n, -1)
 
 
 def dequantize(w: GGUFWeight) -> torch.Tensor:
@@ -108,9 +125,15 @@ def dequantize(w: GGUFWeight) -> torch.Tensor:
     n, k = w.shape
     if f.q4:
         b = w.qweight.view(n, k // 32, 16)
-        q = torch.cat([b & 15, b >> 4], dim=-1).float()  # [n, groups, 32]: byte i holds inputs i and i + 16
+        q = torch.cat([b & 15, b >> 4], dim=-1).to(torch.int32)  # [n, groups, 32]: byte i holds inputs i, i + 16
+        if f.hb:
+            nb, e = 4 * f.hb, torch.arange(32, device=b.device)
+            h = w.qh.view(n, k // 32, nb).to(torch.int32)[..., e % nb]
+            q |= ((h >> (f.hb * (e // nb)).to(torch.int32)) & ((1 << f.hb) - 1)) << 4
+        q = q.float()
     else:
-        q = w.qweight.float().view(n, k // f.group, f.group)
+        q = w.qweight.float()
+    q = q.view(n, k // f.scale_group, f.scale_group)
     scale = w.d.float().repeat_interleave(f.sub, 1)
     if f.has_sc:
         scale = scale * w.sc.float()
@@ -138,7 +161,8 @@ def _scale_zero(
     HAS_DM: tl.constexpr,
     HAS_MN: tl.constexpr,
 ):
-    """Scale and zero [rows, groups] in float32 for weight rows `rows` (int64) and groups g (0 past the row's end)."""
+    """Scale and zero [rows, groups] in float32 for weight rows `rows` (int64) and scale groups g (of NG a row;
+    0 past the row's end)."""
     gi = rows[:, None] * NG + g[None, :]
     si = rows[:, None] * NS + (g // SUB)[None, :]
     mask = (g < NG)[None, :]
@@ -154,6 +178,53 @@ def _scale_zero(
 
 
 @triton.jit
+def _group_scales(
+    d_ptr,
+    sc_ptr,
+    dm_ptr,
+    mn_ptr,
+    rows,
+    g,
+    K,
+    HALF: tl.constexpr,
+    SUB: tl.constexpr,
+    HAS_SC: tl.constexpr,
+    HAS_DM: tl.constexpr,
+    HAS_MN: tl.constexpr,
+):
+    """(scale, zero) of the low and of the high nibbles of groups g (of 32 inputs), each [rows, groups]."""
+    if HALF:  # sub-scales per 16 inputs: the low nibbles (inputs 0..15) take one, the high ones the next
+        ng = K // 16
+        s_lo, z_lo = _scale_zero(d_ptr, sc_ptr, dm_ptr, mn_ptr, rows, 2 * g, ng, ng // SUB, SUB, HAS_SC, HAS_DM, HAS_MN)
+        s_hi, z_hi = _scale_zero(
+            d_ptr, sc_ptr, dm_ptr, mn_ptr, rows, 2 * g + 1, ng, ng // SUB, SUB, HAS_SC, HAS_DM, HAS_MN
+        )
+    else:
+        ng = K // 32
+        s_lo, z_lo = _scale_zero(d_ptr, sc_ptr, dm_ptr, mn_ptr, rows, g, ng, ng // SUB, SUB, HAS_SC, HAS_DM, HAS_MN)
+        s_hi, z_hi = s_lo, z_lo
+    return s_lo, z_lo, s_hi, z_hi
+
+
+@triton.jit
+def _quants(q, h, lane, Q4: tl.constexpr, HB: tl.constexpr):
+    """A tile's bytes (and high-bit plane bytes) -> the quants of its low and high nibbles, as int32 (for Q8_0 the
+    int8 values; hi unused)."""
+    if Q4:
+        lo = (q & 15).to(tl.int32)
+        hi = (q >> 4).to(tl.int32)
+        if HB > 0:
+            NB: tl.constexpr = 4 * HB
+            hv = h.to(tl.int32)
+            lo |= ((hv >> (HB * (lane // NB))[None, None, :]) & ((1 << HB) - 1)) << 4
+            hi |= ((hv >> (HB * ((lane + 16) // NB))[None, None, :]) & ((1 << HB) - 1)) << 4
+    else:
+        lo = q.to(tl.int32)
+        hi = lo
+    return lo, hi
+
+
+@triton.jit
 def _gguf_gemv_kernel(
     x_ptr,
     q_ptr,
@@ -161,16 +232,19 @@ def _gguf_gemv_kernel(
     sc_ptr,
     dm_ptr,
     mn_ptr,
+    h_ptr,
     out_ptr,
     N,
     K,
     stride_qn,
+    stride_hn,
     stride_xm,
     stride_om,
     M: tl.constexpr,
     BLOCK_M: tl.constexpr,
     Q4: tl.constexpr,
-    GROUP: tl.constexpr,
+    HB: tl.constexpr,
+    HALF: tl.constexpr,
     SUB: tl.constexpr,
     OFF: tl.constexpr,
     HAS_SC: tl.constexpr,
@@ -180,44 +254,47 @@ def _gguf_gemv_kernel(
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
-    C: tl.constexpr = BLOCK_K // GROUP  # groups a step
-    W: tl.constexpr = GROUP // 2 if Q4 else GROUP  # bytes of a group in a row
+    C: tl.constexpr = BLOCK_K // 32  # groups of 32 inputs a step
+    W: tl.constexpr = 16 if Q4 else 32  # bytes of a group in a row
+    NB: tl.constexpr = 4 * HB if HB > 0 else 1  # bytes of a group in the high-bit plane
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rload = tl.minimum(rows, N - 1).to(tl.int64)  # the last tile re-reads row N - 1: no masks on the loads
     chunk = tl.arange(0, C)
     lane = tl.arange(0, W)
-    NG = K // GROUP
-    NS = NG // SUB
     q_ptrs = q_ptr + rload[:, None, None] * stride_qn + (chunk[:, None] * W + lane[None, :])[None, :, :]
-    x_off = chunk[:, None] * GROUP + lane[None, :]  # [C, W]: the inputs of each group's bytes (low nibbles)
+    h_ptrs = h_ptr + rload[:, None, None] * stride_hn + (chunk[:, None] * NB + lane[None, :] % NB)[None, :, :]
+    x_off = chunk[:, None] * 32 + lane[None, :]  # [C, W]: the inputs of each group's bytes (low nibbles)
     mrow = tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        g = k0 // GROUP + chunk
-        scale, zero = _scale_zero(d_ptr, sc_ptr, dm_ptr, mn_ptr, rload, g, NG, NS, SUB, HAS_SC, HAS_DM, HAS_MN)
-        qp = q_ptrs + k0 // (2 if Q4 else 1)
+        g = k0 // 32 + chunk
+        s_lo, z_lo, s_hi, z_hi = _group_scales(
+            d_ptr, sc_ptr, dm_ptr, mn_ptr, rload, g, K, HALF, SUB, HAS_SC, HAS_DM, HAS_MN
+        )
+        gmask = (g < K // 32)[None, :, None]
+        qp = q_ptrs + k0 // (32 // W)
+        hp = h_ptrs + (k0 // 32) * NB
         if EVEN_K:
             q = tl.load(qp, eviction_policy="evict_first")
+            h = tl.load(hp, eviction_policy="evict_first") if HB > 0 else q
         else:
-            q = tl.load(qp, mask=(g < NG)[None, :, None], other=0, eviction_policy="evict_first")
-        if Q4:
-            lo = (q & 15).to(tl.float32) - OFF
-            hi = (q >> 4).to(tl.float32) - OFF
-        else:
-            lo = q.to(tl.float32) - OFF
+            q = tl.load(qp, mask=gmask, other=0, eviction_policy="evict_first")
+            h = tl.load(hp, mask=gmask, other=0, eviction_policy="evict_first") if HB > 0 else q
+        lo_i, hi_i = _quants(q, h, lane, Q4, HB)
+        lo = lo_i.to(tl.float32) - OFF
+        hi = hi_i.to(tl.float32) - OFF
         xmask = (k0 + x_off) < K
         for m in tl.static_range(M):
             xp = x_ptr + m * stride_xm + k0 + x_off
             xl = tl.load(xp, mask=xmask, other=0.0).to(tl.float32)
-            dot = tl.sum(lo * xl[None, :, :], 2)
-            xs = tl.sum(xl, 1)
-            if Q4:
-                xh = tl.load(xp + W, mask=xmask, other=0.0).to(tl.float32)
-                dot += tl.sum(hi * xh[None, :, :], 2)
-                xs += tl.sum(xh, 1)
-            part = dot * scale
+            part = tl.sum(lo * xl[None, :, :], 2) * s_lo
             if HAS_DM:
-                part += zero * xs[None, :]
+                part += z_lo * tl.sum(xl, 1)[None, :]
+            if Q4:
+                xh = tl.load(xp + 16, mask=xmask, other=0.0).to(tl.float32)
+                part += tl.sum(hi * xh[None, :, :], 2) * s_hi
+                if HAS_DM:
+                    part += z_hi * tl.sum(xh, 1)[None, :]
             acc += tl.where(mrow[:, None] == m, tl.sum(part, 1)[None, :], 0.0)
     omask = (mrow < M)[:, None] & (rows < N)[None, :]
     tl.store(out_ptr + mrow[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
@@ -231,16 +308,19 @@ def _gguf_gemm_kernel(
     sc_ptr,
     dm_ptr,
     mn_ptr,
+    h_ptr,
     out_ptr,
     M,
     N,
     K,
     stride_qn,
+    stride_hn,
     stride_xm,
     stride_om,
     K_PER_SPLIT,
     Q4: tl.constexpr,
-    GROUP: tl.constexpr,
+    HB: tl.constexpr,
+    HALF: tl.constexpr,
     SUB: tl.constexpr,
     OFF: tl.constexpr,
     HAS_SC: tl.constexpr,
@@ -252,8 +332,9 @@ def _gguf_gemm_kernel(
     GROUP_M: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
-    C: tl.constexpr = BLOCK_K // GROUP
-    W: tl.constexpr = GROUP // 2 if Q4 else GROUP
+    C: tl.constexpr = BLOCK_K // 32
+    W: tl.constexpr = 16 if Q4 else 32
+    NB: tl.constexpr = 4 * HB if HB > 0 else 1
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -261,29 +342,27 @@ def _gguf_gemm_kernel(
     nload = tl.minimum(offs_n, N - 1).to(tl.int64)
     chunk = tl.arange(0, C)
     lane = tl.arange(0, W)
-    NG = K // GROUP
-    NS = NG // SUB
     q_ptrs = q_ptr + nload[:, None, None] * stride_qn + (chunk[:, None] * W + lane[None, :])[None, :, :]
-    x_cols = tl.reshape(chunk[:, None] * GROUP + lane[None, :], [C * W])  # the inputs of the tile's (low) bytes
+    h_ptrs = h_ptr + nload[:, None, None] * stride_hn + (chunk[:, None] * NB + lane[None, :] % NB)[None, :, :]
+    x_cols = tl.reshape(chunk[:, None] * 32 + lane[None, :], [C * W])  # the inputs of the tile's (low) bytes
     x_ptrs = x_ptr + mload[:, None] * stride_xm + x_cols[None, :]
     k_begin = tl.program_id(1) * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):  # BLOCK_K divides K and K_PER_SPLIT: no K masks
-        g = k0 // GROUP + chunk
-        scale, zero = _scale_zero(d_ptr, sc_ptr, dm_ptr, mn_ptr, nload, g, NG, NS, SUB, HAS_SC, HAS_DM, HAS_MN)
-        q = tl.load(q_ptrs + k0 // (2 if Q4 else 1))
+        g = k0 // 32 + chunk
+        s_lo, z_lo, s_hi, z_hi = _group_scales(
+            d_ptr, sc_ptr, dm_ptr, mn_ptr, nload, g, K, HALF, SUB, HAS_SC, HAS_DM, HAS_MN
+        )
+        q = tl.load(q_ptrs + k0 // (32 // W))
+        h = tl.load(h_ptrs + (k0 // 32) * NB) if HB > 0 else q
+        lo_i, hi_i = _quants(q, h, lane, Q4, HB)
         a = tl.load(x_ptrs + k0)
+        lo = (lo_i.to(tl.float32) - OFF) * s_lo[:, :, None] + z_lo[:, :, None]
+        acc = tl.dot(a, tl.trans(tl.reshape(lo, [BLOCK_N, C * W]).to(a.dtype)), acc)
         if Q4:
-            lo = ((q & 15).to(tl.float32) - OFF) * scale[:, :, None] + zero[:, :, None]
-            w = tl.trans(tl.reshape(lo, [BLOCK_N, C * W]).to(a.dtype))
-            acc = tl.dot(a, w, acc)
-            hi = ((q >> 4).to(tl.float32) - OFF) * scale[:, :, None] + zero[:, :, None]
-            w = tl.trans(tl.reshape(hi, [BLOCK_N, C * W]).to(a.dtype))
-            acc = tl.dot(tl.load(x_ptrs + k0 + W), w, acc)
-        else:
-            v = (q.to(tl.float32) - OFF) * scale[:, :, None] + zero[:, :, None]
-            acc = tl.dot(a, tl.trans(tl.reshape(v, [BLOCK_N, BLOCK_K]).to(a.dtype)), acc)
+            hi = (hi_i.to(tl.float32) - OFF) * s_hi[:, :, None] + z_hi[:, :, None]
+            acc = tl.dot(tl.load(x_ptrs + k0 + 16), tl.trans(tl.reshape(hi, [BLOCK_N, C * W]).to(a.dtype)), acc)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if SPLIT > 1:
@@ -309,13 +388,13 @@ GEMM_CANDIDATES: dict[int, list[tuple[int, int, int, int, int]]] = {
 
 
 def _args(w: GGUFWeight) -> list[torch.Tensor]:
-    """The kernels' six weight pointers (an absent array passes d, never read)."""
-    return [w.qweight, w.d, *(w.d if t is None else t for t in (w.sc, w.dm, w.mn))]
+    """The kernels' seven weight pointers (an absent array passes d, never read)."""
+    return [w.d if t is None else t for t in w.arrays()]
 
 
 def _consts(w: GGUFWeight) -> dict:
     f = w.fmt
-    return dict(Q4=f.q4, GROUP=f.group, SUB=f.sub, OFF=f.off, HAS_SC=f.has_sc, HAS_DM=f.has_dm, HAS_MN=f.has_mn)
+    return dict(Q4=f.q4, HB=f.hb, HALF=f.half, SUB=f.sub, OFF=f.off, HAS_SC=f.has_sc, HAS_DM=f.has_dm, HAS_MN=f.has_mn)
 
 
 def gguf_gemv(
@@ -329,7 +408,7 @@ def gguf_gemv(
     if tiles is None and not x.is_cuda:
         tiles = (4, 64, 4)  # the interpreter: small tiles
     block_n, block_k, warps = tiles or GEMV_DEFAULT
-    block_k = max(w.fmt.group, min(block_k, triton.next_power_of_2(k)))
+    block_k = max(32, min(block_k, triton.next_power_of_2(k)))
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gguf_gemv_kernel[(triton.cdiv(n, block_n),)](
@@ -339,6 +418,7 @@ def gguf_gemv(
         n,
         k,
         w.qweight.stride(0),
+        0 if w.qh is None else w.qh.stride(0),
         x.stride(0),
         out.stride(0),
         M=m,
@@ -368,7 +448,7 @@ def gguf_gemm(
         block_m, block_n, block_k, warps, stages = tiles or GEMM_CANDIDATES[row_bucket(m, GEMM_CANDIDATES)][0]
     else:
         block_m, block_n, block_k, warps, stages = 16, 32, 64, 4, 1
-    block_k = max(block_k, w.fmt.group)
+    block_k = max(block_k, 32)
     while k % block_k:  # whole groups dividing K (K is a multiple of the GGML block: 32 or 256)
         block_k //= 2
     tiles_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
@@ -388,6 +468,7 @@ def gguf_gemm(
         n,
         k,
         w.qweight.stride(0),
+        0 if w.qh is None else w.qh.stride(0),
         x.stride(0),
         dst.stride(0),
         per_split,

@@ -1,6 +1,6 @@
 """GGUF weights kept quantized on the GPU: each tensor's blocks repacked at load, without re-quantizing, into the
-split layout of kernels/gguf_gemm.py (quants, block factors and sub-scales in separate contiguous arrays) and
-multiplied by its Triton GEMV (decode) and GEMM (prefill).
+split layout of kernels/gguf_gemm.py (low nibbles, high-bit planes, block factors and sub-scales in separate
+contiguous arrays, each type about its file size) and multiplied by its Triton GEMV (decode) and GEMM (prefill).
 
 Loading follows the CPU method (gguf_cpu.py, whose shard bookkeeping this subclasses): a fused layer's shards
 (q/k/v, gate/up) are stacked by rows; shards of different GGML types (Q4_K_M's Q6_K v_proj beside Q4_K q/k) stay
@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from novainfer.kernels.cpu.repack import BLOCK
-from novainfer.kernels.gguf_gemm import FORMATS, GGUFWeight, dequantize, gguf_matmul
+from novainfer.kernels.gguf_gemm import FORMATS, GGUFWeight, dequantize, gguf_matmul, pack_nibbles
 from novainfer.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 from novainfer.layers.quantization.gguf_cpu import GGUFCPULinearMethod, GGUFQuantTensor
 
@@ -43,35 +43,32 @@ def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.reshape(s.shape[0], -1), mn.reshape(s.shape[0], -1)
 
 
-def _repack(b: torch.Tensor, qtype: T) -> tuple[torch.Tensor, ...]:
-    """GGUF blocks uint8 [n, blocks, bytes per block] -> (qweight, d, sc, dm, mn) of the GPU layout."""
+def _repack(b: torch.Tensor, qtype: T) -> tuple[torch.Tensor | None, ...]:
+    """GGUF blocks uint8 [n, blocks, bytes per block] -> the GPU layout's arrays (kernels/gguf_gemm.py ARRAYS)."""
     n, k = b.shape[0], b.shape[1] * BLOCK[qtype][0]
     if qtype in (T.Q4_0, T.Q4_1):
         q = b[..., 2:18] if qtype == T.Q4_0 else b[..., 4:20]  # byte i: input i low, i + 16 high (the layout's)
         dm = _f16(b[..., 2:4]) if qtype == T.Q4_1 else None
-        return q.reshape(n, k // 2), _f16(b[..., 0:2]), None, dm, None
+        return q.reshape(n, k // 2), _f16(b[..., 0:2]), None, dm, None, None
     if qtype == T.Q8_0:
-        return b[..., 2:34].contiguous().view(torch.int8).reshape(n, k), _f16(b[..., 0:2]), None, None, None
+        return b[..., 2:34].contiguous().view(torch.int8).reshape(n, k), _f16(b[..., 0:2]), None, None, None, None
     if qtype in (T.Q4_K, T.Q5_K):
         sc, mn = _k_scales(b[..., 4:16])
-        qs = b[..., -128:].reshape(n, -1, 4, 32)  # four 64-input chunks: inputs 0..31 low nibbles, 32..63 high
-        if qtype == T.Q4_K:  # to groups of 32 whose byte i holds input i (low) and i + 16 (high)
-            a, c = qs[..., :16], qs[..., 16:]
-            q = torch.stack([(a & 15) | (c << 4), (a >> 4) | (c & 0xF0)], dim=3).reshape(n, k // 2)
-        else:  # Q5_K: bit 2j (2j + 1) of qh[l] is the fifth bit of chunk j's low (high) nibble l
-            qh = b[..., 16:48].reshape(n, -1, 1, 32)
-            shift = torch.arange(0, 8, 2, device=b.device, dtype=torch.uint8).view(1, 1, 4, 1)
-            lo = (qs & 15) | (((qh >> shift) & 1) << 4)
-            hi = (qs >> 4) | (((qh >> (shift + 1)) & 1) << 4)
-            q = torch.stack([lo, hi], dim=3).reshape(n, k).view(torch.int8)
-        return q, _f16(b[..., 0:2]), sc, -_f16(b[..., 2:4]), mn
+        qs = b[..., -128:].reshape(n, -1, 4, 1, 32)  # four 64-input chunks: inputs 0..31 low nibbles, 32..63 high
+        v = torch.cat([qs & 15, qs >> 4], dim=3)  # [n, blocks, 4, 2, 32] in input order
+        if qtype == T.Q5_K:  # bit 2j (2j + 1) of qh[l] is the fifth bit of chunk j's low (high) nibble l
+            qh = b[..., 16:48].reshape(n, -1, 1, 1, 32)
+            shift = torch.arange(8, device=b.device, dtype=torch.uint8).view(1, 1, 4, 2, 1)
+            v |= ((qh >> shift) & 1) << 4
+        q, planes = pack_nibbles(v.reshape(n, k), 1 if qtype == T.Q5_K else 0)
+        return q, _f16(b[..., 0:2]), sc, -_f16(b[..., 2:4]), mn, planes
     # Q6_K: two halves of 128 inputs; l < 32 of a half: ql[l], ql[l + 32] give inputs l, l + 32 (low nibbles) and
-    # l + 64, l + 96 (high), with two high bits each from qh[l] at bits 0, 2, 4, 6
+    # l + 64, l + 96 (high), with two high bits each from qh[l] at bits 0, 2, 4, 6 (stored 0..63, offset 32)
     ql, qh = b[..., 0:128].reshape(n, -1, 2, 64), b[..., 128:192].reshape(n, -1, 2, 32)
     nib = [ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4]
-    q = torch.stack([v | (((qh >> (2 * i)) & 3) << 4) for i, v in enumerate(nib)], dim=3)
-    q = (q.view(torch.int8) - 32).reshape(n, k)
-    return q, _f16(b[..., 208:210]), b[..., 192:208].contiguous().view(torch.int8).reshape(n, -1), None, None
+    v = torch.stack([x | (((qh >> (2 * i)) & 3) << 4) for i, x in enumerate(nib)], dim=3)
+    q, planes = pack_nibbles(v.reshape(n, k), 2)
+    return q, _f16(b[..., 208:210]), b[..., 192:208].contiguous().view(torch.int8).reshape(n, -1), None, None, planes
 
 
 CHUNK_BYTES = 64 << 20  # GGUF bytes repacked at a time: the temporaries stay a few times this, not the tensor
