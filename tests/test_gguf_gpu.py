@@ -38,7 +38,7 @@ def test_layout_is_exact_and_kernels_equal_the_reference(qtype, monkeypatch):
     w, ref = weight(qtype, n, k, int(qtype))
     assert torch.equal(dequantize(w), ref)  # the repack loses nothing: the same float32 products as gguf's
     per, nbytes = BLOCK[qtype]
-    assert w.nbytes() <= 1.03 * n * k // per * nbytes  # about the file's bytes (Q4_K / Q5_K: 2 bytes a 256 more)
+    assert w.nbytes() <= 1.03 * (n * k // per * nbytes)  # about the file's bytes (Q4_K / Q5_K: 2 bytes a 256 more)
     monkeypatch.setattr(gguf_gpu, "CHUNK_BYTES", 1)  # one row a chunk: the same layout
     assert torch.equal(dequantize(weight(qtype, n, k, int(qtype))[0]), ref)
     g = torch.Generator().manual_seed(0)
