@@ -234,13 +234,13 @@ def _gguf_gemv_kernel(
     mn_ptr,
     h_ptr,
     out_ptr,
+    M,
     N,
     K,
     stride_qn,
     stride_hn,
     stride_xm,
     stride_om,
-    M: tl.constexpr,
     BLOCK_M: tl.constexpr,
     Q4: tl.constexpr,
     HB: tl.constexpr,
@@ -284,14 +284,15 @@ def _gguf_gemv_kernel(
         lo = lo_i.to(tl.float32) - OFF
         hi = hi_i.to(tl.float32) - OFF
         xmask = (k0 + x_off) < K
-        for m in tl.static_range(M):
+        for m in tl.static_range(BLOCK_M):  # rows m >= M read zeros and are not stored
             xp = x_ptr + m * stride_xm + k0 + x_off
-            xl = tl.load(xp, mask=xmask, other=0.0).to(tl.float32)
+            xm = xmask & (x_off * 0 + m < M)
+            xl = tl.load(xp, mask=xm, other=0.0).to(tl.float32)
             part = tl.sum(lo * xl[None, :, :], 2) * s_lo
             if HAS_DM:
                 part += z_lo * tl.sum(xl, 1)[None, :]
             if Q4:
-                xh = tl.load(xp + 16, mask=xmask, other=0.0).to(tl.float32)
+                xh = tl.load(xp + 16, mask=xm, other=0.0).to(tl.float32)
                 part += tl.sum(hi * xh[None, :, :], 2) * s_hi
                 if HAS_DM:
                     part += z_hi * tl.sum(xh, 1)[None, :]
@@ -415,14 +416,14 @@ def gguf_gemv(
         x,
         *_args(w),
         out,
+        m,
         n,
         k,
         w.qweight.stride(0),
         0 if w.qh is None else w.qh.stride(0),
         x.stride(0),
         out.stride(0),
-        M=m,
-        BLOCK_M=max(2, triton.next_power_of_2(m)),
+        BLOCK_M=max(2, triton.next_power_of_2(m)),  # rows of x a runtime count: one compile per power of two
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
