@@ -2,8 +2,9 @@
 llama.cpp's Q4_K_M mix with random blocks is written on the spot (benchmarks/gguf_checkpoint.py, a byte-level
 tokenizer: no model package or hub needed), each kernel is checked on the 7B layer shapes against the torch
 reference and timed against a bf16 F.linear of the same shape, then the file runs end to end with LLM(path), kept
-quantized (the default) and dequantized to bf16 (quantization="none"), each in its own process: weight bytes on
-the GPU, batch-1 decode, 32 concurrent streams, bench-shape throughput. One table at the end.
+quantized (the default: GGUFGPULinearMethod on a GPU, the CPU method on a CPU) and dequantized to bf16
+(quantization="none"), each in its own process: weight bytes on the GPU, batch-1 decode, 32 concurrent streams,
+bench-shape throughput. One table at the end.
 
     python benchmarks/gguf_gpu.py --out /tmp/gguf-gpu                  # on an H100/H200 (gguf installed)
     python benchmarks/gguf_gpu.py --part kernels                       # or one part at a time
@@ -117,7 +118,8 @@ def kernel_rows(shapes, rows: list[int], device: torch.device, iters: int) -> li
                     )
                 out.append(row)
                 print(
-                    f"{name:12s} {qtype:5s} M={m:5d} {us:9.1f} us  bf16 {us16:9.1f} us  x{us16 / us:5.2f}  rel {err:.1e}"
+                    f"{name:12s} {qtype:5s} M={m:5d} {us:9.1f} us  bf16 {us16:9.1f} us  x{us16 / us:5.2f}  "
+                    f"rel {err:.1e}"
                     + (f"  best GEMV {row['best_tiles']} {row['best_us']:.1f} us" if "best_tiles" in row else ""),
                     flush=True,
                 )
@@ -168,7 +170,9 @@ def e2e_one(path: str, mode: str, args: argparse.Namespace) -> dict:
     tok_s(*make_workload(2, 16, 4, vocab, 2))  # warm the batched shapes
     streams = tok_s(*make_workload(args.streams, 128, args.stream_tokens, vocab, 3))
     bench = tok_s(*make_workload(args.num_prompts, args.input_len, args.output_len, vocab, 0))
+    method = getattr(model.model.layers[0].self_attn.qkv_proj, "quant_method", None)
     return dict(
+        method=type(method).__name__ if method is not None else "dense",  # GGUFGPULinearMethod on a GPU
         load_s=load_s,
         weight_bytes=model_weight_bytes(model),
         decode_tok_s=(args.decode_tokens - 1) / secs,
@@ -183,7 +187,7 @@ def main() -> None:
     ap.add_argument("--part", default="all", choices=["all", "kernels", "e2e"])
     ap.add_argument("--out", default="/tmp/novainfer-gguf-gpu")
     ap.add_argument("--path", default=None, help="the GGUF to write (reused when present)")
-    ap.add_argument("--modes", default="gguf-gpu,dequantized")
+    ap.add_argument("--modes", default="quantized,dequantized")
     ap.add_argument("--num-prompts", type=int, default=None, help="bench shape: 256 prompts of 100-1024 tokens")
     ap.add_argument("--input-len", type=int, default=None)
     ap.add_argument("--output-len", type=int, default=None)
@@ -263,7 +267,8 @@ def print_table(result: dict, shape: str) -> None:
     if e2e:
         base = e2e.get("dequantized")
         print(
-            f"\n{'mode':12s} | {'weights MB':>10s} | {'load s':>6s} | {'batch-1 tok/s':>13s} | "
+            f"\n{'mode':12s} | {'layer method':20s} | {'weights MB':>10s} | {'load s':>6s} | "
+            f"{'batch-1 tok/s':>13s} | "
             f"{'32 streams tok/s':>16s} | {'bench tok/s':>11s} | x dequantized (batch-1, 32 streams, bench)"
         )
         for mode, r in e2e.items():
@@ -271,7 +276,8 @@ def print_table(result: dict, shape: str) -> None:
             if base:
                 ratio = ", ".join(f"{r[k] / base[k]:.2f}" for k in ("decode_tok_s", "streams_tok_s", "bench_tok_s"))
             print(
-                f"{mode:12s} | {r['weight_bytes'] / 1e6:10.1f} | {r['load_s']:6.1f} | {r['decode_tok_s']:13.1f} | "
+                f"{mode:12s} | {r['method']:20s} | {r['weight_bytes'] / 1e6:10.1f} | {r['load_s']:6.1f} | "
+                f"{r['decode_tok_s']:13.1f} | "
                 f"{r['streams_tok_s']:16.1f} | {r['bench_tok_s']:11.1f} | {ratio}"
             )
 

@@ -112,4 +112,5 @@ def test_selector_picks_the_gpu_method_on_cuda_only_on_one_rank(tiny_gguf):
     cuda = torch.device("cuda")
     assert isinstance(get_quant_config(ModelConfig(model=tiny_gguf), cuda), GGUFGPUConfig)
     assert get_quant_config(ModelConfig(model=tiny_gguf, quantization="none"), cuda) is None
+    assert get_quant_config(ModelConfig(model=tiny_gguf, dtype="float32"), cuda) is None  # the exact path
     assert get_quant_config(ModelConfig(model=tiny_gguf), cuda, tp_size=2) is None

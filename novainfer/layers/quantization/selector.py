@@ -15,8 +15,8 @@ logger = logging.getLogger(__name__)
 
 def get_quant_config(mc: ModelConfig, device: torch.device, tp_size: int = 1) -> QuantizationConfig | None:
     """Fp8Config for quantization="fp8"; GGUFCPUConfig for a GGUF model on one CPU rank, GGUFGPUConfig on one
-    GPU (unless dequantizing was asked for: quantization="none"); a pre-quantized checkpoint's own format
-    (quantization_config, prequantized_config: MXFP4 experts also from a GGUF file); else None."""
+    GPU (unless dequantizing was asked for: quantization="none", or dtype float32); a pre-quantized checkpoint's
+    own format (quantization_config, prequantized_config: MXFP4 experts also from a GGUF file); else None."""
     qc = getattr(mc.hf_config, "quantization_config", None)
     if qc is not None and (not mc.is_gguf or _quant_method(qc) == "mxfp4"):
         return prequantized_config(mc, qc, device)
@@ -24,12 +24,12 @@ def get_quant_config(mc: ModelConfig, device: torch.device, tp_size: int = 1) ->
         return _fp8_config(mc, device)
     if not mc.is_gguf or mc.quantization == "none":
         return None
+    if mc.quantization is None and mc.torch_dtype == torch.float32:
+        return None  # dtype="float32" keeps the exact dequantized path
     if device.type == "cuda":
         return _gguf_gpu_config(tp_size)
     if device.type != "cpu" or tp_size != 1:
         return None
-    if mc.quantization is None and mc.torch_dtype == torch.float32:
-        return None  # dtype="float32" keeps the exact dequantized path
     from novainfer.kernels.cpu import library
 
     if not library.available():
