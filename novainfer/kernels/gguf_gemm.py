@@ -207,14 +207,13 @@ def _group_scales(
 
 
 @triton.jit
-def _quants(q, h, lane, Q4: tl.constexpr, HB: tl.constexpr):
+def _quants(q, h, lane, Q4: tl.constexpr, HB: tl.constexpr, NB: tl.constexpr):
     """A tile's bytes (and high-bit plane bytes) -> the quants of its low and high nibbles, as int32 (for Q8_0 the
     int8 values; hi unused)."""
     if Q4:
         lo = (q & 15).to(tl.int32)
         hi = (q >> 4).to(tl.int32)
         if HB > 0:
-            NB: tl.constexpr = 4 * HB
             hv = h.to(tl.int32)
             lo |= ((hv >> (HB * (lane // NB))[None, None, :]) & ((1 << HB) - 1)) << 4
             hi |= ((hv >> (HB * ((lane + 16) // NB))[None, None, :]) & ((1 << HB) - 1)) << 4
@@ -244,6 +243,8 @@ def _gguf_gemv_kernel(
     BLOCK_M: tl.constexpr,
     Q4: tl.constexpr,
     HB: tl.constexpr,
+    W: tl.constexpr,
+    NB: tl.constexpr,
     HALF: tl.constexpr,
     SUB: tl.constexpr,
     OFF: tl.constexpr,
@@ -255,8 +256,6 @@ def _gguf_gemv_kernel(
     EVEN_K: tl.constexpr,
 ):
     C: tl.constexpr = BLOCK_K // 32  # groups of 32 inputs a step
-    W: tl.constexpr = 16 if Q4 else 32  # bytes of a group in a row
-    NB: tl.constexpr = 4 * HB if HB > 0 else 1  # bytes of a group in the high-bit plane
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rload = tl.minimum(rows, N - 1).to(tl.int64)  # the last tile re-reads row N - 1: no masks on the loads
     chunk = tl.arange(0, C)
@@ -276,11 +275,12 @@ def _gguf_gemv_kernel(
         hp = h_ptrs + (k0 // 32) * NB
         if EVEN_K:
             q = tl.load(qp, eviction_policy="evict_first")
-            h = tl.load(hp, eviction_policy="evict_first") if HB > 0 else q
         else:
             q = tl.load(qp, mask=gmask, other=0, eviction_policy="evict_first")
-            h = tl.load(hp, mask=gmask, other=0, eviction_policy="evict_first") if HB > 0 else q
-        lo_i, hi_i = _quants(q, h, lane, Q4, HB)
+        h = q
+        if HB > 0:
+            h = tl.load(hp, mask=gmask, other=0, eviction_policy="evict_first")
+        lo_i, hi_i = _quants(q, h, lane, Q4, HB, NB)
         lo = lo_i.to(tl.float32) - OFF
         hi = hi_i.to(tl.float32) - OFF
         xmask = (k0 + x_off) < K
@@ -321,6 +321,8 @@ def _gguf_gemm_kernel(
     K_PER_SPLIT,
     Q4: tl.constexpr,
     HB: tl.constexpr,
+    W: tl.constexpr,
+    NB: tl.constexpr,
     HALF: tl.constexpr,
     SUB: tl.constexpr,
     OFF: tl.constexpr,
@@ -334,8 +336,6 @@ def _gguf_gemm_kernel(
     SPLIT: tl.constexpr,
 ):
     C: tl.constexpr = BLOCK_K // 32
-    W: tl.constexpr = 16 if Q4 else 32
-    NB: tl.constexpr = 4 * HB if HB > 0 else 1
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -356,8 +356,10 @@ def _gguf_gemm_kernel(
             d_ptr, sc_ptr, dm_ptr, mn_ptr, nload, g, K, HALF, SUB, HAS_SC, HAS_DM, HAS_MN
         )
         q = tl.load(q_ptrs + k0 // (32 // W))
-        h = tl.load(h_ptrs + (k0 // 32) * NB) if HB > 0 else q
-        lo_i, hi_i = _quants(q, h, lane, Q4, HB)
+        h = q
+        if HB > 0:
+            h = tl.load(h_ptrs + (k0 // 32) * NB)
+        lo_i, hi_i = _quants(q, h, lane, Q4, HB, NB)
         a = tl.load(x_ptrs + k0)
         lo = (lo_i.to(tl.float32) - OFF) * s_lo[:, :, None] + z_lo[:, :, None]
         acc = tl.dot(a, tl.trans(tl.reshape(lo, [BLOCK_N, C * W]).to(a.dtype)), acc)
@@ -394,8 +396,21 @@ def _args(w: GGUFWeight) -> list[torch.Tensor]:
 
 
 def _consts(w: GGUFWeight) -> dict:
+    """The kernels' constexprs for the weight's type (W, NB: bytes of a group of 32 in qweight and in qh)."""
     f = w.fmt
-    return dict(Q4=f.q4, HB=f.hb, HALF=f.half, SUB=f.sub, OFF=f.off, HAS_SC=f.has_sc, HAS_DM=f.has_dm, HAS_MN=f.has_mn)
+    w_bytes, nb = (16 if f.q4 else 32), (4 * f.hb if f.hb else 1)
+    return dict(
+        Q4=f.q4,
+        HB=f.hb,
+        W=w_bytes,
+        NB=nb,
+        HALF=f.half,
+        SUB=f.sub,
+        OFF=f.off,
+        HAS_SC=f.has_sc,
+        HAS_DM=f.has_dm,
+        HAS_MN=f.has_mn,
+    )
 
 
 def gguf_gemv(
