@@ -3,6 +3,11 @@ the repacked layout dequantizes to gguf's own values, the GEMV and GEMM of every
 of mixed types and an embedding lookup work, and a tiny Q4_K_M file loaded with the GPU method gives the greedy
 tokens of the dequantized path."""
 
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -114,3 +119,20 @@ def test_selector_picks_the_gpu_method_on_cuda_only_on_one_rank(tiny_gguf):
     assert get_quant_config(ModelConfig(model=tiny_gguf, quantization="none"), cuda) is None
     assert get_quant_config(ModelConfig(model=tiny_gguf, dtype="float32"), cuda) is None  # the exact path
     assert get_quant_config(ModelConfig(model=tiny_gguf), cuda, tp_size=2) is None
+
+
+def test_kernels_compile_for_hopper_with_16_byte_quant_loads():
+    """What the interpreter cannot show: every type's GEMV and split-K GEMM compile for sm_90
+    (tests/gguf_sm90_ptx.py, in a process without the interpreter), the GEMV reads the quants in 16-byte vectors
+    and the GEMM multiplies on tensor cores and adds its splits atomically."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "tests", "gguf_sm90_ptx.py")
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ptx = json.loads(proc.stdout.splitlines()[-1])
+    for qtype in TYPES:
+        assert "ld.global.L1::evict_first.L2::cache_hint.v4.b32" in ptx[f"{qtype.name}_gemv"], qtype.name
+        gemm = ptx[f"{qtype.name}_gemm_split"]
+        assert "mma" in gemm and ("red.global" in gemm or "atom.global" in gemm), qtype.name
