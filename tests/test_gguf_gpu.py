@@ -124,7 +124,8 @@ def test_selector_picks_the_gpu_method_on_cuda_only_on_one_rank(tiny_gguf):
 def test_kernels_compile_for_hopper_with_16_byte_quant_loads():
     """What the interpreter cannot show: every type's GEMV and split-K GEMM compile for sm_90
     (tests/gguf_sm90_ptx.py, in a process without the interpreter), the GEMV reads the quants in 16-byte vectors
-    and the GEMM multiplies on tensor cores and adds its splits atomically."""
+    and turns them into floats without conversion instructions, the GEMM runs on wgmma and adds its splits
+    atomically."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,6 +134,7 @@ def test_kernels_compile_for_hopper_with_16_byte_quant_loads():
     assert proc.returncode == 0, proc.stderr[-3000:]
     ptx = json.loads(proc.stdout.splitlines()[-1])
     for qtype in TYPES:
-        assert "ld.global.L1::evict_first.L2::cache_hint.v4.b32" in ptx[f"{qtype.name}_gemv"], qtype.name
-        gemm = ptx[f"{qtype.name}_gemm_split"]
-        assert "mma" in gemm and ("red.global" in gemm or "atom.global" in gemm), qtype.name
+        gemv, gemm = ptx[f"{qtype.name}_gemv"], ptx[f"{qtype.name}_gemm_split"]
+        assert "ld.global.L1::evict_first.L2::cache_hint.v4.b32" in gemv, qtype.name
+        assert "cvt.rn.f32.s32" not in gemv and "cvt.rn.f32.u32" not in gemv, qtype.name  # quants: the 2^23 trick
+        assert "wgmma.mma_async" in gemm and ("red.global" in gemm or "atom.global" in gemm), qtype.name
