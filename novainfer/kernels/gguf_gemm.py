@@ -19,10 +19,12 @@ arrays, row major like a bf16 weight (a row's quants run contiguously along K):
 gguf_gemv: up to GEMV_MAX_M rows of x (decode). A program takes BLOCK_N whole weight rows, reads each weight byte
 once for all rows of x and sums over the whole of K in float32 registers (a 7B's 3584-row layers make 448
 programs: no split-K, atomics or zeroed buffer). The zero term is folded per group: sum(x * zero) = zero * sum(x).
+Quants become floats by the 2^23 bit trick (_quants), without conversion instructions.
 gguf_gemm: more rows; a [BLOCK_N, BLOCK_K] tile is dequantized into registers in x's dtype, then tl.dot (two per
 step for 4-bit types: the low and the high nibbles, with x's matching columns), split along K with float32 atomics
 where the output tiles alone would leave SMs idle.
-The torch reference is dequantize() (then a matmul); tests check it against gguf.quants.dequantize.
+The torch reference is dequantize() (then a matmul); tests check it against gguf.quants.dequantize. Tile shapes are
+reasoned defaults, not yet swept on a GPU (benchmarks/gguf_gpu.py times the GEMV candidates).
 """
 
 from __future__ import annotations
