@@ -138,3 +138,11 @@ def test_kernels_compile_for_hopper_with_16_byte_quant_loads():
         assert "ld.global.L1::evict_first.L2::cache_hint.v4.b32" in gemv, qtype.name
         assert "cvt.rn.f32.s32" not in gemv and "cvt.rn.f32.u32" not in gemv, qtype.name  # quants: the 2^23 trick
         assert "wgmma.mma_async" in gemm and ("red.global" in gemm or "atom.global" in gemm), qtype.name
+
+
+def test_batch_invariant_gguf_on_a_gpu_is_refused_naming_the_field(tiny_gguf):
+    from novainfer.config import EngineConfig
+
+    with pytest.raises(ValueError, match="batch_invariant"):
+        EngineConfig.from_kwargs(tiny_gguf, device="cuda", batch_invariant=True)
+    EngineConfig.from_kwargs(tiny_gguf, device="cuda", batch_invariant=True, quantization="none")  # dequantized
