@@ -122,10 +122,29 @@ def add_tokenizer(w: GGUFWriter, source: str, vocab: int) -> None:
     w.add_chat_template(f("tokenizer.chat_template"))
 
 
-def write_qwen2_q4_k_m(path: str, shape: Qwen2Shape, seed: int = 0) -> str:
-    """Write the file (to a temporary name, renamed when complete) and return its path."""
-    from novainfer.loader.default_model import default_model_path
+def add_byte_tokenizer(w: GGUFWriter, vocab: int) -> None:
+    """A byte-level BPE tokenizer of GPT-2's 256 byte symbols, one merge (transformers' converter needs merges or
+    scores) and an end-of-text token, padded with UNUSED tokens to `vocab` entries: for a machine without the
+    default model's package (the GPU benchmarks)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+    tokens = list(bytes_to_unicode().values()) + ["<|endoftext|>", "\u0120t"]
+    types = [int(TokenType.NORMAL)] * 256 + [int(TokenType.CONTROL), int(TokenType.NORMAL)]
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab)]
+    types += [int(TokenType.UNUSED)] * (vocab - len(types))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(["\u0120 t"])
+    w.add_bos_token_id(256)
+    w.add_eos_token_id(256)
+    w.add_add_bos_token(False)
+
+
+def write_qwen2_q4_k_m(path: str, shape: Qwen2Shape, seed: int = 0, byte_tokenizer: bool = False) -> str:
+    """Write the file (to a temporary name, renamed when complete) and return its path; byte_tokenizer: the
+    tokenizer of add_byte_tokenizer instead of the default model's."""
     rng = np.random.default_rng(seed)
     plan = tensor_plan(shape)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -142,7 +161,12 @@ def write_qwen2_q4_k_m(path: str, shape: Qwen2Shape, seed: int = 0) -> str:
     w.add_rope_freq_base(shape.rope_theta)
     w.add_layer_norm_rms_eps(shape.rms_eps)
     w.add_vocab_size(shape.vocab)
-    add_tokenizer(w, default_model_path(), shape.vocab)
+    if byte_tokenizer:
+        add_byte_tokenizer(w, shape.vocab)
+    else:
+        from novainfer.loader.default_model import default_model_path
+
+        add_tokenizer(w, default_model_path(), shape.vocab)
     for name, dims, qtype in plan:
         if qtype == T.F32:
             w.add_tensor_info(name, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)

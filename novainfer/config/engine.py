@@ -138,6 +138,12 @@ class EngineConfig:
                 "batch_invariant runs unquantized weights on one rank (fp8 GEMMs and the all-reduce pick their "
                 "algorithm by batch size)"
             )
+        kept_quantized = mc.quantization != "none" and not (mc.quantization is None and mc.dtype == "float32")
+        if self.batch_invariant and mc.is_gguf and kept_quantized and self.may_use_cuda():
+            raise ValueError(
+                "batch_invariant with a GGUF model on a GPU: its quantized kernels pick their algorithm by batch "
+                "size; pass quantization='none' (weights dequantized) or dtype='float32'"
+            )
         sc = self.speculative_config
         if sc is not None:
             sc.validate()

@@ -243,10 +243,13 @@ def count_gguf_weights(path: str) -> int:
 
 def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor in HF shape) for every GGUF tensor that has an HF counterpart: float32 tensors, or
-    with keep_quantized, 2-D weights of a repackable type as GGUFQuantTensor (raw blocks, read one tensor at a
-    time; the layer repacks them as soon as all its shards are in)."""
-    from novainfer.layers.quantization.gguf_cpu import GGUFQuantTensor
+    with keep_quantized, 2-D weights of a type the CPU or GPU kernels take as GGUFQuantTensor (raw blocks, read one
+    tensor at a time; the layer repacks them as soon as all its shards are in)."""
     from novainfer.kernels.cpu.repack import SUPPORTED
+    from novainfer.layers.quantization.gguf_cpu import GGUFQuantTensor
+    from novainfer.layers.quantization.gguf_gpu import GPU_TYPES
+
+    kept = SUPPORTED | GPU_TYPES  # what the CPU repack or the GPU kernels take; the layer's method picks its own
 
     reader = _reader(path)
     arch = reader.field("general.architecture")
@@ -270,7 +273,7 @@ def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple
             keep_quantized
             and quantized
             and len(shape) == 2
-            and qtype in SUPPORTED
+            and qtype in kept
             and (fixer is None or fixer.keep_quantized(name, shape, block))
         ):
             data = _read_bytes(path, tensor).reshape(shape[0], -1)  # one row of blocks per output row
@@ -278,7 +281,7 @@ def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple
             if keep_quantized and quantized and qtype.name not in logged:
                 logged.add(qtype.name)
                 logger.info(
-                    "GGUF tensor type %s has no quantized CPU kernel; its tensors (first: %s) load dequantized",
+                    "GGUF tensor type %s has no quantized kernel; its tensors (first: %s) load dequantized",
                     qtype.name,
                     tensor.name,
                 )

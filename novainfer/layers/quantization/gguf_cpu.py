@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from novainfer.kernels.cpu.qgemm import dequantize, quant_gemm
-from novainfer.kernels.cpu.repack import PackedWeight, merge_rows, repack
+from novainfer.kernels.cpu.repack import SUPPORTED, PackedWeight, merge_rows, repack
 from novainfer.kernels.cpu.weight_arena import move_to_arena
 from novainfer.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 
@@ -34,6 +34,8 @@ class GGUFQuantTensor:
 
 class GGUFCPULinearMethod(QuantizeMethodBase):
     """Linear/embedding layers whose GGUF blocks stay quantized, multiplied by the CPU kernel."""
+
+    TYPES = SUPPORTED  # the GGML types pack() takes; a layer with a shard of another type loads dense
 
     def create_weights(self, layer: nn.Module, output_size: int, input_size: int) -> nn.Parameter:
         param = nn.Parameter(torch.empty(0), requires_grad=False)
@@ -55,17 +57,24 @@ class GGUFCPULinearMethod(QuantizeMethodBase):
             return  # done already (a tied weight), or nothing loaded (the loader reports missing weights)
         order = getattr(layer, "shard_order", [None])
         shards = [param.shards[s] for s in order if s in param.shards]
-        if len(shards) == len(order) and all(isinstance(s, GGUFQuantTensor) for s in shards):
-            param.packed = merge_rows([repack(s.data, s.qtype, s.shape) for s in shards])
-            if param.packed.shape != param.full_shape:
-                raise ValueError(f"weight shape mismatch: expected {param.full_shape}, got {param.packed.shape}")
-        else:  # a shard of a type without a repack: the whole layer goes dense, exactly as without the method
-            param.data = torch.empty(param.full_shape, dtype=param.act_dtype)
+        if len(shards) == len(order) and all(isinstance(s, GGUFQuantTensor) and s.qtype in self.TYPES for s in shards):
+            param.packed = self.pack(shards)
+            rows = sum(s.shape[0] for s in shards)
+            if (rows, shards[0].shape[1]) != param.full_shape:
+                raise ValueError(
+                    f"weight shape mismatch: expected {param.full_shape}, got {(rows, shards[0].shape[1])}"
+                )
+        else:  # a shard of a type without a kernel: the whole layer goes dense, exactly as without the method
+            param.data = torch.empty(param.full_shape, dtype=param.act_dtype, device=param.device)
             for shard_id, t in param.shards.items():
                 dense = t.dequantize() if isinstance(t, GGUFQuantTensor) else t
                 dense = dense.to(param.act_dtype)
                 param.dense_loader(param, dense) if shard_id is None else param.dense_loader(param, dense, shard_id)
         param.shards = {}
+
+    def pack(self, shards: list[GGUFQuantTensor]) -> PackedWeight:
+        """The stored form of a layer's shards (stacked by rows), each of a type in TYPES."""
+        return merge_rows([repack(s.data, s.qtype, s.shape) for s in shards])
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         packed: PackedWeight | None = layer.weight.packed

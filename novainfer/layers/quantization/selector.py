@@ -14,18 +14,22 @@ logger = logging.getLogger(__name__)
 
 
 def get_quant_config(mc: ModelConfig, device: torch.device, tp_size: int = 1) -> QuantizationConfig | None:
-    """Fp8Config for quantization="fp8"; GGUFCPUConfig for a GGUF model on one CPU rank (unless dequantizing
-    was asked for); a pre-quantized checkpoint's own format (quantization_config, prequantized_config: MXFP4 experts
-    also from a GGUF file); else None."""
+    """Fp8Config for quantization="fp8"; GGUFCPUConfig for a GGUF model on one CPU rank, GGUFGPUConfig on one
+    GPU (unless dequantizing was asked for: quantization="none", or dtype float32); a pre-quantized checkpoint's
+    own format (quantization_config, prequantized_config: MXFP4 experts also from a GGUF file); else None."""
     qc = getattr(mc.hf_config, "quantization_config", None)
     if qc is not None and (not mc.is_gguf or _quant_method(qc) == "mxfp4"):
         return prequantized_config(mc, qc, device)
     if mc.quantization == "fp8":
         return _fp8_config(mc, device)
-    if not mc.is_gguf or device.type != "cpu" or tp_size != 1 or mc.quantization == "none":
+    if not mc.is_gguf or mc.quantization == "none":
         return None
     if mc.quantization is None and mc.torch_dtype == torch.float32:
         return None  # dtype="float32" keeps the exact dequantized path
+    if device.type == "cuda":
+        return _gguf_gpu_config(tp_size)
+    if device.type != "cpu" or tp_size != 1:
+        return None
     from novainfer.kernels.cpu import library
 
     if not library.available():
@@ -33,6 +37,20 @@ def get_quant_config(mc: ModelConfig, device: torch.device, tp_size: int = 1) ->
     from novainfer.layers.quantization.gguf_cpu import GGUFCPUConfig
 
     return GGUFCPUConfig()
+
+
+def _gguf_gpu_config(tp_size: int) -> QuantizationConfig | None:
+    """GGUF blocks kept quantized on one GPU; with tensor parallelism the layers load dequantized (logged once)."""
+    if tp_size != 1:
+        logger.warning(
+            "GGUF on %d GPUs: the weights load dequantized to the model's dtype (GGUF layers stay quantized on one "
+            "GPU only)",
+            tp_size,
+        )
+        return None
+    from novainfer.layers.quantization.gguf_gpu import GGUFGPUConfig
+
+    return GGUFGPUConfig()
 
 
 def _fp8_config(mc: ModelConfig, device: torch.device) -> QuantizationConfig:

@@ -1,0 +1,526 @@
+"""GGUF weights kept quantized on the GPU (layers/quantization/gguf_gpu.py): a decode GEMV and a prefill GEMM.
+
+Layout. GGML interleaves each block's float16 factors with its quants (an 18..210-byte record), which no GPU load
+reads coalesced and 16 bytes wide. At load each tensor is repacked, without re-quantizing, into separate contiguous
+arrays, row major like a bf16 weight (a row's quants run contiguously along K):
+- qweight: every type but Q8_0 uint8 [N, K/2], the low four bits of each input, each group of 32 inputs as 16
+  bytes, byte i holding input i (low nibble) and i + 16 (high nibble; GGML's own Q4_0 order); Q8_0 int8 [N, K];
+- qh: the bits above the fourth (Q5_K one, Q6_K two) in a plane uint8 [N, K/32 * 4 * HB]: of each group's 4 * HB
+  bytes, byte b holds inputs b, b + 4 HB, b + 8 HB, ... at bits 0, HB, 2 HB, ... so a thread's 16 inputs need one
+  small load; None for the others;
+- d: float16 [N, K / SUPER], the file's block factor (SUPER = 256 for the K-quants, 32 for the others);
+- sc: the K-quants' sub-scales [N, K / SG] (SG = 32; Q6_K's int8 per 16 inputs, SG = 16), or None;
+- dm: float16 [N, K / SUPER], the zero's factor (-dmin for Q4_K / Q5_K, Q4_1's m), or None;
+- mn: uint8 [N, K / 32], the K-quants' 6-bit mins, or None.
+  w[n, k] = (q - OFF) * d[n, s] * sc[n, g] + dm[n, s] * mn[n, g]  (g = k // SG, s = k // SUPER; absent terms 1,
+  OFF = 8 for Q4_0, 32 for Q6_K, else 0): the products GGML forms, in float32, so the repack is exact and each
+  type keeps about its file size (Q4_K 4.6 bits a weight, Q5_K 5.6, Q6_K 6.6, Q8_0 8.5).
+
+gguf_gemv: up to GEMV_MAX_M rows of x (decode). A program takes BLOCK_N whole weight rows, reads each weight byte
+once for all rows of x and sums over the whole of K in float32 registers (a 7B's 3584-row layers make 448
+programs: no split-K, atomics or zeroed buffer). The zero term is folded per group: sum(x * zero) = zero * sum(x).
+Quants become floats by the 2^23 bit trick (_quants), without conversion instructions.
+gguf_gemm: more rows; a [BLOCK_N, BLOCK_K] tile is dequantized into registers in x's dtype, then tl.dot (two per
+step for 4-bit types: the low and the high nibbles, with x's matching columns), split along K with float32 atomics
+where the output tiles alone would leave SMs idle.
+The torch reference is dequantize() (then a matmul); tests check it against gguf.quants.dequantize. Tile shapes are
+reasoned defaults, not yet swept on a GPU (benchmarks/gguf_gpu.py times the GEMV candidates).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from novainfer.kernels.int4_gemm import MAGIC
+from novainfer.kernels.tiling import grouped_tile, row_bucket, split_k
+
+
+@dataclass(frozen=True)
+class GGUFFormat:
+    """How one GGML type is laid out after the repack (see the module docstring)."""
+
+    q4: bool  # low nibbles in qweight (every type but Q8_0)
+    hb: int  # bits a weight in the qh plane
+    half: bool  # sub-scales per 16 inputs: a group of 32's low nibbles take one, its high nibbles the next (Q6_K)
+    sub: int  # scale groups per d / dm factor
+    off: int
+    has_sc: bool
+    has_dm: bool
+    has_mn: bool
+
+    @property
+    def scale_group(self) -> int:
+        return 16 if self.half else 32
+
+
+FORMATS = {
+    "Q4_0": GGUFFormat(True, 0, False, 1, 8, False, False, False),
+    "Q4_1": GGUFFormat(True, 0, False, 1, 0, False, True, False),
+    "Q8_0": GGUFFormat(False, 0, False, 1, 0, False, False, False),
+    "Q4_K": GGUFFormat(True, 0, False, 8, 0, True, True, True),
+    "Q5_K": GGUFFormat(True, 1, False, 8, 0, True, True, True),
+    "Q6_K": GGUFFormat(True, 2, True, 16, 32, True, False, False),
+}
+ARRAYS = ("qweight", "d", "sc", "dm", "mn", "qh")
+
+
+@dataclass
+class GGUFWeight:
+    """A [N, K] GGUF weight in the GPU layout (one GGML type; a fused layer of mixed types holds several)."""
+
+    qtype: str
+    qweight: torch.Tensor
+    d: torch.Tensor
+    sc: torch.Tensor | None
+    dm: torch.Tensor | None
+    mn: torch.Tensor | None
+    qh: torch.Tensor | None
+    shape: tuple[int, int]
+
+    @property
+    def fmt(self) -> GGUFFormat:
+        return FORMATS[self.qtype]
+
+    def arrays(self) -> list[torch.Tensor | None]:
+        """The ARRAYS in order (None where the type has none)."""
+        return [getattr(self, a) for a in ARRAYS]
+
+    def nbytes(self) -> int:
+        """Bytes one pass over the weight reads."""
+        return sum(t.nbytes for t in self.arrays() if t is not None)
+
+    def map(self, fn, rows: int) -> "GGUFWeight":
+        """The weight whose arrays are fn(array), with `rows` rows (a gather, a copy)."""
+        return GGUFWeight(self.qtype, *[None if t is None else fn(t) for t in self.arrays()], (rows, self.shape[1]))
+
+    def select_rows(self, rows: torch.Tensor) -> "GGUFWeight":
+        """The weight's rows `rows` (an embedding lookup's gather)."""
+        return self.map(lambda t: t.index_select(0, rows), rows.numel())
+
+    @staticmethod
+    def cat_rows(parts: list["GGUFWeight"]) -> "GGUFWeight":
+        """Parts of one type stacked along N (the shards of a fused layer)."""
+        arrays = [None if ts[0] is None else torch.cat(ts) for ts in zip(*[p.arrays() for p in parts])]
+        return GGUFWeight(parts[0].qtype, *arrays, (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+
+def pack_nibbles(v: torch.Tensor, hb: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Quants uint8 [n, k] in input order (0 .. 2^(4 + hb) - 1) -> (qweight [n, k/2], qh plane or None)."""
+    n, k = v.shape
+    v = v.view(n, k // 32, 32)
+    low = v & 15
+    q = (low[..., :16] | (low[..., 16:] << 4)).reshape(n, k // 2)
+    if not hb:
+        return q, None
+    nb = 4 * hb  # bytes a group; input e sits in byte e % nb at bit hb * (e // nb)
+    h = (v >> 4).to(torch.int32).view(n, k // 32, 32 // nb, nb)
+    shift = (hb * torch.arange(32 // nb, device=v.device, dtype=torch.int32)).view(1, 1, -1, 1)
+    return q, (h << shift).sum(2).to(torch.uint8).reshape(n, -1)
+
+
+def dequantize(w: GGUFWeight) -> torch.Tensor:
+    """The float32 [N, K] weight in torch (the kernels' reference, the embedding lookup, the CPU fallback)."""
+    f = w.fmt
+    n, k = w.shape
+    if f.q4:
+        b = w.qweight.view(n, k // 32, 16)
+        q = torch.cat([b & 15, b >> 4], dim=-1).to(torch.int32)  # [n, groups, 32]: byte i holds inputs i, i + 16
+        if f.hb:
+            nb, e = 4 * f.hb, torch.arange(32, device=b.device)
+            h = w.qh.view(n, k // 32, nb).to(torch.int32)[..., e % nb]
+            q |= ((h >> (f.hb * (e // nb)).to(torch.int32)) & ((1 << f.hb) - 1)) << 4
+        q = q.float()
+    else:
+        q = w.qweight.float()
+    q = q.view(n, k // f.scale_group, f.scale_group)
+    scale = w.d.float().repeat_interleave(f.sub, 1)
+    if f.has_sc:
+        scale = scale * w.sc.float()
+    out = (q - f.off) * scale[:, :, None]
+    if f.has_dm:
+        zero = w.dm.float().repeat_interleave(f.sub, 1)
+        if f.has_mn:
+            zero = zero * w.mn.float()
+        out += zero[:, :, None]
+    return out.view(n, k)
+
+
+@triton.jit
+def _scale_zero(
+    d_ptr,
+    sc_ptr,
+    dm_ptr,
+    mn_ptr,
+    rows,
+    g,
+    NG,
+    NS,
+    SUB: tl.constexpr,
+    HAS_SC: tl.constexpr,
+    HAS_DM: tl.constexpr,
+    HAS_MN: tl.constexpr,
+):
+    """Scale and zero [rows, groups] in float32 for weight rows `rows` (int64) and scale groups g (of NG a row;
+    0 past the row's end)."""
+    gi = rows[:, None] * NG + g[None, :]
+    si = rows[:, None] * NS + (g // SUB)[None, :]
+    mask = (g < NG)[None, :]
+    scale = tl.load(d_ptr + si, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SC:
+        scale *= tl.load(sc_ptr + gi, mask=mask, other=0).to(tl.float32)
+    zero = tl.zeros_like(scale)
+    if HAS_DM:
+        zero = tl.load(dm_ptr + si, mask=mask, other=0.0).to(tl.float32)
+        if HAS_MN:
+            zero *= tl.load(mn_ptr + gi, mask=mask, other=0).to(tl.float32)
+    return scale, zero
+
+
+@triton.jit
+def _group_scales(
+    d_ptr,
+    sc_ptr,
+    dm_ptr,
+    mn_ptr,
+    rows,
+    g,
+    K,
+    HALF: tl.constexpr,
+    SUB: tl.constexpr,
+    HAS_SC: tl.constexpr,
+    HAS_DM: tl.constexpr,
+    HAS_MN: tl.constexpr,
+):
+    """(scale, zero) of the low and of the high nibbles of groups g (of 32 inputs), each [rows, groups]."""
+    if HALF:  # sub-scales per 16 inputs: the low nibbles (inputs 0..15) take one, the high ones the next
+        ng = K // 16
+        s_lo, z_lo = _scale_zero(d_ptr, sc_ptr, dm_ptr, mn_ptr, rows, 2 * g, ng, ng // SUB, SUB, HAS_SC, HAS_DM, HAS_MN)
+        s_hi, z_hi = _scale_zero(
+            d_ptr, sc_ptr, dm_ptr, mn_ptr, rows, 2 * g + 1, ng, ng // SUB, SUB, HAS_SC, HAS_DM, HAS_MN
+        )
+    else:
+        ng = K // 32
+        s_lo, z_lo = _scale_zero(d_ptr, sc_ptr, dm_ptr, mn_ptr, rows, g, ng, ng // SUB, SUB, HAS_SC, HAS_DM, HAS_MN)
+        s_hi, z_hi = s_lo, z_lo
+    return s_lo, z_lo, s_hi, z_hi
+
+
+@triton.jit
+def _quants(q, h, lane, Q4: tl.constexpr, HB: tl.constexpr, NB: tl.constexpr, OFF: tl.constexpr):
+    """A tile's bytes (and high-bit plane bytes) -> its low and high nibbles' quants minus OFF, as float32 (Q8_0: its
+    int8 values, hi unused). No int-to-float conversion (a quarter-rate instruction, which would bound a GEMV below
+    HBM's rate): a value 0 <= v < 2^23 OR-ed into the float32 bits of 2^23 reads as 2^23 + v."""
+    if Q4:
+        lo = (q & 15).to(tl.int32)
+        hi = (q >> 4).to(tl.int32)
+        if HB > 0:
+            hv = h.to(tl.int32)
+            lo |= ((hv >> (HB * (lane // NB))[None, None, :]) & ((1 << HB) - 1)) << 4
+            hi |= ((hv >> (HB * ((lane + 16) // NB))[None, None, :]) & ((1 << HB) - 1)) << 4
+        bias: tl.constexpr = 8388608.0 + OFF
+    else:
+        lo = q.to(tl.int32) + 128  # int8 -> 0..255
+        hi = lo
+        bias: tl.constexpr = 8388608.0 + 128 + OFF
+    lo = (lo | MAGIC).to(tl.float32, bitcast=True) - bias
+    hi = (hi | MAGIC).to(tl.float32, bitcast=True) - bias
+    return lo, hi
+
+
+@triton.jit
+def _gguf_gemv_kernel(
+    x_ptr,
+    q_ptr,
+    d_ptr,
+    sc_ptr,
+    dm_ptr,
+    mn_ptr,
+    h_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_qn,
+    stride_hn,
+    stride_xm,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    Q4: tl.constexpr,
+    HB: tl.constexpr,
+    W: tl.constexpr,
+    NB: tl.constexpr,
+    HALF: tl.constexpr,
+    SUB: tl.constexpr,
+    OFF: tl.constexpr,
+    HAS_SC: tl.constexpr,
+    HAS_DM: tl.constexpr,
+    HAS_MN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    C: tl.constexpr = BLOCK_K // 32  # groups of 32 inputs a step
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rload = tl.minimum(rows, N - 1).to(tl.int64)  # the last tile re-reads row N - 1: no masks on the loads
+    chunk = tl.arange(0, C)
+    lane = tl.arange(0, W)
+    q_ptrs = q_ptr + rload[:, None, None] * stride_qn + (chunk[:, None] * W + lane[None, :])[None, :, :]
+    h_ptrs = h_ptr + rload[:, None, None] * stride_hn + (chunk[:, None] * NB + lane[None, :] % NB)[None, :, :]
+    x_off = chunk[:, None] * 32 + lane[None, :]  # [C, W]: the inputs of each group's bytes (low nibbles)
+    mrow = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        g = k0 // 32 + chunk
+        s_lo, z_lo, s_hi, z_hi = _group_scales(
+            d_ptr, sc_ptr, dm_ptr, mn_ptr, rload, g, K, HALF, SUB, HAS_SC, HAS_DM, HAS_MN
+        )
+        gmask = (g < K // 32)[None, :, None]
+        qp = q_ptrs + k0 // (32 // W)
+        hp = h_ptrs + (k0 // 32) * NB
+        if EVEN_K:
+            q = tl.load(qp, eviction_policy="evict_first")
+        else:
+            q = tl.load(qp, mask=gmask, other=0, eviction_policy="evict_first")
+        h = q
+        if HB > 0:
+            h = tl.load(hp, mask=gmask, other=0, eviction_policy="evict_first")
+        lo, hi = _quants(q, h, lane, Q4, HB, NB, OFF)
+        xmask = (k0 + x_off) < K
+        for m in tl.static_range(BLOCK_M):  # rows m >= M read zeros and are not stored
+            xp = x_ptr + m * stride_xm + k0 + x_off
+            xm = xmask & (x_off * 0 + m < M)
+            xl = tl.load(xp, mask=xm, other=0.0).to(tl.float32)
+            part = tl.sum(lo * xl[None, :, :], 2) * s_lo
+            if HAS_DM:
+                part += z_lo * tl.sum(xl, 1)[None, :]
+            if Q4:
+                xh = tl.load(xp + 16, mask=xm, other=0.0).to(tl.float32)
+                part += tl.sum(hi * xh[None, :, :], 2) * s_hi
+                if HAS_DM:
+                    part += z_hi * tl.sum(xh, 1)[None, :]
+            acc += tl.where(mrow[:, None] == m, tl.sum(part, 1)[None, :], 0.0)
+    omask = (mrow < M)[:, None] & (rows < N)[None, :]
+    tl.store(out_ptr + mrow[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _gguf_gemm_kernel(
+    x_ptr,
+    q_ptr,
+    d_ptr,
+    sc_ptr,
+    dm_ptr,
+    mn_ptr,
+    h_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_qn,
+    stride_hn,
+    stride_xm,
+    stride_om,
+    K_PER_SPLIT,
+    Q4: tl.constexpr,
+    HB: tl.constexpr,
+    W: tl.constexpr,
+    NB: tl.constexpr,
+    HALF: tl.constexpr,
+    SUB: tl.constexpr,
+    OFF: tl.constexpr,
+    HAS_SC: tl.constexpr,
+    HAS_DM: tl.constexpr,
+    HAS_MN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    C: tl.constexpr = BLOCK_K // 32
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mload = tl.minimum(offs_m, M - 1).to(tl.int64)  # edge tiles re-read the last row/column: unmasked loads
+    nload = tl.minimum(offs_n, N - 1).to(tl.int64)
+    chunk = tl.arange(0, C)
+    lane = tl.arange(0, W)
+    q_ptrs = q_ptr + nload[:, None, None] * stride_qn + (chunk[:, None] * W + lane[None, :])[None, :, :]
+    h_ptrs = h_ptr + nload[:, None, None] * stride_hn + (chunk[:, None] * NB + lane[None, :] % NB)[None, :, :]
+    x_cols = tl.reshape(chunk[:, None] * 32 + lane[None, :], [C * W])  # the inputs of the tile's (low) bytes
+    x_ptrs = x_ptr + mload[:, None] * stride_xm + x_cols[None, :]
+    k_begin = tl.program_id(1) * K_PER_SPLIT
+    k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):  # BLOCK_K divides K and K_PER_SPLIT: no K masks
+        g = k0 // 32 + chunk
+        s_lo, z_lo, s_hi, z_hi = _group_scales(
+            d_ptr, sc_ptr, dm_ptr, mn_ptr, nload, g, K, HALF, SUB, HAS_SC, HAS_DM, HAS_MN
+        )
+        q = tl.load(q_ptrs + k0 // (32 // W))
+        h = q
+        if HB > 0:
+            h = tl.load(h_ptrs + (k0 // 32) * NB)
+        lo, hi = _quants(q, h, lane, Q4, HB, NB, OFF)
+        a = tl.load(x_ptrs + k0)
+        lo = lo * s_lo[:, :, None] + z_lo[:, :, None]
+        acc = tl.dot(a, tl.trans(tl.reshape(lo, [BLOCK_N, C * W]).to(a.dtype)), acc)
+        if Q4:
+            hi = hi * s_hi[:, :, None] + z_hi[:, :, None]
+            acc = tl.dot(tl.load(x_ptrs + k0 + 16), tl.trans(tl.reshape(hi, [BLOCK_N, C * W]).to(a.dtype)), acc)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if SPLIT > 1:
+        tl.atomic_add(out, acc, mask=mask)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+GEMV_MAX_M = 8  # up to this many rows of x go through the GEMV (one read of the weight for all rows)
+
+# (BLOCK_N, BLOCK_K, num_warps) of the GEMV; BLOCK_K is capped at K's power of two above (a masked tail step).
+# Reasoned defaults (a step reads BLOCK_N * BLOCK_K / 2 bytes of a 4-bit type: 16 bytes a thread or more), not yet
+# swept on a GPU: benchmarks/gguf_gpu.py times GEMV_CANDIDATES and prints the best
+GEMV_CANDIDATES: list[tuple[int, int, int]] = [(8, 512, 4), (4, 512, 4), (8, 1024, 4), (16, 512, 8), (4, 1024, 4)]
+GEMV_DEFAULT = (8, 512, 4)
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the row count's bucket (BLOCK_K halved until it divides K)
+GEMM_CANDIDATES: dict[int, list[tuple[int, int, int, int, int]]] = {
+    32: [(16, 64, 128, 4, 3), (32, 64, 128, 4, 3), (16, 128, 64, 4, 3)],
+    128: [(64, 64, 128, 4, 3), (32, 128, 128, 4, 3), (64, 128, 64, 4, 3)],
+    1 << 30: [(128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 128, 128, 4, 3), (128, 64, 128, 4, 3)],
+}
+
+
+def _args(w: GGUFWeight) -> list[torch.Tensor]:
+    """The kernels' seven weight pointers (an absent array passes d, never read)."""
+    return [w.d if t is None else t for t in w.arrays()]
+
+
+def _consts(w: GGUFWeight) -> dict:
+    """The kernels' constexprs for the weight's type (W, NB: bytes of a group of 32 in qweight and in qh)."""
+    f = w.fmt
+    w_bytes, nb = (16 if f.q4 else 32), (4 * f.hb if f.hb else 1)
+    return dict(
+        Q4=f.q4,
+        HB=f.hb,
+        W=w_bytes,
+        NB=nb,
+        HALF=f.half,
+        SUB=f.sub,
+        OFF=f.off,
+        HAS_SC=f.has_sc,
+        HAS_DM=f.has_dm,
+        HAS_MN=f.has_mn,
+    )
+
+
+def gguf_gemv(
+    x: torch.Tensor, w: GGUFWeight, out: torch.Tensor | None = None, tiles: tuple[int, int, int] | None = None
+) -> torch.Tensor:
+    """x [M, K] (M <= GEMV_MAX_M, unit stride along K) times w^T -> out [M, N] (x's dtype; out may be a column
+    slice of a wider output)."""
+    m, k = x.shape
+    n = w.shape[0]
+    assert m <= GEMV_MAX_M and x.stride(1) == 1 and k == w.shape[1], (x.shape, w.shape)
+    if tiles is None and not x.is_cuda:
+        tiles = (4, 64, 4)  # the interpreter: small tiles
+    block_n, block_k, warps = tiles or GEMV_DEFAULT
+    block_k = max(32, min(block_k, triton.next_power_of_2(k)))
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _gguf_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        *_args(w),
+        out,
+        m,
+        n,
+        k,
+        w.qweight.stride(0),
+        0 if w.qh is None else w.qh.stride(0),
+        x.stride(0),
+        out.stride(0),
+        BLOCK_M=max(2, triton.next_power_of_2(m)),  # rows of x a runtime count: one compile per power of two
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0,
+        num_warps=warps,
+        **_consts(w),
+    )
+    return out
+
+
+def gguf_gemm(
+    x: torch.Tensor,
+    w: GGUFWeight,
+    out: torch.Tensor | None = None,
+    tiles: tuple[int, int, int, int, int] | None = None,
+    split: int | None = None,
+) -> torch.Tensor:
+    """x [M, K] (unit stride along K) times w^T -> out [M, N] in x's dtype; split: the K splits (None: as many
+    as fill the GPU's SMs once with programs)."""
+    m, k = x.shape
+    n = w.shape[0]
+    assert x.stride(1) == 1 and k == w.shape[1], (x.shape, w.shape)
+    if x.is_cuda:
+        block_m, block_n, block_k, warps, stages = tiles or GEMM_CANDIDATES[row_bucket(m, GEMM_CANDIDATES)][0]
+    else:
+        block_m, block_n, block_k, warps, stages = 16, 32, 64, 4, 1
+    block_k = max(block_k, 32)
+    while k % block_k:  # whole groups dividing K (K is a multiple of the GGML block: 32 or 256)
+        block_k //= 2
+    tiles_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    if split is None:
+        split, per_split = split_k(k, tiles_mn, block_k, x.device, programs_per_sm=1)
+    else:
+        per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+        split = triton.cdiv(k, per_split)
+    dst = out if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    if dst is None:
+        dst = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _gguf_gemm_kernel[(tiles_mn, split)](
+        x,
+        *_args(w),
+        dst,
+        m,
+        n,
+        k,
+        w.qweight.stride(0),
+        0 if w.qh is None else w.qh.stride(0),
+        x.stride(0),
+        dst.stride(0),
+        per_split,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GROUP_M=8,
+        SPLIT=split,
+        num_warps=warps,
+        num_stages=stages,
+        **_consts(w),
+    )
+    if split == 1:
+        return dst
+    if out is None:
+        return dst.to(x.dtype)
+    out.copy_(dst)
+    return out
+
+
+def gguf_matmul(x: torch.Tensor, parts: list[GGUFWeight]) -> torch.Tensor:
+    """x [M, K] times a layer's weight (its parts stacked along N, one GGML type each) -> [M, N] in x's dtype."""
+    x = x.contiguous()
+    m = x.shape[0]
+    kernel = gguf_gemv if m <= GEMV_MAX_M else gguf_gemm
+    if len(parts) == 1:
+        return kernel(x, parts[0])
+    out = torch.empty((m, sum(p.shape[0] for p in parts)), dtype=x.dtype, device=x.device)
+    at = 0
+    for p in parts:
+        kernel(x, p, out[:, at : at + p.shape[0]])
+        at += p.shape[0]
+    return out
