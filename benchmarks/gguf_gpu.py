@@ -147,7 +147,14 @@ def e2e_one(path: str, mode: str, args: argparse.Namespace) -> dict:
     from novainfer import LLM, SamplingParams
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    kw = dict(device=device, max_model_len=args.max_model_len)
+    # an HF tokenizer beside the file: transformers 5.17 (the GPU machine's) cannot convert the file's byte-level one
+    tok_dir = path + ".tokenizer"
+    if not os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
+        from benchmarks.checkpoints import word_level_tokenizer
+        from novainfer.loader.gguf_loader import load_gguf_config
+
+        word_level_tokenizer(load_gguf_config(path).vocab_size).save_pretrained(tok_dir)
+    kw = dict(device=device, max_model_len=args.max_model_len, tokenizer=tok_dir)
     if device == "cuda":
         kw["gpu_memory_utilization"] = 0.85
     if mode == "dequantized":

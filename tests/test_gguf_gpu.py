@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
 from benchmarks.gguf_checkpoint import SHAPES, write_qwen2_q4_k_m
+from novainfer.kernels import gguf_gemm as gguf_gemm_module
 from novainfer.kernels.cpu.repack import BLOCK
 from novainfer.kernels.gguf_gemm import GGUFWeight, dequantize, gguf_gemm, gguf_gemv, gguf_matmul
 from novainfer.layers.quantization import gguf_gpu
@@ -53,6 +54,7 @@ def test_layout_is_exact_and_kernels_equal_the_reference(qtype, monkeypatch):
     x = torch.randn(19, k, generator=g)
     for split in (1, 2):
         assert close(gguf_gemm(x, w, split=split), x, ref), split
+    assert torch.equal(gguf_gemm_module.gguf_dequantize(w, torch.float32), ref)  # the Triton kernel: the same products, bit for bit
 
 
 def test_fused_layer_of_mixed_types_and_embedding_rows():
@@ -61,7 +63,7 @@ def test_fused_layer_of_mixed_types_and_embedding_rows():
     merged = [GGUFWeight.cat_rows([parts[0][0], parts[1][0]]), parts[2][0]]  # as the method stores q, k / v
     ref = torch.cat([r for _, r in parts])
     g = torch.Generator().manual_seed(1)
-    for m in (2, 12):  # the GEMV, then the GEMM, each part into its columns of one output
+    for m in (1, 12):  # the GEMV (each part into its columns of one output), then the dequantized weight
         x = torch.randn(m, k, generator=g)
         assert close(gguf_matmul(x, merged), x, ref), m
     ids = torch.tensor([5, 0, 23, 5])

@@ -16,7 +16,10 @@ arrays, row major like a bf16 weight (a row's quants run contiguously along K):
   OFF = 8 for Q4_0, 32 for Q6_K, else 0): the products GGML forms, in float32, so the repack is exact and each
   type keeps about its file size (Q4_K 4.6 bits a weight, Q5_K 5.6, Q6_K 6.6, Q8_0 8.5).
 
-gguf_gemv: up to GEMV_MAX_M rows of x (decode). A program takes BLOCK_N whole weight rows, reads each weight byte
+gguf_matmul picks: the GEMV at GEMV_MAX_M rows (decode at batch 1), else gguf_dequantize (a Triton kernel writing
+the dense weight in x's dtype, into a transient buffer) and cuBLAS: on an H200 the GEMV ran at 0.2-0.5x of bf16
+from 4 rows and the GEMM at 0.04-0.07x from 256 rows (benchmarks/gguf_gpu.py, Qwen2.5-7B's Q4_K/Q6_K layers).
+gguf_gemv: up to GEMV_ROWS rows of x. A program takes BLOCK_N whole weight rows, reads each weight byte
 once for all rows of x and sums over the whole of K in float32 registers (a 7B's 3584-row layers make 448
 programs: no split-K, atomics or zeroed buffer). The zero term is folded per group: sum(x * zero) = zero * sum(x).
 Quants become floats by the 2^23 bit trick (_quants), without conversion instructions.
@@ -380,7 +383,63 @@ def _gguf_gemm_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-GEMV_MAX_M = 8  # up to this many rows of x go through the GEMV (one read of the weight for all rows)
+@triton.jit
+def _gguf_dequant_kernel(
+    q_ptr,
+    d_ptr,
+    sc_ptr,
+    dm_ptr,
+    mn_ptr,
+    h_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_qn,
+    stride_hn,
+    Q4: tl.constexpr,
+    HB: tl.constexpr,
+    W: tl.constexpr,
+    NB: tl.constexpr,
+    HALF: tl.constexpr,
+    SUB: tl.constexpr,
+    OFF: tl.constexpr,
+    HAS_SC: tl.constexpr,
+    HAS_DM: tl.constexpr,
+    HAS_MN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """A [BLOCK_N, BLOCK_K] tile of the weight dequantized (as the GEMM's tiles are) and stored in out's dtype."""
+    C: tl.constexpr = BLOCK_K // 32
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rload = tl.minimum(rows, N - 1).to(tl.int64)
+    chunk = tl.arange(0, C)
+    lane = tl.arange(0, W)
+    k0 = tl.program_id(1) * BLOCK_K
+    g = k0 // 32 + chunk
+    s_lo, z_lo, s_hi, z_hi = _group_scales(
+        d_ptr, sc_ptr, dm_ptr, mn_ptr, rload, g, K, HALF, SUB, HAS_SC, HAS_DM, HAS_MN
+    )
+    gmask = (g < K // 32)[None, :, None]
+    q_off = (chunk[:, None] * W + lane[None, :])[None, :, :] + k0 // (32 // W)
+    q = tl.load(q_ptr + rload[:, None, None] * stride_qn + q_off, mask=gmask, other=0)
+    h = q
+    if HB > 0:
+        h_off = (chunk[:, None] * NB + lane[None, :] % NB)[None, :, :] + (k0 // 32) * NB
+        h = tl.load(h_ptr + rload[:, None, None] * stride_hn + h_off, mask=gmask, other=0)
+    lo, hi = _quants(q, h, lane, Q4, HB, NB, OFF)
+    cols = (k0 + chunk[:, None] * 32 + lane[None, :])[None, :, :]  # the inputs of the (low) bytes
+    ptrs = out_ptr + rows.to(tl.int64)[:, None, None] * K + cols
+    mask = (rows < N)[:, None, None] & gmask
+    dt = out_ptr.dtype.element_ty
+    tl.store(ptrs, (lo * s_lo[:, :, None] + z_lo[:, :, None]).to(dt), mask=mask)
+    if Q4:
+        tl.store(ptrs + 16, (hi * s_hi[:, :, None] + z_hi[:, :, None]).to(dt), mask=mask)
+
+
+GEMV_ROWS = 8  # the most rows of x the GEMV takes (one read of the weight for all rows)
+GEMV_MAX_M = 1  # up to this many rows gguf_matmul takes the GEMV
+DEQUANT_MIN_M = 2  # from this many rows: the weight dequantized to x's dtype, then cuBLAS
 
 # (BLOCK_N, BLOCK_K, num_warps) of the GEMV; BLOCK_K is capped at K's power of two above (a masked tail step).
 # Reasoned defaults (a step reads BLOCK_N * BLOCK_K / 2 bytes of a 4-bit type: 16 bytes a thread or more), not yet
@@ -422,11 +481,11 @@ def _consts(w: GGUFWeight) -> dict:
 def gguf_gemv(
     x: torch.Tensor, w: GGUFWeight, out: torch.Tensor | None = None, tiles: tuple[int, int, int] | None = None
 ) -> torch.Tensor:
-    """x [M, K] (M <= GEMV_MAX_M, unit stride along K) times w^T -> out [M, N] (x's dtype; out may be a column
+    """x [M, K] (M <= GEMV_ROWS, unit stride along K) times w^T -> out [M, N] (x's dtype; out may be a column
     slice of a wider output)."""
     m, k = x.shape
     n = w.shape[0]
-    assert m <= GEMV_MAX_M and x.stride(1) == 1 and k == w.shape[1], (x.shape, w.shape)
+    assert m <= GEMV_ROWS and x.stride(1) == 1 and k == w.shape[1], (x.shape, w.shape)
     if tiles is None and not x.is_cuda:
         tiles = (4, 64, 4)  # the interpreter: small tiles
     block_n, block_k, warps = tiles or GEMV_DEFAULT
@@ -511,10 +570,38 @@ def gguf_gemm(
     return out
 
 
+def gguf_dequantize(w: GGUFWeight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The weight as a dense [N, K] tensor of dtype (out: rows of a wider dense weight), by the Triton kernel."""
+    n, k = w.shape
+    if out is None:
+        out = torch.empty((n, k), dtype=dtype, device=w.qweight.device)
+    block_n, block_k = 8, min(256, triton.next_power_of_2(k))
+    _gguf_dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+        *_args(w),
+        out,
+        n,
+        k,
+        w.qweight.stride(0),
+        0 if w.qh is None else w.qh.stride(0),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        **_consts(w),
+    )
+    return out
+
+
 def gguf_matmul(x: torch.Tensor, parts: list[GGUFWeight]) -> torch.Tensor:
-    """x [M, K] times a layer's weight (its parts stacked along N, one GGML type each) -> [M, N] in x's dtype."""
+    """x [M, K] times a layer's weight (its parts stacked along N, one GGML type each) -> [M, N] in x's dtype:
+    the GEMV up to GEMV_MAX_M rows, else the dequantized weight (a transient bf16 copy) and cuBLAS."""
     x = x.contiguous()
     m = x.shape[0]
+    if m >= DEQUANT_MIN_M:
+        dense = torch.empty((sum(p.shape[0] for p in parts), x.shape[1]), dtype=x.dtype, device=x.device)
+        at = 0
+        for p in parts:
+            gguf_dequantize(p, x.dtype, dense[at : at + p.shape[0]])
+            at += p.shape[0]
+        return torch.nn.functional.linear(x, dense)
     kernel = gguf_gemv if m <= GEMV_MAX_M else gguf_gemm
     if len(parts) == 1:
         return kernel(x, parts[0])

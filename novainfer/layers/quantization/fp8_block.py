@@ -6,8 +6,8 @@ The checkpoint's weight is float8_e4m3fn [N, K] with one float32 scale per [bn, 
 bk-wide group (scale amax/448, activation_scheme dynamic). The weight stays as stored; a fused layer stacks its
 shards' rows and scale rows, which needs each shard (and each rank's slice) to cover whole blocks.
 
-On CUDA (sm_89+) the Triton kernels of kernels/fp8_block.py run (fp8_block_linear): weight-only up to 16 rows of x
-(x stays bf16), else the per-token-group quantization and the block GEMM. The torch reference (quantize_groups,
+On CUDA (sm_89+) the Triton kernels of kernels/fp8_block.py run (fp8_block_linear): weight-only at one row (x stays
+bf16), the per-token-group quantization and the block GEMM above, the dequantized weight and cuBLAS for prefill. The torch reference (quantize_groups,
 block_reference: both operands dequantized, a float32 matmul) is the CPU path.
 """
 
@@ -161,7 +161,8 @@ def fused_experts_fp8_block_reference(
     quantize_activations: bool,
 ) -> torch.Tensor:
     """The torch reference of kernels/fused_moe_quant.fused_experts_fp8_block in float32: the experts dequantized,
-    each GEMM's input quantized per token group first where quantize_activations (fp8_block.quantize_groups)."""
+    each GEMM's input quantized per token group first where quantize_activations (fp8_block.quantize_groups), the
+    intermediate rounded to x's dtype before that, as the kernel holds it."""
 
     def rounded(h: torch.Tensor) -> torch.Tensor:
         if not quantize_activations:
@@ -170,8 +171,8 @@ def fused_experts_fp8_block_reference(
         return q.float() * s.repeat_interleave(block[1], 1)[:, : h.shape[1]]
 
     class _ActThenRound(nn.Module):
-        def forward(self, h: torch.Tensor) -> torch.Tensor:
-            return rounded(act_and_mul(h))
+        def forward(self, h: torch.Tensor) -> torch.Tensor:  # the kernel's gate/up output and activation in x's dtype
+            return rounded(act_and_mul(h.to(x.dtype)).float())
 
     d13 = dequantize_fp8_block_experts(w13, w13_scale, block)
     d2 = dequantize_fp8_block_experts(w2, w2_scale, block)
@@ -301,15 +302,17 @@ def fp8_block_config(qc: dict, device: torch.device) -> Fp8BlockConfig:
 
 
 def check_block_kernels(device: torch.device, block: tuple[int, int]) -> None:
-    """The GEMV and the quantize + GEMM path against block_reference on small operands, once at start-up."""
-    from novainfer.kernels.fp8_block import fp8_block_linear
+    """Every path of fp8_block_linear (the GEMV, the quantize + GEMM, dequantize + dense) against its torch reference
+    on small operands, once at start-up."""
+    from novainfer.kernels.fp8_block import DEQUANT_MIN_M, WEIGHT_ONLY_MAX_M, fp8_block_linear
 
     g = torch.Generator(device=device).manual_seed(0)
     n, k = 2 * block[0], 2 * block[1]
     weight = (torch.randn(n, k, generator=g, device=device) * 100).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     w_scale = torch.rand(2, 2, generator=g, device=device) * 1e-3 + 1e-4
     cases = []
-    for m, ref in ((1, weight_only_reference), (8, weight_only_reference), (40, block_reference)):
+    for m in (1, 8, 40, DEQUANT_MIN_M):  # each path of fp8_block_linear, against the product it computes
+        ref = block_reference if WEIGHT_ONLY_MAX_M < m < DEQUANT_MIN_M else weight_only_reference
         x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
         cases.append((fp8_block_linear(x, weight, w_scale, block), ref(x, weight, w_scale, block)))
     probe_kernels(f"block FP8 (weight_block_size={list(block)})", cases, 2e-2)
