@@ -13,11 +13,16 @@ do not touch the cache), and its Attention layers are sized by the functions the
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 import transformers
 
-from novainfer.layers.attention import Attention
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.checkpoints import CONFIGS  # noqa: E402
+from novainfer.layers.attention import Attention  # noqa: E402
 from novainfer.models.registry import get_model_class
 from novainfer.worker.kv_cache import kv_bytes_per_block, kv_layout_of
 from novainfer.worker.kv_layout import describe_groups
@@ -26,21 +31,10 @@ SMALL = dict(hidden_size=64, intermediate_size=64, vocab_size=256)  # sizes the 
 
 
 def gemma4_31b() -> transformers.PretrainedConfig:
-    """Gemma-4-31B: 60 layers, 5 sliding (16 KV heads x 256, window 1024) to 1 full (4 KV heads x 512, K = V)."""
-    return transformers.Gemma4TextConfig(
-        num_hidden_layers=60,
-        num_attention_heads=32,
-        num_key_value_heads=16,
-        head_dim=256,
-        global_head_dim=512,
-        num_global_key_value_heads=4,
-        attention_k_eq_v=True,
-        sliding_window=1024,
-        max_position_embeddings=262144,
-        hidden_size_per_layer_input=0,
-        vocab_size_per_layer_input=256,
-        **SMALL,
-    )
+    """Gemma-4-31B: 60 layers, 5 sliding (16 KV heads x 256, window 1024) to 1 full (4 KV heads x 512, K = V); the
+    published shape of benchmarks/checkpoints.py, its cache-free sizes shrunk."""
+    kwargs = {**CONFIGS["gemma-4-31b"][1], **SMALL, "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 256}
+    return transformers.Gemma4TextConfig(**kwargs)
 
 
 def gemma4_e2b() -> transformers.PretrainedConfig:
