@@ -27,13 +27,13 @@ from tests.test_gemma4 import PROMPTS, save_tiny  # noqa: E402
 from tests.tiny_models import hf_greedy_logprobs  # noqa: E402
 
 
-def model_check(which: str, path: str, device: str, n: int) -> None:
+def model_check(which: str, path: str, device: str, n: int, prefix_modes: tuple[bool, ...] = (True, False)) -> None:
     """Engine greedy on `device` == transformers' (float32 on the CPU, the exact reference); logprobs within 1e-3;
     cache on/off; alone; preempted."""
     hf = Gemma4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
     ids = None
-    for prefix in (True, False):
+    for prefix in prefix_modes:
         kw = dict(dtype="float32", device=device, block_size=4, max_num_batched_tokens=16, max_num_seqs=8)
         llm = LLM(path, enable_prefix_caching=prefix, attention_backend="triton", **kw)
         ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
@@ -73,13 +73,15 @@ def model_check(which: str, path: str, device: str, n: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="on the CPU (set TRITON_INTERPRET=1), fewer tokens")
+    parser.add_argument("--models", default="dense,moe", help="which tiny checkpoints: dense, moe or both")
+    parser.add_argument("--prefix-on-only", action="store_true", help="skip the prefix-cache-off engines")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
     n = 8 if args.tiny else 24
     with tempfile.TemporaryDirectory() as root:
-        for which in ("dense", "moe"):
+        for which in args.models.split(","):
             path = save_tiny(os.path.join(root, which), moe=which == "moe")
-            model_check(which, path, device, n)
+            model_check(which, path, device, n, (True,) if args.prefix_on_only else (True, False))
     print(f"\n{'check':<52} {'result':<6} detail")
     for name, detail, ok in rows:
         print(f"{name:<52} {'PASS' if ok else 'FAIL':<6} {detail}")
