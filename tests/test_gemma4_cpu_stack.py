@@ -66,3 +66,24 @@ def test_decode_steps_equal_the_layer_path_to_the_bit(q8_file, monkeypatch):
     off = run(q8_file)
     assert not taken
     assert on == off
+
+
+def test_gemma_ops_against_torch():
+    """The C GELU-tanh gate (strided halves and rows, as the fused gate/up and the per-layer input slices) is
+    torch's to float rounding; norm + residual is add_rms_norm's norm plus torch's sum, to the bit."""
+    import torch
+    import torch.nn.functional as F
+
+    from novainfer.kernels.cpu import ops
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 2 * 44, generator=g) * 3
+    got = ops.gelu_tanh_mul(x[:, :44], x[:, 44:])  # 44: the vector loop and its scalar tail
+    want = F.gelu(x[:, :44], approximate="tanh") * x[:, 44:]
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+    ple = torch.randn(5, 3, 44, generator=g)
+    assert torch.allclose(
+        ops.gelu_tanh_mul(x[:, :44], ple[:, 1]), F.gelu(x[:, :44], approximate="tanh") * ple[:, 1], 1e-5, 1e-6
+    )
+    h, w, res = torch.randn(5, 44, generator=g), torch.rand(44, generator=g) + 0.5, torch.randn(5, 44, generator=g)
+    assert torch.equal(ops.rms_norm_add(h, w, 1e-6, res), res + ops.add_rms_norm(h, None, w, 1e-6)[0])

@@ -34,13 +34,8 @@ class GeluAndMul(nn.Module):
     def __init__(self, approximate: str = "tanh"):
         super().__init__()
         self.approximate = approximate
-        self.fused_cpu = approximate == "tanh" and getattr(current_quant_config(), "fused_cpu_ops", False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_cpu and cpu_ops.usable(x):
-            d = x.shape[-1] // 2
-            x2 = x.reshape(-1, 2 * d)
-            return cpu_ops.gelu_tanh_mul(x2[:, :d], x2[:, d:]).view(*x.shape[:-1], d)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate) * up
 

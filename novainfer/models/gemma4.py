@@ -21,6 +21,7 @@ from torch import nn
 
 from novainfer.distributed import get_tp_group
 from novainfer.kernels.cpu import ops as cpu_ops
+from novainfer.layers.activation import GeluAndMul
 from novainfer.layers.attention import Attention
 from novainfer.layers.embedding import VocabParallelEmbedding
 from novainfer.layers.fused_moe import FusedMoE
@@ -34,6 +35,7 @@ from novainfer.layers.linear import (
     RowParallelLinear,
     _divide,
 )
+from novainfer.layers.quantization import current_quant_config
 from novainfer.layers.rotary import get_rope
 from novainfer.models.llama import LlamaMLP, sliding_window_of
 from novainfer.models.moe import MoeForCausalLM
@@ -87,6 +89,21 @@ class Gemma4RMSNorm(GemmaRMSNorm):
         ):
             return cpu_ops.rms_norm_add(x, self.weight, self.eps, residual)
         return residual + self(x)
+
+
+class Gemma4GeluAndMul(GeluAndMul):
+    """GELU-tanh gate of Gemma 4's MLPs: on the quantized CPU path the C op (the one the decode stack calls)."""
+
+    def __init__(self):
+        super().__init__("tanh")
+        self.fused_cpu = getattr(current_quant_config(), "fused_cpu_ops", False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_cpu and cpu_ops.usable(x):
+            d = x.shape[-1] // 2
+            x2 = x.reshape(-1, 2 * d)
+            return cpu_ops.gelu_tanh_mul(x2[:, :d], x2[:, d:]).view(*x.shape[:-1], d)
+        return super().forward(x)
 
 
 def check_supported(config: Any) -> None:
@@ -225,6 +242,8 @@ class Gemma4DecoderLayer(nn.Module):
         act = getattr(config, "hidden_activation", None) or config.hidden_act
         wide = 2 if config.use_double_wide_mlp and kv_source is not None else 1
         self.mlp = LlamaMLP(h, config.intermediate_size * wide, act)
+        if _GELU[act] == "tanh":
+            self.mlp.act_fn = Gemma4GeluAndMul()
         for name in (
             "input_layernorm",
             "post_attention_layernorm",
@@ -265,7 +284,8 @@ class Gemma4DecoderLayer(nn.Module):
         hidden_states = self.post_feedforward_layernorm.add_to(residual, out)
         if self.ple_size:
             gate = self.per_layer_input_gate(hidden_states)
-            if self.mlp.act_fn.fused_cpu and cpu_ops.usable(gate) and cpu_ops.usable(per_layer_input):
+            fused = getattr(self.mlp.act_fn, "fused_cpu", False)  # the C op of the MLP's gate
+            if fused and cpu_ops.usable(gate) and cpu_ops.usable(per_layer_input):
                 gate = cpu_ops.gelu_tanh_mul(gate, per_layer_input)
             else:
                 gate = F.gelu(gate, approximate=self.gelu) * per_layer_input

@@ -16,12 +16,12 @@ import weakref
 import torch
 from torch import nn
 
-from novainfer.attention import cpu_backend
 from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
 from novainfer.kernels.cpu.decoder_stack import qlinear_desc
 from novainfer.kernels.cpu.gemma4_stack import Gemma4LayerDesc, Gemma4StackKernel
 from novainfer.layers.rotary import RotaryEmbedding
 from novainfer.models.gemma4 import Gemma4Model, Gemma4RMSNorm
+from novainfer.worker.cpu_decode_stack import c_attention_caches
 
 
 def _linears(layer: nn.Module) -> list[nn.Module]:
@@ -108,15 +108,8 @@ class CPUGemma4Stack:
         owners = self.owners
         if len(self.caches) == len(owners) and all(a.k_cache is c() for a, c in zip(owners, self.caches)):
             return True
-        for a in owners:
-            if (
-                a.backend is not cpu_backend
-                or a.k_cache.dtype != torch.bfloat16
-                or a.k_cache.dim() != 4
-                or not a.k_cache.is_contiguous()
-                or not a.v_cache.is_contiguous()
-            ):
-                return False
+        if not c_attention_caches(owners):
+            return False
         layers = (Gemma4LayerDesc * len(owners))()
         for desc, layer, owner in zip(layers, self.model.layers, owners):
             sa, mlp = layer.self_attn, layer.mlp

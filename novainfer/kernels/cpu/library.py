@@ -19,7 +19,7 @@ from novainfer.platform import CACHE_DIR, cpu_flags
 
 logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_HEADERS = ["cpu_pool.h", "cpu_kernels.h", "simd_cpu.h", "panel_cpu.h", "qgemm_jobs.h"]
+_HEADERS = ["cpu_pool.h", "cpu_kernels.h", "simd_cpu.h", "panel_cpu.h", "qgemm_jobs.h", "stack_cpu.h"]
 _SOURCES = [
     "qgemm_cpu.c",
     "qgemm_panel_cpu.c",

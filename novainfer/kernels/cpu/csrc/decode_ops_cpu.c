@@ -226,7 +226,8 @@ int store_kv_bf16(const float *k, int k_stride, const float *v, int v_stride, ui
 
 typedef struct { const float *x; int x_stride; const float *w; float eps; const float *res; float *out; int H; } norm_add_job;
 
-static void norm_add_rows(const void *arg, int r0, int r1) {
+/* no fused multiply-add: the norm rounds as add_rms_norm's before the sum (-O3 would contract them) */
+__attribute__((optimize("fp-contract=off"))) static void norm_add_rows(const void *arg, int r0, int r1) {
     const norm_add_job *j = arg;
     const int H = j->H;
     for (int m = r0; m < r1; m++) {

@@ -10,14 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_kernels.h"
-
-typedef struct {
-    const void *w;
-    const void *scales, *zeros;
-    const float *bias;
-    int q4, group, has_zeros, scale_f16, N, K;
-} qlinear;  /* decoder_stack_cpu.c's, field for field */
+#include "stack_cpu.h"
 
 /* The tables and slots of one KV group (a layout with sliding-window groups gives each group its own). */
 typedef struct {
@@ -36,21 +29,6 @@ typedef struct {
     const float *cos, *sin;                             /* rotary tables [max_pos, D] */
     int max_pos, nh, nkv, D, block_size, window, own_kv, k_eq_v, group, ple;
 } gemma4_layer;
-
-enum { STACK_OK = 0, STACK_NO_MEMORY = 1, STACK_BAD_POSITION = 2, STACK_BAD_KV = 2 };
-
-static int kv_error(int rc) { return rc == KV_NO_MEMORY ? STACK_NO_MEMORY : STACK_BAD_KV + rc; }
-
-static int linear(const qlinear *l, const float *x, int M, float *y, int nthreads) {
-    const int rc = l->q4 ? q4_gemm(x, M, l->K, l->w, l->scales, l->zeros, l->scale_f16, l->N, y, nthreads)
-                         : q8_gemm(x, M, l->K, l->w, l->group, l->scales, l->zeros, l->has_zeros, l->scale_f16, l->N,
-                                   y, nthreads);
-    if (rc) return STACK_NO_MEMORY;
-    if (l->bias)
-        for (int m = 0; m < M; m++)
-            for (int n = 0; n < l->N; n++) y[(size_t)m * l->N + n] += l->bias[n];
-    return STACK_OK;
-}
 
 /* Floats of workspace gemma4_stack_decode needs for M rows. */
 size_t gemma4_stack_workspace(const gemma4_layer *layers, int L, int M, int H) {
