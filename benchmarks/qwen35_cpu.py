@@ -1,9 +1,10 @@
 """A Qwen3.5-0.8B-shape GGUF, or with --shape gemma-4-e2b a Gemma-4-E2B-shape one (random weights; llama.cpp's
-converter, then its Q4_K_M quantizer: benchmarks/gguf_checkpoint.py) run by NovaInfer (LLM(path), defaults) and llama.cpp (llama-cpp-python), each in
-its own process with the same thread count: batch-1 greedy decode tok/s and the prefill time of a 512-token
-prompt, every timed run on a fresh prompt (no prefix cache helps either engine). Example:
+converter, then its Q4_K_M quantizer: benchmarks/gguf_checkpoint.py) run by NovaInfer (LLM(path), defaults) and
+llama.cpp (llama-cpp-python), each in its own process with the same thread count: batch-1 greedy decode tok/s and
+the prefill time of a 512-token prompt, every timed run on a fresh prompt (no prefix cache helps either engine).
+Example:
     python benchmarks/qwen35_cpu.py --threads 2 --json out.json
-    python benchmarks/qwen35_cpu.py --shape gemma-4-e2b --path /tmp/novainfer-bench/gemma-4-e2b-random-q4_k_m.gguf
+    python benchmarks/qwen35_cpu.py --shape gemma-4-e2b --threads 2 --repeat 2
 
 Decode tok/s is (n - 1) / (time for n new tokens - time for 1) on a --prompt-len prompt. The JSON's top level
 holds each engine's best (novainfer_prefill_ms, llamacpp_decode_tok_s, ...) for benchmarks/tree_ab.py --key. The file is written
@@ -22,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-DEFAULT_PATH = "/tmp/novainfer-bench/qwen3.5-0.8b-random-q4_k_m.gguf"
+DEFAULT_PATH = "/tmp/novainfer-bench/{shape}-random-q4_k_m.gguf"  # by --shape, unless --path names one
 
 
 def make_file(path: str, shape: str) -> None:
@@ -98,7 +99,7 @@ def child(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--path", default=DEFAULT_PATH)
+    ap.add_argument("--path", default=None, help=f"the file (default {DEFAULT_PATH})")
     ap.add_argument(
         "--shape",
         default="qwen3.5-0.8b",
@@ -115,6 +116,7 @@ def main() -> None:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.path = args.path or DEFAULT_PATH.format(shape=args.shape)
     if args.child:
         with open(args.result, "w") as f:
             json.dump(child(args), f)
