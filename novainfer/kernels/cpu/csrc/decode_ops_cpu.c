@@ -35,6 +35,23 @@ static void run_rows(rows_fn fn, const void *ctx, int M, size_t elements, int nt
     pool_run(rows_chunk, &j, nchunks, nthreads);
 }
 
+/* The sum of h[0..H)^2 in double (two lanes of four, then a fixed tree: every norm rounds the same way). */
+static inline double sum_squares(const float *h, int H) {
+    __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+    int k = 0;
+    for (; k + 8 <= H; k += 8) {
+        const __m256 v = _mm256_loadu_ps(h + k);
+        const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+        s0 = _mm256_fmadd_pd(lo, lo, s0);
+        s1 = _mm256_fmadd_pd(hi, hi, s1);
+    }
+    double lanes[4];
+    _mm256_storeu_pd(lanes, _mm256_add_pd(s0, s1));
+    double ss = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    for (; k < H; k++) ss += (double)h[k] * h[k];
+    return ss;
+}
+
 typedef struct { const float *x, *res; float *res_out; const float *w; float eps; float *out; int H; } norm_job;
 
 static void norm_rows(const void *arg, int r0, int r1) {
@@ -43,26 +60,12 @@ static void norm_rows(const void *arg, int r0, int r1) {
     for (int m = r0; m < r1; m++) {
         const float *xr = j->x + (size_t)m * H, *rr = j->res ? j->res + (size_t)m * H : NULL;
         float *h = j->res ? j->res_out + (size_t)m * H : (float *)xr;
-        __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
         int k = 0;
-        for (; k + 8 <= H; k += 8) {
-            __m256 v = _mm256_loadu_ps(xr + k);
-            if (rr) {
-                v = _mm256_add_ps(v, _mm256_loadu_ps(rr + k));
-                _mm256_storeu_ps(h + k, v);
-            }
-            const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-            s0 = _mm256_fmadd_pd(lo, lo, s0);
-            s1 = _mm256_fmadd_pd(hi, hi, s1);
+        if (rr) {
+            for (; k + 8 <= H; k += 8) _mm256_storeu_ps(h + k, _mm256_add_ps(_mm256_loadu_ps(xr + k), _mm256_loadu_ps(rr + k)));
+            for (; k < H; k++) h[k] = xr[k] + rr[k];
         }
-        double lanes[4];
-        _mm256_storeu_pd(lanes, _mm256_add_pd(s0, s1));
-        double ss = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-        for (; k < H; k++) {
-            const float v = rr ? xr[k] + rr[k] : xr[k];
-            if (rr) h[k] = v;
-            ss += (double)v * v;
-        }
+        const double ss = sum_squares(h, H);
         const float r = 1.0f / sqrtf((float)(ss / H) + j->eps);
         const __m256 rv = _mm256_set1_ps(r);
         float *o = j->out + (size_t)m * H;
@@ -233,18 +236,8 @@ __attribute__((optimize("fp-contract=off"))) static void norm_add_rows(const voi
     for (int m = r0; m < r1; m++) {
         const float *xr = j->x + (size_t)m * j->x_stride, *rr = j->res + (size_t)m * H;
         float *o = j->out + (size_t)m * H;
-        __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
-        int k = 0;
-        for (; k + 8 <= H; k += 8) {
-            const __m256 v = _mm256_loadu_ps(xr + k);
-            const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-            s0 = _mm256_fmadd_pd(lo, lo, s0);
-            s1 = _mm256_fmadd_pd(hi, hi, s1);
-        }
-        double lanes[4];
-        _mm256_storeu_pd(lanes, _mm256_add_pd(s0, s1));
-        double ss = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-        for (; k < H; k++) ss += (double)xr[k] * xr[k];
+        const double ss = sum_squares(xr, H);
+        int k;
         const float r = 1.0f / sqrtf((float)(ss / H) + j->eps);
         const __m256 rv = _mm256_set1_ps(r);
         for (k = 0; k + 8 <= H; k += 8) {
