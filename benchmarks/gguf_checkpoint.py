@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
@@ -447,3 +448,103 @@ def write_qwen35_hf(path: str, shape: Qwen35Shape, seed: int = 0, dtype: str = "
     tokenizer.save_pretrained(path)
     transformers.GenerationConfig(eos_token_id=[eos, pad]).save_pretrained(path)
     return path
+
+
+def gemma4_e2b_config() -> Any:
+    """Gemma-4-E2B's text config: benchmarks/kv_capacity.py's attention layout at the published hidden (1536), MLP
+    (6144, double-wide on the 20 KV-shared layers), vocabulary (262,144), per-layer input (256 per layer over the
+    whole vocabulary) and logit soft-cap (30) sizes, embeddings tied."""
+    import transformers
+
+    from benchmarks.kv_capacity import gemma4_e2b
+
+    full = dict(
+        hidden_size=1536,
+        intermediate_size=6144,
+        vocab_size=262144,
+        hidden_size_per_layer_input=256,
+        vocab_size_per_layer_input=262144,
+        use_double_wide_mlp=True,
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+    )
+    return transformers.Gemma4TextConfig(**{**gemma4_e2b().to_dict(), **full})
+
+
+GEMMA4_CONFIGS = {"gemma-4-e2b": gemma4_e2b_config}
+
+
+def write_gemma4_hf(path: str, config: Any, seed: int = 0, shard_bytes: int = 2 << 30) -> str:
+    """A random float16 Gemma4ForCausalLM checkpoint written tensor by tensor (the model is never built: its
+    parameter names and shapes come from a meta-device copy), with the tests' byte-level BPE tokenizer; float16,
+    which llama.cpp's converter writes as it is (a bfloat16 tensor passes through float32 there, twice its size).
+    Matrices have std 1/sqrt(input size), the embeddings 0.02, norms and layer scalars lie near one."""
+    import json
+
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from tests.tiny_models import make_tokenizer
+
+    tokenizer = make_tokenizer(400)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config.eos_token_id, config.pad_token_id, config.bos_token_id = eos, tokenizer.pad_token_id, None
+    config.architectures = ["Gemma4ForCausalLM"]
+    with torch.device("meta"):
+        shapes = {n: tuple(t.shape) for n, t in transformers.Gemma4ForCausalLM(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    os.makedirs(path, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    shard: dict[str, torch.Tensor] = {}
+    index: dict[str, str] = {}
+    files = 0
+
+    def flush() -> None:
+        nonlocal files
+        if shard:
+            files += 1
+            name = f"model-{files:05d}.safetensors"
+            save_file(shard, os.path.join(path, name), metadata={"format": "pt"})
+            index.update(dict.fromkeys(shard, name))
+            shard.clear()
+
+    for name, shape in shapes.items():
+        t = torch.empty(shape, dtype=torch.float16)
+        if name.endswith("layer_scalar"):
+            t.uniform_(0.5, 1.5, generator=g)
+        elif len(shape) == 1:
+            t.uniform_(0.8, 1.2, generator=g)
+        else:
+            std = 0.02 if "embed_tokens" in name else shape[1] ** -0.5
+            for r in range(0, shape[0], 16384):  # in row chunks: no float32 copy of the 4.7 GB per-layer table
+                t[r : r + 16384].normal_(0.0, std, generator=g)
+        if shard and sum(x.nbytes for x in shard.values()) + t.nbytes > shard_bytes:
+            flush()
+        shard[name] = t
+    flush()
+    total = sum(int(torch.tensor(s).prod()) * 2 for s in shapes.values())
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": index}, f)
+    config.dtype = "float16"
+    config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    pad_tokenizer_json(os.path.join(path, "tokenizer.json"), config.vocab_size)
+    transformers.GenerationConfig(eos_token_id=[eos]).save_pretrained(path)
+    return path
+
+
+def pad_tokenizer_json(path: str, vocab: int) -> None:
+    """Pad a BPE tokenizer.json's vocabulary with "[PAD<i>]" tokens to `vocab` entries counting its added tokens:
+    Gemma's converter cuts token_embd to the tokenizer's size (its out-of-vocabulary rows), which would leave the
+    random checkpoint's LM head a few hundred rows wide."""
+    import json
+
+    with open(path) as f:
+        tok = json.load(f)
+    table = tok["model"]["vocab"]
+    want = vocab - len(tok["added_tokens"])
+    table.update({f"[PAD{i}]": i for i in range(len(table), want)})
+    with open(path, "w") as f:
+        json.dump(tok, f, ensure_ascii=False)

@@ -1,8 +1,10 @@
-"""A Qwen3.5-0.8B-shape GGUF (random weights; llama.cpp's converter, then its Q4_K_M quantizer:
-benchmarks/gguf_checkpoint.py) run by NovaInfer (LLM(path), defaults) and llama.cpp (llama-cpp-python), each in
-its own process with the same thread count: batch-1 greedy decode tok/s and the prefill time of a 512-token
-prompt, every timed run on a fresh prompt (no prefix cache helps either engine). Example:
+"""A Qwen3.5-0.8B-shape GGUF, or with --shape gemma-4-e2b a Gemma-4-E2B-shape one (random weights; llama.cpp's
+converter, then its Q4_K_M quantizer: benchmarks/gguf_checkpoint.py) run by NovaInfer (LLM(path), defaults) and
+llama.cpp (llama-cpp-python), each in its own process with the same thread count: batch-1 greedy decode tok/s and
+the prefill time of a 512-token prompt, every timed run on a fresh prompt (no prefix cache helps either engine).
+Example:
     python benchmarks/qwen35_cpu.py --threads 2 --json out.json
+    python benchmarks/qwen35_cpu.py --shape gemma-4-e2b --threads 2 --repeat 2
 
 Decode tok/s is (n - 1) / (time for n new tokens - time for 1) on a --prompt-len prompt. The JSON's top level
 holds each engine's best (novainfer_prefill_ms, llamacpp_decode_tok_s, ...) for benchmarks/tree_ab.py --key. The file is written
@@ -21,18 +23,29 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-DEFAULT_PATH = "/tmp/novainfer-bench/qwen3.5-0.8b-random-q4_k_m.gguf"
+DEFAULT_PATH = "/tmp/novainfer-bench/{shape}-random-q4_k_m.gguf"  # by --shape, unless --path names one
 
 
 def make_file(path: str, shape: str) -> None:
     """HF checkpoint (bfloat16) -> llama.cpp f16 GGUF -> Q4_K_M, the intermediate files removed."""
-    from benchmarks.gguf_checkpoint import QWEN35_SHAPES, convert_hf_to_gguf, llama_quantize, write_qwen35_hf
+    from benchmarks.gguf_checkpoint import (
+        GEMMA4_CONFIGS,
+        QWEN35_SHAPES,
+        convert_hf_to_gguf,
+        llama_quantize,
+        write_gemma4_hf,
+        write_qwen35_hf,
+    )
 
     work = path + ".work"
     os.makedirs(work, exist_ok=True)
     try:
-        hf = write_qwen35_hf(os.path.join(work, "hf"), QWEN35_SHAPES[shape], dtype="bfloat16")
-        f16 = convert_hf_to_gguf(hf, os.path.join(work, "f16.gguf"), "f16")
+        if shape in GEMMA4_CONFIGS:
+            hf = write_gemma4_hf(os.path.join(work, "hf"), GEMMA4_CONFIGS[shape]())
+        else:
+            hf = write_qwen35_hf(os.path.join(work, "hf"), QWEN35_SHAPES[shape], dtype="bfloat16")
+        f16 = convert_hf_to_gguf(hf, os.path.join(work, "f16.gguf"), "f16", no_mtp=shape not in GEMMA4_CONFIGS)
+        shutil.rmtree(hf)  # the float16 GGUF holds it all; a 10 GB folder less on the disk while quantizing
         llama_quantize(f16, path + ".part", "Q4_K_M", threads=os.cpu_count() or 2)
         os.replace(path + ".part", path)
     finally:
@@ -86,8 +99,12 @@ def child(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--path", default=DEFAULT_PATH)
-    ap.add_argument("--shape", default="qwen3.5-0.8b", help="a shape of benchmarks/gguf_checkpoint.py's QWEN35_SHAPES")
+    ap.add_argument("--path", default=None, help=f"the file (default {DEFAULT_PATH})")
+    ap.add_argument(
+        "--shape",
+        default="qwen3.5-0.8b",
+        help="a shape of benchmarks/gguf_checkpoint.py's QWEN35_SHAPES or GEMMA4_CONFIGS (gemma-4-e2b)",
+    )
     ap.add_argument("--engines", default="novainfer,llamacpp")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=16)
@@ -99,6 +116,7 @@ def main() -> None:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.path = args.path or DEFAULT_PATH.format(shape=args.shape)
     if args.child:
         with open(args.result, "w") as f:
             json.dump(child(args), f)

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from novainfer.distributed import get_tp_group
+from novainfer.kernels.cpu import ops as cpu_ops
+from novainfer.layers.activation import GeluAndMul
 from novainfer.layers.attention import Attention
 from novainfer.layers.embedding import VocabParallelEmbedding
 from novainfer.layers.fused_moe import FusedMoE
@@ -33,6 +35,7 @@ from novainfer.layers.linear import (
     RowParallelLinear,
     _divide,
 )
+from novainfer.layers.quantization import current_quant_config
 from novainfer.layers.rotary import get_rope
 from novainfer.models.llama import LlamaMLP, sliding_window_of
 from novainfer.models.moe import MoeForCausalLM
@@ -54,6 +57,8 @@ class Gemma4RMSNorm(GemmaRMSNorm):
         else:
             del self.weight
             self.register_parameter("weight", None)
+            if self.fused_cpu:  # the C op's weight: times one is exact
+                self.register_buffer("ones", torch.ones(hidden_size), persistent=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -61,14 +66,44 @@ class Gemma4RMSNorm(GemmaRMSNorm):
         return (xf if self.weight is None else xf * self.weight.float()).to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Gemma's forward, but on the quantized CPU path RMSNorm's C op with the weight as stored (not 1 + w);
-        the weightless v norm always in torch."""
+        """Gemma's forward, but on the quantized CPU path RMSNorm's C op with the weight as stored (not 1 + w), or
+        for the weightless v norm a weight of ones."""
         if self.fused_cpu and self.weight is not None:
             return RMSNorm.forward(self, x, residual)
+        if self.fused_cpu and residual is None and cpu_ops.usable(x):
+            return cpu_ops.add_rms_norm(x, None, self.ones, self.eps)[0]
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def add_to(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """residual + self(x): on the quantized CPU path one C pass (the same bits)."""
+        w = self.weight
+        if (
+            self.fused_cpu
+            and w is not None
+            and w.dtype == torch.float32
+            and cpu_ops.usable(x)
+            and cpu_ops.usable(residual)
+        ):
+            return cpu_ops.rms_norm_add(x, self.weight, self.eps, residual)
+        return residual + self(x)
+
+
+class Gemma4GeluAndMul(GeluAndMul):
+    """GELU-tanh gate of Gemma 4's MLPs: on the quantized CPU path the C op (the one the decode stack calls)."""
+
+    def __init__(self):
+        super().__init__("tanh")
+        self.fused_cpu = getattr(current_quant_config(), "fused_cpu_ops", False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_cpu and cpu_ops.usable(x):
+            d = x.shape[-1] // 2
+            x2 = x.reshape(-1, 2 * d)
+            return cpu_ops.gelu_tanh_mul(x2[:, :d], x2[:, d:]).view(*x.shape[:-1], d)
+        return super().forward(x)
 
 
 def check_supported(config: Any) -> None:
@@ -117,6 +152,7 @@ class QKParallelLinear(MergedColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim], bias)
+        self.shard_order = ["q", "k"]  # (the parent sets its own, by index: a quantized q/k would never be merged)
         self.num_heads = _divide(num_heads, self.tp_size, "num_attention_heads")
         self.num_kv_heads = _divide(num_kv_heads, self.tp_size, "num_key_value_heads")
 
@@ -206,6 +242,8 @@ class Gemma4DecoderLayer(nn.Module):
         act = getattr(config, "hidden_activation", None) or config.hidden_act
         wide = 2 if config.use_double_wide_mlp and kv_source is not None else 1
         self.mlp = LlamaMLP(h, config.intermediate_size * wide, act)
+        if _GELU[act] == "tanh":
+            self.mlp.act_fn = Gemma4GeluAndMul()
         for name in (
             "input_layernorm",
             "post_attention_layernorm",
@@ -235,7 +273,7 @@ class Gemma4DecoderLayer(nn.Module):
         self, positions: torch.Tensor, hidden_states: torch.Tensor, per_layer_input: torch.Tensor | None
     ) -> torch.Tensor:
         attn = self.self_attn(positions, self.input_layernorm(hidden_states))
-        residual = hidden_states + self.post_attention_layernorm(attn)
+        residual = self.post_attention_layernorm.add_to(hidden_states, attn)
         out = self.mlp(self.pre_feedforward_layernorm(residual))
         if self.moe:
             weights, ids = self.router(residual)
@@ -243,10 +281,15 @@ class Gemma4DecoderLayer(nn.Module):
             if self.tp_group.size > 1:
                 routed = self.tp_group.all_reduce(routed)
             out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(routed)
-        hidden_states = residual + self.post_feedforward_layernorm(out)
+        hidden_states = self.post_feedforward_layernorm.add_to(residual, out)
         if self.ple_size:
-            gate = F.gelu(self.per_layer_input_gate(hidden_states), approximate=self.gelu) * per_layer_input
-            hidden_states = hidden_states + self.post_per_layer_input_norm(self.per_layer_projection(gate))
+            gate = self.per_layer_input_gate(hidden_states)
+            fused = getattr(self.mlp.act_fn, "fused_cpu", False)  # the C op of the MLP's gate
+            if fused and cpu_ops.usable(gate) and cpu_ops.usable(per_layer_input):
+                gate = cpu_ops.gelu_tanh_mul(gate, per_layer_input)
+            else:
+                gate = F.gelu(gate, approximate=self.gelu) * per_layer_input
+            hidden_states = self.post_per_layer_input_norm.add_to(hidden_states, self.per_layer_projection(gate))
         return hidden_states * self.layer_scalar
 
 

@@ -109,15 +109,8 @@ class CPUDecodeStack:
         attns = self.attns
         if len(self.caches) == len(attns) and all(a.k_cache is c() for a, c in zip(attns, self.caches)):
             return True
-        for a in attns:
-            if (
-                a.backend is not cpu_backend
-                or a.k_cache.dtype != torch.bfloat16
-                or a.k_cache.dim() != 4
-                or not a.k_cache.is_contiguous()
-                or not a.v_cache.is_contiguous()
-            ):
-                return False
+        if not c_attention_caches(attns):
+            return False
         layers = (DecoderLayerDesc * len(attns))()
         for desc, layer in zip(layers, self.model.layers):
             sa, mlp = layer.self_attn, layer.mlp
@@ -137,6 +130,19 @@ class CPUDecodeStack:
         self.caches = tuple(weakref.ref(a.k_cache) for a in attns)
         self.kernel = DecoderStackKernel(layers, min(min(a.k_cache.shape[0], a.v_cache.shape[0]) for a in attns))
         return True
+
+
+def c_attention_caches(attns: list) -> bool:
+    """Whether every Attention layer's cache is the contiguous bf16 [blocks, block_size, kv_heads, D] cache of the
+    CPU backend, which the C attention reads."""
+    return all(
+        a.backend is cpu_backend
+        and a.k_cache.dtype == torch.bfloat16
+        and a.k_cache.dim() == 4
+        and a.k_cache.is_contiguous()
+        and a.v_cache.is_contiguous()
+        for a in attns
+    )
 
 
 def _qlinear(layer: nn.Module):

@@ -1,5 +1,6 @@
 """A decode step's hidden states through a whole-stack fast path with the model's results, where one applies: the
-CPU C stack (cpu_decode_stack.py) or the GPU fused stack (gpu_decode_stack.py); else the model's forward."""
+CPU C stack (cpu_decode_stack.py; cpu_gemma4_stack.py for Gemma 4) or the GPU fused stack (gpu_decode_stack.py);
+else the model's forward."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 
 from novainfer.attention import cpu_backend, torch_backend
 from novainfer.models.llama import LlamaModel
-from novainfer.worker import cpu_decode_stack
+from novainfer.worker import cpu_decode_stack, cpu_gemma4_stack
 
 
 class DecodeStrategy(Protocol):
@@ -26,6 +27,8 @@ def select_decode_strategy(
     """The fast path that applies to model (a ...ForCausalLM whose .model is a LlamaModel) over attn_backend's
     KV cache, or None; graphs_only: the GPU stack only inside CUDA graphs (see GPUDecodeStack)."""
     inner = getattr(model, "model", None)
+    if attn_backend is cpu_backend and cpu_gemma4_stack.supports(inner):
+        return cpu_gemma4_stack.CPUGemma4Stack(inner)
     if not isinstance(inner, LlamaModel) or attn_backend is torch_backend:
         return None
     if attn_backend is cpu_backend:

@@ -169,12 +169,13 @@ class ModelRunner:
             self.attn_backend,
             self.kv_layout,
         )
-        # the whole-stack paths read one block table (not a cache of several KV groups), and batch-invariant mode
-        # takes no batch-1 GEMV stack (its sums differ from the GEMM's a batch takes)
+        # the whole-stack paths read one block table (not a cache of several KV groups) unless they say they read
+        # the groups' (kv_groups), and batch-invariant mode takes no batch-1 GEMV stack (its sums differ from the
+        # GEMM's a batch takes)
         several = self.kv_layout is not None and len(self.kv_layout.groups) > 1
         invariant_gpu = self.config.batch_invariant and self.device.type == "cuda"
-        skip = several or invariant_gpu
-        self.decode_strategy = None if skip else select_decode_strategy(self.model, self.attn_backend)
+        strategy = None if invariant_gpu else select_decode_strategy(self.model, self.attn_backend)
+        self.decode_strategy = None if several and not getattr(strategy, "kv_groups", False) else strategy
         if self.drafter is not None:
             self.drafter.allocate_kv_cache(num_blocks, self.attn_backend)
         if self.state_cache is not None:  # allocated once: on CUDA the profile run's measure includes it

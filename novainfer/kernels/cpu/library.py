@@ -19,7 +19,7 @@ from novainfer.platform import CACHE_DIR, cpu_flags
 
 logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_HEADERS = ["cpu_pool.h", "cpu_kernels.h", "simd_cpu.h", "panel_cpu.h", "qgemm_jobs.h"]
+_HEADERS = ["cpu_pool.h", "cpu_kernels.h", "simd_cpu.h", "panel_cpu.h", "qgemm_jobs.h", "stack_cpu.h"]
 _SOURCES = [
     "qgemm_cpu.c",
     "qgemm_panel_cpu.c",
@@ -31,6 +31,7 @@ _SOURCES = [
     "prefill_attention_cpu.c",
     "cpu_pool.c",
     "decoder_stack_cpu.c",
+    "gemma4_stack_cpu.c",
     "repack_panels_cpu.c",
     "gated_delta_cpu.c",
     "gated_delta_prefill_cpu.c",
@@ -98,6 +99,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.repack_panels.restype = None
     lib.add_rms_norm.argtypes = [_P, _P, _P, _P, _F, _P, _I, _I, _I]
     lib.silu_and_mul.argtypes = [_P, _P, _I, _I, _I]
+    lib.rms_norm_add.argtypes = [_P, _I, _P, _F, _P, _P, _I, _I, _I]
+    lib.rms_norm_add.restype = None
+    lib.gelu_tanh_mul.argtypes = [_P, _I, _P, _I, _P, _I, _I, _I]
+    lib.gelu_tanh_mul.restype = None
     lib.rotary_neox.argtypes = [_P, _I, _I, _P, _I, _I, _P, _I, _P, _P, _I, _I, _I]
     # the last two of the KV ops: the cache's size and where an index is bad (bounds checks)
     lib.store_kv_bf16.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, ctypes.c_int64, _P]
@@ -151,6 +156,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decoder_stack_workspace.argtypes = [_P, _I, _I, _I]
     lib.decoder_stack_workspace.restype = ctypes.c_size_t
     lib.decoder_stack_decode.argtypes = [_P, _I, _P, _F, _P, _P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _P]
+    lib.gemma4_stack_workspace.argtypes = [_P, _I, _I, _I]
+    lib.gemma4_stack_workspace.restype = ctypes.c_size_t
+    lib.gemma4_stack_decode.argtypes = [_P, _I, _P, _F, _P, _P, _P, _I, _I, _P, _P, _P, _I, _P]
     return lib
 
 

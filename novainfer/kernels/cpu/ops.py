@@ -56,6 +56,41 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def rms_norm_add(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor) -> torch.Tensor:
+    """residual + add_rms_norm(x) over the last dim (Gemma's post-norm then residual add, one pass): the norm's
+    bits are add_rms_norm's, the sum torch's."""
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    residual = residual.contiguous()
+    out = torch.empty_like(residual)
+    library().rms_norm_add(
+        x2.data_ptr(),
+        x2.stride(0),
+        weight.data_ptr(),
+        eps,
+        residual.data_ptr(),
+        out.data_ptr(),
+        x2.shape[0],
+        h,
+        num_threads(),
+    )
+    return out
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up for [M, D] rows (each may be a strided view, e.g. the halves of a fused gate/up)."""
+    if gate.stride(-1) != 1 or up.stride(-1) != 1:
+        gate, up = gate.contiguous(), up.contiguous()
+    m, d = gate.shape
+    out = torch.empty(m, d, dtype=torch.float32)
+    library().gelu_tanh_mul(
+        gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(), m, d, num_threads()
+    )
+    return out
+
+
 def rotary_neox_(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> None:

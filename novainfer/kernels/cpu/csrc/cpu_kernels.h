@@ -28,6 +28,10 @@ int q8_gemm_panel(const float *x, int M, int K, const int8_t *w, int G, const vo
 void add_rms_norm(const float *x, const float *res, float *res_out, const float *w, float eps, float *out, int M,
                   int H, int nthreads);
 void silu_and_mul(const float *x, float *out, int M, int D, int nthreads);
+void rms_norm_add(const float *x, int x_stride, const float *w, float eps, const float *res, float *out, int M, int H,
+                  int nthreads);
+void gelu_tanh_mul(const float *g, int g_stride, const float *u, int u_stride, float *out, int M, int D,
+                   int nthreads);
 int rotary_neox(float *q, int q_stride, int nq, float *k, int k_stride, int nk, const int64_t *pos, int T,
                 const float *cos_t, const float *sin_t, int max_pos, int D, int nthreads);
 /* The KV ops (and prefill_attention_bf16 of prefill_attention_cpu.c) check a step's indices before touching

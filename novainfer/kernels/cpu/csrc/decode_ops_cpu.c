@@ -35,6 +35,23 @@ static void run_rows(rows_fn fn, const void *ctx, int M, size_t elements, int nt
     pool_run(rows_chunk, &j, nchunks, nthreads);
 }
 
+/* The sum of h[0..H)^2 in double (two lanes of four, then a fixed tree: every norm rounds the same way). */
+static inline double sum_squares(const float *h, int H) {
+    __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
+    int k = 0;
+    for (; k + 8 <= H; k += 8) {
+        const __m256 v = _mm256_loadu_ps(h + k);
+        const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+        s0 = _mm256_fmadd_pd(lo, lo, s0);
+        s1 = _mm256_fmadd_pd(hi, hi, s1);
+    }
+    double lanes[4];
+    _mm256_storeu_pd(lanes, _mm256_add_pd(s0, s1));
+    double ss = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    for (; k < H; k++) ss += (double)h[k] * h[k];
+    return ss;
+}
+
 typedef struct { const float *x, *res; float *res_out; const float *w; float eps; float *out; int H; } norm_job;
 
 static void norm_rows(const void *arg, int r0, int r1) {
@@ -43,26 +60,12 @@ static void norm_rows(const void *arg, int r0, int r1) {
     for (int m = r0; m < r1; m++) {
         const float *xr = j->x + (size_t)m * H, *rr = j->res ? j->res + (size_t)m * H : NULL;
         float *h = j->res ? j->res_out + (size_t)m * H : (float *)xr;
-        __m256d s0 = _mm256_setzero_pd(), s1 = _mm256_setzero_pd();
         int k = 0;
-        for (; k + 8 <= H; k += 8) {
-            __m256 v = _mm256_loadu_ps(xr + k);
-            if (rr) {
-                v = _mm256_add_ps(v, _mm256_loadu_ps(rr + k));
-                _mm256_storeu_ps(h + k, v);
-            }
-            const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-            s0 = _mm256_fmadd_pd(lo, lo, s0);
-            s1 = _mm256_fmadd_pd(hi, hi, s1);
+        if (rr) {
+            for (; k + 8 <= H; k += 8) _mm256_storeu_ps(h + k, _mm256_add_ps(_mm256_loadu_ps(xr + k), _mm256_loadu_ps(rr + k)));
+            for (; k < H; k++) h[k] = xr[k] + rr[k];
         }
-        double lanes[4];
-        _mm256_storeu_pd(lanes, _mm256_add_pd(s0, s1));
-        double ss = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
-        for (; k < H; k++) {
-            const float v = rr ? xr[k] + rr[k] : xr[k];
-            if (rr) h[k] = v;
-            ss += (double)v * v;
-        }
+        const double ss = sum_squares(h, H);
         const float r = 1.0f / sqrtf((float)(ss / H) + j->eps);
         const __m256 rv = _mm256_set1_ps(r);
         float *o = j->out + (size_t)m * H;
@@ -220,4 +223,67 @@ int store_kv_bf16(const float *k, int k_stride, const float *v, int v_stride, ui
     const store_job j = {k, k_stride, v, v_stride, k_cache, v_cache, slots, width};
     run_rows(store_rows, &j, T, (size_t)T * width, nthreads);
     return KV_OK;
+}
+
+/* ---- Gemma's ops (Gemma 4: norms after each block, a GELU-gated MLP and per-layer-input gate) ---- */
+
+typedef struct { const float *x; int x_stride; const float *w; float eps; const float *res; float *out; int H; } norm_add_job;
+
+/* no fused multiply-add: the norm rounds as add_rms_norm's before the sum (-O3 would contract them) */
+__attribute__((optimize("fp-contract=off"))) static void norm_add_rows(const void *arg, int r0, int r1) {
+    const norm_add_job *j = arg;
+    const int H = j->H;
+    for (int m = r0; m < r1; m++) {
+        const float *xr = j->x + (size_t)m * j->x_stride, *rr = j->res + (size_t)m * H;
+        float *o = j->out + (size_t)m * H;
+        const double ss = sum_squares(xr, H);
+        int k;
+        const float r = 1.0f / sqrtf((float)(ss / H) + j->eps);
+        const __m256 rv = _mm256_set1_ps(r);
+        for (k = 0; k + 8 <= H; k += 8) {
+            const __m256 n = _mm256_mul_ps(_mm256_loadu_ps(j->w + k), _mm256_mul_ps(_mm256_loadu_ps(xr + k), rv));
+            _mm256_storeu_ps(o + k, _mm256_add_ps(_mm256_loadu_ps(rr + k), n));
+        }
+        for (; k < H; k++) o[k] = rr[k] + j->w[k] * (xr[k] * r);
+    }
+}
+
+/* out = res + add_rms_norm(x) (the norm as add_rms_norm computes it, then one float add): Gemma's residual after a
+ * post-norm. x rows x_stride floats apart; res and out [M, H] (out may be res). */
+void rms_norm_add(const float *x, int x_stride, const float *w, float eps, const float *res, float *out, int M, int H,
+                  int nthreads) {
+    const norm_add_job j = {x, x_stride, w, eps, res, out, H};
+    run_rows(norm_add_rows, &j, M, (size_t)M * H, nthreads);
+}
+
+typedef struct { const float *g; int g_stride; const float *u; int u_stride; float *out; int D; } gelu_job;
+
+static void gelu_rows(const void *arg, int r0, int r1) {
+    const gelu_job *j = arg;
+    const int D = j->D;
+    /* gelu_tanh(g) = 0.5 g (1 + tanh(c (g + a g^3))) = g / (1 + exp(-2c (g + a g^3))) */
+    const __m256 one = _mm256_set1_ps(1.0f), a = _mm256_set1_ps(0.044715f), c2 = _mm256_set1_ps(-1.5957691216057308f);
+    for (int m = r0; m < r1; m++) {
+        const float *g = j->g + (size_t)m * j->g_stride, *u = j->u + (size_t)m * j->u_stride;
+        float *o = j->out + (size_t)m * D;
+        int k = 0;
+        for (; k + 8 <= D; k += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + k);
+            const __m256 inner = _mm256_mul_ps(gv, _mm256_fmadd_ps(_mm256_mul_ps(a, gv), gv, one));
+            const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_mul_ps(c2, inner))));
+            _mm256_storeu_ps(o + k, _mm256_mul_ps(s, _mm256_loadu_ps(u + k)));
+        }
+        for (; k < D; k++) {
+            const float inner = g[k] * (0.044715f * g[k] * g[k] + 1.0f);
+            o[k] = g[k] / (1.0f + expf(fminf(fmaxf(-1.5957691216057308f * inner, -87.0f), 88.0f))) * u[k];
+        }
+    }
+}
+
+/* out[m, :] = gelu_tanh(g[m, :D]) * u[m, :D]; g and u rows g_stride / u_stride floats apart (x [M, 2D] of a fused
+ * gate/up projection: g = x, u = x + D, both strides 2D). */
+void gelu_tanh_mul(const float *g, int g_stride, const float *u, int u_stride, float *out, int M, int D,
+                   int nthreads) {
+    const gelu_job j = {g, g_stride, u, u_stride, out, D};
+    run_rows(gelu_rows, &j, M, (size_t)M * D, nthreads);
 }

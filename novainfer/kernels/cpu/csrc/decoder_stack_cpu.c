@@ -8,15 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "cpu_kernels.h"
-
-/* One quantized linear layer (a PackedWeight): y[M, N] = x[M, K] W^T (+ bias). */
-typedef struct {
-    const void *w;
-    const void *scales, *zeros;  /* float16 when scale_f16, else float32; zeros: NULL when has_zeros is 0 */
-    const float *bias;           /* may be NULL */
-    int q4, group, has_zeros, scale_f16, N, K;
-} qlinear;
+#include "stack_cpu.h"
 
 /* Everything one decoder layer reads; the layout matches DecoderLayerDesc in kernels/cpu/decoder_stack.py. */
 typedef struct {
@@ -28,22 +20,6 @@ typedef struct {
     int max_pos, nh, nkv, D, block_size, window;
     float scale, soft_cap;
 } decoder_layer;
-
-/* Error codes (the wrapper turns them into exceptions); a bad KV index is STACK_BAD_KV + its KV_BAD_* code. */
-enum { STACK_OK = 0, STACK_NO_MEMORY = 1, STACK_BAD_POSITION = 2, STACK_BAD_KV = 2 };
-
-static int kv_error(int rc) { return rc == KV_NO_MEMORY ? STACK_NO_MEMORY : STACK_BAD_KV + rc; }
-
-static int linear(const qlinear *l, const float *x, int M, float *y, int nthreads) {
-    const int rc = l->q4 ? q4_gemm(x, M, l->K, l->w, l->scales, l->zeros, l->scale_f16, l->N, y, nthreads)
-                         : q8_gemm(x, M, l->K, l->w, l->group, l->scales, l->zeros, l->has_zeros, l->scale_f16, l->N,
-                                   y, nthreads);
-    if (rc) return STACK_NO_MEMORY;
-    if (l->bias)
-        for (int m = 0; m < M; m++)
-            for (int n = 0; n < l->N; n++) y[(size_t)m * l->N + n] += l->bias[n];
-    return STACK_OK;
-}
 
 /* Floats of workspace decoder_stack_decode needs for M rows (the wrapper allocates it once and reuses it). */
 size_t decoder_stack_workspace(const decoder_layer *layers, int L, int M, int H) {
