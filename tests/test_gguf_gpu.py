@@ -54,7 +54,8 @@ def test_layout_is_exact_and_kernels_equal_the_reference(qtype, monkeypatch):
     x = torch.randn(19, k, generator=g)
     for split in (1, 2):
         assert close(gguf_gemm(x, w, split=split), x, ref), split
-    assert torch.equal(gguf_gemm_module.gguf_dequantize(w, torch.float32), ref)  # the Triton kernel: the same products, bit for bit
+    # the Triton dequantize kernel: the same float32 products, bit for bit
+    assert torch.equal(gguf_gemm_module.gguf_dequantize(w, torch.float32), ref)
 
 
 def test_fused_layer_of_mixed_types_and_embedding_rows():
