@@ -253,3 +253,16 @@ def test_api_key_headers_and_error_shape(server):
         server.url + "/v1/chat/completions", headers={"x-api-key": KEY}, json={"model": MODEL, "messages": []}
     )
     assert r.status_code == 400 and "error" in r.json() and "type" not in r.json()  # OpenAI's shape there
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens", "/v1/responses"])
+def test_a_block_type_that_is_not_a_string_is_a_400(server, path):
+    """The fuzzer's find: a content block (or input item) whose `type` is a list made the union's tag lookup raise
+    (unhashable), a 500; it is a 400 naming the field."""
+    if path == "/v1/responses":
+        body = {"model": MODEL, "input": [{"type": [], "role": "user", "content": "Hi"}]}
+    else:
+        body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": []}]}]}
+    r = httpx.post(server.url + path, headers={"x-api-key": KEY, "Authorization": f"Bearer {KEY}"}, json=body)
+    assert r.status_code == 400, r.text
+    assert "type" in r.text

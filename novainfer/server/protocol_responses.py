@@ -18,7 +18,7 @@ def by_type(members: dict[str, Any], other: Any, missing: str | None = None) -> 
 
     def tag(value: Any) -> str:
         kind = value.get("type", missing) if isinstance(value, dict) else getattr(value, "type", missing)
-        return kind if kind in members else "other"
+        return kind if isinstance(kind, str) and kind in members else "other"  # a list or object: "other", a 400
 
     options = [Annotated[model, Tag(name)] for name, model in members.items()] + [Annotated[other, Tag("other")]]
     return Annotated[Union[tuple(options)], Discriminator(tag)]
