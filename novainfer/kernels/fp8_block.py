@@ -2,13 +2,13 @@
 
 The weight is float8_e4m3fn [N, K] with one float32 scale per [BN_S, BK_S] block (weight_scale_inv, [N/BN_S,
 K/BK_S]). fp8_block_linear picks by the number of rows of x:
-- up to WEIGHT_ONLY_MAX_M (16) rows, where reading the weight is the whole cost, the product is weight-only: x stays
-  bf16 and each weight byte is widened exactly in registers (no activation quantization, no extra kernel: 1 byte a
-  weight is all that moves). fp8_block_gemv (<= 4 rows): a program reads a few whole weight rows once for all rows
-  of x, sums over K in registers and stores (no split-K atomics); its rows share a scale block row, so the block
-  scale multiplies each block's partial sum. 5..16 rows: the GEMM's weight-only path (bf16 tl.dot);
+- up to GEMV_MAX_M rows (decode at batch 1, where reading the weight is the whole cost) the weight-only GEMV: x stays
+  bf16 and each weight byte is widened exactly in registers. fp8_block_gemv (<= GEMV_ROWS rows) reads a few whole
+  weight rows once for all rows of x, sums over K in registers and stores (no split-K atomics); its rows share a
+  scale block row, so the block scale multiplies each block's partial sum;
 - more rows: x quantized per token per BK_S-wide group (per_token_group_quant, scale amax/448), then the float8
-  GEMM, one K step a group, its tl.dot scaled by the row's and the block's scales and added in float32.
+  GEMM, one K step a group, its tl.dot scaled by the row's and the block's scales and added in float32
+  (fp8_block_gemm also has a weight-only form, a_scale None, which the fused MoE's few-token path shares);
 - from DEQUANT_MIN_M rows (prefill, compute-bound), the weight dequantized into a bf16 scratch (fp8_block_dequantize)
   and cuBLAS's bf16 GEMM: the Triton float8 GEMM ran at 0.2-0.5x of bf16 there on an H200.
 The thresholds come from benchmarks/tuning/quant_paths.py on an H200 (Qwen2.5-7B's layers): the float8 GEMM beat the
@@ -172,7 +172,7 @@ FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 GEMV_ROWS = 4  # the most rows the GEMV kernel takes
 GEMV_MAX_M = 1  # up to this many rows fp8_block_linear takes the GEMV (1.2-1.4x bf16 at one row, 0.5-0.8x at two)
-WEIGHT_ONLY_MAX_M = 1  # up to this many rows x stays bf16; above, x is quantized per group for the float8 GEMM
+WEIGHT_ONLY_MAX_M = 1  # the fused MoE's tokens up to which x stays bf16 (kernels/fused_moe_quant.py)
 DEQUANT_MIN_M = 512  # from this many rows: the weight dequantized to bf16, then cuBLAS
 
 # (BLOCK_N, BLOCK_K, num_warps) of the GEMV (BLOCK_N divides the 64 or 128 rows of a scale block); GEMV_TILES by
@@ -312,14 +312,12 @@ def fp8_block_dequantize(weight: torch.Tensor, w_scale: torch.Tensor, block: tup
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]):
-    """x [M, K] (contiguous) times the block-scaled weight -> [M, N] in x's dtype: weight-only (x as it is) up to
-    WEIGHT_ONLY_MAX_M rows, where reading the weight is the cost; x quantized per group and the float8 GEMM above;
+    """x [M, K] (contiguous) times the block-scaled weight -> [M, N] in x's dtype: the weight-only GEMV (x as it is)
+    up to GEMV_MAX_M rows, where reading the weight is the cost; x quantized per group and the float8 GEMM above;
     from DEQUANT_MIN_M rows the dequantized weight and cuBLAS."""
     m = x.shape[0]
     if m <= GEMV_MAX_M:
         return fp8_block_gemv(x, weight, w_scale, block)
     if m >= DEQUANT_MIN_M:
         return torch.nn.functional.linear(x, fp8_block_dequantize(weight, w_scale, block, x.dtype))
-    if m <= WEIGHT_ONLY_MAX_M:
-        return fp8_block_gemm(x, None, weight, w_scale, block, x.dtype)
     return fp8_block_gemm(*per_token_group_quant(x, block[1]), weight, w_scale, block, x.dtype)

@@ -23,7 +23,7 @@ gguf_gemv: up to GEMV_ROWS rows of x. A program takes BLOCK_N whole weight rows,
 once for all rows of x and sums over the whole of K in float32 registers (a 7B's 3584-row layers make 448
 programs: no split-K, atomics or zeroed buffer). The zero term is folded per group: sum(x * zero) = zero * sum(x).
 Quants become floats by the 2^23 bit trick (_quants), without conversion instructions.
-gguf_gemm: more rows; a [BLOCK_N, BLOCK_K] tile is dequantized into registers in x's dtype, then tl.dot (two per
+gguf_gemm (not taken by gguf_matmul until its tiles are tuned; benchmarks/gguf_gpu.py times it): a [BLOCK_N, BLOCK_K] tile is dequantized into registers in x's dtype, then tl.dot (two per
 step for 4-bit types: the low and the high nibbles, with x's matching columns), split along K with float32 atomics
 where the output tiles alone would leave SMs idle.
 The torch reference is dequantize() (then a matmul); tests check it against gguf.quants.dequantize. Tile shapes are
@@ -438,8 +438,7 @@ def _gguf_dequant_kernel(
 
 
 GEMV_ROWS = 8  # the most rows of x the GEMV takes (one read of the weight for all rows)
-GEMV_MAX_M = 1  # up to this many rows gguf_matmul takes the GEMV
-DEQUANT_MIN_M = 2  # from this many rows: the weight dequantized to x's dtype, then cuBLAS
+GEMV_MAX_M = 1  # up to this many rows gguf_matmul takes the GEMV; above, the dequantized weight and cuBLAS
 
 # (BLOCK_N, BLOCK_K, num_warps) of the GEMV; BLOCK_K is capped at K's power of two above (a masked tail step).
 # Reasoned defaults (a step reads BLOCK_N * BLOCK_K / 2 bytes of a 4-bit type: 16 bytes a thread or more), not yet
@@ -592,22 +591,21 @@ def gguf_dequantize(w: GGUFWeight, dtype: torch.dtype, out: torch.Tensor | None 
 
 def gguf_matmul(x: torch.Tensor, parts: list[GGUFWeight]) -> torch.Tensor:
     """x [M, K] times a layer's weight (its parts stacked along N, one GGML type each) -> [M, N] in x's dtype:
-    the GEMV up to GEMV_MAX_M rows, else the dequantized weight (a transient bf16 copy) and cuBLAS."""
+    the GEMV up to GEMV_MAX_M rows, else the dequantized weight (a transient copy in x's dtype) and cuBLAS."""
     x = x.contiguous()
-    m = x.shape[0]
-    if m >= DEQUANT_MIN_M:
-        dense = torch.empty((sum(p.shape[0] for p in parts), x.shape[1]), dtype=x.dtype, device=x.device)
+    m, n = x.shape[0], sum(p.shape[0] for p in parts)
+    if m > GEMV_MAX_M:
+        dense = torch.empty((n, x.shape[1]), dtype=x.dtype, device=x.device)
         at = 0
         for p in parts:
             gguf_dequantize(p, x.dtype, dense[at : at + p.shape[0]])
             at += p.shape[0]
         return torch.nn.functional.linear(x, dense)
-    kernel = gguf_gemv if m <= GEMV_MAX_M else gguf_gemm
     if len(parts) == 1:
-        return kernel(x, parts[0])
-    out = torch.empty((m, sum(p.shape[0] for p in parts)), dtype=x.dtype, device=x.device)
+        return gguf_gemv(x, parts[0])
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     at = 0
     for p in parts:
-        kernel(x, p, out[:, at : at + p.shape[0]])
+        gguf_gemv(x, p, out[:, at : at + p.shape[0]])
         at += p.shape[0]
     return out

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from transformers import Gemma4ForCausalLM  # noqa: E402
+from transformers import AutoTokenizer, Gemma4ForCausalLM  # noqa: E402
 
 from novainfer import LLM, SamplingParams  # noqa: E402
 from tests.gpu.checks import check, rows  # noqa: E402
@@ -32,12 +32,12 @@ def model_check(which: str, path: str, device: str, n: int, prefix_modes: tuple[
     cache on/off; alone; preempted."""
     hf = Gemma4ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
-    ids = None
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = [tokenizer.encode(p) for p in PROMPTS]
+    refs = hf_greedy_logprobs(hf, ids, n)  # once: every engine below is compared with it
+    kw = dict(dtype="float32", device=device, block_size=4, max_num_batched_tokens=16, max_num_seqs=8)
     for prefix in prefix_modes:
-        kw = dict(dtype="float32", device=device, block_size=4, max_num_batched_tokens=16, max_num_seqs=8)
         llm = LLM(path, enable_prefix_caching=prefix, attention_backend="triton", **kw)
-        ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
-        refs = hf_greedy_logprobs(hf, ids, n)
         batch = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
         alone = [llm.generate([{"prompt_token_ids": i}], params, use_tqdm=False)[0] for i in ids]
         for label, outs in (("batch", batch), ("alone", alone)):

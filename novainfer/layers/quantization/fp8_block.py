@@ -304,7 +304,7 @@ def fp8_block_config(qc: dict, device: torch.device) -> Fp8BlockConfig:
 def check_block_kernels(device: torch.device, block: tuple[int, int]) -> None:
     """Every path of fp8_block_linear (the GEMV, the quantize + GEMM, dequantize + dense) against its torch reference
     on small operands, once at start-up."""
-    from novainfer.kernels.fp8_block import DEQUANT_MIN_M, WEIGHT_ONLY_MAX_M, fp8_block_linear
+    from novainfer.kernels.fp8_block import DEQUANT_MIN_M, GEMV_MAX_M, fp8_block_linear
 
     g = torch.Generator(device=device).manual_seed(0)
     n, k = 2 * block[0], 2 * block[1]
@@ -312,7 +312,7 @@ def check_block_kernels(device: torch.device, block: tuple[int, int]) -> None:
     w_scale = torch.rand(2, 2, generator=g, device=device) * 1e-3 + 1e-4
     cases = []
     for m in (1, 8, 40, DEQUANT_MIN_M):  # each path of fp8_block_linear, against the product it computes
-        ref = block_reference if WEIGHT_ONLY_MAX_M < m < DEQUANT_MIN_M else weight_only_reference
+        ref = block_reference if GEMV_MAX_M < m < DEQUANT_MIN_M else weight_only_reference
         x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
         cases.append((fp8_block_linear(x, weight, w_scale, block), ref(x, weight, w_scale, block)))
     probe_kernels(f"block FP8 (weight_block_size={list(block)})", cases, 2e-2)
