@@ -45,9 +45,8 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {exc}") from None
         if self.json is not None and not isinstance(self.json, dict):
             raise ValueError("structured_outputs.json must be a JSON schema object")
-        if self.choice is not None and (not self.choice or any(not isinstance(c, str) or not c for c in self.choice)):
-            # an empty choice would let only the end of the output follow: refused, not left to the grammar's end
-            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
 
     def key(self) -> str:
         """A stable text naming the constraint: the compiled-grammar cache's key."""
