@@ -104,6 +104,23 @@ def test_blocked_tokens_are_never_sampled():
     assert 7 not in out.tolist() and 8 not in out.tolist()
 
 
+def test_a_penalty_that_underflows_float32_samples_only_allowed_seen_tokens():
+    """repetition_penalty 5e-324 is 0 in float32: seen positive logits become +inf and a blocked seen token's
+    -inf * 0 would be NaN. Rows sample uniformly among their +inf tokens the grammar allows, never a blocked or
+    masked one (the schema fuzzer's 500: a grammar allowing only the end drew an arbitrary token)."""
+    logits = torch.full((400, V), -1.0)
+    logits[:, [2, 4, 6]] = 3.0  # seen and positive: all three become +inf
+    rows = [row(prompt=[2, 4, 6, 7], temperature=1.0, repetition_penalty=5e-324, blocked=[6])] * 400
+    meta = SamplingMetadata.build(rows, V, "cpu")
+    out = Sampler()(logits.clone(), meta).sampled_token_ids
+    assert set(out.tolist()) == {2, 4}  # 6 is blocked, the others are finite beside +inf
+    allow_only_4 = torch.full((400, 1), 1 << 4, dtype=torch.int32)
+    masked = Sampler()(logits.clone(), meta, (torch.arange(400), allow_only_4)).sampled_token_ids
+    assert set(masked.tolist()) == {4}
+    greedy = [row(prompt=[6, 7], temperature=0, repetition_penalty=5e-324, blocked=[7])]
+    assert Sampler()(logits[:1].clone(), SamplingMetadata.build(greedy, V, "cpu")).sampled_token_ids.item() == 6
+
+
 def test_cpu_draw_follows_unnormalised_probs_and_never_draws_a_zero():
     """The CPU's inverse-CDF draw (one uniform a row): frequencies follow p / sum(p) for rows that do not sum to 1
     (min-p leaves them so), zero entries, the last one included, never come out, and a seeded row's draws

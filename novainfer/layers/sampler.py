@@ -1,7 +1,7 @@
 """One Sampler for every request's parameters, run as a batched pass on the logits' device.
 
-Order (vLLM's): logit_bias, min_tokens blocking, repetition / frequency / presence penalties, the grammar's
-token bitmask (structured outputs; constrained and free rows mix in one batch), then greedy rows take
+Order: logit_bias, repetition / frequency / presence penalties, min_tokens blocking, the grammar's token
+bitmask (structured outputs; constrained and free rows mix in one batch), then greedy rows take
 the argmax; the rest are divided by temperature, filtered by top-k, top-p and min-p, and sampled: on CUDA with
 the exponential race argmax(p / q), q ~ Exp(1), on the CPU by the inverse CDF with one uniform a row
 (Sampler.draw). A seeded row draws from its own generator, so its tokens depend only on its seed, never
@@ -54,15 +54,18 @@ class Sampler(nn.Module):
         their argmax), and the raw model's logprobs when a row wants logprobs."""
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs >= 0 else None
-        if (
+        penalised = (
             meta.logit_bias is not None
             or meta.blocked is not None
             or meta.repetition_penalty is not None
             or meta.frequency_penalty is not None
-        ):
+        )
+        if penalised:
             logits = self.apply_penalties(logits.clone(), meta)
         if token_bitmask is not None:
             logits = apply_token_bitmask(logits, *token_bitmask)
+        if penalised:
+            logits = keep_only_infinite(logits)
         return logits, raw_logprobs
 
     @staticmethod
@@ -77,14 +80,14 @@ class Sampler(nn.Module):
         if meta.logit_bias is not None:
             rows, tokens, values = meta.logit_bias
             logits.index_put_((rows, tokens), values, accumulate=True)
-        if meta.blocked is not None:
-            logits[meta.blocked] = float("-inf")
         if meta.repetition_penalty is not None:
             penalised = torch.where(logits > 0, logits / meta.repetition_penalty, logits * meta.repetition_penalty)
             logits = torch.where(meta.seen_mask, penalised, logits)
         if meta.frequency_penalty is not None:
             counts = meta.output_counts
             logits = logits - meta.frequency_penalty * counts - meta.presence_penalty * (counts > 0).float()
+        if meta.blocked is not None:  # last: a penalty of ~0 (float32 underflow) would turn -inf into NaN
+            logits[meta.blocked] = float("-inf")
         return logits
 
     @staticmethod
@@ -165,6 +168,13 @@ def uniforms(meta: SamplingMetadata, device: torch.device) -> torch.Tensor:
         if gen is not None:
             u[i] = torch.rand((), generator=gen, device=gen.device)
     return u
+
+
+def keep_only_infinite(logits: torch.Tensor) -> torch.Tensor:
+    """A row with +inf logits (a tiny repetition penalty divides a positive logit into infinity) samples
+    uniformly among those tokens, the distribution's limit; softmax would give NaN and draw an arbitrary token."""
+    infinite = torch.isposinf(logits)
+    return torch.where(infinite.any(dim=-1, keepdim=True), torch.where(infinite, 0.0, float("-inf")), logits)
 
 
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
