@@ -151,6 +151,8 @@ def candidates(fmt: str, m: int, n: int, k: int, device: torch.device) -> list[t
     mod = fp8_block if fmt == "fp8-block" else int4_gemm
     if device.type != "cuda":
         return [("default", None)]
+    if m <= mod.GEMV_MAX_M and fmt == "fp8-block":  # kernels/gemv.py's, swept by benchmarks/tuning/gemv_tiles.py
+        return [("default", None)]
     if m <= mod.GEMV_MAX_M:
         default = mod.GEMV_TILES.get((n, k), mod.GEMV_DEFAULT)
         return [("default", None)] + [(f"gemv{t}", t) for t in mod.GEMV_CANDIDATES if t != default]
@@ -161,7 +163,8 @@ def candidates(fmt: str, m: int, n: int, k: int, device: torch.device) -> list[t
 def kernel_fn(fmt: str, x: torch.Tensor, ops: Operands, i: int, tiles):
     """The callable that runs fmt's kernel on copy i of the weight with the given tiles (None: the default)."""
     from novainfer.kernels.fp8_block import GEMV_MAX_M as FP8_GEMV, WEIGHT_ONLY_MAX_M, fp8_block_gemm
-    from novainfer.kernels.fp8_block import fp8_block_gemv, per_token_group_quant
+    from novainfer.kernels.fp8_block import per_token_group_quant
+    from novainfer.kernels.gemv import gemv
     from novainfer.kernels.int4_gemm import GEMV_MAX_M as INT4_GEMV, int4_gemm, int4_gemv
 
     m = x.shape[0]
@@ -171,7 +174,7 @@ def kernel_fn(fmt: str, x: torch.Tensor, ops: Operands, i: int, tiles):
     if fmt == "fp8-block":
         wq, ws = ops.copy("fp8", i)
         if m <= FP8_GEMV:
-            return lambda: fp8_block_gemv(x, wq, ws, (128, 128), tiles)
+            return lambda: gemv(x, wq, weight_scale=ws, tiles=tiles)
         if m <= WEIGHT_ONLY_MAX_M:
             return lambda: fp8_block_gemm(x, None, wq, ws, (128, 128), x.dtype, tiles)
         return lambda: fp8_block_gemm(*per_token_group_quant(x, 128), wq, ws, (128, 128), x.dtype, tiles)

@@ -14,7 +14,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from novainfer.kernels import fp8_block, int4_gemm  # noqa: E402
+from novainfer.kernels import gemv, int4_gemm  # noqa: E402
 
 ALIGNED = {"N", "K", "stride_qn", "stride_xm", "stride_om", "stride_am", "stride_cm", "K_PER_SPLIT"}
 
@@ -30,7 +30,16 @@ def ptx(fn, types: dict[str, str], constexprs: dict, warps: int, stages: int) ->
 
 
 INT4 = {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "out_ptr": "*bf16"}
-FP8 = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16"}
+FP8 = {
+    "x_ptr": "*bf16",
+    "res_ptr": "*bf16",
+    "norm_w_ptr": "*bf16",
+    "w_ptr": "*fp8e4nv",
+    "scale_ptr": "*fp32",
+    "bias_ptr": "*bf16",
+    "out_ptr": "*bf16",
+    "res_out_ptr": "*bf16",
+}
 if __name__ == "__main__":
     out = {
         "int4_gemv": ptx(
@@ -41,9 +50,19 @@ if __name__ == "__main__":
             1,
         ),
         "fp8_gemv": ptx(
-            fp8_block._block_gemv_kernel,
+            gemv._gemv_kernel,
             FP8,
-            {"M": 2, "GROUP_N": 128, "GROUP_K": 128, "BLOCK_N": 4, "BLOCK_K": 1024, "EVEN_K": True},
+            {
+                "NORM": True,
+                "HAS_RESIDUAL": True,
+                "HAS_BIAS": False,
+                "SILU_MUL": True,
+                "HAS_SCALE": True,
+                "GROUP_N": 128,
+                "GROUP_K": 128,
+                "BLOCK_N": 4,
+                "BLOCK_K": 1024,
+            },
             4,
             1,
         ),

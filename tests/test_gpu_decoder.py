@@ -31,14 +31,37 @@ def test_gemv_prologue_and_epilogue_match_torch(n, k):
     def close(y, ref):
         assert (y.float() - ref.float()).abs().max() <= 2e-3 * ref.float().abs().max() + 1e-3
 
-    close(gemv(x, w, b, tiles=(8, 64, 4)), F.linear(x.float(), w.float(), b.float()))
-    y, new_res = gemv(x, w, norm_weight=nw[0], eps=1e-6, residual=r, tiles=(4, 32, 4))
+    close(gemv(x, w, b, tiles=(8, 64, 4, 1)), F.linear(x.float(), w.float(), b.float()))
+    y, new_res = gemv(x, w, norm_weight=nw[0], eps=1e-6, residual=r, tiles=(4, 32, 4, 1))
     ref_x, ref_res = fused_ops.rms_norm(x, nw[0], 1e-6, r)
     assert torch.equal(new_res, ref_res)
     close(y, F.linear(ref_x.float(), w.float()))
     close(gemv(x, w, norm_weight=nw[0], eps=1e-6), F.linear(fused_ops.rms_norm(x, nw[0], 1e-6).float(), w.float()))
     ref = fused_ops.silu_and_mul(F.linear(x.float(), gate_up.float(), gate_up_b.float()).to(dt))
-    close(gemv(x, gate_up, gate_up_b, silu_and_mul=True, tiles=(16, 128, 2)), ref)
+    close(gemv(x, gate_up, gate_up_b, silu_and_mul=True, tiles=(16, 128, 2, 1)), ref)
+
+
+def test_block_fp8_gemv_with_prologue_and_epilogue_matches_the_dequantized_product():
+    """Block-scaled float8 weights (pre-quantized FP8): each block's scale applied to x's inputs, the norm prologue
+    and the SiLU-and-mul epilogue over gate/up rows whose scale rows differ, K not a multiple of the tile or the
+    block, equal the same ops over the dequantized weight."""
+    from novainfer.layers.quantization.fp8_block import expand_blocks
+
+    g = torch.Generator().manual_seed(3)
+    n, k, block = 32, 100, (16, 32)
+    w = (torch.randn(2 * n, k, generator=g) * 50).to(torch.float8_e4m3fn)
+    scale = torch.rand(2 * n // 16, -(-k // 32), generator=g) + 0.01
+    deq = w.float() * expand_blocks(scale, block, (2 * n, k))
+    x, r, nw = (torch.randn(1, k, generator=g) for _ in range(3))
+    ref = F.linear(x, deq[:n])
+    got = gemv(x, w[:n].contiguous(), weight_scale=scale[: n // 16].contiguous(), block=block, tiles=(8, 64, 4, 1))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+    normed, new_res = fused_ops.rms_norm(x, nw[0], 1e-6, r)
+    gate, up = F.linear(normed, deq).split(n, dim=-1)
+    y, res = gemv(x, w, weight_scale=scale, block=block, norm_weight=nw[0], eps=1e-6, residual=r,
+                  silu_and_mul=True, tiles=(16, 32, 4, 1))  # fmt: skip
+    assert torch.equal(res, new_res)
+    torch.testing.assert_close(y, F.silu(gate) * up, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen2", "tiny_llama"])
@@ -61,6 +84,34 @@ def test_engine_with_stack_matches_transformers(fixture, request):
             out = llm.generate([prompt], params, use_tqdm=False)[0]
             assert out.outputs[0].token_ids == hf_greedy(path, tok.encode(prompt), 8), prompt
     assert calls.count(True) == 2 * 7 and calls.count(False) == 2  # each prompt: 7 decode steps, one prefill
+
+
+def test_block_fp8_model_takes_the_stack_and_matches_the_layer_path(tmp_path):
+    """A pre-quantized block-FP8 checkpoint: the stack reads its float8 weights with their block scales (x not
+    quantized, as the one-row layer path does), so its greedy tokens equal the layer-by-layer path's."""
+    from novainfer import LLM, SamplingParams
+    from tests.test_quant_formats import FORMATS, write_pair
+    from tests.tiny_models import make_tiny_model
+
+    base = make_tiny_model(str(tmp_path / "qwen2"), "qwen2", seed=7, num_heads=4, num_kv_heads=4, head_dim=32)
+    quantize, qconfig, _ = FORMATS["fp8-block"]
+    qdir, ddir = write_pair(base, str(tmp_path / "fp8"), quantize, qconfig)
+    # no prefix cache: the second run's prompt is a prefill as the first's (a prefill quantizes x per group)
+    llm = LLM(
+        qdir, dtype="float32", attention_backend="triton", block_size=4, enforce_eager=True, enable_prefix_caching=False
+    )
+    runner = llm.llm_engine.executor.workers[0].model_runner
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompt = "The quick brown fox jumps over the lazy dog"
+    runner.decode_strategy = None
+    layered = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    runner.decode_strategy = select_decode_strategy(runner.model, triton_backend, graphs_only=False)
+    assert supports(runner.model.model) and isinstance(runner.decode_strategy, GPUDecodeStack)
+    with counting_stack_calls() as calls:
+        stacked = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert calls.count(True) == 7 and stacked.token_ids == layered.token_ids
+    for t, a, b in zip(stacked.token_ids, stacked.logprobs, layered.logprobs):
+        assert abs(a[t].logprob - b[t].logprob) < 1e-4
 
 
 def test_stack_refuses_layers_it_does_not_fuse(tiny_qwen3):

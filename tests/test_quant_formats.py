@@ -25,7 +25,8 @@ from transformers import AutoModelForCausalLM
 
 from novainfer import LLM, SamplingParams
 from novainfer.kernels import fp8_block as fp8_kernels
-from novainfer.kernels.fp8_block import fp8_block_gemm, fp8_block_gemv, fp8_block_linear, per_token_group_quant
+from novainfer.kernels.fp8_block import fp8_block_gemm, fp8_block_linear, per_token_group_quant
+from novainfer.kernels.gemv import gemv
 from novainfer.kernels.int4_gemm import DEQUANT_MIN_M, int4_dequantize, int4_gemm, int4_gemv, int4_linear
 from novainfer.layers.quantization.fp8_block import block_reference, quantize_groups, weight_only_reference
 from novainfer.layers.quantization.int4 import dequantize_int4, pack_int4, unpack_int4
@@ -491,15 +492,15 @@ def test_fp8_block_kernels_match_the_torch_reference(m):
     assert torch.equal(st, s) and torch.equal(qt.to(F8).float(), q.float())
     want = block_reference(x, w, ws, (128, 128))
     torch.testing.assert_close(fp8_block_gemm(q, s, w, ws, (128, 128), torch.float32), want, rtol=1e-5, atol=1e-5)
-    # few rows: weight-only, x unquantized (the GEMV up to 4 rows, the GEMM's bf16 path up to 16)
+    # few rows: weight-only, x unquantized (the GEMV at one row, the GEMM's bf16 path above)
     xr = torch.randn(m, k, generator=g)
     want_wo = weight_only_reference(xr, w, ws, (128, 128))
     assert (want_wo - block_reference(xr, w, ws, (128, 128))).norm() > 1e-3 * want_wo.norm()  # they do differ
     y_wo = fp8_block_gemm(xr, None, w, ws, (128, 128), torch.float32)
     torch.testing.assert_close(y_wo, want_wo, rtol=1e-5, atol=1e-5)
-    if m <= 4:
-        torch.testing.assert_close(fp8_block_gemv(xr, w, ws, (128, 128)), want_wo, rtol=1e-5, atol=1e-5)
-        got = fp8_block_gemv(xr, w, ws, (128, 128), tiles=(8, 512, 4))  # one masked step longer than K
+    if m == 1:
+        torch.testing.assert_close(gemv(xr, w, weight_scale=ws), want_wo, rtol=1e-5, atol=1e-5)
+        got = gemv(xr, w, weight_scale=ws, tiles=(8, 512, 4, 1))  # one masked step longer than K
         torch.testing.assert_close(got, want_wo, rtol=1e-5, atol=1e-5)
     if m <= fp8_kernels.WEIGHT_ONLY_MAX_M:
         torch.testing.assert_close(fp8_block_linear(xr, w, ws, (128, 128)), want_wo, rtol=1e-5, atol=1e-5)

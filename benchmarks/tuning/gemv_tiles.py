@@ -1,13 +1,15 @@
 """The batch-1 decode stack's kernels against the layer-by-layer ones they replace, on a GPU; sweeps GEMV tiles.
 
-    python3 benchmarks/tuning/gemv_tiles.py [--models 0.5b 7b] [--out tiles.json]
+    python3 benchmarks/tuning/gemv_tiles.py [--models 0.5b 7b] [--fp8] [--out tiles.json]
 
 For each projection of Qwen2.5-0.5B / -7B at one row: the unfused path (Triton RMSNorm kernel, cuBLAS through
 F.linear, Triton SiLU-and-mul kernel) against novainfer.kernels.gemv with each tile shape of the sweep; and the
 attention (rotary + K/V store + split decode + merge) against the one fused decode kernel at several context
 lengths. Each variant is captured as a CUDA graph of one call per layer over as many copies of the weights
 as the model has layers (so the L2 cache holds no weight from the call before, as in a real step), replayed
-back to back; microseconds per call. Prints the best tile per shape and the GEMV_TILES dict to paste.
+back to back; microseconds per call. Prints the best tile per shape and the GEMV_TILES dict to paste. --fp8: the
+weights are float8 with 128x128 block scales (pre-quantized block FP8), the unfused path over their bf16
+dequantization.
 """
 
 from __future__ import annotations
@@ -48,7 +50,13 @@ def graph_us(fns: list, reps: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / (reps * len(fns))
 
 
-def projections(model: str, dev: str) -> dict:
+SWEEP = {  # (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates
+    False: list(itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8), (1, 3))),
+    True: list(itertools.product((2, 4, 8, 16, 32), (256, 512, 1024), (4, 8), (1, 3))),
+}
+
+
+def projections(model: str, dev: str, fp8: bool = False) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -66,42 +74,51 @@ def projections(model: str, dev: str) -> dict:
     }
     out = {}
     for name, (n, k, norm, act) in shapes.items():
-        ws = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(layers)]
+        if fp8:  # float8 weights, one scale per 128x128 block; the unfused path reads their bf16 dequantization
+            scales = [torch.rand(n // 128, k // 128, device=dev) * 1e-4 + 1e-4 for _ in range(layers)]
+            ws = [(torch.randn(n, k, device=dev) * 100).to(torch.float8_e4m3fn) for _ in range(layers)]
+            deq = [
+                (w.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)).to(dt) for w, s in zip(ws, scales)
+            ]
+        else:
+            scales = [None] * layers
+            ws = deq = [torch.randn(n, k, device=dev, dtype=dt) * 0.02 for _ in range(layers)]
         nw = torch.rand(k, device=dev, dtype=dt) + 0.5
         x = torch.randn(1, k, device=dev, dtype=dt)
         r = torch.randn(1, k, device=dev, dtype=dt)
 
-        def unfused(w):
-            y = F.linear(rms_norm(x, nw, 1e-6, r)[0] if norm else x, w)
+        def unfused(i):
+            y = F.linear(rms_norm(x, nw, 1e-6, r)[0] if norm else x, deq[i])
             return silu_and_mul(y) if act else y
 
-        def fused(w, t):
+        def fused(i, t):
+            w, sc = ws[i], scales[i]
             if norm:
-                return gemv(x, w, norm_weight=nw, eps=1e-6, residual=r, silu_and_mul=act, tiles=t)[0]
-            return gemv(x, w, tiles=t)
+                return gemv(x, w, weight_scale=sc, norm_weight=nw, eps=1e-6, residual=r, silu_and_mul=act, tiles=t)[0]
+            return gemv(x, w, weight_scale=sc, tiles=t)
 
-        ref = unfused(ws[0]).float()
+        ref = unfused(0).float()
         row = {
             "n": n,
             "k": k,
             "silu_and_mul": act,
-            "unfused_us": graph_us([lambda w=w: unfused(w) for w in ws]),
+            "unfused_us": graph_us([lambda i=i: unfused(i) for i in range(layers)]),
             "tiles": {},
         }
-        for bn, bk, warps in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (2, 4, 8)):
+        for t in SWEEP[fp8]:
+            bn, bk = t[:2]
             if bn * bk > 16384 or bk > 2 * triton_pow2(k):
                 continue
-            t = (bn, bk, warps)
-            err = ((fused(ws[0], t).float() - ref).norm() / ref.norm()).item()
+            err = ((fused(0, t).float() - ref).norm() / ref.norm()).item()
             if err > 1e-2:
                 row["tiles"][str(t)] = {"error": err}
                 continue
-            row["tiles"][str(t)] = {"us": graph_us([lambda w=w: fused(w, t) for w in ws]), "rel_err": err}
+            row["tiles"][str(t)] = {"us": graph_us([lambda i=i: fused(i, t) for i in range(layers)]), "rel_err": err}
         best_us, best = min((v["us"], k_) for k_, v in row["tiles"].items() if "us" in v)
         row["best"], row["best_us"] = [int(t) for t in best.strip("()").split(",")], best_us
         print(f"| {model} {name} [{n}x{k}] | {row['unfused_us']:.2f} | {best_us:.2f} {best} |", flush=True)
         out[name] = row
-        del ws
+        ws = deq = scales = None  # free this shape's copies before the next
     return out
 
 
@@ -170,15 +187,23 @@ def attention(model: str, dev: str, contexts: tuple[int, ...] = (64, 512, 2048, 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=["0.5b", "7b"], choices=sorted(SHAPES))
+    ap.add_argument("--fp8", action="store_true", help="block-scaled float8 weights")
+    ap.add_argument("--no-attention", action="store_true")
     ap.add_argument("--out", "--json", dest="out", default=None)
     args = ap.parse_args()
     import torch
 
     print(torch.cuda.get_device_name(), torch.__version__)
     print("| kernel | layer-by-layer (us) | fused stack (us, best tile) |\n| --- | --- | --- |")
-    res = {m: {"projections": projections(m, "cuda"), "attention": attention(m, "cuda")} for m in args.models}
+    res = {
+        m: {"projections": projections(m, "cuda", args.fp8)}
+        | ({} if args.no_attention else {"attention": attention(m, "cuda")})
+        for m in args.models
+    }
     tiles = {
-        (r["n"], r["k"], r["silu_and_mul"]): tuple(r["best"]) for m in res.values() for r in m["projections"].values()
+        (r["n"], r["k"], r["silu_and_mul"], args.fp8): tuple(r["best"])
+        for m in res.values()
+        for r in m["projections"].values()
     }
     print("GEMV_TILES =", tiles)
     if args.out:

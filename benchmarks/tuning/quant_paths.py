@@ -31,6 +31,7 @@ def paths(m: int):
     """(name, fn(x, ops, i) -> y or None) of every path that applies at m rows."""
     from novainfer.kernels import fp8_block as f8
     from novainfer.kernels import int4_gemm as i4
+    from novainfer.kernels.gemv import gemv
 
     blk = (128, 128)
 
@@ -38,7 +39,7 @@ def paths(m: int):
         def run(x, ops, i):
             wq, ws = ops.copy("fp8", i)
             if name == "gemv":
-                return f8.fp8_block_gemv(x, wq, ws, blk)
+                return gemv(x, wq, weight_scale=ws, block=blk)
             if name == "gemm w-only":
                 return f8.fp8_block_gemm(x, None, wq, ws, blk, x.dtype)
             if name == "gemm fp8":

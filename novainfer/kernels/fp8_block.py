@@ -2,10 +2,9 @@
 
 The weight is float8_e4m3fn [N, K] with one float32 scale per [BN_S, BK_S] block (weight_scale_inv, [N/BN_S,
 K/BK_S]). fp8_block_linear picks by the number of rows of x:
-- up to GEMV_MAX_M rows (decode at batch 1, where reading the weight is the whole cost) the weight-only GEMV: x stays
-  bf16 and each weight byte is widened exactly in registers. fp8_block_gemv (<= GEMV_ROWS rows) reads a few whole
-  weight rows once for all rows of x, sums over K in registers and stores (no split-K atomics); its rows share a
-  scale block row, so the block scale multiplies each block's partial sum;
+- up to GEMV_MAX_M rows (decode at batch 1, where reading the weight is the whole cost) the weight-only GEMV of
+  kernels/gemv.py: x stays bf16, each block's scale multiplies x's inputs and each weight byte is widened exactly
+  in registers (the batch-1 decode stack calls it with its norm prologue and SiLU epilogue);
 - more rows: x quantized per token per BK_S-wide group (per_token_group_quant, scale amax/448), then the float8
   GEMM, one K step a group, its tl.dot scaled by the row's and the block's scales and added in float32
   (fp8_block_gemm also has a weight-only form, a_scale None, which the fused MoE's few-token path shares);
@@ -14,8 +13,8 @@ K/BK_S]). fp8_block_linear picks by the number of rows of x:
 The thresholds come from benchmarks/tuning/quant_paths.py on an H200 (Qwen2.5-7B's layers): the float8 GEMM beat the
 weight-only paths from 2 rows on.
 Weight-only is the dequantized model's product (closer to it than the quantized path, which also rounds x).
-Tile shapes: GEMV_TILES / GEMM_CANDIDATES, swept by benchmarks/quant_gpu.py on a GPU. The torch references are
-fp8_block.quantize_groups, fp8_block.block_reference (x quantized) and fp8_block.weight_only_reference.
+Tile shapes: GEMM_CANDIDATES, swept by benchmarks/quant_gpu.py on a GPU (the GEMV's: kernels/gemv.py). The torch
+references are fp8_block.quantize_groups, fp8_block.block_reference (x quantized) and fp8_block.weight_only_reference.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from novainfer.kernels.gemv import gemv
 from novainfer.kernels.tiling import grouped_tile, row_bucket
 
 
@@ -108,79 +108,12 @@ def _block_gemm_kernel(
     tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], c, mask=cmask)
 
 
-@triton.jit
-def _block_gemv_kernel(
-    x_ptr,
-    w_ptr,
-    ws_ptr,
-    out_ptr,
-    N,
-    K,
-    stride_xm,
-    stride_om,
-    M: tl.constexpr,
-    GROUP_N: tl.constexpr,
-    GROUP_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
-    # a step is [BLOCK_N rows, NB scale blocks, GROUP_K inputs]; BLOCK_N divides GROUP_N, so a program's rows share
-    # one block row and each block's scale multiplies its partial sum, not each weight
-    NB: tl.constexpr = BLOCK_K // GROUP_K
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rload = tl.minimum(rows, N - 1).to(tl.int64)
-    # [BLOCK_N, NB, GROUP_K], the same for every row: x is loaded in the weight tile's own layout, not converted
-    kk = (tl.arange(0, NB)[:, None] * GROUP_K + tl.arange(0, GROUP_K)[None, :])[None, :, :] + 0 * rows[:, None, None]
-    w_ptrs = w_ptr + rload[:, None, None] * K + kk
-    s_row = ws_ptr + (tl.program_id(0) * BLOCK_N // GROUP_N) * tl.cdiv(K, GROUP_K)
-    acc0 = tl.zeros([BLOCK_N], tl.float32)
-    acc1 = tl.zeros([BLOCK_N], tl.float32)
-    acc2 = tl.zeros([BLOCK_N], tl.float32)
-    acc3 = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kmask = k0 + kk < K
-        if EVEN_K:
-            w = tl.load(w_ptrs + k0, eviction_policy="evict_first").to(tl.float32)
-        else:
-            w = tl.load(w_ptrs + k0, mask=kmask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-        blk = k0 // GROUP_K + tl.arange(0, NB)
-        s = tl.load(s_row + blk, mask=blk < tl.cdiv(K, GROUP_K), other=0.0)[None, :]  # on each block's sum
-        x0 = tl.load(x_ptr + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
-        acc0 += tl.sum(tl.sum(w * x0, 2) * s, 1)
-        if M > 1:
-            x1 = tl.load(x_ptr + stride_xm + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
-            acc1 += tl.sum(tl.sum(w * x1, 2) * s, 1)
-        if M > 2:
-            x2 = tl.load(x_ptr + 2 * stride_xm + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
-            acc2 += tl.sum(tl.sum(w * x2, 2) * s, 1)
-        if M > 3:
-            x3 = tl.load(x_ptr + 3 * stride_xm + k0 + kk, mask=kmask, other=0.0).to(tl.float32)
-            acc3 += tl.sum(tl.sum(w * x3, 2) * s, 1)
-    dt = out_ptr.dtype.element_ty
-    omask = rows < N
-    tl.store(out_ptr + rows, acc0.to(dt), mask=omask)
-    if M > 1:
-        tl.store(out_ptr + stride_om + rows, acc1.to(dt), mask=omask)
-    if M > 2:
-        tl.store(out_ptr + 2 * stride_om + rows, acc2.to(dt), mask=omask)
-    if M > 3:
-        tl.store(out_ptr + 3 * stride_om + rows, acc3.to(dt), mask=omask)
-
-
 FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
-GEMV_ROWS = 4  # the most rows the GEMV kernel takes
-GEMV_MAX_M = 1  # up to this many rows fp8_block_linear takes the GEMV (1.2-1.4x bf16 at one row, 0.5-0.8x at two)
+GEMV_MAX_M = 1  # up to this many rows fp8_block_linear takes the GEMV (kernels/gemv.py with the block scales)
 WEIGHT_ONLY_MAX_M = 1  # the fused MoE's tokens up to which x stays bf16 (kernels/fused_moe_quant.py)
 DEQUANT_MIN_M = 512  # from this many rows: the weight dequantized to bf16, then cuBLAS
 
-# (BLOCK_N, BLOCK_K, num_warps) of the GEMV (BLOCK_N divides the 64 or 128 rows of a scale block); GEMV_TILES by
-# (N, K), else GEMV_DEFAULT; GEMV_CANDIDATES are what benchmarks/quant_gpu.py sweeps (GEMV_TILES: its best on an H200)
-# (all programs together have N * BLOCK_K bytes in flight: long K steps, as for kernels/int4_gemm.py's GEMV)
-GEMV_CANDIDATES: list[tuple[int, int, int]] = [(4, 1024, 4), (8, 1024, 8), (2, 2048, 4), (8, 512, 4), (4, 512, 2)]
-GEMV_DEFAULT = (4, 1024, 4)
-GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {(37888, 3584): (8, 512, 4), (3584, 18944): (2, 2048, 4)}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) of the GEMM by the row count's bucket; BLOCK_K is the scale block
 GEMM_CANDIDATES: dict[int, list[tuple[int, int, int, int]]] = {
     16: [(16, 32, 2, 4), (16, 64, 4, 4), (16, 128, 4, 4)],
@@ -250,42 +183,6 @@ def fp8_block_gemm(
     return out
 
 
-def fp8_block_gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    w_scale: torch.Tensor,
-    block: tuple[int, int],
-    tiles: tuple[int, int, int] | None = None,
-) -> torch.Tensor:
-    """x [M, K] (M <= GEMV_ROWS, unit stride along K, not quantized) times the block-scaled weight -> [M, N]."""
-    m, k = x.shape
-    n = weight.shape[0]
-    assert m <= GEMV_ROWS and x.stride(1) == 1, x.shape
-    if tiles is None and not x.is_cuda:
-        tiles = (4, 128, 4)  # the interpreter: small tiles
-    block_n, block_k, warps = tiles or GEMV_TILES.get((n, k), GEMV_DEFAULT)
-    block_n, block_k = min(block_n, block[0]), max(block_k, block[1])  # whole scale blocks a step
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _block_gemv_kernel[(triton.cdiv(n, block_n),)](
-        x,
-        weight,
-        w_scale,
-        out,
-        n,
-        k,
-        x.stride(0),
-        out.stride(0),
-        M=m,
-        GROUP_N=block[0],
-        GROUP_K=block[1],
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0,
-        num_warps=warps,
-    )
-    return out
-
-
 @triton.jit
 def _block_dequant_kernel(
     w_ptr, ws_ptr, out_ptr, N, K, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK: tl.constexpr
@@ -317,7 +214,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tenso
     from DEQUANT_MIN_M rows the dequantized weight and cuBLAS."""
     m = x.shape[0]
     if m <= GEMV_MAX_M:
-        return fp8_block_gemv(x, weight, w_scale, block)
+        return gemv(x, weight, weight_scale=w_scale, block=block)
     if m >= DEQUANT_MIN_M:
         return torch.nn.functional.linear(x, fp8_block_dequantize(weight, w_scale, block, x.dtype))
     return fp8_block_gemm(*per_token_group_quant(x, block[1]), weight, w_scale, block, x.dtype)

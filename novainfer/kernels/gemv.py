@@ -10,8 +10,12 @@ read each weight row once, in full-width tiles, with
   both and writes silu(gate) * up, half as wide (so down_proj reads a plain row).
 Both round as fused_ops' kernels do (the products to the activation dtype before the SiLU, as the
 unfused GEMM's output is), so they equal the unfused path's bit for bit but for the dot products' float32
-summation order. Tile shapes come from GEMV_TILES (benchmarks/gemv_tiles.py sweeps them on a GPU); the
-torch reference is act(linear(norm(x))).
+summation order. The weight may also be float8 with one float32 scale per [GROUP_N, GROUP_K] block (pre-quantized
+block FP8): each block's scale multiplies x's inputs, one multiply an input rather than a weight, and the float8
+byte widens exactly; so the decode stack fuses FP8 layers as it does bf16 ones. Products accumulate elementwise in
+a [BLOCK_N, BLOCK_K] float32 tile, reduced once at the end (no reduction across threads a step). Tile shapes come
+from GEMV_TILES (benchmarks/tuning/gemv_tiles.py sweeps them on a GPU); the torch reference is
+act(linear(norm(x))) over the dequantized weight.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ def _gemv_kernel(
     res_ptr,
     norm_w_ptr,
     w_ptr,
+    scale_ptr,
     bias_ptr,
     out_ptr,
     res_out_ptr,
@@ -39,6 +44,9 @@ def _gemv_kernel(
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -58,9 +66,12 @@ def _gemv_kernel(
             sq += hf * hf
         rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
     res_len = tl.where(pid == 0, K, 0)  # program 0 writes the new residual
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    acc_up = tl.zeros([BLOCK_N], tl.float32)
-    w_rows = w_ptr + rows[:, None].to(tl.int64) * K
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    w_rows = w_ptr + tl.minimum(rows, N - 1)[:, None].to(tl.int64) * K  # the last tile re-reads row N - 1
+    # a program's rows share one scale block row (BLOCK_N divides GROUP_N; with SILU_MUL, N is whole blocks too)
+    s_row = scale_ptr + (pid * BLOCK_N // GROUP_N) * tl.cdiv(K, GROUP_K)
+    s_up_row = scale_ptr + ((N + pid * BLOCK_N) // GROUP_N) * tl.cdiv(K, GROUP_K)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + kk
         kmask = offs < K
@@ -72,44 +83,60 @@ def _gemv_kernel(
             x = rms_scale(h, tl.load(norm_w_ptr + offs, mask=kmask, other=0.0), rstd)
         else:
             x = tl.load(x_ptr + offs, mask=kmask, other=0.0)
-        xf = x.to(tl.float32)[None, :]
-        wmask = rmask[:, None] & kmask[None, :]
-        acc += tl.sum(tl.load(w_rows + offs[None, :], mask=wmask, other=0.0).to(tl.float32) * xf, 1)
+        xf = x.to(tl.float32)
+        xw = xf
+        if HAS_SCALE:
+            xw = xf * tl.load(s_row + offs // GROUP_K, mask=kmask, other=0.0)
+        w = tl.load(w_rows + offs[None, :], mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * xw[None, :]
         if SILU_MUL:
-            up = tl.load(w_rows + N * K + offs[None, :], mask=wmask, other=0.0)
-            acc_up += tl.sum(up.to(tl.float32) * xf, 1)
+            xu = xf
+            if HAS_SCALE:
+                xu = xf * tl.load(s_up_row + offs // GROUP_K, mask=kmask, other=0.0)
+            up = tl.load(w_rows + N * K + offs[None, :], mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
+            acc_up += up.to(tl.float32) * xu[None, :]
+    y = tl.sum(acc, 1)
+    y_up = tl.sum(acc_up, 1)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         if SILU_MUL:
-            acc_up += tl.load(bias_ptr + N + rows, mask=rmask, other=0.0).to(tl.float32)
+            y_up += tl.load(bias_ptr + N + rows, mask=rmask, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
-    out = silu_mul(acc.to(dt), acc_up.to(dt)) if SILU_MUL else acc.to(dt)
+    out = silu_mul(y.to(dt), y_up.to(dt)) if SILU_MUL else y.to(dt)
     tl.store(out_ptr + rows, out, mask=rmask)
 
 
-# (N, K, silu_and_mul) of the weight -> (BLOCK_N, BLOCK_K, num_warps), the fastest of benchmarks/gemv_tiles.py's
-# sweep on an H200 (2026-11-24) for Qwen2.5-0.5B's and -7B's projections; other shapes take gemv_tiles()'s rule
-GEMV_TILES: dict[tuple[int, int, bool], tuple[int, int, int]] = {
-    (1152, 896, False): (2, 1024, 4),
-    (896, 896, False): (2, 1024, 4),
-    (9728, 896, True): (4, 1024, 4),
-    (896, 4864, False): (1, 2048, 8),
-    (4608, 3584, False): (4, 512, 4),
-    (3584, 3584, False): (1, 2048, 2),
-    (37888, 3584, True): (4, 512, 2),
-    (3584, 18944, False): (2, 1024, 4),
+# (N, K, silu_and_mul, block-scaled float8) of the weight -> (BLOCK_N, BLOCK_K, num_warps, num_stages), the fastest
+# of benchmarks/tuning/gemv_tiles.py's sweep on an H200 for Qwen2.5-0.5B's and -7B's projections (bf16: 2026-11-24;
+# float8: benchmarks/tuning/gemv_variants.py, 2026-11-27); other shapes take gemv_tiles()'s rule
+GEMV_TILES: dict[tuple[int, int, bool, bool], tuple[int, int, int, int]] = {
+    (1152, 896, False, False): (2, 1024, 4, 3),
+    (896, 896, False, False): (2, 1024, 4, 3),
+    (9728, 896, True, False): (4, 1024, 4, 3),
+    (896, 4864, False, False): (1, 2048, 8, 3),
+    (4608, 3584, False, False): (4, 512, 4, 3),
+    (3584, 3584, False, False): (1, 2048, 2, 3),
+    (37888, 3584, True, False): (4, 512, 2, 3),
+    (3584, 18944, False, False): (2, 1024, 4, 3),
+    (4608, 3584, False, True): (4, 512, 2, 3),
+    (3584, 3584, False, True): (4, 1024, 4, 1),
+    (37888, 3584, True, True): (16, 256, 8, 1),
+    (3584, 18944, False, True): (4, 1024, 4, 3),
 }
 
 
-def gemv_tiles(n: int, k: int, silu_and_mul: bool = False) -> tuple[int, int, int]:
+def gemv_tiles(n: int, k: int, silu_and_mul: bool = False, scaled: bool = False) -> tuple[int, int, int, int]:
     """Tile shape for an [n, k] weight: the sweep's where measured; else up to 1024 columns a tile and, as the
-    sweep's winners mostly have, 2 rows for narrow outputs and 8 (of 512 columns) for wide ones."""
-    if (n, k, silu_and_mul) in GEMV_TILES:
-        return GEMV_TILES[(n, k, silu_and_mul)]
+    sweep's winners mostly have, 2 rows for narrow outputs and 8 (of 512 columns) for wide ones (4 and 1024 for
+    float8, whose rows are half as long in bytes)."""
+    if (n, k, silu_and_mul, scaled) in GEMV_TILES:
+        return GEMV_TILES[(n, k, silu_and_mul, scaled)]
     block_k = min(triton.next_power_of_2(k), 1024)
+    if scaled:
+        return 4, block_k, 4, 1
     if n >= 8192:
-        return (4 if silu_and_mul else 8), min(block_k, 512), 4
-    return min(2, triton.next_power_of_2(n)), block_k, 4
+        return (4 if silu_and_mul else 8), min(block_k, 512), 4, 3
+    return min(2, triton.next_power_of_2(n)), block_k, 4, 3
 
 
 def gemv(
@@ -117,14 +144,17 @@ def gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
+    weight_scale: torch.Tensor | None = None,
+    block: tuple[int, int] = (128, 128),
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     residual: torch.Tensor | None = None,
     silu_and_mul: bool = False,
-    tiles: tuple[int, int, int] | None = None,
+    tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """weight @ x (+ bias) for one row x: [1, K]; weight [N, K] contiguous.
 
+    weight_scale: weight is float8 with float32 scales [ceil(N / block[0]), ceil(K / block[1])], one a block.
     norm_weight (with eps, and an optional residual, which makes it return (y, x + residual)): x is RMS-normed
     first. silu_and_mul: weight is concat(gate, up) by rows and the result silu(gate x) * (up x), [1, N / 2]."""
     n, k = weight.shape
@@ -133,12 +163,16 @@ def gemv(
     n_out = n // 2 if silu_and_mul else n
     out = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else out
-    block_n, block_k, warps = tiles or gemv_tiles(n, k, silu_and_mul)
+    block_n, block_k, warps, stages = tiles or gemv_tiles(n, k, silu_and_mul, weight_scale is not None)
+    if weight_scale is not None:  # a program's rows within one scale block row
+        assert not silu_and_mul or n_out % block[0] == 0, (n, block)
+        block_n = min(block_n, block[0])
     _gemv_kernel[(triton.cdiv(n_out, block_n),)](
         x,
         residual if residual is not None else x,
         norm_weight if norm_weight is not None else x,
         weight,
+        weight_scale if weight_scale is not None else x,
         bias if bias is not None else x,
         out,
         res_out,
@@ -149,8 +183,12 @@ def gemv(
         HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
         SILU_MUL=silu_and_mul,
+        HAS_SCALE=weight_scale is not None,
+        GROUP_N=block[0],
+        GROUP_K=block[1],
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=warps,
+        num_stages=stages,
     )
     return out if residual is None else (out, res_out)

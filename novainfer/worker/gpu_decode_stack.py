@@ -10,8 +10,9 @@ At one token a step, the GPU time goes to kernel count rather than bytes (measur
 5. down projection: one GEMV.
 The elementwise steps round as the layer-by-layer kernels do; the projections sum in float32 in their own
 order (as cuBLAS's kernels differ between batch sizes). Taken for the batch-1 decode CUDA graph of a model
-whose layers are plain llama pieces on one rank with unquantized weights (Llama, Qwen2, Mistral); every
-other step and model runs the layers as before (worker/decode_strategy.py picks it).
+whose layers are plain llama pieces on one rank with unquantized or pre-quantized block-FP8 weights (Llama, Qwen2,
+Mistral; kernels/gemv.py reads the float8 weights with their block scales); every other step and model runs the
+layers as before (worker/decode_strategy.py picks it).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from novainfer.attention import triton_backend
 from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
 from novainfer.kernels.gemv import gemv
 from novainfer.kernels.paged_attention import DecodeRope, decode_attention
+from novainfer.layers.quantization.fp8_block import Fp8BlockLinearMethod
 from novainfer.models.llama import LlamaModel
 from novainfer.worker.cpu_decode_stack import plain_llama_layers
 
@@ -63,7 +65,12 @@ class GPUDecodeStack:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
         qkv = gemv(
-            h, attn.qkv_proj.weight, attn.qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps, residual=residual
+            h,
+            **_weights(attn.qkv_proj),
+            bias=attn.qkv_proj.bias,
+            norm_weight=norm.weight,
+            eps=norm.eps,
+            residual=residual,
         )
         qkv, residual = qkv if residual is not None else (qkv, h)  # the first layer: its input is the residual
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
@@ -89,28 +96,50 @@ class GPUDecodeStack:
                 meta.slot_mapping,
             ),
         )
-        h = gemv(o.view(1, -1), attn.o_proj.weight)  # (supports() leaves o_proj and down_proj biases out)
+        h = gemv(o.view(1, -1), **_weights(attn.o_proj))  # (supports() leaves o_proj and down_proj biases out)
         norm = layer.post_attention_layernorm
         act, residual = gemv(
             h,
-            mlp.gate_up_proj.weight,
-            mlp.gate_up_proj.bias,
+            **_weights(mlp.gate_up_proj),
+            bias=mlp.gate_up_proj.bias,
             norm_weight=norm.weight,
             eps=norm.eps,
             residual=residual,
             silu_and_mul=True,
         )
-        return gemv(act, mlp.down_proj.weight), residual
+        return gemv(act, **_weights(mlp.down_proj)), residual
+
+
+def _weights(linear: nn.Module) -> dict:
+    """gemv()'s weight arguments for a linear layer: its weight, and a block-FP8 layer's scales and block."""
+    method = linear.quant_method
+    if method is None:
+        return {"weight": linear.weight}
+    return {"weight": linear.weight, "weight_scale": linear.weight_scale_inv, "block": method.block}
+
+
+def _gemv_reads(linear: nn.Module, silu_and_mul: bool = False) -> bool:
+    """Whether kernels/gemv.py computes this layer: unquantized, or block FP8 whose row blocks are a power of two
+    (a program's rows share one) and, for gate/up, whole blocks per half."""
+    method = linear.quant_method
+    if method is None:
+        return True
+    if type(method) is not Fp8BlockLinearMethod:
+        return False
+    bn = method.block[0]
+    return bn & (bn - 1) == 0 and (not silu_and_mul or linear.output_size // 2 % bn == 0)
 
 
 def supports(model: LlamaModel) -> bool:
-    """Whether every layer of a LlamaModel is made of the pieces the stack fuses, unquantized, over the Triton
-    backend's cache, without o_proj and down_proj biases."""
+    """Whether every layer of a LlamaModel is made of the pieces the stack fuses, unquantized or block FP8, over the
+    Triton backend's cache, without o_proj and down_proj biases."""
     if not plain_llama_layers(model):
         return False
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if any(lin.quant_method is not None for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+        if not all(_gemv_reads(lin) for lin in (attn.qkv_proj, attn.o_proj, mlp.down_proj)) or not _gemv_reads(
+            mlp.gate_up_proj, silu_and_mul=True
+        ):
             return False
         if attn.attn.backend is not triton_backend or attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
             return False

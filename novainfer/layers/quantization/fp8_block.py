@@ -7,8 +7,9 @@ bk-wide group (scale amax/448, activation_scheme dynamic). The weight stays as s
 shards' rows and scale rows, which needs each shard (and each rank's slice) to cover whole blocks.
 
 On CUDA (sm_89+) the Triton kernels of kernels/fp8_block.py run (fp8_block_linear): weight-only at one row (x stays
-bf16), the per-token-group quantization and the block GEMM above, the dequantized weight and cuBLAS for prefill. The torch reference (quantize_groups,
-block_reference: both operands dequantized, a float32 matmul) is the CPU path.
+bf16), the per-token-group quantization and the block GEMM above, the dequantized weight and cuBLAS for prefill.
+The torch references are the CPU path: weight_only_reference at one row, as the GPU's GEMV; above, quantize_groups
+and block_reference (both operands dequantized, a float32 matmul).
 """
 
 from __future__ import annotations
@@ -136,6 +137,8 @@ class Fp8BlockLinearMethod(PrequantizedLinearMethod):
             from novainfer.kernels.fp8_block import fp8_block_linear
 
             y = fp8_block_linear(x2.contiguous(), w, s, self.block)
+        elif x2.shape[0] == 1:  # as the GPU's one-row GEMV: weight-only, x as it is
+            y = weight_only_reference(x2, w, s, self.block).to(x.dtype)
         else:
             y = block_reference(x2, w, s, self.block).to(x.dtype)
         if bias is not None:
