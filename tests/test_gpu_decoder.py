@@ -61,7 +61,7 @@ def test_block_fp8_gemv_with_prologue_and_epilogue_matches_the_dequantized_produ
     y, res = gemv(x, w, weight_scale=scale, block=block, norm_weight=nw[0], eps=1e-6, residual=r,
                   silu_and_mul=True, tiles=(16, 32, 4, 1))  # fmt: skip
     assert torch.equal(res, new_res)
-    torch.testing.assert_close(y, F.silu(gate) * up, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(y, F.silu(gate) * up, rtol=1e-4, atol=1e-3)  # rstd on the sums: another rounding
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen2", "tiny_llama"])

@@ -4,15 +4,17 @@ At batch 1 a decode step is a chain of small kernels, each costing a launch and 
 its size; cuBLAS also splits the long-K down projection into a GEMM and a reduction. These kernels
 read each weight row once, in full-width tiles, with
 - a NORM prologue: x is (hidden + residual) normalised by RMSNorm and scaled by its weight; program 0
-  also writes hidden + residual, the next residual (each program recomputes the row's rstd: a few KB
-  from L2);
+  also writes hidden + residual, the next residual. Each program sums the row's squares as the weights stream
+  and multiplies its dot products by the row's rstd at the end (a scalar a row), so no pass over x comes before
+  the weight loads;
 - a SILU_MUL epilogue: W stacks gate's rows over up's (gate_up_proj), a program takes the same rows of
   both and writes silu(gate) * up, half as wide (so down_proj reads a plain row).
-Both round as fused_ops' kernels do (the products to the activation dtype before the SiLU, as the
-unfused GEMM's output is), so they equal the unfused path's bit for bit but for the dot products' float32
-summation order. The weight may also be float8 with one float32 scale per [GROUP_N, GROUP_K] block (pre-quantized
-block FP8): each block's scale multiplies x's inputs, one multiply an input rather than a weight, and the float8
-byte widens exactly; so the decode stack fuses FP8 layers as it does bf16 ones. Products accumulate elementwise in
+The epilogue rounds as fused_ops' kernels do (the products to the activation dtype before the SiLU, as the
+unfused GEMM's output is); the prologue keeps the normed input in float32 where the unfused path rounds it to the
+activation dtype, so the two differ by that rounding and the dot products' float32 summation order.
+The weight may also be float8 with one float32 scale per [GROUP_N, GROUP_K] block (pre-quantized block FP8): each
+block's scale multiplies x's inputs, one multiply an input rather than a weight, and the float8 byte widens
+exactly; so the decode stack fuses FP8 layers as it does bf16 ones. Products accumulate elementwise in
 a [BLOCK_N, BLOCK_K] float32 tile, reduced once at the end (no reduction across threads a step). Tile shapes come
 from GEMV_TILES (benchmarks/tuning/gemv_tiles.py sweeps them on a GPU); the torch reference is
 act(linear(norm(x))) over the dequantized weight.
@@ -24,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from novainfer.kernels.fused_ops import rms_scale, silu_mul
+from novainfer.kernels.fused_ops import silu_mul
 
 
 @triton.jit
@@ -54,17 +56,7 @@ def _gemv_kernel(
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # output rows (with SILU_MUL: gate's; up's are N further)
     rmask = rows < N
     kk = tl.arange(0, BLOCK_K)
-    rstd = 0.0
-    if NORM:  # the row's rstd first, over the whole of (hidden + residual)
-        sq = tl.zeros([BLOCK_K], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs = k0 + kk
-            h = tl.load(x_ptr + offs, mask=offs < K, other=0.0)
-            if HAS_RESIDUAL:
-                h = h + tl.load(res_ptr + offs, mask=offs < K, other=0.0)
-            hf = h.to(tl.float32)
-            sq += hf * hf
-        rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
+    sq = tl.zeros([BLOCK_K], tl.float32)  # NORM: (hidden + residual)^2, summed as the weights stream
     res_len = tl.where(pid == 0, K, 0)  # program 0 writes the new residual
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -75,15 +67,16 @@ def _gemv_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + kk
         kmask = offs < K
-        if NORM:
+        if NORM:  # x * norm weight now; the row's rstd, a scalar, multiplies the sums at the end
             h = tl.load(x_ptr + offs, mask=kmask, other=0.0)
             if HAS_RESIDUAL:
                 h = h + tl.load(res_ptr + offs, mask=kmask, other=0.0)
                 tl.store(res_out_ptr + offs, h, mask=offs < res_len)
-            x = rms_scale(h, tl.load(norm_w_ptr + offs, mask=kmask, other=0.0), rstd)
+            hf = h.to(tl.float32)
+            sq += hf * hf
+            xf = hf * tl.load(norm_w_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
         else:
-            x = tl.load(x_ptr + offs, mask=kmask, other=0.0)
-        xf = x.to(tl.float32)
+            xf = tl.load(x_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
         xw = xf
         if HAS_SCALE:
             xw = xf * tl.load(s_row + offs // GROUP_K, mask=kmask, other=0.0)
@@ -97,6 +90,10 @@ def _gemv_kernel(
             acc_up += up.to(tl.float32) * xu[None, :]
     y = tl.sum(acc, 1)
     y_up = tl.sum(acc_up, 1)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
+        y *= rstd
+        y_up *= rstd
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         if SILU_MUL:
@@ -107,21 +104,21 @@ def _gemv_kernel(
 
 
 # (N, K, silu_and_mul, block-scaled float8) of the weight -> (BLOCK_N, BLOCK_K, num_warps, num_stages), the fastest
-# of benchmarks/tuning/gemv_tiles.py's sweep on an H200 for Qwen2.5-0.5B's and -7B's projections (bf16: 2026-11-24;
-# float8: benchmarks/tuning/gemv_variants.py, 2026-11-27); other shapes take gemv_tiles()'s rule
+# of benchmarks/tuning/gemv_tiles.py's sweep on an H200 for Qwen2.5-0.5B's (2026-11-24) and -7B's (bf16 and float8,
+# 2026-11-27) projections; other shapes take gemv_tiles()'s rule
 GEMV_TILES: dict[tuple[int, int, bool, bool], tuple[int, int, int, int]] = {
     (1152, 896, False, False): (2, 1024, 4, 3),
     (896, 896, False, False): (2, 1024, 4, 3),
     (9728, 896, True, False): (4, 1024, 4, 3),
     (896, 4864, False, False): (1, 2048, 8, 3),
     (4608, 3584, False, False): (4, 512, 4, 3),
-    (3584, 3584, False, False): (1, 2048, 2, 3),
-    (37888, 3584, True, False): (4, 512, 2, 3),
-    (3584, 18944, False, False): (2, 1024, 4, 3),
-    (4608, 3584, False, True): (4, 512, 2, 3),
+    (3584, 3584, False, False): (2, 512, 2, 3),
+    (37888, 3584, True, False): (8, 512, 4, 3),
+    (3584, 18944, False, False): (2, 2048, 2, 3),
+    (4608, 3584, False, True): (8, 512, 4, 3),
     (3584, 3584, False, True): (4, 1024, 4, 1),
-    (37888, 3584, True, True): (16, 256, 8, 1),
-    (3584, 18944, False, True): (4, 1024, 4, 3),
+    (37888, 3584, True, True): (16, 512, 8, 3),
+    (3584, 18944, False, True): (4, 1024, 4, 1),
 }
 
 
