@@ -72,6 +72,8 @@ def projections(model: str, dev: str, fp8: bool = False) -> dict:
         "gate_up": (2 * inter, hidden, True, True),
         "down": (hidden, inter, False, False),
     }
+    if fp8:  # gate/up normed but not multiplied: the alternative to the SiLU epilogue (+ a silu_and_mul kernel)
+        shapes["gate_up_no_silu"] = (2 * inter, hidden, True, False)
     out = {}
     for name, (n, k, norm, act) in shapes.items():
         if fp8:  # float8 weights, one scale per 128x128 block; the unfused path reads their bf16 dequantization
