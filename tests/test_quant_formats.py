@@ -455,7 +455,7 @@ def test_int4_kernels_match_the_torch_reference(m, group):
     if m <= 4:
         torch.testing.assert_close(int4_gemv(x, qweight, scales, zeros, group), want, rtol=1e-4, atol=1e-4)
         # K steps longer than K's last one (the GPU's long steps): the tail step masks its chunks
-        got = int4_gemv(x, qweight, scales, zeros, group, tiles=(8, 256, 4))
+        got = int4_gemv(x, qweight, scales, zeros, group, tiles=(8, 256, 4, 1))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(int4_linear(x, qweight, scales, zeros, group), want, rtol=1e-4, atol=1e-4)
 

@@ -201,25 +201,25 @@ def _int4_dequant_kernel(q_ptr, s_ptr, z_ptr, out_ptr, K, GROUP: tl.constexpr, B
 GEMV_MAX_M = 4  # up to this many rows of x go through the GEMV (one read of the codes for all rows)
 DEQUANT_MIN_M = 64  # from this many rows: dequantize into a scratch weight, then cuBLAS (quant_paths.py measures)
 
-# (BLOCK_N, BLOCK_K, num_warps) of the GEMV. A step loads BLOCK_N * BLOCK_K / 2 bytes, a 16-byte vector or more per
-# thread; all programs together have N * BLOCK_K / 2 bytes in flight, which must cover HBM's latency (~3-4 MB on an
-# H200) even for a 3584-row layer: hence long K steps (a masked tail where BLOCK_K does not divide K). GEMV_TILES is
-# by (N, K); other shapes take GEMV_DEFAULT; GEMV_CANDIDATES are what benchmarks/quant_gpu.py sweeps (reasoned
-# defaults, not yet measured: the sweep's best replace them)
-GEMV_CANDIDATES: list[tuple[int, int, int]] = [
-    (8, 1024, 4),
-    (4, 1024, 4),
-    (4, 2048, 4),
-    (8, 1024, 8),
-    (8, 512, 4),
-    (16, 1024, 8),
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMV. A step loads BLOCK_N * BLOCK_K / 2 bytes, a 16-byte vector
+# or more per thread; all programs together have N * BLOCK_K / 2 bytes in flight, which must cover HBM's latency
+# (~3-4 MB on an H200) even for a 3584-row layer: hence long K steps (a masked tail where BLOCK_K does not divide K).
+# GEMV_TILES is by (N, K): the best of benchmarks/tuning/gemv_variants.py's sweep on an H200 (Qwen2.5-7B's layers,
+# 2026-11-27); other shapes take GEMV_DEFAULT; GEMV_CANDIDATES are what benchmarks/quant_gpu.py sweeps
+GEMV_CANDIDATES: list[tuple[int, int, int, int]] = [
+    (8, 1024, 4, 3),
+    (4, 1024, 4, 1),
+    (4, 2048, 8, 1),
+    (4, 512, 2, 1),
+    (8, 512, 4, 3),
+    (16, 1024, 8, 3),
 ]
-GEMV_DEFAULT = (8, 1024, 4)
-GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {  # the sweep's best on an H200 (Qwen2.5-7B's layers)
-    (4608, 3584): (4, 1024, 4),
-    (3584, 3584): (4, 2048, 4),
-    (37888, 3584): (8, 512, 4),
-    (3584, 18944): (4, 2048, 4),
+GEMV_DEFAULT = (4, 1024, 4, 1)
+GEMV_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (4608, 3584): (4, 2048, 8, 1),
+    (3584, 3584): (4, 2048, 8, 3),
+    (37888, 3584): (4, 512, 2, 1),
+    (3584, 18944): (4, 1024, 4, 1),
 }
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMM by the row count's bucket (BLOCK_K is capped at
@@ -239,15 +239,15 @@ def int4_gemv(
     scales: torch.Tensor,
     zeros: torch.Tensor,
     group: int,
-    tiles: tuple[int, int, int] | None = None,
+    tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= GEMV_MAX_M, unit stride along K) times the packed weight -> [M, N] in x's dtype."""
     m, k = x.shape
     n = qweight.shape[0]
     assert m <= GEMV_MAX_M and x.stride(1) == 1, x.shape
     if tiles is None and not x.is_cuda:
-        tiles = (4, 64, 4)  # the interpreter: small tiles
-    block_n, block_k, warps = tiles or GEMV_TILES.get((n, k), GEMV_DEFAULT)
+        tiles = (4, 64, 4, 1)  # the interpreter: small tiles
+    block_n, block_k, warps, stages = tiles or GEMV_TILES.get((n, k), GEMV_DEFAULT)
     block_k = min(block_k, triton.next_power_of_2(k))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
@@ -267,6 +267,7 @@ def int4_gemv(
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
         num_warps=warps,
+        num_stages=stages,
     )
     return out
 
