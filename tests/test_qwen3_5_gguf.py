@@ -98,3 +98,35 @@ def test_unknown_qwen35_metadata_is_refused(files, monkeypatch):
     monkeypatch.setitem(gguf_loader._reader(files["f32"]).metadata, "qwen35.rope.scaling.type", "yarn")
     with pytest.raises(NotImplementedError, match="qwen35.rope.scaling.type"):
         gguf_loader.load_gguf_config(files["f32"])
+
+
+def test_deltanet_decode_in_one_c_call_matches_the_layer_path(files, monkeypatch):
+    """Q8_0 weights stay packed, so a decode step's DeltaNet layers each run as one C call (kernels/cpu/gdn_layer.py);
+    a batch of two prompts of different lengths decodes the same greedy tokens, logprobs within 2e-3, as the
+    layer-by-layer path (the C call disabled). Not to the bit: the gates' exp / softplus and the small dense b / a
+    products are C's, not torch's; the next layer's int8 activation quantization turns their last-bit differences
+    into a rounding step here and there (1e-4 to 5e-4 in a logprob on this random model)."""
+    from novainfer import LLM, SamplingParams
+    from novainfer.kernels.cpu import gdn_layer
+
+    calls = []
+    run = gdn_layer.GDNLayerKernel.run
+
+    def counted(self, *args):
+        calls.append(args[0].shape[0])
+        return run(self, *args)
+
+    monkeypatch.setattr(gdn_layer.GDNLayerKernel, "run", counted)
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": [3, 77, 78]}]
+    llm = LLM(files["q8_0"], max_model_len=256, block_size=4, enable_prefix_caching=False)
+    fast = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert calls and 2 in calls  # both sequences' decode rows in one call
+    monkeypatch.setattr(gdn_layer, "layer_kernel", lambda layer: None)
+    calls.clear()
+    slow = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert not calls
+    for a, b in zip(fast, slow):
+        assert a.token_ids == b.token_ids
+        for t, la, lb in zip(a.token_ids, a.logprobs, b.logprobs):
+            assert abs(la[t].logprob - lb[t].logprob) < 2e-3

@@ -38,6 +38,7 @@ from novainfer.kernels.gated_delta_rule import (
 )
 from novainfer.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from novainfer.kernels.cpu import gated_delta as gated_delta_cpu
+from novainfer.kernels.cpu import gdn_layer as gdn_layer_cpu
 
 
 @dataclass
@@ -174,6 +175,18 @@ class GatedDeltaNet(nn.Module):
         if not isinstance(meta, AttentionMetadata):
             raise NotImplementedError("Gated DeltaNet layers run only with the paged (BLOCK) cache layout")
         num_tokens = hidden_states.shape[0]
+        state = meta.state_slots
+        if (
+            not hidden_states.is_cuda
+            and hidden_states.dtype is torch.float32
+            and meta.max_query_len == 1
+            and state is not None
+            and not state.restores
+            and not state.saves
+        ):  # a CPU decode step: the whole layer in one C call where its weights are packed
+            kernel = gdn_layer_cpu.layer_kernel(self)
+            if kernel is not None:
+                return kernel.run(hidden_states, state.slots, meta.seq_lens[:num_tokens] > 1)
         mixed = self.in_proj_qkv(hidden_states)
         z = self.in_proj_z(hidden_states).view(num_tokens, self.num_v_heads, self.head_v_dim)
         b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)

@@ -32,6 +32,7 @@ _SOURCES = [
     "cpu_pool.c",
     "decoder_stack_cpu.c",
     "gemma4_stack_cpu.c",
+    "gdn_layer_cpu.c",
     "repack_panels_cpu.c",
     "gated_delta_cpu.c",
     "gated_delta_prefill_cpu.c",

@@ -47,5 +47,12 @@ int decode_attention_bf16(const float *q, int q_stride, const uint16_t *k_cache,
                           const int32_t *block_tables, int bt_stride, const int32_t *seq_lens, int S, int nh, int nkv,
                           int D, int block_size, float scale, int window, float soft_cap, const float *sinks,
                           float *out, int nthreads, int num_blocks, int *where);
+/* gated_delta_cpu.c: one Gated DeltaNet decode step on the state slots, and the gated RMSNorm of its output */
+void gated_delta_decode(const float *mixed, int64_t mixed_stride, float *conv_state, float *ssm_state,
+                        const int64_t *slots, const uint8_t *continues, int B, const float *conv_w, const float *g,
+                        const float *beta, int C, int K, int nk, int nv, int dk, int dv, float *conv_out, float *out,
+                        int nthreads);
+void gated_rms_norm(const float *x, const float *z, const float *w, float eps, int rows, int D, float *out,
+                    int nthreads);
 
 #endif

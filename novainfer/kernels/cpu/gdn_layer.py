@@ -1,0 +1,157 @@
+"""A Gated DeltaNet layer's CPU decode step in one C call (csrc/gdn_layer_cpu.c): the descriptor it reads, filled once
+from a layers/linear_attention.GatedDeltaNet whose projections are packed (quantized GGUF) weights, and the call.
+The layer-by-layer path takes ~30 Python-level calls for the same work (four input projections, the gates in seven
+torch ops, the conv and rule, the gated norm, out_proj)."""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+from torch import nn
+
+from novainfer.kernels.cpu import library
+from novainfer.kernels.cpu.decoder_stack import _ERRORS, QLinearDesc, qlinear_desc
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class GDNLayerDesc(ctypes.Structure):
+    """gdn_layer of gdn_layer_cpu.c, field for field."""
+
+    _fields_ = [
+        ("in_qkv", QLinearDesc),
+        ("in_z", QLinearDesc),
+        ("in_b", QLinearDesc),
+        ("in_a", QLinearDesc),
+        ("out", QLinearDesc),
+        ("b_dense", _P),
+        ("a_dense", _P),
+        ("conv_w", _P),
+        ("neg_a", _P),
+        ("dt_bias", _P),
+        ("norm_w", _P),
+        ("eps", _F),
+        ("conv_state", _P),
+        ("ssm_state", _P),
+        ("C", _I),
+        ("K", _I),
+        ("nk", _I),
+        ("nv", _I),
+        ("dk", _I),
+        ("dv", _I),
+    ]
+
+
+@lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL | None:
+    lib = library._library()
+    if lib is None or not hasattr(lib, "gdn_layer_decode"):
+        return None
+    lib.gdn_layer_workspace.argtypes = [ctypes.POINTER(GDNLayerDesc), _I]
+    lib.gdn_layer_workspace.restype = ctypes.c_size_t
+    lib.gdn_layer_decode.argtypes = [ctypes.POINTER(GDNLayerDesc), _P, _I, _P, _P, _P, _P, _I]
+    lib.gdn_layer_decode.restype = _I
+    return lib
+
+
+def _projections(layer: nn.Module) -> list[nn.Module]:
+    return [layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_b, layer.in_proj_a, layer.out_proj]
+
+
+def _packed(lin: nn.Module):
+    packed = getattr(lin.weight, "packed", None)
+    return None if packed is None or packed.e2m1 else packed
+
+
+def supports(layer: nn.Module) -> bool:
+    """Whether the C step computes this layer: every projection packed (in_proj_b / in_proj_a may be dense float32:
+    llama.cpp's files keep those small tensors unquantized) on one rank without a bias, float32 state pools and
+    parameters, the kernels built."""
+    if _lib() is None or layer.tp_size != 1:
+        return False
+    for i, lin in enumerate(_projections(layer)):
+        dense_ok = i in (2, 3) and lin.weight.dtype is torch.float32 and lin.weight.dim() == 2
+        if lin.bias is not None or (_packed(lin) is None and not dense_ok):
+            return False
+    params = (layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.norm.weight, layer.conv_state, layer.ssm_state)
+    pools = (layer.conv_state, layer.ssm_state)
+    return all(t.dtype is torch.float32 and not t.is_cuda for t in params) and all(
+        t.numel() and t.is_contiguous() for t in pools
+    )
+
+
+class GDNLayerKernel:
+    """One layer's filled descriptor (with the tensors it points into) and its workspace."""
+
+    def __init__(self, layer: nn.Module):
+        self.state_ptrs = (layer.conv_state.data_ptr(), layer.ssm_state.data_ptr())
+        self.kept = [
+            layer.conv1d.weight.reshape(layer.conv_dim, -1).contiguous(),
+            -layer.A_log.exp(),
+            layer.dt_bias.contiguous(),
+            layer.norm.weight.contiguous(),
+        ]
+        conv_w, neg_a, dt_bias, norm_w = self.kept
+        dense = []
+        for lin in (layer.in_proj_b, layer.in_proj_a):
+            dense.append(None if _packed(lin) is not None else lin.weight.contiguous())
+        self.kept += [t for t in dense if t is not None]
+        self.desc = GDNLayerDesc(
+            *[
+                QLinearDesc() if _packed(lin) is None else qlinear_desc(_packed(lin), None)
+                for lin in _projections(layer)
+            ],
+            *[0 if t is None else t.data_ptr() for t in dense],
+            conv_w.data_ptr(),
+            neg_a.data_ptr(),
+            dt_bias.data_ptr(),
+            norm_w.data_ptr(),
+            layer.norm.eps,
+            layer.conv_state.data_ptr(),
+            layer.ssm_state.data_ptr(),
+            layer.conv_dim,
+            layer.kernel,
+            layer.num_k_heads,
+            layer.num_v_heads,
+            layer.head_k_dim,
+            layer.head_v_dim,
+        )
+        self.workspace = torch.empty(0)
+
+    def run(self, x: torch.Tensor, slots: torch.Tensor, continues: torch.Tensor) -> torch.Tensor:
+        """out_proj(gated_norm(rule(conv(in_proj(x))))) [M, H] for one decode row per sequence; x [M, H] float32."""
+        lib = _lib()
+        m = x.shape[0]
+        need = lib.gdn_layer_workspace(ctypes.byref(self.desc), m)
+        if self.workspace.numel() < need:
+            self.workspace = torch.empty(need)
+        x = x.contiguous()
+        slots64 = slots.to(torch.int64).contiguous()
+        cont = continues.to(torch.uint8).contiguous()
+        out = torch.empty(m, self.desc.out.N)
+        rc = lib.gdn_layer_decode(
+            ctypes.byref(self.desc),
+            x.data_ptr(),
+            m,
+            slots64.data_ptr(),
+            cont.data_ptr(),
+            out.data_ptr(),
+            self.workspace.data_ptr(),
+            library.num_threads(),
+        )
+        if rc:
+            cls, msg = _ERRORS.get(rc, (RuntimeError, f"gated deltanet layer: error {rc}"))
+            raise cls(msg)
+        return out
+
+
+def layer_kernel(layer: nn.Module) -> GDNLayerKernel | None:
+    """The layer's kernel (built on first use, rebuilt when the runner binds other state pools), or None where the
+    C step does not apply."""
+    kernel = getattr(layer, "_c_decode", None)
+    if kernel is not None and kernel.state_ptrs == (layer.conv_state.data_ptr(), layer.ssm_state.data_ptr()):
+        return kernel
+    layer._c_decode = GDNLayerKernel(layer) if supports(layer) else None
+    return layer._c_decode
