@@ -100,8 +100,10 @@ def test_unknown_qwen35_metadata_is_refused(files, monkeypatch):
         gguf_loader.load_gguf_config(files["f32"])
 
 
-def test_deltanet_decode_in_one_c_call_matches_the_layer_path(files, monkeypatch):
-    """Q8_0 weights stay packed, so a decode step's DeltaNet layers each run as one C call (kernels/cpu/gdn_layer.py);
+@pytest.mark.parametrize("whole", [True, False], ids=["decoder-layer", "mixer"])
+def test_deltanet_decode_in_one_c_call_matches_the_layer_path(whole, files, monkeypatch):
+    """Q8_0 weights stay packed, so a decode step's DeltaNet decoder layers each run as one C call (norms, mixer and
+    MLP: kernels/cpu/gdn_layer.py; the mixer alone where the layer's MLP is not the dense one, here forced);
     a batch of two prompts of different lengths decodes the same greedy tokens, logprobs within 2e-3, as the
     layer-by-layer path (the C call disabled). Not to the bit: the gates' exp / softplus and the small dense b / a
     products are C's, not torch's; the next layer's int8 activation quantization turns their last-bit differences
@@ -110,19 +112,22 @@ def test_deltanet_decode_in_one_c_call_matches_the_layer_path(files, monkeypatch
     from novainfer.kernels.cpu import gdn_layer
 
     calls = []
-    run = gdn_layer.GDNLayerKernel.run
+    entry = "run_layer" if whole else "run"
+    run = getattr(gdn_layer.GDNLayerKernel, entry)
 
     def counted(self, *args):
         calls.append(args[0].shape[0])
         return run(self, *args)
 
-    monkeypatch.setattr(gdn_layer.GDNLayerKernel, "run", counted)
+    monkeypatch.setattr(gdn_layer.GDNLayerKernel, entry, counted)
+    if not whole:
+        monkeypatch.setattr(gdn_layer, "supports_decoder", lambda decoder: False)
     params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": [3, 77, 78]}]
     llm = LLM(files["q8_0"], max_model_len=256, block_size=4, enable_prefix_caching=False)
     fast = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert calls and 2 in calls  # both sequences' decode rows in one call
-    monkeypatch.setattr(gdn_layer, "layer_kernel", lambda layer: None)
+    monkeypatch.setattr(gdn_layer, "layer_kernel", lambda *layers: None)
     calls.clear()
     slow = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert not calls

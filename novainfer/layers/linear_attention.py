@@ -175,18 +175,9 @@ class GatedDeltaNet(nn.Module):
         if not isinstance(meta, AttentionMetadata):
             raise NotImplementedError("Gated DeltaNet layers run only with the paged (BLOCK) cache layout")
         num_tokens = hidden_states.shape[0]
-        state = meta.state_slots
-        if (
-            not hidden_states.is_cuda
-            and hidden_states.dtype is torch.float32
-            and meta.max_query_len == 1
-            and state is not None
-            and not state.restores
-            and not state.saves
-        ):  # a CPU decode step: the whole layer in one C call where its weights are packed
-            kernel = gdn_layer_cpu.layer_kernel(self)
-            if kernel is not None:
-                return kernel.run(hidden_states, state.slots, meta.seq_lens[:num_tokens] > 1)
+        step = self.cpu_decode_step(hidden_states)
+        if step is not None and (kernel := gdn_layer_cpu.layer_kernel(self)) is not None:
+            return kernel.run(hidden_states, *step)  # the mixer in one C call (its weights are packed)
         mixed = self.in_proj_qkv(hidden_states)
         z = self.in_proj_z(hidden_states).view(num_tokens, self.num_v_heads, self.head_v_dim)
         b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
@@ -200,6 +191,17 @@ class GatedDeltaNet(nn.Module):
         out = self.mix(mixed, g, beta, meta, use_triton=hidden_states.is_cuda)
         out = self.norm(out.to(hidden_states.dtype), z)
         return self.out_proj(out.reshape(num_tokens, self.value_dim))
+
+    def cpu_decode_step(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(slots, continues) when this step is a plain CPU decode step (one token per sequence, float32, no
+        prefix-cache state copies) that kernels/cpu/gdn_layer.py's C call may take, else None."""
+        meta = get_attention_metadata()
+        state = getattr(meta, "state_slots", None)
+        if hidden_states.is_cuda or hidden_states.dtype is not torch.float32 or state is None:
+            return None
+        if meta.max_query_len != 1 or state.restores or state.saves:
+            return None
+        return state.slots, meta.seq_lens[: hidden_states.shape[0]] > 1
 
     def mix(
         self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata, use_triton: bool

@@ -18,6 +18,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from novainfer.kernels.cpu import gdn_layer as gdn_layer_cpu
 from novainfer.layers.attention import Attention
 from novainfer.layers.layernorm import GemmaRMSNorm
 from novainfer.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -109,6 +110,10 @@ class HybridDecoderLayer(LlamaDecoderLayer):
             self.linear_attn = mixer
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None):
+        if self.is_linear and (step := self.linear_attn.cpu_decode_step(hidden_states)) is not None:
+            kernel = gdn_layer_cpu.layer_kernel(self.linear_attn, self)
+            if kernel is not None:  # a CPU decode step: the whole layer in one C call
+                return kernel.run_layer(hidden_states, residual, *step)
         hidden_states, residual = self.input_norm(hidden_states, residual)
         if self.is_linear:
             hidden_states = self.linear_attn(hidden_states)

@@ -1,7 +1,8 @@
-"""A Gated DeltaNet layer's CPU decode step in one C call (csrc/gdn_layer_cpu.c): the descriptor it reads, filled once
-from a layers/linear_attention.GatedDeltaNet whose projections are packed (quantized GGUF) weights, and the call.
-The layer-by-layer path takes ~30 Python-level calls for the same work (four input projections, the gates in seven
-torch ops, the conv and rule, the gated norm, out_proj)."""
+"""A Gated DeltaNet decoder layer's CPU decode step in one C call (csrc/gdn_layer_cpu.c): the descriptor it reads,
+filled once from a layers/linear_attention.GatedDeltaNet whose projections are packed (quantized GGUF) weights (and,
+for the whole layer, its models/qwen3_5.HybridDecoderLayer's norms and dense MLP), and the calls. The layer-by-layer
+path takes ~40 Python-level calls for the same work (the norms, four input projections, the gates in seven torch
+ops, the conv and rule, the gated norm, out_proj, the MLP)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ class GDNLayerDesc(ctypes.Structure):
         ("out", QLinearDesc),
         ("b_dense", _P),
         ("a_dense", _P),
+        ("input_norm", _P),
+        ("post_norm", _P),
+        ("input_eps", _F),
+        ("post_eps", _F),
+        ("gate_up", QLinearDesc),
+        ("down", QLinearDesc),
         ("conv_w", _P),
         ("neg_a", _P),
         ("dt_bias", _P),
@@ -51,7 +58,9 @@ def _lib() -> ctypes.CDLL | None:
         return None
     lib.gdn_layer_workspace.argtypes = [ctypes.POINTER(GDNLayerDesc), _I]
     lib.gdn_layer_workspace.restype = ctypes.c_size_t
-    lib.gdn_layer_decode.argtypes = [ctypes.POINTER(GDNLayerDesc), _P, _I, _P, _P, _P, _P, _I]
+    lib.gdn_mixer_decode.argtypes = [ctypes.POINTER(GDNLayerDesc), _P, _I, _P, _P, _P, _P, _I]
+    lib.gdn_mixer_decode.restype = _I
+    lib.gdn_layer_decode.argtypes = [ctypes.POINTER(GDNLayerDesc), _P, _P, _P, _P, _I, _P, _P, _P, _I]
     lib.gdn_layer_decode.restype = _I
     return lib
 
@@ -82,10 +91,29 @@ def supports(layer: nn.Module) -> bool:
     )
 
 
-class GDNLayerKernel:
-    """One layer's filled descriptor (with the tensors it points into) and its workspace."""
+def supports_decoder(decoder: nn.Module) -> bool:
+    """Whether the whole decoder layer around a supported mixer runs in C: float32 offset (Gemma-style) norms on the
+    fused CPU path and a dense SiLU MLP of packed weights without biases."""
+    from novainfer.layers.activation import SiluAndMul
+    from novainfer.layers.layernorm import GemmaRMSNorm
+    from novainfer.models.llama import LlamaMLP
 
-    def __init__(self, layer: nn.Module):
+    norms, mlp = (decoder.input_layernorm, decoder.post_attention_layernorm), decoder.mlp
+    if any(type(n) is not GemmaRMSNorm or not n.fused_cpu or n.weight.dtype is not torch.float32 for n in norms):
+        return False
+    if type(mlp) is not LlamaMLP or type(mlp.act_fn) is not SiluAndMul or not mlp.act_fn.fused_cpu:
+        return False
+    return all(
+        lin.tp_size == 1 and lin.bias is None and _packed(lin) is not None for lin in (mlp.gate_up_proj, mlp.down_proj)
+    )
+
+
+class GDNLayerKernel:
+    """One layer's filled descriptor (with the tensors it points into) and its workspace; whole: the decoder
+    layer's norms and MLP are filled too (run_layer), else only the mixer (run)."""
+
+    def __init__(self, layer: nn.Module, decoder: nn.Module | None = None):
+        self.whole = decoder is not None
         self.state_ptrs = (layer.conv_state.data_ptr(), layer.ssm_state.data_ptr())
         self.kept = [
             layer.conv1d.weight.reshape(layer.conv_dim, -1).contiguous(),
@@ -98,12 +126,23 @@ class GDNLayerKernel:
         for lin in (layer.in_proj_b, layer.in_proj_a):
             dense.append(None if _packed(lin) is not None else lin.weight.contiguous())
         self.kept += [t for t in dense if t is not None]
+        whole = []
+        if decoder is not None:
+            norms = [1.0 + n.weight for n in (decoder.input_layernorm, decoder.post_attention_layernorm)]
+            self.kept += norms
+            mlp = decoder.mlp
+            whole = [norms[0].data_ptr(), norms[1].data_ptr(), decoder.input_layernorm.eps]
+            whole += [decoder.post_attention_layernorm.eps, qlinear_desc(_packed(mlp.gate_up_proj), None)]
+            whole += [qlinear_desc(_packed(mlp.down_proj), None)]
+        else:
+            whole = [0, 0, 0.0, 0.0, QLinearDesc(), QLinearDesc()]
         self.desc = GDNLayerDesc(
             *[
                 QLinearDesc() if _packed(lin) is None else qlinear_desc(_packed(lin), None)
                 for lin in _projections(layer)
             ],
             *[0 if t is None else t.data_ptr() for t in dense],
+            *whole,
             conv_w.data_ptr(),
             neg_a.data_ptr(),
             dt_bias.data_ptr(),
@@ -120,38 +159,71 @@ class GDNLayerKernel:
         )
         self.workspace = torch.empty(0)
 
-    def run(self, x: torch.Tensor, slots: torch.Tensor, continues: torch.Tensor) -> torch.Tensor:
-        """out_proj(gated_norm(rule(conv(in_proj(x))))) [M, H] for one decode row per sequence; x [M, H] float32."""
-        lib = _lib()
-        m = x.shape[0]
-        need = lib.gdn_layer_workspace(ctypes.byref(self.desc), m)
+    def _operands(self, m: int, slots: torch.Tensor, continues: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        need = _lib().gdn_layer_workspace(ctypes.byref(self.desc), m)
         if self.workspace.numel() < need:
             self.workspace = torch.empty(need)
+        return slots.to(torch.int64).contiguous(), continues.to(torch.uint8).contiguous()
+
+    def run(self, x: torch.Tensor, slots: torch.Tensor, continues: torch.Tensor) -> torch.Tensor:
+        """out_proj(gated_norm(rule(conv(in_proj(x))))) [M, H] for one decode row per sequence; x [M, H] float32."""
+        m = x.shape[0]
+        slots64, cont = self._operands(m, slots, continues)
         x = x.contiguous()
-        slots64 = slots.to(torch.int64).contiguous()
-        cont = continues.to(torch.uint8).contiguous()
         out = torch.empty(m, self.desc.out.N)
-        rc = lib.gdn_layer_decode(
-            ctypes.byref(self.desc),
-            x.data_ptr(),
-            m,
-            slots64.data_ptr(),
-            cont.data_ptr(),
-            out.data_ptr(),
-            self.workspace.data_ptr(),
-            library.num_threads(),
+        _check(
+            _lib().gdn_mixer_decode(
+                ctypes.byref(self.desc),
+                x.data_ptr(),
+                m,
+                slots64.data_ptr(),
+                cont.data_ptr(),
+                out.data_ptr(),
+                self.workspace.data_ptr(),
+                library.num_threads(),
+            )
         )
-        if rc:
-            cls, msg = _ERRORS.get(rc, (RuntimeError, f"gated deltanet layer: error {rc}"))
-            raise cls(msg)
         return out
 
+    def run_layer(
+        self, h: torch.Tensor, residual: torch.Tensor | None, slots: torch.Tensor, continues: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layer as HybridDecoderLayer.forward returns it: (the MLP's output, the new residual)."""
+        m = h.shape[0]
+        slots64, cont = self._operands(m, slots, continues)
+        h = h.contiguous()
+        residual = None if residual is None else residual.contiguous()
+        out, res_out = torch.empty_like(h), torch.empty_like(h)
+        _check(
+            _lib().gdn_layer_decode(
+                ctypes.byref(self.desc),
+                h.data_ptr(),
+                None if residual is None else residual.data_ptr(),
+                res_out.data_ptr(),
+                out.data_ptr(),
+                m,
+                slots64.data_ptr(),
+                cont.data_ptr(),
+                self.workspace.data_ptr(),
+                library.num_threads(),
+            )
+        )
+        return out, res_out
 
-def layer_kernel(layer: nn.Module) -> GDNLayerKernel | None:
-    """The layer's kernel (built on first use, rebuilt when the runner binds other state pools), or None where the
-    C step does not apply."""
-    kernel = getattr(layer, "_c_decode", None)
+
+def _check(rc: int) -> None:
+    if rc:
+        cls, msg = _ERRORS.get(rc, (RuntimeError, f"gated deltanet layer: error {rc}"))
+        raise cls(msg)
+
+
+def layer_kernel(layer: nn.Module, decoder: nn.Module | None = None) -> GDNLayerKernel | None:
+    """The mixer's kernel, for the whole decoder layer where decoder is given and supports_decoder() it (built on
+    first use, rebuilt when the runner binds other state pools), or None where the C step does not apply."""
+    whole = decoder is not None
+    kernel = getattr(layer, "_c_decode", {}).get(whole)
     if kernel is not None and kernel.state_ptrs == (layer.conv_state.data_ptr(), layer.ssm_state.data_ptr()):
         return kernel
-    layer._c_decode = GDNLayerKernel(layer) if supports(layer) else None
-    return layer._c_decode
+    ok = supports(layer) and (decoder is None or supports_decoder(decoder))
+    layer._c_decode = {**getattr(layer, "_c_decode", {}), whole: GDNLayerKernel(layer, decoder) if ok else None}
+    return layer._c_decode[whole]
