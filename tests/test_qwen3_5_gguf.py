@@ -100,37 +100,46 @@ def test_unknown_qwen35_metadata_is_refused(files, monkeypatch):
         gguf_loader.load_gguf_config(files["f32"])
 
 
-@pytest.mark.parametrize("whole", [True, False], ids=["decoder-layer", "mixer"])
-def test_deltanet_decode_in_one_c_call_matches_the_layer_path(whole, files, monkeypatch):
-    """Q8_0 weights stay packed, so a decode step's DeltaNet decoder layers each run as one C call (norms, mixer and
-    MLP: kernels/cpu/gdn_layer.py; the mixer alone where the layer's MLP is not the dense one, here forced);
-    a batch of two prompts of different lengths decodes the same greedy tokens, logprobs within 2e-3, as the
-    layer-by-layer path (the C call disabled). Not to the bit: the gates' exp / softplus and the small dense b / a
-    products are C's, not torch's; the next layer's int8 activation quantization turns their last-bit differences
-    into a rounding step here and there (1e-4 to 5e-4 in a logprob on this random model)."""
+@pytest.mark.parametrize("whole", [True, False], ids=["decoder-layers", "mixer"])
+def test_decode_layers_in_one_c_call_match_the_layer_path(whole, files, monkeypatch):
+    """Q8_0 weights stay packed, so a decode step's decoder layers each run as one C call: the DeltaNet ones (norms,
+    mixer and MLP: kernels/cpu/gdn_layer.py; the mixer alone where the layer's MLP is not the dense one, here
+    forced) and the gated-attention ones (kernels/cpu/gated_attn_layer.py). A batch of two prompts of different
+    lengths decodes the same greedy tokens, logprobs within 2e-3, as the layer-by-layer path (the C calls
+    disabled). Not to the bit: the gates' exp / softplus / sigmoid and the small dense b / a products are C's, not
+    torch's; the next layer's int8 activation quantization turns their last-bit differences into a rounding step
+    here and there (1e-4 to 5e-4 in a logprob on this random model)."""
     from novainfer import LLM, SamplingParams
-    from novainfer.kernels.cpu import gdn_layer
+    from novainfer.kernels.cpu import gated_attn_layer, gdn_layer
 
-    calls = []
+    calls = {"gdn": [], "attn": []}
     entry = "run_layer" if whole else "run"
-    run = getattr(gdn_layer.GDNLayerKernel, entry)
 
-    def counted(self, *args):
-        calls.append(args[0].shape[0])
-        return run(self, *args)
+    def counting(cls, name, key):
+        run = getattr(cls, name)
 
-    monkeypatch.setattr(gdn_layer.GDNLayerKernel, entry, counted)
+        def counted(self, *args):
+            calls[key].append(args[0].shape[0])
+            return run(self, *args)
+
+        monkeypatch.setattr(cls, name, counted)
+
+    counting(gdn_layer.GDNLayerKernel, entry, "gdn")
+    counting(gated_attn_layer.GatedAttnLayerKernel, "run", "attn")
     if not whole:
         monkeypatch.setattr(gdn_layer, "supports_decoder", lambda decoder: False)
+        monkeypatch.setattr(gated_attn_layer, "supports", lambda decoder: False)
     params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": [3, 77, 78]}]
     llm = LLM(files["q8_0"], max_model_len=256, block_size=4, enable_prefix_caching=False)
     fast = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert calls and 2 in calls  # both sequences' decode rows in one call
+    assert 2 in calls["gdn"]  # both sequences' decode rows in one call
+    assert (2 in calls["attn"]) == whole
     monkeypatch.setattr(gdn_layer, "layer_kernel", lambda *layers: None)
-    calls.clear()
+    monkeypatch.setattr(gated_attn_layer, "layer_kernel", lambda decoder: None)
+    calls["gdn"].clear(), calls["attn"].clear()
     slow = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert not calls
+    assert not calls["gdn"] and not calls["attn"]
     for a, b in zip(fast, slow):
         assert a.token_ids == b.token_ids
         for t, la, lb in zip(a.token_ids, a.logprobs, b.logprobs):

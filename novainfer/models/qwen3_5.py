@@ -18,6 +18,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from novainfer.kernels.cpu import gated_attn_layer as gated_attn_cpu
 from novainfer.kernels.cpu import gdn_layer as gdn_layer_cpu
 from novainfer.layers.attention import Attention
 from novainfer.layers.layernorm import GemmaRMSNorm
@@ -114,6 +115,11 @@ class HybridDecoderLayer(LlamaDecoderLayer):
             kernel = gdn_layer_cpu.layer_kernel(self.linear_attn, self)
             if kernel is not None:  # a CPU decode step: the whole layer in one C call
                 return kernel.run_layer(hidden_states, residual, *step)
+        if not self.is_linear and (meta := gated_attn_cpu.decode_meta(hidden_states)) is not None:
+            kernel = gated_attn_cpu.layer_kernel(self)
+            done = None if kernel is None else kernel.run(hidden_states, residual, positions, meta)
+            if done is not None:  # (None: a bad KV index, which the layers' own ops report)
+                return done
         hidden_states, residual = self.input_norm(hidden_states, residual)
         if self.is_linear:
             hidden_states = self.linear_attn(hidden_states)

@@ -33,6 +33,7 @@ _SOURCES = [
     "decoder_stack_cpu.c",
     "gemma4_stack_cpu.c",
     "gdn_layer_cpu.c",
+    "gated_attn_layer_cpu.c",
     "repack_panels_cpu.c",
     "gated_delta_cpu.c",
     "gated_delta_prefill_cpu.c",
