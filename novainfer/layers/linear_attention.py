@@ -193,15 +193,21 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(num_tokens, self.value_dim))
 
     def cpu_decode_step(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(slots, continues) when this step is a plain CPU decode step (one token per sequence, float32, no
-        prefix-cache state copies) that kernels/cpu/gdn_layer.py's C call may take, else None."""
+        """(slots as int64, continues as uint8) when this step is a plain CPU decode step (one token per sequence,
+        float32, no prefix-cache state copies) that kernels/cpu/gdn_layer.py's C call may take, else None. Built
+        once a step (kept on the step's state metadata) for all of the model's DeltaNet layers."""
         meta = get_attention_metadata()
         state = getattr(meta, "state_slots", None)
         if hidden_states.is_cuda or hidden_states.dtype is not torch.float32 or state is None:
             return None
         if meta.max_query_len != 1 or state.restores or state.saves:
             return None
-        return state.slots, meta.seq_lens[: hidden_states.shape[0]] > 1
+        operands = state.__dict__.get("cpu_decode_operands")
+        if operands is None:
+            continues = meta.seq_lens[: hidden_states.shape[0]] > 1
+            operands = (state.slots.to(torch.int64).contiguous(), continues.to(torch.uint8).contiguous())
+            state.__dict__["cpu_decode_operands"] = operands
+        return operands
 
     def mix(
         self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata, use_triton: bool
