@@ -196,9 +196,11 @@ class GatedDeltaNet(nn.Module):
         """(slots as int64, continues as uint8) when this step is a plain CPU decode step (one token per sequence,
         float32, no prefix-cache state copies) that kernels/cpu/gdn_layer.py's C call may take, else None. Built
         once a step (kept on the step's state metadata) for all of the model's DeltaNet layers."""
+        if hidden_states.is_cuda or hidden_states.dtype is not torch.float32:
+            return None
         meta = get_attention_metadata()
         state = getattr(meta, "state_slots", None)
-        if hidden_states.is_cuda or hidden_states.dtype is not torch.float32 or state is None:
+        if state is None:
             return None
         if meta.max_query_len != 1 or state.restores or state.saves:
             return None

@@ -105,7 +105,6 @@ class GatedAttnLayerKernel:
     def __init__(self, decoder: nn.Module):
         sa, mlp = decoder.self_attn, decoder.mlp
         a, rope = sa.attn, sa.rotary_emb
-        self.cache_ptr = a.k_cache.data_ptr()
         norms = [1.0 + n.weight for n in (decoder.input_layernorm, decoder.post_attention_layernorm, sa.q_norm)]
         norms.append(1.0 + sa.k_norm.weight)
         self.kept = norms + [rope.cos_cache.contiguous(), rope.sin_cache.contiguous()]
@@ -179,8 +178,10 @@ def decode_meta(hidden_states: torch.Tensor):
     float32) that the C call may take, else None."""
     from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
 
+    if hidden_states.is_cuda or hidden_states.dtype is not torch.float32:
+        return None
     meta = get_attention_metadata()
-    if hidden_states.is_cuda or hidden_states.dtype is not torch.float32 or not isinstance(meta, AttentionMetadata):
+    if not isinstance(meta, AttentionMetadata):
         return None
     if meta.max_query_len != 1 or meta.num_seqs != hidden_states.shape[0] or getattr(meta, "groups", None):
         return None
@@ -188,10 +189,12 @@ def decode_meta(hidden_states: torch.Tensor):
 
 
 def layer_kernel(decoder: nn.Module) -> GatedAttnLayerKernel | None:
-    """The layer's kernel (built on first use, rebuilt when the runner binds another KV cache), or None where the C
-    step does not apply."""
-    kernel = getattr(decoder, "_c_decode", None)
-    if kernel is not None and kernel.cache_ptr == decoder.self_attn.attn.k_cache.data_ptr():
-        return kernel
-    decoder._c_decode = GatedAttnLayerKernel(decoder) if supports(decoder) else None
-    return decoder._c_decode
+    """The layer's kernel, or None where the C step does not apply; decided and built once, again when the runner
+    binds another KV cache."""
+    ptr = decoder.self_attn.attn.k_cache.data_ptr()
+    cached = decoder.__dict__.get("_c_decode")
+    if cached is not None and cached[0] == ptr:
+        return cached[1]
+    kernel = GatedAttnLayerKernel(decoder) if supports(decoder) else None
+    decoder.__dict__["_c_decode"] = (ptr, kernel)
+    return kernel

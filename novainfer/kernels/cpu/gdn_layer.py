@@ -114,7 +114,6 @@ class GDNLayerKernel:
 
     def __init__(self, layer: nn.Module, decoder: nn.Module | None = None):
         self.whole = decoder is not None
-        self.state_ptrs = (layer.conv_state.data_ptr(), layer.ssm_state.data_ptr())
         self.kept = [
             layer.conv1d.weight.reshape(layer.conv_dim, -1).contiguous(),
             -layer.A_log.exp(),
@@ -218,12 +217,14 @@ def _check(rc: int) -> None:
 
 
 def layer_kernel(layer: nn.Module, decoder: nn.Module | None = None) -> GDNLayerKernel | None:
-    """The mixer's kernel, for the whole decoder layer where decoder is given and supports_decoder() it (built on
-    first use, rebuilt when the runner binds other state pools), or None where the C step does not apply."""
+    """The mixer's kernel, for the whole decoder layer where decoder is given and supports_decoder() it, or None
+    where the C step does not apply; decided and built once, again when the runner binds other state pools."""
     whole = decoder is not None
-    kernel = getattr(layer, "_c_decode", {}).get(whole)
-    if kernel is not None and kernel.state_ptrs == (layer.conv_state.data_ptr(), layer.ssm_state.data_ptr()):
-        return kernel
+    ptrs = (layer.conv_state.data_ptr(), layer.ssm_state.data_ptr())
+    cached = layer.__dict__.setdefault("_c_decode", {}).get(whole)
+    if cached is not None and cached[0] == ptrs:
+        return cached[1]
     ok = supports(layer) and (decoder is None or supports_decoder(decoder))
-    layer._c_decode = {**getattr(layer, "_c_decode", {}), whole: GDNLayerKernel(layer, decoder) if ok else None}
-    return layer._c_decode[whole]
+    kernel = GDNLayerKernel(layer, decoder) if ok else None
+    layer.__dict__["_c_decode"][whole] = (ptrs, kernel)
+    return kernel
