@@ -200,7 +200,7 @@ class GatedDeltaNet(nn.Module):
             return None
         meta = get_attention_metadata()
         state = getattr(meta, "state_slots", None)
-        if state is None:
+        if not isinstance(meta, AttentionMetadata) or state is None:
             return None
         if meta.max_query_len != 1 or state.restores or state.saves:
             return None
