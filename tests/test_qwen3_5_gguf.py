@@ -111,6 +111,7 @@ def test_decode_layers_in_one_c_call_match_the_layer_path(whole, files, monkeypa
     here and there (1e-4 to 5e-4 in a logprob on this random model)."""
     from novainfer import LLM, SamplingParams
     from novainfer.kernels.cpu import gated_attn_layer, gdn_layer
+    from novainfer.models import qwen3_5_cpu_decode
 
     calls = {"gdn": [], "attn": []}
     entry = "run_layer" if whole else "run"
@@ -127,8 +128,7 @@ def test_decode_layers_in_one_c_call_match_the_layer_path(whole, files, monkeypa
     counting(gdn_layer.GDNLayerKernel, entry, "gdn")
     counting(gated_attn_layer.GatedAttnLayerKernel, "run", "attn")
     if not whole:
-        monkeypatch.setattr(gdn_layer, "supports_decoder", lambda decoder: False)
-        monkeypatch.setattr(gated_attn_layer, "supports", lambda decoder: False)
+        monkeypatch.setattr(qwen3_5_cpu_decode, "norms_and_mlp_supported", lambda *args: False)
     params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": [3, 77, 78]}]
     llm = LLM(files["q8_0"], max_model_len=256, block_size=4, enable_prefix_caching=False)
@@ -136,7 +136,7 @@ def test_decode_layers_in_one_c_call_match_the_layer_path(whole, files, monkeypa
     assert 2 in calls["gdn"]  # both sequences' decode rows in one call
     assert (2 in calls["attn"]) == whole
     monkeypatch.setattr(gdn_layer, "layer_kernel", lambda *layers: None)
-    monkeypatch.setattr(gated_attn_layer, "layer_kernel", lambda decoder: None)
+    monkeypatch.setattr(qwen3_5_cpu_decode, "gated_attn_kernel", lambda decoder: None)
     calls["gdn"].clear(), calls["attn"].clear()
     slow = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
     assert not calls["gdn"] and not calls["attn"]

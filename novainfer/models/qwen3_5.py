@@ -18,8 +18,6 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from novainfer.kernels.cpu import gated_attn_layer as gated_attn_cpu
-from novainfer.kernels.cpu import gdn_layer as gdn_layer_cpu
 from novainfer.layers.attention import Attention
 from novainfer.layers.layernorm import GemmaRMSNorm
 from novainfer.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -27,6 +25,7 @@ from novainfer.layers.linear_attention import GatedDeltaNet
 from novainfer.layers.rotary import RotaryEmbedding, _cos_sin, rope_parameters
 from novainfer.models.llama import LlamaDecoderLayer, LlamaMLP, LlamaModel
 from novainfer.models.moe import MoeForCausalLM, SparseMoeBlock
+from novainfer.models import qwen3_5_cpu_decode as cpu_decode
 from novainfer.models.qwen2_moe import is_sparse_layer
 
 logger = logging.getLogger(__name__)
@@ -112,11 +111,11 @@ class HybridDecoderLayer(LlamaDecoderLayer):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None):
         if self.is_linear and (step := self.linear_attn.cpu_decode_step(hidden_states)) is not None:
-            kernel = gdn_layer_cpu.layer_kernel(self.linear_attn, self)
+            kernel = cpu_decode.gdn_decoder_kernel(self)
             if kernel is not None:  # a CPU decode step: the whole layer in one C call
                 return kernel.run_layer(hidden_states, residual, *step)
-        if not self.is_linear and (meta := gated_attn_cpu.decode_meta(hidden_states)) is not None:
-            kernel = gated_attn_cpu.layer_kernel(self)
+        if not self.is_linear and (meta := cpu_decode.decode_meta(hidden_states)) is not None:
+            kernel = cpu_decode.gated_attn_kernel(self)
             done = None if kernel is None else kernel.run(hidden_states, residual, positions, meta)
             if done is not None:  # (None: a bad KV index, which the layers' own ops report)
                 return done

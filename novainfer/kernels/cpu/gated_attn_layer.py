@@ -1,8 +1,8 @@
 """A Qwen3.5 / Qwen3-Next gated-attention decoder layer's CPU decode step in one C call (csrc/gated_attn_layer_cpu.c):
 the descriptor it reads, filled once from a models/qwen3_5.HybridDecoderLayer whose projections are packed (quantized
-GGUF) weights over the CPU backend's bf16 KV cache, and the call. The layer-by-layer path takes ~35 Python-level
-calls for the same work (the norms, the q / gate split, q / k norms, the partial rotary, the attention, the gate,
-the MLP)."""
+GGUF) weights over the CPU backend's bf16 KV cache (models/qwen3_5_cpu_decode.py decides where it applies), and
+the call. The layer-by-layer path takes ~35 Python-level calls for the same work (the norms, the q / gate split,
+q / k norms, the partial rotary, the attention, the gate, the MLP)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from novainfer.attention import cpu_backend
 from novainfer.kernels.cpu import library, ops
 from novainfer.kernels.cpu.decoder_stack import _BAD_KV, _ERRORS, QLinearDesc, qlinear_desc
 
@@ -61,42 +60,15 @@ def _lib() -> ctypes.CDLL | None:
     return lib
 
 
-def _packed(lin: nn.Module):
+def available() -> bool:
+    """Whether the C call is built on this machine."""
+    return _lib() is not None
+
+
+def packed(lin: nn.Module):
+    """The layer's packed weight where the C call reads it (no bias, one rank, not MXFP4), else None."""
     packed = getattr(lin.weight, "packed", None)
     return None if packed is None or packed.e2m1 or lin.bias is not None or lin.tp_size != 1 else packed
-
-
-def supports(decoder: nn.Module) -> bool:
-    """Whether the C step computes this gated-attention decoder layer: packed projections without biases on one
-    rank, float32 offset norms on the fused CPU path, a dense SiLU MLP, the CPU backend's contiguous bf16 cache."""
-    from novainfer.layers.activation import SiluAndMul
-    from novainfer.layers.layernorm import GemmaRMSNorm
-    from novainfer.models.llama import LlamaMLP
-
-    sa, mlp = decoder.self_attn, decoder.mlp
-    a = sa.attn
-    norms = (decoder.input_layernorm, decoder.post_attention_layernorm, sa.q_norm, sa.k_norm)
-    if _lib() is None or any(
-        type(n) is not GemmaRMSNorm or not n.fused_cpu or n.weight.dtype is not torch.float32 for n in norms
-    ):
-        return False
-    if type(mlp) is not LlamaMLP or type(mlp.act_fn) is not SiluAndMul or not mlp.act_fn.fused_cpu:
-        return False
-    if any(_packed(lin) is None for lin in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)):
-        return False
-    if a.sliding_window or a.logits_soft_cap or a.sinks is not None or a.backend is not cpu_backend:
-        return False
-    if a.kv_source is not None:
-        return False
-    rope = sa.rotary_emb
-    return (
-        a.k_cache.dtype == torch.bfloat16
-        and a.k_cache.dim() == 4
-        and a.k_cache.is_contiguous()
-        and a.v_cache.is_contiguous()
-        and rope.cos_cache.dtype == torch.float32
-        and not rope.cos_cache.is_cuda
-    )
 
 
 class GatedAttnLayerKernel:
@@ -116,7 +88,7 @@ class GatedAttnLayerKernel:
             decoder.post_attention_layernorm.eps,
             sa.q_norm.eps,
             a.scale,
-            *[qlinear_desc(_packed(lin), None) for lin in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)],
+            *[qlinear_desc(packed(lin), None) for lin in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)],
             a.k_cache.data_ptr(),
             a.v_cache.data_ptr(),
             cos.data_ptr(),
@@ -171,30 +143,3 @@ class GatedAttnLayerKernel:
             cls, msg = _ERRORS.get(rc, (RuntimeError, f"gated attention layer: error {rc}"))
             raise cls(msg)
         return out, res_out
-
-
-def decode_meta(hidden_states: torch.Tensor):
-    """The step's attention metadata when it is a plain CPU decode step over one KV group (one token per sequence,
-    float32) that the C call may take, else None."""
-    from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
-
-    if hidden_states.is_cuda or hidden_states.dtype is not torch.float32:
-        return None
-    meta = get_attention_metadata()
-    if not isinstance(meta, AttentionMetadata):
-        return None
-    if meta.max_query_len != 1 or meta.num_seqs != hidden_states.shape[0] or getattr(meta, "groups", None):
-        return None
-    return meta
-
-
-def layer_kernel(decoder: nn.Module) -> GatedAttnLayerKernel | None:
-    """The layer's kernel, or None where the C step does not apply; decided and built once, again when the runner
-    binds another KV cache."""
-    ptr = decoder.self_attn.attn.k_cache.data_ptr()
-    cached = decoder.__dict__.get("_c_decode")
-    if cached is not None and cached[0] == ptr:
-        return cached[1]
-    kernel = GatedAttnLayerKernel(decoder) if supports(decoder) else None
-    decoder.__dict__["_c_decode"] = (ptr, kernel)
-    return kernel

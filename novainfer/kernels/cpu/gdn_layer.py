@@ -1,6 +1,7 @@
 """A Gated DeltaNet decoder layer's CPU decode step in one C call (csrc/gdn_layer_cpu.c): the descriptor it reads,
 filled once from a layers/linear_attention.GatedDeltaNet whose projections are packed (quantized GGUF) weights (and,
-for the whole layer, its models/qwen3_5.HybridDecoderLayer's norms and dense MLP), and the calls. The layer-by-layer
+for the whole layer, its models/qwen3_5.HybridDecoderLayer's norms and dense MLP, which
+models/qwen3_5_cpu_decode.py checks), and the calls. The layer-by-layer
 path takes ~40 Python-level calls for the same work (the norms, four input projections, the gates in seven torch
 ops, the conv and rule, the gated norm, out_proj, the MLP)."""
 
@@ -88,23 +89,6 @@ def supports(layer: nn.Module) -> bool:
     pools = (layer.conv_state, layer.ssm_state)
     return all(t.dtype is torch.float32 and not t.is_cuda for t in params) and all(
         t.numel() and t.is_contiguous() for t in pools
-    )
-
-
-def supports_decoder(decoder: nn.Module) -> bool:
-    """Whether the whole decoder layer around a supported mixer runs in C: float32 offset (Gemma-style) norms on the
-    fused CPU path and a dense SiLU MLP of packed weights without biases."""
-    from novainfer.layers.activation import SiluAndMul
-    from novainfer.layers.layernorm import GemmaRMSNorm
-    from novainfer.models.llama import LlamaMLP
-
-    norms, mlp = (decoder.input_layernorm, decoder.post_attention_layernorm), decoder.mlp
-    if any(type(n) is not GemmaRMSNorm or not n.fused_cpu or n.weight.dtype is not torch.float32 for n in norms):
-        return False
-    if type(mlp) is not LlamaMLP or type(mlp.act_fn) is not SiluAndMul or not mlp.act_fn.fused_cpu:
-        return False
-    return all(
-        lin.tp_size == 1 and lin.bias is None and _packed(lin) is not None for lin in (mlp.gate_up_proj, mlp.down_proj)
     )
 
 
@@ -217,14 +201,14 @@ def _check(rc: int) -> None:
 
 
 def layer_kernel(layer: nn.Module, decoder: nn.Module | None = None) -> GDNLayerKernel | None:
-    """The mixer's kernel, for the whole decoder layer where decoder is given and supports_decoder() it, or None
-    where the C step does not apply; decided and built once, again when the runner binds other state pools."""
+    """The mixer's kernel, filled for the whole decoder layer where decoder is given (the caller checked that the C
+    call computes that layer's norms and MLP), or None where the C step does not apply to the mixer; decided and
+    built once, again when the runner binds other state pools."""
     whole = decoder is not None
     ptrs = (layer.conv_state.data_ptr(), layer.ssm_state.data_ptr())
     cached = layer.__dict__.setdefault("_c_decode", {}).get(whole)
     if cached is not None and cached[0] == ptrs:
         return cached[1]
-    ok = supports(layer) and (decoder is None or supports_decoder(decoder))
-    kernel = GDNLayerKernel(layer, decoder) if ok else None
+    kernel = GDNLayerKernel(layer, decoder) if supports(layer) else None
     layer.__dict__["_c_decode"][whole] = (ptrs, kernel)
     return kernel
