@@ -777,7 +777,13 @@
         renderThread();
       }
     });
-    requestAnimationFrame(() => { area.focus(); area.setSelectionRange(area.value.length, area.value.length); });
+    // caret to the end once the editor is on the page, unless the user (or a test driver) got there first: moving
+    // the caret then would collapse their selection, and typing would append to the text instead of replacing it
+    requestAnimationFrame(() => {
+      if (document.activeElement === area) return;
+      area.focus();
+      area.setSelectionRange(area.value.length, area.value.length);
+    });
     return form;
   }
 
