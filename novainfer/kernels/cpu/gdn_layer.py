@@ -93,11 +93,10 @@ def supports(layer: nn.Module) -> bool:
 
 
 class GDNLayerKernel:
-    """One layer's filled descriptor (with the tensors it points into) and its workspace; whole: the decoder
-    layer's norms and MLP are filled too (run_layer), else only the mixer (run)."""
+    """One layer's filled descriptor (with the tensors it points into) and its workspace. With a decoder, its norms
+    and MLP are filled too (run_layer); without, only the mixer (run)."""
 
     def __init__(self, layer: nn.Module, decoder: nn.Module | None = None):
-        self.whole = decoder is not None
         self.kept = [
             layer.conv1d.weight.reshape(layer.conv_dim, -1).contiguous(),
             -layer.A_log.exp(),
@@ -109,7 +108,6 @@ class GDNLayerKernel:
         for lin in (layer.in_proj_b, layer.in_proj_a):
             dense.append(None if _packed(lin) is not None else lin.weight.contiguous())
         self.kept += [t for t in dense if t is not None]
-        whole = []
         if decoder is not None:
             norms = [1.0 + n.weight for n in (decoder.input_layernorm, decoder.post_attention_layernorm)]
             self.kept += norms
