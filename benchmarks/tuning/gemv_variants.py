@@ -1,9 +1,10 @@
 """Batch-1 GEMV variants for the pre-quantized formats (block FP8, INT4 g128), each over a tile sweep, on Qwen2.5-7B's
 layer shapes: which kernel form and tile come closest to HBM bandwidth (the decode step's cost at batch 1).
 
-Variants (the package's kernels/fp8_block.py and kernels/int4_gemm.py GEMVs are "cur"; the others live here until
-one wins):
-- fp8 cur: [BLOCK_N, NB, 128] tiles, x loaded in the tile's layout, a reduction a step;
+Variants (the package's GEMVs, kernels/gemv.py for FP8 and kernels/int4_gemm.py for INT4, are "cur"; the others live
+here until one wins):
+- fp8 cur: kernels/gemv.py with block scales, the form "fp8 flat" won as on 2026-11-27 (the kernel it replaced, x in
+  [BLOCK_N, NB, 128] tiles with a reduction a step, ran at 1.24-1.74x bf16 against flat's 1.42-1.93x);
 - fp8 flat: [BLOCK_N, BLOCK_K] tiles, the block scale folded into x (one multiply per input, not per weight), a
   [BLOCK_N, BLOCK_K] float32 accumulator reduced once at the end;
 - int4 cur: [BLOCK_N, C, 4] words, (code | 2^23 bits) - (2^23 + zero), then an FMA;
@@ -157,17 +158,9 @@ def _int4_flat_kernel(
 
 
 def fp8_cur(x, wq, ws, tiles, stages):
-    from novainfer.kernels import fp8_block as f8
+    from novainfer.kernels.gemv import gemv
 
-    m, k = x.shape
-    n = wq.shape[0]
-    bn, bk, warps = tiles
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    f8._block_gemv_kernel[(triton.cdiv(n, bn),)](
-        x, wq, ws, out, n, k, x.stride(0), out.stride(0), M=1, GROUP_N=128, GROUP_K=128, BLOCK_N=bn,
-        BLOCK_K=bk, EVEN_K=k % bk == 0, num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return out
+    return gemv(x, wq, weight_scale=ws, tiles=(*tiles, stages))
 
 
 def fp8_flat(x, wq, ws, tiles, stages):
