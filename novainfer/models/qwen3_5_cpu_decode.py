@@ -11,9 +11,15 @@ from torch import nn
 from novainfer.attention import cpu_backend
 from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
 from novainfer.kernels.cpu import gated_attn_layer, gdn_layer
+from novainfer.kernels.cpu.decoder_stack import packed_weight
 from novainfer.layers.activation import SiluAndMul
 from novainfer.layers.layernorm import GemmaRMSNorm
 from novainfer.models.llama import LlamaMLP
+
+
+def _plain_packed(linear: nn.Module) -> bool:
+    """Packed weights the C calls read, without a bias, on one rank."""
+    return packed_weight(linear) is not None and linear.bias is None and linear.tp_size == 1
 
 
 def norms_and_mlp_supported(decoder: nn.Module, norms: tuple[nn.Module, ...]) -> bool:
@@ -24,7 +30,7 @@ def norms_and_mlp_supported(decoder: nn.Module, norms: tuple[nn.Module, ...]) ->
         return False
     if type(mlp) is not LlamaMLP or type(mlp.act_fn) is not SiluAndMul or not mlp.act_fn.fused_cpu:
         return False
-    return all(gated_attn_layer.packed(lin) is not None for lin in (mlp.gate_up_proj, mlp.down_proj))
+    return all(_plain_packed(lin) for lin in (mlp.gate_up_proj, mlp.down_proj))
 
 
 def gdn_decoder_kernel(decoder: nn.Module) -> gdn_layer.GDNLayerKernel | None:
@@ -44,7 +50,7 @@ def gated_attn_supported(decoder: nn.Module) -> bool:
     norms = (decoder.input_layernorm, decoder.post_attention_layernorm, sa.q_norm, sa.k_norm)
     if not gated_attn_layer.available() or not norms_and_mlp_supported(decoder, norms):
         return False
-    if any(gated_attn_layer.packed(lin) is None for lin in (sa.qkv_proj, sa.o_proj)):
+    if any(not _plain_packed(lin) for lin in (sa.qkv_proj, sa.o_proj)):
         return False
     if a.sliding_window or a.logits_soft_cap or a.sinks is not None or a.kv_source is not None:
         return False

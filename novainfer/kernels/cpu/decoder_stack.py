@@ -63,6 +63,12 @@ class DecoderLayerDesc(ctypes.Structure):
     ]
 
 
+def packed_weight(linear) -> PackedWeight | None:
+    """A linear layer's packed (quantized GGUF) weight where the C stacks read it (not MXFP4), else None."""
+    packed = getattr(linear.weight, "packed", None)
+    return None if packed is None or packed.e2m1 else packed
+
+
 def qlinear_desc(w: PackedWeight, bias: torch.Tensor | None) -> QLinearDesc:
     """A packed weight and its (contiguous float32) bias as the C stack reads them."""
     if w.e2m1:

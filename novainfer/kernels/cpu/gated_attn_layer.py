@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from novainfer.kernels.cpu import library, ops
-from novainfer.kernels.cpu.decoder_stack import _BAD_KV, _ERRORS, QLinearDesc, qlinear_desc
+from novainfer.kernels.cpu.decoder_stack import _BAD_KV, _ERRORS, QLinearDesc, packed_weight, qlinear_desc
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -65,12 +65,6 @@ def available() -> bool:
     return _lib() is not None
 
 
-def packed(lin: nn.Module):
-    """The layer's packed weight where the C call reads it (no bias, one rank, not MXFP4), else None."""
-    packed = getattr(lin.weight, "packed", None)
-    return None if packed is None or packed.e2m1 or lin.bias is not None or lin.tp_size != 1 else packed
-
-
 class GatedAttnLayerKernel:
     """One layer's filled descriptor (with the tensors it points into) and its workspace."""
 
@@ -88,7 +82,10 @@ class GatedAttnLayerKernel:
             decoder.post_attention_layernorm.eps,
             sa.q_norm.eps,
             a.scale,
-            *[qlinear_desc(packed(lin), None) for lin in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)],
+            *[
+                qlinear_desc(packed_weight(lin), None)
+                for lin in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            ],
             a.k_cache.data_ptr(),
             a.v_cache.data_ptr(),
             cos.data_ptr(),
@@ -114,10 +111,16 @@ class GatedAttnLayerKernel:
             self.workspace = torch.empty(need)
         h = h.contiguous()
         residual = None if residual is None else residual.contiguous()
-        pos = positions.to(torch.int64).contiguous()
-        slots = meta.slot_mapping.to(torch.int64).contiguous()
-        tables = meta.block_tables.to(torch.int32).contiguous()
-        lens = meta.seq_lens.to(torch.int32).contiguous()
+        operands = meta.__dict__.get("cpu_attn_operands")  # the same for the model's every attention layer
+        if operands is None:
+            operands = (
+                positions.to(torch.int64).contiguous(),
+                meta.slot_mapping.to(torch.int64).contiguous(),
+                meta.block_tables.to(torch.int32).contiguous(),
+                meta.seq_lens.to(torch.int32).contiguous(),
+            )
+            meta.__dict__["cpu_attn_operands"] = operands
+        pos, slots, tables, lens = operands
         out, res_out = torch.empty_like(h), torch.empty_like(h)
         where = ops.KVWhere()
         rc = lib.gated_attn_layer_decode(

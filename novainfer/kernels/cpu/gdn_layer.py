@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from novainfer.kernels.cpu import library
-from novainfer.kernels.cpu.decoder_stack import _ERRORS, QLinearDesc, qlinear_desc
+from novainfer.kernels.cpu.decoder_stack import _ERRORS, QLinearDesc, packed_weight, qlinear_desc
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -70,11 +70,6 @@ def _projections(layer: nn.Module) -> list[nn.Module]:
     return [layer.in_proj_qkv, layer.in_proj_z, layer.in_proj_b, layer.in_proj_a, layer.out_proj]
 
 
-def _packed(lin: nn.Module):
-    packed = getattr(lin.weight, "packed", None)
-    return None if packed is None or packed.e2m1 else packed
-
-
 def supports(layer: nn.Module) -> bool:
     """Whether the C step computes this layer: every projection packed (in_proj_b / in_proj_a may be dense float32:
     llama.cpp's files keep those small tensors unquantized) on one rank without a bias, float32 state pools and
@@ -83,7 +78,7 @@ def supports(layer: nn.Module) -> bool:
         return False
     for i, lin in enumerate(_projections(layer)):
         dense_ok = i in (2, 3) and lin.weight.dtype is torch.float32 and lin.weight.dim() == 2
-        if lin.bias is not None or (_packed(lin) is None and not dense_ok):
+        if lin.bias is not None or (packed_weight(lin) is None and not dense_ok):
             return False
     params = (layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.norm.weight, layer.conv_state, layer.ssm_state)
     pools = (layer.conv_state, layer.ssm_state)
@@ -106,20 +101,20 @@ class GDNLayerKernel:
         conv_w, neg_a, dt_bias, norm_w = self.kept
         dense = []
         for lin in (layer.in_proj_b, layer.in_proj_a):
-            dense.append(None if _packed(lin) is not None else lin.weight.contiguous())
+            dense.append(None if packed_weight(lin) is not None else lin.weight.contiguous())
         self.kept += [t for t in dense if t is not None]
         if decoder is not None:
             norms = [1.0 + n.weight for n in (decoder.input_layernorm, decoder.post_attention_layernorm)]
             self.kept += norms
             mlp = decoder.mlp
             whole = [norms[0].data_ptr(), norms[1].data_ptr(), decoder.input_layernorm.eps]
-            whole += [decoder.post_attention_layernorm.eps, qlinear_desc(_packed(mlp.gate_up_proj), None)]
-            whole += [qlinear_desc(_packed(mlp.down_proj), None)]
+            whole += [decoder.post_attention_layernorm.eps, qlinear_desc(packed_weight(mlp.gate_up_proj), None)]
+            whole += [qlinear_desc(packed_weight(mlp.down_proj), None)]
         else:
             whole = [0, 0, 0.0, 0.0, QLinearDesc(), QLinearDesc()]
         self.desc = GDNLayerDesc(
             *[
-                QLinearDesc() if _packed(lin) is None else qlinear_desc(_packed(lin), None)
+                QLinearDesc() if packed_weight(lin) is None else qlinear_desc(packed_weight(lin), None)
                 for lin in _projections(layer)
             ],
             *[0 if t is None else t.data_ptr() for t in dense],
