@@ -31,6 +31,12 @@ from benchmarks.throughput import make_workload, sync  # noqa: E402
 # kernel kind by a name fragment, first match wins
 KINDS = [
     ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "splitk", "_scaled_mm", "gemv")),
+    ("gdn_decode", ("_recurrent_kernel", "_conv_update_kernel", "fused_recurrent")),
+    (
+        "gdn_prefill",
+        ("_chunk_", "_conv_kernel", "_conv_state_kernel", "chunk_", "l2norm", "solve_tril", "recompute_w_u"),
+    ),
+    ("gdn_state", ("state",)),
     ("prefill_attn", ("_prefill_kernel",)),
     ("decode_attn", ("_decode_kernel",)),
     ("moe", ("moe",)),
@@ -137,11 +143,16 @@ def main() -> None:
     core.schedule = schedule
     end_ns = stop_ns[0]  # the last step's interval ends with the run, not with the profiler's trace processing
     want = "CUDA" if cuda else "CPU"
-    events = sorted(
-        (e.start_ns(), e.end_ns(), kind_of(e.name()))
+    raw = [
+        e
         for e in prof.profiler.kineto_results.events()
         if str(e.device_type()).endswith(want) and e.end_ns() > e.start_ns() and (cuda or e.name().startswith("aten::"))
-    )
+    ]
+    by_name: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for e in raw:
+        by_name[e.name()][0] += e.end_ns() - e.start_ns()
+        by_name[e.name()][1] += 1
+    events = sorted((e.start_ns(), e.end_ns(), kind_of(e.name())) for e in raw)
     merged = union([(s, e) for s, e, _ in events])
     busy = sum(e - s for s, e in merged)
     span = merged[-1][1] - merged[0][0] if merged else 0
@@ -191,6 +202,9 @@ def main() -> None:
     print("\n| kernel kind | total ms | share of kernel time |\n|---|---|---|")
     for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"| {k} | {v / 1e6:,.1f} | {v / max(kernel_sum, 1):.1%} |")
+    print("\n| kernel (top 20 by time) | calls | total ms | share |\n|---|---|---|---|")
+    for name, (ns, calls) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:20]:
+        print(f"| {name[:90]} | {calls:,} | {ns / 1e6:,.1f} | {ns / max(kernel_sum, 1):.1%} |")
     kinds = [k for k, _ in sorted(by_kind.items(), key=lambda kv: -kv[1])][:6]
     print(
         "\n| step kind | steps | mean batch | host ms/step | device busy ms/step | idle ms/step | "
