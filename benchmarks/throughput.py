@@ -61,6 +61,12 @@ def main() -> None:
     )
     ap.add_argument("--device", default="auto")
     ap.add_argument(
+        "--mamba-ssm-cache-dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="hybrid models' recurrent state (default: the engine's, float32)",
+    )
+    ap.add_argument(
         "--quantization",
         default=None,
         choices=["fp8", "gguf", "none"],
@@ -99,6 +105,7 @@ def main() -> None:
         async_scheduling=args.async_scheduling,
         speculative_config=args.speculative_config,
         quantization=args.quantization,
+        **({"mamba_ssm_cache_dtype": args.mamba_ssm_cache_dtype} if args.mamba_ssm_cache_dtype else {}),
     )
     engine = llm.llm_engine
     vocab = engine.config.model_config.hf_config.vocab_size
@@ -124,6 +131,7 @@ def main() -> None:
         "device": device_name(),
         "tensor_parallel_size": args.tensor_parallel_size,
         "quantization": args.quantization,
+        "mamba_ssm_cache_dtype": args.mamba_ssm_cache_dtype,
         "distributed_executor_backend": args.distributed_executor_backend,
         "async_scheduling": engine.engine_core.async_scheduling,
     }

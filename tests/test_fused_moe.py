@@ -70,14 +70,50 @@ def test_grouped_cpu_path_matches_torch_reference(tokens, top_k):
     assert ((fused_experts_grouped(x, w13, w2, weights, ids, SiluAndMul()) - ref).norm() / ref.norm()).item() < 1e-6
 
 
-def test_align_pads_each_expert_to_whole_blocks():
-    from novainfer.kernels.fused_moe import align_by_expert
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_align_pads_each_expert_to_whole_blocks(impl):
+    from novainfer.kernels import moe_routing
 
+    align = {"torch": moe_routing.align_by_expert_torch, "triton": moe_routing.align_by_expert_triton}[impl]
     ids = torch.tensor([[2, 0], [2, 1], [2, 0]])  # pairs 0..5 -> experts 2,0,2,1,2,0
-    sorted_ids, block_experts, num_padded = align_by_expert(ids, 4, 4)
+    sorted_ids, block_experts, num_padded = align(ids, 4, 4)
     assert num_padded.item() == 12  # experts 0, 1, 2 take one block of 4 each; expert 3 none
     assert sorted_ids[:12].tolist() == [1, 5, 6, 6, 3, 6, 6, 6, 0, 2, 4, 6]  # 6 = padding
     assert block_experts[:3].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("tokens,experts,top_k,block_m", [(1, 8, 2, 16), (37, 60, 8, 16), (300, 128, 8, 64)])
+def test_triton_align_equals_the_torch_reference(tokens, experts, top_k, block_m):
+    """The two-launch Triton alignment (TRITON_INTERPRET on the CPU) against the torch ops it replaced: the same
+    padded total, pair order (stable within an expert), padding and block experts, idle experts included."""
+    from novainfer.kernels import moe_routing
+
+    g = torch.Generator().manual_seed(tokens)
+    skew = torch.linspace(0, 3, experts)  # uneven loads; some experts get no pair
+    ids = torch.topk(torch.randn(tokens, experts, generator=g) + skew, top_k, dim=-1).indices
+    ref = moe_routing.align_by_expert_torch(ids, experts, block_m)
+    got = moe_routing.align_by_expert_triton(ids, experts, block_m)
+    total = ref[2].item()
+    assert got[2].item() == total and got[0].shape == ref[0].shape
+    assert torch.equal(got[0][:total], ref[0][:total])
+    assert torch.equal(got[1][: total // block_m], ref[1][: total // block_m])
+
+
+@pytest.mark.parametrize("experts,top_k", [(8, 1), (60, 4), (128, 8)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_triton_topk_softmax_matches_select_experts(experts, top_k, renormalize):
+    """The fused routing kernel (TRITON_INTERPRET on the CPU) picks select_experts' experts, highest first, with
+    its probabilities; ties go to the lower expert id."""
+    from novainfer.kernels.moe_routing import topk_softmax
+
+    logits = torch.randn(33, experts, generator=torch.Generator().manual_seed(experts)) * 3
+    logits[0, :] = 0.5  # all tied: experts 0..k-1
+    ref_w, ref_ids = select_experts(logits, top_k, renormalize)
+    w, ids = topk_softmax(logits, top_k, renormalize)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32
+    assert ids[0].tolist() == list(range(top_k))
+    assert torch.equal(ids[1:], ref_ids[1:])
+    assert torch.allclose(w, ref_w, rtol=1e-6, atol=1e-7)
 
 
 def test_tensor_parallel_shards_sum_to_the_whole():

@@ -149,6 +149,26 @@ def test_bf16_activations_keep_an_fp32_state(kernel):
     assert close(ours_pool, ref_pool)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("kernel", ["recurrent", "chunked", "decode"])
+def test_a_bf16_state_pool_is_updated_in_float32_and_rounded_once(impl, kernel):
+    """mamba_ssm_cache_dtype=bfloat16: the kernels widen the slot's state, run the whole call in float32 and round
+    the final state once as they store it. So the outputs equal a float32 pool's holding the same values (1e-4),
+    and the pool is that run's final state rounded to bfloat16."""
+    lens, slots = ([1, 1, 1], [2, 0, -1]) if kernel == "decode" else ([66, 3], [0, 2])
+    q, k, v, g, beta = gdn_inputs(21, sum(lens), True)
+    pool = state_pool(22, 3).bfloat16()
+    ours, ref = pool.clone(), pool.float()
+    fn = CHUNKED if kernel == "chunked" else RECURRENT
+    s = torch.tensor(slots, dtype=torch.int32)
+    c = None if kernel == "decode" else cu(lens)
+    o = fn[impl](q, k, v, g, beta, ours, s, c)
+    ref_o = gdr.fused_recurrent_gated_delta_rule_torch(q, k, v, g, beta, ref, s, c)
+    assert ours.dtype == torch.bfloat16 and close(o, ref_o)
+    assert torch.equal(ours, ref.bfloat16()) or torch.allclose(ours.float(), ref, rtol=2**-7, atol=1e-6)
+    assert not torch.equal(ours, pool)  # the state moved
+
+
 def test_public_entry_points_run_the_reference_on_cpu_and_chunked_equals_recurrent():
     lens, slots = [5, 67], [1, 0]
     q, k, v, g, beta = gdn_inputs(8, sum(lens), True)

@@ -229,6 +229,14 @@ def test_fused_elementwise_kernels_match_torch_layers(dtype):
     assert torch.equal(new_res.cpu(), ref_res)
     assert rel_err(out.cpu(), ref_out) <= max(tol, 1e-6)
     assert rel_err(fused_ops.rms_norm(x.to(DEVICE), norm.weight.data.to(DEVICE), 1e-6).cpu(), norm(x)) <= max(tol, 1e-6)
+    # q/k norms: [tokens, heads, head_dim] views of a fused qkv row, every head normed in one launch
+    head_norm = RMSNorm(16, 1e-6)
+    head_norm.weight.data = torch.rand(16, generator=g).to(dtype) + 0.5
+    qkv_rows = torch.randn(5, 10 * 16, generator=g).to(dtype)
+    heads = qkv_rows[:, 16:112].view(5, 6, 16)  # a strided view: rows 160 apart, heads 16
+    got = fused_ops.rms_norm(heads.to(DEVICE), head_norm.weight.data.to(DEVICE), 1e-6).cpu()
+    assert got.shape == (5, 6, 16) and got.is_contiguous()
+    assert rel_err(got, head_norm._norm(heads)) <= max(tol, 1e-6)
 
     rope = RotaryEmbedding(16, 64, SimpleNamespace(rope_theta=10000.0))
     qkv = torch.randn(5, (6 + 2 * 2) * 16, generator=g).to(dtype)  # strided q/k views, as in the model

@@ -215,3 +215,27 @@ def test_ungated_attention_is_refused(model_path, tmp_path):
     path = with_config(model_path("qwen3_5"), tmp_path, attn_output_gate=False)
     with pytest.raises(NotImplementedError, match="attn_output_gate=False"):
         LLM(path, dtype="float32")
+
+
+def test_a_bfloat16_state_cache_halves_the_state_and_keeps_the_tokens(model_path):
+    """mamba_ssm_cache_dtype=bfloat16 (vLLM's flag): the recurrent states take bfloat16 slots, half the bytes
+    (counted so in the cache budget), and greedy decoding of the float32 model stays with the float32-state run (logprobs
+    within 5e-2: each step rounds the state once; 1.4e-2 seen)."""
+    path = model_path("qwen3_5")
+    runs = {}
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(path, dtype="float32", block_size=4, mamba_ssm_cache_dtype=dtype)
+        runner = llm.llm_engine.engine_core.executor.workers[0].model_runner
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        runs[dtype] = (runner.state_cache, outs)
+    (cache32, outs32), (cache16, outs16) = runs["float32"], runs["bfloat16"]
+    assert cache32.ssm.dtype == torch.float32 and cache16.ssm.dtype == torch.bfloat16
+    ssm32 = cache32.ssm[:, 0].nbytes  # one slot's recurrent states over all layers
+    assert cache16.ssm[:, 0].nbytes * 2 == ssm32 and cache32.bytes_per_slot() - cache16.bytes_per_slot() == ssm32 // 2
+    for a, b in zip(outs32, outs16):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        ga, gb = a.outputs[0], b.outputs[0]
+        lps = [(ga.logprobs[i][t].logprob, gb.logprobs[i][t].logprob) for i, t in enumerate(ga.token_ids)]
+        assert max(abs(x - y) for x, y in lps) < 5e-2
+    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype"):
+        LLM(path, dtype="float32", mamba_ssm_cache_dtype="float16")

@@ -1,8 +1,7 @@
 """The mixture-of-experts layer on the GPU: tokens sorted by expert, then two grouped GEMMs.
 
 1. align: each (token, k) pair is sorted by its expert and every expert's run is padded to BLOCK_M rows,
-   so a block of rows belongs to one expert (vLLM's moe_align_block_size, here in torch ops that do not
-   sync with the host, so a decode step stays capturable in a CUDA graph).
+   so a block of rows belongs to one expert (vLLM's moe_align_block_size: kernels/moe_routing.py).
 2. grouped GEMM over gate/up: for each block, rows of the hidden states times its expert's w13 (plus the
    expert's bias, where the layer has one).
 3. act-and-mul on the [pairs, 2 * inter] result (the fused SiLU kernel, or gpt-oss's clamped SwiGLU below).
@@ -19,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import nn
+
+from novainfer.kernels.moe_routing import align_by_expert
 
 
 @triton.jit
@@ -120,29 +121,6 @@ def _grouped_gemm_kernel(
         HAS_BIAS,
         MUL_ROUTED_WEIGHT,
     )
-
-
-def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """(sorted pair ids padded per expert to block_m, each block's expert, the padded total as a tensor).
-
-    Pair p = token * k + slot. Arrays have the worst-case length, so their shapes never depend on data."""
-    flat = topk_ids.flatten()
-    num_pairs = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    run_start = torch.cumsum(padded, 0) - padded  # where each expert's padded run begins
-    order = torch.argsort(flat, stable=True)
-    expert_of = flat[order]
-    rank_in_expert = torch.arange(num_pairs, device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert_of]
-    max_len = num_pairs + num_experts * (block_m - 1)
-    max_len = (max_len + block_m - 1) // block_m * block_m
-    sorted_ids = torch.full((max_len,), num_pairs, dtype=torch.int32, device=flat.device)
-    sorted_ids[run_start[expert_of] + rank_in_expert] = order.to(torch.int32)
-    block_ends = torch.cumsum(padded, 0) // block_m
-    blocks = torch.arange(max_len // block_m, device=flat.device)
-    block_experts = torch.searchsorted(block_ends, blocks, right=True).clamp_(max=num_experts - 1).to(torch.int32)
-    return sorted_ids, block_experts, padded.sum().reshape(1).to(torch.int32)
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the gate/up and the down GEMM, by the pairs an expert gets on

@@ -27,6 +27,8 @@ def _rms_norm_kernel(
     res_out_stride,
     n,
     eps,
+    heads,
+    x_head_stride,
     HAS_RESIDUAL: tl.constexpr,
     OFFSET: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -34,7 +36,7 @@ def _rms_norm_kernel(
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
-    x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
+    x = tl.load(x_ptr + (row // heads) * x_stride + (row % heads) * x_head_stride + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = x + tl.load(res_ptr + row * res_stride + offs, mask=mask, other=0.0)  # rounded like torch's add
         tl.store(res_out_ptr + row * res_out_stride + offs, x, mask=mask)
@@ -58,12 +60,23 @@ def rms_scale(x, w, rstd):
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, offset: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """norm(x) * weight, or with a residual (norm(x + residual) * weight, x + residual); x: [rows, hidden].
-    offset: Gemma's form, norm(x) * (1 + weight) in float32 before the cast."""
-    rows, n = x.shape
-    out = torch.empty_like(x)
-    res_out = torch.empty_like(x) if residual is not None else out
-    res = residual if residual is not None else x
+    """norm(x) * weight, or with a residual (norm(x + residual) * weight, x + residual); x: [rows, hidden], or
+    without a residual [tokens, heads, head_dim] with the last dim contiguous (q or k as views of the fused qkv
+    output: each head normed in one launch, the result contiguous). offset: Gemma's form, norm(x) * (1 + weight)
+    in float32 before the cast."""
+    if x.dim() == 3:
+        assert residual is None and x.stride(2) == 1
+        tokens, heads, n = x.shape
+        out = torch.empty(tokens, heads, n, dtype=x.dtype, device=x.device)
+        rows, strides, res, res_out = tokens * heads, (x.stride(0), 0, n, 0), x, out
+        head_stride = x.stride(1)
+    else:
+        rows, n = x.shape
+        heads, head_stride = 1, 0
+        out = torch.empty_like(x)
+        res_out = torch.empty_like(x) if residual is not None else out
+        res = residual if residual is not None else x
+        strides = (x.stride(0), res.stride(0), out.stride(0), res_out.stride(0))
     if rows:
         _rms_norm_kernel[(rows,)](
             x,
@@ -71,12 +84,11 @@ def rms_norm(
             weight,
             out,
             res_out,
-            x.stride(0),
-            res.stride(0),
-            out.stride(0),
-            res_out.stride(0),
+            *strides,
             n,
             eps,
+            heads,
+            head_stride,
             HAS_RESIDUAL=residual is not None,
             OFFSET=offset,
             BLOCK=triton.next_power_of_2(n),

@@ -10,7 +10,8 @@ with q and k L2-normalised. Three pieces:
 
 Shapes: tokens are packed ([T, ...], sequences delimited by cu_seqlens [N+1], int32). q, k: [T, H_k, K];
 v: [T, H_v, V] with H_v = H_k * r (value head h reads key head h // r); g (log decay, <= 0) and beta: [T, H_v].
-States live in pools indexed by a per-sequence slot: state [num_slots, H_v, K, V] fp32 and
+States live in pools indexed by a per-sequence slot: state [num_slots, H_v, K, V] (fp32, or bf16 for half the
+bytes: every update still runs in fp32, the result rounded once per step as it is stored) and
 conv_state [num_slots, W - 1, D] (the sequence's last W - 1 conv inputs, oldest first, in x's dtype); both are
 read and updated in place. A fresh sequence's slot must hold zeros. In decode (fused_recurrent_gated_delta_rule
 without cu_seqlens, causal_conv1d_update) a negative slot marks a padding row (batches padded for CUDA graphs): it
@@ -30,6 +31,7 @@ import triton.language as tl
 
 CHUNK = 64
 L2_EPS = 1e-6  # x * rsqrt(sum(x^2) + eps), as transformers' and fla's l2norm
+STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
@@ -49,10 +51,10 @@ def _check_shapes(
         )
     if g.shape != (tokens, hv) or beta.shape != (tokens, hv):
         raise ValueError(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be [T, H_v] = [{tokens}, {hv}]")
-    if state.shape[1:] != (hv, dk, dv) or state.dtype != torch.float32 or not state.is_contiguous():
+    if state.shape[1:] != (hv, dk, dv) or state.dtype not in STATE_DTYPES or not state.is_contiguous():
         raise ValueError(
             f"state {tuple(state.shape)} {state.dtype}: need a contiguous [num_slots, {hv}, {dk}, {dv}] "
-            "float32 pool (it is updated in place)"
+            "float32 or bfloat16 pool (it is updated in place)"
         )
 
 
@@ -83,9 +85,9 @@ def _recurrent_step(
 
 
 def _gather_states(state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The slots' states (zeros for padding slots), as a new tensor."""
+    """The slots' states (zeros for padding slots), as a new tensor in float32 (a bf16 pool's states widened)."""
     valid = (slots >= 0).view(-1, *([1] * (state.dim() - 1)))
-    return state[slots.clamp(min=0).long()] * valid
+    return state[slots.clamp(min=0).long()].float() * valid
 
 
 def fused_recurrent_gated_delta_rule_torch(
@@ -108,7 +110,7 @@ def fused_recurrent_gated_delta_rule_torch(
     if cu_seqlens is None:  # one token per sequence: the whole batch in one step
         o, h = _recurrent_step(_gather_states(state, slots), qf, kf, vf, gf, bf)
         valid = slots >= 0
-        state[slots[valid].long()] = h[valid]
+        state[slots[valid].long()] = h[valid].to(state.dtype)
         return o.to(q.dtype)
     o = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     for n, (s, e) in enumerate(_bounds(cu_seqlens)):
@@ -160,7 +162,7 @@ def chunk_gated_delta_rule_torch(
     vf, gf, bf = v.float(), g.float(), beta.float()
     o = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     for n, (s, e) in enumerate(_bounds(cu_seqlens)):
-        h = state[int(slots[n])]
+        h = state[int(slots[n])].float()
         for c0 in range(s, e, CHUNK):
             c1 = min(c0 + CHUNK, e)
             out, h = _chunk_step(*(x[c0:c1].transpose(0, 1) for x in (qf, kf, vf, gf, bf)), h)
@@ -281,7 +283,7 @@ def _recurrent_kernel(
         start = n.to(tl.int64)
         end = start + 1
     s_ptrs = state_ptr + (tl.maximum(slot, 0) * HV + hv) * (K * V) + offs_k[:, None] * V + offs_v[None, :]
-    h = tl.load(s_ptrs, mask=mask_kv & valid, other=0.0)
+    h = tl.load(s_ptrs, mask=mask_kv & valid, other=0.0).to(tl.float32)
     for t in range(start, end):
         rows = t + tl.zeros([1], tl.int64)
         one = rows < end
@@ -293,7 +295,7 @@ def _recurrent_kernel(
         h = h + kt[:, None] * delta[None, :]
         out = tl.sum(h * qt[:, None], 0)
         tl.store(o_ptr + (t * HV + hv) * V + offs_v, out.to(o_ptr.dtype.element_ty), mask=offs_v < V)
-    tl.store(s_ptrs, h, mask=mask_kv & valid)
+    tl.store(s_ptrs, h.to(state_ptr.dtype.element_ty), mask=mask_kv & valid)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -457,7 +459,7 @@ def _chunk_scan_kernel(
     start = tl.load(cu_ptr + n).to(tl.int64)
     end = tl.load(cu_ptr + n + 1).to(tl.int64)
     s_ptrs = state_ptr + (slot * HV + hv) * (K * V) + offs_k[:, None] * V + offs_v[None, :]
-    h = tl.load(s_ptrs, mask=mask_kv, other=0.0)
+    h = tl.load(s_ptrs, mask=mask_kv, other=0.0).to(tl.float32)
     i = tl.arange(0, C)
     causal = i[:, None] >= i[None, :]
     for c0 in range(start, end, C):
@@ -489,7 +491,7 @@ def _chunk_scan_kernel(
         )
         k_decayed = k * tl.where(live, tl.exp(last - gc), 0.0)[:, None]
         h = h * tl.exp(last) + tl.dot(tl.trans(k_decayed), v_new, input_precision=PRECISION)
-    tl.store(s_ptrs, h, mask=mask_kv)
+    tl.store(s_ptrs, h.to(state_ptr.dtype.element_ty), mask=mask_kv)
 
 
 def _chunk_table(cu_seqlens: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

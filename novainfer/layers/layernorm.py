@@ -24,8 +24,9 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x), or with a residual: (norm(x + residual), x + residual). One Triton kernel on the GPU."""
-        if x.is_cuda and x.dim() == 2:
+        """norm(x), or with a residual: (norm(x + residual), x + residual). One Triton kernel on the GPU, also for
+        q/k norms over [tokens, heads, head_dim] views."""
+        if x.is_cuda and (x.dim() == 2 or (x.dim() == 3 and residual is None and x.stride(2) == 1)):
             from novainfer.kernels.fused_ops import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)

@@ -71,6 +71,64 @@ class StateSlotsMetadata:
                 pool.index_fill_(dim, idx.to(pool.device, non_blocking=True), 0)
 
 
+@dataclass
+class Wave:
+    """One conv + chunked-rule launch over some sequences' runs of a prefill step, and the state copies around it:
+    copies_before (checkpoint -> sequence slot: a restore), copies_after (sequence slot -> checkpoint: a save)."""
+
+    rows: torch.Tensor | None  # the wave's token rows on the device; None: every token of the step, in order
+    cu: torch.Tensor  # [runs + 1] int32 on the device
+    slots: torch.Tensor  # [runs] int64 on the device
+    copies_before: list[tuple[int, int]]
+    copies_after: list[tuple[int, int]]
+
+
+def wave_plan(meta: AttentionMetadata, state: StateSlotsMetadata, device: torch.device) -> list[Wave]:
+    """A prefill step's waves, the same for every DeltaNet layer: built by the first and kept on the step's state
+    metadata. A save at a cut splits its sequence into two runs in consecutive waves, the state copied to the
+    checkpoint in between; a restore is copied in before the sequence's first wave, after an earlier sequence of
+    the step saves it."""
+    plan = state.__dict__.get("wave_plan")
+    if plan is not None:
+        return plan
+    qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    if qsl is None or seq_lens is None:
+        qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    runs: dict[int, list[tuple[int, int, int]]] = {}  # sequence -> its (start, end, checkpoint or -1) runs
+    for i in range(len(seq_lens)):
+        lo, hi = qsl[i], qsl[i + 1]
+        if hi > lo:
+            cut, ckpt = state.saves.get(i, (hi - lo, -1))
+            runs[i] = [(lo, lo + cut, ckpt), (lo + cut, hi, -1)] if 0 < cut < hi - lo else [(lo, hi, ckpt)]
+    waiting = {i: state.restores[i] for i in runs if i in state.restores and seq_lens[i] != qsl[i + 1] - qsl[i]}
+    saved_later = {ckpt: i for i, (_, ckpt) in state.saves.items()}  # checkpoint -> the sequence saving it
+    plan = []
+    while runs:
+        wave, before = [], []
+        for i in list(runs):
+            src = waiting.get(i)
+            if src is not None:
+                if saved_later.get(src, i) < i:
+                    continue  # an earlier sequence saves this checkpoint in a later wave
+                before.append((src, state.slots_cpu[i]))
+                del waiting[i]
+            wave.append((i, runs[i].pop(0)))
+            if not runs[i]:
+                del runs[i]
+        if not wave:
+            raise RuntimeError("state checkpoint restores wait on each other")
+        whole = len(wave) == len(seq_lens) and all(a == qsl[i] and b == qsl[i + 1] for i, (a, b, _) in wave)
+        rows = None if whole else torch.cat([torch.arange(a, b) for _, (a, b, _) in wave]).to(device)
+        cu = torch.tensor([0] + [b - a for _, (a, b, _) in wave], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        slots = torch.tensor([state.slots_cpu[i] for i, _ in wave], dtype=torch.long)
+        after = [(state.slots_cpu[i], ckpt) for i, (_, _, ckpt) in wave if ckpt >= 0]
+        for _, ckpt in after:
+            saved_later.pop(ckpt, None)
+        plan.append(Wave(rows, cu.to(device, non_blocking=True), slots.to(device, non_blocking=True), before, after))
+    state.__dict__["wave_plan"] = plan
+    return plan
+
+
 @functools.cache
 def fla_chunk_rule() -> Callable | None:
     """fla-core's chunk_gated_delta_rule (the faster prefill on CUDA), or None when fla is not importable."""
@@ -110,9 +168,9 @@ class GatedDeltaNet(nn.Module):
     Tensor parallelism splits the heads: each rank holds num_k_heads / tp key heads and the value heads they
     serve (q, k and v channels of in_proj_qkv and of the conv alike), out_proj all-reduces.
 
-    conv_state [slots, kernel - 1, conv_dim] and ssm_state [slots, v_heads, k_dim, v_dim] (float32) are views
-    the runner binds; with no state_slots in the metadata (a profiling forward) every sequence starts from
-    zeros and nothing is kept."""
+    conv_state [slots, kernel - 1, conv_dim] and ssm_state [slots, v_heads, k_dim, v_dim] (float32, or bfloat16
+    under mamba_ssm_cache_dtype) are views the runner binds; with no state_slots in the metadata (a profiling
+    forward) every sequence starts from zeros and nothing is kept."""
 
     def __init__(self, config: Any):
         super().__init__()
@@ -283,12 +341,12 @@ class GatedDeltaNet(nn.Module):
             v[None],
             g=g[None],
             beta=beta.to(q.dtype)[None],
-            initial_state=pool[slots],
+            initial_state=pool[slots].float(),
             output_final_state=True,
             use_qk_l2norm_in_kernel=False,
             cu_seqlens=cu.long(),
         )
-        pool[slots] = final
+        pool[slots] = final.to(pool.dtype)
         return o[0]
 
     def _run(
@@ -316,57 +374,33 @@ class GatedDeltaNet(nn.Module):
     def _prefill(
         self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, meta: AttentionMetadata, use_triton: bool
     ) -> torch.Tensor:
-        """All sequences' runs batched into one conv and one chunked-rule launch per wave. A save at a cut splits
-        its sequence into two runs in consecutive waves, the state copied to the checkpoint in between; a restore
-        is copied in before the sequence's first wave, after an earlier sequence of the step saves it."""
-        qsl, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        if qsl is None or seq_lens is None:
-            qsl, seq_lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+        """All sequences' runs batched into one conv and one chunked-rule launch per wave (wave_plan), the
+        checkpoint copies between waves."""
         state, dev = meta.state_slots, mixed.device
         if state is None:  # a profiling forward: every sequence from zeros, into scratch slots
-            state = StateSlotsMetadata(torch.arange(len(seq_lens), device=dev), list(range(len(seq_lens))))
-            conv_pool = torch.zeros(len(seq_lens), *self.state_shapes()[0], dtype=mixed.dtype, device=dev)
-            ssm_pool = torch.zeros(len(seq_lens), *self.state_shapes()[1], dtype=torch.float32, device=dev)
+            n = meta.seq_lens.numel() if meta.seq_lens_cpu is None else len(meta.seq_lens_cpu)
+            state = StateSlotsMetadata(torch.arange(n, device=dev), list(range(n)))
+            conv_pool = torch.zeros(n, *self.state_shapes()[0], dtype=mixed.dtype, device=dev)
+            ssm_pool = torch.zeros(n, *self.state_shapes()[1], dtype=torch.float32, device=dev)
         else:
             conv_pool, ssm_pool = self.conv_state, self.ssm_state
-        runs: dict[int, list[tuple[int, int, int]]] = {}  # sequence -> its (start, end, checkpoint or -1) runs
-        for i in range(len(seq_lens)):
-            lo, hi = qsl[i], qsl[i + 1]
-            if hi > lo:
-                cut, ckpt = state.saves.get(i, (hi - lo, -1))
-                runs[i] = [(lo, lo + cut, ckpt), (lo + cut, hi, -1)] if 0 < cut < hi - lo else [(lo, hi, ckpt)]
-        waiting = {i: state.restores[i] for i in runs if i in state.restores and seq_lens[i] != qsl[i + 1] - qsl[i]}
-        saved_later = {ckpt: i for i, (_, ckpt) in state.saves.items()}  # checkpoint -> the sequence saving it
-        out = torch.empty(mixed.shape[0], self.num_v_heads, self.head_v_dim, dtype=mixed.dtype, device=dev)
-        while runs:
-            wave = []
-            for i in list(runs):
-                src = waiting.get(i)
-                if src is not None:
-                    if saved_later.get(src, i) < i:
-                        continue  # an earlier sequence saves this checkpoint in a later wave
-                    self._copy_state(src, state.slots_cpu[i])
-                    del waiting[i]
-                wave.append((i, runs[i].pop(0)))
-                if not runs[i]:
-                    del runs[i]
-            if not wave:
-                raise RuntimeError("state checkpoint restores wait on each other")
-            whole = len(wave) == len(seq_lens) and all(a == qsl[i] and b == qsl[i + 1] for i, (a, b, _) in wave)
-            idx = None if whole else torch.cat([torch.arange(a, b) for _, (a, b, _) in wave]).to(dev)
+        out = None
+        for wave in wave_plan(meta, state, dev):
+            for src, dst in wave.copies_before:
+                self._copy_state(src, dst)
+            idx = wave.rows
             x, gw, bw = (mixed, g, beta) if idx is None else (mixed[idx], g[idx], beta[idx])
-            cu = torch.tensor([0] + [b - a for _, (a, b, _) in wave], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-            cu = cu.to(dev, non_blocking=True)
-            slots = torch.tensor([state.slots_cpu[i] for i, _ in wave], dtype=torch.long).to(dev, non_blocking=True)
-            o = self._run(x, gw, bw, conv_pool, ssm_pool, slots, cu, use_triton)
+            o = self._run(x, gw, bw, conv_pool, ssm_pool, wave.slots, wave.cu, use_triton)
             if idx is None:
                 out = o
             else:
+                if out is None:
+                    out = torch.empty(mixed.shape[0], *o.shape[1:], dtype=o.dtype, device=dev)
                 out[idx] = o
-            for i, (_, _, ckpt) in wave:
-                if ckpt >= 0:
-                    self._copy_state(state.slots_cpu[i], ckpt)
-                    saved_later.pop(ckpt, None)
+            for src, dst in wave.copies_after:
+                self._copy_state(src, dst)
+        if out is None:  # no tokens
+            out = torch.empty(0, self.num_v_heads, self.head_v_dim, dtype=mixed.dtype, device=dev)
         return out
 
     def _copy_state(self, src: int, dst: int) -> None:

@@ -1,5 +1,7 @@
 """The state cache of a hybrid model: per linear-attention layer, a conv window [slots, kernel - 1, conv_dim]
-(activation dtype) and a recurrent state [slots, v_heads, k_dim, v_dim] (float32); each layer gets views.
+(activation dtype) and a recurrent state [slots, v_heads, k_dim, v_dim] (float32, or bfloat16 under
+mamba_ssm_cache_dtype, as vLLM and SGLang offer: half the bytes, the update still in float32); each layer gets
+views.
 
 Slots are handed out by the engine (engine/state_slots.py); a step's slot per scheduled sequence goes into the
 attention metadata (state_slots), where the GatedDeltaNet layers read it. There are max_num_seqs slots and, with
@@ -28,8 +30,9 @@ class StateCache:
         device: torch.device,
         num_slots: int,
         num_checkpoints: int = 0,
+        ssm_dtype: torch.dtype = torch.float32,
     ):
-        self.layers, self.dtype, self.device = layers, dtype, device
+        self.layers, self.dtype, self.device, self.ssm_dtype = layers, dtype, device, ssm_dtype
         self.num_slots = num_slots  # the sequences' slots, then the prefix cache's checkpoint slots
         self.num_checkpoints = num_checkpoints
         self.conv: torch.Tensor | None = None
@@ -45,7 +48,7 @@ class StateCache:
             return None
         check_hybrid_engine(config)
         seqs, cc = config.scheduler_config.max_num_seqs, config.cache_config
-        cache = cls(layers, dtype, device, seqs)
+        cache = cls(layers, dtype, device, seqs, ssm_dtype=getattr(torch, cc.mamba_ssm_cache_dtype))
         cap = 2 * seqs  # slots, then as many checkpoint slots with prefix caching; at most half the cache budget
         if cc.num_gpu_blocks is None:
             if device.type == "cuda":
@@ -66,7 +69,7 @@ class StateCache:
         total = 0
         for layer in self.layers:
             conv, ssm = layer.state_shapes()
-            total += conv[0] * conv[1] * self.dtype.itemsize + ssm[0] * ssm[1] * ssm[2] * 4
+            total += conv[0] * conv[1] * self.dtype.itemsize + ssm[0] * ssm[1] * ssm[2] * self.ssm_dtype.itemsize
         return total
 
     def nbytes(self) -> int:
@@ -81,7 +84,7 @@ class StateCache:
         n = len(self.layers)
         total = self.num_slots + self.num_checkpoints
         self.conv = torch.zeros((n, total, *conv), dtype=self.dtype, device=self.device)
-        self.ssm = torch.zeros((n, total, *ssm), dtype=torch.float32, device=self.device)
+        self.ssm = torch.zeros((n, total, *ssm), dtype=self.ssm_dtype, device=self.device)
         for i, layer in enumerate(self.layers):
             layer.conv_state, layer.ssm_state = self.conv[i], self.ssm[i]
 

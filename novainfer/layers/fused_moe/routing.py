@@ -1,6 +1,6 @@
 """Top-k expert routing as transformers does it: softmax over every expert in float32, then the top k,
 renormalised to sum to one when the config says so (norm_topk_prob; Mixtral always); or (gpt-oss) the top k
-logits first, softmaxed among themselves."""
+logits first, softmaxed among themselves. On CUDA the first is one Triton kernel (kernels/moe_routing.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ def _check_top_k(router_logits: torch.Tensor, top_k: int) -> None:
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights [tokens, k] float32, topk_ids [tokens, k] int64) from router_logits [tokens, experts]."""
     _check_top_k(router_logits, top_k)
+    if router_logits.is_cuda:
+        from novainfer.kernels.moe_routing import topk_softmax
+
+        return topk_softmax(router_logits, top_k, renormalize)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
