@@ -162,6 +162,34 @@ def decode_case(gdr, fla, batch: int, dtype: torch.dtype, tol: float, time_it: b
     record(name, "ours conv1d_update", ms, err_o, err_s, tol)
 
 
+def decode_tiles(gdr, batch: int = 256) -> None:
+    """The decode kernel's time per V-block width and warp count, for a float32 and a bfloat16 state pool
+    (mamba_ssm_cache_dtype), bf16 activations: which tile the pool's bytes bind, and what halving them buys."""
+    import triton
+
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    q, k, v, g, beta = inputs(batch, torch.bfloat16, gen)
+    pool, slots = pool_and_slots(batch, gen)
+    print(f"\ndecode kernel tiles, B={batch}: ms (state GB/s)")
+    for state_dtype in (torch.float32, torch.bfloat16):
+        p = pool.to(state_dtype)
+        row = []
+        for bv in (16, 32, 64, 128):
+            for warps in (1, 2, 4, 8):
+
+                def launch():
+                    gdr._recurrent_kernel[(batch * HV, triton.cdiv(V, bv))](
+                        q, k, v, g, beta, torch.empty_like(v), p, slots, slots, K**-0.5, gdr.L2_EPS,
+                        q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0),
+                        HK=HK, HV=HV, K=K, V=V, BK=K, BV=bv, VARLEN=False, L2NORM=True, num_warps=warps,
+                    )  # fmt: skip
+
+                ms = bench(launch)
+                gbs = 2 * batch * HV * K * V * p.element_size() / ms / 1e6
+                row.append(f"BV{bv}/w{warps} {ms:.3f} ({gbs:,.0f})")
+        print(f"{tag(state_dtype)}: " + ", ".join(row), flush=True)
+
+
 def prefill_case(gdr, fla, lens: list[int], dtype: torch.dtype, tol: float, time_it: bool) -> None:
     gen = torch.Generator(device=DEV).manual_seed(sum(lens))
     tokens, seqs = sum(lens), len(lens)
@@ -238,6 +266,9 @@ def main() -> None:
     # bf16 activations (the models' dtype) with the fp32 state; tf32 dots in the chunked kernels
     for batch in (1, 64, 256):
         decode_case(gdr, fla, batch, torch.bfloat16, FLA_TOL, time_it=True)
+    decode_tiles(gdr)
+    if "--tiles-only" in sys.argv:
+        return
     for lens in ([8192], [2048] * 8):
         prefill_case(gdr, fla, lens, torch.bfloat16, FLA_TOL, time_it=True)
     report()
