@@ -20,7 +20,7 @@ _BAD_KV = 2  # error codes from 3 on: 2 + a bad KV index's code (ops.kv_index_er
 
 
 class QLinearDesc(ctypes.Structure):
-    """qlinear of decoder_stack_cpu.c, field for field (scale_f16: float16 scales and zeros)."""
+    """qlinear of csrc/stack_cpu.h, field for field (scale_fmt: the weight's scale_format)."""
 
     _fields_ = [
         ("w", _P),
@@ -30,7 +30,7 @@ class QLinearDesc(ctypes.Structure):
         ("q4", _I),
         ("group", _I),
         ("has_zeros", _I),
-        ("scale_f16", _I),
+        ("scale_fmt", _I),
         ("N", _I),
         ("K", _I),
     ]
@@ -81,7 +81,7 @@ def qlinear_desc(w: PackedWeight, bias: torch.Tensor | None) -> QLinearDesc:
         int(w.kind == "q4"),
         w.group,
         int(w.zeros is not None),
-        int(w.scale_f16),
+        w.scale_format,
         w.shape[0],
         w.shape[1],
     )

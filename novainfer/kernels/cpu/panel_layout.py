@@ -5,6 +5,7 @@ kernel unpacks them in registers with shifts and masks (no transposes, no scratc
 contiguous run of memory. The row layout is the one GGUF blocks repack into (repack.py): q4 uint8 [N, K/2]
 with GGML's nibble order per group of 32 (byte j: element j low, j + 16 high), q8 int8 [N, K]; scales and zeros
 [N, K/G]. Both directions are exact (a permutation of values); padding rows past N are zero.
+The K-quants' scales and zeros go as int8 multipliers [N, K/G] of float16 factors [N, K/256] (superblocks_to_panels).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import numpy as np
 from novainfer.kernels.cpu import library
 
 PANEL = 16  # output rows a panel (csrc/panel_cpu.h)
+SUPER = 256  # weights a K-quant super-block: one float16 factor per row (csrc/panel_cpu.h SCALE_SUPER)
 
 
 def num_panels(n: int) -> int:
@@ -92,3 +94,34 @@ def groups_to_rows(a: np.ndarray, n: int) -> np.ndarray:
     """The inverse of groups_to_panels: [n, ng]."""
     p = a.shape[0]
     return np.ascontiguousarray(a.reshape(p, -1, PANEL).transpose(0, 2, 1)).reshape(p * PANEL, -1)[:n]
+
+
+def superblocks_to_panels(multipliers: np.ndarray, factors: np.ndarray) -> np.ndarray:
+    """K-quant scales (or zeros) as int8 multipliers [N, ng] of float16 factors [N, K/256] -> uint8
+    [P, K/256 * (32 + 16 * gps)]: per super-block its 16 rows' factors, then its gps groups' 16 multipliers each."""
+    p, nsb = num_panels(multipliers.shape[0]), factors.shape[1]
+    f = groups_to_panels(factors.astype(np.float16)).view(np.uint8).reshape(p, nsb, 2 * PANEL)
+    m = groups_to_panels(multipliers.astype(np.int8)).view(np.uint8).reshape(p, nsb, -1)
+    return np.concatenate([f, m], axis=2).reshape(p, -1)
+
+
+def superblocks_split(a: np.ndarray, nsb: int) -> tuple[np.ndarray, np.ndarray]:
+    """superblocks_to_panels' output -> (factors float16 [P, nsb, 1, 16], multipliers int8 [P, nsb, gps, 16])."""
+    b = np.ascontiguousarray(a).reshape(a.shape[0], nsb, -1)
+    f = np.ascontiguousarray(b[:, :, : 2 * PANEL]).view(np.float16)[:, :, None, :]
+    return f, np.ascontiguousarray(b[:, :, 2 * PANEL :]).view(np.int8).reshape(a.shape[0], nsb, -1, PANEL)
+
+
+def superblocks_to_groups(a: np.ndarray, nsb: int) -> np.ndarray:
+    """superblocks_to_panels' output -> the float32 values in groups_to_panels' layout [P, 16 * ng]: factor *
+    multiplier in float32, exact (11 bits times 8), as the kernels form them."""
+    f, m = superblocks_split(a, nsb)
+    return (f.astype(np.float32) * m.astype(np.float32)).reshape(a.shape[0], -1)
+
+
+def superblocks_repeat(a: np.ndarray, nsb: int, rep: int) -> np.ndarray:
+    """superblocks_to_panels' output with every group split into rep groups of the same multiplier (the int8
+    container's smaller groups)."""
+    f, m = superblocks_split(a, nsb)
+    m = np.repeat(m, rep, axis=2).view(np.uint8).reshape(a.shape[0], nsb, -1)
+    return np.concatenate([f[:, :, 0].view(np.uint8), m], axis=2).reshape(a.shape[0], -1)

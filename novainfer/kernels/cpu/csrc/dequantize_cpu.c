@@ -11,7 +11,7 @@
 
 /* out [R, K] = q * scale + zero, per group of G, for weight rows rows[0..R) (NULL: rows 0..R). */
 typedef struct {
-    const void *w; const void *scales, *zeros; const int64_t *rows; int K, G, R, q4, scale_f16, nchunks;
+    const void *w; const void *scales, *zeros; const int64_t *rows; int K, G, R, q4, scale_fmt, nchunks;
     float *out;
 } dequant_job;
 
@@ -35,20 +35,22 @@ static void dequant_chunk(void *arg, int chunk) {
         const int64_t n = j->rows ? j->rows[r] : r;
         float *o = j->out + (size_t)r * K;
         for (int g = 0; g < ng; g++) {
-            const size_t i = ((size_t)(n / PANEL) * ng + g) * PANEL + n % PANEL;
-            const float s = load_scale(j->scales, i, j->scale_f16), z = j->zeros ? load_scale(j->zeros, i, j->scale_f16) : 0.f;
+            const size_t pnl = (size_t)(n / PANEL);
+            const int row = (int)(n % PANEL);
+            const float s = panel_scale_at(j->scales, pnl, ng, G, g, row, j->scale_fmt);
+            const float z = j->zeros ? panel_scale_at(j->zeros, pnl, ng, G, g, row, j->scale_fmt) : 0.f;
             for (int k = g * G; k < (g + 1) * G; k++) o[k] = __builtin_fmaf((float)quant_at(j, n, k), s, z);
         }
     }
 }
 
 /* q4 (q4=1, G=32; q4=2: MXFP4's e2m1 codes, panel_cpu.h's E2M1_X2) or int8 (q4=0, G 16 or 32; zeros may be NULL) weights [N, K] in panels -> out float32 [R, K]:
- * rows[0..R) of the weight (NULL: its first R rows; the caller checks the ids). scales and zeros are float16
- * when scale_f16, else float32. */
-void dequantize(const void *w, int q4, int G, const void *scales, const void *zeros, int scale_f16, int K,
+ * rows[0..R) of the weight (NULL: its first R rows; the caller checks the ids). scales and zeros are in format
+ * scale_fmt (panel_cpu.h's SCALE_*). */
+void dequantize(const void *w, int q4, int G, const void *scales, const void *zeros, int scale_fmt, int K,
                 const int64_t *rows, int R, float *out, int nthreads) {
     dequant_job j = {.w = w, .scales = scales, .zeros = zeros, .rows = rows, .K = K, .G = G, .R = R, .q4 = q4,
-                     .scale_f16 = scale_f16, .out = out};
+                     .scale_fmt = scale_fmt, .out = out};
     j.nchunks = num_chunks(R, nthreads);
     pool_run(dequant_chunk, &j, j.nchunks, nthreads);
 }

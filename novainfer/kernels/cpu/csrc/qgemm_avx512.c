@@ -118,10 +118,18 @@ void panel_rows_avx512(const panel_job *j, const int16_t *wp, const float *sp, c
     }
 }
 
-/* A group's 16 scales (or zeros) of a panel, from element i on (panel_cpu.h's panel_scales, in one register). */
-static inline __attribute__((always_inline)) __m512 group_scales(const void *p, size_t i, int f16) {
-    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
-               : _mm512_loadu_ps((const float *)p + i);
+/* Group g's 16 scales (or zeros) of a panel: panel_cpu.h's panel_scales (panel_scale_at's values) in one register. */
+static inline __attribute__((always_inline)) __m512 group_scales(const void *p, size_t panel, int ng, int G, int g,
+                                                                 int fmt) {
+    if (fmt == SCALE_SUPER) {
+        const uint8_t *sb = super_block(p, panel, ng, G, g);
+        const __m128i m = _mm_loadu_si128((const __m128i *)super_multipliers(sb, G, g));
+        return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb)),
+                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(m)));
+    }
+    const size_t i = (panel * ng + g) * PANEL;
+    return fmt == SCALE_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+                            : _mm512_loadu_ps((const float *)p + i);
 }
 
 /* x4: 4 k-pairs of an activation row; the even pair (0, 2) or odd pair (1, 3), each over one 256-bit half. */
@@ -175,9 +183,8 @@ static inline __attribute__((always_inline)) void few_tile512(const gemm_job *j,
                 a[m][1] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(a[m][1], v[1], x01), v[3], x23);
             }
         }
-        const size_t si = ((size_t)panel * ng + g) * PANEL;
-        const __m512 s = group_scales(j->scales, si, j->scale_f16);
-        const __m512 z = j->has_zeros ? group_scales(j->zeros, si, j->scale_f16) : _mm512_setzero_ps();
+        const __m512 s = group_scales(j->scales, panel, ng, G, g, j->scale_fmt);
+        const __m512 z = j->has_zeros ? group_scales(j->zeros, panel, ng, G, g, j->scale_fmt) : _mm512_setzero_ps();
         const float *dx = j->dxT + (size_t)(g * G / 32) * j->mp + m0;
         for (int m = 0; m < mr; m++) {  /* lanes 0-7: half 0's rows (0-7), 8-15: half 1's (8-15) */
             const __m512i sum = _mm512_add_epi32(_mm512_shuffle_i64x2(a[m][0], a[m][1], 0x44),

@@ -4,7 +4,8 @@
  * per group, which holds GGUF's Q4_0/Q4_1/Q4_K (4-bit, groups of 32) and Q8_0/Q5_K/Q6_K (8-bit container,
  * groups of 32 or 16) exactly. Quants, scales and zeros are in the panel layout of panel_cpu.h: 16 output rows
  * a panel, in the order the madds consume them, so a panel streams as one run of memory and unpacks in
- * registers with shifts and masks. Scales and zeros are float16 (scale_f16, widened exactly) or float32.
+ * registers with shifts and masks. Scales and zeros are float32, float16 (widened exactly) or, for the K-quants,
+ * int8 multipliers of a float16 factor per 256 weights (multiplied in float32, exactly): scale_fmt, panel_cpu.h.
  *
  * Activations are rounded per row to int16 in blocks of 32 (step max|x| / 32767), so a group's dot product
  * is integer (madd of int16 pairs) and only its sum is scaled in float: fewer instructions per weight than
@@ -78,8 +79,8 @@ static inline __attribute__((always_inline)) void tile(const gemm_job *j, int pa
             }
         }
         __m256 s[2], z[2];
-        panel_scales(j->scales, panel, ng, g, j->scale_f16, s);
-        if (j->has_zeros) panel_scales(j->zeros, panel, ng, g, j->scale_f16, z);
+        panel_scales(j->scales, panel, ng, G, g, j->scale_fmt, s);
+        if (j->has_zeros) panel_scales(j->zeros, panel, ng, G, g, j->scale_fmt, z);
         const float *dx = j->dxT + (size_t)(g * G / 32) * j->mp + m0;
         for (int m = 0; m < mr; m++)
             for (int h = 0; h < 2; h++) {
@@ -165,27 +166,27 @@ static int panel_min_rows = 16;  /* kernels/cpu/qgemm.py PANEL_MIN_ROWS says the
 /* Tests move it to compare the two kernels on the same rows (they give every row the same bits). */
 void set_panel_min_rows(int rows) { panel_min_rows = rows; }
 
-int q4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros, int scale_f16,
+int q4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros, int scale_fmt,
             int N, float *y, int nthreads) {
-    if (M >= panel_min_rows) return q4_gemm_panel(x, M, K, w, scales, zeros, scale_f16, N, y, nthreads);
+    if (M >= panel_min_rows) return q4_gemm_panel(x, M, K, w, scales, zeros, scale_fmt, N, y, nthreads);
     gemm_job j = {.M = M, .K = K, .G = 32, .N = N, .w = w, .scales = scales, .zeros = zeros, .has_zeros = 1,
-                  .q4 = 1, .scale_f16 = scale_f16, .y = y};
+                  .q4 = 1, .scale_fmt = scale_fmt, .y = y};
     return run_gemm(&j, x, nthreads);
 }
 
 int q8_gemm(const float *x, int M, int K, const int8_t *w, int G, const void *scales, const void *zeros,
-            int has_zeros, int scale_f16, int N, float *y, int nthreads) {
-    if (M >= panel_min_rows) return q8_gemm_panel(x, M, K, w, G, scales, zeros, has_zeros, scale_f16, N, y, nthreads);
+            int has_zeros, int scale_fmt, int N, float *y, int nthreads) {
+    if (M >= panel_min_rows) return q8_gemm_panel(x, M, K, w, G, scales, zeros, has_zeros, scale_fmt, N, y, nthreads);
     gemm_job j = {.M = M, .K = K, .G = G, .N = N, .w = w, .scales = scales, .zeros = zeros,
-                  .has_zeros = has_zeros, .q4 = 0, .scale_f16 = scale_f16, .y = y};
+                  .has_zeros = has_zeros, .q4 = 0, .scale_fmt = scale_fmt, .y = y};
     return run_gemm(&j, x, nthreads);
 }
 
 /* MXFP4 weights (q4 panels of e2m1 codes, scales 2^(e - 128) as float16 or float32, no zeros). */
-int mxfp4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_f16, int N, float *y,
+int mxfp4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_fmt, int N, float *y,
                int nthreads) {
-    if (M >= panel_min_rows) return mxfp4_gemm_panel(x, M, K, w, scales, scale_f16, N, y, nthreads);
+    if (M >= panel_min_rows) return mxfp4_gemm_panel(x, M, K, w, scales, scale_fmt, N, y, nthreads);
     gemm_job j = {.M = M, .K = K, .G = 32, .N = N, .w = w, .scales = scales, .zeros = scales, .has_zeros = 0,
-                  .q4 = 1, .e2m1 = 1, .scale_f16 = scale_f16, .y = y};
+                  .q4 = 1, .e2m1 = 1, .scale_fmt = scale_fmt, .y = y};
     return run_gemm(&j, x, nthreads);
 }

@@ -13,14 +13,14 @@
 
 typedef struct {
     const int16_t *xq; const float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
-    const void *w; const void *scales, *zeros; int has_zeros, q4, e2m1, scale_f16, npanels, nchunks, avx512;
+    const void *w; const void *scales, *zeros; int has_zeros, q4, e2m1, scale_fmt, npanels, nchunks, avx512;
     _Atomic int failed;
     float *y;
 } gemm_job;
 
 typedef struct {
     const float *x; int16_t *xq; int32_t *xt; float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
-    const void *w; const void *scales, *zeros; int has_zeros, q4, e2m1, scale_f16, npanels, nchunks, avx512;
+    const void *w; const void *scales, *zeros; int has_zeros, q4, e2m1, scale_fmt, npanels, nchunks, avx512;
     _Atomic int failed;
     float *y;
 } panel_job;
