@@ -1,7 +1,7 @@
-"""The K-quants' compact scales (SCALE_SUPER in kernels/cpu/repack.py: int8 multipliers per group, a float16
-factor per 256 weights): every C kernel that reads them (few-row and panel GEMMs on both ISAs, dequantize, the C
-decoder stack) gives, to the bit, what it gives with the float32 scales the repack stored before (d * sc and
--dmin * m per group, formed in numpy float32)."""
+"""The K-quants' compact forms (kernels/cpu/repack.py): scales as int8 multipliers per group of a float16 factor per
+256 weights (SCALE_SUPER), Q6_K's codes as 6-bit planes (q6). Every C kernel that reads them (few-row and panel
+GEMMs on both ISAs, dequantize, the C decoder stack) gives, to the bit, what it gives with the form the repack
+stored before: float32 scales (d * sc and -dmin * m per group, formed in numpy float32), Q6_K in the int8 container."""
 
 import numpy as np
 import pytest
@@ -15,7 +15,7 @@ from tests.test_quantized_cpu import random_blocks
 
 pytestmark = pytest.mark.skipif(not library.available(), reason="needs AVX2+FMA+F16C and a C compiler")
 K_QUANTS = [T.Q4_K, T.Q5_K, T.Q6_K]
-BITS = {T.Q4_K: 4.625, T.Q5_K: 8.625, T.Q6_K: 8.5625}  # per weight in memory: quants + multipliers + factors
+BITS = {T.Q4_K: 4.625, T.Q5_K: 8.625, T.Q6_K: 6.5625}  # per weight in memory: quants + multipliers + factors
 # float16 factors that stress the products: the largest, a subnormal, the smallest subnormal, negative, zero
 EDGE_FACTORS = np.array([65504.0, 6.1e-5, 6e-8, -3.5, 0.0], np.float16)
 
@@ -31,7 +31,8 @@ def k_blocks(qtype: T, n: int, k: int, seed: int) -> np.ndarray:
 
 
 def float32_reference(blocks: np.ndarray, qtype: T, w: PackedWeight) -> PackedWeight:
-    """w's quants with the float32 scales and zeros the repack stored before SCALE_SUPER (its very formula)."""
+    """w's quants as the repack stored them before SCALE_SUPER and q6 (Q6_K in the int8 container), with the
+    float32 scales and zeros of its very formula."""
     n, k = w.shape
     b = blocks.reshape(n, k // 256, -1)
 
@@ -44,7 +45,17 @@ def float32_reference(blocks: np.ndarray, qtype: T, w: PackedWeight) -> PackedWe
         sc, mn = (v.astype(np.float32) for v in _k_scales(b[..., 4:16]))
         scales, zeros = (f16(0) * sc).reshape(n, -1), torch.from_numpy((-f16(2) * mn).reshape(n, -1))
     kind, group, _ = LAYOUT[qtype]
+    kind = "q8" if kind == "q6" else kind  # (both take int8 rows)
     return PackedWeight.from_rows(kind, w.rows()[0], torch.from_numpy(scales), zeros, group, w.shape)
+
+
+def old_form(w: PackedWeight) -> PackedWeight:
+    """w as the repack stored it before SCALE_SUPER and q6: float32 scales, Q6_K in the int8 container."""
+    w32 = w.float32_scales()
+    if w.kind != "q6":
+        return w32
+    q, scales, zeros = w32.rows()
+    return PackedWeight.from_rows("q8", q, scales, zeros, w.group, w.shape)
 
 
 @pytest.fixture(params=["avx2", "avx512"])
@@ -63,8 +74,9 @@ def test_compact_scales_are_exact_and_smaller(qtype):
     w = repack(blocks, qtype, (n, k))
     ref = float32_reference(blocks, qtype, w)
     assert w.scale_format == SCALE_SUPER and ref.scale_format == SCALE_F32
-    w32 = w.float32_scales()  # the products formed in float32 from the compact store
-    assert torch.equal(w32.scales, ref.scales) and (w.zeros is None or torch.equal(w32.zeros, ref.zeros))
+    old = old_form(w)  # the products formed in float32 from the compact store
+    assert (old.kind, old.scales.dtype) == (ref.kind, torch.float32) and torch.equal(old.qweight, ref.qweight)
+    assert torch.equal(old.scales, ref.scales) and (w.zeros is None or torch.equal(old.zeros, ref.zeros))
     gguf_ref = torch.from_numpy(dequantize(blocks, qtype).reshape(n, k).astype(np.float32))
     assert torch.equal(w.dequantize(), gguf_ref)
     assert w.nbytes() * 8 == BITS[qtype] * n * k
@@ -76,7 +88,7 @@ def test_every_kernel_gives_the_float32_scales_bits(qtype, isa):
     blocks = k_blocks(qtype, n, k, seed=10 + int(qtype))
     w = repack(blocks, qtype, (n, k))
     ref = float32_reference(blocks, qtype, w)
-    assert w.scale_format == SCALE_SUPER
+    assert w.scale_format == SCALE_SUPER and (w.kind == "q6") == (qtype == T.Q6_K) and ref.kind != "q6"
     assert torch.equal(qgemm.dequantize(w), qgemm.dequantize(ref))
     picked = torch.tensor([36, 0, 4, 4, 17])  # the embedding lookup's rows
     assert torch.equal(qgemm.dequantize(w, picked), qgemm.dequantize(ref, picked))
@@ -96,7 +108,7 @@ def test_merged_mixed_k_quants_keep_compact_scales(isa):
     parts = [repack(random_blocks(t, n, 512), t, (n, 512)) for t, n in ((T.Q4_K, 32), (T.Q4_K, 16), (T.Q6_K, 16))]
     merged = merge_rows(parts)
     assert (merged.kind, merged.group, merged.scale_format) == ("q8", 16, SCALE_SUPER)
-    ref = merge_rows([p.float32_scales() for p in parts])
+    ref = merge_rows([old_form(p) for p in parts])
     assert ref.scale_format == SCALE_F32
     assert torch.equal(merged.dequantize(), torch.cat([p.dequantize() for p in parts]))
     assert torch.equal(qgemm.dequantize(merged), qgemm.dequantize(ref))
@@ -117,10 +129,11 @@ def test_decoder_stack_gives_the_float32_scales_bits(tmp_path, monkeypatch):
     for compact in (True, False):
         if not compact:
             real = gguf_cpu.repack
-            monkeypatch.setattr(gguf_cpu, "repack", lambda *a: real(*a).float32_scales())
+            monkeypatch.setattr(gguf_cpu, "repack", lambda *a: old_form(real(*a)))
         model = load(path)
         packed = [m.weight.packed for m in model.modules() if getattr(getattr(m, "weight", None), "packed", None)]
         assert any(p.scale_format == SCALE_SUPER for p in packed) == compact
+        assert any(p.kind == "q6" for p in packed) == compact
         prefill(model, 300)
         meta, pos = step_meta(TABLES, PROMPT_LENS, [1] * len(PROMPT_LENS))
         outs.append(forward(model, [3, 1, 4, 1], pos, meta, stack=True))

@@ -3,8 +3,8 @@
 Output rows go in panels of 16, and each panel's weights in the order the GEMM's int16 madds consume them, so a
 kernel unpacks them in registers with shifts and masks (no transposes, no scratch) and streams each panel as one
 contiguous run of memory. The row layout is the one GGUF blocks repack into (repack.py): q4 uint8 [N, K/2]
-with GGML's nibble order per group of 32 (byte j: element j low, j + 16 high), q8 int8 [N, K]; scales and zeros
-[N, K/G]. Both directions are exact (a permutation of values); padding rows past N are zero.
+with GGML's nibble order per group of 32 (byte j: element j low, j + 16 high), q8 and q6 int8 [N, K] (q6: -32..31,
+stored as the q4 layout's nibbles of value + 32 and a plane of its high 2 bits); scales and zeros [N, K/G]. Both directions are exact (a permutation of values); padding rows past N are zero.
 The K-quants' scales and zeros go as int8 multipliers [N, K/G] of float16 factors [N, K/256] (superblocks_to_panels).
 """
 
@@ -15,6 +15,7 @@ import numpy as np
 from novainfer.kernels.cpu import library
 
 PANEL = 16  # output rows a panel (csrc/panel_cpu.h)
+PANEL_BYTES = {"q4": 8, "q6": 12, "q8": 16}  # bytes a panel takes per element of K
 SUPER = 256  # weights a K-quant super-block: one float16 factor per row (csrc/panel_cpu.h SCALE_SUPER)
 
 
@@ -46,8 +47,18 @@ def q4_rows_bytes(vals: np.ndarray) -> np.ndarray:
 
 
 def quants_to_panels(kind: str, q: np.ndarray, fast: bool = True) -> np.ndarray:
-    """Row-layout quants [N, ...] -> the panel layout: q4 uint8 [P, 8K], q8 int8 [P, 16K]. fast: in C
-    (csrc/repack_panels_cpu.c) where the CPU kernels are built, else (and as the reference) in numpy."""
+    """Row-layout quants [N, ...] -> the panel layout: q4 uint8 [P, 8K], q6 uint8 [P, 12K], q8 int8 [P, 16K]. fast:
+    in C (csrc/repack_panels_cpu.c) where the CPU kernels are built, else (and as the reference) in numpy."""
+    if kind == "q6":  # per 8 elements: the 64 bytes of q4 of the low nibbles of u = q + 32, then 32 of high bits
+        u = (q.astype(np.int16) + 32).astype(np.uint8)
+        n, k = u.shape
+        p = num_panels(n)
+        lo = quants_to_panels("q4", q4_rows_bytes(u & 15), fast).reshape(p, k // 8, 64)
+        # [P, half h, row i, quad c, k-pair s, element e]; vector t = 2s + h's bits go to bits 2t of byte (c, lane)
+        v = _pad_rows(u >> 4, p * PANEL).reshape(p, 2, 8, k // 4, 2, 2)
+        hi = v[:, 0, :, :, 0] | v[:, 1, :, :, 0] << 2 | v[:, 0, :, :, 1] << 4 | v[:, 1, :, :, 1] << 6  # [P, i, c, e]
+        hi = hi.transpose(0, 2, 1, 3).reshape(p, k // 8, 32)
+        return np.concatenate([lo, hi], axis=2).reshape(p, 12 * k)
     lib = library.library() if fast and library.available() else None
     if lib is not None:
         n, k = q.shape[0], q.shape[1] * (2 if kind == "q4" else 1)
@@ -74,6 +85,13 @@ def quants_to_panels(kind: str, q: np.ndarray, fast: bool = True) -> np.ndarray:
 def quants_to_rows(kind: str, panels: np.ndarray, n: int, k: int) -> np.ndarray:
     """The inverse of quants_to_panels: row-layout quants of the first n rows."""
     p = panels.shape[0]
+    if kind == "q6":
+        b = panels.reshape(p, k // 8, 96)
+        lo = q4_values(quants_to_rows("q4", np.ascontiguousarray(b[:, :, :64]).reshape(p, 8 * k), p * PANEL, k))
+        bits = b[:, :, 64:].reshape(p, k // 4, 8, 2)  # [P, c, i, e]
+        t = np.stack([(bits >> (2 * t)) & 3 for t in range(4)], axis=-1).reshape(p, k // 4, 8, 2, 2, 2)  # t = 2s + h
+        hi = t.transpose(0, 5, 2, 1, 4, 3).reshape(p * PANEL, k)  # [P, h, i, c, s, e]
+        return ((lo | hi << 4).astype(np.int16) - 32).astype(np.int8)[:n]
     if kind == "q4":
         lanes = np.ascontiguousarray(panels).view(np.uint16).reshape(p, k // 4, 16)
         v = np.stack([(lanes >> (4 * t)) & 15 for t in range(4)], axis=-1).astype(np.uint8)  # [P, c, lane, t]

@@ -29,6 +29,9 @@ def quant_gemm(x: torch.Tensor, w: PackedWeight, panel: bool = False) -> torch.T
         rc = mxfp4_gemm(
             x.data_ptr(), m, k, w.qweight.data_ptr(), w.scales.data_ptr(), fmt, n, y.data_ptr(), num_threads()
         )
+    elif w.kind == "q6":
+        q6_gemm = lib.q6_gemm_panel if panel else lib.q6_gemm
+        rc = q6_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), w.scales.data_ptr(), fmt, n, y.data_ptr(), num_threads())
     elif w.kind == "q4":
         rc = q4_gemm(
             x.data_ptr(),
@@ -79,7 +82,7 @@ def dequantize(w: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tenso
     zeros = None if w.zeros is None else w.zeros.data_ptr()
     library().dequantize(
         w.qweight.data_ptr(),
-        2 if w.e2m1 else int(w.kind == "q4"),
+        w.quant_code,
         w.group,
         w.scales.data_ptr(),
         zeros,

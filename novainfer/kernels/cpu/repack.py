@@ -4,12 +4,13 @@ output rows in panels of 16 (panel_layout.py: the order the kernels' madds consu
 Every supported type dequantizes per group as q * scale + zero, so the repack is exact (scale and zero are
 products of GGUF's float16 factors and small integers, formed in float32):
   q4 (4-bit, groups of 32): Q4_0 (scale d, zero -8d), Q4_1 (d, m), Q4_K (d*sc, -dmin*m per 32-sub-block);
-  q8 (int8 container): Q8_0 (groups of 32), Q5_K (groups of 32, with zero), Q6_K (groups of 16).
+  q6 (6-bit, groups of 16): Q6_K (scale d*sc, no zero), as a plane of 4-bit nibbles and one of 2-bit high parts;
+  q8 (int8 container): Q8_0 (groups of 32), Q5_K (groups of 32, with zero), and any merge of different kinds.
 Scales and zeros are stored in one of three formats (scale_format; csrc/panel_cpu.h has the bytes):
   SCALE_SUPER, the K-quants: as in the file, an int8 multiplier per group (sc; m for zeros) and a float16 factor
     per super-block of 256 weights (d; -dmin), 16 panel rows side by side. The kernels form factor * multiplier
     in float32 when they load a group, exactly (11 bits times 8), so they use the very values a float32 store
-    would hold: Q4_K costs 4.625 bits a weight in memory (file 4.5), Q5_K 8.625 (5.5), Q6_K 8.5625 (6.5625).
+    would hold: Q4_K costs 4.625 bits a weight in memory (file 4.5), Q5_K 8.625 (5.5), Q6_K 6.5625 (the file's).
   SCALE_F16, where every value of the tensor survives float32 -> float16 -> float32 (Q4_0, Q4_1, Q8_0: the
     file's own float16 values, so Q4_1 is 5 bits a weight and Q8_0 8.5, as in the file);
   SCALE_F32 otherwise (and a merge of parts in different formats). The kernels widen float16 exactly, so every
@@ -43,6 +44,8 @@ BLOCK = {
 SUPPORTED = frozenset(BLOCK)
 SCALE_F32, SCALE_F16, SCALE_SUPER = 0, 1, 2  # scale formats (csrc/panel_cpu.h), by the scales' dtype:
 _FORMATS = {torch.float32: SCALE_F32, torch.float16: SCALE_F16, torch.uint8: SCALE_SUPER}
+QUANT_E2M1 = 2  # the kernels' code of q4 nibbles read as MXFP4 codes (csrc/panel_cpu.h QUANT_*)
+_QUANTS = {"q8": 0, "q4": 1, "q6": 3}
 
 
 @dataclass
@@ -50,8 +53,8 @@ class PackedWeight:
     """A [N, K] weight in one of the kernels' layouts (see module docstring), output rows in panels of 16
     (panel_layout.py, csrc/panel_cpu.h); tensors on the CPU."""
 
-    kind: str  # "q4" or "q8"
-    qweight: torch.Tensor  # q4: uint8 [P, 8K]; q8: int8 [P, 16K] (P = ceil(N / 16) panels)
+    kind: str  # "q4", "q6" or "q8"
+    qweight: torch.Tensor  # q4: uint8 [P, 8K]; q6: uint8 [P, 12K]; q8: int8 [P, 16K] (P = ceil(N / 16) panels)
     scales: torch.Tensor  # float16 or float32 [P, 16 * K/group]; SCALE_SUPER: uint8 [P, K/256 * (32 + 16 * 256/group)]
     zeros: torch.Tensor | None  # the scales' shape and dtype; None: all zero
     group: int
@@ -77,8 +80,8 @@ class PackedWeight:
         shape: tuple[int, int],
         e2m1: bool = False,
     ) -> "PackedWeight":
-        """A weight given in the row layout (q4 uint8 [N, K/2] in GGML's nibble order, q8 int8 [N, K]; scales and
-        zeros float [N, K/group])."""
+        """A weight given in the row layout (q4 uint8 [N, K/2] in GGML's nibble order, q6 and q8 int8 [N, K]; scales
+        and zeros float [N, K/group])."""
         t, zp = torch.from_numpy, None if zeros is None else panel_layout.groups_to_panels(zeros.numpy())
         return cls(
             kind,
@@ -100,6 +103,11 @@ class PackedWeight:
             t(panel_layout.groups_to_rows(self._values(self.scales), n)),
             z,
         )
+
+    @property
+    def quant_code(self) -> int:
+        """The kernels' QUANT_* code of the quants' layout (csrc/panel_cpu.h)."""
+        return QUANT_E2M1 if self.e2m1 else _QUANTS[self.kind]
 
     @property
     def scale_format(self) -> int:
@@ -195,7 +203,7 @@ LAYOUT = {
     T.Q8_0: ("q8", 32, False),
     T.Q4_K: ("q4", 32, True),
     T.Q5_K: ("q8", 32, True),
-    T.Q6_K: ("q8", 16, False),
+    T.Q6_K: ("q6", 16, False),
     T.MXFP4: ("q4", 32, False),
 }
 CHUNK_BYTES = 1 << 22  # GGUF bytes repacked at a time: the numpy temporaries stay a few times this, not the tensor
@@ -215,7 +223,7 @@ def repack(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> PackedWeight:
     b = np.asarray(data, dtype=np.uint8).reshape(n, k // per, nbytes)
     kind, group, has_zero = LAYOUT[qtype]
     p, pn = panel_layout.num_panels(n), panel_layout.PANEL
-    qweight = np.empty((p, 8 * k), np.uint8) if kind == "q4" else np.empty((p, 16 * k), np.int8)
+    qweight = np.empty((p, panel_layout.PANEL_BYTES[kind] * k), np.int8 if kind == "q8" else np.uint8)
     scales = zeros = None
     step = max(1, CHUNK_BYTES // (k // per * nbytes) // pn) * pn  # whole panels at a time
     for r in range(0, n, step):

@@ -18,6 +18,11 @@ int mxfp4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scale
 int mxfp4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_fmt, int N,
                      float *y, int nthreads);
 void mxfp4_gemm_ref(const float *x, int M, int K, const uint8_t *blocks, int N, float *y);
+/* Q6_K: q6 panels (panel_cpu.h), groups of 16, no zeros */
+int q6_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_fmt, int N, float *y,
+            int nthreads);
+int q6_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_fmt, int N, float *y,
+                  int nthreads);
 void set_panel_min_rows(int rows);
 int num_chunks(int N, int nthreads);  /* chunks of output rows a kernel splits N rows into for the pool */
 int q4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros,

@@ -9,6 +9,9 @@
  *     (bits 4t..4t+3) of lane L is the k-pair vector (p = 2c + t / 2, h = t % 2)'s lane L.
  *   q8 (int8 [P, 16K]): each k-pair p takes 32 bytes, 16 uint16 lanes; the low byte of lane L is vector (p, h = 0)'s
  *     lane L, the high byte vector (p, h = 1)'s.
+ *   q6 (uint8 [P, 12K]; Q6_K's codes u = weight + 32, 0..63): each 8 elements 8b..8b+7 take 96 bytes: the q4 layout's
+ *     64 bytes of those elements holding u's low 4 bits, then 32 bytes of the high 2 bits: byte 16 * (c % 2) + L
+ *     holds lane L's of the 4 elements 4c..4c+3 (c = 2b, 2b + 1), vector t's (the q4 nibble t's) in bits 2t..2t+1.
  *   scales and zeros ([P, 16 * K/G], float16 or float32): group g's 16 values (one per panel row) side by side;
  *     or, SCALE_SUPER (the K-quants; uint8 [P, K/256 * (32 + 16 * 256/G)]), per super-block of 256 weights its 16
  *     float16 factors (GGUF's d, or -dmin for zeros), then its 256/G groups' 16 int8 multipliers each (sc, or m):
@@ -29,6 +32,10 @@
 /* How a PackedWeight stores its scales and zeros (repack.py's scale_format). */
 enum { SCALE_F32 = 0, SCALE_F16 = 1, SCALE_SUPER = 2 };
 
+/* A panel's quants (repack.py's quant_code): int8, 4-bit nibbles, MXFP4's e2m1 codes in q4 nibbles, 6-bit planes. */
+enum { QUANT_Q8 = 0, QUANT_Q4 = 1, QUANT_E2M1 = 2, QUANT_Q6 = 3 };
+#define Q6_BLOCK 96  /* q6 bytes of 8 elements of a panel: 64 of low nibbles, 32 of high bits */
+
 /* q4: the 4 k-pair vectors of 4 elements (t = 0..3: k-pair 2c half 0, half 1, k-pair 2c + 1 half 0, half 1). */
 static inline __attribute__((always_inline)) void q4_vectors(const uint8_t *b, __m256i v[4]) {
     const __m256i q = _mm256_loadu_si256((const __m256i *)b), m = _mm256_set1_epi16(0x0f);
@@ -36,6 +43,16 @@ static inline __attribute__((always_inline)) void q4_vectors(const uint8_t *b, _
     v[1] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m);
     v[2] = _mm256_and_si256(_mm256_srli_epi16(q, 8), m);
     v[3] = _mm256_srli_epi16(q, 12);
+}
+
+/* q6: the 4 k-pair vectors of elements 4c..4c+3 (q4_vectors' order) as int16 weights u - 32. */
+static inline __attribute__((always_inline)) void q6_vectors(const uint8_t *b, int c, __m256i v[4]) {
+    const uint8_t *blk = b + (size_t)(c / 2) * Q6_BLOCK;
+    q4_vectors(blk + 32 * (c & 1), v);
+    const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 64 + 16 * (c & 1))));
+    const __m256i m = _mm256_set1_epi16(0x30), off = _mm256_set1_epi16(32);
+    const __m256i hi[4] = {_mm256_slli_epi16(h, 4), _mm256_slli_epi16(h, 2), h, _mm256_srli_epi16(h, 2)};
+    for (int t = 0; t < 4; t++) v[t] = _mm256_sub_epi16(_mm256_or_si256(v[t], _mm256_and_si256(hi[t], m)), off);
 }
 
 /* MXFP4's e2m1 code (sign bit 3) -> twice its value, an integer in [-12, 12]; times 2^(e - 128) per 32 weights
@@ -57,8 +74,10 @@ static inline __attribute__((always_inline)) void q8_vectors(const int8_t *b, __
     v[1] = _mm256_srai_epi16(q, 8);
 }
 
-/* Bytes of quants a panel takes (K elements per row). */
-static inline size_t panel_bytes(int q4, int K) { return q4 ? (size_t)8 * K : (size_t)16 * K; }
+/* Bytes of quants a panel takes (K elements per row) in layout quant (QUANT_*). */
+static inline size_t panel_bytes(int quant, int K) {
+    return (size_t)K * (quant == QUANT_Q8 ? 16 : quant == QUANT_Q6 ? 12 : 8);
+}
 
 /* SCALE_SUPER: the start of the super-block that holds group g (of ng, G weights each) of a panel's scales. */
 static inline const uint8_t *super_block(const void *p, size_t panel, int ng, int G, int g) {

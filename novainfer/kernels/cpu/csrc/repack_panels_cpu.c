@@ -24,7 +24,7 @@ static inline int value_at(const repack_job *j, int r, int k) {
 
 static void repack_panel(void *arg, int panel) {
     const repack_job *j = arg;
-    uint8_t *o = j->out + (size_t)panel * panel_bytes(j->q4, j->K);
+    uint8_t *o = j->out + (size_t)panel * panel_bytes(j->q4 ? QUANT_Q4 : QUANT_Q8, j->K);
     const int r0 = panel * PANEL;
     if (j->q4) {  /* 32 bytes per 4 elements: byte 2L + s of lane L = (i, e) holds rows i (low nibble), 8 + i */
         for (int c = 0; c < j->K / 4; c++)
