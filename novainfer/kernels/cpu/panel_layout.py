@@ -16,6 +16,8 @@ from novainfer.kernels.cpu import library
 
 PANEL = 16  # output rows a panel (csrc/panel_cpu.h)
 PANEL_BYTES = {"q4": 8, "q6": 12, "q8": 16}  # bytes a panel takes per element of K
+QUANT = {"q8": 0, "q4": 1, "q6": 3}  # the kernels' code of each layout (csrc/panel_cpu.h QUANT_*)
+QUANT_E2M1 = 2  # q4 nibbles read as MXFP4 codes
 SUPER = 256  # weights a K-quant super-block: one float16 factor per row (csrc/panel_cpu.h SCALE_SUPER)
 
 
@@ -49,24 +51,24 @@ def q4_rows_bytes(vals: np.ndarray) -> np.ndarray:
 def quants_to_panels(kind: str, q: np.ndarray, fast: bool = True) -> np.ndarray:
     """Row-layout quants [N, ...] -> the panel layout: q4 uint8 [P, 8K], q6 uint8 [P, 12K], q8 int8 [P, 16K]. fast:
     in C (csrc/repack_panels_cpu.c) where the CPU kernels are built, else (and as the reference) in numpy."""
-    if kind == "q6":  # per 8 elements: the 64 bytes of q4 of the low nibbles of u = q + 32, then 32 of high bits
-        u = (q.astype(np.int16) + 32).astype(np.uint8)
-        n, k = u.shape
-        p = num_panels(n)
-        lo = quants_to_panels("q4", q4_rows_bytes(u & 15), fast).reshape(p, k // 8, 64)
-        # [P, half h, row i, quad c, k-pair s, element e]; vector t = 2s + h's bits go to bits 2t of byte (c, lane)
-        v = _pad_rows(u >> 4, p * PANEL).reshape(p, 2, 8, k // 4, 2, 2)
-        hi = v[:, 0, :, :, 0] | v[:, 1, :, :, 0] << 2 | v[:, 0, :, :, 1] << 4 | v[:, 1, :, :, 1] << 6  # [P, i, c, e]
-        hi = hi.transpose(0, 2, 1, 3).reshape(p, k // 8, 32)
-        return np.concatenate([lo, hi], axis=2).reshape(p, 12 * k)
     lib = library.library() if fast and library.available() else None
     if lib is not None:
         n, k = q.shape[0], q.shape[1] * (2 if kind == "q4" else 1)
         q = np.ascontiguousarray(q)
-        out = np.empty((num_panels(n), (8 if kind == "q4" else 16) * k), q.dtype)
+        out = np.empty((num_panels(n), PANEL_BYTES[kind] * k), np.int8 if kind == "q8" else np.uint8)
         if n:
-            lib.repack_panels(q.ctypes.data, int(kind == "q4"), n, k, out.ctypes.data, library.num_threads())
+            lib.repack_panels(q.ctypes.data, QUANT[kind], n, k, out.ctypes.data, library.num_threads())
         return out
+    if kind == "q6":  # per 8 elements: the 64 bytes of q4 of the low nibbles of u = q + 32, then 32 of high bits
+        n, k = q.shape
+        p = num_panels(n)
+        u = (_pad_rows(q, p * PANEL).astype(np.int16) + 32).astype(np.uint8)  # padding rows: weights 0
+        lo = quants_to_panels("q4", q4_rows_bytes(u & 15), fast=False).reshape(p, k // 8, 64)
+        # [P, half h, row i, quad c, k-pair s, element e]; vector t = 2s + h's bits go to bits 2t of byte (c, lane)
+        v = (u >> 4).reshape(p, 2, 8, k // 4, 2, 2)
+        hi = v[:, 0, :, :, 0] | v[:, 1, :, :, 0] << 2 | v[:, 0, :, :, 1] << 4 | v[:, 1, :, :, 1] << 6  # [P, i, c, e]
+        hi = hi.transpose(0, 2, 1, 3).reshape(p, k // 8, 32)
+        return np.concatenate([lo, hi], axis=2).reshape(p, 12 * k)
     if kind == "q4":
         vals = q4_values(q)
         n, k = vals.shape

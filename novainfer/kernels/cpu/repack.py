@@ -44,8 +44,6 @@ BLOCK = {
 SUPPORTED = frozenset(BLOCK)
 SCALE_F32, SCALE_F16, SCALE_SUPER = 0, 1, 2  # scale formats (csrc/panel_cpu.h), by the scales' dtype:
 _FORMATS = {torch.float32: SCALE_F32, torch.float16: SCALE_F16, torch.uint8: SCALE_SUPER}
-QUANT_E2M1 = 2  # the kernels' code of q4 nibbles read as MXFP4 codes (csrc/panel_cpu.h QUANT_*)
-_QUANTS = {"q8": 0, "q4": 1, "q6": 3}
 
 
 @dataclass
@@ -107,7 +105,7 @@ class PackedWeight:
     @property
     def quant_code(self) -> int:
         """The kernels' QUANT_* code of the quants' layout (csrc/panel_cpu.h)."""
-        return QUANT_E2M1 if self.e2m1 else _QUANTS[self.kind]
+        return panel_layout.QUANT_E2M1 if self.e2m1 else panel_layout.QUANT[self.kind]
 
     @property
     def scale_format(self) -> int:
