@@ -4,8 +4,9 @@ Output rows go in panels of 16, and each panel's weights in the order the GEMM's
 kernel unpacks them in registers with shifts and masks (no transposes, no scratch) and streams each panel as one
 contiguous run of memory. The row layout is the one GGUF blocks repack into (repack.py): q4 uint8 [N, K/2]
 with GGML's nibble order per group of 32 (byte j: element j low, j + 16 high), q8 and q6 int8 [N, K] (q6: -32..31,
-stored as the q4 layout's nibbles of value + 32 and a plane of its high 2 bits); scales and zeros [N, K/G]. Both directions are exact (a permutation of values); padding rows past N are zero.
-The K-quants' scales and zeros go as int8 multipliers [N, K/G] of float16 factors [N, K/256] (superblocks_to_panels).
+stored as the q4 layout's nibbles of value + 32 and a plane of the high 2 bits); scales and zeros [N, K/G]. Both
+directions are exact (a permutation of values); padding rows past N are zero. The K-quants' scales and zeros go
+as int8 multipliers [N, K/G] of float16 factors [N, K/256] (superblocks_to_panels).
 """
 
 from __future__ import annotations

@@ -42,8 +42,9 @@ BLOCK = {
     T.MXFP4: (32, 17),
 }
 SUPPORTED = frozenset(BLOCK)
-SCALE_F32, SCALE_F16, SCALE_SUPER = 0, 1, 2  # scale formats (csrc/panel_cpu.h), by the scales' dtype:
-_FORMATS = {torch.float32: SCALE_F32, torch.float16: SCALE_F16, torch.uint8: SCALE_SUPER}
+SCALE_F32, SCALE_F16, SCALE_SUPER = 0, 1, 2  # the scale formats (csrc/panel_cpu.h SCALE_*)
+_FORMATS = {torch.float32: SCALE_F32, torch.float16: SCALE_F16, torch.uint8: SCALE_SUPER}  # by the scales' dtype
+_Scales = np.ndarray | tuple[np.ndarray, np.ndarray]  # row-layout scales: float32, or SCALE_SUPER's (int8, float16)
 
 
 @dataclass
@@ -242,7 +243,7 @@ def repack(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> PackedWeight:
     return PackedWeight(kind, t(qweight), t(scales), z, group, shape, qtype == T.MXFP4)
 
 
-def _scale_panels(s: np.ndarray | tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+def _scale_panels(s: _Scales) -> np.ndarray:
     """Row-layout scales or zeros -> the panel layout: float32 [N, ng], or SCALE_SUPER's (multipliers, factors)."""
     return panel_layout.superblocks_to_panels(*s) if isinstance(s, tuple) else panel_layout.groups_to_panels(s)
 
@@ -255,9 +256,6 @@ def _narrow(scales: np.ndarray, zeros: np.ndarray | None) -> tuple[np.ndarray, n
         if a is not None and not (np.isfinite(h).all() and np.array_equal(h.astype(np.float32), a)):
             return scales, zeros
     return halves[0], halves[1]
-
-
-_Scales = np.ndarray | tuple[np.ndarray, np.ndarray]
 
 
 def _repack_blocks(b: np.ndarray, qtype: T) -> tuple[np.ndarray, _Scales, _Scales | None]:
@@ -337,11 +335,11 @@ def _as_q8(p: PackedWeight, group: int) -> PackedWeight:
     rep = p.group // group
     if p.scale_format == SCALE_SUPER:  # each group's multipliers rep times; the factors stay
 
-        def split(t: torch.Tensor | None) -> torch.Tensor | None:
+        def regroup(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else torch.from_numpy(panel_layout.superblocks_repeat(t.numpy(), k // SUPER, rep))
 
         qweight = torch.from_numpy(panel_layout.quants_to_panels("q8", q.numpy()))
-        return PackedWeight("q8", qweight, split(p.scales), split(p.zeros), group, p.shape)
+        return PackedWeight("q8", qweight, regroup(p.scales), regroup(p.zeros), group, p.shape)
     scales, zeros = (
         None if t is None else torch.from_numpy(panel_layout.groups_to_rows(t.numpy(), n)) for t in (p.scales, p.zeros)
     )

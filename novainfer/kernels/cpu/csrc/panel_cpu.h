@@ -9,9 +9,10 @@
  *     (bits 4t..4t+3) of lane L is the k-pair vector (p = 2c + t / 2, h = t % 2)'s lane L.
  *   q8 (int8 [P, 16K]): each k-pair p takes 32 bytes, 16 uint16 lanes; the low byte of lane L is vector (p, h = 0)'s
  *     lane L, the high byte vector (p, h = 1)'s.
- *   q6 (uint8 [P, 12K]; Q6_K's codes u = weight + 32, 0..63): each 8 elements 8b..8b+7 take 96 bytes: the q4 layout's
- *     64 bytes of those elements holding u's low 4 bits, then 32 bytes of the high 2 bits: byte 16 * (c % 2) + L
- *     holds lane L's of the 4 elements 4c..4c+3 (c = 2b, 2b + 1), vector t's (the q4 nibble t's) in bits 2t..2t+1.
+ *   q6 (uint8 [P, 12K]; Q6_K's codes u = weight + 32, 0..63): each 8 elements 8b..8b+7 take 96 bytes: the q4
+ *     layout's 64 bytes of those elements holding u's low 4 bits, then 32 bytes of the high 2 bits: byte
+ *     16 * (c % 2) + L holds lane L's high bits of elements 4c..4c+3 (c = 2b, 2b + 1), those of vector t (q4's
+ *     nibble t) in bits 2t..2t+1.
  *   scales and zeros ([P, 16 * K/G], float16 or float32): group g's 16 values (one per panel row) side by side;
  *     or, SCALE_SUPER (the K-quants; uint8 [P, K/256 * (32 + 16 * 256/G)]), per super-block of 256 weights its 16
  *     float16 factors (GGUF's d, or -dmin for zeros), then its 256/G groups' 16 int8 multipliers each (sc, or m):

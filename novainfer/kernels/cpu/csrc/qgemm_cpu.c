@@ -2,9 +2,9 @@
  *
  * Weights stay quantized in memory; each group of weights dequantizes as q * scale + zero with a scale/zero
  * per group, which holds GGUF's Q4_0/Q4_1/Q4_K (4-bit, groups of 32), Q6_K (6-bit, groups of 16) and Q8_0/Q5_K
- * (8-bit container, groups of 32) exactly. Quants, scales and zeros are in the panel layout of panel_cpu.h: 16 output rows
- * a panel, in the order the madds consume them, so a panel streams as one run of memory and unpacks in
- * registers with shifts and masks. Scales and zeros are float32, float16 (widened exactly) or, for the K-quants,
+ * (8-bit container, groups of 32) exactly. Quants, scales and zeros are in the panel layout of panel_cpu.h: 16
+ * output rows a panel, in the order the madds consume them, so a panel streams as one run of memory and unpacks
+ * in registers with shifts and masks. Scales and zeros are float32, float16 (widened exactly) or, for the K-quants,
  * int8 multipliers of a float16 factor per 256 weights (multiplied in float32, exactly): scale_fmt, panel_cpu.h.
  *
  * Activations are rounded per row to int16 in blocks of 32 (step max|x| / 32767), so a group's dot product
