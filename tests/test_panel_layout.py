@@ -38,9 +38,10 @@ def test_round_trips_and_the_documented_byte_order(n):
             u = int(p4[panel].view(np.uint16)[(e // 4) * 16 + lane])
             assert (u >> (4 * t)) & 15 == vals[row, e]
             assert p8[panel][(e // 2) * 32 + 2 * lane + h] == q8[row, e]  # q8: byte h of the lane
-            blk, c = p6[panel][(e // 8) * 96 :].astype(int), (e // 4) % 2  # q6: q4's 64 bytes, then 32 of high bits
+            blk, c = p6[panel][(e // 8) * 96 :].astype(int), (e // 4) % 2  # q6: q4's 64 bytes, then 32 of top bits
             low = (blk[32 * c + 2 * lane] | blk[32 * c + 2 * lane + 1] << 8) >> (4 * t) & 15
-            assert (low | (blk[64 + 16 * c + lane] >> (2 * t) & 3) << 4) - 32 == q6[row, e]
+            top = blk[64 + 16 * c + lane] >> (2 * t) & 3  # signed: 2, 3 are -2, -1
+            assert low + 16 * (top - 4 if top >= 2 else top) == q6[row, e]
     s = RNG.standard_normal((n, k // 32)).astype(np.float32)
     assert np.array_equal(panel_layout.groups_to_rows(panel_layout.groups_to_panels(s), n), s)
 

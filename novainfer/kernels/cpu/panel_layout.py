@@ -4,9 +4,9 @@ Output rows go in panels of 16, and each panel's weights in the order the GEMM's
 kernel unpacks them in registers with shifts and masks (no transposes, no scratch) and streams each panel as one
 contiguous run of memory. The row layout is the one GGUF blocks repack into (repack.py): q4 uint8 [N, K/2]
 with GGML's nibble order per group of 32 (byte j: element j low, j + 16 high), q8 and q6 int8 [N, K] (q6: -32..31,
-stored as the q4 layout's nibbles of value + 32 and a plane of the high 2 bits); scales and zeros [N, K/G]. Both
-directions are exact (a permutation of values); padding rows past N are zero. The K-quants' scales and zeros go
-as int8 multipliers [N, K/G] of float16 factors [N, K/256] (superblocks_to_panels).
+stored as 6-bit two's complement: the low nibbles in the q4 layout, a plane of the top 2 bits); scales and zeros
+[N, K/G]. Both directions are exact (a permutation of values); padding rows past N are zero. The K-quants' scales
+and zeros go as int8 multipliers [N, K/G] of float16 factors [N, K/256] (superblocks_to_panels).
 """
 
 from __future__ import annotations
@@ -60,13 +60,13 @@ def quants_to_panels(kind: str, q: np.ndarray, fast: bool = True) -> np.ndarray:
         if n:
             lib.repack_panels(q.ctypes.data, QUANT[kind], n, k, out.ctypes.data, library.num_threads())
         return out
-    if kind == "q6":  # per 8 elements: the 64 bytes of q4 of the low nibbles of u = q + 32, then 32 of high bits
+    if kind == "q6":  # per 8 elements: q4's 64 bytes of the low nibbles, then 32 of the top 2 bits (q's 6-bit form)
         n, k = q.shape
         p = num_panels(n)
         u = (_pad_rows(q, p * PANEL).astype(np.int16) + 32).astype(np.uint8)  # padding rows: weights 0
         lo = quants_to_panels("q4", q4_rows_bytes(u & 15), fast=False).reshape(p, k // 8, 64)
         # [P, half h, row i, quad c, k-pair s, element e]; vector t = 2s + h's bits go to bits 2t of byte (c, lane)
-        v = (u >> 4).reshape(p, 2, 8, k // 4, 2, 2)
+        v = ((u >> 4) ^ 2).reshape(p, 2, 8, k // 4, 2, 2)  # the top 2 bits: (u >> 4) - 2 in two's complement
         hi = v[:, 0, :, :, 0] | v[:, 1, :, :, 0] << 2 | v[:, 0, :, :, 1] << 4 | v[:, 1, :, :, 1] << 6  # [P, i, c, e]
         hi = hi.transpose(0, 2, 1, 3).reshape(p, k // 8, 32)
         return np.concatenate([lo, hi], axis=2).reshape(p, 12 * k)
@@ -93,7 +93,7 @@ def quants_to_rows(kind: str, panels: np.ndarray, n: int, k: int) -> np.ndarray:
         lo = q4_values(quants_to_rows("q4", np.ascontiguousarray(b[:, :, :64]).reshape(p, 8 * k), p * PANEL, k))
         bits = b[:, :, 64:].reshape(p, k // 4, 8, 2)  # [P, c, i, e]
         t = np.stack([(bits >> (2 * t)) & 3 for t in range(4)], axis=-1).reshape(p, k // 4, 8, 2, 2, 2)  # t = 2s + h
-        hi = t.transpose(0, 5, 2, 1, 4, 3).reshape(p * PANEL, k)  # [P, h, i, c, s, e]
+        hi = t.transpose(0, 5, 2, 1, 4, 3).reshape(p * PANEL, k) ^ 2  # [P, h, i, c, s, e]: u >> 4
         return ((lo | hi << 4).astype(np.int16) - 32).astype(np.int8)[:n]
     if kind == "q4":
         lanes = np.ascontiguousarray(panels).view(np.uint16).reshape(p, k // 4, 16)

@@ -4,7 +4,7 @@ output rows in panels of 16 (panel_layout.py: the order the kernels' madds consu
 Every supported type dequantizes per group as q * scale + zero, so the repack is exact (scale and zero are
 products of GGUF's float16 factors and small integers, formed in float32):
   q4 (4-bit, groups of 32): Q4_0 (scale d, zero -8d), Q4_1 (d, m), Q4_K (d*sc, -dmin*m per 32-sub-block);
-  q6 (6-bit, groups of 16): Q6_K (scale d*sc, no zero), as a plane of 4-bit nibbles and one of 2-bit high parts;
+  q6 (6-bit, groups of 16): Q6_K (scale d*sc, no zero), a plane of low nibbles and one of signed top 2 bits;
   q8 (int8 container): Q8_0 (groups of 32), Q5_K (groups of 32, with zero), and any merge of different kinds.
 Scales and zeros are stored in one of three formats (scale_format; csrc/panel_cpu.h has the bytes):
   SCALE_SUPER, the K-quants: as in the file, an int8 multiplier per group (sc; m for zeros) and a float16 factor

@@ -28,7 +28,10 @@ static inline int quant_at(const dequant_job *j, int64_t n, int k) {
     const uint8_t *u = (j->quant == QUANT_Q6 ? q6 + 32 * c : b + (size_t)(k / 4) * 32) + 2 * lane;
     const int v = ((u[0] | u[1] << 8) >> (4 * t)) & 15;
     if (j->quant == QUANT_E2M1) return E2M1_X2[v];
-    if (j->quant == QUANT_Q6) return (v | ((q6[64 + 16 * c + lane] >> (2 * t)) & 3) << 4) - 32;
+    if (j->quant == QUANT_Q6) {  /* plus 16 times the signed top 2 bits */
+        const int top = (q6[64 + 16 * c + lane] >> (2 * t)) & 3;
+        return v + 16 * (top >= 2 ? top - 4 : top);
+    }
     return v;
 }
 

@@ -9,10 +9,10 @@
  *     (bits 4t..4t+3) of lane L is the k-pair vector (p = 2c + t / 2, h = t % 2)'s lane L.
  *   q8 (int8 [P, 16K]): each k-pair p takes 32 bytes, 16 uint16 lanes; the low byte of lane L is vector (p, h = 0)'s
  *     lane L, the high byte vector (p, h = 1)'s.
- *   q6 (uint8 [P, 12K]; Q6_K's codes u = weight + 32, 0..63): each 8 elements 8b..8b+7 take 96 bytes: the q4
- *     layout's 64 bytes of those elements holding u's low 4 bits, then 32 bytes of the high 2 bits: byte
- *     16 * (c % 2) + L holds lane L's high bits of elements 4c..4c+3 (c = 2b, 2b + 1), those of vector t (q4's
- *     nibble t) in bits 2t..2t+1.
+ *   q6 (uint8 [P, 12K]; Q6_K's weights, -32..31, as 6-bit two's complement): each 8 elements 8b..8b+7 take 96
+ *     bytes: the q4 layout's 64 bytes of those elements holding the low 4 bits, then 32 bytes of the top 2 bits
+ *     (signed: a weight is nibble + 16 * top): byte 16 * (c % 2) + L holds lane L's of elements 4c..4c+3 (c = 2b,
+ *     2b + 1), those of vector t (q4's nibble t) in bits 2t..2t+1.
  *   scales and zeros ([P, 16 * K/G], float16 or float32): group g's 16 values (one per panel row) side by side;
  *     or, SCALE_SUPER (the K-quants; uint8 [P, K/256 * (32 + 16 * 256/G)]), per super-block of 256 weights its 16
  *     float16 factors (GGUF's d, or -dmin for zeros), then its 256/G groups' 16 int8 multipliers each (sc, or m):
@@ -46,14 +46,16 @@ static inline __attribute__((always_inline)) void q4_vectors(const uint8_t *b, _
     v[3] = _mm256_srli_epi16(q, 12);
 }
 
-/* q6: the 4 k-pair vectors of elements 4c..4c+3 (q4_vectors' order) as int16 weights u - 32. */
+/* q6: the 4 k-pair vectors of elements 4c..4c+3 (q4_vectors' order) as int16 weights: the nibble in bits 0-3, the
+ * top 2 bits (shifted to the lane's top, then arithmetically down to bit 4: sign-extended) in bits 4-15. */
 static inline __attribute__((always_inline)) void q6_vectors(const uint8_t *b, int c, __m256i v[4]) {
     const uint8_t *blk = b + (size_t)(c / 2) * Q6_BLOCK;
     q4_vectors(blk + 32 * (c & 1), v);
     const __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 64 + 16 * (c & 1))));
-    const __m256i m = _mm256_set1_epi16(0x30), off = _mm256_set1_epi16(32);
-    const __m256i hi[4] = {_mm256_slli_epi16(h, 4), _mm256_slli_epi16(h, 2), h, _mm256_srli_epi16(h, 2)};
-    for (int t = 0; t < 4; t++) v[t] = _mm256_sub_epi16(_mm256_or_si256(v[t], _mm256_and_si256(hi[t], m)), off);
+    const __m256i lo = _mm256_set1_epi16(0x0f);
+    const __m256i top[4] = {_mm256_slli_epi16(h, 14), _mm256_slli_epi16(h, 12), _mm256_slli_epi16(h, 10),
+                            _mm256_slli_epi16(h, 8)};
+    for (int t = 0; t < 4; t++) v[t] = _mm256_or_si256(v[t], _mm256_andnot_si256(lo, _mm256_srai_epi16(top[t], 10)));
 }
 
 /* MXFP4's e2m1 code (sign bit 3) -> twice its value, an integer in [-12, 12]; times 2^(e - 128) per 32 weights

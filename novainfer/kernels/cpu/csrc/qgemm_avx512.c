@@ -155,17 +155,20 @@ static inline __attribute__((always_inline)) void few_tile512(const gemm_job *j,
             if (quant != QUANT_Q8) {  /* panel_cpu.h: blocks p/2 and p/2 + 1; nibble t: k-pair + t/2, half t%2 */
                 const uint8_t *b = quant == QUANT_Q6 ? wb + (size_t)(p / 4) * Q6_BLOCK : wb + (size_t)p * 16;
                 const __m512i q = _mm512_loadu_si512(b), lo = _mm512_set1_epi16(0x0f);
-                v[0] = _mm512_and_si512(q, lo);
-                v[1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), lo);
-                v[2] = _mm512_and_si512(_mm512_srli_epi16(q, 8), lo);
-                v[3] = _mm512_srli_epi16(q, 12);
-                if (quant == QUANT_Q6) {  /* the high 2 bits of both blocks' lanes: panel_cpu.h's q6_vectors */
+                const __m512i nib[4] = {q, _mm512_srli_epi16(q, 4), _mm512_srli_epi16(q, 8),
+                                        _mm512_srli_epi16(q, 12)};
+                if (quant == QUANT_Q6) {  /* panel_cpu.h's q6_vectors: bits 0-3 from the nibble (a select), 4-15 the
+                                           * sign-extended top 2 bits of both blocks' lanes */
                     const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64)));
-                    const __m512i m = _mm512_set1_epi16(0x30), off = _mm512_set1_epi16(32);
-                    const __m512i hi[4] = {_mm512_slli_epi16(h, 4), _mm512_slli_epi16(h, 2), h, _mm512_srli_epi16(h, 2)};
+                    const __m512i top[4] = {_mm512_slli_epi16(h, 14), _mm512_slli_epi16(h, 12),
+                                            _mm512_slli_epi16(h, 10), _mm512_slli_epi16(h, 8)};
                     for (int t = 0; t < 4; t++)
-                        v[t] = _mm512_sub_epi16(_mm512_or_si512(v[t], _mm512_and_si512(hi[t], m)), off);
-                } else if (j->quant == QUANT_E2M1) {  /* the codes' doubled values (panel_cpu.h), one word permute each */
+                        v[t] = _mm512_ternarylogic_epi32(nib[t], _mm512_srai_epi16(top[t], 10), lo, 0xE4);
+                } else {
+                    for (int t = 0; t < 3; t++) v[t] = _mm512_and_si512(nib[t], lo);
+                    v[3] = nib[3];
+                }
+                if (j->quant == QUANT_E2M1) {  /* the codes' doubled values (panel_cpu.h), one word permute each */
                     const __m512i t = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -12, -8, -6,
                                                        -4, -3, -2, -1, 0, 12, 8, 6, 4, 3, 2, 1, 0);
                     for (int i = 0; i < 4; i++) v[i] = _mm512_permutexvar_epi16(v[i], t);

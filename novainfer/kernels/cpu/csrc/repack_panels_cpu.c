@@ -26,7 +26,7 @@ static void repack_panel(void *arg, int panel) {
     const repack_job *j = arg;
     uint8_t *o = j->out + (size_t)panel * panel_bytes(j->quant, j->K);
     const int r0 = panel * PANEL;
-    if (j->quant == QUANT_Q6) {  /* per 8 elements: q4's 64 bytes of u = value + 32's low nibbles, then high bits */
+    if (j->quant == QUANT_Q6) {  /* per 8 elements: q4's 64 bytes of low nibbles, then the signed top 2 bits */
         for (int b = 0; b < j->K / 8; b++) {
             uint8_t *blk = o + (size_t)b * Q6_BLOCK;
             for (int c = 0; c < 2; c++)
@@ -36,7 +36,7 @@ static void repack_panel(void *arg, int panel) {
                         const int i = lane / 2, k = 8 * b + 4 * c + 2 * s + lane % 2;
                         const int u0 = value_at(j, r0 + i, k) + 32, u1 = value_at(j, r0 + 8 + i, k) + 32;
                         blk[32 * c + 2 * lane + s] = (uint8_t)((u0 & 15) | (u1 & 15) << 4);
-                        hi |= (u0 >> 4) << (4 * s) | (u1 >> 4) << (4 * s + 2);
+                        hi |= ((u0 >> 4) ^ 2) << (4 * s) | ((u1 >> 4) ^ 2) << (4 * s + 2);  /* (u >> 4) - 2, 2 bits */
                     }
                     blk[64 + 16 * c + lane] = (uint8_t)hi;
                 }
