@@ -1,5 +1,5 @@
 """float16 scales and zeros in PackedWeight (kernels/cpu/repack.py): chosen per tensor only where every
-value round-trips exactly, and every C kernel that reads them (few-row GEMM, panel GEMM, dequantize, the decoder
+value round-trips exactly (the K-quants' own format: test_packed_scales_super.py), and every C kernel that reads them (few-row GEMM, panel GEMM, dequantize, the decoder
 stack) gives the same bits as with the same values in float32."""
 
 import numpy as np
@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from novainfer.kernels.cpu import library, qgemm, repack as gguf_repack
-from novainfer.kernels.cpu.repack import PackedWeight, merge_rows, repack
+from novainfer.kernels.cpu.repack import SCALE_F16, SCALE_F32, PackedWeight, merge_rows, repack
 from tests.test_quantized_cpu import random_blocks
 
 pytestmark = pytest.mark.skipif(not library.available(), reason="needs AVX2+FMA+F16C and a C compiler")
@@ -36,24 +36,18 @@ def _keep_float32(scales: np.ndarray, zeros: np.ndarray | None) -> tuple:
     return scales, zeros
 
 
-@pytest.mark.parametrize(
-    "qtype, f16",
-    [(T.Q4_0, True), (T.Q4_1, True), (T.Q8_0, True), (T.Q4_K, None), (T.Q5_K, None), (T.Q6_K, None)],
-    ids=lambda v: getattr(v, "name", str(v)),
-)
-def test_repack_keeps_float16_only_where_exact(qtype, f16, monkeypatch):
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1, T.Q8_0], ids=lambda v: v.name)
+def test_repack_keeps_float16_where_exact(qtype, monkeypatch):
     blocks = random_blocks(qtype, 9, 256)
     w = repack(blocks, qtype, (9, 256))
     monkeypatch.setattr(gguf_repack, "_narrow", _keep_float32)
     w32 = repack(blocks, qtype, (9, 256))
     assert w32.scales.dtype == torch.float32
-    exact = all(t is None or torch.equal(t.half().float(), t) for t in (w32.scales, w32.zeros))
-    assert w.scale_f16 == (exact if f16 is None else f16)
+    assert w.scale_format == SCALE_F16 and w32.scale_format == SCALE_F32
     assert w.zeros is None or w.zeros.dtype == w.scales.dtype
     ref = torch.from_numpy(dequantize(blocks, qtype).reshape(9, 256).astype(np.float32))
     assert torch.equal(w.dequantize(), ref) and torch.equal(qgemm.dequantize(w), w32.dequantize())
-    if w.scale_f16:
-        assert w.nbytes() < w32.nbytes()
+    assert w.nbytes() < w32.nbytes()
 
 
 def test_values_float16_cannot_hold_stay_float32():
@@ -70,7 +64,7 @@ def test_merge_rows_promotes_mixed_dtypes_exactly():
     assert merged.scales.dtype == merged.zeros.dtype == torch.float32
     assert torch.equal(merged.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
     mixed = merge_rows([a, random_packed("q8", 16, False, 4, 64)])  # kinds differ: the int8 container, float16 kept
-    assert mixed.scale_f16 and torch.equal(mixed.dequantize()[:5], a.dequantize())
+    assert mixed.scale_format == SCALE_F16 and torch.equal(mixed.dequantize()[:5], a.dequantize())
     with pytest.raises(ValueError, match="dtype"):
         PackedWeight("q4", a.qweight, a.scales, a.zeros.float(), 32, a.shape)
 
@@ -112,7 +106,7 @@ def test_decoder_stack_gives_the_float32_scales_bits(tmp_path, monkeypatch):
             monkeypatch.setattr(gguf_repack, "_narrow", _keep_float32)
         model = load(path)
         packed = [m.weight.packed for m in model.modules() if getattr(getattr(m, "weight", None), "packed", None)]
-        assert any(p.scale_f16 for p in packed) == f16
+        assert any(p.scale_format == SCALE_F16 for p in packed) == f16
         prefill(model, 300)
         meta, pos = step_meta(TABLES, PROMPT_LENS, [1] * len(PROMPT_LENS))
         outs.append(forward(model, [3, 1, 4, 1], pos, meta, stack=True))

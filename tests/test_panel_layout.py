@@ -25,6 +25,10 @@ def test_round_trips_and_the_documented_byte_order(n):
     q8 = RNG.integers(-128, 128, (n, k), dtype=np.int8)
     p8 = panel_layout.quants_to_panels("q8", q8, fast=False)
     assert np.array_equal(panel_layout.quants_to_rows("q8", p8, n, k), q8)
+    q6 = RNG.integers(-32, 32, (n, k), dtype=np.int8)
+    p6 = panel_layout.quants_to_panels("q6", q6, fast=False)
+    assert p6.shape == (panel_layout.num_panels(n), 12 * k) and p6.dtype == np.uint8
+    assert np.array_equal(panel_layout.quants_to_rows("q6", p6, n, k), q6)
     for row in range(n):
         panel, r = divmod(row, 16)
         h, i = divmod(r, 8)
@@ -34,6 +38,10 @@ def test_round_trips_and_the_documented_byte_order(n):
             u = int(p4[panel].view(np.uint16)[(e // 4) * 16 + lane])
             assert (u >> (4 * t)) & 15 == vals[row, e]
             assert p8[panel][(e // 2) * 32 + 2 * lane + h] == q8[row, e]  # q8: byte h of the lane
+            blk, c = p6[panel][(e // 8) * 96 :].astype(int), (e // 4) % 2  # q6: q4's 64 bytes, then 32 of top bits
+            low = (blk[32 * c + 2 * lane] | blk[32 * c + 2 * lane + 1] << 8) >> (4 * t) & 15
+            top = blk[64 + 16 * c + lane] >> (2 * t) & 3  # signed: 2, 3 are -2, -1
+            assert low + 16 * (top - 4 if top >= 2 else top) == q6[row, e]
     s = RNG.standard_normal((n, k // 32)).astype(np.float32)
     assert np.array_equal(panel_layout.groups_to_rows(panel_layout.groups_to_panels(s), n), s)
 
@@ -43,7 +51,8 @@ def test_round_trips_and_the_documented_byte_order(n):
 def test_c_repack_equals_the_numpy_reference(n, k):
     q4 = RNG.integers(0, 256, (n, k // 2), dtype=np.uint8)
     q8 = RNG.integers(-128, 128, (n, k), dtype=np.int8)
-    for kind, q in (("q4", q4), ("q8", q8)):
+    q6 = RNG.integers(-32, 32, (n, k), dtype=np.int8)  # (C for the low nibbles, numpy for the high bits)
+    for kind, q in (("q4", q4), ("q8", q8), ("q6", q6)):
         fast, ref = panel_layout.quants_to_panels(kind, q), panel_layout.quants_to_panels(kind, q, fast=False)
         assert fast.dtype == ref.dtype and np.array_equal(fast, ref), kind
 

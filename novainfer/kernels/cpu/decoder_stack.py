@@ -20,17 +20,17 @@ _BAD_KV = 2  # error codes from 3 on: 2 + a bad KV index's code (ops.kv_index_er
 
 
 class QLinearDesc(ctypes.Structure):
-    """qlinear of decoder_stack_cpu.c, field for field (scale_f16: float16 scales and zeros)."""
+    """qlinear of csrc/stack_cpu.h, field for field (scale_fmt: the weight's scale_format)."""
 
     _fields_ = [
         ("w", _P),
         ("scales", _P),
         ("zeros", _P),
         ("bias", _P),
-        ("q4", _I),
+        ("quant", _I),
         ("group", _I),
         ("has_zeros", _I),
-        ("scale_f16", _I),
+        ("scale_fmt", _I),
         ("N", _I),
         ("K", _I),
     ]
@@ -78,10 +78,10 @@ def qlinear_desc(w: PackedWeight, bias: torch.Tensor | None) -> QLinearDesc:
         w.scales.data_ptr(),
         0 if w.zeros is None else w.zeros.data_ptr(),
         0 if bias is None else bias.data_ptr(),
-        int(w.kind == "q4"),
+        w.quant_code,
         w.group,
         int(w.zeros is not None),
-        int(w.scale_f16),
+        w.scale_format,
         w.shape[0],
         w.shape[1],
     )

@@ -91,6 +91,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.q8_gemm_panel.argtypes = lib.q8_gemm.argtypes
     lib.mxfp4_gemm.argtypes = [_P, _I, _I, _P, _P, _I, _I, _P, _I]
     lib.mxfp4_gemm_panel.argtypes = lib.mxfp4_gemm.argtypes
+    lib.q6_gemm.argtypes = lib.q6_gemm_panel.argtypes = lib.mxfp4_gemm.argtypes
     lib.mxfp4_gemm_ref.argtypes = [_P, _I, _I, _P, _I, _P]
     lib.mxfp4_gemm_ref.restype = None
     lib.set_panel_min_rows.argtypes = [_I]

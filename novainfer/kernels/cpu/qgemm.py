@@ -1,6 +1,7 @@
 """The quantized GEMMs of a PackedWeight and its dequantizer, in C (csrc/qgemm_cpu.c, its many-row form
 csrc/qgemm_panel_cpu.c, whose tiles run AVX-512 VNNI where the CPU has it (csrc/qgemm_avx512.c, picked at run
-time), csrc/dequantize_cpu.c). Scales and zeros are read as float16 or float32 (the weight's scale_f16)."""
+time), csrc/dequantize_cpu.c). Scales and zeros are read in the weight's scale_format (float32, float16, or the
+K-quants' int8 multipliers of float16 factors: repack.py)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,15 @@ def quant_gemm(x: torch.Tensor, w: PackedWeight, panel: bool = False) -> torch.T
     m, k = x.shape
     n = w.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    f16 = int(w.scale_f16)
+    fmt = w.scale_format
     if w.e2m1:
         mxfp4_gemm = lib.mxfp4_gemm_panel if panel else lib.mxfp4_gemm
         rc = mxfp4_gemm(
-            x.data_ptr(), m, k, w.qweight.data_ptr(), w.scales.data_ptr(), f16, n, y.data_ptr(), num_threads()
+            x.data_ptr(), m, k, w.qweight.data_ptr(), w.scales.data_ptr(), fmt, n, y.data_ptr(), num_threads()
         )
+    elif w.kind == "q6":
+        q6_gemm = lib.q6_gemm_panel if panel else lib.q6_gemm
+        rc = q6_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), w.scales.data_ptr(), fmt, n, y.data_ptr(), num_threads())
     elif w.kind == "q4":
         rc = q4_gemm(
             x.data_ptr(),
@@ -36,7 +40,7 @@ def quant_gemm(x: torch.Tensor, w: PackedWeight, panel: bool = False) -> torch.T
             w.qweight.data_ptr(),
             w.scales.data_ptr(),
             w.zeros.data_ptr(),
-            f16,
+            fmt,
             n,
             y.data_ptr(),
             num_threads(),
@@ -52,7 +56,7 @@ def quant_gemm(x: torch.Tensor, w: PackedWeight, panel: bool = False) -> torch.T
             w.scales.data_ptr(),
             zeros.data_ptr(),
             int(w.zeros is not None),
-            f16,
+            fmt,
             n,
             y.data_ptr(),
             num_threads(),
@@ -78,11 +82,11 @@ def dequantize(w: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tenso
     zeros = None if w.zeros is None else w.zeros.data_ptr()
     library().dequantize(
         w.qweight.data_ptr(),
-        2 if w.e2m1 else int(w.kind == "q4"),
+        w.quant_code,
         w.group,
         w.scales.data_ptr(),
         zeros,
-        int(w.scale_f16),
+        w.scale_format,
         k,
         None if rows is None else rows.data_ptr(),
         count,

@@ -6,24 +6,29 @@
 
 #include <stdint.h>
 
-/* scales/zeros: float16 when scale_f16 is 1, else float32 (a PackedWeight's two dtypes). */
-int q4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros, int scale_f16,
+/* scales/zeros: in format scale_fmt (panel_cpu.h's SCALE_F32, SCALE_F16, SCALE_SUPER: a PackedWeight's scale_format). */
+int q4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros, int scale_fmt,
             int N, float *y, int nthreads);
 int q8_gemm(const float *x, int M, int K, const int8_t *w, int G, const void *scales, const void *zeros,
-            int has_zeros, int scale_f16, int N, float *y, int nthreads);
+            int has_zeros, int scale_fmt, int N, float *y, int nthreads);
 /* MXFP4: q4 panels of e2m1 codes, scales 2^(e - 128) (kernels/cpu/repack.py); mxfp4_gemm_ref: the scalar
  * reference on GGUF's block_mxfp4 rows (mxfp4_ref_cpu.c) */
-int mxfp4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_f16, int N, float *y,
+int mxfp4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_fmt, int N, float *y,
                int nthreads);
-int mxfp4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_f16, int N,
+int mxfp4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_fmt, int N,
                      float *y, int nthreads);
 void mxfp4_gemm_ref(const float *x, int M, int K, const uint8_t *blocks, int N, float *y);
+/* Q6_K: q6 panels (panel_cpu.h), groups of 16, no zeros */
+int q6_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_fmt, int N, float *y,
+            int nthreads);
+int q6_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_fmt, int N, float *y,
+                  int nthreads);
 void set_panel_min_rows(int rows);
 int num_chunks(int N, int nthreads);  /* chunks of output rows a kernel splits N rows into for the pool */
 int q4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros,
-                  int scale_f16, int N, float *y, int nthreads);
+                  int scale_fmt, int N, float *y, int nthreads);
 int q8_gemm_panel(const float *x, int M, int K, const int8_t *w, int G, const void *scales, const void *zeros,
-                  int has_zeros, int scale_f16, int N, float *y, int nthreads);
+                  int has_zeros, int scale_fmt, int N, float *y, int nthreads);
 /* the elementwise ops split their rows over the pool from ~32k elements (a prefill), else run on the caller */
 void add_rms_norm(const float *x, const float *res, float *res_out, const float *w, float eps, float *out, int M,
                   int H, int nthreads);

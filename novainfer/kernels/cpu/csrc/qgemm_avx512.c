@@ -118,10 +118,18 @@ void panel_rows_avx512(const panel_job *j, const int16_t *wp, const float *sp, c
     }
 }
 
-/* A group's 16 scales (or zeros) of a panel, from element i on (panel_cpu.h's panel_scales, in one register). */
-static inline __attribute__((always_inline)) __m512 group_scales(const void *p, size_t i, int f16) {
-    return f16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
-               : _mm512_loadu_ps((const float *)p + i);
+/* Group g's 16 scales (or zeros) of a panel: panel_cpu.h's panel_scales (panel_scale_at's values) in one register. */
+static inline __attribute__((always_inline)) __m512 group_scales(const void *p, size_t panel, int ng, int G, int g,
+                                                                 int fmt) {
+    if (fmt == SCALE_SUPER) {
+        const uint8_t *sb = super_block(p, panel, ng, G, g);
+        const __m128i m = _mm_loadu_si128((const __m128i *)super_multipliers(sb, G, g));
+        return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sb)),
+                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(m)));
+    }
+    const size_t i = (panel * ng + g) * PANEL;
+    return fmt == SCALE_F16 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+                            : _mm512_loadu_ps((const float *)p + i);
 }
 
 /* x4: 4 k-pairs of an activation row; the even pair (0, 2) or odd pair (1, 3), each over one 256-bit half. */
@@ -133,24 +141,34 @@ static inline __attribute__((always_inline)) __m512i halves(__m512i x4, int odd)
 /* y[m0..m0+mr, the panel's outputs], as qgemm_cpu.c's tile(): a[m][h] gathers panel half h's rows, k-pair p's
  * products in lanes 0-7 and k-pair p + 2 (q4) or p + 1 (q8)'s in lanes 8-15 (summed per group). */
 static inline __attribute__((always_inline)) void few_tile512(const gemm_job *j, int panel, int m0, const int mr,
-                                                              const int G, const int q4) {
+                                                              const int G, const int quant) {
     const int K = j->K, ng = j->ng;
     const int16_t *xq = j->xq + (size_t)m0 * K;
-    const uint8_t *wb = (const uint8_t *)j->w + (size_t)panel * panel_bytes(q4, K);
+    const uint8_t *wb = (const uint8_t *)j->w + (size_t)panel * panel_bytes(j->quant, K);
     __m512 f[MB];
     for (int m = 0; m < mr; m++) f[m] = _mm512_setzero_ps();
     for (int g = 0; g < ng; g++) {
         __m512i a[MB][2];
         for (int m = 0; m < mr; m++) a[m][0] = a[m][1] = _mm512_setzero_si512();
-        for (int p = g * G / 2; p < (g + 1) * G / 2; p += 4) {  /* 4 k-pairs: 64 bytes of q4, 128 of q8 */
+        for (int p = g * G / 2; p < (g + 1) * G / 2; p += 4) {  /* 4 k-pairs: 64 bytes of q4, 96 of q6, 128 of q8 */
             __m512i v[4];
-            if (q4) {  /* panel_cpu.h: blocks p/2 and p/2 + 1; nibble t: k-pair + t/2, half t%2 */
-                const __m512i q = _mm512_loadu_si512(wb + (size_t)p * 16), lo = _mm512_set1_epi16(0x0f);
-                v[0] = _mm512_and_si512(q, lo);
-                v[1] = _mm512_and_si512(_mm512_srli_epi16(q, 4), lo);
-                v[2] = _mm512_and_si512(_mm512_srli_epi16(q, 8), lo);
-                v[3] = _mm512_srli_epi16(q, 12);
-                if (j->e2m1) {  /* the codes' doubled values (panel_cpu.h), one word permute each */
+            if (quant != QUANT_Q8) {  /* panel_cpu.h: blocks p/2 and p/2 + 1; nibble t: k-pair + t/2, half t%2 */
+                const uint8_t *b = quant == QUANT_Q6 ? wb + (size_t)(p / 4) * Q6_BLOCK : wb + (size_t)p * 16;
+                const __m512i q = _mm512_loadu_si512(b), lo = _mm512_set1_epi16(0x0f);
+                const __m512i nib[4] = {q, _mm512_srli_epi16(q, 4), _mm512_srli_epi16(q, 8),
+                                        _mm512_srli_epi16(q, 12)};
+                if (quant == QUANT_Q6) {  /* panel_cpu.h's q6_vectors: bits 0-3 from the nibble (a select), 4-15 the
+                                           * sign-extended top 2 bits of both blocks' lanes */
+                    const __m512i h = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(b + 64)));
+                    const __m512i top[4] = {_mm512_slli_epi16(h, 14), _mm512_slli_epi16(h, 12),
+                                            _mm512_slli_epi16(h, 10), _mm512_slli_epi16(h, 8)};
+                    for (int t = 0; t < 4; t++)
+                        v[t] = _mm512_ternarylogic_epi32(nib[t], _mm512_srai_epi16(top[t], 10), lo, 0xE4);
+                } else {
+                    for (int t = 0; t < 3; t++) v[t] = _mm512_and_si512(nib[t], lo);
+                    v[3] = nib[3];
+                }
+                if (j->quant == QUANT_E2M1) {  /* the codes' doubled values (panel_cpu.h), one word permute each */
                     const __m512i t = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -12, -8, -6,
                                                        -4, -3, -2, -1, 0, 12, 8, 6, 4, 3, 2, 1, 0);
                     for (int i = 0; i < 4; i++) v[i] = _mm512_permutexvar_epi16(v[i], t);
@@ -166,18 +184,17 @@ static inline __attribute__((always_inline)) void few_tile512(const gemm_job *j,
             for (int m = 0; m < mr; m++) {
                 const __m128i *xp = (const __m128i *)(xq + (size_t)m * K + 2 * p);
                 const __m512i x4 = _mm512_broadcast_i32x4(_mm_loadu_si128(xp));
-                /* q4: v[0..1] take k-pairs (p, p + 2), v[2..3] (p + 1, p + 3); q8: (p, p + 1) then (p + 2, p + 3) */
-                const __m512i x01 = q4 ? halves(x4, 0) : _mm512_permutexvar_epi32(
+                /* q4, q6: v[0..1] take k-pairs (p, p + 2), v[2..3] (p + 1, p + 3); q8: (p, p + 1) then (p + 2, p + 3) */
+                const __m512i x01 = quant != QUANT_Q8 ? halves(x4, 0) : _mm512_permutexvar_epi32(
                     _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), x4);
-                const __m512i x23 = q4 ? halves(x4, 1) : _mm512_permutexvar_epi32(
+                const __m512i x23 = quant != QUANT_Q8 ? halves(x4, 1) : _mm512_permutexvar_epi32(
                     _mm512_set_epi32(3, 3, 3, 3, 3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2), x4);
                 a[m][0] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(a[m][0], v[0], x01), v[2], x23);
                 a[m][1] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(a[m][1], v[1], x01), v[3], x23);
             }
         }
-        const size_t si = ((size_t)panel * ng + g) * PANEL;
-        const __m512 s = group_scales(j->scales, si, j->scale_f16);
-        const __m512 z = j->has_zeros ? group_scales(j->zeros, si, j->scale_f16) : _mm512_setzero_ps();
+        const __m512 s = group_scales(j->scales, panel, ng, G, g, j->scale_fmt);
+        const __m512 z = j->has_zeros ? group_scales(j->zeros, panel, ng, G, g, j->scale_fmt) : _mm512_setzero_ps();
         const float *dx = j->dxT + (size_t)(g * G / 32) * j->mp + m0;
         for (int m = 0; m < mr; m++) {  /* lanes 0-7: half 0's rows (0-7), 8-15: half 1's (8-15) */
             const __m512i sum = _mm512_add_epi32(_mm512_shuffle_i64x2(a[m][0], a[m][1], 0x44),
@@ -195,9 +212,10 @@ void few_rows_avx512(const gemm_job *j, int panel) {
     for (int m0 = 0; m0 < j->M; m0 += MB) {
         const int mr = j->M - m0 < MB ? j->M - m0 : MB;
 #define TILE(MR) do {                                                         \
-            if (j->q4) few_tile512(j, panel, m0, MR, 32, 1);                  \
-            else if (j->G == 32) few_tile512(j, panel, m0, MR, 32, 0);        \
-            else few_tile512(j, panel, m0, MR, 16, 0);                        \
+            if (j->quant == QUANT_Q4 || j->quant == QUANT_E2M1) few_tile512(j, panel, m0, MR, 32, QUANT_Q4); \
+            else if (j->quant == QUANT_Q6) few_tile512(j, panel, m0, MR, 16, QUANT_Q6); \
+            else if (j->G == 32) few_tile512(j, panel, m0, MR, 32, QUANT_Q8); \
+            else few_tile512(j, panel, m0, MR, 16, QUANT_Q8);                 \
         } while (0)
         if (mr == 4) TILE(4); else if (mr == 3) TILE(3); else if (mr == 2) TILE(2); else TILE(1);
 #undef TILE

@@ -1,10 +1,11 @@
 /* Weight-only quantized GEMM for x86 CPUs with AVX2+FMA+F16C: y[M,N] = x[M,K] @ dequant(W)[N,K]^T.
  *
  * Weights stay quantized in memory; each group of weights dequantizes as q * scale + zero with a scale/zero
- * per group, which holds GGUF's Q4_0/Q4_1/Q4_K (4-bit, groups of 32) and Q8_0/Q5_K/Q6_K (8-bit container,
- * groups of 32 or 16) exactly. Quants, scales and zeros are in the panel layout of panel_cpu.h: 16 output rows
- * a panel, in the order the madds consume them, so a panel streams as one run of memory and unpacks in
- * registers with shifts and masks. Scales and zeros are float16 (scale_f16, widened exactly) or float32.
+ * per group, which holds GGUF's Q4_0/Q4_1/Q4_K (4-bit, groups of 32), Q6_K (6-bit, groups of 16) and Q8_0/Q5_K
+ * (8-bit container, groups of 32) exactly. Quants, scales and zeros are in the panel layout of panel_cpu.h: 16
+ * output rows a panel, in the order the madds consume them, so a panel streams as one run of memory and unpacks
+ * in registers with shifts and masks. Scales and zeros are float32, float16 (widened exactly) or, for the K-quants,
+ * int8 multipliers of a float16 factor per 256 weights (multiplied in float32, exactly): scale_fmt, panel_cpu.h.
  *
  * Activations are rounded per row to int16 in blocks of 32 (step max|x| / 32767), so a group's dot product
  * is integer (madd of int16 pairs) and only its sum is scaled in float: fewer instructions per weight than
@@ -49,10 +50,10 @@ static inline __attribute__((always_inline)) void madd_rows(__m256i w0, __m256i 
  * the rounded x, acc): group after group in order, one output per lane. The panel kernel (qgemm_panel_cpu.c)
  * does the same operations per output, so a row's bits do not depend on M, its tile or the kernel. */
 static inline __attribute__((always_inline)) void tile(const gemm_job *j, int panel, int m0, const int mr,
-                                                       const int G, const int q4) {
+                                                       const int G, const int quant) {
     const int K = j->K, ng = j->ng;
     const int16_t *xq = j->xq + (size_t)m0 * K;
-    const uint8_t *wb = (const uint8_t *)j->w + (size_t)panel * panel_bytes(q4, K);
+    const uint8_t *wb = (const uint8_t *)j->w + (size_t)panel * panel_bytes(j->quant, K);
     float f[MB][PANEL] __attribute__((aligned(32)));  /* float sums: touched once per group */
     for (int m = 0; m < mr; m++) {
         _mm256_store_ps(f[m], _mm256_setzero_ps());
@@ -62,11 +63,15 @@ static inline __attribute__((always_inline)) void tile(const gemm_job *j, int pa
         __m256i a[MB][2];
         for (int m = 0; m < mr; m++) a[m][0] = a[m][1] = _mm256_setzero_si256();
         const int p0 = g * G / 2;
-        if (q4) {
-            for (int p = p0; p < p0 + G / 2; p += 2) {  /* 4 elements (two k-pairs) per 32 bytes */
+        if (quant != QUANT_Q8) {
+            for (int p = p0; p < p0 + G / 2; p += 2) {  /* 4 elements (two k-pairs) per 32 bytes of nibbles */
                 __m256i v[4];
-                q4_vectors(wb + (size_t)p * 16, v);
-                if (j->e2m1) e2m1_vectors(v);
+                if (quant == QUANT_Q6) {
+                    q6_vectors(wb, p / 2, v);
+                } else {
+                    q4_vectors(wb + (size_t)p * 16, v);
+                    if (j->quant == QUANT_E2M1) e2m1_vectors(v);
+                }
                 madd_rows(v[0], v[1], xq, K, p, mr, a);
                 madd_rows(v[2], v[3], xq, K, p + 1, mr, a);
             }
@@ -78,8 +83,8 @@ static inline __attribute__((always_inline)) void tile(const gemm_job *j, int pa
             }
         }
         __m256 s[2], z[2];
-        panel_scales(j->scales, panel, ng, g, j->scale_f16, s);
-        if (j->has_zeros) panel_scales(j->zeros, panel, ng, g, j->scale_f16, z);
+        panel_scales(j->scales, panel, ng, G, g, j->scale_fmt, s);
+        if (j->has_zeros) panel_scales(j->zeros, panel, ng, G, g, j->scale_fmt, z);
         const float *dx = j->dxT + (size_t)(g * G / 32) * j->mp + m0;
         for (int m = 0; m < mr; m++)
             for (int h = 0; h < 2; h++) {
@@ -107,9 +112,10 @@ static void panel_rows(const gemm_job *j, int panel) {
     for (int m0 = 0; m0 < j->M; m0 += MB) {
         const int mr = j->M - m0 < MB ? j->M - m0 : MB;
 #define TILE(MR) do {                                                       \
-            if (j->q4) tile(j, panel, m0, MR, 32, 1);                       \
-            else if (j->G == 32) tile(j, panel, m0, MR, 32, 0);             \
-            else tile(j, panel, m0, MR, 16, 0);                             \
+            if (j->quant == QUANT_Q4 || j->quant == QUANT_E2M1) tile(j, panel, m0, MR, 32, QUANT_Q4); \
+            else if (j->quant == QUANT_Q6) tile(j, panel, m0, MR, 16, QUANT_Q6); \
+            else if (j->G == 32) tile(j, panel, m0, MR, 32, QUANT_Q8);     \
+            else tile(j, panel, m0, MR, 16, QUANT_Q8);                     \
         } while (0)
         if (mr == 4) TILE(4); else if (mr == 3) TILE(3); else if (mr == 2) TILE(2); else TILE(1);
 #undef TILE
@@ -165,27 +171,36 @@ static int panel_min_rows = 16;  /* kernels/cpu/qgemm.py PANEL_MIN_ROWS says the
 /* Tests move it to compare the two kernels on the same rows (they give every row the same bits). */
 void set_panel_min_rows(int rows) { panel_min_rows = rows; }
 
-int q4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros, int scale_f16,
+int q4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros, int scale_fmt,
             int N, float *y, int nthreads) {
-    if (M >= panel_min_rows) return q4_gemm_panel(x, M, K, w, scales, zeros, scale_f16, N, y, nthreads);
+    if (M >= panel_min_rows) return q4_gemm_panel(x, M, K, w, scales, zeros, scale_fmt, N, y, nthreads);
     gemm_job j = {.M = M, .K = K, .G = 32, .N = N, .w = w, .scales = scales, .zeros = zeros, .has_zeros = 1,
-                  .q4 = 1, .scale_f16 = scale_f16, .y = y};
+                  .quant = QUANT_Q4, .scale_fmt = scale_fmt, .y = y};
     return run_gemm(&j, x, nthreads);
 }
 
 int q8_gemm(const float *x, int M, int K, const int8_t *w, int G, const void *scales, const void *zeros,
-            int has_zeros, int scale_f16, int N, float *y, int nthreads) {
-    if (M >= panel_min_rows) return q8_gemm_panel(x, M, K, w, G, scales, zeros, has_zeros, scale_f16, N, y, nthreads);
+            int has_zeros, int scale_fmt, int N, float *y, int nthreads) {
+    if (M >= panel_min_rows) return q8_gemm_panel(x, M, K, w, G, scales, zeros, has_zeros, scale_fmt, N, y, nthreads);
     gemm_job j = {.M = M, .K = K, .G = G, .N = N, .w = w, .scales = scales, .zeros = zeros,
-                  .has_zeros = has_zeros, .q4 = 0, .scale_f16 = scale_f16, .y = y};
+                  .has_zeros = has_zeros, .quant = QUANT_Q8, .scale_fmt = scale_fmt, .y = y};
     return run_gemm(&j, x, nthreads);
 }
 
 /* MXFP4 weights (q4 panels of e2m1 codes, scales 2^(e - 128) as float16 or float32, no zeros). */
-int mxfp4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_f16, int N, float *y,
+int mxfp4_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_fmt, int N, float *y,
                int nthreads) {
-    if (M >= panel_min_rows) return mxfp4_gemm_panel(x, M, K, w, scales, scale_f16, N, y, nthreads);
+    if (M >= panel_min_rows) return mxfp4_gemm_panel(x, M, K, w, scales, scale_fmt, N, y, nthreads);
     gemm_job j = {.M = M, .K = K, .G = 32, .N = N, .w = w, .scales = scales, .zeros = scales, .has_zeros = 0,
-                  .q4 = 1, .e2m1 = 1, .scale_f16 = scale_f16, .y = y};
+                  .quant = QUANT_E2M1, .scale_fmt = scale_fmt, .y = y};
+    return run_gemm(&j, x, nthreads);
+}
+
+/* Q6_K weights (q6 panels, groups of 16, no zeros). */
+int q6_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_fmt, int N, float *y,
+            int nthreads) {
+    if (M >= panel_min_rows) return q6_gemm_panel(x, M, K, w, scales, scale_fmt, N, y, nthreads);
+    gemm_job j = {.M = M, .K = K, .G = 16, .N = N, .w = w, .scales = scales, .zeros = scales, .has_zeros = 0,
+                  .quant = QUANT_Q6, .scale_fmt = scale_fmt, .y = y};
     return run_gemm(&j, x, nthreads);
 }

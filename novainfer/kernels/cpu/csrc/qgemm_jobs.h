@@ -1,6 +1,7 @@
 /* The jobs of the two quantized GEMMs (qgemm_cpu.c: few rows; qgemm_panel_cpu.c: many), shared by their AVX2
  * tiles and their AVX-512 VNNI tiles (qgemm_avx512.c), which read the same data and give every output the same
- * bits. e2m1: the q4 nibbles are MXFP4 codes, read through E2M1_X2 (panel_cpu.h) instead of as 0..15. */
+ * bits. quant: the panel layout of the weights (panel_cpu.h's QUANT_*; QUANT_E2M1: the q4 nibbles are MXFP4 codes,
+ * read through E2M1_X2 instead of as 0..15). */
 #ifndef NOVAINFER_QGEMM_JOBS_H
 #define NOVAINFER_QGEMM_JOBS_H
 
@@ -13,14 +14,14 @@
 
 typedef struct {
     const int16_t *xq; const float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
-    const void *w; const void *scales, *zeros; int has_zeros, q4, e2m1, scale_f16, npanels, nchunks, avx512;
+    const void *w; const void *scales, *zeros; int has_zeros, quant, scale_fmt, npanels, nchunks, avx512;
     _Atomic int failed;
     float *y;
 } gemm_job;
 
 typedef struct {
     const float *x; int16_t *xq; int32_t *xt; float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
-    const void *w; const void *scales, *zeros; int has_zeros, q4, e2m1, scale_f16, npanels, nchunks, avx512;
+    const void *w; const void *scales, *zeros; int has_zeros, quant, scale_fmt, npanels, nchunks, avx512;
     _Atomic int failed;
     float *y;
 } panel_job;

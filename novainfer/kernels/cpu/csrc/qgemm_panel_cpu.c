@@ -32,13 +32,17 @@
  * and its scales and zeros to float32 sp/zp [ng][16]. */
 static void unpack_panel(const panel_job *j, int pnl, int16_t *wp, float *sp, float *zp) {
     const int K = j->K, ng = j->ng;
-    const uint8_t *b = (const uint8_t *)j->w + (size_t)pnl * panel_bytes(j->q4, K);
+    const uint8_t *b = (const uint8_t *)j->w + (size_t)pnl * panel_bytes(j->quant, K);
     __m256i *o = (__m256i *)wp;
-    if (j->q4)
+    if (j->quant != QUANT_Q8)
         for (int c = 0; c < K / 4; c++, o += 4) {
             __m256i v[4];
-            q4_vectors(b + (size_t)c * 32, v);
-            if (j->e2m1) e2m1_vectors(v);
+            if (j->quant == QUANT_Q6) {
+                q6_vectors(b, c, v);
+            } else {
+                q4_vectors(b + (size_t)c * 32, v);
+                if (j->quant == QUANT_E2M1) e2m1_vectors(v);
+            }
             for (int t = 0; t < 4; t++) _mm256_store_si256(o + t, v[t]);
         }
     else
@@ -50,10 +54,10 @@ static void unpack_panel(const panel_job *j, int pnl, int16_t *wp, float *sp, fl
         }
     for (int g = 0; g < ng; g++) {
         __m256 v[2];
-        panel_scales(j->scales, pnl, ng, g, j->scale_f16, v);
+        panel_scales(j->scales, pnl, ng, j->G, g, j->scale_fmt, v);
         _mm256_store_ps(sp + g * PNR, v[0]);
         _mm256_store_ps(sp + g * PNR + 8, v[1]);
-        if (j->has_zeros) panel_scales(j->zeros, pnl, ng, g, j->scale_f16, v);
+        if (j->has_zeros) panel_scales(j->zeros, pnl, ng, j->G, g, j->scale_fmt, v);
         else v[0] = v[1] = _mm256_setzero_ps();
         _mm256_store_ps(zp + g * PNR, v[0]);
         _mm256_store_ps(zp + g * PNR + 8, v[1]);
@@ -229,22 +233,29 @@ static int run_panel(panel_job *j, const float *x, int nthreads) {
 }
 
 int q4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros,
-                  int scale_f16, int N, float *y, int nthreads) {
+                  int scale_fmt, int N, float *y, int nthreads) {
     panel_job j = {.M = M, .K = K, .G = 32, .N = N, .w = w, .scales = scales, .zeros = zeros, .has_zeros = 1,
-                   .q4 = 1, .scale_f16 = scale_f16, .y = y};
+                   .quant = QUANT_Q4, .scale_fmt = scale_fmt, .y = y};
     return run_panel(&j, x, nthreads);
 }
 
 int q8_gemm_panel(const float *x, int M, int K, const int8_t *w, int G, const void *scales, const void *zeros,
-                  int has_zeros, int scale_f16, int N, float *y, int nthreads) {
+                  int has_zeros, int scale_fmt, int N, float *y, int nthreads) {
     panel_job j = {.M = M, .K = K, .G = G, .N = N, .w = w, .scales = scales, .zeros = zeros,
-                   .has_zeros = has_zeros, .q4 = 0, .scale_f16 = scale_f16, .y = y};
+                   .has_zeros = has_zeros, .quant = QUANT_Q8, .scale_fmt = scale_fmt, .y = y};
     return run_panel(&j, x, nthreads);
 }
 
-int mxfp4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_f16, int N,
+int mxfp4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_fmt, int N,
                      float *y, int nthreads) {
     panel_job j = {.M = M, .K = K, .G = 32, .N = N, .w = w, .scales = scales, .zeros = scales, .has_zeros = 0,
-                   .q4 = 1, .e2m1 = 1, .scale_f16 = scale_f16, .y = y};
+                   .quant = QUANT_E2M1, .scale_fmt = scale_fmt, .y = y};
+    return run_panel(&j, x, nthreads);
+}
+
+int q6_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_fmt, int N, float *y,
+                  int nthreads) {
+    panel_job j = {.M = M, .K = K, .G = 16, .N = N, .w = w, .scales = scales, .zeros = scales, .has_zeros = 0,
+                   .quant = QUANT_Q6, .scale_fmt = scale_fmt, .y = y};
     return run_panel(&j, x, nthreads);
 }

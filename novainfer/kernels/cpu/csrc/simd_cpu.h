@@ -69,11 +69,6 @@ static inline __m256 load_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
-/* Element i of a PackedWeight's scales or zeros, float16 (f16 = 1, widened exactly by F16C) or float32. */
-static inline float load_scale(const void *p, size_t i, int f16) {
-    return f16 ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
 /* 8 vectors of 8 int32 (rows) -> their transpose, in place. */
 static inline void transpose8(__m256i r[8]) {
     __m256i t[8], u[8];

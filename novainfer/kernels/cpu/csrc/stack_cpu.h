@@ -6,14 +6,15 @@
 #include <stddef.h>
 
 #include "cpu_kernels.h"
+#include "panel_cpu.h"
 
 /* One quantized linear layer (a PackedWeight): y[M, N] = x[M, K] W^T (+ bias); QLinearDesc in
  * kernels/cpu/decoder_stack.py. */
 typedef struct {
     const void *w;
-    const void *scales, *zeros;  /* float16 when scale_f16, else float32; zeros: NULL when has_zeros is 0 */
+    const void *scales, *zeros;  /* in format scale_fmt (panel_cpu.h); zeros: NULL when has_zeros is 0 */
     const float *bias;           /* may be NULL */
-    int q4, group, has_zeros, scale_f16, N, K;
+    int quant, group, has_zeros, scale_fmt, N, K;  /* quant: QUANT_Q8, QUANT_Q4 or QUANT_Q6 (panel_cpu.h) */
 } qlinear;
 
 /* Error codes (the wrappers turn them into exceptions); a bad KV index is STACK_BAD_KV + its KV_BAD_* code. */
@@ -22,9 +23,10 @@ enum { STACK_OK = 0, STACK_NO_MEMORY = 1, STACK_BAD_POSITION = 2, STACK_BAD_KV =
 static inline int kv_error(int rc) { return rc == KV_NO_MEMORY ? STACK_NO_MEMORY : STACK_BAD_KV + rc; }
 
 static inline int linear(const qlinear *l, const float *x, int M, float *y, int nthreads) {
-    const int rc = l->q4 ? q4_gemm(x, M, l->K, l->w, l->scales, l->zeros, l->scale_f16, l->N, y, nthreads)
-                         : q8_gemm(x, M, l->K, l->w, l->group, l->scales, l->zeros, l->has_zeros, l->scale_f16, l->N,
-                                   y, nthreads);
+    const int rc = l->quant == QUANT_Q4   ? q4_gemm(x, M, l->K, l->w, l->scales, l->zeros, l->scale_fmt, l->N, y, nthreads)
+                   : l->quant == QUANT_Q6 ? q6_gemm(x, M, l->K, l->w, l->scales, l->scale_fmt, l->N, y, nthreads)
+                                          : q8_gemm(x, M, l->K, l->w, l->group, l->scales, l->zeros, l->has_zeros,
+                                                    l->scale_fmt, l->N, y, nthreads);
     if (rc) return STACK_NO_MEMORY;
     if (l->bias)
         for (int m = 0; m < M; m++)
