@@ -10,6 +10,8 @@ are written with transformers' save_pretrained.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import torch
 import transformers
@@ -291,17 +293,27 @@ def resolve_model(name: str, cache_dir: str = "/tmp/novainfer-bench", dtype: tor
     path = os.path.join(cache_dir, key)
     if os.path.exists(os.path.join(path, "config.json")):
         return path
+    # built aside and renamed into place whole: a process building the same key beside this one (two GPUs' runs)
+    # never sees a half-written folder
+    os.makedirs(cache_dir, exist_ok=True)
+    work = tempfile.mkdtemp(dir=cache_dir, prefix=f".{key}-")
     if key in DUMMY:
         config.architectures = [config_architecture(config)]
-        config.save_pretrained(path)
+        config.save_pretrained(work)
     else:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         torch.manual_seed(0)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype if device == "cuda" else torch.float32)
-        model.save_pretrained(path)
+        model.save_pretrained(work)
         del model
-    word_level_tokenizer(config.vocab_size).save_pretrained(path)
+    word_level_tokenizer(config.vocab_size).save_pretrained(work)
+    if os.path.isdir(path) and not os.path.exists(os.path.join(path, "config.json")):
+        shutil.rmtree(path, ignore_errors=True)  # what an interrupted build left
+    try:
+        os.rename(work, path)
+    except OSError:  # another process finished first
+        shutil.rmtree(work, ignore_errors=True)
     return path
 
 
