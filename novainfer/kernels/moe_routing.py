@@ -58,6 +58,7 @@ def _topk_softmax_kernel(
     E: tl.constexpr,
     BE: tl.constexpr,
     TOP_K: tl.constexpr,
+    BK: tl.constexpr,
     RENORMALIZE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -65,20 +66,20 @@ def _topk_softmax_kernel(
     x = tl.load(logits_ptr + row * stride + offs, mask=offs < E, other=float("-inf")).to(tl.float32)
     top = tl.max(x, 0)
     denom = tl.sum(tl.where(offs < E, tl.exp(x - top), 0.0), 0)
+    slots = tl.arange(0, BK)
+    weights = tl.zeros([BK], tl.float32)
+    ids = tl.zeros([BK], tl.int64)
     left = x
-    total = 0.0
     for j in tl.static_range(TOP_K):
         best = tl.max(left, 0)
         idx = tl.min(tl.where(left == best, offs, BE), 0)  # the lowest index among equal logits
-        p = tl.exp(best - top) / denom
-        total += p
-        tl.store(weights_ptr + row * TOP_K + j, p)
-        tl.store(ids_ptr + row * TOP_K + j, idx.to(tl.int64))
+        weights = tl.where(slots == j, tl.exp(best - top) / denom, weights)
+        ids = tl.where(slots == j, idx.to(tl.int64), ids)
         left = tl.where(offs == idx, float("-inf"), left)
     if RENORMALIZE:
-        for j in tl.static_range(TOP_K):
-            w = tl.load(weights_ptr + row * TOP_K + j)
-            tl.store(weights_ptr + row * TOP_K + j, w / total)
+        weights = weights / tl.sum(weights, 0)
+    tl.store(weights_ptr + row * TOP_K + slots, weights, mask=slots < TOP_K)
+    tl.store(ids_ptr + row * TOP_K + slots, ids, mask=slots < TOP_K)
 
 
 def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +98,7 @@ def topk_softmax(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> 
             E=experts,
             BE=triton.next_power_of_2(experts),
             TOP_K=top_k,
+            BK=triton.next_power_of_2(top_k),
             RENORMALIZE=renormalize,
             num_warps=1 if experts <= 128 else 2,
         )
