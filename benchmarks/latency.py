@@ -3,7 +3,7 @@
 Decode tok/s = 255 / (time for 256 new tokens - time for 1), so prefill is left out. Example:
     python benchmarks/latency.py --model random:qwen2.5-0.5b --compare-hf --json out.json
 
---compare-llamacpp (a GGUF model; `--model default` is the default model) runs llama.cpp on the same file,
+--compare-llamacpp (a GGUF model; `--model default`, here as without it, is the default model) runs llama.cpp on the same file,
 the same prompt token ids, greedy, the same thread count, and gives every timed run a fresh prompt (so
 neither engine serves a repeat from a prefix cache); NovaInfer runs with its default settings.
 """
@@ -86,8 +86,9 @@ def main() -> None:
     if args.compare_llamacpp:
         return compare_llamacpp(args)
     from novainfer import LLM, SamplingParams
+    from novainfer.loader.model_loader import resolve_model_path
 
-    path = resolve_model(args.model)
+    path = resolve_model_path(None) if args.model == "default" else resolve_model(args.model)
     llm = LLM(
         path,
         enforce_eager=args.enforce_eager,
