@@ -29,6 +29,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from novainfer.kernels.tiling import sm_count
+
 CHUNK = 64
 L2_EPS = 1e-6  # x * rsqrt(sum(x^2) + eps), as transformers' and fla's l2norm
 STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -326,7 +328,7 @@ def fused_recurrent_gated_delta_rule_triton(
         return o
     # 64-wide V blocks where they still fill the GPU twice over: 13% faster on a float32 pool and 26% on a bf16
     # one than 32 at batch 256 on an H200 (tests/gpu/gdn_check.py's tile rows); 32 keeps small batches parallel
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+    sms = sm_count(q.device)
     bv = min(triton.next_power_of_2(dv), 64 if seqs * hv * triton.cdiv(dv, 64) >= 2 * sms else 32)
     _recurrent_kernel[(seqs * hv, triton.cdiv(dv, bv))](
         q,
@@ -570,7 +572,7 @@ def chunk_gated_delta_rule_triton(
         num_stages=1,
     )
     programs = seqs * hv * triton.cdiv(dv, 64)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+    sms = sm_count(q.device)
     bv = min(triton.next_power_of_2(dv), 64 if programs >= sms else 32)
     args = (
         q,

@@ -1,4 +1,4 @@
-"""Tile scheduling shared by the quantized GEMM/GEMV kernels (kernels/int4_gemm.py, kernels/fp8_block.py)."""
+"""Tile scheduling shared by the Triton kernels (the quantized GEMM/GEMVs, the Gated DeltaNet grids)."""
 
 from __future__ import annotations
 
@@ -24,15 +24,17 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def sm_count(device: torch.device) -> int:
+    """The GPU's multiprocessor count (looked up once per device); 1 elsewhere, so a grid rule sees one SM."""
+    if device.type != "cuda":
+        return 1
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def split_k(k: int, tiles_n: int, block_k: int, device: torch.device, programs_per_sm: int) -> tuple[int, int]:
     """(splits, columns per split, a multiple of block_k): a GEMV of few output tiles split along K until the GPU
     has programs_per_sm programs per SM (each split at least 4 K steps long); 1 split on the CPU."""
-    sms = (
-        _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-        if device.type == "cuda"
-        else 1
-    )
-    split = max(1, min(triton.cdiv(programs_per_sm * sms, tiles_n), k // (4 * block_k)))
+    split = max(1, min(triton.cdiv(programs_per_sm * sm_count(device), tiles_n), k // (4 * block_k)))
     per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     return triton.cdiv(k, per_split), per_split
 
