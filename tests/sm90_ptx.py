@@ -14,9 +14,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from novainfer.kernels import gemv, int4_gemm  # noqa: E402
+from novainfer.kernels import fp8_block, gemv, int4_gemm  # noqa: E402
 
-ALIGNED = {"N", "K", "stride_qn", "stride_xm", "stride_om", "stride_am", "stride_cm", "K_PER_SPLIT"}
+ALIGNED = {"N", "K", "stride_qn", "stride_xm", "stride_om", "stride_am", "stride_cm", "K_PER_SPLIT", "KB_PER_SPLIT"}
 
 
 def ptx(fn, types: dict[str, str], constexprs: dict, warps: int, stages: int) -> str:
@@ -70,6 +70,14 @@ if __name__ == "__main__":
             int4_gemm._int4_gemm_kernel,
             INT4 | {"out_ptr": "*fp32"},
             {"GROUP": 128, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "SPLIT": 2},
+            4,
+            3,
+        ),
+        "fp8_gemm_split": ptx(
+            fp8_block._block_gemm_kernel,
+            {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "c_ptr": "*fp32"},
+            {"A_FP8": True, "EVEN_K": True, "GROUP_N": 128, "BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128}
+            | {"GROUP_M": 8, "SPLIT_K": True},
             4,
             3,
         ),

@@ -492,6 +492,9 @@ def test_fp8_block_kernels_match_the_torch_reference(m):
     assert torch.equal(st, s) and torch.equal(qt.to(F8).float(), q.float())
     want = block_reference(x, w, ws, (128, 128))
     torch.testing.assert_close(fp8_block_gemm(q, s, w, ws, (128, 128), torch.float32), want, rtol=1e-5, atol=1e-5)
+    # K split in two: float32 partials per split, summed in split order by the second kernel
+    y_split = fp8_block_gemm(q, s, w, ws, (128, 128), torch.float32, split=2)
+    torch.testing.assert_close(y_split, want, rtol=1e-5, atol=1e-5)
     # few rows: weight-only, x unquantized (the GEMV at one row, the GEMM's bf16 path above)
     xr = torch.randn(m, k, generator=g)
     want_wo = weight_only_reference(xr, w, ws, (128, 128))
@@ -553,3 +556,5 @@ def test_gpu_kernels_compile_for_hopper_with_vector_weight_loads():
     assert "ld.global.L1::evict_first.L2::cache_hint.v4.b32" in ptx["fp8_gemv"]
     gemm = ptx["int4_gemm_split"]
     assert "wgmma.mma_async" in gemm and ("red.global" in gemm or "atom.global" in gemm)
+    fp8 = ptx["fp8_gemm_split"]  # float8 wgmma; the split's partials are plain stores (summed by a second kernel)
+    assert "wgmma.mma_async.sync.aligned" in fp8 and ".e4m3.e4m3" in fp8 and "atom.global" not in fp8

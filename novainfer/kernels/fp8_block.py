@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from novainfer.kernels.gemv import gemv
-from novainfer.kernels.tiling import grouped_tile, row_bucket
+from novainfer.kernels.tiling import grouped_tile, row_bucket, split_k
 
 
 @triton.jit
@@ -68,6 +68,7 @@ def _block_gemm_kernel(
     K,
     stride_am,
     stride_cm,
+    KB_PER_SPLIT,
     A_FP8: tl.constexpr,
     EVEN_K: tl.constexpr,
     GROUP_N: tl.constexpr,
@@ -75,7 +76,10 @@ def _block_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
+    """A [BLOCK_M, BLOCK_N] output tile over the K groups [KB_PER_SPLIT * s, KB_PER_SPLIT * (s + 1)) of split s
+    (program_id 1); SPLIT_K stores float32 partials at c + s * M * N for _split_sum_kernel."""
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -86,8 +90,10 @@ def _block_gemm_kernel(
     k_groups = tl.cdiv(K, BLOCK_K)
     a_s_row = as_ptr + mload * k_groups
     b_s_row = bs_ptr + (nload // GROUP_N) * k_groups
+    kb_begin = tl.program_id(1) * KB_PER_SPLIT
+    kb_end = tl.minimum(kb_begin + KB_PER_SPLIT, k_groups)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(0, k_groups):
+    for kb in range(kb_begin, kb_end):
         a_ptrs = a_ptr + mload[:, None] * stride_am + (kb * BLOCK_K + offs_k)[None, :]
         b_ptrs = b_ptr + nload[None, :] * K + (kb * BLOCK_K + offs_k)[:, None]
         if EVEN_K:
@@ -103,9 +109,23 @@ def _block_gemm_kernel(
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         else:  # weight-only: x as it is (bf16), the weight's float8 widened exactly
             acc += tl.dot(a, b.to(a.dtype)) * b_s[None, :]
-    c = acc.to(c_ptr.dtype.element_ty)
     cmask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], c, mask=cmask)
+    if SPLIT_K:
+        part = c_ptr + tl.program_id(1).to(tl.int64) * M * N
+        tl.store(part + offs_m[:, None] * N + offs_n[None, :], acc, mask=cmask)
+    else:
+        tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], acc.to(c_ptr.dtype.element_ty), mask=cmask)
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT, BLOCK: tl.constexpr):
+    """out = the sum of the SPLIT float32 partials [SPLIT, M, N], added in split order (a deterministic result)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in range(1, SPLIT):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 FP8_MAX = 448.0
@@ -114,12 +134,14 @@ GEMV_MAX_M = 1  # up to this many rows fp8_block_linear takes the GEMV (kernels/
 WEIGHT_ONLY_MAX_M = 1  # the fused MoE's tokens up to which x stays bf16 (kernels/fused_moe_quant.py)
 DEQUANT_MIN_M = 512  # from this many rows: the weight dequantized to bf16, then cuBLAS
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the GEMM by the row count's bucket; BLOCK_K is the scale block
-GEMM_CANDIDATES: dict[int, list[tuple[int, int, int, int]]] = {
-    16: [(16, 32, 2, 4), (16, 64, 4, 4), (16, 128, 4, 4)],
-    64: [(32, 64, 4, 4), (64, 64, 4, 3), (64, 128, 4, 3)],
-    256: [(64, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4)],
-    1 << 30: [(64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (128, 256, 8, 3)],
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, fill) of the GEMM by the row count's bucket; BLOCK_K is the scale
+# block. fill > 0 splits K until the GPU has `fill` programs per SM (kernels/tiling.split_k): a product of few
+# output tiles (decode batches on a narrow layer) otherwise leaves most SMs idle while a few stream the weight.
+GEMM_CANDIDATES: dict[int, list[tuple[int, int, int, int, int]]] = {
+    16: [(16, 64, 4, 4, 2), (16, 32, 2, 4, 2), (16, 128, 4, 4, 2), (16, 64, 4, 4, 0)],
+    64: [(32, 64, 4, 4, 2), (64, 64, 4, 3, 2), (64, 128, 4, 3, 2), (64, 64, 4, 4, 0)],
+    256: [(64, 128, 4, 3, 1), (128, 128, 8, 3, 1), (64, 64, 4, 4, 2), (64, 128, 4, 3, 0)],
+    1 << 30: [(64, 128, 4, 3, 0), (128, 128, 4, 3, 0), (128, 128, 8, 3, 0), (128, 256, 8, 3, 0)],
 }
 
 
@@ -147,29 +169,37 @@ def fp8_block_gemm(
     w_scale: torch.Tensor,
     block: tuple[int, int],
     out_dtype: torch.dtype,
-    tiles: tuple[int, int, int, int] | None = None,
+    tiles: tuple[int, int, int, int, int] | None = None,
+    split: int | None = None,
 ) -> torch.Tensor:
     """a [M, K] (unit stride along K) times weight [N, K] with its block scales: a quantized with its group scales
-    a_scale, or (a_scale None) weight-only, a as it is."""
+    a_scale, or (a_scale None) weight-only, a as it is. split: the K splits (None: the tile's fill rule)."""
     m, k = a.shape
     n = weight.shape[0]
-    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if a.is_cuda:
-        block_m, block_n, warps, stages = tiles or GEMM_CANDIDATES[row_bucket(m, GEMM_CANDIDATES)][0]
+        block_m, block_n, warps, stages, fill = tiles or GEMM_CANDIDATES[row_bucket(m, GEMM_CANDIDATES)][0]
     else:
-        block_m, block_n, warps, stages = 16, 32, 4, 1
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    _block_gemm_kernel[grid](
+        block_m, block_n, warps, stages, fill = 16, 32, 4, 1, 0
+    tiles_mn = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    k_groups = triton.cdiv(k, block[1])
+    if split is None:
+        split = split_k(k, tiles_mn, block[1], a.device, fill)[0] if fill else 1
+    per_split = triton.cdiv(k_groups, split)  # K groups a split
+    split = triton.cdiv(k_groups, per_split)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=a.device) if split > 1 else out
+    _block_gemm_kernel[(tiles_mn, split)](
         a,
         a_scale if a_scale is not None else w_scale,
         weight,
         w_scale,
-        out,
+        part,
         m,
         n,
         k,
         a.stride(0),
         out.stride(0),
+        per_split,
         A_FP8=a_scale is not None,
         EVEN_K=k % block[1] == 0,
         GROUP_N=block[0],
@@ -177,9 +207,12 @@ def fp8_block_gemm(
         BLOCK_N=block_n,
         BLOCK_K=block[1],
         GROUP_M=8,
+        SPLIT_K=split > 1,
         num_warps=warps,
         num_stages=stages,
     )
+    if split > 1:
+        _split_sum_kernel[(triton.cdiv(m * n, 1024),)](part, out, m * n, split, BLOCK=1024)
     return out
 
 
