@@ -490,6 +490,8 @@ def test_fp8_block_kernels_match_the_torch_reference(m):
     q, s = quantize_groups(x, 128)
     qt, st = per_token_group_quant(x, 128, out_dtype=torch.float32)
     assert torch.equal(st, s) and torch.equal(qt.to(F8).float(), q.float())
+    qm, sm = per_token_group_quant(x, 128, out_dtype=torch.float32, m_major=True)  # cuBLAS's scale layout
+    assert sm.stride(0) == 1 and torch.equal(sm, s) and torch.equal(qm, qt)
     want = block_reference(x, w, ws, (128, 128))
     torch.testing.assert_close(fp8_block_gemm(q, s, w, ws, (128, 128), torch.float32), want, rtol=1e-5, atol=1e-5)
     # K split in two: float32 partials per split, summed in split order by the second kernel

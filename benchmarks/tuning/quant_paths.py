@@ -1,9 +1,9 @@
 """Every path a pre-quantized linear layer can take, timed against bf16 at each row count: where each one wins sets
-the thresholds of kernels/fp8_block.py (GEMV_MAX_M, WEIGHT_ONLY_MAX_M, DEQUANT_MIN_M) and kernels/int4_gemm.py
+the thresholds of kernels/fp8_block.py (GEMV_MAX_M, CUBLAS_MIN_M, DEQUANT_MIN_M) and kernels/int4_gemm.py
 (GEMV_MAX_M, DEQUANT_MIN_M).
 
 Paths: bf16 F.linear (cuBLAS); block FP8: the weight-only GEMV, the Triton GEMM weight-only and with x quantized per
-128-wide group, dequantize to bf16 then cuBLAS; INT4 (g128): the
+128-wide group, cuBLAS's block-scaled float8 GEMM (F.scaled_mm), dequantize to bf16 then cuBLAS; INT4 (g128): the
 GEMV, the Triton GEMM, dequantize to bf16 then cuBLAS. Device time per call in CUDA graphs over weight copies that
 L2 cannot hold (benchmarks/quant_gpu.py's device_us), each checked against its torch reference.
 
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from benchmarks.quant_gpu import SHAPES_TINY, Operands, device_us, rel  # noqa: E402
 
 SHAPES = [("qkv_proj", 3584, 4608), ("o_proj", 3584, 3584), ("gate_up_proj", 3584, 37888), ("down_proj", 18944, 3584)]
-ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 4096]
+ROWS = [1, 2, 4, 8, 16, 32, 48, 64, 100, 128, 192, 256, 384, 512, 1024, 4096]
 
 
 def paths(m: int):
@@ -44,6 +44,8 @@ def paths(m: int):
                 return f8.fp8_block_gemm(x, None, wq, ws, blk, x.dtype)
             if name == "gemm fp8":
                 return f8.fp8_block_gemm(*f8.per_token_group_quant(x, 128), wq, ws, blk, x.dtype)
+            if name == "cublas block":
+                return f8.cublas_block_gemm(x, wq, ws)
             return torch.nn.functional.linear(x, f8.fp8_block_dequantize(wq, ws, blk, x.dtype))
 
         return run
@@ -66,6 +68,7 @@ def paths(m: int):
         out.append(("fp8 gemm w-only", fp8("gemm w-only")))
     if m > 1:
         out += [("fp8 gemm fp8", fp8("gemm fp8")), ("fp8 dequant+cublas", fp8("dequant"))]
+        out.append(("fp8 cublas block", fp8("cublas block")))
     if m <= i4.GEMV_MAX_M:
         out.append(("int4 gemv", int4("gemv")))
     if m > 1:
@@ -98,12 +101,14 @@ def main() -> None:
             x = (torch.randn(m, k, device=device, generator=g)).to(dtype)
             cell = table.setdefault((name, m), {})
             for label, fn in paths(m):
-                y = fn(x, ops, 0)  # eager first: the cuBLAS spelling is probed here, not inside a graph
-                if y is None:
+                try:
+                    y = fn(x, ops, 0)  # eager first: a path this torch or GPU lacks fails here, not in a graph
+                except (RuntimeError, ValueError) as e:
+                    print(f"{name:<13} M={m:<5} {label:<20} did not run: {str(e).splitlines()[0][:150]}", flush=True)
                     cell[label] = float("nan")
                     continue
                 err = rel(y.float(), x.float() @ w_ref[label.split()[0]])
-                tol = 5e-2 if label == "fp8 gemm fp8" else 1e-2  # x quantized too: e4m3's rounding
+                tol = 5e-2 if label in ("fp8 gemm fp8", "fp8 cublas block") else 1e-2  # x quantized: e4m3 rounding
                 bytes_ = ops.w16.numel() * ops.w16.element_size()
                 us = device_us(lambda i, fn=fn: lambda: fn(x, ops, i), bytes_, device, args.iters)
                 cell[label] = us

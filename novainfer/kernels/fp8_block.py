@@ -5,21 +5,28 @@ K/BK_S]). fp8_block_linear picks by the number of rows of x:
 - up to GEMV_MAX_M rows (decode at batch 1, where reading the weight is the whole cost) the weight-only GEMV of
   kernels/gemv.py: x stays bf16, each block's scale multiplies x's inputs and each weight byte is widened exactly
   in registers (the batch-1 decode stack calls it with its norm prologue and SiLU epilogue);
-- more rows: x quantized per token per BK_S-wide group (per_token_group_quant, scale amax/448), then the float8
-  GEMM, one K step a group, its tl.dot scaled by the row's and the block's scales and added in float32
-  (fp8_block_gemm also has a weight-only form, a_scale None, which the fused MoE's few-token path shares);
-- from DEQUANT_MIN_M rows (prefill, compute-bound), the weight dequantized into a bf16 scratch (fp8_block_dequantize)
-  and cuBLAS's bf16 GEMM: the Triton float8 GEMM ran at 0.2-0.5x of bf16 there on an H200.
-The thresholds come from benchmarks/tuning/quant_paths.py on an H200 (Qwen2.5-7B's layers): the float8 GEMM beat the
-weight-only paths from 2 rows on.
+- more rows: x quantized per token per BK_S-wide group (per_token_group_quant, scale amax/448), then a float8 GEMM:
+  - from CUBLAS_MIN_M rows (CUBLAS_MIN_M_WIDE for wide layers), where torch has it (Hopper, 128x128 blocks tiling
+    the weight), cuBLAS's block-scaled GEMM (F.scaled_mm, 1x128 and 128x128 scales): on an H200 it beat the Triton
+    GEMM on Qwen2.5-7B's layers from 100-192 rows (from 48 on the wide gate/up layer), and bf16 from 192-512 rows
+    (from 48 on gate/up: 1.4-1.6x) (benchmarks/tuning/quant_paths.py);
+  - else the Triton GEMM, one K step a group, its tl.dot scaled by the row's and the block's scales and added in
+    float32, K split over programs where its output tiles would leave SMs idle (fp8_block_gemm also has a
+    weight-only form, a_scale None, which the fused MoE's few-token path shares);
+- without cuBLAS's GEMM, from DEQUANT_MIN_M rows (prefill, compute-bound) the weight dequantized into a bf16 scratch
+  (fp8_block_dequantize) and cuBLAS's bf16 GEMM: the Triton float8 GEMM ran at 0.4-0.5x of bf16 there.
 Weight-only is the dequantized model's product (closer to it than the quantized path, which also rounds x).
-Tile shapes: GEMM_CANDIDATES, swept by benchmarks/quant_gpu.py on a GPU (the GEMV's: kernels/gemv.py). The torch
-references are fp8_block.quantize_groups, fp8_block.block_reference (x quantized) and fp8_block.weight_only_reference.
+Tile shapes: GEMM_CANDIDATES, ranked by benchmarks/tuning/fp8_block_tiles.py's H200 sweep (the GEMV's: kernels/gemv.py).
+The torch references are fp8_block.quantize_groups, fp8_block.block_reference (x quantized) and
+fp8_block.weight_only_reference.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -41,6 +48,8 @@ def _group_quant_kernel(
     scale_ptr,
     K,
     stride_xm,
+    stride_sm,
+    stride_sg,
     G: tl.constexpr,
     GROUPS: tl.constexpr,
     FP8_MAX: tl.constexpr,
@@ -52,7 +61,7 @@ def _group_quant_kernel(
     mask = offs < K
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
     scale, q = _quant_group(x, FP8_MAX, MIN_SCALE)
-    tl.store(scale_ptr + row * tl.cdiv(K, G) + grps, scale, mask=grps < tl.cdiv(K, G))
+    tl.store(scale_ptr + row * stride_sm + grps * stride_sg, scale, mask=grps < tl.cdiv(K, G))
     tl.store(out_ptr + row * K + offs, q.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -132,32 +141,54 @@ FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 GEMV_MAX_M = 1  # up to this many rows fp8_block_linear takes the GEMV (kernels/gemv.py with the block scales)
 WEIGHT_ONLY_MAX_M = 1  # the fused MoE's tokens up to which x stays bf16 (kernels/fused_moe_quant.py)
-DEQUANT_MIN_M = 512  # from this many rows: the weight dequantized to bf16, then cuBLAS
+DEQUANT_MIN_M = 512  # from this many rows: the weight dequantized to bf16, then cuBLAS (no block-scaled cuBLAS)
+CUBLAS_MIN_M = 128  # from this many rows: cuBLAS's block-scaled float8 GEMM, where torch runs it (Hopper)
+CUBLAS_MIN_M_WIDE = 48  # the same for layers four times wider than deep (gate/up projections)
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, fill) of the GEMM by the row count's bucket; BLOCK_K is the scale
 # block. fill > 0 splits K until the GPU has `fill` programs per SM (kernels/tiling.split_k): a product of few
 # output tiles (decode batches on a narrow layer) otherwise leaves most SMs idle while a few stream the weight.
 GEMM_CANDIDATES: dict[int, list[tuple[int, int, int, int, int]]] = {
-    16: [(16, 64, 4, 4, 2), (16, 32, 2, 4, 2), (16, 128, 4, 4, 2), (16, 64, 4, 4, 0)],
-    64: [(32, 64, 4, 4, 2), (64, 64, 4, 3, 2), (64, 128, 4, 3, 2), (64, 64, 4, 4, 0)],
-    256: [(64, 128, 4, 3, 1), (128, 128, 8, 3, 1), (64, 64, 4, 4, 2), (64, 128, 4, 3, 0)],
-    1 << 30: [(64, 128, 4, 3, 0), (128, 128, 4, 3, 0), (128, 128, 8, 3, 0), (128, 256, 8, 3, 0)],
+    8: [(16, 128, 4, 4, 2), (16, 128, 4, 4, 1), (16, 128, 4, 5, 1), (16, 128, 4, 4, 4)],
+    16: [(16, 32, 2, 4, 4), (16, 64, 4, 4, 2), (16, 128, 4, 4, 2), (16, 128, 4, 4, 1)],
+    32: [(32, 128, 4, 4, 2), (16, 128, 4, 4, 2), (32, 64, 4, 4, 2), (16, 128, 4, 5, 2)],
+    64: [(64, 128, 4, 4, 1), (64, 128, 4, 3, 1), (64, 64, 4, 4, 2), (64, 128, 4, 3, 2)],
+    128: [(64, 128, 4, 4, 1), (64, 128, 4, 3, 1), (64, 128, 4, 4, 2), (64, 128, 4, 3, 2)],
+    256: [(64, 128, 4, 4, 1), (64, 128, 4, 3, 1), (64, 128, 4, 4, 0), (64, 128, 4, 4, 2)],
+    1 << 30: [(64, 128, 4, 4, 1), (64, 128, 4, 4, 0), (64, 128, 4, 3, 0), (64, 128, 4, 3, 1)],
 }
 
 
-def per_token_group_quant(x: torch.Tensor, group: int, out_dtype: torch.dtype = torch.float8_e4m3fn):
+def per_token_group_quant(
+    x: torch.Tensor, group: int, out_dtype: torch.dtype = torch.float8_e4m3fn, m_major: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (quantized [M, K] in out_dtype, float32 scales [M, ceil(K / group)]); out_dtype float32
-    returns the clamped quotients before the cast (the interpreter's float8 cast does not round as CUDA's)."""
+    returns the clamped quotients before the cast (the interpreter's float8 cast does not round as CUDA's);
+    m_major stores the scales with M the unit stride, the layout cuBLAS's block-scaled GEMM reads."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     groups = triton.cdiv(k, group)
     out = torch.empty((m, k), dtype=out_dtype, device=x.device)
-    scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m_major:
+        scale = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     per = 8  # groups a program: 8 KB of bf16 read, far fewer programs than one a group
     if m:
         _group_quant_kernel[(m, triton.cdiv(groups, per))](
-            x, out, scale, k, x.stride(0), G=group, GROUPS=per, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, num_warps=4
+            x,
+            out,
+            scale,
+            k,
+            x.stride(0),
+            scale.stride(0),
+            scale.stride(1),
+            G=group,
+            GROUPS=per,
+            FP8_MAX=FP8_MAX,
+            MIN_SCALE=MIN_SCALE,
+            num_warps=4,
         )
     return out, scale
 
@@ -241,13 +272,52 @@ def fp8_block_dequantize(weight: torch.Tensor, w_scale: torch.Tensor, block: tup
     return out
 
 
+@lru_cache(maxsize=None)
+def _cublas_block_scaled(index: int) -> bool:
+    """Whether cuBLAS's 1x128 / 128x128 block-scaled float8 GEMM is there: torch's F.scaled_mm on a Hopper GPU."""
+    return hasattr(F, "scaled_mm") and hasattr(F, "ScalingType") and torch.cuda.get_device_capability(index)[0] == 9
+
+
+def cublas_block_gemm(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times the 128x128 block-scaled weight by cuBLAS: x quantized per 128-wide group (scales M-major),
+    the same product as fp8_block_gemm's quantized form. cuBLAS takes a multiple of 4 rows (16-byte scale columns):
+    other counts are padded with rows it computes and we drop (rows are independent)."""
+    m = x.shape[0]
+    pad = -m % 4
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+    a, a_scale = per_token_group_quant(x, 128, m_major=True)
+    st = F.ScalingType
+    y = F.scaled_mm(a, weight.t(), a_scale, st.BlockWise1x128, w_scale.t(), st.BlockWise128x128, output_dtype=x.dtype)
+    return y[:m] if pad else y
+
+
+def takes_cublas(x: torch.Tensor, weight: torch.Tensor, block: tuple[int, int]) -> bool:
+    """cuBLAS's block-scaled GEMM serves this product: enough rows (CUBLAS_MIN_M, or CUBLAS_MIN_M_WIDE for a layer
+    at least four times wider than deep, whose many output tiles fill the GPU early), 128x128 blocks that tile the
+    weight whole with a multiple of 4 along K (cuBLAS's scale layout), a GPU where it runs."""
+    n, k = weight.shape
+    m = x.shape[0]
+    return (
+        (m >= CUBLAS_MIN_M or (m >= CUBLAS_MIN_M_WIDE and n >= 4 * k))
+        and x.is_cuda
+        and block == (128, 128)
+        and n % 128 == 0
+        and k % 512 == 0
+        and _cublas_block_scaled(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    )
+
+
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor, block: tuple[int, int]):
     """x [M, K] (contiguous) times the block-scaled weight -> [M, N] in x's dtype: the weight-only GEMV (x as it is)
-    up to GEMV_MAX_M rows, where reading the weight is the cost; x quantized per group and the float8 GEMM above;
-    from DEQUANT_MIN_M rows the dequantized weight and cuBLAS."""
+    up to GEMV_MAX_M rows, where reading the weight is the cost; x quantized per group and the float8 GEMM above:
+    cuBLAS's block-scaled one from CUBLAS_MIN_M rows where it runs, else ours, and from DEQUANT_MIN_M rows the
+    dequantized weight and cuBLAS's bf16 GEMM."""
     m = x.shape[0]
     if m <= GEMV_MAX_M:
         return gemv(x, weight, weight_scale=w_scale, block=block)
+    if takes_cublas(x, weight, block):
+        return cublas_block_gemm(x, weight, w_scale)
     if m >= DEQUANT_MIN_M:
         return torch.nn.functional.linear(x, fp8_block_dequantize(weight, w_scale, block, x.dtype))
     return fp8_block_gemm(*per_token_group_quant(x, block[1]), weight, w_scale, block, x.dtype)

@@ -6,8 +6,9 @@ The checkpoint's weight is float8_e4m3fn [N, K] with one float32 scale per [bn, 
 bk-wide group (scale amax/448, activation_scheme dynamic). The weight stays as stored; a fused layer stacks its
 shards' rows and scale rows, which needs each shard (and each rank's slice) to cover whole blocks.
 
-On CUDA (sm_89+) the Triton kernels of kernels/fp8_block.py run (fp8_block_linear): weight-only at one row (x stays
-bf16), the per-token-group quantization and the block GEMM above, the dequantized weight and cuBLAS for prefill.
+On CUDA (sm_89+) kernels/fp8_block.py's fp8_block_linear runs: weight-only at one row (x stays bf16), above it the
+per-token-group quantization and a block-scaled float8 GEMM (cuBLAS's from 48-128 rows on Hopper, else the Triton one;
+where cuBLAS has none, the dequantized weight and cuBLAS's bf16 GEMM for prefill).
 The torch references are the CPU path: weight_only_reference at one row, as the GPU's GEMV; above, quantize_groups
 and block_reference (both operands dequantized, a float32 matmul).
 """
@@ -307,15 +308,16 @@ def fp8_block_config(qc: dict, device: torch.device) -> Fp8BlockConfig:
 def check_block_kernels(device: torch.device, block: tuple[int, int]) -> None:
     """Every path of fp8_block_linear (the GEMV, the quantize + GEMM, dequantize + dense) against its torch reference
     on small operands, once at start-up."""
-    from novainfer.kernels.fp8_block import DEQUANT_MIN_M, GEMV_MAX_M, fp8_block_linear
+    from novainfer.kernels.fp8_block import CUBLAS_MIN_M, DEQUANT_MIN_M, GEMV_MAX_M, fp8_block_linear, takes_cublas
 
     g = torch.Generator(device=device).manual_seed(0)
-    n, k = 2 * block[0], 2 * block[1]
+    n, k = 2 * block[0], 4 * block[1]  # four K blocks: cuBLAS's path runs where the blocks are 128x128
     weight = (torch.randn(n, k, generator=g, device=device) * 100).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    w_scale = torch.rand(2, 2, generator=g, device=device) * 1e-3 + 1e-4
+    w_scale = torch.rand(2, 4, generator=g, device=device) * 1e-3 + 1e-4
     cases = []
-    for m in (1, 8, 40, DEQUANT_MIN_M):  # each path of fp8_block_linear, against the product it computes
-        ref = block_reference if GEMV_MAX_M < m < DEQUANT_MIN_M else weight_only_reference
+    for m in (1, 8, 40, CUBLAS_MIN_M + 3, DEQUANT_MIN_M):  # each path of fp8_block_linear, against its product
         x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)
+        quantized = GEMV_MAX_M < m and (m < DEQUANT_MIN_M or takes_cublas(x, weight, block))
+        ref = block_reference if quantized else weight_only_reference
         cases.append((fp8_block_linear(x, weight, w_scale, block), ref(x, weight, w_scale, block)))
     probe_kernels(f"block FP8 (weight_block_size={list(block)})", cases, 2e-2)
