@@ -2,9 +2,13 @@
 on tests/test_gemma4.py's tiny dense checkpoint (per-layer inputs, KV-shared layers with double-wide MLPs, k = v full
 layers with their own head size, a window shorter than the prompts: a grouped KV layout) converted to Q8_0 by
 llama.cpp's converter: greedy tokens and their logprobs are equal to the bit with the stack on or off, over a batch
-and each prompt alone, and the stack takes the decode steps."""
+and each prompt alone, and the stack takes the decode steps. The same checkpoint converted to F16 (every matrix,
+per_layer_model_proj included, kept as stored: kernels/cpu/repack.py's f16 kind) too, and it gives the greedy tokens
+it gave when its F16 tensors loaded dequantized to float32."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -22,12 +26,21 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=
 
 
 @pytest.fixture(scope="module")
-def q8_file(tmp_path_factory) -> str:
+def tiny_hf(tmp_path_factory) -> str:
     if llama_cpp_converter() is None:
         pytest.skip("llama.cpp's converter (llama-cpp-python sdist) could not be fetched")
-    root = tmp_path_factory.mktemp("gemma4_stack")
-    hf = save_tiny(str(root / "hf"), moe=False, **SHAPE)
-    return convert_hf_to_gguf(hf, str(root / "q8_0.gguf"), "q8_0", no_mtp=False)
+    return save_tiny(str(tmp_path_factory.mktemp("gemma4_stack") / "hf"), moe=False, **SHAPE)
+
+
+def converted(hf: str, outtype: str) -> str:
+    """The checkpoint converted by llama.cpp's converter to outtype (once a module run)."""
+    path = os.path.join(os.path.dirname(hf), f"{outtype}.gguf")
+    return path if os.path.exists(path) else convert_hf_to_gguf(hf, path, outtype, no_mtp=False)
+
+
+@pytest.fixture(scope="module", params=["q8_0", "f16"])
+def gguf_file(request, tiny_hf) -> str:
+    return converted(tiny_hf, request.param)
 
 
 def run(path: str) -> list[list[tuple[list[int], list[float]]]]:
@@ -49,7 +62,7 @@ def run(path: str) -> list[list[tuple[list[int], list[float]]]]:
     return got
 
 
-def test_decode_steps_equal_the_layer_path_to_the_bit(q8_file, monkeypatch):
+def test_decode_steps_equal_the_layer_path_to_the_bit(gguf_file, monkeypatch):
     taken = []
     forward = cpu_gemma4_stack.CPUGemma4Stack.forward
 
@@ -59,13 +72,30 @@ def test_decode_steps_equal_the_layer_path_to_the_bit(q8_file, monkeypatch):
         return out
 
     monkeypatch.setattr(cpu_gemma4_stack.CPUGemma4Stack, "forward", counting)
-    on = run(q8_file)
+    on = run(gguf_file)
     assert sum(taken) >= 4 * (GREEDY.max_tokens - 1), taken  # every decode step of the four runs
     monkeypatch.setattr(cpu_gemma4_stack, "supports", lambda model: False)
     taken.clear()
-    off = run(q8_file)
+    off = run(gguf_file)
     assert not taken
     assert on == off
+
+
+def test_f16_weights_kept_as_stored_give_the_tokens_of_their_float32_copies(tiny_hf, monkeypatch):
+    import torch
+    from gguf import GGMLQuantizationType as T
+
+    from novainfer.layers.quantization.gguf_cpu import GGUFCPUConfig, GGUFCPULinearMethod
+    from novainfer.loader.model_loader import load_hf_config, load_model
+
+    path = converted(tiny_hf, "f16")
+    model = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"), quant_config=GGUFCPUConfig())
+    assert model.model.per_layer_model_projection.weight.packed.kind == "f16"
+    assert model.model.embed_tokens.weight.packed.kind == "f16"  # the embedding (tied head) rows too
+    kept = run(path)
+    monkeypatch.setattr(GGUFCPULinearMethod, "TYPES", GGUFCPULinearMethod.TYPES - {T.F16})  # as before: dense
+    dense = run(path)
+    assert [[t for t, _ in group] for group in kept] == [[t for t, _ in group] for group in dense]
 
 
 def test_gemma_ops_against_torch():

@@ -7,7 +7,9 @@ factors as tensors), Qwen2-MoE (shared expert and its gate), Qwen3-MoE (stacked 
     the file;
   * llama.cpp (llama-cpp-python) on the same f32 file agrees with NovaInfer's logits in >= 99% of top-1 tokens;
   * the Q8_0 file, kept quantized, agrees with the float32 reference on its own dequantized weights in >= 99% of
-    teacher-forced top-1 tokens and is no further from it in KL than llama.cpp is on the same file.
+    teacher-forced top-1 tokens and is no further from it in KL than llama.cpp is on the same file;
+  * the F16 file's matrices (embeddings and output heads too) stay 16-bit, multiplied as stored, and give the
+    logits its float32 copies gave to float32 summation order.
 
 The configs keep to what a GGUF records and llama.cpp runs: Gemma 2's query_pre_attn_scalar is its head_dim, Gemma 3
 has six layers (llama.cpp's 5:1 sliding pattern), Phi-3's window is longer than the prompts (llama.cpp ignores
@@ -45,7 +47,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. The capital of France is"
 
 @pytest.fixture(scope="module")
 def family_files(tmp_path_factory):
-    """family -> {"hf", "f32", "q8_0"} paths, built on first use."""
+    """family -> {"hf", "f32", "q8_0", "f16"} paths, built on first use."""
     if llama_cpp_converter() is None:
         pytest.skip("llama.cpp's converter (llama-cpp-python sdist) could not be fetched")
     files: dict[str, dict[str, str]] = {}
@@ -64,6 +66,7 @@ def family_files(tmp_path_factory):
                 "hf": hf,
                 "f32": convert_hf_to_gguf(hf, str(root / "f32.gguf"), "f32", no_mtp=False),
                 "q8_0": convert_hf_to_gguf(hf, str(root / "q8_0.gguf"), "q8_0", no_mtp=False),
+                "f16": convert_hf_to_gguf(hf, str(root / "f16.gguf"), "f16", no_mtp=False),
             }
         return files[family]
 
@@ -116,6 +119,34 @@ def test_q8_0_file_kept_quantized_agrees_with_its_float32_reference(family, fami
     (kl, top1), llama = against_float32_reference(family_files(family)["q8_0"], chunks())
     assert top1 >= 0.99, (kl, top1)
     assert llama is None or kl <= llama[0], (kl, top1, llama)
+
+
+@pytest.mark.parametrize("family", ALL)
+def test_f16_file_multiplies_its_matrices_as_stored(family, family_files, monkeypatch):
+    """Every F16 matrix of a kept-quantized layer (the embedding and the head among them) is packed as `f16`, and
+    the logits equal those of the same path with the F16 tensors dequantized to float32 (the loader's way before
+    the f16 kind), to float32 summation order: the same bfloat16 cache, only the GEMM differs."""
+    from gguf import GGMLQuantizationType as T
+
+    from benchmarks.quant_accuracy import kl_and_top1, novainfer_logits
+    from novainfer.layers.quantization.gguf_cpu import GGUFCPUConfig, GGUFCPULinearMethod
+    from novainfer.loader.model_loader import load_hf_config, load_model
+
+    path = family_files(family)["f16"]
+    model = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"), quant_config=GGUFCPUConfig())
+    kinds = {
+        name: None if m.weight.packed is None else m.weight.packed.kind
+        for name, m in model.named_modules()
+        if isinstance(getattr(m, "quant_method", None), GGUFCPULinearMethod)
+    }
+    assert kinds["model.embed_tokens"] == "f16" and kinds["model.layers.0.self_attn.o_proj"] == "f16", kinds
+    assert set(kinds.values()) <= {"f16", None}, kinds  # None: the routers, which the converter writes F32
+    ids = chunks()
+    kept = novainfer_logits(path, ids, quantized=True)
+    monkeypatch.setattr(GGUFCPULinearMethod, "TYPES", GGUFCPULinearMethod.TYPES - {T.F16})
+    dense = novainfer_logits(path, ids, quantized=True)
+    kl, top1 = kl_and_top1(dense, kept)
+    assert top1 >= 0.99 and kl < 1e-6, (kl, top1)
 
 
 @pytest.mark.parametrize("family", ["phi3", "qwen2_moe"])

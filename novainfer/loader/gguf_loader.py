@@ -244,7 +244,8 @@ def count_gguf_weights(path: str) -> int:
 def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor in HF shape) for every GGUF tensor that has an HF counterpart: float32 tensors, or
     with keep_quantized, 2-D weights of a type the CPU or GPU kernels take as GGUFQuantTensor (raw blocks, read one
-    tensor at a time; the layer repacks them as soon as all its shards are in)."""
+    tensor at a time; the layer repacks them as soon as all its shards are in). F16 and BF16 weights count as such a
+    type (the CPU multiplies them as stored); F32 ones load as tensors."""
     from novainfer.kernels.cpu.repack import SUPPORTED
     from novainfer.layers.quantization.gguf_cpu import GGUFQuantTensor
     from novainfer.layers.quantization.gguf_gpu import GPU_TYPES
@@ -271,9 +272,8 @@ def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple
             data = _read_bytes(path, tensor).reshape(*shape[:-1], -1)
         elif (
             keep_quantized
-            and quantized
             and len(shape) == 2
-            and qtype in kept
+            and qtype in kept  # quantized types, and F16 / BF16 (kept as stored)
             and (fixer is None or fixer.keep_quantized(name, shape, block))
         ):
             data = _read_bytes(path, tensor).reshape(shape[0], -1)  # one row of blocks per output row

@@ -179,9 +179,10 @@ class Qwen35Tensors:
         return np.arange(self.nv * width).reshape(r, self.nk, width).transpose(1, 0, 2).reshape(-1)
 
     def keep_quantized(self, name: str, shape: tuple[int, ...], block: int) -> bool:
-        """Whether this 2-D tensor can stay quantized: not a small one, and ssm_out only if its column
-        reorder moves whole blocks."""
-        if shape[0] < SMALL_ROWS:
+        """Whether this 2-D tensor can stay quantized: not a small one, not the conv kernel (a plain parameter,
+        reshaped here; F32 in llama.cpp's files, but an F16 one must not arrive as raw bytes), and ssm_out only if
+        its column reorder moves whole blocks."""
+        if shape[0] < SMALL_ROWS or name.endswith(".conv1d.weight"):
             return False
         if name.endswith("out_proj.weight") and self.nv != self.nk:
             return self.dv % block == 0

@@ -19,7 +19,7 @@ from novainfer.platform import CACHE_DIR, cpu_flags
 
 logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_HEADERS = ["cpu_pool.h", "cpu_kernels.h", "simd_cpu.h", "panel_cpu.h", "qgemm_jobs.h", "stack_cpu.h"]
+_HEADERS = ["cpu_pool.h", "cpu_kernels.h", "simd_cpu.h", "panel_cpu.h", "qgemm_jobs.h", "stack_cpu.h", "f16gemm.h"]
 _SOURCES = [
     "qgemm_cpu.c",
     "qgemm_panel_cpu.c",
@@ -38,6 +38,8 @@ _SOURCES = [
     "gated_delta_cpu.c",
     "gated_delta_prefill_cpu.c",
     "mxfp4_ref_cpu.c",
+    "f16gemm_cpu.c",
+    "f16gemm_avx512.c",
 ]
 _CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-pthread", "-shared", "-fPIC"]
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -94,6 +96,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.q6_gemm.argtypes = lib.q6_gemm_panel.argtypes = lib.mxfp4_gemm.argtypes
     lib.mxfp4_gemm_ref.argtypes = [_P, _I, _I, _P, _I, _P]
     lib.mxfp4_gemm_ref.restype = None
+    lib.f16_gemm.argtypes = [_P, _I, _I, _P, _I, _I, _P, _I]
+    lib.f16_gemm_ref.argtypes = [_P, _I, _I, _P, _I, _I, _P]
+    lib.f16_gemm_ref.restype = None
     lib.set_panel_min_rows.argtypes = [_I]
     lib.set_gemm_isa.argtypes = [_I]
     lib.set_gemm_isa.restype = _I

@@ -17,7 +17,8 @@ from novainfer.kernels.cpu import library
 
 PANEL = 16  # output rows a panel (csrc/panel_cpu.h)
 PANEL_BYTES = {"q4": 8, "q6": 12, "q8": 16}  # bytes a panel takes per element of K
-QUANT = {"q8": 0, "q4": 1, "q6": 3}  # the kernels' code of each layout (csrc/panel_cpu.h QUANT_*)
+QUANT = {"q8": 0, "q4": 1, "q6": 3, "f16": 4, "bf16": 5}  # the kernels' code of each layout (csrc/panel_cpu.h
+# QUANT_*; f16 and bf16 are rows as stored, not panels)
 QUANT_E2M1 = 2  # q4 nibbles read as MXFP4 codes
 SUPER = 256  # weights a K-quant super-block: one float16 factor per row (csrc/panel_cpu.h SCALE_SUPER)
 

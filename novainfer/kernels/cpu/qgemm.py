@@ -1,7 +1,8 @@
 """The quantized GEMMs of a PackedWeight and its dequantizer, in C (csrc/qgemm_cpu.c, its many-row form
 csrc/qgemm_panel_cpu.c, whose tiles run AVX-512 VNNI where the CPU has it (csrc/qgemm_avx512.c, picked at run
 time), csrc/dequantize_cpu.c). Scales and zeros are read in the weight's scale_format (float32, float16, or the
-K-quants' int8 multipliers of float16 factors: repack.py)."""
+K-quants' int8 multipliers of float16 factors: repack.py). 16-bit float weights (f16, bf16) go to their own GEMM
+(csrc/f16gemm_cpu.c: widened exactly, float32 sums, x as it is)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ PANEL_MIN_ROWS = 16
 
 
 def quant_gemm(x: torch.Tensor, w: PackedWeight, panel: bool = False) -> torch.Tensor:
-    """x [M, K] float32 contiguous @ dequant(w)^T -> [M, N] float32 (x rounded to int16 per block of 32); panel:
-    the many-row kernel at any row count (by default the library picks it from PANEL_MIN_ROWS rows on)."""
+    """x [M, K] float32 contiguous @ dequant(w)^T -> [M, N] float32 (x rounded to int16 per block of 32; f16 and
+    bf16 weights: x as it is); panel: the many-row kernel at any row count (by default the library picks it from
+    PANEL_MIN_ROWS rows on; f16 and bf16 have one kernel for every M)."""
     lib = library()
+    if w.wide:
+        return f16_gemm(x, w)
     q4_gemm, q8_gemm = (lib.q4_gemm_panel, lib.q8_gemm_panel) if panel else (lib.q4_gemm, lib.q8_gemm)
     m, k = x.shape
     n = w.shape[0]
@@ -66,6 +70,20 @@ def quant_gemm(x: torch.Tensor, w: PackedWeight, panel: bool = False) -> torch.T
     return y
 
 
+def f16_gemm(x: torch.Tensor, w: PackedWeight, reference: bool = False) -> torch.Tensor:
+    """x [M, K] float32 @ w^T for an f16 or bf16 weight -> [M, N] float32; reference: the scalar C reference (the
+    same bits; tests)."""
+    m, k = x.shape
+    x = x.contiguous()
+    y = torch.empty(m, w.shape[0], dtype=torch.float32)
+    bf16 = int(w.kind == "bf16")
+    if reference:
+        library().f16_gemm_ref(x.data_ptr(), m, k, w.qweight.data_ptr(), bf16, w.shape[0], y.data_ptr())
+    else:
+        library().f16_gemm(x.data_ptr(), m, k, w.qweight.data_ptr(), bf16, w.shape[0], y.data_ptr(), num_threads())
+    return y
+
+
 def dequantize(w: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 rows of the weight, in C: all [N, K], or the given row ids (the embedding lookup). In torch,
     PackedWeight.dequantize is the reference."""
@@ -75,6 +93,8 @@ def dequantize(w: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tenso
         lo, hi = (int(v) for v in torch.aminmax(rows)) if rows.numel() else (0, 0)
         if lo < 0 or hi >= n:
             raise IndexError(f"row ids must be in [0, {n}), got {lo}..{hi}")
+    if w.wide:  # rows as stored: widening is exact in torch
+        return (w.qweight if rows is None else w.qweight[rows]).float()
     count = n if rows is None else rows.numel()
     out = torch.empty(count, k, dtype=torch.float32)
     if count == 0:

@@ -18,6 +18,8 @@ Scales and zeros are stored in one of three formats (scale_format; csrc/panel_cp
 MXFP4 (e2m1 codes, an e8m0 exponent per 32) keeps its codes as q4 nibbles (`e2m1`: the kernels read each code
 through the table of its doubled values, integers in [-12, 12]) and scale 2^(e - 128), no zero: 4.5 bits a weight
 where the exponents fit float16 (2^-24..2^15; any real checkpoint), else 5.
+F16 and BF16 (`f16`, `bf16`) are not repacked: their rows stay as stored, [N, K] 16-bit floats, which the C GEMM
+(csrc/f16gemm_cpu.c) widens to float32 exactly: a decode step reads 2 bytes a weight, not a float32 copy's 4.
 """
 
 from __future__ import annotations
@@ -40,8 +42,12 @@ BLOCK = {
     T.Q5_K: (256, 176),
     T.Q6_K: (256, 210),
     T.MXFP4: (32, 17),
+    T.F16: (1, 2),
+    T.BF16: (1, 2),
 }
 SUPPORTED = frozenset(BLOCK)
+WIDE = {T.F16: "f16", T.BF16: "bf16"}  # 16-bit float types -> their kind: rows kept as stored, no scales
+_WIDE_DTYPES = {"f16": torch.float16, "bf16": torch.bfloat16}
 SCALE_F32, SCALE_F16, SCALE_SUPER = 0, 1, 2  # the scale formats (csrc/panel_cpu.h SCALE_*)
 _FORMATS = {torch.float32: SCALE_F32, torch.float16: SCALE_F16, torch.uint8: SCALE_SUPER}  # by the scales' dtype
 _Scales = np.ndarray | tuple[np.ndarray, np.ndarray]  # row-layout scales: float32, or SCALE_SUPER's (int8, float16)
@@ -52,8 +58,9 @@ class PackedWeight:
     """A [N, K] weight in one of the kernels' layouts (see module docstring), output rows in panels of 16
     (panel_layout.py, csrc/panel_cpu.h); tensors on the CPU."""
 
-    kind: str  # "q4", "q6" or "q8"
-    qweight: torch.Tensor  # q4: uint8 [P, 8K]; q6: uint8 [P, 12K]; q8: int8 [P, 16K] (P = ceil(N / 16) panels)
+    kind: str  # "q4", "q6" or "q8"; "f16" or "bf16" (rows as stored, no panels; scales empty, zeros None)
+    qweight: torch.Tensor  # q4: uint8 [P, 8K]; q6: uint8 [P, 12K]; q8: int8 [P, 16K] (P = ceil(N / 16) panels);
+    # f16 / bf16: float16 / bfloat16 [N, K]
     scales: torch.Tensor  # float16 or float32 [P, 16 * K/group]; SCALE_SUPER: uint8 [P, K/256 * (32 + 16 * 256/group)]
     zeros: torch.Tensor | None  # the scales' shape and dtype; None: all zero
     group: int
@@ -130,8 +137,15 @@ class PackedWeight:
         z = 0 if self.zeros is None else self.zeros.nbytes
         return self.qweight.nbytes + self.scales.nbytes + z
 
+    @property
+    def wide(self) -> bool:
+        """Whether this is a 16-bit float weight kept as stored (kind f16 or bf16)."""
+        return self.kind in _WIDE_DTYPES
+
     def dequantize(self) -> torch.Tensor:
         """The float32 [N, K] weight in torch (fallback paths and the tests' reference for the C kernels)."""
+        if self.wide:
+            return self.qweight.float()
         n, k = self.shape
         q, scales, zeros = self.rows()
         if self.kind == "q4":
@@ -214,6 +228,8 @@ def repack(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> PackedWeight:
     Rows go CHUNK_BYTES at a time into the preallocated layout (a 152k-row lm_head would otherwise take
     several GB of int16 temporaries)."""
     n, k = shape
+    if qtype in WIDE:
+        return _wide(data, qtype, shape)
     if qtype not in BLOCK:
         raise ValueError(f"no repack for GGUF type {qtype.name}")
     per, nbytes = BLOCK[qtype]
@@ -241,6 +257,14 @@ def repack(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> PackedWeight:
     t = torch.from_numpy
     z = None if zeros is None else t(zeros)
     return PackedWeight(kind, t(qweight), t(scales), z, group, shape, qtype == T.MXFP4)
+
+
+def _wide(data: np.ndarray, qtype: T, shape: tuple[int, int]) -> PackedWeight:
+    """F16 or BF16 rows (uint8 [N, 2K], or any 16-bit array of the values) -> their PackedWeight: the same bits,
+    viewed as 16-bit floats."""
+    kind = WIDE[qtype]
+    bits = torch.from_numpy(np.ascontiguousarray(data).view(np.int16).reshape(shape))
+    return PackedWeight(kind, bits.view(_WIDE_DTYPES[kind]), torch.empty(0), None, 1, shape)
 
 
 def _scale_panels(s: _Scales) -> np.ndarray:
@@ -295,8 +319,14 @@ def _repack_blocks(b: np.ndarray, qtype: T) -> tuple[np.ndarray, _Scales, _Scale
 
 
 def merge_rows(parts: list[PackedWeight]) -> PackedWeight:
-    """Stack weights along N (fused q/k/v or gate/up). Mixed kinds go to the q8 container, exactly."""
+    """Stack weights along N (fused q/k/v or gate/up). Mixed kinds go to the q8 container, exactly; 16-bit float
+    weights stack only with their own kind (ValueError otherwise: callers check mergeable())."""
     k = parts[0].shape[1]
+    if any(p.wide for p in parts):
+        if len({p.kind for p in parts}) > 1:
+            raise ValueError(f"cannot stack {sorted({p.kind for p in parts})} weights exactly")
+        qweight = torch.cat([p.qweight for p in parts])
+        return PackedWeight(parts[0].kind, qweight, torch.empty(0), None, 1, (qweight.shape[0], k))
     if len({(p.kind, p.group, p.e2m1) for p in parts}) > 1:
         group = min(p.group for p in parts)
         parts = [_as_q8(p, group) for p in parts]
@@ -323,6 +353,11 @@ def merge_rows(parts: list[PackedWeight]) -> PackedWeight:
     zeros = torch.cat([zeros_of(p, z, s) for p, (_, s, z) in zip(parts, rows)]) if has_zeros else None
     quants, scales = torch.cat([q for q, _, _ in rows]), torch.cat([s for _, s, _ in rows])
     return PackedWeight.from_rows(first.kind, quants, scales, zeros, first.group, (n, k), first.e2m1)
+
+
+def mergeable(qtypes: list[T]) -> bool:
+    """Whether merge_rows stacks weights of these types: all quantized ones, or all one 16-bit float type."""
+    return len(set(qtypes)) == 1 or not any(t in WIDE for t in qtypes)
 
 
 def _as_q8(p: PackedWeight, group: int) -> PackedWeight:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from novainfer.kernels.cpu.qgemm import dequantize, quant_gemm
-from novainfer.kernels.cpu.repack import SUPPORTED, PackedWeight, merge_rows, repack
+from novainfer.kernels.cpu.repack import SUPPORTED, PackedWeight, merge_rows, mergeable, repack
 from novainfer.kernels.cpu.weight_arena import move_to_arena
 from novainfer.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
 
@@ -57,14 +57,15 @@ class GGUFCPULinearMethod(QuantizeMethodBase):
             return  # done already (a tied weight), or nothing loaded (the loader reports missing weights)
         order = getattr(layer, "shard_order", [None])
         shards = [param.shards[s] for s in order if s in param.shards]
-        if len(shards) == len(order) and all(isinstance(s, GGUFQuantTensor) and s.qtype in self.TYPES for s in shards):
+        kept = all(isinstance(s, GGUFQuantTensor) and s.qtype in self.TYPES for s in shards)
+        if len(shards) == len(order) and kept and mergeable([s.qtype for s in shards]):
             param.packed = self.pack(shards)
             rows = sum(s.shape[0] for s in shards)
             if (rows, shards[0].shape[1]) != param.full_shape:
                 raise ValueError(
                     f"weight shape mismatch: expected {param.full_shape}, got {(rows, shards[0].shape[1])}"
                 )
-        else:  # a shard of a type without a kernel: the whole layer goes dense, exactly as without the method
+        else:  # a shard of a type without a kernel (or F16 beside quantized shards): the layer goes dense, exactly
             param.data = torch.empty(param.full_shape, dtype=param.act_dtype, device=param.device)
             for shard_id, t in param.shards.items():
                 dense = t.dequantize() if isinstance(t, GGUFQuantTensor) else t

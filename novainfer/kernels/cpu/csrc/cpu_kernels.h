@@ -23,6 +23,10 @@ int q6_gemm(const float *x, int M, int K, const uint8_t *w, const void *scales, 
             int nthreads);
 int q6_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, int scale_fmt, int N, float *y,
                   int nthreads);
+/* 16-bit float weights as stored (w [N, K]: F16 bits, or BF16 with bf16 = 1), widened exactly, float32 sums
+ * (f16gemm_cpu.c); f16_gemm_ref: its scalar reference, the same bits */
+int f16_gemm(const float *x, int M, int K, const uint16_t *w, int bf16, int N, float *y, int nthreads);
+void f16_gemm_ref(const float *x, int M, int K, const uint16_t *w, int bf16, int N, float *y);
 void set_panel_min_rows(int rows);
 int num_chunks(int N, int nthreads);  /* chunks of output rows a kernel splits N rows into for the pool */
 int q4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros,

@@ -33,8 +33,9 @@
 /* How a PackedWeight stores its scales and zeros (repack.py's scale_format). */
 enum { SCALE_F32 = 0, SCALE_F16 = 1, SCALE_SUPER = 2 };
 
-/* A panel's quants (repack.py's quant_code): int8, 4-bit nibbles, MXFP4's e2m1 codes in q4 nibbles, 6-bit planes. */
-enum { QUANT_Q8 = 0, QUANT_Q4 = 1, QUANT_E2M1 = 2, QUANT_Q6 = 3 };
+/* A panel's quants (repack.py's quant_code): int8, 4-bit nibbles, MXFP4's e2m1 codes in q4 nibbles, 6-bit planes;
+ * QUANT_F16 and QUANT_BF16 are no panels: 16-bit float rows [N, K] as stored (f16gemm_cpu.c). */
+enum { QUANT_Q8 = 0, QUANT_Q4 = 1, QUANT_E2M1 = 2, QUANT_Q6 = 3, QUANT_F16 = 4, QUANT_BF16 = 5 };
 #define Q6_BLOCK 96  /* q6 bytes of 8 elements of a panel: 64 of low nibbles, 32 of high bits */
 
 /* q4: the 4 k-pair vectors of 4 elements (t = 0..3: k-pair 2c half 0, half 1, k-pair 2c + 1 half 0, half 1). */

@@ -14,7 +14,7 @@ typedef struct {
     const void *w;
     const void *scales, *zeros;  /* in format scale_fmt (panel_cpu.h); zeros: NULL when has_zeros is 0 */
     const float *bias;           /* may be NULL */
-    int quant, group, has_zeros, scale_fmt, N, K;  /* quant: QUANT_Q8, QUANT_Q4 or QUANT_Q6 (panel_cpu.h) */
+    int quant, group, has_zeros, scale_fmt, N, K;  /* quant: QUANT_Q8, Q4, Q6, F16 or BF16 (panel_cpu.h) */
 } qlinear;
 
 /* Error codes (the wrappers turn them into exceptions); a bad KV index is STACK_BAD_KV + its KV_BAD_* code. */
@@ -23,7 +23,9 @@ enum { STACK_OK = 0, STACK_NO_MEMORY = 1, STACK_BAD_POSITION = 2, STACK_BAD_KV =
 static inline int kv_error(int rc) { return rc == KV_NO_MEMORY ? STACK_NO_MEMORY : STACK_BAD_KV + rc; }
 
 static inline int linear(const qlinear *l, const float *x, int M, float *y, int nthreads) {
-    const int rc = l->quant == QUANT_Q4   ? q4_gemm(x, M, l->K, l->w, l->scales, l->zeros, l->scale_fmt, l->N, y, nthreads)
+    const int wide = l->quant == QUANT_F16 || l->quant == QUANT_BF16;
+    const int rc = wide ? f16_gemm(x, M, l->K, l->w, l->quant == QUANT_BF16, l->N, y, nthreads)
+                   : l->quant == QUANT_Q4 ? q4_gemm(x, M, l->K, l->w, l->scales, l->zeros, l->scale_fmt, l->N, y, nthreads)
                    : l->quant == QUANT_Q6 ? q6_gemm(x, M, l->K, l->w, l->scales, l->scale_fmt, l->N, y, nthreads)
                                           : q8_gemm(x, M, l->K, l->w, l->group, l->scales, l->zeros, l->has_zeros,
                                                     l->scale_fmt, l->N, y, nthreads);
