@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
+from novainfer.kernels.moe_gemv import MAX_TOKENS, experts_gemv
 from novainfer.kernels.moe_routing import align_by_expert
 
 
@@ -218,7 +219,24 @@ def fused_experts(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as layers/fused_moe/moe_torch.fused_experts_torch: [tokens, hidden] -> [tokens, hidden]."""
+    """Same contract as layers/fused_moe/moe_torch.fused_experts_torch: [tokens, hidden] -> [tokens, hidden]; up to
+    moe_gemv.MAX_TOKENS tokens (and no biases) one GEMV per (token, expert) pair, else the grouped GEMMs."""
+    if hidden_states.shape[0] <= MAX_TOKENS and w13_bias is None and w2_bias is None:
+        return experts_gemv(hidden_states, w13, w2, topk_weights, topk_ids, act_and_mul)
+    return grouped_experts(hidden_states, w13, w2, topk_weights, topk_ids, act_and_mul, w13_bias, w2_bias)
+
+
+def grouped_experts(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act_and_mul: nn.Module,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fused_experts by the grouped GEMMs (steps 1-4 of the module docstring) at any token count."""
 
     def gemm(down: bool, a, out, ids, a_row_div: int, weights, tiles) -> None:
         b, bias = (w2, w2_bias) if down else (w13, w13_bias)

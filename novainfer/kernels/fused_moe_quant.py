@@ -26,6 +26,7 @@ from torch import nn
 from novainfer.kernels.fp8_block import WEIGHT_ONLY_MAX_M, per_token_group_quant
 from novainfer.kernels.fused_moe import launch_with_fallback, routed_experts, store_rows, tile_rows
 from novainfer.kernels.int4_gemm import MAGIC
+from novainfer.kernels.moe_gemv import MAX_TOKENS, experts_gemv
 
 
 @triton.jit
@@ -205,6 +206,8 @@ def fused_experts_fp8_block(
     down) tiles instead of kernels/fused_moe.py's choice (a benchmark's sweep)."""
     if quantize_activations is None:
         quantize_activations = hidden_states.shape[0] > WEIGHT_ONLY_MAX_M
+    if not quantize_activations and hidden_states.shape[0] <= MAX_TOKENS and tiles is None:
+        return experts_gemv(hidden_states, w13, w2, topk_weights, topk_ids, act_and_mul, w13_scale, w2_scale, block)
 
     def gemm(down: bool, a, out, ids, a_row_div: int, weights, tiles) -> None:
         w, s = (w2, w2_scale) if down else (w13, w13_scale)

@@ -1,0 +1,146 @@
+"""The mixture-of-experts layer for a few tokens (decode at batch 1-2): one matrix-vector product per (token,
+expert) pair, the expert's weight rows read once, no sorting or padding.
+
+The grouped GEMM of kernels/fused_moe.py pads each expert's pairs to BLOCK_M rows: at one token that is a 16-64-row
+tile holding one live row, and a grid of (pairs x N / BLOCK_N) programs too few to stream the experts' bytes at
+HBM speed (Qwen3-30B-A3B's MoE layer at one token: 85 us for 75 MB of bf16 weights). Here a program takes BLOCK_N
+rows of one pair's expert, accumulates products elementwise in a [BLOCK_N, BLOCK_K] float32 tile and reduces it
+once, as kernels/gemv.py does; the gate/up product, the activation and the down product (routing weight
+multiplied in before the store) then give [pairs, hidden], summed per token as the grouped path does.
+Weights: bf16 / fp16 / float32 [E, N, K], or float8 with one float32 scale per [GROUP_N, GROUP_K] block
+(pre-quantized block FP8, weight-only: each block's scale multiplies x's inputs). The torch references are
+layers/fused_moe/moe_torch.fused_experts_torch and fp8_block.fused_experts_fp8_block_reference (weight-only).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+# up to this many tokens the MoE layers take these kernels; the tiles (BLOCK_N, BLOCK_K, warps): from
+# benchmarks/tuning/moe_gemv.py on an H200 (Qwen3-30B-A3B / Qwen3.5-35B-A3B layers: bf16 1.07-1.47x the grouped
+# GEMMs at 1-2 tokens and about even to 1.15x at 3-4; block FP8 weight-only 1.3-2.9x)
+MAX_TOKENS = 4
+TILES = (32, 256, 4)
+
+
+@triton.jit
+def _moe_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    ids_ptr,
+    rw_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_om,
+    A_ROW_DIV: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[pair, rows] = W[expert of pair, rows] @ x[pair // A_ROW_DIV] (times the pair's routing weight)."""
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rload = tl.minimum(rows, N - 1).to(tl.int64)  # the last tile re-reads row N - 1: no masks on the rows
+    x_row = x_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_xm
+    w_rows = w_ptr + expert * stride_we + rload[:, None] * stride_wn
+    if HAS_SCALE:  # BLOCK_N divides GROUP_N: the program's rows share one block row of scales
+        s_row = s_ptr + expert * stride_se + ((tl.program_id(1) * BLOCK_N) // GROUP_N) * stride_sn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        kmask = kk < K
+        x = tl.load(x_row + kk, mask=kmask, other=0.0).to(tl.float32)
+        if HAS_SCALE:
+            x = x * tl.load(s_row + kk // GROUP_K, mask=kmask, other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, 1)
+    if MUL_ROUTED_WEIGHT:
+        y = y * tl.load(rw_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + pair.to(tl.int64) * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+def moe_gemv(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    ids: torch.Tensor,
+    a_row_div: int,
+    out: torch.Tensor,
+    routed_weights: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    block: tuple[int, int] = (128, 128),
+    tiles: tuple[int, int, int] | None = None,
+) -> None:
+    """out [pairs, N] = each pair's expert w[ids[pair]] [N, K] times a[pair // a_row_div] (unit stride along K),
+    times routed_weights[pair] where given; scale: float8 w's block scales [E, N / block[0], K / block[1]]."""
+    pairs, n = out.shape
+    k = w.shape[2]
+    assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1
+    block_n, block_k, warps = tiles or (TILES if a.is_cuda else (8, 64, 4))
+    assert scale is None or block[0] % block_n == 0, (block, block_n)  # one block row of scales a program
+    block_k = min(block_k, triton.next_power_of_2(k))
+    _moe_gemv_kernel[(pairs, triton.cdiv(n, block_n))](
+        a,
+        w,
+        scale if scale is not None else w,
+        ids,
+        routed_weights if routed_weights is not None else out,
+        out,
+        n,
+        k,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        scale.stride(0) if scale is not None else 0,
+        scale.stride(1) if scale is not None else 0,
+        out.stride(0),
+        A_ROW_DIV=a_row_div,
+        MUL_ROUTED_WEIGHT=routed_weights is not None,
+        HAS_SCALE=scale is not None,
+        GROUP_N=block[0],
+        GROUP_K=block[1],
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+    )
+
+
+def experts_gemv(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act_and_mul: nn.Module,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] = (128, 128),
+    tiles: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """[tokens, hidden] -> [tokens, hidden]: sum_k weight_k * down_e(act(gate_up_e x)) by one GEMV per pair;
+    w13 [E, 2 * inter, hidden], w2 [E, hidden, inter] (float8 with their block scales, or unquantized)."""
+    tokens, hidden = hidden_states.shape
+    top_k = topk_ids.shape[1]
+    ids = topk_ids.flatten().to(torch.int32)
+    x = hidden_states.contiguous()
+    gate_up = torch.empty(tokens * top_k, w13.shape[1], dtype=x.dtype, device=x.device)
+    moe_gemv(x, w13, ids, top_k, gate_up, scale=w13_scale, block=block, tiles=tiles)
+    act = act_and_mul(gate_up)
+    down = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
+    weights = topk_weights.to(x.dtype).contiguous().flatten()  # rounded as the grouped path and the reference do
+    moe_gemv(act, w2, ids, 1, down, weights, scale=w2_scale, block=block, tiles=tiles)
+    return down.view(tokens, top_k, hidden).sum(dim=1)
