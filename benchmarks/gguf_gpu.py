@@ -198,6 +198,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=None, help="bench shape: 256 prompts of 100-1024 tokens")
     ap.add_argument("--input-len", type=int, default=None)
     ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument("--rows", type=int, nargs="*", default=None, help="--part kernels: these row counts only")
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--stream-tokens", type=int, default=None)
     ap.add_argument("--decode-tokens", type=int, default=None)
@@ -229,6 +230,7 @@ def main() -> None:
     if args.part in ("all", "kernels"):
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         shapes, rows = (SHAPES_TINY, [1, 20]) if args.tiny else (SHAPES_7B, [1, 4, 8, 16, 32, 256, 2048])
+        rows = args.rows or rows
         result["kernels"] = kernel_rows(shapes, rows, device, 1 if args.tiny else 50)
         bad = [
             f"{r['layer']} {r['qtype']} M={r['m']}"

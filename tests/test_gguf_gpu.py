@@ -48,7 +48,7 @@ def test_layout_is_exact_and_kernels_equal_the_reference(qtype, monkeypatch):
     monkeypatch.setattr(gguf_gpu, "CHUNK_BYTES", 1)  # one row a chunk: the same layout
     assert torch.equal(dequantize(weight(qtype, n, k, int(qtype))[0]), ref)
     g = torch.Generator().manual_seed(0)
-    for m, tiles in ((1, None), (5, (4, 512, 4))):
+    for m, tiles in ((1, None), (1, (4, 512, 4)), (5, (4, 512, 4))):  # one row: its own tile-accumulator form
         x = torch.randn(m, k, generator=g)
         assert close(gguf_gemv(x, w, tiles=tiles), x, ref), (m, tiles)
     x = torch.randn(19, k, generator=g)

@@ -21,7 +21,9 @@ the dense weight in x's dtype, into a transient buffer) and cuBLAS: on an H200 t
 from 4 rows and the GEMM at 0.04-0.07x from 256 rows (benchmarks/gguf_gpu.py, Qwen2.5-7B's Q4_K/Q6_K layers).
 gguf_gemv: up to GEMV_ROWS rows of x. A program takes BLOCK_N whole weight rows, reads each weight byte
 once for all rows of x and sums over the whole of K in float32 registers (a 7B's 3584-row layers make 448
-programs: no split-K, atomics or zeroed buffer). The zero term is folded per group: sum(x * zero) = zero * sum(x).
+programs: no split-K, atomics or zeroed buffer). At one row (batch-1 decode) the scaled products accumulate
+elementwise in a [BLOCK_N, BLOCK_K / 2] float32 tile reduced once at the end, as kernels/gemv.py's do, instead of a
+reduction across threads every step. The zero term is folded per group: sum(x * zero) = zero * sum(x).
 Quants become floats by the 2^23 bit trick (_quants), without conversion instructions.
 gguf_gemm (not taken by gguf_matmul until its tiles are tuned; benchmarks/gguf_gpu.py times it): a [BLOCK_N, BLOCK_K] tile is dequantized into registers in x's dtype, then tl.dot (two per
 step for 4-bit types: the low and the high nibbles, with x's matching columns), split along K with float32 atomics
@@ -274,6 +276,36 @@ def _gguf_gemv_kernel(
     q_ptrs = q_ptr + rload[:, None, None] * stride_qn + (chunk[:, None] * W + lane[None, :])[None, :, :]
     h_ptrs = h_ptr + rload[:, None, None] * stride_hn + (chunk[:, None] * NB + lane[None, :] % NB)[None, :, :]
     x_off = chunk[:, None] * 32 + lane[None, :]  # [C, W]: the inputs of each group's bytes (low nibbles)
+    if BLOCK_M == 1:  # one row of x (decode at batch 1): products accumulate elementwise, reduced once at the end
+        acc3 = tl.zeros([BLOCK_N, C, W], tl.float32)
+        accz = tl.zeros([BLOCK_N, C], tl.float32)  # the zero terms: zero * (the group's sum of x)
+        for k0 in range(0, K, BLOCK_K):
+            g = k0 // 32 + chunk
+            s_lo, z_lo, s_hi, z_hi = _group_scales(
+                d_ptr, sc_ptr, dm_ptr, mn_ptr, rload, g, K, HALF, SUB, HAS_SC, HAS_DM, HAS_MN
+            )
+            gmask = (g < K // 32)[None, :, None]
+            if EVEN_K:
+                q = tl.load(q_ptrs + k0 // (32 // W), eviction_policy="evict_first")
+            else:
+                q = tl.load(q_ptrs + k0 // (32 // W), mask=gmask, other=0, eviction_policy="evict_first")
+            h = q
+            if HB > 0:
+                h = tl.load(h_ptrs + (k0 // 32) * NB, mask=gmask, other=0, eviction_policy="evict_first")
+            lo, hi = _quants(q, h, lane, Q4, HB, NB, OFF)
+            xmask = (k0 + x_off) < K
+            xl = tl.load(x_ptr + k0 + x_off, mask=xmask, other=0.0).to(tl.float32)
+            acc3 += lo * s_lo[:, :, None] * xl[None, :, :]
+            if HAS_DM:
+                accz += z_lo * tl.sum(xl, 1)[None, :]
+            if Q4:
+                xh = tl.load(x_ptr + k0 + 16 + x_off, mask=xmask, other=0.0).to(tl.float32)
+                acc3 += hi * s_hi[:, :, None] * xh[None, :, :]
+                if HAS_DM:
+                    accz += z_hi * tl.sum(xh, 1)[None, :]
+        y = tl.sum(tl.sum(acc3, 2), 1) + tl.sum(accz, 1)
+        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+        return
     mrow = tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -502,7 +534,7 @@ def gguf_gemv(
         0 if w.qh is None else w.qh.stride(0),
         x.stride(0),
         out.stride(0),
-        BLOCK_M=max(2, triton.next_power_of_2(m)),  # rows of x a runtime count: one compile per power of two
+        BLOCK_M=1 if m == 1 else max(2, triton.next_power_of_2(m)),  # one compile per power of two of x's rows
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
