@@ -28,8 +28,8 @@ Quants become floats by the 2^23 bit trick (_quants), without conversion instruc
 gguf_gemm (not taken by gguf_matmul until its tiles are tuned; benchmarks/gguf_gpu.py times it): a [BLOCK_N, BLOCK_K] tile is dequantized into registers in x's dtype, then tl.dot (two per
 step for 4-bit types: the low and the high nibbles, with x's matching columns), split along K with float32 atomics
 where the output tiles alone would leave SMs idle.
-The torch reference is dequantize() (then a matmul); tests check it against gguf.quants.dequantize. Tile shapes are
-reasoned defaults, not yet swept on a GPU (benchmarks/gguf_gpu.py times the GEMV candidates).
+The torch reference is dequantize() (then a matmul); tests check it against gguf.quants.dequantize. The GEMV's tiles
+come from benchmarks/gguf_gpu.py's H200 sweep on 7B layers; the GEMM's are reasoned defaults.
 """
 
 from __future__ import annotations
@@ -473,10 +473,13 @@ GEMV_ROWS = 8  # the most rows of x the GEMV takes (one read of the weight for a
 GEMV_MAX_M = 1  # up to this many rows gguf_matmul takes the GEMV; above, the dequantized weight and cuBLAS
 
 # (BLOCK_N, BLOCK_K, num_warps) of the GEMV; BLOCK_K is capped at K's power of two above (a masked tail step).
-# Reasoned defaults (a step reads BLOCK_N * BLOCK_K / 2 bytes of a 4-bit type: 16 bytes a thread or more), not yet
-# swept on a GPU: benchmarks/gguf_gpu.py times GEMV_CANDIDATES and prints the best
+# A step reads BLOCK_N * BLOCK_K / 2 bytes of a 4-bit type (16 bytes a thread or more); benchmarks/gguf_gpu.py
+# times GEMV_CANDIDATES and prints the best
 GEMV_CANDIDATES: list[tuple[int, int, int]] = [(8, 512, 4), (4, 512, 4), (8, 1024, 4), (16, 512, 8), (4, 1024, 4)]
 GEMV_DEFAULT = (8, 512, 4)
+# layers of at most GEMV_NARROW_N rows: four rows a program, twice the programs (the H200 sweep at one row, 7B's
+# o_proj and down_proj: Q4_K 10.4 / 42.5 us against 11.8 / 58.2 with GEMV_DEFAULT)
+GEMV_NARROW_N, GEMV_NARROW = 4096, (4, 1024, 4)
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the row count's bucket (BLOCK_K halved until it divides K)
 GEMM_CANDIDATES: dict[int, list[tuple[int, int, int, int, int]]] = {
@@ -519,7 +522,7 @@ def gguf_gemv(
     assert m <= GEMV_ROWS and x.stride(1) == 1 and k == w.shape[1], (x.shape, w.shape)
     if tiles is None and not x.is_cuda:
         tiles = (4, 64, 4)  # the interpreter: small tiles
-    block_n, block_k, warps = tiles or GEMV_DEFAULT
+    block_n, block_k, warps = tiles or (GEMV_NARROW if n <= GEMV_NARROW_N else GEMV_DEFAULT)
     block_k = max(32, min(block_k, triton.next_power_of_2(k)))
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
