@@ -8,7 +8,8 @@ rows of one pair's expert, accumulates products elementwise in a [BLOCK_N, BLOCK
 once, as kernels/gemv.py does; the gate/up product, the activation and the down product (routing weight
 multiplied in before the store) then give [pairs, hidden], summed per token as the grouped path does.
 Weights: bf16 / fp16 / float32 [E, N, K], or float8 with one float32 scale per [GROUP_N, GROUP_K] block
-(pre-quantized block FP8, weight-only: each block's scale multiplies x's inputs). The torch references are
+(pre-quantized block FP8, weight-only: each block's scale multiplies x's inputs; blocks of fewer rows than a program
+takes, as compressed-tensors' one scale a row, multiply the weights instead). The torch references are
 layers/fused_moe/moe_torch.fused_experts_torch and fp8_block.fused_experts_fp8_block_reference (weight-only).
 """
 
@@ -45,6 +46,7 @@ def _moe_gemv_kernel(
     A_ROW_DIV: tl.constexpr,
     MUL_ROUTED_WEIGHT: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    ROW_SCALES: tl.constexpr,
     GROUP_N: tl.constexpr,
     GROUP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -57,17 +59,20 @@ def _moe_gemv_kernel(
     rload = tl.minimum(rows, N - 1).to(tl.int64)  # the last tile re-reads row N - 1: no masks on the rows
     x_row = x_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_xm
     w_rows = w_ptr + expert * stride_we + rload[:, None] * stride_wn
-    if HAS_SCALE:  # BLOCK_N divides GROUP_N: the program's rows share one block row of scales
+    if HAS_SCALE:  # ROW_SCALES: blocks shorter than BLOCK_N rows (compressed-tensors' one scale a row)
         s_row = s_ptr + expert * stride_se + ((tl.program_id(1) * BLOCK_N) // GROUP_N) * stride_sn
+        s_rows = s_ptr + expert * stride_se + (rload // GROUP_N)[:, None] * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         kmask = kk < K
         x = tl.load(x_row + kk, mask=kmask, other=0.0).to(tl.float32)
-        if HAS_SCALE:
+        if HAS_SCALE and not ROW_SCALES:  # the program's rows share one block row: the scales go on x's inputs
             x = x * tl.load(s_row + kk // GROUP_K, mask=kmask, other=0.0)
-        w = tl.load(w_rows + kk[None, :], mask=kmask[None, :], other=0.0, eviction_policy="evict_first")
-        acc += w.to(tl.float32) * x[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=kmask[None, :], other=0.0, eviction_policy="evict_first").to(tl.float32)
+        if HAS_SCALE and ROW_SCALES:
+            w = w * tl.load(s_rows + (kk // GROUP_K)[None, :], mask=kmask[None, :], other=0.0)
+        acc += w * x[None, :]
     y = tl.sum(acc, 1)
     if MUL_ROUTED_WEIGHT:
         y = y * tl.load(rw_ptr + pair).to(tl.float32)
@@ -91,7 +96,6 @@ def moe_gemv(
     k = w.shape[2]
     assert a.stride(1) == 1 and w.stride(2) == 1 and out.stride(1) == 1
     block_n, block_k, warps = tiles or (TILES if a.is_cuda else (8, 64, 4))
-    assert scale is None or block[0] % block_n == 0, (block, block_n)  # one block row of scales a program
     block_k = min(block_k, triton.next_power_of_2(k))
     _moe_gemv_kernel[(pairs, triton.cdiv(n, block_n))](
         a,
@@ -111,6 +115,7 @@ def moe_gemv(
         A_ROW_DIV=a_row_div,
         MUL_ROUTED_WEIGHT=routed_weights is not None,
         HAS_SCALE=scale is not None,
+        ROW_SCALES=block[0] % block_n != 0,
         GROUP_N=block[0],
         GROUP_K=block[1],
         BLOCK_N=block_n,

@@ -160,8 +160,8 @@ class PrequantizedMoEMethod(FusedMoEMethodBase):
 
 
 def check_moe_kernels(method: PrequantizedMoEMethod, device: torch.device, dtype: torch.dtype = torch.bfloat16):
-    """The method's fused-MoE kernels against its torch reference on small experts of this device, at a decode and a
-    prefill token count, once at start-up (dtype: the activations'; tests pass float32 under the interpreter)."""
+    """The method's fused-MoE kernels against its torch reference on small experts of this device, at decode token
+    counts with and without quantized activations and a prefill one, once at start-up (dtype: the activations'; tests pass float32 under the interpreter)."""
     from novainfer.kernels.fp8_block import WEIGHT_ONLY_MAX_M
     from novainfer.layers.activation import get_act_and_mul
     from novainfer.layers.fused_moe.routing import select_experts
@@ -176,7 +176,7 @@ def check_moe_kernels(method: PrequantizedMoEMethod, device: torch.device, dtype
         w = torch.randn(layer.num_experts, n, k, generator=g, device=device) * 0.05
         method.set_stored(layer, method.quantize(layer, side, w))
     cases = []
-    for tokens in (3, 2 * WEIGHT_ONLY_MAX_M):
+    for tokens in (WEIGHT_ONLY_MAX_M, 3, 2 * WEIGHT_ONLY_MAX_M):  # weight-only (one GEMV a pair where it has one)
         x = torch.randn(tokens, hidden, generator=g, device=device).to(dtype)
         weights, ids = select_experts(torch.randn(tokens, layer.num_experts, generator=g, device=device), 2, True)
         ref = method.reference(layer, x, weights, ids, tokens > WEIGHT_ONLY_MAX_M)
