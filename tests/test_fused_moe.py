@@ -52,7 +52,7 @@ def test_routing_and_torch_experts_match_transformers(top_k, norm):
 def test_moe_gemv_matches_torch_reference(tokens, top_k):
     """The few-token path (one GEMV per token-expert pair, kernels/moe_gemv.py) under the interpreter: the reference's
     output, with tiles that leave a partial row tile and a masked K tail (N = 96 rows in tiles of 64, K = 32 in 64)."""
-    from novainfer.kernels.moe_gemv import experts_gemv
+    from novainfer.kernels.fused_moe import experts_gemv
 
     x, logits, w13, w2 = uneven_case(100 + tokens, tokens, top_k)
     weights, ids = select_experts(logits, top_k, renormalize=True)
@@ -60,6 +60,8 @@ def test_moe_gemv_matches_torch_reference(tokens, top_k):
     for tiles in (None, (64, 64, 4)):
         out = experts_gemv(x, w13, w2, weights, ids, SiluAndMul(), tiles=tiles)
         assert ((out - ref).norm() / ref.norm()).item() < 1e-5
+    none = experts_gemv(x[:0], w13, w2, weights[:0], ids[:0], SiluAndMul())  # an empty batch: no launch
+    assert none.shape == (0, H)
 
 
 @pytest.mark.parametrize("tokens,top_k", [(1, 1), (9, 1), (9, 3), (40, 2)])

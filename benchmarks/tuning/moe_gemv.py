@@ -32,9 +32,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--iters", type=int, default=20)
     args = ap.parse_args()
-    from novainfer.kernels.fused_moe import grouped_experts, moe_tiles
+    from novainfer.kernels.fused_moe import experts_gemv, grouped_experts, moe_tiles
     from novainfer.kernels.fused_moe_quant import fused_experts_fp8_block
-    from novainfer.kernels.moe_gemv import experts_gemv
     from novainfer.layers.activation import get_act_and_mul
     from novainfer.layers.fused_moe.moe_torch import fused_experts_torch
     from novainfer.layers.fused_moe.routing import select_experts

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from novainfer.kernels.moe_gemv import MAX_TOKENS, experts_gemv
+from novainfer.kernels.moe_gemv import MAX_TOKENS, moe_gemv
 from novainfer.kernels.moe_routing import align_by_expert
 
 
@@ -264,20 +264,63 @@ def routed_experts(
     tokens, hidden = hidden_states.shape
     top_k = topk_ids.shape[1]
     num_pairs = tokens * top_k
-    if tokens == 0:
+    if tokens == 0:  # pair_products would return the same, without the alignment's launches
         return torch.zeros_like(hidden_states)
     up_tiles = moe_tiles(num_pairs, num_experts, n13, hidden, down=False) if tiles is None else tiles[0]
     down_tiles = moe_tiles(num_pairs, num_experts, hidden, inter, down=True) if tiles is None else tiles[1]
     assert up_tiles[0] == down_tiles[0]  # one alignment serves both GEMMs
     ids = align_by_expert(topk_ids, num_experts, up_tiles[0])
+
+    def product(down: bool, a, out, a_row_div: int, weights) -> None:
+        gemm(down, a, out, ids, a_row_div, weights, down_tiles if down else up_tiles)
+
+    return pair_products(hidden_states, topk_weights, top_k, n13, act_and_mul, product)
+
+
+def pair_products(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    top_k: int,
+    n13: int,
+    act_and_mul: nn.Module,
+    product: Callable[..., None],
+) -> torch.Tensor:
+    """Gate/up, the activation, down (the routing weight multiplied in) over the (token, k) pairs, then each token's
+    k rows summed: product(down, a, out, a_row_div, routing weights or None) runs one of the two products."""
+    tokens, hidden = hidden_states.shape
+    if tokens == 0:
+        return torch.zeros_like(hidden_states)
     x = hidden_states.contiguous()
-    gate_up = torch.empty(num_pairs, n13, dtype=x.dtype, device=x.device)
-    gemm(False, x, gate_up, ids, top_k, None, up_tiles)
+    gate_up = torch.empty(tokens * top_k, n13, dtype=x.dtype, device=x.device)
+    product(False, x, gate_up, top_k, None)
     act = act_and_mul(gate_up)
-    down = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    down = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     weights = topk_weights.to(x.dtype).contiguous().flatten()  # rounded as the reference rounds them
-    gemm(True, act, down, ids, 1, weights, down_tiles)
+    product(True, act, down, 1, weights)
     return down.view(tokens, top_k, hidden).sum(dim=1)
+
+
+def experts_gemv(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    act_and_mul: nn.Module,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    block: tuple[int, int] = (128, 128),
+    tiles: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """fused_experts for a few tokens by one GEMV per (token, expert) pair (kernels/moe_gemv.py), no alignment;
+    w13 / w2 float8 with their block scales, or unquantized."""
+    ids = topk_ids.flatten().to(torch.int32)
+
+    def product(down: bool, a, out, a_row_div: int, weights) -> None:
+        w, scale = (w2, w2_scale) if down else (w13, w13_scale)
+        moe_gemv(a, w, ids, a_row_div, out, weights, scale=scale, block=block, tiles=tiles)
+
+    return pair_products(hidden_states, topk_weights, topk_ids.shape[1], w13.shape[1], act_and_mul, product)
 
 
 @triton.jit

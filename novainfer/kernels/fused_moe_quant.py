@@ -24,9 +24,9 @@ import triton.language as tl
 from torch import nn
 
 from novainfer.kernels.fp8_block import WEIGHT_ONLY_MAX_M, per_token_group_quant
-from novainfer.kernels.fused_moe import launch_with_fallback, routed_experts, store_rows, tile_rows
+from novainfer.kernels.fused_moe import experts_gemv, launch_with_fallback, routed_experts, store_rows, tile_rows
 from novainfer.kernels.int4_gemm import MAGIC
-from novainfer.kernels.moe_gemv import MAX_TOKENS, experts_gemv
+from novainfer.kernels.moe_gemv import MAX_TOKENS
 
 
 @triton.jit

@@ -3,10 +3,9 @@ expert) pair, the expert's weight rows read once, no sorting or padding.
 
 The grouped GEMM of kernels/fused_moe.py pads each expert's pairs to BLOCK_M rows: at one token that is a 16-64-row
 tile holding one live row, and a grid of (pairs x N / BLOCK_N) programs too few to stream the experts' bytes at
-HBM speed (Qwen3-30B-A3B's MoE layer at one token: 85 us for 75 MB of bf16 weights). Here a program takes BLOCK_N
-rows of one pair's expert, accumulates products elementwise in a [BLOCK_N, BLOCK_K] float32 tile and reduces it
-once, as kernels/gemv.py does; the gate/up product, the activation and the down product (routing weight
-multiplied in before the store) then give [pairs, hidden], summed per token as the grouped path does.
+HBM speed. Here a program takes BLOCK_N rows of one pair's expert, accumulates products elementwise in a
+[BLOCK_N, BLOCK_K] float32 tile and reduces it once, as kernels/gemv.py does (routing weight multiplied in before
+the store); kernels/fused_moe.experts_gemv runs it for the gate/up and the down products.
 Weights: bf16 / fp16 / float32 [E, N, K], or float8 with one float32 scale per [GROUP_N, GROUP_K] block
 (pre-quantized block FP8, weight-only: each block's scale multiplies x's inputs; blocks of fewer rows than a program
 takes, as compressed-tensors' one scale a row, multiply the weights instead). The torch references are
@@ -18,7 +17,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch import nn
 
 # up to this many tokens the MoE layers take these kernels; the tiles (BLOCK_N, BLOCK_K, warps): from
 # benchmarks/tuning/moe_gemv.py on an H200 (Qwen3-30B-A3B / Qwen3.5-35B-A3B layers: bf16 1.07-1.47x the grouped
@@ -122,30 +120,3 @@ def moe_gemv(
         BLOCK_K=block_k,
         num_warps=warps,
     )
-
-
-def experts_gemv(
-    hidden_states: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    act_and_mul: nn.Module,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    block: tuple[int, int] = (128, 128),
-    tiles: tuple[int, int, int] | None = None,
-) -> torch.Tensor:
-    """[tokens, hidden] -> [tokens, hidden]: sum_k weight_k * down_e(act(gate_up_e x)) by one GEMV per pair;
-    w13 [E, 2 * inter, hidden], w2 [E, hidden, inter] (float8 with their block scales, or unquantized)."""
-    tokens, hidden = hidden_states.shape
-    top_k = topk_ids.shape[1]
-    ids = topk_ids.flatten().to(torch.int32)
-    x = hidden_states.contiguous()
-    gate_up = torch.empty(tokens * top_k, w13.shape[1], dtype=x.dtype, device=x.device)
-    moe_gemv(x, w13, ids, top_k, gate_up, scale=w13_scale, block=block, tiles=tiles)
-    act = act_and_mul(gate_up)
-    down = torch.empty(tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    weights = topk_weights.to(x.dtype).contiguous().flatten()  # rounded as the grouped path and the reference do
-    moe_gemv(act, w2, ids, 1, down, weights, scale=w2_scale, block=block, tiles=tiles)
-    return down.view(tokens, top_k, hidden).sum(dim=1)
