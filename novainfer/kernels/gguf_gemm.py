@@ -276,38 +276,12 @@ def _gguf_gemv_kernel(
     q_ptrs = q_ptr + rload[:, None, None] * stride_qn + (chunk[:, None] * W + lane[None, :])[None, :, :]
     h_ptrs = h_ptr + rload[:, None, None] * stride_hn + (chunk[:, None] * NB + lane[None, :] % NB)[None, :, :]
     x_off = chunk[:, None] * 32 + lane[None, :]  # [C, W]: the inputs of each group's bytes (low nibbles)
+    mrow = tl.arange(0, BLOCK_M)
     if BLOCK_M == 1:  # one row of x (decode at batch 1): products accumulate elementwise, reduced once at the end
         acc3 = tl.zeros([BLOCK_N, C, W], tl.float32)
         accz = tl.zeros([BLOCK_N, C], tl.float32)  # the zero terms: zero * (the group's sum of x)
-        for k0 in range(0, K, BLOCK_K):
-            g = k0 // 32 + chunk
-            s_lo, z_lo, s_hi, z_hi = _group_scales(
-                d_ptr, sc_ptr, dm_ptr, mn_ptr, rload, g, K, HALF, SUB, HAS_SC, HAS_DM, HAS_MN
-            )
-            gmask = (g < K // 32)[None, :, None]
-            if EVEN_K:
-                q = tl.load(q_ptrs + k0 // (32 // W), eviction_policy="evict_first")
-            else:
-                q = tl.load(q_ptrs + k0 // (32 // W), mask=gmask, other=0, eviction_policy="evict_first")
-            h = q
-            if HB > 0:
-                h = tl.load(h_ptrs + (k0 // 32) * NB, mask=gmask, other=0, eviction_policy="evict_first")
-            lo, hi = _quants(q, h, lane, Q4, HB, NB, OFF)
-            xmask = (k0 + x_off) < K
-            xl = tl.load(x_ptr + k0 + x_off, mask=xmask, other=0.0).to(tl.float32)
-            acc3 += lo * s_lo[:, :, None] * xl[None, :, :]
-            if HAS_DM:
-                accz += z_lo * tl.sum(xl, 1)[None, :]
-            if Q4:
-                xh = tl.load(x_ptr + k0 + 16 + x_off, mask=xmask, other=0.0).to(tl.float32)
-                acc3 += hi * s_hi[:, :, None] * xh[None, :, :]
-                if HAS_DM:
-                    accz += z_hi * tl.sum(xh, 1)[None, :]
-        y = tl.sum(tl.sum(acc3, 2), 1) + tl.sum(accz, 1)
-        tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
-        return
-    mrow = tl.arange(0, BLOCK_M)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         g = k0 // 32 + chunk
         s_lo, z_lo, s_hi, z_hi = _group_scales(
@@ -325,19 +299,32 @@ def _gguf_gemv_kernel(
             h = tl.load(hp, mask=gmask, other=0, eviction_policy="evict_first")
         lo, hi = _quants(q, h, lane, Q4, HB, NB, OFF)
         xmask = (k0 + x_off) < K
-        for m in tl.static_range(BLOCK_M):  # rows m >= M read zeros and are not stored
-            xp = x_ptr + m * stride_xm + k0 + x_off
-            xm = xmask & (x_off * 0 + m < M)
-            xl = tl.load(xp, mask=xm, other=0.0).to(tl.float32)
-            part = tl.sum(lo * xl[None, :, :], 2) * s_lo
+        if BLOCK_M == 1:
+            xl = tl.load(x_ptr + k0 + x_off, mask=xmask, other=0.0).to(tl.float32)
+            acc3 += lo * s_lo[:, :, None] * xl[None, :, :]
             if HAS_DM:
-                part += z_lo * tl.sum(xl, 1)[None, :]
+                accz += z_lo * tl.sum(xl, 1)[None, :]
             if Q4:
-                xh = tl.load(xp + 16, mask=xm, other=0.0).to(tl.float32)
-                part += tl.sum(hi * xh[None, :, :], 2) * s_hi
+                xh = tl.load(x_ptr + k0 + 16 + x_off, mask=xmask, other=0.0).to(tl.float32)
+                acc3 += hi * s_hi[:, :, None] * xh[None, :, :]
                 if HAS_DM:
-                    part += z_hi * tl.sum(xh, 1)[None, :]
-            acc += tl.where(mrow[:, None] == m, tl.sum(part, 1)[None, :], 0.0)
+                    accz += z_hi * tl.sum(xh, 1)[None, :]
+        else:
+            for m in tl.static_range(BLOCK_M):  # rows m >= M read zeros and are not stored
+                xp = x_ptr + m * stride_xm + k0 + x_off
+                xm = xmask & (x_off * 0 + m < M)
+                xl = tl.load(xp, mask=xm, other=0.0).to(tl.float32)
+                part = tl.sum(lo * xl[None, :, :], 2) * s_lo
+                if HAS_DM:
+                    part += z_lo * tl.sum(xl, 1)[None, :]
+                if Q4:
+                    xh = tl.load(xp + 16, mask=xm, other=0.0).to(tl.float32)
+                    part += tl.sum(hi * xh[None, :, :], 2) * s_hi
+                    if HAS_DM:
+                        part += z_hi * tl.sum(xh, 1)[None, :]
+                acc += tl.where(mrow[:, None] == m, tl.sum(part, 1)[None, :], 0.0)
+    if BLOCK_M == 1:
+        acc = (tl.sum(tl.sum(acc3, 2), 1) + tl.sum(accz, 1))[None, :]
     omask = (mrow < M)[:, None] & (rows < N)[None, :]
     tl.store(out_ptr + mrow[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
 
