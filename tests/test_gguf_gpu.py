@@ -5,6 +5,7 @@ tokens of the dequantized path."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -127,8 +128,8 @@ def test_selector_picks_the_gpu_method_on_cuda_only_on_one_rank(tiny_gguf):
 def test_kernels_compile_for_hopper_with_16_byte_quant_loads():
     """What the interpreter cannot show: every type's GEMV and split-K GEMM compile for sm_90
     (tests/gguf_sm90_ptx.py, in a process without the interpreter), the GEMV reads the quants in 16-byte vectors
-    and turns them into floats without conversion instructions, the GEMM runs on wgmma and adds its splits
-    atomically."""
+    and turns them into floats without conversion instructions, the GEMM runs on wgmma with the dequantized weight as
+    its register operand (out^T = W x^T) and adds its splits atomically."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -141,6 +142,7 @@ def test_kernels_compile_for_hopper_with_16_byte_quant_loads():
         assert "ld.global.L1::evict_first.L2::cache_hint.v4.b32" in gemv, qtype.name
         assert "cvt.rn.f32.s32" not in gemv and "cvt.rn.f32.u32" not in gemv, qtype.name  # quants: the 2^23 trick
         assert "wgmma.mma_async" in gemm and ("red.global" in gemm or "atom.global" in gemm), qtype.name
+        assert re.search(r"wgmma\.mma_async\S* \{[^}]*\}, \{%r", gemm), qtype.name  # A from registers
 
 
 def test_batch_invariant_gguf_on_a_gpu_is_refused_naming_the_field(tiny_gguf):

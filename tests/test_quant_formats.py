@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import random
 import shutil
 import subprocess
@@ -545,7 +546,8 @@ def test_start_up_probe_refuses_wrong_kernels():
 def test_gpu_kernels_compile_for_hopper_with_vector_weight_loads():
     """What the CPU interpreter cannot show: the kernels compile for sm_90 (tests/sm90_ptx.py, in a process without
     the interpreter), the GEMVs read their weights in 16-byte vectors and unpack INT4 without int-to-float
-    conversions, the GEMM runs on wgmma and its split-K adds atomically."""
+    conversions, the GEMM runs on wgmma with the dequantized weight as its register operand (out^T = W x^T) and its
+    split-K adds atomically."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -558,5 +560,6 @@ def test_gpu_kernels_compile_for_hopper_with_vector_weight_loads():
     assert "ld.global.L1::evict_first.L2::cache_hint.v4.b32" in ptx["fp8_gemv"]
     gemm = ptx["int4_gemm_split"]
     assert "wgmma.mma_async" in gemm and ("red.global" in gemm or "atom.global" in gemm)
+    assert re.search(r"wgmma\.mma_async\S* \{[^}]*\}, \{%r", gemm)  # A from registers, not a shared-memory descriptor
     fp8 = ptx["fp8_gemm_split"]  # float8 wgmma; the split's partials are plain stores (summed by a second kernel)
     assert "wgmma.mma_async.sync.aligned" in fp8 and ".e4m3.e4m3" in fp8 and "atom.global" not in fp8

@@ -127,23 +127,23 @@ def sweep(shapes, rows: list[int], device: torch.device, iters: int) -> list[dic
     return out
 
 
-def ranking(cells: list[dict]) -> dict[int, list[tuple[float, str]]]:
+def ranking(cells: list[dict], buckets: list[int] = BUCKETS) -> dict[int, list[tuple[float, str]]]:
     """Per row bucket: (sum of time / bf16 over the bucket's cells, candidate), best first; only candidates timed in
-    every cell of the bucket."""
+    every cell of the bucket (labels naming a path rather than a tile: "default", "dequant", "gemv" are left out)."""
     per: dict[int, dict[str, list[float]]] = {}
     count: dict[int, int] = {}
     for c in cells:
-        b = next(b for b in BUCKETS if c["m"] <= b)
+        b = next(b for b in buckets if c["m"] <= b)
         count[b] = count.get(b, 0) + 1
         for label, us in c["times"].items():
             per.setdefault(b, {}).setdefault(label, []).append(us / c["bf16_us"])
-    return {b: sorted((sum(v), lb) for lb, v in per[b].items() if len(v) == count[b] and lb != "default") for b in per}
+    return {b: sorted((sum(v), lb) for lb, v in per[b].items() if len(v) == count[b] and lb[0] == "(") for b in per}
 
 
-def write_table(ranks: dict[int, list[tuple[float, str]]]) -> str:
-    """GEMM_CANDIDATES in kernels/fp8_block.py replaced by the ranking (best four per bucket; the last bucket, prefill
-    rows below DEQUANT_MIN_M, stays open-ended)."""
-    path = os.path.join(ROOT, "novainfer", "kernels", "fp8_block.py")
+def write_table(ranks: dict[int, list[tuple[float, str]]], kernel_file: str = "fp8_block.py") -> str:
+    """GEMM_CANDIDATES in novainfer/kernels/<kernel_file> replaced by the ranking (best four per bucket; the last
+    bucket stays open-ended)."""
+    path = os.path.join(ROOT, "novainfer", "kernels", kernel_file)
     src = open(path).read()
     lines = ["GEMM_CANDIDATES: dict[int, list[tuple[int, int, int, int, int]]] = {"]
     keys = sorted(ranks)

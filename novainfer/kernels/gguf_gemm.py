@@ -374,10 +374,12 @@ def _gguf_gemm_kernel(
     q_ptrs = q_ptr + nload[:, None, None] * stride_qn + (chunk[:, None] * W + lane[None, :])[None, :, :]
     h_ptrs = h_ptr + nload[:, None, None] * stride_hn + (chunk[:, None] * NB + lane[None, :] % NB)[None, :, :]
     x_cols = tl.reshape(chunk[:, None] * 32 + lane[None, :], [C * W])  # the inputs of the tile's (low) bytes
-    x_ptrs = x_ptr + mload[:, None] * stride_xm + x_cols[None, :]
+    xt_ptrs = x_ptr + mload[None, :] * stride_xm + x_cols[:, None]  # x transposed: [C * W, BLOCK_M]
     k_begin = tl.program_id(1) * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # out transposed: the dequantized weight tile is the dot's left operand, which Hopper's wgmma takes from
+    # registers (a right operand would go through shared memory first), and few rows of x fill the narrow side
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):  # BLOCK_K divides K and K_PER_SPLIT: no K masks
         g = k0 // 32 + chunk
         s_lo, z_lo, s_hi, z_hi = _group_scales(
@@ -388,14 +390,14 @@ def _gguf_gemm_kernel(
         if HB > 0:
             h = tl.load(h_ptrs + (k0 // 32) * NB)
         lo, hi = _quants(q, h, lane, Q4, HB, NB, OFF)
-        a = tl.load(x_ptrs + k0)
+        xt = tl.load(xt_ptrs + k0)
         lo = lo * s_lo[:, :, None] + z_lo[:, :, None]
-        acc = tl.dot(a, tl.trans(tl.reshape(lo, [BLOCK_N, C * W]).to(a.dtype)), acc)
+        acc = tl.dot(tl.reshape(lo, [BLOCK_N, C * W]).to(xt.dtype), xt, acc)
         if Q4:
             hi = hi * s_hi[:, :, None] + z_hi[:, :, None]
-            acc = tl.dot(tl.load(x_ptrs + k0 + 16), tl.trans(tl.reshape(hi, [BLOCK_N, C * W]).to(a.dtype)), acc)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+            acc = tl.dot(tl.reshape(hi, [BLOCK_N, C * W]).to(xt.dtype), tl.load(xt_ptrs + k0 + 16), acc)
+    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     if SPLIT > 1:
         tl.atomic_add(out, acc, mask=mask)
     else:

@@ -17,8 +17,9 @@ An act-order (GPTQ desc_act) checkpoint's inputs are sorted by group at load; th
 same order before calling these kernels.
 
 int4_gemv: a few rows of x (decode); a program reads BLOCK_N whole weight rows once for all rows of x.
-int4_gemm: more rows; a tile of codes is unpacked and dequantized in registers, then one tl.dot per K step, split
-over K (float32 atomics) where the output tiles alone would leave SMs idle.
+int4_gemm: more rows; a tile of codes is unpacked in registers and multiplied as the left operand of one tl.dot per
+K step (out^T = W x^T: Hopper's wgmma reads a left operand from registers, and x's few rows fill the narrow side),
+split over K (float32 atomics) where the output tiles alone would leave SMs idle.
 int4_linear picks: the GEMV up to GEMV_MAX_M rows, the GEMM up to DEQUANT_MIN_M - 1, and from DEQUANT_MIN_M rows
 (prefill, where the product is compute-bound) int4_dequantize into a bf16 scratch weight and cuBLAS: the unpacking
 is then paid once per weight, not once per BLOCK_M rows, and the tensor cores run cuBLAS's tuned bf16 GEMM.
@@ -159,22 +160,25 @@ def _int4_gemm_kernel(
     # a step's words as [BLOCK_N, BLOCK_K / 8], contiguous along K (coalesced); split to [BLOCK_N, C, 1, 4] and
     # unpacked by the nibble index j on axis 2, input c * 32 + 4 j + w is column k of the tile
     q_ptrs = q_ptr + nload[:, None] * stride_qn + tl.arange(0, BLOCK_K // 8)[None, :]
+    xt_ptrs = x_ptr + mload[None, :] * stride_xm + offs_k[:, None]  # x transposed: [BLOCK_K, BLOCK_M]
     shifts = (tl.arange(0, 8) * 4)[None, None, :, None]
     sz_col = nload * (K // GROUP)
     k_begin = tl.program_id(1) * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):  # BLOCK_K divides GROUP and K: one scale row per step, no K mask
-        a = tl.load(x_ptr + mload[:, None] * stride_xm + (k0 + offs_k)[None, :])
+    # out transposed: the dequantized weight tile is the dot's left operand, which Hopper's wgmma takes from
+    # registers (a right operand would go through shared memory first), and few rows of x fill the narrow side
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):  # BLOCK_K divides GROUP and K: one scale column per step, no K mask
+        xt = tl.load(xt_ptrs + k0)
         q = tl.reshape(tl.load(q_ptrs + k0 // 8), [BLOCK_N, C, 1, 4])
         codes = tl.reshape(((q >> shifts) & 0xF) | MAGIC, [BLOCK_N, BLOCK_K]).to(tl.float32, bitcast=True)
         g = k0 // GROUP
         s = tl.load(s_ptr + sz_col + g).to(tl.float32)
         zoff = tl.load(z_ptr + sz_col + g).to(tl.float32) + 8388608.0
-        w = tl.trans(((codes - zoff[:, None]) * s[:, None]).to(a.dtype))  # [BLOCK_K, BLOCK_N]
-        acc = tl.dot(a, w, acc)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        # code - zero (-15..15) is exact in xt's dtype: the products sum exactly, the scale multiplies their sum
+        acc += tl.dot((codes - zoff[:, None]).to(xt.dtype), xt) * s[:, None]
+    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     if SPLIT > 1:
         tl.atomic_add(out, acc, mask=mask)
     else:
@@ -199,7 +203,7 @@ def _int4_dequant_kernel(q_ptr, s_ptr, z_ptr, out_ptr, K, GROUP: tl.constexpr, B
 
 
 GEMV_MAX_M = 4  # up to this many rows of x go through the GEMV (one read of the codes for all rows)
-DEQUANT_MIN_M = 64  # from this many rows: dequantize into a scratch weight, then cuBLAS (quant_paths.py measures)
+DEQUANT_MIN_M = 128  # from this many rows: dequantize into a scratch weight, then cuBLAS (w4_gemm_tiles.py measures)
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMV. A step loads BLOCK_N * BLOCK_K / 2 bytes, a 16-byte vector
 # or more per thread; all programs together have N * BLOCK_K / 2 bytes in flight, which must cover HBM's latency
@@ -223,11 +227,12 @@ GEMV_TILES: dict[tuple[int, int], tuple[int, int, int, int]] = {
 }
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMM by the row count's bucket (BLOCK_K is capped at
-# the group size); split-K fills the GPU where the output tiles cannot
+# the group size); split-K fills the GPU where the output tiles cannot. The decode buckets are the best of
+# benchmarks/tuning/w4_gemm_tiles.py's H200 sweep on Qwen2.5-7B's layers (2026-11-27)
 GEMM_CANDIDATES: dict[int, list[tuple[int, int, int, int, int]]] = {
-    16: [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 64, 4, 5), (16, 32, 128, 2, 4)],
-    64: [(32, 64, 128, 4, 4), (64, 64, 64, 4, 4), (64, 128, 64, 4, 4), (32, 128, 128, 4, 4)],
-    256: [(128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (64, 64, 128, 4, 4), (128, 64, 64, 4, 4)],
+    16: [(16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 64, 4, 5)],
+    32: [(32, 64, 128, 4, 4), (32, 128, 128, 4, 4)],
+    127: [(64, 64, 128, 4, 4), (64, 128, 64, 4, 4)],
     # prefill: a weight tile is dequantized once per BLOCK_M rows, so tall tiles amortize the unpacking
     1 << 30: [(128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3)],
 }
