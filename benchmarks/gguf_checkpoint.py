@@ -45,6 +45,7 @@ class Qwen2Shape:
 
 SHAPES = {
     "qwen2.5-7b": Qwen2Shape(layers=28, hidden=3584, heads=28, kv_heads=4, intermediate=18944, vocab=152064),
+    "qwen2.5-32b": Qwen2Shape(layers=64, hidden=5120, heads=40, kv_heads=8, intermediate=27648, vocab=152064),
     # multiples of 256 where the K-quants need them; two layers, so one of each attn_v / ffn_down type
     "tiny": Qwen2Shape(layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512, vocab=2048, context=2048),
 }

@@ -156,13 +156,17 @@ def e2e_one(path: str, mode: str, args: argparse.Namespace) -> dict:
         word_level_tokenizer(load_gguf_config(path).vocab_size).save_pretrained(tok_dir)
     kw = dict(device=device, max_model_len=args.max_model_len, tokenizer=tok_dir)
     if device == "cuda":
-        kw["gpu_memory_utilization"] = 0.85
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     if mode == "dequantized":
         kw["quantization"] = "none"
     t0 = time.perf_counter()
     llm = LLM(path, **kw)
     load_s = time.perf_counter() - t0
-    model = llm.llm_engine.executor.workers[0].model_runner.model
+    engine = llm.llm_engine
+    model = engine.executor.workers[0].model_runner.model
+    gpu = dict(gpu_total_bytes=torch.cuda.get_device_properties(0).total_memory) if device == "cuda" else {}
+    if device == "cuda":  # the whole footprint once loaded: weights, KV cache, graphs, the allocator's reserve
+        gpu.update(gpu_reserved_bytes=torch.cuda.memory_reserved(), gpu_peak_bytes=torch.cuda.max_memory_reserved())
     vocab = model.config.vocab_size
     prompt = make_workload(1, 128, 1, vocab, 1)[0][0]
     nova_after_first(llm, prompt, 8)  # warm
@@ -182,6 +186,9 @@ def e2e_one(path: str, mode: str, args: argparse.Namespace) -> dict:
         method=type(method).__name__ if method is not None else "dense",  # GGUFGPULinearMethod on a GPU
         load_s=load_s,
         weight_bytes=model_weight_bytes(model),
+        file_bytes=os.path.getsize(path),
+        kv_blocks=engine.engine_core.num_blocks,
+        **gpu,
         decode_tok_s=(args.decode_tokens - 1) / secs,
         streams_tok_s=streams,
         bench_tok_s=bench,
@@ -204,6 +211,8 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--shape", default="qwen2.5-7b", help="benchmarks/gguf_checkpoint.py's SHAPES: qwen2.5-7b, -32b")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="e2e: the engine's GPU budget")
     ap.add_argument("--e2e-one", default=None, help=argparse.SUPPRESS)  # internal: one mode, JSON on stdout
     args = ap.parse_args()
     if args.tiny:
@@ -215,7 +224,8 @@ def main() -> None:
     args.decode_tokens = args.decode_tokens or 256
     args.stream_tokens = args.stream_tokens or 256
     os.makedirs(args.out, exist_ok=True)
-    path = args.path or os.path.join(args.out, "tiny-q4_k_m.gguf" if args.tiny else "qwen2.5-7b-random-q4_k_m.gguf")
+    shape = "tiny" if args.tiny else args.shape
+    path = args.path or os.path.join(args.out, f"{shape}-random-q4_k_m.gguf")
     if args.e2e_one:
         print("E2E " + json.dumps(e2e_one(path, args.e2e_one, args)), flush=True)
         return
@@ -224,7 +234,7 @@ def main() -> None:
         from benchmarks.gguf_checkpoint import SHAPES, write_qwen2_q4_k_m
 
         t0 = time.perf_counter()
-        write_qwen2_q4_k_m(path, SHAPES["tiny" if args.tiny else "qwen2.5-7b"], byte_tokenizer=True)
+        write_qwen2_q4_k_m(path, SHAPES[shape], byte_tokenizer=True)
         result["write_s"] = time.perf_counter() - t0
         print(f"wrote {path} ({os.path.getsize(path) / 1e9:.2f} GB) in {result['write_s']:.1f} s", flush=True)
     if args.part in ("all", "kernels"):
@@ -247,6 +257,7 @@ def main() -> None:
                 if getattr(args, flag):
                     cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
             cmd += ["--repeat", str(args.repeat), "--max-model-len", str(args.max_model_len)]
+            cmd += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("E2E ")]
             if proc.returncode or not line:
@@ -254,7 +265,7 @@ def main() -> None:
                 continue
             result["e2e"][mode] = json.loads(line[0][4:])
             print(mode, result["e2e"][mode], flush=True)
-    print_table(result, "tiny" if args.tiny else "Qwen2.5-7B")
+    print_table(result, shape)
     with open(os.path.join(args.out, "gguf_gpu.json"), "w") as f:
         json.dump(result, f, indent=2)
     if result.get("kernel_failures"):
@@ -289,6 +300,13 @@ def print_table(result: dict, shape: str) -> None:
                 f"{r['decode_tok_s']:13.1f} | "
                 f"{r['streams_tok_s']:16.1f} | {r['bench_tok_s']:11.1f} | {ratio}"
             )
+        for mode, r in e2e.items():
+            if "gpu_reserved_bytes" in r:
+                print(
+                    f"{mode}: file {r['file_bytes'] / 1e9:.2f} GB, weights on the GPU {r['weight_bytes'] / 1e9:.2f} GB, "
+                    f"all GPU memory reserved once loaded {r['gpu_reserved_bytes'] / 1e9:.2f} GB (peak "
+                    f"{r['gpu_peak_bytes'] / 1e9:.2f}) of {r['gpu_total_bytes'] / 1e9:.1f}, KV blocks {r['kv_blocks']}"
+                )
 
 
 if __name__ == "__main__":
