@@ -90,7 +90,12 @@ def kernel_rows(shapes, rows: list[int], device: torch.device, iters: int) -> li
             copies = [w]
             for m in rows:
                 x = torch.randn(m, k, device=device, generator=g).to(dtype)
-                err = rel(gguf_gemm.gguf_matmul(x, [w]), x.float() @ ref.T)
+                want = x.float() @ ref.T
+                if m == 1:  # the int8 GEMV's exact product is over x's int8 rounding (as llama.cpp's MMVQ)
+                    xq, dx, _ = gguf_gemm.quantize_q8_reference(x)
+                    want = (xq.float().view(-1, 32) * dx[:, None]).view(1, -1) @ ref.T
+                err = rel(gguf_gemm.gguf_matmul(x, [w]), want)
+                err_x = rel(gguf_gemm.gguf_matmul(x, [w]), x.float() @ ref.T)
 
                 def quant(i: int, tiles=None):
                     while len(copies) <= i:
@@ -107,10 +112,11 @@ def kernel_rows(shapes, rows: list[int], device: torch.device, iters: int) -> li
                 us = device_us(quant, w.nbytes(), device, iters)
                 us16 = device_us(bf16, 2 * n * k, device, iters)
                 row = dict(layer=name, qtype=qtype, m=m, k=k, n=n, us=us, bf16_us=us16, rel=err, ref_ok=ref_ok)
+                row["rel_float_x"] = err_x
                 if m == 1 and device.type == "cuda":  # the GEMV tile sweep
                     sweep = {}
                     for tiles in gguf_gemm.GEMV_CANDIDATES:
-                        e = rel(gguf_gemm.gguf_gemv(x, w, tiles=tiles), x.float() @ ref.T)
+                        e = rel(gguf_gemm.gguf_gemv(x, w, tiles=tiles), want)
                         sweep[str(tiles)] = (device_us(lambda i: quant(i, tiles), w.nbytes(), device, iters), e)
                     best = min(sweep, key=lambda t: sweep[t][0])
                     row.update(
@@ -119,7 +125,7 @@ def kernel_rows(shapes, rows: list[int], device: torch.device, iters: int) -> li
                 out.append(row)
                 print(
                     f"{name:12s} {qtype:5s} M={m:5d} {us:9.1f} us  bf16 {us16:9.1f} us  x{us16 / us:5.2f}  "
-                    f"rel {err:.1e}"
+                    f"rel {err:.1e} (float x {err_x:.1e})"
                     + (f"  best GEMV {row['best_tiles']} {row['best_us']:.1f} us" if "best_tiles" in row else ""),
                     flush=True,
                 )

@@ -16,7 +16,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from novainfer.kernels import gguf_gemm  # noqa: E402
 
-ALIGNED = {"N", "K", "stride_qn", "stride_hn", "stride_xm", "stride_om", "K_PER_SPLIT"}
+ALIGNED = {"N", "K", "stride_qn", "stride_hn", "stride_qw", "stride_hw", "stride_xm", "stride_om", "K_PER_SPLIT"}
 
 
 def sm90_ptx(fn, types: dict[str, str], constexprs: dict, warps: int, stages: int) -> str:
@@ -33,8 +33,10 @@ for qtype, f in gguf_gemm.FORMATS.items():
     consts = gguf_gemm._consts(gguf_gemm.GGUFWeight(qtype, *[None] * len(gguf_gemm.ARRAYS), (0, 0)))
     types = {"x_ptr": "*bf16", "q_ptr": "*u8" if f.q4 else "*i8", "d_ptr": "*fp16", "dm_ptr": "*fp16"}
     types |= {"sc_ptr": "*i8" if f.half else "*u8", "mn_ptr": "*u8", "h_ptr": "*u8", "out_ptr": "*bf16"}
-    gemv = dict(consts, BLOCK_M=1, BLOCK_N=8, BLOCK_K=512, EVEN_K=True)  # the batch-1 decode form
-    out[f"{qtype}_gemv"] = sm90_ptx(gguf_gemm._gguf_gemv_kernel, types, gemv, 4, 1)
+    # the batch-1 decode form: int32 words of quants against int8 x (dp4a)
+    q8 = {k: v for k, v in consts.items() if k not in ("W", "NB")} | dict(BLOCK_N=8, BLOCK_K=512, ASM=True)
+    q8_types = {"xq_ptr": "*i32", "dx_ptr": "*fp32", "sx_ptr": "*fp32", "q_ptr": "*i32", "h_ptr": "*i32"}
+    out[f"{qtype}_gemv"] = sm90_ptx(gguf_gemm._gguf_gemv_q8_kernel, types | q8_types, q8, 4, 1)
     gemm = dict(consts, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, SPLIT=2)
     out[f"{qtype}_gemm_split"] = sm90_ptx(gguf_gemm._gguf_gemm_kernel, types | {"out_ptr": "*fp32"}, gemm, 8, 3)
 print(json.dumps(out))

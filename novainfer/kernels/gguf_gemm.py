@@ -277,11 +277,7 @@ def _gguf_gemv_kernel(
     h_ptrs = h_ptr + rload[:, None, None] * stride_hn + (chunk[:, None] * NB + lane[None, :] % NB)[None, :, :]
     x_off = chunk[:, None] * 32 + lane[None, :]  # [C, W]: the inputs of each group's bytes (low nibbles)
     mrow = tl.arange(0, BLOCK_M)
-    if BLOCK_M == 1:  # one row of x (decode at batch 1): products accumulate elementwise, reduced once at the end
-        acc3 = tl.zeros([BLOCK_N, C, W], tl.float32)
-        accz = tl.zeros([BLOCK_N, C], tl.float32)  # the zero terms: zero * (the group's sum of x)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         g = k0 // 32 + chunk
         s_lo, z_lo, s_hi, z_hi = _group_scales(
@@ -299,34 +295,151 @@ def _gguf_gemv_kernel(
             h = tl.load(hp, mask=gmask, other=0, eviction_policy="evict_first")
         lo, hi = _quants(q, h, lane, Q4, HB, NB, OFF)
         xmask = (k0 + x_off) < K
-        if BLOCK_M == 1:
-            xl = tl.load(x_ptr + k0 + x_off, mask=xmask, other=0.0).to(tl.float32)
-            acc3 += lo * s_lo[:, :, None] * xl[None, :, :]
+        for m in tl.static_range(BLOCK_M):  # rows m >= M read zeros and are not stored
+            xp = x_ptr + m * stride_xm + k0 + x_off
+            xm = xmask & (x_off * 0 + m < M)
+            xl = tl.load(xp, mask=xm, other=0.0).to(tl.float32)
+            part = tl.sum(lo * xl[None, :, :], 2) * s_lo
             if HAS_DM:
-                accz += z_lo * tl.sum(xl, 1)[None, :]
+                part += z_lo * tl.sum(xl, 1)[None, :]
             if Q4:
-                xh = tl.load(x_ptr + k0 + 16 + x_off, mask=xmask, other=0.0).to(tl.float32)
-                acc3 += hi * s_hi[:, :, None] * xh[None, :, :]
+                xh = tl.load(xp + 16, mask=xm, other=0.0).to(tl.float32)
+                part += tl.sum(hi * xh[None, :, :], 2) * s_hi
                 if HAS_DM:
-                    accz += z_hi * tl.sum(xh, 1)[None, :]
-        else:
-            for m in tl.static_range(BLOCK_M):  # rows m >= M read zeros and are not stored
-                xp = x_ptr + m * stride_xm + k0 + x_off
-                xm = xmask & (x_off * 0 + m < M)
-                xl = tl.load(xp, mask=xm, other=0.0).to(tl.float32)
-                part = tl.sum(lo * xl[None, :, :], 2) * s_lo
-                if HAS_DM:
-                    part += z_lo * tl.sum(xl, 1)[None, :]
-                if Q4:
-                    xh = tl.load(xp + 16, mask=xm, other=0.0).to(tl.float32)
-                    part += tl.sum(hi * xh[None, :, :], 2) * s_hi
-                    if HAS_DM:
-                        part += z_hi * tl.sum(xh, 1)[None, :]
-                acc += tl.where(mrow[:, None] == m, tl.sum(part, 1)[None, :], 0.0)
-    if BLOCK_M == 1:
-        acc = (tl.sum(tl.sum(acc3, 2), 1) + tl.sum(accz, 1))[None, :]
+                    part += z_hi * tl.sum(xh, 1)[None, :]
+            acc += tl.where(mrow[:, None] == m, tl.sum(part, 1)[None, :], 0.0)
     omask = (mrow < M)[:, None] & (rows < N)[None, :]
     tl.store(out_ptr + mrow[:, None] * stride_om + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=omask)
+
+
+@triton.jit
+def _dp4a(a, b, c, SIGNED_A: tl.constexpr, ASM: tl.constexpr):
+    """c plus the four byte products of int32 words a and b (b's bytes signed, a's signed where SIGNED_A): PTX's
+    dp4a, four multiply-adds in one integer instruction; a shift-and-multiply emulation under the interpreter."""
+    if ASM:
+        if SIGNED_A:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], tl.int32, True, 1)
+        else:
+            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], tl.int32, True, 1)
+    else:
+        acc = c
+        for i in tl.static_range(4):
+            if SIGNED_A:
+                ai = (a << (24 - 8 * i)) >> 24
+            else:
+                ai = (a >> (8 * i)) & 0xFF
+            acc += ai * ((b << (24 - 8 * i)) >> 24)
+        return acc
+
+
+@triton.jit
+def _q8_words(q_ptr, h_ptr, rload, chunk, word, k0, stride_qw, stride_hw, gmask, Q4: tl.constexpr, HB: tl.constexpr):
+    """A step's weights as int32 words of four byte quants [rows, C, 4]: lo holds inputs 4 w .. 4 w + 3 of each group
+    of 32, hi inputs 16 + 4 w .. (Q4: a word's low nibbles and its high nibbles, the qh plane's bits above them)."""
+    if Q4:
+        qw = tl.load(
+            q_ptr + rload[:, None, None] * stride_qw + (k0 // 8 + chunk[:, None] * 4 + word[None, :])[None, :, :],
+            mask=gmask,
+            other=0,
+            eviction_policy="evict_first",
+        )
+        lo = qw & 0x0F0F0F0F
+        hi = (qw >> 4) & 0x0F0F0F0F
+        if HB > 0:  # input e of a group: byte e % (4 HB) of its qh bytes, bits HB * (e // (4 HB))
+            hmask: tl.constexpr = 0x01010101 * ((1 << HB) - 1)
+            hrow = h_ptr + rload[:, None, None] * stride_hw + ((k0 // 32 + chunk) * HB)[None, :, None]
+            hl = tl.load(hrow + (word % HB)[None, None, :], mask=gmask, other=0, eviction_policy="evict_first")
+            hh = tl.load(hrow + ((word + 4) % HB)[None, None, :], mask=gmask, other=0, eviction_policy="evict_first")
+            lo |= ((hl >> (HB * (word // HB))[None, None, :]) & hmask) << 4
+            hi |= ((hh >> (HB * ((word + 4) // HB))[None, None, :]) & hmask) << 4
+    else:  # Q8_0: eight words a group, its int8 values as stored
+        wp = q_ptr + rload[:, None, None] * stride_qw + (k0 // 4 + chunk[:, None] * 8 + word[None, :])[None, :, :]
+        lo = tl.load(wp, mask=gmask, other=0, eviction_policy="evict_first")
+        hi = tl.load(wp + 4, mask=gmask, other=0, eviction_policy="evict_first")
+    return lo, hi
+
+
+@triton.jit
+def _gguf_gemv_q8_kernel(
+    xq_ptr,
+    dx_ptr,
+    sx_ptr,
+    q_ptr,
+    d_ptr,
+    sc_ptr,
+    dm_ptr,
+    mn_ptr,
+    h_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_qw,
+    stride_hw,
+    Q4: tl.constexpr,
+    HB: tl.constexpr,
+    HALF: tl.constexpr,
+    SUB: tl.constexpr,
+    OFF: tl.constexpr,
+    HAS_SC: tl.constexpr,
+    HAS_DM: tl.constexpr,
+    HAS_MN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """One row of x, quantized by _quantize_q8_kernel, times BLOCK_N weight rows a program: per group of 32 inputs
+    eight dp4a a row (the integer sum of quants times int8 inputs, exact), then scale * dx * sum + zero * sx, where
+    sx = dx * (the group's sum of int8 inputs) and OFF is folded into the zero. Sums in a [BLOCK_N, C, 4] float32
+    tile, reduced once at the end."""
+    C: tl.constexpr = BLOCK_K // 32
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rload = tl.minimum(rows, N - 1).to(tl.int64)  # the last tile re-reads row N - 1: no row masks on the loads
+    chunk = tl.arange(0, C)
+    word = tl.arange(0, 4)
+    x_words = (chunk[:, None] * 8 + word[None, :])[None, :, :]  # [1, C, 4]: inputs 4 w .. 4 w + 3 of each group
+    acc = tl.zeros([BLOCK_N, C, 4], tl.float32)
+    accz = tl.zeros([BLOCK_N, C], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        g = k0 // 32 + chunk
+        in_k = g < K // 32
+        gmask = in_k[None, :, None]
+        s_lo, z_lo, s_hi, z_hi = _group_scales(
+            d_ptr, sc_ptr, dm_ptr, mn_ptr, rload, g, K, HALF, SUB, HAS_SC, HAS_DM, HAS_MN
+        )
+        lo, hi = _q8_words(q_ptr, h_ptr, rload, chunk, word, k0, stride_qw, stride_hw, gmask, Q4, HB)
+        xl = tl.load(xq_ptr + k0 // 4 + x_words, mask=gmask, other=0)
+        xh = tl.load(xq_ptr + k0 // 4 + 4 + x_words, mask=gmask, other=0)
+        dx = tl.load(dx_ptr + g, mask=in_k, other=0.0)[None, :]
+        if HALF:  # the low and the high nibbles have their own scales
+            acc += _dp4a(lo, xl, tl.zeros_like(lo), not Q4, ASM).to(tl.float32) * (s_lo * dx)[:, :, None]
+            acc += _dp4a(hi, xh, tl.zeros_like(hi), not Q4, ASM).to(tl.float32) * (s_hi * dx)[:, :, None]
+        else:  # one scale a group: one integer sum, one conversion
+            dot = _dp4a(hi, xh, _dp4a(lo, xl, tl.zeros_like(lo), not Q4, ASM), not Q4, ASM)
+            acc += dot.to(tl.float32) * (s_lo * dx)[:, :, None]
+        sx_lo = tl.load(sx_ptr + 2 * g, mask=in_k, other=0.0)[None, :]
+        sx_hi = tl.load(sx_ptr + 2 * g + 1, mask=in_k, other=0.0)[None, :]
+        accz += (z_lo - OFF * s_lo) * sx_lo + (z_hi - OFF * s_hi) * sx_hi
+    y = tl.sum(tl.sum(acc, 2), 1) + tl.sum(accz, 1)
+    tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _quantize_q8_kernel(x_ptr, xq_ptr, dx_ptr, sx_ptr, K, BLOCK: tl.constexpr):
+    """BLOCK inputs of one row a program -> int8 round(x / dx) with dx = amax / 127 per group of 32 (llama.cpp's
+    q8_1 for its MMVQ), and sx = dx * (the int8 values' sum) per 16 inputs (the zero terms' sum of x)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.reshape(tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32), [BLOCK // 32, 32])
+    amax = tl.max(tl.abs(x), 1)
+    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
+    q = tl.floor(x * inv[:, None] + 0.5)
+    dx = amax / 127.0
+    tl.store(xq_ptr + offs, tl.reshape(q, [BLOCK]).to(tl.int8), mask=offs < K)
+    g = tl.program_id(0) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+    tl.store(dx_ptr + g, dx, mask=g < K // 32)
+    sums = tl.sum(tl.reshape(q, [BLOCK // 16, 16]), 1)
+    h = tl.program_id(0) * (BLOCK // 16) + tl.arange(0, BLOCK // 16)
+    dx16 = tl.reshape(tl.broadcast_to(dx[:, None], [BLOCK // 32, 2]), [BLOCK // 16])
+    tl.store(sx_ptr + h, sums * dx16, mask=h < K // 16)
 
 
 @triton.jit
@@ -466,9 +579,10 @@ GEMV_MAX_M = 1  # up to this many rows gguf_matmul takes the GEMV; above, the de
 # times GEMV_CANDIDATES and prints the best
 GEMV_CANDIDATES: list[tuple[int, int, int]] = [(8, 512, 4), (4, 512, 4), (8, 1024, 4), (16, 512, 8), (4, 1024, 4)]
 GEMV_DEFAULT = (8, 512, 4)
-# layers of at most GEMV_NARROW_N rows: four rows a program, twice the programs (the H200 sweep at one row, 7B's
-# o_proj and down_proj: Q4_K 10.4 / 42.5 us against 11.8 / 58.2 with GEMV_DEFAULT)
-GEMV_NARROW_N, GEMV_NARROW = 4096, (4, 1024, 4)
+# layers of at most GEMV_NARROW_N rows: four rows a program, twice the programs (the H200 sweep of the int8 form at one
+# row, 7B's layers, 2026-11-27: qkv_proj Q4_K 9.7 us against 10.9 with GEMV_DEFAULT; o_proj and down_proj within 5%
+# of their best tile; gate_up_proj's best is GEMV_DEFAULT)
+GEMV_NARROW_N, GEMV_NARROW = 8192, (4, 1024, 4)
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by the row count's bucket (BLOCK_K halved until it divides K)
 GEMM_CANDIDATES: dict[int, list[tuple[int, int, int, int, int]]] = {
@@ -479,7 +593,7 @@ GEMM_CANDIDATES: dict[int, list[tuple[int, int, int, int, int]]] = {
 
 
 def _args(w: GGUFWeight) -> list[torch.Tensor]:
-    """The kernels' seven weight pointers (an absent array passes d, never read)."""
+    """The kernels' six weight pointers (an absent array passes d, never read)."""
     return [w.d if t is None else t for t in w.arrays()]
 
 
@@ -501,11 +615,43 @@ def _consts(w: GGUFWeight) -> dict:
     )
 
 
+Q8 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (int8 x, dx per 32 inputs, sx per 16): quantize_q8's
+
+
+def quantize_q8_reference(x: torch.Tensor) -> Q8:
+    """One row x [1, K] (K a multiple of 32) as the one-row GEMV reads it, in torch: int8 round(x / dx), dx = amax /
+    127 per 32 inputs, and sx = dx * (the int8 values' sum) per 16."""
+    g = x.float().view(-1, 32)
+    amax = g.abs().amax(1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.floor(g * inv[:, None] + 0.5)
+    dx = amax / 127.0
+    sx = q.view(-1, 16).sum(1) * dx.repeat_interleave(2)
+    return q.to(torch.int8).view(-1), dx, sx
+
+
+def quantize_q8(x: torch.Tensor) -> Q8:
+    """quantize_q8_reference's result by the Triton kernel (one launch, any device the kernels run on)."""
+    k = x.shape[-1]
+    xq = torch.empty(k, dtype=torch.int8, device=x.device)
+    dx = torch.empty(k // 32, dtype=torch.float32, device=x.device)
+    sx = torch.empty(k // 16, dtype=torch.float32, device=x.device)
+    block = min(1024, triton.next_power_of_2(k))
+    _quantize_q8_kernel[(triton.cdiv(k, block),)](x, xq, dx, sx, k, BLOCK=block)
+    return xq, dx, sx
+
+
 def gguf_gemv(
-    x: torch.Tensor, w: GGUFWeight, out: torch.Tensor | None = None, tiles: tuple[int, int, int] | None = None
+    x: torch.Tensor,
+    w: GGUFWeight,
+    out: torch.Tensor | None = None,
+    tiles: tuple[int, int, int] | None = None,
+    q8: Q8 | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= GEMV_ROWS, unit stride along K) times w^T -> out [M, N] (x's dtype; out may be a column
-    slice of a wider output)."""
+    slice of a wider output). One row (batch-1 decode) runs on int8 dot products over x quantized per 32 inputs, as
+    llama.cpp's CUDA MMVQ does (q8: x already quantized by quantize_q8, shared by a fused layer's parts); more rows
+    multiply the float x."""
     m, k = x.shape
     n = w.shape[0]
     assert m <= GEMV_ROWS and x.stride(1) == 1 and k == w.shape[1], (x.shape, w.shape)
@@ -515,6 +661,36 @@ def gguf_gemv(
     block_k = max(32, min(block_k, triton.next_power_of_2(k)))
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    consts = _consts(w)
+    if m == 1:
+        xq, dx, sx = q8 if q8 is not None else quantize_q8(x)
+        f = w.fmt
+        _gguf_gemv_q8_kernel[(triton.cdiv(n, block_n),)](
+            xq.view(torch.int32),
+            dx,
+            sx,
+            w.qweight.view(torch.int32),
+            *_args(w)[1:5],
+            w.d if w.qh is None else w.qh.view(torch.int32),
+            out,
+            n,
+            k,
+            w.qweight.stride(0) // 4,
+            0 if w.qh is None else w.qh.stride(0) // 4,
+            Q4=f.q4,
+            HB=f.hb,
+            HALF=f.half,
+            SUB=f.sub,
+            OFF=f.off,
+            HAS_SC=f.has_sc,
+            HAS_DM=f.has_dm,
+            HAS_MN=f.has_mn,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            ASM=x.is_cuda,
+            num_warps=warps,
+        )
+        return out
     _gguf_gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         *_args(w),
@@ -526,12 +702,12 @@ def gguf_gemv(
         0 if w.qh is None else w.qh.stride(0),
         x.stride(0),
         out.stride(0),
-        BLOCK_M=1 if m == 1 else max(2, triton.next_power_of_2(m)),  # one compile per power of two of x's rows
+        BLOCK_M=max(2, triton.next_power_of_2(m)),  # one compile per power of two of x's rows
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k % block_k == 0,
         num_warps=warps,
-        **_consts(w),
+        **consts,
     )
     return out
 
@@ -625,11 +801,12 @@ def gguf_matmul(x: torch.Tensor, parts: list[GGUFWeight]) -> torch.Tensor:
             gguf_dequantize(p, x.dtype, dense[at : at + p.shape[0]])
             at += p.shape[0]
         return torch.nn.functional.linear(x, dense)
+    q8 = quantize_q8(x) if m == 1 else None  # once for all parts
     if len(parts) == 1:
-        return gguf_gemv(x, parts[0])
+        return gguf_gemv(x, parts[0], q8=q8)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     at = 0
     for p in parts:
-        gguf_gemv(x, p, out[:, at : at + p.shape[0]])
+        gguf_gemv(x, p, out[:, at : at + p.shape[0]], q8=q8)
         at += p.shape[0]
     return out
