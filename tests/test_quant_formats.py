@@ -466,7 +466,7 @@ def test_int4_dequantize_kernel_and_the_prefill_path(group):
     """int4_dequantize (the scratch weight of prefill-sized products) equals the torch reference bit for bit, and
     int4_linear from DEQUANT_MIN_M rows (dequantize, then a dense product) gives x @ w."""
     g = torch.Generator().manual_seed(group)
-    k, n = 1152, 24  # K not a multiple of the kernel's 1024-wide step: the tail program masks its stores
+    k, n = 1152, 24  # K not a multiple of the kernel's 1024-wide step: the tail program masks its loads and stores
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     scales = (torch.rand(n, k // group, generator=g) * 0.1).half()
     zeros = torch.randint(0, 16, (n, k // group), generator=g, dtype=torch.uint8)

@@ -191,14 +191,17 @@ def _int4_dequant_kernel(q_ptr, s_ptr, z_ptr, out_ptr, K, GROUP: tl.constexpr, B
     row = tl.program_id(0).to(tl.int64)
     k0 = tl.program_id(1) * BLOCK_K
     C: tl.constexpr = BLOCK_K // 32
-    q = tl.load(q_ptr + row * (K // 8) + k0 // 8 + tl.arange(0, C)[:, None, None] * 4 + tl.arange(0, 4)[None, None, :])
+    chunk = k0 + tl.arange(0, C)[:, None, None] * 32  # the first input of each chunk
+    # a row's last step may reach past K (BLOCK_K need not divide it): every load is masked, or the last row's
+    # would read past the tensor's end (an illegal address on a GPU)
+    q = tl.load(q_ptr + row * (K // 8) + chunk // 8 + tl.arange(0, 4)[None, None, :], mask=chunk < K, other=0)
     j = tl.arange(0, 8)[None, :, None]
     # input c * 32 + 4 j + w is nibble j of word w of chunk c
-    k = k0 + tl.arange(0, C)[:, None, None] * 32 + 4 * j + tl.arange(0, 4)[None, None, :]
+    k = chunk + 4 * j + tl.arange(0, 4)[None, None, :]
     grp = row * (K // GROUP) + k // GROUP
-    zoff = tl.load(z_ptr + grp).to(tl.float32) + 8388608.0
+    zoff = tl.load(z_ptr + grp, mask=k < K, other=0).to(tl.float32) + 8388608.0
     codes = (((q >> (4 * j)) & 0xF) | MAGIC).to(tl.float32, bitcast=True) - zoff
-    w = codes * tl.load(s_ptr + grp).to(tl.float32)
+    w = codes * tl.load(s_ptr + grp, mask=k < K, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * K + k, w.to(out_ptr.dtype.element_ty), mask=k < K)
 
 
