@@ -664,7 +664,6 @@ def gguf_gemv(
     consts = _consts(w)
     if m == 1:
         xq, dx, sx = q8 if q8 is not None else quantize_q8(x)
-        f = w.fmt
         _gguf_gemv_q8_kernel[(triton.cdiv(n, block_n),)](
             xq.view(torch.int32),
             dx,
@@ -677,18 +676,11 @@ def gguf_gemv(
             k,
             w.qweight.stride(0) // 4,
             0 if w.qh is None else w.qh.stride(0) // 4,
-            Q4=f.q4,
-            HB=f.hb,
-            HALF=f.half,
-            SUB=f.sub,
-            OFF=f.off,
-            HAS_SC=f.has_sc,
-            HAS_DM=f.has_dm,
-            HAS_MN=f.has_mn,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             ASM=x.is_cuda,
             num_warps=warps,
+            **{c: v for c, v in consts.items() if c not in ("W", "NB")},  # words, not bytes: no byte widths
         )
         return out
     _gguf_gemv_kernel[(triton.cdiv(n, block_n),)](
