@@ -1,32 +1,28 @@
-"""The quantized CPU GEMM at few rows: the default model's real layers (its GGUF weights, kept quantized) at
-M = 1, 2, 4, 5, 8, 16 activation rows, this tree's kernel against an older commit's built from its sources, in
-the same process, interleaved, at 1 and 2 threads.
+"""The quantized CPU GEMM (kernels/cpu/qgemm.py) on the default model's real layers (its GGUF weights, kept
+quantized), at given activation-row counts and thread counts. To compare commits, run it from two checkouts
+(benchmarks/tree_ab.py does so in turns).
 
-    python benchmarks/tuning/qgemm_rows.py                   # against 6404181 (before the register-blocked kernel)
-    python benchmarks/tuning/qgemm_rows.py --base HEAD~3 --rows 1 5 16 --threads 2 --repeats 9
+    python benchmarks/tuning/qgemm_rows.py --rows 1 5 16 --threads 1 2 --repeats 9
 
-Prints per layer and row count the median microseconds of each build and new/old, and a whole-model estimate
-(every decoder layer's GEMMs plus the lm_head, per step). The GEMM is compute-bound past one row, so the row
-counts of a speculative verify step (k + 1) and of 16 streams are what this measures.
+prints per layer and row count the median microseconds (the weight in cache after the first call), and a
+whole-step estimate (every decoder layer's GEMMs plus the lm_head). The GEMM is compute-bound past one row, so
+the row counts of a speculative verify step (k + 1) and of 16 streams are what this measures.
 
-    python benchmarks/tuning/qgemm_rows.py --prefill --rows 64 512 2048   # panel GEMM vs dequantize + BLAS sgemm
+    python benchmarks/tuning/qgemm_rows.py --step --rows 1 --repeats 15
 
---prefill times, per decoder layer shape, this tree's panel GEMM (csrc/qgemm_panel_cpu.c) against the path it
-replaced for prefills (the weight dequantized to float32 in C, then torch's sgemm), interleaved, in GFLOPS.
-
-    python benchmarks/tuning/qgemm_rows.py --step --base bf56a01 --rows 1 --repeats 15
+--step times a decode step's GEMMs as the model runs them: every packed weight once, in layer order, then the
+lm_head (~100 MB streamed from memory, where the per-layer timings find the weight in cache), and prints the
+packed bytes a step reads.
 
     python benchmarks/tuning/qgemm_rows.py --crossover --rows 4 8 12 16 24 32
 
---crossover times a decode step's GEMMs (every packed weight once, then the lm_head) at each row count with the
-few-row kernel and with the panel kernel, interleaved, and checks they give the same bits: where the panel one
-wins is qgemm.PANEL_MIN_ROWS.
+--crossover times a decode step's GEMMs at each row count with the few-row kernel and with the panel kernel,
+interleaved, and checks they give the same bits: where the panel one wins is qgemm.PANEL_MIN_ROWS.
 
---step times a decode step's GEMMs as the model runs them: every packed weight once, in layer order, then the
-lm_head (~100 MB streamed from memory, where the per-layer timings above find the weight in cache), both
-builds interleaved; it checks that both give the same bits and prints the packed bytes a step reads. A base
-before float16 scales gets the same values as float32 (its layout). --f32-scales: this build against itself
-with the weights' scales and zeros as float32 (what float16 scales alone change).
+    python benchmarks/tuning/qgemm_rows.py --prefill --rows 64 512 2048   # panel GEMM vs dequantize + BLAS sgemm
+
+--prefill times, per decoder layer shape, the panel GEMM (csrc/qgemm_panel_cpu.c) against the weight dequantized
+to float32 then torch's sgemm, interleaved, in GFLOPS.
 """
 
 from __future__ import annotations
@@ -34,53 +30,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import types
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 
 from novainfer.kernels.cpu import library, qgemm  # noqa: E402
-
-CSRC = "novainfer/kernels/cpu/csrc"
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def build_at(commit: str):
-    """The kernels' library built from `commit`'s C sources (git show), with this tree's bindings."""
-    tmp = tempfile.mkdtemp(prefix="qgemm-base-")
-    names = subprocess.run(
-        ["git", "ls-tree", "--name-only", f"{commit}:{CSRC}"], cwd=ROOT, check=True, capture_output=True, text=True
-    ).stdout.split()
-    for name in names:
-        with open(os.path.join(tmp, name), "wb") as f:
-            f.write(
-                subprocess.run(
-                    ["git", "show", f"{commit}:{CSRC}/{name}"], cwd=ROOT, check=True, capture_output=True
-                ).stdout
-            )
-    paths = [os.path.join(tmp, n) for n in names]
-    lib = qgemm.build_library([p for p in paths if p.endswith(".c")], [p for p in paths if p.endswith(".h")])
-    if lib is None:
-        raise SystemExit(f"could not build the kernels of {commit}")
-    return lib
-
-
-def for_build(w, lib, f32_scales: bool = False):
-    """w as `lib` reads it: a build before float16 scales gets float32 ones (the same values), and a build before
-    the panel layout the row layout (PackedWeight.rows(), in an object with the attributes quant_gemm reads)."""
-    if f32_scales or not lib.scale_f16:
-        w = w.float32_scales()
-    if getattr(lib, "panel_layout", False):
-        return w
-    q, scales, zeros = w.rows()
-    return types.SimpleNamespace(
-        kind=w.kind, qweight=q, scales=scales, zeros=zeros, group=w.group, shape=w.shape, scale_f16=w.scale_f16
-    )
 
 
 def model_layers() -> dict[str, tuple]:
@@ -117,13 +74,11 @@ def time_us(fn, repeats: int, inner: int) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--base", default="6404181", help="commit whose kernel is the baseline")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 5, 8, 16])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds; the median is reported")
+    ap.add_argument("--repeats", type=int, default=7, help="rounds; the median is reported")
     ap.add_argument("--prefill", action="store_true", help="panel GEMM vs dequantize + sgemm (see above)")
     ap.add_argument("--step", action="store_true", help="a whole decode step's GEMMs, weights streamed (see above)")
-    ap.add_argument("--f32-scales", action="store_true", help="with --step: old = this build with float32 scales")
     ap.add_argument("--crossover", action="store_true", help="few-row vs panel kernel per row count (see above)")
     args = ap.parse_args()
     if not library.available():
@@ -134,43 +89,24 @@ def main() -> None:
         return decode_step(args)
     if args.crossover:
         return crossover(args)
-    libs = {"old": build_at(args.base), "new": library.library()}
     layers = model_layers()
-    print(
-        f"base {args.base}; layers: "
-        + ", ".join(f"{k} {w.kind} {w.shape[0]}x{w.shape[1]} (x{c})" for k, (w, c) in layers.items())
-    )
+    print("layers: " + ", ".join(f"{k} {w.kind} {w.shape[0]}x{w.shape[1]} (x{c})" for k, (w, c) in layers.items()))
     for threads in args.threads:
         library.set_num_threads(threads)
-        print(f"\nthreads {threads}: median us old / new (new/old)")
-        print(f"{'layer':>10} " + " ".join(f"{'M=' + str(m):>22}" for m in args.rows))
-        step = {m: {"old": 0.0, "new": 0.0} for m in args.rows}
+        print(f"\nthreads {threads}: median us")
+        print(f"{'layer':>10} " + " ".join(f"{'M=' + str(m):>10}" for m in args.rows))
+        step = dict.fromkeys(args.rows, 0.0)
         for key, (w, count) in layers.items():
             cells = []
             for m in args.rows:
                 x = torch.randn(m, w.shape[1])
                 inner = max(3, int(2e7 / (w.shape[0] * w.shape[1] * m)))
-                res = {"old": [], "new": []}
-                ws = {name: for_build(w, lib) for name, lib in libs.items()}
-                for _ in range(args.repeats):  # interleaved, so drifting load hits both alike
-                    for name, lib in libs.items():
-                        res[name] += time_us(lambda: qgemm.quant_gemm(x, ws[name], lib), 1, inner)
-                med = {k: statistics.median(v) for k, v in res.items()}
-                for k in med:
-                    step[m][k] += med[k] * count
-                cells.append(f"{med['old']:8.1f}/{med['new']:8.1f} ({med['new'] / med['old']:.2f})")
-            print(f"{key:>10} " + " ".join(f"{c:>22}" for c in cells))
-        print(
-            f"{'step':>10} "
-            + " ".join(
-                f"{step[m]['old'] / 1e3:7.2f}/{step[m]['new'] / 1e3:7.2f}ms({step[m]['new'] / step[m]['old']:.2f})"
-                for m in args.rows
-            )
-        )
-        print(
-            f"{'ms/row':>10} "
-            + " ".join(f"{step[m]['old'] / 1e3 / m:7.2f}/{step[m]['new'] / 1e3 / m:7.2f}ms      " for m in args.rows)
-        )
+                med = statistics.median(time_us(lambda: qgemm.quant_gemm(x, w), args.repeats, inner))
+                step[m] += med * count
+                cells.append(f"{med:10.1f}")
+            print(f"{key:>10} " + " ".join(cells))
+        print(f"{'step ms':>10} " + " ".join(f"{step[m] / 1e3:10.2f}" for m in args.rows))
+        print(f"{'ms/row':>10} " + " ".join(f"{step[m] / 1e3 / m:10.2f}" for m in args.rows))
     library.set_num_threads(None)
 
 
@@ -190,37 +126,24 @@ def step_weights() -> list:
 
 
 def decode_step(args: argparse.Namespace) -> None:
-    """A decode step's GEMMs with the weights streamed, this build against --base's, interleaved."""
-    libs = {"old": library.library() if args.f32_scales else build_at(args.base), "new": library.library()}
+    """A decode step's GEMMs with the weights streamed (every packed weight once, in layer order)."""
     weights = step_weights()
-    sets = {k: [for_build(w, lib, k == "old" and args.f32_scales) for w in weights] for k, lib in libs.items()}
-    nbytes = {
-        k: sum(t.nbytes for w in ws for t in (w.qweight, w.scales, w.zeros) if t is not None) / 1e6
-        for k, ws in sets.items()
-    }
-    print(
-        f"base {'this build, float32 scales' if args.f32_scales else args.base}; packed bytes a step reads: "
-        f"old {nbytes['old']:.1f} MB, new {nbytes['new']:.1f} MB"
-    )
+    nbytes = sum(t.nbytes for w in weights for t in (w.qweight, w.scales, w.zeros) if t is not None) / 1e6
+    print(f"packed bytes a step reads: {nbytes:.1f} MB")
     for m in args.rows:
         xs = [torch.randn(m, w.shape[1]) for w in weights]
-        outs = {k: [qgemm.quant_gemm(x, w, libs[k]) for x, w in zip(xs, ws)] for k, ws in sets.items()}
-        same = all(torch.equal(a, b) for a, b in zip(outs["old"], outs["new"]))
         for threads in args.threads:
             library.set_num_threads(threads)
-            res = {k: [] for k in libs}
+            res = []
             for _ in range(args.repeats):
-                for k, lib in libs.items():
-                    t = time.perf_counter()
-                    for x, w in zip(xs, sets[k]):
-                        qgemm.quant_gemm(x, w, lib)
-                    res[k].append((time.perf_counter() - t) * 1e3)
-            ratio = sorted(b / a for a, b in zip(res["old"], res["new"]))
+                t = time.perf_counter()
+                for x, w in zip(xs, weights):
+                    qgemm.quant_gemm(x, w)
+                res.append((time.perf_counter() - t) * 1e3)
+            med = statistics.median(res)
             print(
-                f"M={m} threads {threads}: ms a step, median (min) old {statistics.median(res['old']):.2f} "
-                f"({min(res['old']):.2f}), new {statistics.median(res['new']):.2f} ({min(res['new']):.2f}); "
-                f"new/old per round {ratio[0]:.2f}-{ratio[-1]:.2f} (median {statistics.median(ratio):.2f}); "
-                f"same bits: {same}"
+                f"M={m} threads {threads}: ms a step, median {med:.2f} (min {min(res):.2f}); "
+                f"{nbytes / med:.1f} GB/s of packed weights at the median"
             )
     library.set_num_threads(None)
 
