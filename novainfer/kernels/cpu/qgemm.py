@@ -12,7 +12,7 @@ from novainfer.kernels.cpu.library import library, num_threads
 from novainfer.kernels.cpu.repack import PackedWeight
 
 # From this many activation rows on, q4_gemm/q8_gemm run the panel kernel (csrc/qgemm_cpu.c's panel_min_rows; faster
-# from about 16 rows on: benchmarks/qgemm_rows.py --step). Both kernels give a row the same bits.
+# from about 16 rows on: benchmarks/tuning/qgemm_rows.py --crossover). Both kernels give a row the same bits.
 PANEL_MIN_ROWS = 16
 
 
