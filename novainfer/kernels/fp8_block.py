@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from novainfer.kernels.gemv import gemv
-from novainfer.kernels.tiling import grouped_tile, row_bucket, split_k
+from novainfer.kernels.tiling import even_split, grouped_tile, row_bucket, split_k
 
 
 @triton.jit
@@ -215,8 +215,7 @@ def fp8_block_gemm(
     k_groups = triton.cdiv(k, block[1])
     if split is None:
         split = split_k(k, tiles_mn, block[1], a.device, fill)[0] if fill else 1
-    per_split = triton.cdiv(k_groups, split)  # K groups a split
-    split = triton.cdiv(k_groups, per_split)
+    split, per_split = even_split(k_groups, split, 1)  # per_split: K groups a split
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     part = torch.empty((split, m, n), dtype=torch.float32, device=a.device) if split > 1 else out
     _block_gemm_kernel[(tiles_mn, split)](
@@ -285,7 +284,7 @@ def cublas_block_gemm(x: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tens
     m = x.shape[0]
     pad = -m % 4
     if pad:
-        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        x = F.pad(x, (0, 0, 0, pad))
     a, a_scale = per_token_group_quant(x, 128, m_major=True)
     st = F.ScalingType
     y = F.scaled_mm(a, weight.t(), a_scale, st.BlockWise1x128, w_scale.t(), st.BlockWise128x128, output_dtype=x.dtype)

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from novainfer.kernels.int4_gemm import MAGIC
-from novainfer.kernels.tiling import grouped_tile, row_bucket, split_k
+from novainfer.kernels.tiling import even_split, grouped_tile, row_bucket, split_k
 
 
 @dataclass(frozen=True)
@@ -727,8 +727,7 @@ def gguf_gemm(
     if split is None:
         split, per_split = split_k(k, tiles_mn, block_k, x.device, programs_per_sm=1)
     else:
-        per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-        split = triton.cdiv(k, per_split)
+        split, per_split = even_split(k, split, block_k)
     dst = out if split == 1 else torch.zeros((m, n), dtype=torch.float32, device=x.device)
     if dst is None:
         dst = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from novainfer.kernels.tiling import grouped_tile, row_bucket, split_k
+from novainfer.kernels.tiling import even_split, grouped_tile, row_bucket, split_k
 
 MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: OR-ing a code 0..15 into the mantissa gives 2^23 + code
 
@@ -302,8 +302,7 @@ def int4_gemm(
     if split is None:
         split, per_split = split_k(k, tiles_mn, block_k, x.device, programs_per_sm=1)
     else:
-        per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-        split = triton.cdiv(k, per_split)
+        split, per_split = even_split(k, split, block_k)
     if split > 1:
         out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
     else:

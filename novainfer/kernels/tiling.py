@@ -35,7 +35,13 @@ def split_k(k: int, tiles_n: int, block_k: int, device: torch.device, programs_p
     """(splits, columns per split, a multiple of block_k): a GEMV of few output tiles split along K until the GPU
     has programs_per_sm programs per SM (each split at least 4 K steps long); 1 split on the CPU."""
     split = max(1, min(triton.cdiv(programs_per_sm * sm_count(device), tiles_n), k // (4 * block_k)))
-    per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    return even_split(k, split, block_k)
+
+
+def even_split(k: int, split: int, step: int) -> tuple[int, int]:
+    """(splits, length of each, a multiple of step): k cut into about `split` equal parts of whole steps (fewer
+    where the rounding up leaves the last ones empty)."""
+    per_split = triton.cdiv(triton.cdiv(k, split), step) * step
     return triton.cdiv(k, per_split), per_split
 
 

@@ -161,7 +161,8 @@ class PrequantizedMoEMethod(FusedMoEMethodBase):
 
 def check_moe_kernels(method: PrequantizedMoEMethod, device: torch.device, dtype: torch.dtype = torch.bfloat16):
     """The method's fused-MoE kernels against its torch reference on small experts of this device, at decode token
-    counts with and without quantized activations and a prefill one, once at start-up (dtype: the activations'; tests pass float32 under the interpreter)."""
+    counts with and without quantized activations and a prefill one, once at start-up (dtype: the activations';
+    tests pass float32 under the interpreter)."""
     from novainfer.kernels.fp8_block import WEIGHT_ONLY_MAX_M
     from novainfer.layers.activation import get_act_and_mul
     from novainfer.layers.fused_moe.routing import select_experts
