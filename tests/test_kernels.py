@@ -294,3 +294,25 @@ def test_hybrid_elementwise_kernels_match_torch_layers(dtype):
     xv, z = torch.randn(4, 5, 16, generator=g).to(dtype), torch.randn(4, 5, 16, generator=g).to(dtype)
     got = fused_ops.gated_rms_norm(xv.to(DEVICE), z.to(DEVICE), gated.weight.data.to(DEVICE), 1e-6)
     assert rel_err(got.cpu(), gated(xv, z)) <= tol
+    wide = torch.randn(4, 7 * 16, generator=g).to(dtype)  # z as a column range of a fused projection's rows
+    zs = wide[:, 16:96].view(4, 5, 16)
+    got = fused_ops.gated_rms_norm(
+        xv.to(DEVICE), wide.to(DEVICE)[:, 16:96].view(4, 5, 16), gated.weight.data.to(DEVICE), 1e-6
+    )
+    assert torch.equal(got.cpu(), fused_ops.gated_rms_norm(xv, zs.contiguous(), gated.weight.data, 1e-6).cpu())
+    assert rel_err(got.cpu(), gated(xv, zs)) <= tol
+
+    # partial rotary (Qwen3.5: a quarter of each head turns), against the model's torch rotation (its CPU path)
+    from types import SimpleNamespace
+
+    from novainfer.models.qwen3_5 import PartialRotaryEmbedding
+
+    cfg = SimpleNamespace(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.25})
+    rope = PartialRotaryEmbedding(48, 64, cfg)  # rotary_dim 12: the other 36 dims (not a power of two) are copied
+    q, k = torch.randn(3, 4, 48, generator=g).to(dtype), torch.randn(3, 2, 48, generator=g).to(dtype)
+    positions = torch.tensor([0, 9, 63])
+    ref_q, ref_k = rope(positions, q, k)
+    out_q, out_k = fused_ops.rotary_embedding(
+        positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE), rope.cos_cache.to(DEVICE), rope.sin_cache.to(DEVICE), 12
+    )
+    assert torch.equal(out_q.cpu(), ref_q) and torch.equal(out_k.cpu(), ref_k)

@@ -111,28 +111,38 @@ def _rotary_kernel(
     NUM_Q: tl.constexpr,
     NUM_K: tl.constexpr,
     HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     token = tl.program_id(0)
     pos = tl.load(pos_ptr + token).to(tl.int64)
-    d = tl.arange(0, HALF)
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < HALF
     h = tl.arange(0, BLOCK_H)
-    cos1 = tl.load(cos_ptr + pos * 2 * HALF + d)
-    sin1 = tl.load(sin_ptr + pos * 2 * HALF + d)
-    cos2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + d)
-    sin2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + d)
+    cos1 = tl.load(cos_ptr + pos * 2 * HALF + d, mask=dmask, other=0.0)
+    sin1 = tl.load(sin_ptr + pos * 2 * HALF + d, mask=dmask, other=0.0)
+    cos2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + d, mask=dmask, other=0.0)
+    sin2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + d, mask=dmask, other=0.0)
     for which in tl.static_range(2):
         if which == 0:
             src, dst, stride, heads = q_ptr, q_out_ptr, q_stride, NUM_Q
         else:
             src, dst, stride, heads = k_ptr, k_out_ptr, k_stride, NUM_K
         hmask = (h < heads)[:, None]
-        base = token * stride + h[:, None] * (2 * HALF) + d[None, :]
-        x1 = tl.load(src + base, mask=hmask, other=0.0)
-        x2 = tl.load(src + base + HALF, mask=hmask, other=0.0)
-        out_base = token * heads * 2 * HALF + h[:, None] * (2 * HALF) + d[None, :]
-        tl.store(dst + out_base, rope_mix(x1, cos1[None, :], -x2, sin1[None, :]), mask=hmask)
-        tl.store(dst + out_base + HALF, rope_mix(x2, cos2[None, :], x1, sin2[None, :]), mask=hmask)
+        mask = hmask & dmask[None, :]
+        base = token * stride + h[:, None] * HEAD_DIM + d[None, :]
+        x1 = tl.load(src + base, mask=mask, other=0.0)
+        x2 = tl.load(src + base + HALF, mask=mask, other=0.0)
+        out_base = token * heads * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :]
+        tl.store(dst + out_base, rope_mix(x1, cos1[None, :], -x2, sin1[None, :]), mask=mask)
+        tl.store(dst + out_base + HALF, rope_mix(x2, cos2[None, :], x1, sin2[None, :]), mask=mask)
+        if HEAD_DIM > 2 * HALF:  # partial rotary: the rest of each head passes through
+            p = 2 * HALF + tl.arange(0, BLOCK_PASS)
+            pmask = hmask & (p < HEAD_DIM)[None, :]
+            rest = tl.load(src + token * stride + h[:, None] * HEAD_DIM + p[None, :], mask=pmask, other=0.0)
+            tl.store(dst + token * heads * HEAD_DIM + h[:, None] * HEAD_DIM + p[None, :], rest, mask=pmask)
 
 
 @triton.jit
@@ -145,12 +155,19 @@ def rope_mix(x, cos, x_rot, sin):
 
 
 def rotary_embedding(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    rotary_dim: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary on q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] (rows may be strided);
-    returns new contiguous tensors."""
+    returns new contiguous tensors. rotary_dim < head_dim: only each head's first rotary_dim dims turn (the caches
+    are [positions, rotary_dim]); the rest is copied."""
     tokens, num_q, head_dim = q.shape
     num_k = k.shape[1]
+    rotary_dim = rotary_dim or head_dim
     assert q.stride(1) == head_dim and q.stride(2) == 1 and k.stride(1) == head_dim and k.stride(2) == 1
     q_out, k_out = (
         torch.empty(q.shape, dtype=q.dtype, device=q.device),
@@ -169,7 +186,10 @@ def rotary_embedding(
             k.stride(0),
             NUM_Q=num_q,
             NUM_K=num_k,
-            HALF=head_dim // 2,
+            HALF=rotary_dim // 2,
+            HEAD_DIM=head_dim,
+            BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
+            BLOCK_PASS=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),
             BLOCK_H=triton.next_power_of_2(max(num_q, num_k)),
         )
     return q_out, k_out
@@ -250,7 +270,7 @@ def l2_norm_heads_(x: torch.Tensor, heads: int, dim: int, eps: float = 1e-6) -> 
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, dim, eps, BLOCK: tl.constexpr):
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, dim, heads, z_stride, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < dim
@@ -258,16 +278,21 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, dim, eps, BLOCK: tl.con
     xf = x.to(tl.float32)
     y = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / dim + eps)).to(x.dtype)
     y = (tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * y.to(tl.float32)).to(x.dtype)
-    z = tl.load(z_ptr + row * dim + offs, mask=mask, other=0.0).to(tl.float32)
+    z_row = z_ptr + (row // heads).to(tl.int64) * z_stride + (row % heads) * dim
+    z = tl.load(z_row + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * dim + offs, (y.to(tl.float32) * (z / (1.0 + tl.exp(-z)))).to(x.dtype), mask=mask)
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * norm(x) * silu(z) over the last dim, one kernel; rounded as the torch GatedRMSNorm: the norm to x's
-    dtype, times the weight in x's dtype, times silu(z) in float32, then to x's dtype. x, z: contiguous, same shape."""
-    dim = x.shape[-1]
+    dtype, times the weight in x's dtype, times silu(z) in float32, then to x's dtype. x: contiguous
+    [tokens, heads, dim]; z the same shape, its tokens possibly strided (a column range of a fused projection)."""
+    tokens, heads, dim = x.shape
+    if z.stride(2) != 1 or z.stride(1) != dim:
+        z = z.contiguous()
     out = torch.empty_like(x)
-    rows = x.numel() // dim
-    if rows:
-        _gated_rms_norm_kernel[(rows,)](x, z, weight, out, dim, eps, BLOCK=triton.next_power_of_2(dim))
+    if tokens * heads:
+        _gated_rms_norm_kernel[(tokens * heads,)](
+            x, z, weight, out, dim, heads, z.stride(0), eps, BLOCK=triton.next_power_of_2(dim)
+        )
     return out

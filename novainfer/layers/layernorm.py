@@ -55,6 +55,10 @@ class GemmaRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x), or with a residual: (norm(x + residual), x + residual); on the quantized CPU path in float32
         the C op of RMSNorm with the weight 1 + w (equal in float32), one Triton kernel on the GPU, else torch."""
+        if x.is_cuda and x.dim() == 3 and residual is None and x.stride(2) == 1 and not x.is_contiguous():
+            from novainfer.kernels.fused_ops import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, offset=True)  # heads of a fused projection's row, in place
         if x.is_cuda and x.is_contiguous():
             from novainfer.kernels.fused_ops import rms_norm
 

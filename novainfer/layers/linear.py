@@ -59,7 +59,7 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             return self.quant_method.apply(self, x, self.bias)
-        return _linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -131,13 +131,13 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the bias is added once, after the reduction
-        y = _linear(x, self.weight) if self.quant_method is None else self.quant_method.apply(self, x)
+        y = dense_linear(x, self.weight) if self.quant_method is None else self.quant_method.apply(self, x)
         if self.tp_size > 1 and self.reduce_results:
             y = self.tp_group.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias); one row on the GPU through the Triton GEMV, which reads each weight row once in one
     launch (cuBLAS splits a one-row product into a GEMM and a reduction), except in batch-invariant mode."""
     if x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and x.dtype != torch.float32 and weight.is_contiguous():
@@ -147,6 +147,25 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         if not batch_invariant.enabled():
             return gemv(x.contiguous(), weight, bias)
     return linear(x, weight, bias)
+
+
+def adjacent_weights(linears: list[LinearBase]) -> torch.Tensor | None:
+    """Rebinds the weights of unquantized, bias-free layers of one input size to consecutive row ranges of one new
+    tensor, which it returns, so one GEMM (dense_linear) computes all their outputs side by side; None (nothing
+    changed) if any is quantized or has a bias. Call it before loading: the loaders write into the views."""
+    if any(lin.quant_method is not None or lin.bias is not None for lin in linears):
+        return None
+    first = linears[0].weight
+    fused = torch.empty(
+        sum(lin.weight.shape[0] for lin in linears), first.shape[1], dtype=first.dtype, device=first.device
+    )
+    row = 0
+    for lin in linears:
+        old, rows = lin.weight, lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused[row : row + rows], requires_grad=False)
+        lin.weight.__dict__.update(old.__dict__)  # weight_loader and the like
+        row += rows
+    return fused
 
 
 def _copy_checked(target: torch.Tensor, loaded: torch.Tensor, param: nn.Parameter) -> None:

@@ -36,7 +36,13 @@ from novainfer.kernels.gated_delta_rule import (
     fused_recurrent_gated_delta_rule_torch,
     fused_recurrent_gated_delta_rule_triton,
 )
-from novainfer.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from novainfer.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    adjacent_weights,
+    dense_linear,
+)
 from novainfer.kernels.cpu import gated_delta as gated_delta_cpu
 from novainfer.kernels.cpu import gdn_layer as gdn_layer_cpu
 
@@ -151,7 +157,7 @@ class GatedRMSNorm(nn.Module):
         if x.is_cuda:
             from novainfer.kernels.fused_ops import gated_rms_norm
 
-            return gated_rms_norm(x.contiguous(), z.contiguous(), self.weight, self.eps)
+            return gated_rms_norm(x.contiguous(), z, self.weight, self.eps)
         fused = gated_delta_cpu.gated_rms_norm(x, z, self.weight, self.eps)  # float32 on the CPU: one C call
         if fused is not None:
             return fused
@@ -207,6 +213,9 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads), requires_grad=False)
         self.dt_bias.weight_loader = self.A_log.weight_loader = self._load_heads
+        # unquantized, the four input projections' weights are row ranges of in_proj: one GEMM on the GPU
+        self.in_proj = adjacent_weights([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        self.in_proj_sizes = [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = RowParallelLinear(tp * self.value_dim, hidden)
         self.conv_state = self.ssm_state = torch.tensor([])
@@ -232,23 +241,32 @@ class GatedDeltaNet(nn.Module):
         meta = get_attention_metadata()
         if not isinstance(meta, AttentionMetadata):
             raise NotImplementedError("Gated DeltaNet layers run only with the paged (BLOCK) cache layout")
-        num_tokens = hidden_states.shape[0]
         step = self.cpu_decode_step(hidden_states)
         if step is not None and (kernel := gdn_layer_cpu.layer_kernel(self)) is not None:
             return kernel.run(hidden_states, *step)  # the mixer in one C call (its weights are packed)
-        mixed = self.in_proj_qkv(hidden_states)
-        z = self.in_proj_z(hidden_states).view(num_tokens, self.num_v_heads, self.head_v_dim)
-        b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
-        if hidden_states.is_cuda:
+        if self.in_proj is not None and hidden_states.is_cuda:
+            mixed, z, b, a = dense_linear(hidden_states, self.in_proj).split(self.in_proj_sizes, dim=-1)
+        else:
+            mixed, z = self.in_proj_qkv(hidden_states), self.in_proj_z(hidden_states)
+            b, a = self.in_proj_b(hidden_states), self.in_proj_a(hidden_states)
+        return self.out_proj(self.mix_projected(mixed, z, b, a, meta))
+
+    def mix_projected(
+        self, mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The gated, normed mixer output [tokens, value_dim] (out_proj's input) from the input projections' outputs
+        (the batch-1 GPU stack computes those itself)."""
+        num_tokens = mixed.shape[0]
+        if mixed.is_cuda:
             from novainfer.kernels.fused_ops import gdn_gating
 
             g, beta = gdn_gating(a.contiguous(), b.contiguous(), self.A_log, self.dt_bias)
         else:
             beta = torch.sigmoid(b.float())
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out = self.mix(mixed, g, beta, meta, use_triton=hidden_states.is_cuda)
-        out = self.norm(out.to(hidden_states.dtype), z)
-        return self.out_proj(out.reshape(num_tokens, self.value_dim))
+        out = self.mix(mixed, g, beta, meta, use_triton=mixed.is_cuda)
+        out = self.norm(out.to(mixed.dtype), z.reshape(num_tokens, self.num_v_heads, self.head_v_dim))
+        return out.reshape(num_tokens, self.value_dim)
 
     def cpu_decode_step(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(slots as int64, continues as uint8) when this step is a plain CPU decode step (one token per sequence,

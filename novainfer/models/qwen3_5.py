@@ -41,7 +41,7 @@ def is_hybrid(hf_config: Any) -> bool:
 
 
 class PartialRotaryEmbedding(RotaryEmbedding):
-    """Neox rotary over the first rotary_dim of each head; the rest passes through (torch on every device)."""
+    """Neox rotary over the first rotary_dim of each head; the rest passes through."""
 
     def __init__(self, head_dim: int, max_position: int, hf_config: Any):
         nn.Module.__init__(self)
@@ -61,6 +61,10 @@ class PartialRotaryEmbedding(RotaryEmbedding):
         self.fused_cpu = False
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if q.is_cuda:  # one Triton kernel (the same roundings as below)
+            from novainfer.kernels.fused_ops import rotary_embedding
+
+            return rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache, self.rotary_dim)
         cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
         d = self.rotary_dim
@@ -88,14 +92,19 @@ class GatedAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        qg, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attend(positions, self.qkv_proj(hidden_states)))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """The attention output times sigmoid(gate), [tokens, heads * head_dim], from qkv_proj's output (the
+        batch-1 GPU stack computes that projection itself)."""
+        qg, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         qg = qg.reshape(-1, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :].reshape(-1, self.num_heads * self.head_dim)
-        q = self.q_norm(q.contiguous())
+        q = self.q_norm(q)
         k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q.contiguous(), k.contiguous(), v.contiguous())
-        return self.o_proj(out * torch.sigmoid(gate))
+        return out * torch.sigmoid(gate)
 
 
 class HybridDecoderLayer(LlamaDecoderLayer):
