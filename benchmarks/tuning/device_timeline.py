@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, choices=["fp8"])
     ap.add_argument("--device", default="auto")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--top", type=int, default=20, help="kernels listed by time")
     args = ap.parse_args()
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -202,8 +203,8 @@ def main() -> None:
     print("\n| kernel kind | total ms | share of kernel time |\n|---|---|---|")
     for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"| {k} | {v / 1e6:,.1f} | {v / max(kernel_sum, 1):.1%} |")
-    print("\n| kernel (top 20 by time) | calls | total ms | share |\n|---|---|---|---|")
-    for name, (ns, calls) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:20]:
+    print(f"\n| kernel (top {args.top} by time) | calls | total ms | share |\n|---|---|---|---|")
+    for name, (ns, calls) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[: args.top]:
         print(f"| {name[:90]} | {calls:,} | {ns / 1e6:,.1f} | {ns / max(kernel_sum, 1):.1%} |")
     kinds = [k for k, _ in sorted(by_kind.items(), key=lambda kv: -kv[1])][:6]
     print(

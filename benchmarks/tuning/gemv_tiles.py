@@ -1,8 +1,8 @@
 """The batch-1 decode stack's kernels against the layer-by-layer ones they replace, on a GPU; sweeps GEMV tiles.
 
-    python3 benchmarks/tuning/gemv_tiles.py [--models 0.5b 7b] [--fp8] [--out tiles.json]
+    python3 benchmarks/tuning/gemv_tiles.py [--models 0.5b 7b qwen3.5-9b] [--fp8] [--quick] [--out tiles.json]
 
-For each projection of Qwen2.5-0.5B / -7B at one row: the unfused path (Triton RMSNorm kernel, cuBLAS through
+For each projection of Qwen2.5-0.5B / -7B (and Qwen3.5-9B's, the hybrid stack's) at one row: the unfused path (Triton RMSNorm kernel, cuBLAS through
 F.linear, Triton SiLU-and-mul kernel) against novainfer.kernels.gemv with each tile shape of the sweep; and the
 attention (rotary + K/V store + split decode + merge) against the one fused decode kernel at several context
 lengths. Each variant is captured as a CUDA graph of one call per layer over as many copies of the weights
@@ -25,6 +25,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 SHAPES = {  # model -> (layers, hidden, heads, kv_heads, head_dim, intermediate)
     "0.5b": (24, 896, 14, 2, 64, 4864),
     "7b": (28, 3584, 28, 4, 128, 18944),
+}
+# hybrid models (gpu_hybrid_decode_stack.py): layers, then name -> (N, K, norm prologue, SiLU-and-mul epilogue)
+HYBRID = {
+    "qwen3.5-9b": (
+        32,
+        {
+            "deltanet in_proj": (2 * 2048 + 4096 + 4096 + 2 * 32, 4096, True, False),
+            "deltanet out_proj / o_proj": (4096, 4096, False, False),
+            "attention qkv": (2 * 16 * 256 + 2 * 4 * 256, 4096, True, False),
+            "gate_up": (2 * 12288, 4096, True, True),
+            "down": (4096, 12288, False, False),
+        },
+    )
 }
 
 
@@ -63,15 +76,17 @@ def projections(model: str, dev: str, fp8: bool = False) -> dict:
     from novainfer.kernels.fused_ops import rms_norm, silu_and_mul
     from novainfer.kernels.gemv import gemv
 
-    layers, hidden, heads, kv_heads, hd, inter = SHAPES[model]
     dt = torch.bfloat16
-    # name -> (N, K, norm prologue, SiLU-and-mul epilogue)
-    shapes = {
-        "qkv": ((heads + 2 * kv_heads) * hd, hidden, True, False),
-        "o_proj": (hidden, heads * hd, False, False),
-        "gate_up": (2 * inter, hidden, True, True),
-        "down": (hidden, inter, False, False),
-    }
+    if model in HYBRID:
+        layers, shapes = HYBRID[model]
+    else:  # name -> (N, K, norm prologue, SiLU-and-mul epilogue)
+        layers, hidden, heads, kv_heads, hd, inter = SHAPES[model]
+        shapes = {
+            "qkv": ((heads + 2 * kv_heads) * hd, hidden, True, False),
+            "o_proj": (hidden, heads * hd, False, False),
+            "gate_up": (2 * inter, hidden, True, True),
+            "down": (hidden, inter, False, False),
+        }
     if fp8:  # gate/up normed but not multiplied: the alternative to the SiLU epilogue (+ a silu_and_mul kernel)
         shapes["gate_up_no_silu"] = (2 * inter, hidden, True, False)
     out = {}
@@ -188,18 +203,22 @@ def attention(model: str, dev: str, contexts: tuple[int, ...] = (64, 512, 2048, 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="+", default=["0.5b", "7b"], choices=sorted(SHAPES))
+    ap.add_argument("--models", nargs="+", default=["0.5b", "7b"], choices=sorted(SHAPES) + sorted(HYBRID))
+    ap.add_argument("--quick", action="store_true", help="a smaller sweep (block_n <= 8, block_k <= 1024)")
     ap.add_argument("--fp8", action="store_true", help="block-scaled float8 weights")
     ap.add_argument("--no-attention", action="store_true")
     ap.add_argument("--out", "--json", dest="out", default=None)
     args = ap.parse_args()
+    if args.quick:
+        for fp8 in SWEEP:
+            SWEEP[fp8] = [t for t in SWEEP[fp8] if t[0] <= 8 and t[1] <= 1024]
     import torch
 
     print(torch.cuda.get_device_name(), torch.__version__)
     print("| kernel | layer-by-layer (us) | fused stack (us, best tile) |\n| --- | --- | --- |")
     res = {
         m: {"projections": projections(m, "cuda", args.fp8)}
-        | ({} if args.no_attention else {"attention": attention(m, "cuda")})
+        | ({} if args.no_attention or m in HYBRID else {"attention": attention(m, "cuda")})
         for m in args.models
     }
     tiles = {

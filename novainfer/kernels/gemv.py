@@ -104,8 +104,9 @@ def _gemv_kernel(
 
 
 # (N, K, silu_and_mul, block-scaled float8) of the weight -> (BLOCK_N, BLOCK_K, num_warps, num_stages), the fastest
-# of benchmarks/tuning/gemv_tiles.py's sweep on an H200 for Qwen2.5-0.5B's (2026-11-24) and -7B's (bf16 and float8,
-# 2026-11-27) projections; other shapes take gemv_tiles()'s rule
+# of benchmarks/tuning/gemv_tiles.py's sweep on an H200 for Qwen2.5-0.5B's (2026-11-24), -7B's (bf16 and float8,
+# 2026-11-27) and Qwen3.5-9B's (the hybrid stack's, --quick, 2026-11-27) projections; other shapes take
+# gemv_tiles()'s rule
 GEMV_TILES: dict[tuple[int, int, bool, bool], tuple[int, int, int, int]] = {
     (1152, 896, False, False): (2, 1024, 4, 3),
     (896, 896, False, False): (2, 1024, 4, 3),
@@ -119,6 +120,11 @@ GEMV_TILES: dict[tuple[int, int, bool, bool], tuple[int, int, int, int]] = {
     (3584, 3584, False, True): (4, 1024, 4, 3),
     (37888, 3584, True, True): (16, 256, 4, 1),
     (3584, 18944, False, True): (4, 1024, 4, 1),
+    (12352, 4096, False, False): (8, 256, 2, 1),
+    (4096, 4096, False, False): (8, 1024, 2, 3),
+    (10240, 4096, False, False): (8, 256, 4, 1),
+    (24576, 4096, True, False): (8, 512, 2, 3),
+    (4096, 12288, False, False): (1, 1024, 4, 3),
 }
 
 
@@ -161,6 +167,8 @@ def gemv(
     out = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else out
     block_n, block_k, warps, stages = tiles or gemv_tiles(n, k, silu_and_mul, weight_scale is not None)
+    if not x.is_cuda and tiles is None:  # the CPU interpreter (tests): its cost is per program, so few wide ones
+        block_n = min(triton.next_power_of_2(n_out), 64)
     if weight_scale is not None:  # a program's rows within one scale block row
         assert not silu_and_mul or n_out % block[0] == 0, (n, block)
         block_n = min(block_n, block[0])

@@ -1,5 +1,6 @@
 """A decode step's hidden states through a whole-stack fast path with the model's results, where one applies: the
-CPU C stack (cpu_decode_stack.py; cpu_gemma4_stack.py for Gemma 4) or the GPU fused stack (gpu_decode_stack.py);
+CPU C stack (cpu_decode_stack.py; cpu_gemma4_stack.py for Gemma 4) or the GPU fused stack (gpu_decode_stack.py;
+gpu_hybrid_decode_stack.py for Qwen3.5's hybrid layers);
 else the model's forward."""
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ def select_decode_strategy(
         return None
     if attn_backend is cpu_backend:
         return cpu_decode_stack.CPUDecodeStack(inner) if cpu_decode_stack.supports(inner) else None
-    from novainfer.worker.gpu_decode_stack import GPUDecodeStack, supports  # Triton: where its backend runs
+    from novainfer.worker import gpu_decode_stack, gpu_hybrid_decode_stack  # Triton: where its backend runs
 
-    return GPUDecodeStack(inner, graphs_only) if supports(inner) else None
+    if gpu_hybrid_decode_stack.supports(inner):
+        return gpu_hybrid_decode_stack.GPUHybridDecodeStack(inner, graphs_only)
+    return gpu_decode_stack.GPUDecodeStack(inner, graphs_only) if gpu_decode_stack.supports(inner) else None
 
 
 def decode_forward(
