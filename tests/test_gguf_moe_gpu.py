@@ -82,11 +82,13 @@ def test_expert_kernels_equal_the_experts_on_ggufs_dequantization(case):
 
 # ---- a tiny Qwen3-MoE file -----------------------------------------------------------------------------------------
 H, INTER, HEADS, HEAD_DIM, VOCAB = 256, 256, 2, 64, 64
-LAYER_EXPERTS = [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q8_0, T.Q4_0, T.Q5_0)]  # layer 1: two parts and a dense down (Q5_0)
+# layer 1: gate and up in two parts, a dense down (Q5_0 has no GPU kernel: it arrives dequantized); layer 2: a dense
+# gate/up side, its Q4_K gate dequantized beside the Q5_0 up
+LAYER_EXPERTS = [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q8_0, T.Q4_0, T.Q5_0), (T.Q4_K, T.Q5_0, T.Q8_0)]
 
 
 def write_qwen3_moe(path: str) -> str:
-    """Two layers: float32 attention, norms, router and embeddings; each layer's experts of LAYER_EXPERTS' types."""
+    """float32 attention, norms, router and embeddings; each layer's experts of LAYER_EXPERTS' types."""
     rng = np.random.default_rng(7)
     w = GGUFWriter(path, "qwen3moe")
     for key, value in dict(
@@ -141,7 +143,7 @@ def test_qwen3_moe_file_keeps_its_experts_quantized(tmp_path):
     config = load_hf_config(path)
     quant = load_model(path, config, torch.float32, CPU, quant_config=GGUFGPUConfig())
     dense = load_model(path, config, torch.float32, CPU)
-    q0, q1 = (layer.mlp.experts for layer in quant.model.layers)
+    q0, q1, q2 = (layer.mlp.experts for layer in quant.model.layers)
     assert [p.qtype for p in q0.w13_weight.packed] == ["Q4_K"] and [p.qtype for p in q0.w2_weight.packed] == ["Q6_K"]
     assert [p.qtype for p in q1.w13_weight.packed] == ["Q8_0", "Q4_0"] and q1.w2_weight.packed is None
     file_bytes = sum(
@@ -151,11 +153,14 @@ def test_qwen3_moe_file_keeps_its_experts_quantized(tmp_path):
     assert file_bytes <= held <= 1.03 * file_bytes  # about the file's size, not float (4 bytes a weight here)
     assert q0.w13_weight.numel() == 0 and q1.w2_weight.shape == (E, H, INTER)  # the Q5_0 down: dense
     g = torch.Generator().manual_seed(3)
-    for layer in (0, 1):
+    assert q2.w13_weight.packed is None and [p.qtype for p in q2.w2_weight.packed] == ["Q8_0"]
+    assert torch.equal(q2.w13_weight.data, dense.model.layers[2].mlp.experts.w13_weight)  # gguf's values exactly
+    for layer in range(len(LAYER_EXPERTS)):
         q, d = quant.model.layers[layer].mlp.experts, dense.model.layers[layer].mlp.experts
         x = torch.randn(5, H, generator=g)
         weights, ids = torch.softmax(torch.randn(5, E, generator=g), -1).topk(TOP_K, -1)
         want = d.apply_routed(x, weights, ids)
         torch.testing.assert_close(q.apply_routed(x, weights, ids), want, rtol=1e-5, atol=1e-6)  # the CPU reference
-        got = fused_experts_gguf(x, q.w13_weight.packed, q.w2_weight.packed or q.w2_weight.data, weights, ids, ACT)
+        w13, w2 = (p.packed or p.data for p in (q.w13_weight, q.w2_weight))
+        got = fused_experts_gguf(x, w13, w2, weights, ids, ACT)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())  # the kernels

@@ -28,7 +28,7 @@ import triton.language as tl
 from torch import nn
 
 from novainfer.kernels.fused_moe import _grouped_gemm as dense_grouped_gemm
-from novainfer.kernels.fused_moe import moe_tiles, pair_products, routed_experts, store_rows, tile_rows
+from novainfer.kernels.fused_moe import fused_experts, moe_tiles, pair_products, routed_experts, store_rows, tile_rows
 from novainfer.kernels.fused_moe_quant import _grouped_gemm
 from novainfer.kernels.gguf_gemm import (
     GEMV_DEFAULT,
@@ -317,6 +317,8 @@ def fused_experts_gguf(
     [E, 2 * inter, hidden] along N (gate rows, then up rows), w2 [E, hidden, inter] (module docstring). Up to
     MAX_TOKENS tokens the int8-x GEMV per pair, else the grouped GEMMs; tiles: the grouped GEMMs' (a sweep's, which
     also takes the grouped GEMMs at any token count)."""
+    if isinstance(w13, torch.Tensor) and isinstance(w2, torch.Tensor):  # no type with a kernel: the bf16 MoE as is
+        return fused_experts(hidden_states, w13, w2, topk_weights, topk_ids, act_and_mul)
     tokens = hidden_states.shape[0]
     num_experts, n13, _ = side_shape(w13)
     if tokens <= MAX_TOKENS and tiles is None:

@@ -7,8 +7,9 @@ The loader hands each expert's projection over as its raw blocks (GGUFQuantTenso
 keep_experts), shard id (expert, w1 | w3 | w2). Once a side's shards are all in they are stacked and repacked at
 once: w13_weight.packed holds gate and up rows per expert in one part where both are one GGML type, else two parts
 (gate, then up: each written into its columns of the product); w2_weight.packed the down projection (Q4_K_M's down
-is often Q6_K beside Q4_K gate/up: a part of its own type). A side with a shard of a type the kernels do not take
-(it arrives dequantized) is stored dense [E, N, K] in the model's dtype instead, as without this method.
+is often Q6_K beside Q4_K gate/up: a part of its own type). A side with a shard of a type the kernels do not take,
+or of a family whose reader does not split stacks of blocks (they arrive dequantized, written in place as they
+come), is stored dense [E, N, K] in the model's dtype instead, as without this method, and run by the bf16 kernels.
 """
 
 from __future__ import annotations
@@ -54,33 +55,33 @@ class GGUFMoEMethod(FusedMoEMethodBase):
         expert, kind = shard_id
         if not 0 <= expert < layer.num_experts:
             raise ValueError(f"expert {expert} out of range: the config has {layer.num_experts} experts")
-        layer.gguf_shards[(kind, expert)] = loaded
+        want = (param.full_shape[1] // len(SIDES[name]), param.full_shape[2])
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"expert {expert}'s {kind} has shape {tuple(loaded.shape)}; the layer expects {want}")
+        if isinstance(loaded, GGUFQuantTensor):
+            layer.gguf_shards[(kind, expert)] = loaded
+        else:  # dequantized by the loader (a type without a kernel, a family that does not split stacks): in place
+            _rows(param, kind)[expert] = loaded
+            layer.gguf_shards[(kind, expert)] = None
         keys = [(k, e) for k in SIDES[name] for e in range(layer.num_experts)]
         if all(key in layer.gguf_shards for key in keys):  # the side is complete: one side's blocks held at a time
             shards = [[layer.gguf_shards.pop((k, e)) for e in range(layer.num_experts)] for k in SIDES[name]]
             self._store(param, name, shards)
 
-    def _store(self, param: nn.Parameter, name: str, shards: list[list[Any]]) -> None:
-        """One side's shards (per kind, per expert) -> param.packed, or param.data dense where a type has no kernel."""
-        experts, n, k = param.full_shape
-        rows = n // len(shards)
-        for kind, per_expert in zip(SIDES[name], shards):
-            for e, s in enumerate(per_expert):
-                if tuple(s.shape) != (rows, k):
-                    raise ValueError(f"expert {e}'s {kind} has shape {tuple(s.shape)}; the layer expects {(rows, k)}")
+    def _store(self, param: nn.Parameter, name: str, shards: list[list[GGUFQuantTensor | None]]) -> None:
+        """One side's shards (per kind, per expert; None: written dense already) -> param.packed where every shard is
+        kept and each kind is one type, else the quantized ones dequantized into the dense param.data."""
         types = [{getattr(s, "qtype", None) for s in per_expert} for per_expert in shards]
         if all(len(t) == 1 and next(iter(t)) in GPU_TYPES for t in types):
-            param.packed = stack_experts(shards, k, param.device)
+            param.packed = stack_experts(shards, param.full_shape[2], param.device)
             return
-        names = sorted({getattr(q, "name", "float") for t in types for q in t})
-        logger.info("GGUF experts of types %s: %s loads dequantized (no GPU kernel for a type)", names, name)
-        dense = torch.empty(param.full_shape, dtype=param.act_dtype, device=param.device)
-        for i, per_expert in enumerate(shards):
+        if any(s is not None for per_expert in shards for s in per_expert):
+            names = sorted({getattr(q, "name", "float") for t in types for q in t})
+            logger.info("GGUF experts of types %s: %s loads dequantized (no GPU kernel for a type)", names, name)
+        for kind, per_expert in zip(SIDES[name], shards):
             for e, s in enumerate(per_expert):
-                if isinstance(s, GGUFQuantTensor):
-                    s = dequantize(gpu_layout(s.data, s.qtype, s.shape, param.device))
-                dense[e, i * rows : (i + 1) * rows] = s
-        param.data = dense
+                if s is not None:
+                    _rows(param, kind)[e] = dequantize(gpu_layout(s.data, s.qtype, s.shape, param.device))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if layer.gguf_shards:
@@ -96,6 +97,15 @@ class GGUFMoEMethod(FusedMoEMethodBase):
         if x.is_cuda:
             return fused_experts_gguf(x, w13, w2, topk_weights, topk_ids, layer.act_fn)
         return fused_experts_gguf_reference(x, w13, w2, topk_weights, topk_ids, layer.act_fn)
+
+
+def _rows(param: nn.Parameter, kind: str) -> torch.Tensor:
+    """The dense rows [E, rows, K] of one shard kind (gate: the first half of w13, up: the second), the dense
+    weight allocated on first use."""
+    if param.numel() == 0:
+        param.data = torch.empty(param.full_shape, dtype=param.act_dtype, device=param.device)
+    rows = param.full_shape[1] // (2 if kind in ("w1", "w3") else 1)
+    return param.data.narrow(1, rows if kind == "w3" else 0, rows)
 
 
 def _side(param: nn.Parameter) -> Side:
