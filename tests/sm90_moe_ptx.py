@@ -1,4 +1,5 @@
-"""Compile the pre-quantized fused-MoE kernels (kernels/fused_moe_quant.py) for an H100/H200 (sm_90) on a machine
+"""Compile the pre-quantized fused-MoE kernels (kernels/fused_moe_quant.py, and kernels/fused_moe_gguf.py's grouped
+GEMM of Q4_K_M's two types) for an H100/H200 (sm_90) on a machine
 without a GPU; print their PTX as one JSON line (tests/test_moe_prequantized.py checks it). Run without
 TRITON_INTERPRET."""
 
@@ -10,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from novainfer.kernels import fused_moe_quant  # noqa: E402
+from novainfer.kernels import fused_moe_gguf, fused_moe_quant, gguf_gemm  # noqa: E402
 from tests.sm90_ptx import ptx  # noqa: E402
 
 ROUTING = {"c_ptr": "*bf16", "topk_weights_ptr": "*bf16", "sorted_ids_ptr": "*i32", "block_experts_ptr": "*i32"}
@@ -40,4 +41,11 @@ out = {
         3,
     ),
 }
+for qtype in ("Q4_K", "Q6_K"):  # the GGUF experts: a tile dequantized in registers, the dot's register operand
+    half = gguf_gemm.FORMATS[qtype].half
+    gguf = {"a_ptr": "*bf16", "q_ptr": "*u8", "d_ptr": "*fp16", "dm_ptr": "*fp16", "mn_ptr": "*u8", "h_ptr": "*u8"}
+    consts = gguf_gemm._consts(gguf_gemm.GGUFWeight(qtype, *[None] * len(gguf_gemm.ARRAYS), (0, 0)))
+    out[f"gguf_moe_{qtype}"] = ptx(
+        fused_moe_gguf._gguf_moe_kernel, ROUTING | gguf | {"sc_ptr": "*i8" if half else "*u8"}, TILES | consts, 4, 3
+    )
 print(json.dumps(out))

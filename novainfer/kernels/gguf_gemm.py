@@ -360,6 +360,67 @@ def _q8_words(q_ptr, h_ptr, rload, chunk, word, k0, stride_qw, stride_hw, gmask,
 
 
 @triton.jit
+def _gemv_q8_rows(
+    xq_ptr,
+    dx_ptr,
+    sx_ptr,
+    q_ptr,
+    d_ptr,
+    sc_ptr,
+    dm_ptr,
+    mn_ptr,
+    h_ptr,
+    rload,
+    K,
+    stride_qw,
+    stride_hw,
+    Q4: tl.constexpr,
+    HB: tl.constexpr,
+    HALF: tl.constexpr,
+    SUB: tl.constexpr,
+    OFF: tl.constexpr,
+    HAS_SC: tl.constexpr,
+    HAS_DM: tl.constexpr,
+    HAS_MN: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """One row of x, quantized by _quantize_q8_kernel (xq_ptr, dx_ptr, sx_ptr at that row), times weight rows rload
+    (int64, in range) -> float32 [BLOCK_N]: per group of 32 inputs eight dp4a a row (the integer sum of quants times
+    int8 inputs, exact), then scale * dx * sum + zero * sx, where sx = dx * (the group's sum of int8 inputs) and OFF
+    is folded into the zero. Sums in a [BLOCK_N, C, 4] float32 tile, reduced once at the end (the dense GEMV's body
+    and the MoE GEMV's of kernels/fused_moe_gguf.py, whose rows start at an expert's)."""
+    C: tl.constexpr = BLOCK_K // 32
+    chunk = tl.arange(0, C)
+    word = tl.arange(0, 4)
+    x_words = (chunk[:, None] * 8 + word[None, :])[None, :, :]  # [1, C, 4]: inputs 4 w .. 4 w + 3 of each group
+    acc = tl.zeros([BLOCK_N, C, 4], tl.float32)
+    accz = tl.zeros([BLOCK_N, C], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        g = k0 // 32 + chunk
+        in_k = g < K // 32
+        gmask = in_k[None, :, None]
+        s_lo, z_lo, s_hi, z_hi = _group_scales(
+            d_ptr, sc_ptr, dm_ptr, mn_ptr, rload, g, K, HALF, SUB, HAS_SC, HAS_DM, HAS_MN
+        )
+        lo, hi = _q8_words(q_ptr, h_ptr, rload, chunk, word, k0, stride_qw, stride_hw, gmask, Q4, HB)
+        xl = tl.load(xq_ptr + k0 // 4 + x_words, mask=gmask, other=0)
+        xh = tl.load(xq_ptr + k0 // 4 + 4 + x_words, mask=gmask, other=0)
+        dx = tl.load(dx_ptr + g, mask=in_k, other=0.0)[None, :]
+        if HALF:  # the low and the high nibbles have their own scales
+            acc += _dp4a(lo, xl, tl.zeros_like(lo), not Q4, ASM).to(tl.float32) * (s_lo * dx)[:, :, None]
+            acc += _dp4a(hi, xh, tl.zeros_like(hi), not Q4, ASM).to(tl.float32) * (s_hi * dx)[:, :, None]
+        else:  # one scale a group: one integer sum, one conversion
+            dot = _dp4a(hi, xh, _dp4a(lo, xl, tl.zeros_like(lo), not Q4, ASM), not Q4, ASM)
+            acc += dot.to(tl.float32) * (s_lo * dx)[:, :, None]
+        sx_lo = tl.load(sx_ptr + 2 * g, mask=in_k, other=0.0)[None, :]
+        sx_hi = tl.load(sx_ptr + 2 * g + 1, mask=in_k, other=0.0)[None, :]
+        accz += (z_lo - OFF * s_lo) * sx_lo + (z_hi - OFF * s_hi) * sx_hi
+    return tl.sum(tl.sum(acc, 2), 1) + tl.sum(accz, 1)
+
+
+@triton.jit
 def _gguf_gemv_q8_kernel(
     xq_ptr,
     dx_ptr,
@@ -387,39 +448,35 @@ def _gguf_gemv_q8_kernel(
     BLOCK_K: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    """One row of x, quantized by _quantize_q8_kernel, times BLOCK_N weight rows a program: per group of 32 inputs
-    eight dp4a a row (the integer sum of quants times int8 inputs, exact), then scale * dx * sum + zero * sx, where
-    sx = dx * (the group's sum of int8 inputs) and OFF is folded into the zero. Sums in a [BLOCK_N, C, 4] float32
-    tile, reduced once at the end."""
-    C: tl.constexpr = BLOCK_K // 32
+    """One row of x, quantized by _quantize_q8_kernel, times BLOCK_N weight rows a program (_gemv_q8_rows)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rload = tl.minimum(rows, N - 1).to(tl.int64)  # the last tile re-reads row N - 1: no row masks on the loads
-    chunk = tl.arange(0, C)
-    word = tl.arange(0, 4)
-    x_words = (chunk[:, None] * 8 + word[None, :])[None, :, :]  # [1, C, 4]: inputs 4 w .. 4 w + 3 of each group
-    acc = tl.zeros([BLOCK_N, C, 4], tl.float32)
-    accz = tl.zeros([BLOCK_N, C], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        g = k0 // 32 + chunk
-        in_k = g < K // 32
-        gmask = in_k[None, :, None]
-        s_lo, z_lo, s_hi, z_hi = _group_scales(
-            d_ptr, sc_ptr, dm_ptr, mn_ptr, rload, g, K, HALF, SUB, HAS_SC, HAS_DM, HAS_MN
-        )
-        lo, hi = _q8_words(q_ptr, h_ptr, rload, chunk, word, k0, stride_qw, stride_hw, gmask, Q4, HB)
-        xl = tl.load(xq_ptr + k0 // 4 + x_words, mask=gmask, other=0)
-        xh = tl.load(xq_ptr + k0 // 4 + 4 + x_words, mask=gmask, other=0)
-        dx = tl.load(dx_ptr + g, mask=in_k, other=0.0)[None, :]
-        if HALF:  # the low and the high nibbles have their own scales
-            acc += _dp4a(lo, xl, tl.zeros_like(lo), not Q4, ASM).to(tl.float32) * (s_lo * dx)[:, :, None]
-            acc += _dp4a(hi, xh, tl.zeros_like(hi), not Q4, ASM).to(tl.float32) * (s_hi * dx)[:, :, None]
-        else:  # one scale a group: one integer sum, one conversion
-            dot = _dp4a(hi, xh, _dp4a(lo, xl, tl.zeros_like(lo), not Q4, ASM), not Q4, ASM)
-            acc += dot.to(tl.float32) * (s_lo * dx)[:, :, None]
-        sx_lo = tl.load(sx_ptr + 2 * g, mask=in_k, other=0.0)[None, :]
-        sx_hi = tl.load(sx_ptr + 2 * g + 1, mask=in_k, other=0.0)[None, :]
-        accz += (z_lo - OFF * s_lo) * sx_lo + (z_hi - OFF * s_hi) * sx_hi
-    y = tl.sum(tl.sum(acc, 2), 1) + tl.sum(accz, 1)
+    y = _gemv_q8_rows(
+        xq_ptr,
+        dx_ptr,
+        sx_ptr,
+        q_ptr,
+        d_ptr,
+        sc_ptr,
+        dm_ptr,
+        mn_ptr,
+        h_ptr,
+        rload,
+        K,
+        stride_qw,
+        stride_hw,
+        Q4,
+        HB,
+        HALF,
+        SUB,
+        OFF,
+        HAS_SC,
+        HAS_DM,
+        HAS_MN,
+        BLOCK_N,
+        BLOCK_K,
+        ASM,
+    )
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
@@ -615,6 +672,14 @@ def _consts(w: GGUFWeight) -> dict:
     )
 
 
+def q8_operands(w: GGUFWeight) -> tuple[list[torch.Tensor], tuple[int, int], dict]:
+    """The int8-x GEMV's six weight pointers (quants and high-bit planes as int32 words), the row strides of those
+    two in words, and its constexprs (no byte widths); a stack of experts [E, N, ...] passes as its E * N rows."""
+    words = [w.qweight.view(torch.int32), *_args(w)[1:5], w.d if w.qh is None else w.qh.view(torch.int32)]
+    strides = (w.qweight.stride(-2) // 4, 0 if w.qh is None else w.qh.stride(-2) // 4)
+    return words, strides, {c: v for c, v in _consts(w).items() if c not in ("W", "NB")}
+
+
 Q8 = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (int8 x, dx per 32 inputs, sx per 16): quantize_q8's
 
 
@@ -664,23 +729,21 @@ def gguf_gemv(
     consts = _consts(w)
     if m == 1:
         xq, dx, sx = q8 if q8 is not None else quantize_q8(x)
+        words, strides, q8_consts = q8_operands(w)
         _gguf_gemv_q8_kernel[(triton.cdiv(n, block_n),)](
             xq.view(torch.int32),
             dx,
             sx,
-            w.qweight.view(torch.int32),
-            *_args(w)[1:5],
-            w.d if w.qh is None else w.qh.view(torch.int32),
+            *words,
             out,
             n,
             k,
-            w.qweight.stride(0) // 4,
-            0 if w.qh is None else w.qh.stride(0) // 4,
+            *strides,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             ASM=x.is_cuda,
             num_warps=warps,
-            **{c: v for c, v in consts.items() if c not in ("W", "NB")},  # words, not bytes: no byte widths
+            **q8_consts,
         )
         return out
     _gguf_gemv_kernel[(triton.cdiv(n, block_n),)](

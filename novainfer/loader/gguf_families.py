@@ -13,8 +13,8 @@ tensor, and what llama.cpp assumes where the file says nothing:
     model's (the file records it).
   * Mistral and Mixtral are written as `llama` (q / k rows permuted, undone by gguf_loader); Mixtral's experts
     and every MoE family's are [E, out, in] stacks (ffn_gate_exps / ffn_up_exps / ffn_down_exps), split here
-    into one tensor per expert. The fused MoE layer has no quantized kernel, so expert stacks load dequantized
-    (attention, shared experts and embeddings stay quantized); Qwen2-MoE's shared-expert gate is a [H, 1] column.
+    into one tensor per expert: dequantized, or where the loader keeps experts (the one-GPU GGUF method:
+    layers/quantization/gguf_moe.py) each expert's rows of blocks; Qwen2-MoE's shared-expert gate is a [H, 1] column.
   * Qwen3-MoE renormalises the top-k routing weights, Qwen2-MoE does not (as llama.cpp's graphs).
 An <arch>.* metadata key this reader does not know is refused, naming it.
 """
@@ -212,6 +212,8 @@ def config_kwargs(field: Any, tensor: Any) -> dict[str, Any]:
 class FamilyTensors:
     """Names a family's GGUF tensors in HF terms and undoes its converter's transforms (module docstring)."""
 
+    splits_experts = True  # fix() splits an [E, out, in] stack of blocks per expert as it splits a dense one
+
     def __init__(self, arch: str, config: Any):
         self.arch, self.config = arch, config
         self.num_experts = int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0) or 0)
@@ -249,7 +251,7 @@ class FamilyTensors:
         c = self.config
         if self.gemma and name.endswith("norm.weight"):
             yield name, data - np.float32(1)
-        elif ".mlp.experts." in name:  # [E, out, in] dequantized: one tensor per expert
+        elif ".mlp.experts." in name:  # [E, out, in] (dequantized, or rows of blocks): one tensor per expert
             prefix, _, part = name.rpartition(".experts.")
             proj = part.split(".")[0]
             if self.arch == "llama":  # Mixtral: block_sparse_moe.experts.E.w1/w2/w3

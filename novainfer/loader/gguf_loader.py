@@ -241,11 +241,13 @@ def count_gguf_weights(path: str) -> int:
     return sum(1 if fixer is None else fixer.count(n) for n in names if n is not None)
 
 
-def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple[str, Any]]:
+def iter_gguf_weights(path: str, keep_quantized: bool = False, keep_experts: bool = False) -> Iterator[tuple[str, Any]]:
     """(HF name, tensor in HF shape) for every GGUF tensor that has an HF counterpart: float32 tensors, or
     with keep_quantized, 2-D weights of a type the CPU or GPU kernels take as GGUFQuantTensor (raw blocks, read one
     tensor at a time; the layer repacks them as soon as all its shards are in). F16 and BF16 weights count as such a
-    type (the CPU multiplies them as stored); F32 ones load as tensors."""
+    type (the CPU multiplies them as stored); F32 ones load as tensors. keep_experts: also the [E, out, in] expert
+    stacks of a type the GPU kernels take, one GGUFQuantTensor per expert, where the family's reader splits them
+    (its splits_experts; layers/quantization/gguf_moe.py takes them)."""
     from novainfer.kernels.cpu.repack import SUPPORTED
     from novainfer.layers.quantization.gguf_cpu import GGUFQuantTensor
     from novainfer.layers.quantization.gguf_gpu import GPU_TYPES
@@ -275,8 +277,8 @@ def iter_gguf_weights(path: str, keep_quantized: bool = False) -> Iterator[tuple
             and len(shape) == 2
             and qtype in kept  # quantized types, and F16 / BF16 (kept as stored)
             and (fixer is None or fixer.keep_quantized(name, shape, block))
-        ):
-            data = _read_bytes(path, tensor).reshape(shape[0], -1)  # one row of blocks per output row
+        ) or (keep_experts and len(shape) == 3 and qtype in GPU_TYPES and getattr(fixer, "splits_experts", False)):
+            data = _read_bytes(path, tensor).reshape(*shape[:-1], -1)  # one row of blocks per output row
         else:
             if keep_quantized and quantized and qtype.name not in logged:
                 logged.add(qtype.name)

@@ -21,11 +21,11 @@ logger = logging.getLogger(__name__)
 _build_lock = threading.Lock()  # the default dtype and device are process state; uni ranks build one at a time
 
 
-def _iter_weights(model: str, keep_quantized: bool = False):
+def _iter_weights(model: str, keep_quantized: bool = False, keep_experts: bool = False):
     if model.endswith(".gguf"):
         from novainfer.loader.gguf_loader import count_gguf_weights, iter_gguf_weights
 
-        return iter_gguf_weights(model, keep_quantized), count_gguf_weights(model)
+        return iter_gguf_weights(model, keep_quantized, keep_experts), count_gguf_weights(model)
     from novainfer.loader.safetensors_loader import count_safetensors_weights, iter_safetensors_weights
 
     return iter_safetensors_weights(model), count_safetensors_weights(model)
@@ -57,7 +57,8 @@ def load_model(
             torch.set_default_dtype(prev_dtype)
     if load_format == "dummy":
         return process_weights_after_loading(initialize_dummy_weights(net), quant_config).eval()
-    weights, total = _iter_weights(model, keep_quantized=quant_config is not None)
+    keep_experts = quant_config is not None and quant_config.keeps_gguf_experts
+    weights, total = _iter_weights(model, keep_quantized=quant_config is not None, keep_experts=keep_experts)
     bar = tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False)
     current = [""]
 

@@ -62,10 +62,12 @@ class QuantizationConfig:
     tensors (the quantized CPU path; the float32 exact path keeps torch's ops).
     activation_dtype: the dtype the methods' kernels take activations in, which a CPU model then computes in
     unless a dtype was asked for (None: the device's default, platform.default_cpu_dtype).
+    keeps_gguf_experts: the config's MoE method takes a GGUF file's experts as their blocks (else dequantized).
     """
 
     fused_cpu_ops = False
     activation_dtype: torch.dtype | None = None
+    keeps_gguf_experts = False  # a GGUF file's `*_exps` stacks reach the FusedMoE layers as raw blocks per expert
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
         raise NotImplementedError

@@ -7,7 +7,8 @@ Loading follows the CPU method (gguf_cpu.py, whose shard bookkeeping this subcla
 separate parts of the layer, each written by its own kernel into its columns of the output. The quantized parts
 hang on the weight Parameter (`param.packed`), so a tied lm_head shares the embedding's; an embedding lookup
 gathers the ids' rows of blocks and dequantizes only those. Tensors of other types (Q5_0, IQ*, MXFP4 outside
-the experts) and non-2-D ones (MoE `*_exps` stacks) load dequantized, as without this method.
+the experts) load dequantized, as without this method. MoE `*_exps` stacks of these types stay quantized too, in the
+same layout with a leading expert dimension (layers/quantization/gguf_moe.py, kernels/fused_moe_gguf.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 
 from novainfer.kernels.cpu.repack import BLOCK
 from novainfer.kernels.gguf_gemm import FORMATS, GGUFWeight, dequantize, gguf_matmul, pack_nibbles
-from novainfer.layers.quantization.base import QuantizationConfig, QuantizeMethodBase
+from novainfer.layers.quantization.base import FusedMoEMethodBase, QuantizationConfig, QuantizeMethodBase
 from novainfer.layers.quantization.gguf_cpu import GGUFCPULinearMethod, GGUFQuantTensor
 
 logger = logging.getLogger(__name__)
@@ -131,9 +132,19 @@ class GGUFGPULinearMethod(GGUFCPULinearMethod):
 
 
 class GGUFGPUConfig(QuantizationConfig):
-    """Every linear/embedding layer of a one-rank GPU model keeps its GGUF blocks (types in GPU_TYPES)."""
+    """Every linear/embedding layer and every FusedMoE layer's experts of a one-rank GPU model keep their GGUF blocks
+    (types in GPU_TYPES)."""
+
+    keeps_gguf_experts = True
 
     def get_quant_method(self, layer: nn.Module) -> QuantizeMethodBase | None:
         if getattr(layer, "tp_size", 1) != 1:
             return None
         return GGUFGPULinearMethod()
+
+    def get_moe_method(self, layer: nn.Module) -> FusedMoEMethodBase | None:
+        if getattr(layer, "tp_size", 1) != 1:
+            return None
+        from novainfer.layers.quantization.gguf_moe import GGUFMoEMethod
+
+        return GGUFMoEMethod()
