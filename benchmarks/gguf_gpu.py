@@ -46,7 +46,7 @@ def random_weight(qtype: str, n: int, k: int, device: torch.device, rng: np.rand
 
     from novainfer.kernels.cpu.repack import BLOCK
     from novainfer.kernels.gguf_gemm import dequantize
-    from novainfer.layers.quantization.gguf_gpu import gpu_layout
+    from novainfer.layers.quantization.gguf_gpu_layout import gpu_layout
 
     per, nbytes = BLOCK[T[qtype]]
     b = np.frombuffer(rng.bytes(n * (k // per) * nbytes), np.uint8).reshape(n, k // per, nbytes).copy()

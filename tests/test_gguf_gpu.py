@@ -27,8 +27,9 @@ from novainfer.kernels.gguf_gemm import (
     quantize_q8,
     quantize_q8_reference,
 )
-from novainfer.layers.quantization import gguf_gpu
-from novainfer.layers.quantization.gguf_gpu import GGUFGPUConfig, gpu_layout
+from novainfer.layers.quantization import gguf_gpu_layout
+from novainfer.layers.quantization.gguf_gpu import GGUFGPUConfig
+from novainfer.layers.quantization.gguf_gpu_layout import gpu_layout
 from tests.test_quantized_cpu import random_blocks
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -64,7 +65,7 @@ def test_layout_is_exact_and_kernels_equal_the_reference(qtype, monkeypatch):
     assert torch.equal(dequantize(w), ref)  # the repack loses nothing: the same float32 products as gguf's
     per, nbytes = BLOCK[qtype]
     assert w.nbytes() <= 1.03 * (n * k // per * nbytes)  # about the file's bytes (Q4_K / Q5_K: 2 bytes a 256 more)
-    monkeypatch.setattr(gguf_gpu, "CHUNK_BYTES", 1)  # one row a chunk: the same layout
+    monkeypatch.setattr(gguf_gpu_layout, "CHUNK_BYTES", 1)  # one row a chunk: the same layout
     assert torch.equal(dequantize(weight(qtype, n, k, int(qtype))[0]), ref)
     g = torch.Generator().manual_seed(0)
     for m, tiles in ((1, None), (1, (4, 512, 4)), (5, (4, 512, 4))):  # one row: int8 x and integer dot products

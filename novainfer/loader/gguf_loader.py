@@ -250,7 +250,7 @@ def iter_gguf_weights(path: str, keep_quantized: bool = False, keep_experts: boo
     (its splits_experts; layers/quantization/gguf_moe.py takes them)."""
     from novainfer.kernels.cpu.repack import SUPPORTED
     from novainfer.layers.quantization.gguf_cpu import GGUFQuantTensor
-    from novainfer.layers.quantization.gguf_gpu import GPU_TYPES
+    from novainfer.layers.quantization.gguf_gpu_layout import GPU_TYPES
 
     kept = SUPPORTED | GPU_TYPES  # what the CPU repack or the GPU kernels take; the layer's method picks its own
 

@@ -27,7 +27,7 @@ from novainfer.kernels.gguf_gemm import GGUFWeight, dequantize
 from novainfer.layers.fused_moe.gguf_torch import fused_experts_gguf_reference
 from novainfer.layers.quantization.base import FusedMoEMethodBase
 from novainfer.layers.quantization.gguf_cpu import GGUFQuantTensor
-from novainfer.layers.quantization.gguf_gpu import GPU_TYPES, gpu_layout
+from novainfer.layers.quantization.gguf_gpu_layout import GPU_TYPES, gpu_layout
 
 logger = logging.getLogger(__name__)
 
