@@ -3,8 +3,8 @@ through Triton's interpreter (conftest sets TRITON_INTERPRET): expert stacks of 
 type in one part, of two types in two, a dense down where a type has no kernel) through the few-token int8-x GEMV
 and the grouped GEMMs equal the experts on gguf's own dequantization, and a tiny Qwen3-MoE GGUF loaded with the GPU
 config keeps its experts in the repacked layout at about the file's bytes, its layers equal to the dequantized
-model's (check_experts_kept: the same for a Qwen3.5-MoE file llama.cpp's converter makes, whose reader splits
-its own expert stacks)."""
+model's (check_experts_kept: the same for the Qwen3.5-MoE and Gemma 4 files llama.cpp's converter makes, whose
+readers split their own expert stacks)."""
 
 from __future__ import annotations
 
