@@ -9,7 +9,8 @@ factors as tensors), Qwen2-MoE (shared expert and its gate), Qwen3-MoE (stacked 
   * the Q8_0 file, kept quantized, agrees with the float32 reference on its own dequantized weights in >= 99% of
     teacher-forced top-1 tokens and is no further from it in KL than llama.cpp is on the same file;
   * the F16 file's matrices (embeddings and output heads too) stay 16-bit, multiplied as stored, and give the
-    logits its float32 copies gave to float32 summation order.
+    logits its float32 copies gave to float32 summation order;
+  * with the one-GPU GGUF config, Gemma 4's Q8_0 experts stay blocks (its gate_up stack split per expert).
 
 The configs keep to what a GGUF records and llama.cpp runs: Gemma 2's query_pre_attn_scalar is its head_dim, Gemma 3
 has six layers (llama.cpp's 5:1 sliding pattern), Phi-3's window is longer than the prompts (llama.cpp ignores
@@ -169,6 +170,14 @@ def test_fused_and_shared_weights_stay_quantized_experts_load_dense(family, fami
     for proj, want in quantized:
         assert proj.weight.packed is not None
         assert torch.allclose(proj.weight.packed.dequantize(), want.weight, atol=1e-6)
+
+
+def test_gemma4_moe_experts_stay_quantized_with_the_gpu_config(family_files):
+    """Gemma 4's fused gate_up stack splits into each expert's gate rows, then up rows, of blocks: the one-GPU GGUF
+    config keeps its Q8_0 experts as blocks, GELU-tanh between the products (tests/test_gguf_moe_gpu.py's check)."""
+    from tests.test_gguf_moe_gpu import check_experts_kept
+
+    check_experts_kept(family_files("gemma4_moe")["q8_0"], lambda layer: layer.experts)
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gemma4"])

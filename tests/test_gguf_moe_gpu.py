@@ -3,7 +3,8 @@ through Triton's interpreter (conftest sets TRITON_INTERPRET): expert stacks of 
 type in one part, of two types in two, a dense down where a type has no kernel) through the few-token int8-x GEMV
 and the grouped GEMMs equal the experts on gguf's own dequantization, and a tiny Qwen3-MoE GGUF loaded with the GPU
 config keeps its experts in the repacked layout at about the file's bytes, its layers equal to the dequantized
-model's."""
+model's (check_experts_kept: the same for the Qwen3.5-MoE and Gemma 4 files llama.cpp's converter makes, whose
+readers split their own expert stacks)."""
 
 from __future__ import annotations
 
@@ -164,3 +165,33 @@ def test_qwen3_moe_file_keeps_its_experts_quantized(tmp_path):
         w13, w2 = (p.packed or p.data for p in (q.w13_weight, q.w2_weight))
         got = fused_experts_gguf(x, w13, w2, weights, ids, ACT)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())  # the kernels
+
+
+def check_experts_kept(path: str, experts_of) -> None:
+    """A converter-made GGUF file whose *_exps stacks are Q8_0, loaded with the GPU config on the CPU device and
+    dequantized: each MoE layer's experts (experts_of(decoder layer)) stay Q8_0 blocks, with no dense copy, together
+    at about the file's expert bytes, and equal the dequantized layer's on random routes (the torch reference; the
+    first layer through the interpreted kernels too, with the layer's own activation)."""
+    from novainfer.loader.gguf_loader import _reader
+    from novainfer.loader.model_loader import load_hf_config, load_model
+
+    config = load_hf_config(path)
+    quant = load_model(path, config, torch.float32, CPU, quant_config=GGUFGPUConfig())
+    dense = load_model(path, config, torch.float32, CPU)
+    stacks = [t for t in _reader(path).tensors if t.name.endswith("_exps.weight")]
+    assert stacks and {t.tensor_type for t in stacks} == {T.Q8_0}
+    held, g = 0, torch.Generator().manual_seed(0)
+    for i, (q_layer, d_layer) in enumerate(zip(quant.model.layers, dense.model.layers)):
+        q, d = experts_of(q_layer), experts_of(d_layer)
+        assert [p.qtype for p in q.w13_weight.packed] == ["Q8_0"] and [p.qtype for p in q.w2_weight.packed] == ["Q8_0"]
+        assert q.w13_weight.numel() == 0 and q.w2_weight.numel() == 0
+        held += sum(p.nbytes() for p in q.w13_weight.packed + q.w2_weight.packed)
+        x = torch.randn(5, q.w13_weight.full_shape[2], generator=g)
+        weights, ids = torch.softmax(torch.randn(5, q.num_experts, generator=g), -1).topk(q.top_k, -1)
+        want = d.apply_routed(x, weights, ids)
+        torch.testing.assert_close(q.apply_routed(x, weights, ids), want, rtol=1e-5, atol=1e-6)
+        if i == 0:
+            got = fused_experts_gguf(x, q.w13_weight.packed, q.w2_weight.packed, weights, ids, q.act_fn)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    file_bytes = sum(t.nbytes for t in stacks)
+    assert file_bytes <= held <= 1.03 * file_bytes  # about the file's size, not float (4 bytes a weight here)

@@ -2,7 +2,8 @@
 key heads serving four value heads (so the converter's value-head reordering bites): the f32 file (dense and
 MoE) gives the HF checkpoint's and transformers' greedy tokens; the Q8_0 / Q4_K_M files, kept quantized, agree
 with the float32 reference on their own dequantized weights in >= 99% of teacher-forced top-1 tokens and, where
-llama_cpp is installed, are no further from it in KL than llama.cpp is on the same file; unknown metadata is refused."""
+llama_cpp is installed, are no further from it in KL than llama.cpp is on the same file; the MoE's Q8_0 experts
+stay blocks with the one-GPU GGUF config; unknown metadata is refused."""
 
 from __future__ import annotations
 
@@ -90,6 +91,19 @@ def test_weights_stay_quantized_and_reordered_blocks_load(files):
     want = dense.model.layers[0].linear_attn.out_proj.weight
     got = mixer.out_proj.weight.packed.dequantize()
     assert (got - want).abs().max() < 0.02 * want.abs().max()  # Q8_0 rounding, in the HF column order
+
+
+@pytest.fixture(scope="module")
+def moe_q8_0(files, tmp_path_factory):
+    """The MoE checkpoint through llama.cpp's converter at q8_0: its ffn_*_exps stacks Q8_0 (one test's file)."""
+    return convert_hf_to_gguf(files["moe-hf"], str(tmp_path_factory.mktemp("qwen35moe-q8") / "moe-q8_0.gguf"), "q8_0")
+
+
+def test_moe_experts_stay_quantized_with_the_gpu_config(moe_q8_0):
+    """The one-GPU GGUF config keeps the MoE's Q8_0 expert stacks as blocks (tests/test_gguf_moe_gpu.py's check)."""
+    from tests.test_gguf_moe_gpu import check_experts_kept
+
+    check_experts_kept(moe_q8_0, lambda layer: layer.mlp.experts)
 
 
 def test_unknown_qwen35_metadata_is_refused(files, monkeypatch):

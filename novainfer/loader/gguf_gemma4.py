@@ -10,9 +10,11 @@ tensors, read back here:
   * attention_k_eq_v: a full-attention layer that owns its KV and has no attn_v tensor;
   * the full layers' proportional rope: rope_freqs holds 1 for each rotated pair and 1e30 for the others, so
     partial_rotary_factor = 2 * (pairs at 1) / global_head_dim;
-  * the router: ffn_gate_inp (proj), ffn_gate_inp.scale (scale), ffn_down_exps.scale (per_expert_scale); the experts
-    stay one [E, 2I, H] gate_up stack and one [E, H, I] down stack, which load dequantized (the fused MoE layer has
-    no quantized kernel).
+  * the router: ffn_gate_inp (proj), ffn_gate_inp.scale (scale), ffn_down_exps.scale (per_expert_scale, applied to
+    the routing weights: the expert tensors themselves are as HF stores them); the experts' [E, 2I, H] gate_up
+    stack (gate rows, then up) and [E, H, I] down stack, split here into one tensor per expert and projection:
+    dequantized, or where the loader keeps experts (the one-GPU GGUF method: layers/quantization/gguf_moe.py) each
+    expert's rows of blocks.
 A gemma4.* metadata key this reader does not know is refused, naming it.
 """
 
@@ -142,7 +144,12 @@ def config_kwargs(field: Any, shapes: dict[str, tuple[int, ...]], tensor: Any) -
 
 
 class Gemma4Tensors:
-    """Names a gemma4 file's tensors in HF terms (module docstring); no tensor needs changing."""
+    """Names a gemma4 file's tensors in HF terms and splits the expert stacks (module docstring)."""
+
+    splits_experts = True  # fix() splits an [E, out, in] stack of blocks per expert as it splits a dense one
+
+    def __init__(self, config: Any):
+        self.num_experts = int(getattr(config, "num_experts", 0) or 0)
 
     def hf_name(self, gguf_name: str) -> str | None:
         """HF parameter name; None for rope_freqs (config instead)."""
@@ -154,10 +161,20 @@ class Gemma4Tensors:
         return None
 
     def count(self, name: str) -> int:
-        return 1
+        """How many HF tensors fix() makes of this one (a gate_up stack: a gate and an up per expert)."""
+        if name.endswith(".experts.gate_up_proj"):
+            return 2 * self.num_experts
+        return self.num_experts if name.endswith(".experts.down_proj") else 1
 
     def keep_quantized(self, name: str, shape: tuple[int, ...], block: int) -> bool:
         return True
 
     def fix(self, name: str, data: np.ndarray, block: int = 1) -> Iterator[tuple[str, np.ndarray]]:
-        yield name, data
+        """(HF name, array): an expert stack (float32, or rows of blocks) one per expert and projection, the rest as
+        stored."""
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            from novainfer.models.gemma4 import per_expert  # the model's own split (models import torch's layers)
+
+            yield from per_expert(name, data)
+        else:
+            yield name, data

@@ -226,7 +226,7 @@ def _tensor_names(path: str):
         fixer = gguf_families.FamilyTensors(arch, load_gguf_config(path))
         return fixer.hf_name, fixer
     if arch == gguf_gemma4.ARCH:
-        fixer = gguf_gemma4.Gemma4Tensors()
+        fixer = gguf_gemma4.Gemma4Tensors(load_gguf_config(path))
         return fixer.hf_name, fixer
     if arch == gguf_gpt_oss.ARCH:
         fixer = gguf_gpt_oss.GptOssTensors(load_gguf_config(path))

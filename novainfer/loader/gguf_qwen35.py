@@ -9,7 +9,9 @@ changes, undone here tensor by tensor:
     [k0v0, k0v1, k1v0, k1v1] to tiled [k0v0, k1v0, k0v1, k1v1]: the v rows of attn_qkv, the rows of attn_gate
     (in_proj_z), ssm_alpha / ssm_beta, the entries of ssm_a / ssm_dt, the v channels of ssm_conv1d and the
     columns of ssm_out (out_proj).
-The MoE's [E, out, in] expert stacks load dequantized, split into one tensor per expert (the HF names).
+The MoE's [E, out, in] expert stacks split into one tensor per expert (the HF names): dequantized, or where the
+loader keeps experts (the one-GPU GGUF method: layers/quantization/gguf_moe.py) each expert's rows of blocks, which
+no transform touches.
 Row permutations apply to quantized blocks as they are (a row's blocks move whole); a column permutation of
 ssm_out moves whole blocks when a value head spans whole blocks, else that tensor loads dequantized.
 The metadata maps to a Qwen3_5TextConfig; a qwen35.* key this reader does not know is refused, naming it.
@@ -156,6 +158,8 @@ def config_kwargs(field: Any) -> dict[str, Any]:
 class Qwen35Tensors:
     """Undoes the converter's transforms on one file's tensors (see the module docstring)."""
 
+    splits_experts = True  # fix() splits an [E, out, in] stack of blocks per expert as it splits a dense one
+
     def __init__(self, config: Any):
         self.nk, self.nv = config.linear_num_key_heads, config.linear_num_value_heads
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
@@ -203,7 +207,7 @@ class Qwen35Tensors:
             qk = 2 * self.nk * self.dk
             data = np.concatenate([data[:qk], data[qk:][self._grouped(self.dv)]])
             yield name, data.reshape(data.shape[0], 1, data.shape[-1])
-        elif ".mlp.experts." in name:  # [E, out, in] dequantized: one tensor per expert
+        elif ".mlp.experts." in name:  # [E, out, in] (dequantized, or rows of blocks): one tensor per expert
             prefix, _, part = name.rpartition(".experts.")
             for e in range(data.shape[0]):
                 yield f"{prefix}.experts.{e}.{part}", data[e]

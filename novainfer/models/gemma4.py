@@ -13,7 +13,7 @@ layer's output is scaled by its layer_scalar; final logits are soft-capped.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -336,6 +336,19 @@ class Gemma4Model(nn.Module):
         return self.norm(hidden_states)
 
 
+def per_expert(name: str, stack: Any) -> Iterator[tuple[str, Any]]:
+    """experts.gate_up_proj [E, 2I, H] (gate rows, then up) / experts.down_proj [E, H, I] as experts.e.<proj>.weight:
+    row slices of a tensor, or of a GGUF file's rows of blocks (loader/gguf_gemma4.py)."""
+    prefix = name[: name.rindex(".") + 1]
+    for e in range(stack.shape[0]):
+        if name.endswith("gate_up_proj"):
+            half = stack.shape[1] // 2
+            yield f"{prefix}{e}.gate_proj.weight", stack[e, :half]
+            yield f"{prefix}{e}.up_proj.weight", stack[e, half:]
+        else:
+            yield f"{prefix}{e}.down_proj.weight", stack[e]
+
+
 class Gemma4ForCausalLM(MoeForCausalLM):
     """Gemma4ForCausalLM checkpoints, and Gemma4ForConditionalGeneration ones as their language model (the
     vision and audio towers' weights are skipped)."""
@@ -372,23 +385,11 @@ class Gemma4ForCausalLM(MoeForCausalLM):
             if layer in self.shared_layers and len(parts) > 4 and parts[4] in ("k_proj", "v_proj", "k_norm", "v_norm"):
                 continue
             if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-                yield from self._per_expert(name, tensor)
+                yield from per_expert(name, tensor)
                 continue
             yield name, tensor
         if skipped:
             logger.info("Gemma 4: skipped %d vision/audio weights (the language model runs alone)", skipped)
-
-    @staticmethod
-    def _per_expert(name: str, tensor: torch.Tensor):
-        """experts.gate_up_proj [E, 2I, H] / experts.down_proj [E, H, I] as experts.e.<proj>.weight."""
-        prefix = name[: name.rindex(".") + 1]
-        for e in range(tensor.shape[0]):
-            if name.endswith("gate_up_proj"):
-                gate, up = tensor[e].chunk(2, dim=0)
-                yield f"{prefix}{e}.gate_proj.weight", gate
-                yield f"{prefix}{e}.up_proj.weight", up
-            else:
-                yield f"{prefix}{e}.down_proj.weight", tensor[e]
 
     def expected_weight_names(self) -> set[str]:
         """A k_eq_v layer has no v_proj."""
