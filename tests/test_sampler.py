@@ -177,3 +177,25 @@ def test_cpu_top_k_top_p_among_candidates_equal_the_full_sort():
         torch.testing.assert_close(got, full[i], rtol=1e-5, atol=1e-7)
     draws = torch.stack([run(logits, rows).sampled_token_ids for _ in range(200)])
     assert bool((full.gather(1, draws.T) > 0).all()), "a draw outside its row's kept set"
+
+
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token():
+    """top_p=5e-324 (the fuzzer's) reads as 0 in float32 and masked every token, so the draw took an arbitrary
+    one (outside a structured-output grammar: a 500); the nucleus always keeps its first token, on the CPU's
+    candidate path and in the full sort alike."""
+    from novainfer.layers.sampler_candidates import candidate_probs
+
+    logits = torch.randn(4, 3000)
+    logits[:, 7] = -float("inf")  # a grammar's mask: the best allowed token is still the one kept
+    rows = [row(temperature=1.0, top_p=5e-324)] * 2 + [row(temperature=0.7, top_k=5, top_p=5e-324)] * 2
+    meta = SamplingMetadata.build(rows, logits.shape[-1], "cpu")
+    for _ in range(20):
+        assert torch.equal(run(logits, rows).sampled_token_ids, logits.argmax(-1))
+    full = Sampler.probs(logits, meta)
+    assert torch.equal((full > 0).sum(-1), torch.ones(4, dtype=torch.long)) and torch.equal(
+        full.argmax(-1), logits.argmax(-1)
+    )
+    probs, ids, _ = candidate_probs(logits / meta.temperature.unsqueeze(1), meta.top_k, meta.top_p, meta.min_p)
+    assert torch.equal((probs > 0).sum(-1), torch.ones(4, dtype=torch.long)) and torch.equal(
+        ids[:, 0], logits.argmax(-1)
+    )

@@ -18,7 +18,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from novainfer.layers.sampler_candidates import sample_top_k_top_p
+from novainfer.layers.sampler_candidates import outside_nucleus, sample_top_k_top_p
 from novainfer.layers.sampling_metadata import SamplerOutput, SamplingMetadata
 
 
@@ -197,6 +197,5 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
         sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(outside_nucleus(probs, top_p), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

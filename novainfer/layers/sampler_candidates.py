@@ -17,6 +17,15 @@ from novainfer.layers.sampling_metadata import SamplingMetadata
 CANDIDATES = 1024
 
 
+def outside_nucleus(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which of each row's descending probabilities fall outside its top-p nucleus: those whose mass before them
+    reaches p. The first always stays, even where p is 0 (a top_p below float32's range, e.g. 5e-324, reads as 0
+    and masked every token: the draw then took an arbitrary one, outside a structured-output grammar)."""
+    outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p.unsqueeze(1)
+    outside[:, 0] = False
+    return outside
+
+
 def candidate_probs(
     scaled: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -34,9 +43,9 @@ def candidate_probs(
         top_k_off = top_k >= vocab if top_k is not None else torch.ones(rows, dtype=torch.bool)
         lse = torch.where(in_candidates, vals.logsumexp(dim=-1), scaled.logsumexp(dim=-1))
         probs = (vals - lse.unsqueeze(1)).exp()
-        mass_before = probs.cumsum(dim=-1) - probs
-        vals = vals.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
-        resolved |= top_k_off & (mass_before[:, -1] >= top_p)  # the last candidate is out: so is every other token
+        outside = outside_nucleus(probs, top_p)
+        vals = vals.masked_fill(outside, float("-inf"))
+        resolved |= top_k_off & outside[:, -1]  # the last candidate is out: so is every other token
     probs = torch.softmax(vals, dim=-1)
     if min_p is not None:
         threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
