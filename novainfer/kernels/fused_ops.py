@@ -225,15 +225,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _gdn_gating_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, heads, BLOCK: tl.constexpr):
+def _gdn_gating_kernel(
+    a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, heads, a_stride, b_stride, BLOCK: tl.constexpr
+):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < heads
-    a = tl.load(a_ptr + row * heads + offs, mask=mask, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + row.to(tl.int64) * a_stride + offs, mask=mask, other=0.0).to(tl.float32)
     x = a + tl.load(dt_bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus (threshold 20)
     g = -tl.exp(tl.load(a_log_ptr + offs, mask=mask, other=0.0).to(tl.float32)) * softplus
-    b = tl.load(b_ptr + row * heads + offs, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + row.to(tl.int64) * b_stride + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(g_ptr + row * heads + offs, g, mask=mask)
     tl.store(beta_ptr + row * heads + offs, 1.0 / (1.0 + tl.exp(-b)), mask=mask)
 
@@ -242,12 +244,16 @@ def gdn_gating(
     a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The DeltaNet's per-token, per-head decay and write strength in float32, one kernel:
-    g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); a, b: [T, heads] contiguous."""
+    g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b); a, b: [T, heads], rows possibly strided (column
+    ranges of a fused projection's output)."""
+    a, b = (t if t.stride(-1) == 1 else t.contiguous() for t in (a, b))
     rows, heads = a.shape
     g = torch.empty(rows, heads, dtype=torch.float32, device=a.device)
     beta = torch.empty_like(g)
     if rows:
-        _gdn_gating_kernel[(rows,)](a, b, a_log, dt_bias, g, beta, heads, BLOCK=triton.next_power_of_2(heads))
+        _gdn_gating_kernel[(rows,)](
+            a, b, a_log, dt_bias, g, beta, heads, a.stride(0), b.stride(0), BLOCK=triton.next_power_of_2(heads)
+        )
     return g, beta
 
 

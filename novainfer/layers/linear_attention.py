@@ -260,7 +260,7 @@ class GatedDeltaNet(nn.Module):
         if mixed.is_cuda:
             from novainfer.kernels.fused_ops import gdn_gating
 
-            g, beta = gdn_gating(a.contiguous(), b.contiguous(), self.A_log, self.dt_bias)
+            g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
         else:
             beta = torch.sigmoid(b.float())
             g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
