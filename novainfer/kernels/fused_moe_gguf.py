@@ -48,9 +48,11 @@ from novainfer.kernels.moe_gemv import MAX_TOKENS, moe_gemv
 Side = list[GGUFWeight] | torch.Tensor  # one side's experts: quantized parts along N, or dense [E, N, K]
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by pairs per expert (kernels/fused_moe.py's MOE_TILES' way);
-# BLOCK_K is halved until it divides K. Reasoned from gguf_gemm's GEMM tiles, not swept yet
+# BLOCK_K is halved until it divides K. Swept on an H200 at 2 and 16 pairs per expert (Qwen3-30B-A3B's layer at 32
+# and 256 tokens: tests/gpu/gguf_moe_check.py --sweep); the larger buckets are reasoned from gguf_gemm's GEMM tiles
 GGUF_MOE_TILES: dict[int, tuple[int, int, int, int, int]] = {
-    16: (16, 64, 128, 4, 3),
+    4: (16, 64, 128, 4, 3),
+    16: (32, 128, 64, 4, 3),
     64: (32, 64, 128, 4, 3),
     256: (64, 128, 64, 4, 3),
     1 << 62: (128, 128, 64, 8, 3),

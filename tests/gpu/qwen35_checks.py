@@ -75,6 +75,8 @@ def correctness(paths: dict[str, str], dev: str, n: int) -> None:
     from novainfer import LLM, SamplingParams
     from tests.tiny_hybrid import PROMPTS
 
+    from tests.gpu.decode_stack_checks import counting_stack_calls
+
     greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     for arch, path in paths.items():
         tok = AutoTokenizer.from_pretrained(path)
@@ -82,16 +84,20 @@ def correctness(paths: dict[str, str], dev: str, n: int) -> None:
         prompts = [tok.encode(p) for p in PROMPTS] + [base + tok.encode(" Paris is"), base[:13] + tok.encode(" big")]
         refs = hf_reference(path, prompts, n, dev)
         for prefix in (False, True):
-            llm = LLM(
-                path,
-                dtype="float32",
-                block_size=4 if dev == "cpu" else 16,
-                max_num_batched_tokens=8,
-                enable_prefix_caching=prefix,
-                gpu_memory_utilization=0.3,
-                max_num_seqs=8,
-            )
-            first = llm.generate([{"prompt_token_ids": prompts[1]}], greedy, use_tqdm=False)  # checkpoints base
+            # the stack runs while the batch-1 decode graph is captured (replays call no Python), so count from
+            # construction on; the first prompt alone then decodes in batch-1 steps
+            with counting_stack_calls() as calls:
+                llm = LLM(
+                    path,
+                    dtype="float32",
+                    block_size=4 if dev == "cpu" else 16,
+                    max_num_batched_tokens=8,
+                    enable_prefix_caching=prefix,
+                    gpu_memory_utilization=0.3,
+                    max_num_seqs=8,
+                )
+                first = llm.generate([{"prompt_token_ids": prompts[1]}], greedy, use_tqdm=False)  # checkpoints base
+            stack_steps = sum(calls)
             outs = first + llm.generate(
                 [{"prompt_token_ids": p} for i, p in enumerate(prompts) if i != 1], greedy, use_tqdm=False
             )
@@ -102,8 +108,8 @@ def correctness(paths: dict[str, str], dev: str, n: int) -> None:
             check(
                 f"{arch} fp32 vs HF, prefix cache {'on' if prefix else 'off'}",
                 f"{len(prompts) - len(bad)}/{len(prompts)} prompts equal, {n} tokens each; prefix hit tokens "
-                f"{hits}; decode graphs {'on' if graphs else 'off'}",
-                not bad and (hits > 0 or not prefix) and (graphs or dev == "cpu"),
+                f"{hits}; decode graphs {'on' if graphs else 'off'}; batch-1 decode stack forwards {stack_steps}",
+                not bad and (hits > 0 or not prefix) and (graphs or dev == "cpu") and (stack_steps or dev == "cpu"),
             )
             release(llm)
 
