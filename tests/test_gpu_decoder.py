@@ -39,6 +39,11 @@ def test_gemv_prologue_and_epilogue_match_torch(n, k):
     close(gemv(x, w, norm_weight=nw[0], eps=1e-6), F.linear(fused_ops.rms_norm(x, nw[0], 1e-6).float(), w.float()))
     ref = fused_ops.silu_and_mul(F.linear(x.float(), gate_up.float(), gate_up_b.float()).to(dt))
     close(gemv(x, gate_up, gate_up_b, silu_and_mul=True, tiles=(16, 128, 2, 1)), ref)
+    if k % 10 == 0:  # the output gate's prologue: x * sigmoid(gate), gate's heads of 10 strided (Qwen3.5's qkv row)
+        row = torch.randn(1, k // 10, 30, generator=g).to(dt)
+        gate = row[..., 10:20]
+        ref_x = x * torch.sigmoid(gate.reshape(1, k))
+        close(gemv(x, w, b, gate=gate, tiles=(8, 64, 4, 1)), F.linear(ref_x.float(), w.float(), b.float()))
 
 
 def test_block_fp8_gemv_with_prologue_and_epilogue_matches_the_dequantized_product():

@@ -316,3 +316,26 @@ def test_hybrid_elementwise_kernels_match_torch_layers(dtype):
         positions.to(DEVICE), q.to(DEVICE), k.to(DEVICE), rope.cos_cache.to(DEVICE), rope.sin_cache.to(DEVICE), 12
     )
     assert torch.equal(out_q.cpu(), ref_q) and torch.equal(out_k.cpu(), ref_k)
+
+    # q/k Gemma norms + partial rotary in one kernel, q and k as strided head views of a fused qkv row (q's heads
+    # interleaved with their gates, Qwen3.5's layout) against the model's torch path (norm, then rotate)
+    qkv = torch.randn(3, 4 * 2 * 48 + 2 * 48, generator=g).to(dtype)
+    qv = qkv[:, : 4 * 96].view(3, 4, 96)[..., :48]
+    kv = qkv[:, 4 * 96 :].view(3, 2, 48)
+    qn, kn = GemmaRMSNorm(48, 1e-6), GemmaRMSNorm(48, 1e-6)
+    qn.weight.data, kn.weight.data = ((torch.rand(48, generator=g) - 0.5).to(dtype) for _ in range(2))
+    ref_q, ref_k = rope(positions, qn(qv), kn(kv))
+    dev = qkv.to(DEVICE)
+    out_q, out_k = fused_ops.qk_norm_rope(
+        positions.to(DEVICE),
+        dev[:, : 4 * 96].view(3, 4, 96)[..., :48],
+        dev[:, 4 * 96 :].view(3, 2, 48),
+        qn.weight.data.to(DEVICE),
+        kn.weight.data.to(DEVICE),
+        1e-6,
+        rope.cos_cache.to(DEVICE),
+        rope.sin_cache.to(DEVICE),
+        12,
+    )
+    assert out_q.is_contiguous() and out_k.is_contiguous()
+    assert rel_err(out_q.cpu(), ref_q) <= tol and rel_err(out_k.cpu(), ref_k) <= tol

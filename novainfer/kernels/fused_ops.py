@@ -196,6 +196,137 @@ def rotary_embedding(
 
 
 @triton.jit
+def _norm_rope_head(
+    src,
+    dst,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos,
+    eps,
+    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+):
+    """One head: Gemma's RMSNorm (x * rstd * (1 + w) in float32, rounded) then neox rotary over its first 2 * HALF
+    dims, as the two kernels round them (_rms_norm_kernel's OFFSET form, then _rotary_kernel)."""
+    d = tl.arange(0, BLOCK_D)
+    xf = tl.load(src + d, mask=d < HEAD_DIM, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / HEAD_DIM + eps)
+    dt = dst.dtype.element_ty
+    h = tl.arange(0, BLOCK_HALF)
+    hm = h < HALF
+    y1 = (
+        tl.load(src + h, mask=hm, other=0.0).to(tl.float32)
+        * rstd
+        * (1.0 + tl.load(w_ptr + h, mask=hm, other=0.0).to(tl.float32))
+    ).to(dt)
+    y2 = (
+        tl.load(src + HALF + h, mask=hm, other=0.0).to(tl.float32)
+        * rstd
+        * (1.0 + tl.load(w_ptr + HALF + h, mask=hm, other=0.0).to(tl.float32))
+    ).to(dt)
+    cos1 = tl.load(cos_ptr + pos * 2 * HALF + h, mask=hm, other=0.0)
+    sin1 = tl.load(sin_ptr + pos * 2 * HALF + h, mask=hm, other=0.0)
+    cos2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + h, mask=hm, other=0.0)
+    sin2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + h, mask=hm, other=0.0)
+    tl.store(dst + h, rope_mix(y1, cos1, -y2, sin1), mask=hm)
+    tl.store(dst + HALF + h, rope_mix(y2, cos2, y1, sin2), mask=hm)
+    if HEAD_DIM > 2 * HALF:  # partial rotary: the rest of the head passes through, normed
+        p = 2 * HALF + tl.arange(0, BLOCK_PASS)
+        pm = p < HEAD_DIM
+        wp = tl.load(w_ptr + p, mask=pm, other=0.0).to(tl.float32)
+        tl.store(dst + p, (tl.load(src + p, mask=pm, other=0.0).to(tl.float32) * rstd * (1.0 + wp)).to(dt), mask=pm)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    qw_ptr,
+    kw_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    q_stride,
+    q_head_stride,
+    k_stride,
+    k_head_stride,
+    eps,
+    NUM_Q: tl.constexpr,
+    NUM_K: tl.constexpr,
+    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    if head < NUM_Q:
+        src = q_ptr + token * q_stride + head * q_head_stride
+        dst = q_out_ptr + (token * NUM_Q + head) * HEAD_DIM
+        _norm_rope_head(src, dst, qw_ptr, cos_ptr, sin_ptr, pos, eps, HALF, HEAD_DIM, BLOCK_D, BLOCK_HALF, BLOCK_PASS)
+    else:
+        src = k_ptr + token * k_stride + (head - NUM_Q) * k_head_stride
+        dst = k_out_ptr + (token * NUM_K + head - NUM_Q) * HEAD_DIM
+        _norm_rope_head(src, dst, kw_ptr, cos_ptr, sin_ptr, pos, eps, HALF, HEAD_DIM, BLOCK_D, BLOCK_HALF, BLOCK_PASS)
+
+
+def qk_norm_rope(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    rotary_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head of q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] (strided views of a fused
+    projection's output, last dim contiguous) normed by Gemma's RMSNorm (q_weight, k_weight: offsets from one), then
+    neox rotary over its first rotary_dim dims: one kernel in place of rms_norm twice and rotary_embedding, the
+    same roundings. Returns new contiguous q and k."""
+    tokens, num_q, head_dim = q.shape
+    num_k = k.shape[1]
+    assert q.stride(2) == 1 and k.stride(2) == 1
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if tokens:
+        _qk_norm_rope_kernel[(tokens, num_q + num_k)](
+            positions,
+            q,
+            k,
+            q_weight,
+            k_weight,
+            cos_cache,
+            sin_cache,
+            q_out,
+            k_out,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            eps,
+            NUM_Q=num_q,
+            NUM_K=num_k,
+            HALF=rotary_dim // 2,
+            HEAD_DIM=head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
+            BLOCK_PASS=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),
+            num_warps=1 if head_dim <= 128 else 2,
+        )
+    return q_out, k_out
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, n, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -37,16 +37,19 @@ def _gemv_kernel(
     w_ptr,
     scale_ptr,
     bias_ptr,
+    gate_ptr,
     out_ptr,
     res_out_ptr,
     N,
     K,
     eps,
+    gate_head_stride,
     NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    GATE_D: tl.constexpr,
     GROUP_N: tl.constexpr,
     GROUP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -75,6 +78,11 @@ def _gemv_kernel(
             hf = h.to(tl.float32)
             sq += hf * hf
             xf = hf * tl.load(norm_w_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
+        elif GATE_D > 0:  # x * sigmoid(gate), each rounded to x's dtype as torch's two ops
+            xv = tl.load(x_ptr + offs, mask=kmask, other=0.0)
+            gv = tl.load(gate_ptr + (offs // GATE_D) * gate_head_stride + offs % GATE_D, mask=kmask, other=0.0)
+            sg = (1.0 / (1.0 + tl.exp(-gv.to(tl.float32)))).to(xv.dtype)
+            xf = (xv.to(tl.float32) * sg.to(tl.float32)).to(xv.dtype).to(tl.float32)
         else:
             xf = tl.load(x_ptr + offs, mask=kmask, other=0.0).to(tl.float32)
         xw = xf
@@ -153,16 +161,20 @@ def gemv(
     eps: float = 0.0,
     residual: torch.Tensor | None = None,
     silu_and_mul: bool = False,
+    gate: torch.Tensor | None = None,
     tiles: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """weight @ x (+ bias) for one row x: [1, K]; weight [N, K] contiguous.
 
     weight_scale: weight is float8 with float32 scales [ceil(N / block[0]), ceil(K / block[1])], one a block.
     norm_weight (with eps, and an optional residual, which makes it return (y, x + residual)): x is RMS-normed
-    first. silu_and_mul: weight is concat(gate, up) by rows and the result silu(gate x) * (up x), [1, N / 2]."""
+    first. silu_and_mul: weight is concat(gate, up) by rows and the result silu(gate x) * (up x), [1, N / 2].
+    gate (no norm): [1, heads, head_dim], heads possibly strided (Qwen3.5's attention output gate, a view of its
+    qkv row): x is x * sigmoid(gate) first."""
     n, k = weight.shape
     assert x.shape == (1, k) and x.is_contiguous() and weight.is_contiguous(), (x.shape, weight.shape)
     assert norm_weight is not None or residual is None
+    assert gate is None or (norm_weight is None and gate.stride(2) == 1 and gate[0].numel() == k), gate
     n_out = n // 2 if silu_and_mul else n
     out = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else out
@@ -179,16 +191,19 @@ def gemv(
         weight,
         weight_scale if weight_scale is not None else x,
         bias if bias is not None else x,
+        gate if gate is not None else x,
         out,
         res_out,
         n_out,
         k,
         eps,
+        gate.stride(1) if gate is not None else 0,
         NORM=norm_weight is not None,
         HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
         SILU_MUL=silu_and_mul,
         HAS_SCALE=weight_scale is not None,
+        GATE_D=gate.shape[2] if gate is not None else 0,
         GROUP_N=block[0],
         GROUP_K=block[1],
         BLOCK_N=block_n,

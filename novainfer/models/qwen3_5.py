@@ -95,16 +95,29 @@ class GatedAttention(nn.Module):
         return self.o_proj(self.attend(positions, self.qkv_proj(hidden_states)))
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """The attention output times sigmoid(gate), [tokens, heads * head_dim], from qkv_proj's output (the
-        batch-1 GPU stack computes that projection itself)."""
+        """The attention output times sigmoid(gate), [tokens, heads * head_dim], from qkv_proj's output."""
+        out, gate = self.attend_ungated(positions, qkv)
+        return out * torch.sigmoid(gate.reshape(out.shape))
+
+    def attend_ungated(self, positions: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the attention output [tokens, heads * head_dim], the gate [tokens, heads, head_dim]: a view of qkv) from
+        qkv_proj's output; the batch-1 GPU stack multiplies them in its o_proj GEMV's prologue."""
         qg, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         qg = qg.reshape(-1, self.num_heads, 2 * self.head_dim)
-        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :].reshape(-1, self.num_heads * self.head_dim)
-        q = self.q_norm(q)
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary_emb(positions, q, k)
+        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :]
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if qkv.is_cuda:  # q/k norms and rotary in one kernel
+            from novainfer.kernels.fused_ops import qk_norm_rope
+
+            rope = self.rotary_emb
+            q, k = qk_norm_rope(
+                positions, q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                rope.cos_cache, rope.sin_cache, rope.rotary_dim,
+            )  # fmt: skip
+        else:
+            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
         out = self.attn(q.contiguous(), k.contiguous(), v.contiguous())
-        return out * torch.sigmoid(gate)
+        return out, gate
 
 
 class HybridDecoderLayer(LlamaDecoderLayer):

@@ -3,8 +3,8 @@ layers), as gpu_decode_stack.py does for llama layers: each input norm (Gemma's 
 projections' GEMV prologue with the residual add, and a dense MLP is two GEMVs (gate/up with the norm prologue and
 SiLU-and-multiply epilogue, then down). A DeltaNet layer is then one GEMV for its four input projections (adjacent
 rows of one weight, layers/linear.py's adjacent_weights), the gating, conv, recurrence and gated-norm kernels, and
-out_proj; a gated-attention layer the qkv GEMV, the model's own q/k norms, rotary, attention and gate (attend), and
-o_proj. The layer-by-layer path launched about 610 kernels a step for Qwen3.5-9B, most of them small. An MoE
+out_proj; a gated-attention layer the qkv GEMV, the q/k norms and rotary (one kernel), attention, and o_proj with
+the output gate's sigmoid-and-multiply in its prologue. The layer-by-layer path launched about 610 kernels a step for Qwen3.5-9B, most of them small. An MoE
 block keeps its own kernels behind the post-attention norm. Taken for the batch-1 decode CUDA graph of an
 unquantized model on one rank; every other step runs the layers (worker/decode_strategy.py picks it)."""
 
@@ -52,11 +52,12 @@ class GPUHybridDecodeStack(GPUDecodeStack):
             weight, bias, out_proj = mixer.qkv_proj.weight, mixer.qkv_proj.bias, mixer.o_proj
         y = gemv(h, weight, bias, norm_weight=self.scales[norm], eps=norm.eps, residual=residual)
         y, residual = y if residual is not None else (y, h)  # the first layer: its input is the residual
+        gate = None
         if layer.is_linear:
             mixed = mixer.mix_projected(*y.split(mixer.in_proj_sizes, dim=-1), meta)
         else:
-            mixed = mixer.attend(positions, y)
-        h = gemv(mixed, out_proj.weight, out_proj.bias)
+            mixed, gate = mixer.attend_ungated(positions, y)
+        h = gemv(mixed, out_proj.weight, out_proj.bias, gate=gate)
         post, mlp = layer.post_attention_layernorm, layer.mlp
         if type(mlp) is not LlamaMLP:  # an MoE block: its own kernels
             h, residual = post(h, residual)
