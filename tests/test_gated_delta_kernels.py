@@ -254,3 +254,23 @@ def test_gpu_check_script_smoke_runs_on_the_cpu(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_info:
         gdn_check.main()
     assert exit_info.value.code == 0 and len(gdn_check.rows) == 5, capsys.readouterr().out
+
+
+def test_recurrent_kernel_gates_raw_a_and_b_as_the_gating_kernel_does():
+    """gating=(A_log, dt_bias): the decode kernel takes the input projection's raw a and b (strided column ranges)
+    and gives the bits of fused_ops.gdn_gating's g and beta fed to it (a + dt_bias crossing softplus's 20)."""
+    from novainfer.kernels.fused_ops import gdn_gating
+
+    slots = torch.tensor([3, 0, -1, 4], dtype=torch.int32)
+    q, k, v, _, _ = gdn_inputs(5, 4, True)
+    gen = torch.Generator().manual_seed(6)
+    ba = torch.randn(4, 3 * HV, generator=gen) * 8  # b then a, beside other columns
+    b, a = ba[:, :HV], ba[:, HV : 2 * HV]
+    a_log, dt_bias = torch.randn(HV, generator=gen), torch.randn(HV, generator=gen) * 10
+    pool = state_pool(7, 6)
+    fused_pool, split_pool = pool.clone(), pool.clone()
+    fused = gdr.fused_recurrent_gated_delta_rule_triton(q, k, v, a, b, fused_pool, slots, gating=(a_log, dt_bias))
+    g, beta = gdn_gating(a, b, a_log, dt_bias)
+    split = gdr.fused_recurrent_gated_delta_rule_triton(q, k, v, g, beta, split_pool, slots)
+    assert torch.equal(fused, split) and torch.equal(fused_pool, split_pool)
+    assert not torch.equal(fused_pool, pool)

@@ -254,6 +254,8 @@ def _recurrent_kernel(
     state_ptr,
     slots_ptr,
     cu_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
     scale,
     eps,
     stride_q,
@@ -269,6 +271,7 @@ def _recurrent_kernel(
     BV: tl.constexpr,
     VARLEN: tl.constexpr,
     L2NORM: tl.constexpr,
+    RAW_GATES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n, hv = pid // HV, pid % HV
@@ -292,8 +295,15 @@ def _recurrent_kernel(
         qt = tl.reshape(_load_qk(q_ptr, rows, one, stride_q, hk, offs_k, K, L2NORM, eps), [BK]) * scale
         kt = tl.reshape(_load_qk(k_ptr, rows, one, stride_k, hk, offs_k, K, L2NORM, eps), [BK])
         vt = tl.load(v_ptr + t * stride_v + hv * V + offs_v, mask=offs_v < V, other=0.0).to(tl.float32)
-        h = h * tl.exp(tl.load(g_ptr + t * stride_g + hv).to(tl.float32))
-        delta = (vt - tl.sum(h * kt[:, None], 0)) * tl.load(beta_ptr + t * stride_b + hv).to(tl.float32)
+        gt = tl.load(g_ptr + t * stride_g + hv).to(tl.float32)
+        bt = tl.load(beta_ptr + t * stride_b + hv).to(tl.float32)
+        if RAW_GATES:  # fused_ops' _gdn_gating_kernel, op for op: g = -exp(A_log) softplus(a + dt_bias), sigmoid(b)
+            x = gt + tl.load(dt_bias_ptr + hv).to(tl.float32)
+            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+            gt = -tl.exp(tl.load(a_log_ptr + hv).to(tl.float32)) * softplus
+            bt = 1.0 / (1.0 + tl.exp(-bt))
+        h = h * tl.exp(gt)
+        delta = (vt - tl.sum(h * kt[:, None], 0)) * bt
         h = h + kt[:, None] * delta[None, :]
         out = tl.sum(h * qt[:, None], 0)
         tl.store(o_ptr + (t * HV + hv) * V + offs_v, out.to(o_ptr.dtype.element_ty), mask=offs_v < V)
@@ -316,8 +326,11 @@ def fused_recurrent_gated_delta_rule_triton(
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm: bool = True,
     scale: float | None = None,
+    gating: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Triton fused_recurrent_gated_delta_rule: a program per (sequence, value head, V block) keeps S in registers."""
+    """Triton fused_recurrent_gated_delta_rule: a program per (sequence, value head, V block) keeps S in registers.
+    gating (A_log, dt_bias): g and beta are the input projection's raw a and b, gated in the kernel as
+    fused_ops.gdn_gating would (the same float32 ops), which saves that kernel's launch a layer."""
     _check_shapes(q, k, v, g, beta, state)
     q, k, v, g, beta = (_rows(x) for x in (q, k, v, g, beta))
     tokens, hk, dk = k.shape
@@ -340,6 +353,7 @@ def fused_recurrent_gated_delta_rule_triton(
         state,
         slots,
         slots if cu_seqlens is None else cu_seqlens,
+        *(gating if gating is not None else (g, g)),
         dk**-0.5 if scale is None else scale,
         L2_EPS,
         q.stride(0),
@@ -355,6 +369,7 @@ def fused_recurrent_gated_delta_rule_triton(
         BV=bv,
         VARLEN=cu_seqlens is not None,
         L2NORM=use_qk_l2norm,
+        RAW_GATES=gating is not None,
         num_warps=4 if dk * bv >= 4096 else 2,
     )
     return o

@@ -257,14 +257,17 @@ class GatedDeltaNet(nn.Module):
         """The gated, normed mixer output [tokens, value_dim] (out_proj's input) from the input projections' outputs
         (the batch-1 GPU stack computes those itself)."""
         num_tokens = mixed.shape[0]
-        if mixed.is_cuda:
-            from novainfer.kernels.fused_ops import gdn_gating
-
-            g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
+        if mixed.is_cuda and self._decode_step(meta):  # the gating inside the recurrence kernel
+            out = self._decode(mixed, a, b, meta.state_slots.slots, True, gating=(self.A_log, self.dt_bias))
         else:
-            beta = torch.sigmoid(b.float())
-            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        out = self.mix(mixed, g, beta, meta, use_triton=mixed.is_cuda)
+            if mixed.is_cuda:
+                from novainfer.kernels.fused_ops import gdn_gating
+
+                g, beta = gdn_gating(a, b, self.A_log, self.dt_bias)
+            else:
+                beta = torch.sigmoid(b.float())
+                g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+            out = self.mix(mixed, g, beta, meta, use_triton=mixed.is_cuda)
         out = self.norm(out.to(mixed.dtype), z.reshape(num_tokens, self.num_v_heads, self.head_v_dim))
         return out.reshape(num_tokens, self.value_dim)
 
@@ -293,8 +296,7 @@ class GatedDeltaNet(nn.Module):
         """The conv and the delta rule of a step's tokens, [T, v_heads, v_dim]: the Triton kernels (on CUDA; tests
         call them on the CPU under TRITON_INTERPRET), else the C kernels or the torch references."""
         state = meta.state_slots
-        decode = meta.max_query_len == 1 and state is not None and not state.restores and not state.saves
-        if not decode:
+        if not self._decode_step(meta):
             return self._prefill(mixed, g, beta, meta, use_triton)
         if not use_triton and gated_delta_cpu.usable(mixed, self.conv_state, self.ssm_state):
             continues = meta.seq_lens[: mixed.shape[0]] > 1
@@ -322,15 +324,31 @@ class GatedDeltaNet(nn.Module):
             v.view(n, self.num_v_heads, self.head_v_dim),
         )
 
+    @staticmethod
+    def _decode_step(meta: AttentionMetadata) -> bool:
+        """Whether the step is one token per sequence with no prefix-cache state copies (the decode kernels')."""
+        state = meta.state_slots
+        return meta.max_query_len == 1 and state is not None and not state.restores and not state.saves
+
     def _decode(
-        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor, use_triton: bool
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        slots: torch.Tensor,
+        use_triton: bool,
+        gating: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One token per sequence on the slot pools in place (a fresh sequence's slot was zeroed; a negative slot is
-        a graph's padding row); nothing here reads the device, so a CUDA graph captures it."""
+        a graph's padding row); nothing here reads the device, so a CUDA graph captures it. gating (Triton only):
+        g and beta are raw a and b, gated in the recurrence kernel."""
         conv_update = causal_conv1d_update_triton if use_triton else causal_conv1d_update_torch
-        rule = fused_recurrent_gated_delta_rule_triton if use_triton else fused_recurrent_gated_delta_rule_torch
         conv = conv_update(mixed, self.conv1d.weight[:, 0], None, self.conv_state, slots)
-        return rule(*self._split(conv), g, beta, self.ssm_state, slots)
+        if use_triton:
+            return fused_recurrent_gated_delta_rule_triton(
+                *self._split(conv), g, beta, self.ssm_state, slots, gating=gating
+            )
+        return fused_recurrent_gated_delta_rule_torch(*self._split(conv), g, beta, self.ssm_state, slots)
 
     def _chunk_rule(
         self,
