@@ -226,8 +226,14 @@ phi3_vocab = conversion.phi.Phi3MiniModel.set_vocab
 conversion.phi.Phi3MiniModel.set_vocab = lambda self: (
     phi3_vocab(self) if (self.dir_model / "tokenizer.model").is_file() else self._set_vocab_gpt2()
 )
-sys.argv = [src + "/convert_hf_to_gguf.py"] + sys.argv[3:]
-runpy.run_path(sys.argv[0], run_name="__main__")
+import json
+for args in json.loads(sys.argv[3]):  # one run per output file, the imports paid once
+    sys.argv = [src + "/convert_hf_to_gguf.py"] + args
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
 """
 
 
@@ -288,6 +294,15 @@ def convert_hf_to_gguf(
 ) -> str:
     """Run llama.cpp's convert_hf_to_gguf.py (its own gguf-py) on an HF folder: outtype f32, f16, bf16 or q8_0.
     no_mtp: pass --no-mtp (the converter refuses it for architectures without a multi-token-prediction head)."""
+    return convert_hf_to_ggufs(hf_dir, {outtype: out}, pre_tokenizer, no_mtp)[outtype]
+
+
+def convert_hf_to_ggufs(
+    hf_dir: str, outs: dict[str, str], pre_tokenizer: str = TEST_PRE_TOKENIZER, no_mtp: bool = True
+) -> dict[str, str]:
+    """convert_hf_to_gguf for several outtypes ({outtype: path}) of one folder in one converter process (its
+    torch and transformers imports, most of a tiny model's conversion time, paid once)."""
+    import json
     import subprocess
     import sys
 
@@ -297,23 +312,15 @@ def convert_hf_to_gguf(
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["NO_LOCAL_GGUF"] = "1"  # the runner puts the sdist's gguf-py first itself
     # --no-mtp: the random checkpoints have no multi-token-prediction head (NovaInfer never uses one)
-    cmd = [
-        sys.executable,
-        "-c",
-        _CONVERT_RUNNER,
-        src,
-        pre_tokenizer,
-        hf_dir,
-        "--outfile",
-        out,
-        "--outtype",
-        outtype,
-        *(["--no-mtp"] if no_mtp else []),
+    runs = [
+        [hf_dir, "--outfile", out, "--outtype", outtype, *(["--no-mtp"] if no_mtp else [])]
+        for outtype, out in outs.items()
     ]
+    cmd = [sys.executable, "-c", _CONVERT_RUNNER, src, pre_tokenizer, json.dumps(runs)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0 or not os.path.isfile(out):
+    if proc.returncode != 0 or not all(os.path.isfile(out) for out in outs.values()):
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir}:\n{proc.stderr[-3000:]}")
-    return out
+    return dict(outs)
 
 
 def llama_quantize(src: str, out: str, ftype: str = "Q4_K_M", threads: int = 2) -> str:

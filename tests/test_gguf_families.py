@@ -26,7 +26,7 @@ import os
 import pytest
 import torch
 
-from benchmarks.gguf_checkpoint import convert_hf_to_gguf, llama_cpp_converter
+from benchmarks.gguf_checkpoint import convert_hf_to_ggufs, llama_cpp_converter
 from tests.test_model_families import one_thread  # noqa: F401  (autouse: one intra-op thread, as there)
 from tests.test_gemma4 import save_tiny
 from tests.tiny_models import hf_greedy, make_tiny_model
@@ -63,12 +63,9 @@ def family_files(tmp_path_factory):
                 hf = make_tiny_model(
                     str(root / "hf"), family, seed=17, layers=layers, extra_tokens=extra, overrides=overrides
                 )
-            files[family] = {
-                "hf": hf,
-                "f32": convert_hf_to_gguf(hf, str(root / "f32.gguf"), "f32", no_mtp=False),
-                "q8_0": convert_hf_to_gguf(hf, str(root / "q8_0.gguf"), "q8_0", no_mtp=False),
-                "f16": convert_hf_to_gguf(hf, str(root / "f16.gguf"), "f16", no_mtp=False),
-            }
+            kinds = ("f32", "q8_0", "f16")
+            outs = convert_hf_to_ggufs(hf, {kind: str(root / f"{kind}.gguf") for kind in kinds}, no_mtp=False)
+            files[family] = {"hf": hf, **outs}
         return files[family]
 
     return build

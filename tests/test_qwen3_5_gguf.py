@@ -13,6 +13,7 @@ import torch
 from benchmarks.gguf_checkpoint import (
     QWEN35_SHAPES,
     convert_hf_to_gguf,
+    convert_hf_to_ggufs,
     llama_cpp_converter,
     llama_quantize,
     write_qwen35_hf,
@@ -34,8 +35,7 @@ def files(tmp_path_factory):
     moe = write_qwen35_hf(str(root / "moe-hf"), QWEN35_SHAPES["tiny-moe"])
     return {
         "hf": hf,
-        "f32": convert_hf_to_gguf(hf, str(root / "f32.gguf"), "f32"),
-        "q8_0": convert_hf_to_gguf(hf, str(root / "q8_0.gguf"), "q8_0"),
+        **convert_hf_to_ggufs(hf, {"f32": str(root / "f32.gguf"), "q8_0": str(root / "q8_0.gguf")}),
         "moe-hf": moe,
         "moe-f32": convert_hf_to_gguf(moe, str(root / "moe-f32.gguf"), "f32"),
     }
