@@ -218,16 +218,8 @@ def _norm_rope_head(
     dt = dst.dtype.element_ty
     h = tl.arange(0, BLOCK_HALF)
     hm = h < HALF
-    y1 = (
-        tl.load(src + h, mask=hm, other=0.0).to(tl.float32)
-        * rstd
-        * (1.0 + tl.load(w_ptr + h, mask=hm, other=0.0).to(tl.float32))
-    ).to(dt)
-    y2 = (
-        tl.load(src + HALF + h, mask=hm, other=0.0).to(tl.float32)
-        * rstd
-        * (1.0 + tl.load(w_ptr + HALF + h, mask=hm, other=0.0).to(tl.float32))
-    ).to(dt)
+    y1 = _gemma_normed(src, w_ptr, h, hm, rstd, dt)
+    y2 = _gemma_normed(src, w_ptr, HALF + h, hm, rstd, dt)
     cos1 = tl.load(cos_ptr + pos * 2 * HALF + h, mask=hm, other=0.0)
     sin1 = tl.load(sin_ptr + pos * 2 * HALF + h, mask=hm, other=0.0)
     cos2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + h, mask=hm, other=0.0)
@@ -237,8 +229,14 @@ def _norm_rope_head(
     if HEAD_DIM > 2 * HALF:  # partial rotary: the rest of the head passes through, normed
         p = 2 * HALF + tl.arange(0, BLOCK_PASS)
         pm = p < HEAD_DIM
-        wp = tl.load(w_ptr + p, mask=pm, other=0.0).to(tl.float32)
-        tl.store(dst + p, (tl.load(src + p, mask=pm, other=0.0).to(tl.float32) * rstd * (1.0 + wp)).to(dt), mask=pm)
+        tl.store(dst + p, _gemma_normed(src, w_ptr, p, pm, rstd, dt), mask=pm)
+
+
+@triton.jit
+def _gemma_normed(src, w_ptr, offs, mask, rstd, dt):
+    """Elements offs of a row given its rstd, Gemma's way: x * rstd * (1 + w) in float32, then to dt."""
+    x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    return (x * rstd * (1.0 + tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32))).to(dt)
 
 
 @triton.jit
@@ -362,13 +360,23 @@ def _gdn_gating_kernel(
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < heads
-    a = tl.load(a_ptr + row.to(tl.int64) * a_stride + offs, mask=mask, other=0.0).to(tl.float32)
-    x = a + tl.load(dt_bias_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus (threshold 20)
-    g = -tl.exp(tl.load(a_log_ptr + offs, mask=mask, other=0.0).to(tl.float32)) * softplus
-    b = tl.load(b_ptr + row.to(tl.int64) * b_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    g, beta = gdn_gate(
+        tl.load(a_ptr + row.to(tl.int64) * a_stride + offs, mask=mask, other=0.0),
+        tl.load(b_ptr + row.to(tl.int64) * b_stride + offs, mask=mask, other=0.0),
+        tl.load(a_log_ptr + offs, mask=mask, other=0.0),
+        tl.load(dt_bias_ptr + offs, mask=mask, other=0.0),
+    )
     tl.store(g_ptr + row * heads + offs, g, mask=mask)
-    tl.store(beta_ptr + row * heads + offs, 1.0 / (1.0 + tl.exp(-b)), mask=mask)
+    tl.store(beta_ptr + row * heads + offs, beta, mask=mask)
+
+
+@triton.jit
+def gdn_gate(a, b, a_log, dt_bias):
+    """The DeltaNet's decay and write strength in float32: g = -exp(A_log) * softplus(a + dt_bias), beta =
+    sigmoid(b) (the gating kernel's, and the recurrence kernel's when it takes the raw a and b)."""
+    x = a.to(tl.float32) + dt_bias.to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus (threshold 20)
+    return -tl.exp(a_log.to(tl.float32)) * softplus, 1.0 / (1.0 + tl.exp(-b.to(tl.float32)))
 
 
 def gdn_gating(

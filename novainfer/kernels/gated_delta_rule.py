@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from novainfer.kernels.fused_ops import gdn_gate
 from novainfer.kernels.tiling import sm_count
 
 CHUNK = 64
@@ -297,11 +298,8 @@ def _recurrent_kernel(
         vt = tl.load(v_ptr + t * stride_v + hv * V + offs_v, mask=offs_v < V, other=0.0).to(tl.float32)
         gt = tl.load(g_ptr + t * stride_g + hv).to(tl.float32)
         bt = tl.load(beta_ptr + t * stride_b + hv).to(tl.float32)
-        if RAW_GATES:  # fused_ops' _gdn_gating_kernel, op for op: g = -exp(A_log) softplus(a + dt_bias), sigmoid(b)
-            x = gt + tl.load(dt_bias_ptr + hv).to(tl.float32)
-            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
-            gt = -tl.exp(tl.load(a_log_ptr + hv).to(tl.float32)) * softplus
-            bt = 1.0 / (1.0 + tl.exp(-bt))
+        if RAW_GATES:  # gt, bt are a and b: the gating kernel's ops
+            gt, bt = gdn_gate(gt, bt, tl.load(a_log_ptr + hv), tl.load(dt_bias_ptr + hv))
         h = h * tl.exp(gt)
         delta = (vt - tl.sum(h * kt[:, None], 0)) * bt
         h = h + kt[:, None] * delta[None, :]

@@ -4,8 +4,8 @@ projections' GEMV prologue with the residual add, and a dense MLP is two GEMVs (
 SiLU-and-multiply epilogue, then down). A DeltaNet layer is then one GEMV for its four input projections (adjacent
 rows of one weight, layers/linear.py's adjacent_weights), the gating, conv, recurrence and gated-norm kernels, and
 out_proj; a gated-attention layer the qkv GEMV, the q/k norms and rotary (one kernel), attention, and o_proj with
-the output gate's sigmoid-and-multiply in its prologue. The layer-by-layer path launched about 610 kernels a step for Qwen3.5-9B, most of them small. An MoE
-block keeps its own kernels behind the post-attention norm. Taken for the batch-1 decode CUDA graph of an
+the output gate's sigmoid-and-multiply in its prologue. The layer-by-layer path launched about 610 kernels a step
+for Qwen3.5-9B, most of them small. An MoE block keeps its own kernels behind the post-attention norm. Taken for the batch-1 decode CUDA graph of an
 unquantized model on one rank; every other step runs the layers (worker/decode_strategy.py picks it)."""
 
 from __future__ import annotations
