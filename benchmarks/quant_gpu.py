@@ -302,23 +302,37 @@ class MoeOperands:
         }
 
 
-# (BLOCK_N, BLOCK_K, warps, stages) the MoE sweep tries for both quantized grouped GEMMs, BLOCK_M as
-# kernels/fused_moe.py's moe_tiles picks it (one alignment serves both GEMMs)
-MOE_TILE_CANDIDATES = [(64, 128, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4), (32, 128, 4, 3), (256, 64, 8, 4)]
+# (BLOCK_N, BLOCK_K, warps, stages) the MoE sweep tries for both quantized grouped GEMMs, each with the BLOCK_Ms of
+# MOE_SWEEP_BLOCK_M (one alignment serves both GEMMs)
+MOE_TILE_CANDIDATES = [
+    (64, 128, 4, 3),
+    (64, 128, 4, 4),
+    (128, 128, 4, 3),
+    (128, 128, 8, 3),
+    (128, 128, 8, 4),
+    (256, 128, 8, 3),
+    (128, 64, 4, 4),
+    (64, 64, 4, 4),
+]
+MOE_SWEEP_BLOCK_M = (32, 64, 128)
 
 
 def moe_candidates(m: int, shape: dict, device: torch.device) -> list[tuple[str, object]]:
     """(label, (gate/up tiles, down tiles)) of the quantized fused MoE at m tokens: the package's choice first
     (None), then on a GPU the sweep's."""
-    from novainfer.kernels.fused_moe import moe_tiles
-
     if device.type != "cuda":
         return [("default", None)]
-    block_m = moe_tiles(m * shape["top_k"], shape["experts"], 2 * shape["inter"], shape["hidden"], False)[0]
-    return [("default", None)] + [(str(c), ((block_m, *c), (block_m, *c))) for c in MOE_TILE_CANDIDATES]
+    return [("default", None)] + [
+        (str((bm, *c)), ((bm, *c), (bm, *c)))
+        for bm in MOE_SWEEP_BLOCK_M
+        if bm <= max(32, 4 * m * shape["top_k"] // shape["experts"])  # tiles mostly padding: not worth a compile
+        for c in MOE_TILE_CANDIDATES
+    ]
 
 
-def moe_kernel_rows(shape: dict, tokens: list[int], device: torch.device, iters: int) -> list[dict]:
+def moe_kernel_rows(
+    shape: dict, tokens: list[int], device: torch.device, iters: int, formats: tuple[str, ...] = ("fp8-block", "int4")
+) -> list[dict]:
     """Per token count: the bf16 fused MoE, the block-FP8 one (the package's choice of weight-only or FP8
     activations by token count) and the INT4 one, device time each (CUDA graphs), each quantized one also with
     every candidate tile shape (the sweep: default and best printed); rel err of every run against its torch
@@ -353,16 +367,17 @@ def moe_kernel_rows(shape: dict, tokens: list[int], device: torch.device, iters:
             w = (*ops.int4["w13"], *ops.int4["w2"], 128)
             return lambda: fused_experts_int4(x, *w, weights, ids_i, act, tiles=tiles)
 
-        refs = {
-            "fp8-block": fused_experts_fp8_block_reference(
+        refs = {}
+        if "fp8-block" in formats:
+            refs["fp8-block"] = fused_experts_fp8_block_reference(
                 x, *ops.fp8["w13"], *ops.fp8["w2"], (128, 128), weights, ids, act, m > WEIGHT_ONLY_MAX_M
-            ),
-            "int4": fused_experts_int4_reference(x, *ops.int4["w13"], *ops.int4["w2"], 128, weights, ids, act),
-        }
+            )
+        if "int4" in formats:
+            refs["int4"] = fused_experts_int4_reference(x, *ops.int4["w13"], *ops.int4["w2"], 128, weights, ids, act)
         touched = torch.unique(ids).numel() / shape["experts"]  # the share of the experts' bytes a call reads
         row = dict(tokens=m)
         row["bf16_us"] = device_us(lambda i: run("bf16", i, None), int(ops.nbytes["bf16"] * touched), device, iters)
-        for fmt in ("fp8-block", "int4"):
+        for fmt in formats:
             sweep = {}
             for label, tiles in moe_candidates(m, shape, device):
                 try:
@@ -378,6 +393,7 @@ def moe_kernel_rows(shape: dict, tokens: list[int], device: torch.device, iters:
             row[f"{fmt}_us"], row[f"{fmt}_best"], row[f"{fmt}_best_us"] = sweep["default"][0], best, sweep[best][0]
             row[f"{fmt}_x"] = row["bf16_us"] / row[f"{fmt}_us"]
             row[f"{fmt}_rel"] = max(e for _, e in sweep.values())
+            row[f"{fmt}_sweep_us"] = {label: us for label, (us, _) in sweep.items()}
             row[f"{fmt}_ok"] = device.type != "cuda" or row[f"{fmt}_rel"] <= MAX_REL[fmt]
         del refs
         out.append(row)
@@ -386,7 +402,7 @@ def moe_kernel_rows(shape: dict, tokens: list[int], device: torch.device, iters:
             + " | ".join(
                 f"{f} {row[f + '_us']:9.1f} us ({row[f + '_x']:.2f}x, best {row[f + '_best_us']:.1f} "
                 f"{row[f + '_best']}, rel {row[f + '_rel']:.1e})"
-                for f in ("fp8-block", "int4")
+                for f in formats
             ),
             flush=True,
         )
@@ -455,6 +471,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and workloads (the CPU, TRITON_INTERPRET=1)")
     ap.add_argument("--part", default="all", choices=["all", "kernels", "e2e", "moe", "moe-kernels", "moe-e2e"])
     ap.add_argument("--formats", default=None, help="e2e formats (default: all; with --part moe: MOE_FORMATS)")
+    ap.add_argument("--moe-formats", default="fp8-block,int4", help="the quantized fused MoEs --part moe-kernels times")
+    ap.add_argument("--moe-tokens", type=int, nargs="+", default=None, help="--part moe-kernels' token counts")
     ap.add_argument("--out", default="/tmp/novainfer-quant")
     ap.add_argument("--num-prompts", type=int, default=None, help="bench shape: 256 prompts of 100-1024 tokens")
     ap.add_argument("--input-len", type=int, default=None)
@@ -484,9 +502,14 @@ def main() -> None:
         result["kernel_failures"] = bad
     if args.part in ("moe", "moe-kernels"):
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        shape, tokens = (MOE_SHAPE_TINY, [1, 5, 20]) if args.tiny else (MOE_SHAPE, [1, 4, 16, 64, 256, 1024, 4096])
-        result["moe_kernels"] = moe_kernel_rows(shape, tokens, device, 1 if args.tiny else 20)
-        bad = [f"tokens={r['tokens']} {f}" for r in result["moe_kernels"] for f in MAX_REL if not r[f"{f}_ok"]]
+        shape, tokens = (
+            (MOE_SHAPE_TINY, [1, 5, 20])
+            if args.tiny
+            else (MOE_SHAPE, args.moe_tokens or [1, 4, 16, 64, 256, 1024, 4096])
+        )
+        formats = tuple(args.moe_formats.split(","))
+        result["moe_kernels"] = moe_kernel_rows(shape, tokens, device, 1 if args.tiny else 20, formats)
+        bad = [f"tokens={r['tokens']} {f}" for r in result["moe_kernels"] for f in formats if not r[f"{f}_ok"]]
         print("MoE kernel checks: " + (f"FAILED {bad}" if bad else f"all within {MAX_REL} of the torch references"))
         result["kernel_failures"] = bad
     if args.part in ("moe", "moe-e2e"):

@@ -136,10 +136,13 @@ FALLBACK_TILES = (64, 64, 64, 4, 3)  # what the kernel ran before the sweep: fit
 _too_big: set[tuple[int, int, int, int, int]] = set()  # tiles this GPU could not launch
 
 
-def moe_tiles(num_pairs: int, num_experts: int, n: int, k: int, down: bool) -> tuple[int, int, int, int, int]:
-    """Tiles of one grouped GEMM ([pairs, k] x [n, k]^T per expert), narrowed to a small N or K."""
+def moe_tiles(
+    num_pairs: int, num_experts: int, n: int, k: int, down: bool, table: dict = MOE_TILES
+) -> tuple[int, int, int, int, int]:
+    """Tiles of one grouped GEMM ([pairs, k] x [n, k]^T per expert) from table (MOE_TILES' form; a format's own
+    sweep may give another), narrowed to a small N or K."""
     per_expert = num_pairs / num_experts
-    block_m, block_n, block_k, warps, stages = next(t for bound, t in sorted(MOE_TILES.items()) if per_expert <= bound)[
+    block_m, block_n, block_k, warps, stages = next(t for bound, t in sorted(table.items()) if per_expert <= bound)[
         int(down)
     ]
     narrow = min(block_n, max(32, triton.next_power_of_2(n))), min(block_k, max(32, triton.next_power_of_2(k)))

@@ -24,9 +24,24 @@ import triton.language as tl
 from torch import nn
 
 from novainfer.kernels.fp8_block import WEIGHT_ONLY_MAX_M, per_token_group_quant
-from novainfer.kernels.fused_moe import experts_gemv, launch_with_fallback, routed_experts, store_rows, tile_rows
+from novainfer.kernels.fused_moe import (
+    experts_gemv,
+    launch_with_fallback,
+    moe_tiles,
+    routed_experts,
+    store_rows,
+    tile_rows,
+)
 from novainfer.kernels.int4_gemm import MAGIC
 from novainfer.kernels.moe_gemv import MAX_TOKENS
+
+# kernels/fused_moe.py's MOE_TILES for the block-FP8 GEMMs with FP8 activations: `benchmarks/quant_gpu.py --part
+# moe-kernels`'s sweep, Qwen3-30B-A3B's layer. BLOCK_N <= the 128-wide scale block keeps one weight scale a step.
+FP8_MOE_TILES: dict[int, tuple[tuple[int, int, int, int, int], tuple[int, int, int, int, int]]] = {
+    32: ((32, 64, 128, 4, 3), (32, 64, 128, 4, 3)),
+    96: ((64, 64, 128, 4, 3), (64, 64, 128, 4, 3)),
+    1 << 62: ((64, 128, 128, 4, 3), (64, 128, 128, 4, 3)),
+}
 
 
 @triton.jit
@@ -69,6 +84,8 @@ def _fp8_block_moe_kernel(
     a_rows = (pair // A_ROW_DIV).to(tl.int64)
     b_base = b_ptr + expert * stride_be + cols[None, :].to(tl.int64) * stride_bn
     s_base = bs_ptr + expert * stride_bse + (cols // BN_S).to(tl.int64) * stride_bsn
+    # BLOCK_N <= BN_S: the tile's columns share one scale block, so a step's two scales are one per row
+    s_tile = bs_ptr + expert * stride_bse + (tl.program_id(1) * BLOCK_N // BN_S).to(tl.int64) * stride_bsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kmask = (k0 + kk) < K
@@ -76,12 +93,15 @@ def _fp8_block_moe_kernel(
             a_ptr + a_rows[:, None] * stride_am + (k0 + kk)[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0
         )
         b = tl.load(b_base + (k0 + kk)[:, None], mask=nmask[None, :] & kmask[:, None], other=0.0)
-        b_scale = tl.load(s_base + k0 // BK_S, mask=nmask, other=0.0)
         if A_QUANTIZED:
             a_scale = tl.load(a_scale_ptr + a_rows * stride_asm + k0 // BK_S, mask=mmask, other=0.0)
             part = tl.dot(a, b.to(a.dtype), input_precision=PRECISION)
-            acc += part * a_scale[:, None] * b_scale[None, :]
+            if BLOCK_N <= BN_S:
+                acc += part * (a_scale * tl.load(s_tile + k0 // BK_S))[:, None]  # one FMA an element
+            else:
+                acc += part * a_scale[:, None] * tl.load(s_base + k0 // BK_S, mask=nmask, other=0.0)[None, :]
         else:
+            b_scale = tl.load(s_base + k0 // BK_S, mask=nmask, other=0.0)
             w = (b.to(tl.float32) * b_scale[None, :]).to(a.dtype)
             acc += tl.dot(a, w, input_precision=PRECISION)
     store_rows(
@@ -203,7 +223,7 @@ def fused_experts_fp8_block(
     FP8 activations above WEIGHT_ONLY_MAX_M tokens, weight-only below (float32 activations: quantized values
     kept in float32, the interpreter's way). act_quant: x -> (float8 x, float32 scales [rows, K / BK_S]) instead of
     per_token_group_quant (compressed-tensors' per-token rows: block (1, K), one scale a row). tiles: (gate/up,
-    down) tiles instead of kernels/fused_moe.py's choice (a benchmark's sweep)."""
+    down) tiles instead of FP8_MOE_TILES' (FP8 activations) or MOE_TILES' (a benchmark's sweep)."""
     if quantize_activations is None:
         quantize_activations = hidden_states.shape[0] > WEIGHT_ONLY_MAX_M
     if not quantize_activations and hidden_states.shape[0] <= MAX_TOKENS and tiles is None:
@@ -242,6 +262,10 @@ def fused_experts_fp8_block(
         )
 
     n13, inter = w13.shape[1], w2.shape[2]
+    if tiles is None and quantize_activations:
+        pairs, hidden = hidden_states.shape[0] * topk_ids.shape[1], hidden_states.shape[1]
+        up = moe_tiles(pairs, w13.shape[0], n13, hidden, False, FP8_MOE_TILES)
+        tiles = (up, moe_tiles(pairs, w13.shape[0], hidden, inter, True, FP8_MOE_TILES))
     return routed_experts(hidden_states, topk_weights, topk_ids, w13.shape[0], n13, inter, act_and_mul, gemm, tiles)
 
 
