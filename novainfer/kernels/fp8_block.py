@@ -99,6 +99,8 @@ def _block_gemm_kernel(
     k_groups = tl.cdiv(K, BLOCK_K)
     a_s_row = as_ptr + mload * k_groups
     b_s_row = bs_ptr + (nload // GROUP_N) * k_groups
+    # BLOCK_N <= GROUP_N: the tile's columns share one weight scale a K step, so both scales are one per row
+    b_s_tile = bs_ptr + (pid_n * BLOCK_N // GROUP_N) * k_groups
     kb_begin = tl.program_id(1) * KB_PER_SPLIT
     kb_end = tl.minimum(kb_begin + KB_PER_SPLIT, k_groups)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -112,12 +114,16 @@ def _block_gemm_kernel(
             kmask = kb * BLOCK_K + offs_k < K
             a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
-        b_s = tl.load(b_s_row + kb)
         if A_FP8:  # both quantized: the float8 product, scaled by the row's group and the weight's block
             a_s = tl.load(a_s_row + kb)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
-        else:  # weight-only: x as it is (bf16), the weight's float8 widened exactly
-            acc += tl.dot(a, b.to(a.dtype)) * b_s[None, :]
+            if BLOCK_N <= GROUP_N:
+                acc += tl.dot(a, b) * (a_s * tl.load(b_s_tile + kb))[:, None]  # one FMA an element
+            else:
+                acc += tl.dot(a, b) * a_s[:, None] * tl.load(b_s_row + kb)[None, :]
+        elif BLOCK_N <= GROUP_N:  # weight-only: x as it is (bf16), the weight's float8 widened exactly
+            acc += tl.dot(a, b.to(a.dtype)) * tl.load(b_s_tile + kb)
+        else:
+            acc += tl.dot(a, b.to(a.dtype)) * tl.load(b_s_row + kb)[None, :]
     cmask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if SPLIT_K:
         part = c_ptr + tl.program_id(1).to(tl.int64) * M * N
