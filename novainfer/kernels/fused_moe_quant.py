@@ -42,6 +42,13 @@ FP8_MOE_TILES: dict[int, tuple[tuple[int, int, int, int, int], tuple[int, int, i
     96: ((64, 64, 128, 4, 3), (64, 64, 128, 4, 3)),
     1 << 62: ((64, 128, 128, 4, 3), (64, 128, 128, 4, 3)),
 }
+# The same for the INT4 GEMMs (C transposed: BLOCK_N is the dot's tall side), from a sweep on an H100
+# (docs/bench/2026-12-05/int4_moe_h100.log) at 16 / 256 / 4,096 tokens; the middle bucket between its neighbours'.
+INT4_MOE_TILES: dict[int, tuple[tuple[int, int, int, int, int], tuple[int, int, int, int, int]]] = {
+    32: ((32, 64, 128, 4, 3), (32, 64, 128, 4, 3)),
+    96: ((64, 64, 128, 4, 3), (64, 64, 128, 4, 3)),
+    1 << 62: ((128, 128, 128, 8, 3), (128, 128, 128, 8, 3)),
+}
 
 
 @triton.jit
@@ -151,16 +158,19 @@ def _int4_moe_kernel(
     q_ptrs = q_ptr + expert * stride_qe + nload[:, None] * stride_qn + tl.arange(0, BLOCK_K // 8)[None, :]
     shifts = (tl.arange(0, 8) * 4)[None, None, :, None]
     sz = expert * stride_se + nload * stride_sn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    at_ptrs = a_ptr + a_rows[None, :] * stride_am + kk[:, None]  # A transposed: [BLOCK_K, BLOCK_M]
+    # C transposed, as kernels/int4_gemm.py's GEMM: the code tile is the dot's left operand, which Hopper's wgmma
+    # reads from registers, and code - zero (-15..15) is exact in A's dtype, so the scale multiplies the sums
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + (k0 + kk)[None, :], mask=mmask[:, None], other=0.0)
+        at = tl.load(at_ptrs + k0, mask=mmask[None, :], other=0.0)
         q = tl.reshape(tl.load(q_ptrs + k0 // 8), [BLOCK_N, C, 1, 4])
         codes = tl.reshape(((q >> shifts) & 0xF) | MAGIC, [BLOCK_N, BLOCK_K]).to(tl.float32, bitcast=True)
         g = k0 // GROUP
         s = tl.load(s_ptr + sz + g).to(tl.float32)
         zoff = tl.load(z_ptr + sz + g).to(tl.float32) + 8388608.0  # 2^23 + zero: code - zero exactly
-        w = tl.trans(((codes - zoff[:, None]) * s[:, None]).to(a.dtype))  # [BLOCK_K, BLOCK_N]
-        acc += tl.dot(a, w, input_precision=PRECISION)
+        acc += tl.dot((codes - zoff[:, None]).to(at.dtype), at, input_precision=PRECISION) * s[:, None]
+    acc = tl.trans(acc)
     store_rows(
         acc, c_ptr, stride_cm, c_ptr, 0, topk_weights_ptr, pair, mmask, expert, cols, nmask, False, MUL_ROUTED_WEIGHT
     )
@@ -201,6 +211,13 @@ def _grouped_gemm(kernel, a, operands, strides, out, ids, a_row_div, weights, ti
         )
 
     launch_with_fallback(launch, tiles)
+
+
+def _tiles(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, n13: int, inter: int, table: dict):
+    """(gate/up, down) tiles of a format's grouped GEMMs from its table (MOE_TILES' form)."""
+    pairs, hidden = hidden_states.shape[0] * topk_ids.shape[1], hidden_states.shape[1]
+    up = moe_tiles(pairs, num_experts, n13, hidden, False, table)
+    return up, moe_tiles(pairs, num_experts, hidden, inter, True, table)
 
 
 def fused_experts_fp8_block(
@@ -263,9 +280,7 @@ def fused_experts_fp8_block(
 
     n13, inter = w13.shape[1], w2.shape[2]
     if tiles is None and quantize_activations:
-        pairs, hidden = hidden_states.shape[0] * topk_ids.shape[1], hidden_states.shape[1]
-        up = moe_tiles(pairs, w13.shape[0], n13, hidden, False, FP8_MOE_TILES)
-        tiles = (up, moe_tiles(pairs, w13.shape[0], hidden, inter, True, FP8_MOE_TILES))
+        tiles = _tiles(hidden_states, topk_ids, w13.shape[0], n13, inter, FP8_MOE_TILES)
     return routed_experts(hidden_states, topk_weights, topk_ids, w13.shape[0], n13, inter, act_and_mul, gemm, tiles)
 
 
@@ -285,7 +300,7 @@ def fused_experts_int4(
 ) -> torch.Tensor:
     """[tokens, hidden] -> [tokens, hidden] with INT4 experts: w13_qweight int32 [E, 2 * inter, hidden / 8] (gate
     rows, then up rows), w13_scales / w13_zeros [E, 2 * inter, hidden / G]; w2_* [E, hidden, inter / 8] and
-    [E, hidden, inter / G]; tiles as fused_experts_fp8_block's."""
+    [E, hidden, inter / G]; tiles: (gate/up, down) instead of INT4_MOE_TILES' (a benchmark's sweep)."""
 
     def gemm(down: bool, a, out, ids, a_row_div: int, weights, tiles) -> None:
         q, s, z = (w2_qweight, w2_scales, w2_zeros) if down else (w13_qweight, w13_scales, w13_zeros)
@@ -311,4 +326,6 @@ def fused_experts_int4(
 
     n13, inter = w13_qweight.shape[1], w2_qweight.shape[2] * 8
     num_experts = w13_qweight.shape[0]
+    if tiles is None:
+        tiles = _tiles(hidden_states, topk_ids, num_experts, n13, inter, INT4_MOE_TILES)
     return routed_experts(hidden_states, topk_weights, topk_ids, num_experts, n13, inter, act_and_mul, gemm, tiles)
