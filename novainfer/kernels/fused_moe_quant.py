@@ -213,7 +213,9 @@ def _grouped_gemm(kernel, a, operands, strides, out, ids, a_row_div, weights, ti
     launch_with_fallback(launch, tiles)
 
 
-def _tiles(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, n13: int, inter: int, table: dict):
+def _tiles(
+    hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, n13: int, inter: int, table: dict
+) -> tuple[tuple[int, int, int, int, int], tuple[int, int, int, int, int]]:
     """(gate/up, down) tiles of a format's grouped GEMMs from its table (MOE_TILES' form)."""
     pairs, hidden = hidden_states.shape[0] * topk_ids.shape[1], hidden_states.shape[1]
     up = moe_tiles(pairs, num_experts, n13, hidden, False, table)
