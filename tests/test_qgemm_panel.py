@@ -75,14 +75,18 @@ def test_panel_min_rows_switches_the_kernel_and_rejects_nonsense(few_row_kernel)
         qgemm.set_panel_min_rows(0)
 
 
-@pytest.fixture
-def avx2_and_avx512():
-    """Skips unless this CPU runs the AVX-512 VNNI tiles; restores the default ("auto") after the test."""
-    if qgemm.set_gemm_isa("avx512") != "avx512":
+def _tiles_or_skip(isa: str, missing: str):
+    """Skips unless this CPU runs the given tiles; restores the default ("auto") after the test."""
+    if qgemm.set_gemm_isa(isa) != isa:
         qgemm.set_gemm_isa("auto")
-        pytest.skip("this CPU has no AVX-512 VNNI")
+        pytest.skip(missing)
     yield
     qgemm.set_gemm_isa("auto")
+
+
+@pytest.fixture
+def avx2_and_avx512():
+    yield from _tiles_or_skip("avx512", "this CPU has no AVX-512 VNNI")
 
 
 @pytest.mark.parametrize(
@@ -102,7 +106,36 @@ def test_avx512_tiles_give_the_avx2_tiles_bits(qtype, k, avx2_and_avx512, few_ro
             assert torch.equal(qgemm.quant_gemm(x, w, panel=panel), wide), f"M={m}, panel={panel}"
 
 
+@pytest.fixture
+def amx():
+    yield from _tiles_or_skip("amx", "this CPU has no AMX-INT8 (or Linux does not grant its tile state)")
+
+
+@pytest.mark.parametrize(
+    "qtype,k,n",
+    [(T.Q4_K, 512, 37), (T.Q4_1, 576, 300), (T.Q8_0, 576, 37), (T.Q5_K, 256, 37), (T.MXFP4, 512, 37)],
+    ids=lambda v: getattr(v, "name", str(v)),
+)
+def test_amx_tiles_give_the_avx512_tiles_bits(qtype, k, n, amx):
+    """The AMX tiles split each int16 activation into a high and a low byte; the sums and their scaling must be
+    the VNNI tiles' to the bit: on partial tiles of 16 rows, a partial last panel, chunks of several panels (n=300:
+    19 panels over two threads) and zero points (Q4_1, Q4_K) or none (Q8_0, MXFP4)."""
+    w = repack(random_blocks(qtype, n, k), qtype, (n, k))
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for m in (32, 33, 47, 70):  # from 32 rows the panel kernel takes AMX; 16-row tiles, full and partial
+            x = torch.randn(m, k) * torch.linspace(0.1, 3, k)
+            x[m // 2, : k // 2] *= 1e4  # rows whose int16 steps differ by far: high bytes in use everywhere
+            assert qgemm.set_gemm_isa("amx") == "amx"
+            tiles = qgemm.quant_gemm(x, w, panel=True)
+            assert qgemm.set_gemm_isa("avx512") == "avx512"
+            assert torch.equal(qgemm.quant_gemm(x, w, panel=True), tiles), f"M={m}"
+    finally:
+        torch.set_num_threads(prev)
+
+
 def test_panel_isa_rejects_nonsense():
     with pytest.raises(ValueError, match="GEMM ISA"):
         qgemm.set_gemm_isa("sse2")
-    assert qgemm.set_gemm_isa("auto") in ("avx2", "avx512")
+    assert qgemm.set_gemm_isa("auto") in ("avx2", "avx512", "amx")

@@ -25,6 +25,7 @@ _SOURCES = [
     "qgemm_panel_cpu.c",
     "quantize_rows_cpu.c",
     "qgemm_avx512.c",
+    "qgemm_amx.c",
     "dequantize_cpu.c",
     "decode_ops_cpu.c",
     "decode_attention_cpu.c",

@@ -1,7 +1,7 @@
 """The quantized GEMMs of a PackedWeight and its dequantizer, in C (csrc/qgemm_cpu.c, its many-row form
-csrc/qgemm_panel_cpu.c, whose tiles run AVX-512 VNNI where the CPU has it (csrc/qgemm_avx512.c, picked at run
-time), csrc/dequantize_cpu.c). Scales and zeros are read in the weight's scale_format (float32, float16, or the
-K-quants' int8 multipliers of float16 factors: repack.py). 16-bit float weights (f16, bf16) go to their own GEMM
+csrc/qgemm_panel_cpu.c, whose tiles run AVX-512 VNNI where the CPU has it (csrc/qgemm_avx512.c) and, for many
+rows, AMX-INT8 (csrc/qgemm_amx.c), picked at run time; csrc/dequantize_cpu.c). Scales and zeros are read in the
+weight's scale_format (float32, float16, or the K-quants' int8 multipliers of float16 factors: repack.py). 16-bit float weights (f16, bf16) go to their own GEMM
 (csrc/f16gemm_cpu.c: widened exactly, float32 sums, x as it is)."""
 
 from __future__ import annotations
@@ -134,12 +134,13 @@ def set_panel_min_rows(rows: int) -> None:
     library().set_panel_min_rows(min(rows, 2**31 - 1))
 
 
-_ISAS = {"auto": -1, "avx2": 0, "avx512": 1}
+_ISAS = {"auto": -1, "avx2": 0, "avx512": 1, "amx": 2}
 
 
 def set_gemm_isa(isa: str) -> str:
-    """The GEMMs' tiles: "avx512" (AVX-512 VNNI: taken only where the CPU has it), "avx2", or "auto" (the best
-    the CPU runs, the default); returns the one in use (tests)."""
+    """The GEMMs' tiles: "amx" (AMX-INT8 for the many-row kernel, AVX-512 VNNI for the rest), "avx512" (AVX-512
+    VNNI), "avx2", or "auto" (the best the CPU runs, the default); a choice the CPU lacks falls back to the best
+    below it. Returns the one in use (tests, benchmarks)."""
     if isa not in _ISAS:
         raise ValueError(f"GEMM ISA must be one of {sorted(_ISAS)}, got {isa!r}")
-    return "avx512" if library().set_gemm_isa(_ISAS[isa]) else "avx2"
+    return ("avx2", "avx512", "amx")[library().set_gemm_isa(_ISAS[isa])]

@@ -39,20 +39,24 @@ static int cpu_has_avx512_vnni(void) {
            __builtin_cpu_supports("avx512vnni");
 }
 
-static _Atomic int use_avx512 = -1;
+static _Atomic int gemm_isa = -1;  /* 2 AMX (many-row tiles; AVX-512 VNNI for the rest), 1 AVX-512 VNNI, 0 AVX2 */
 
-/* Picks the GEMMs' tiles (isa: 1 AVX-512 VNNI, 0 AVX2, -1 the best the CPU runs); returns what is used. Both
- * give the same bits; tests and benchmarks switch them. */
+/* Picks the GEMMs' tiles (isa: 2 AMX, 1 AVX-512 VNNI, 0 AVX2, -1 the best the CPU runs), capped at what the CPU
+ * runs; returns what is used. All give the same bits; tests and benchmarks switch them. */
 int set_gemm_isa(int isa) {
-    const int has = cpu_has_avx512_vnni();
-    use_avx512 = isa < 0 ? has : isa && has;
-    return use_avx512;
+    const int has = cpu_has_avx512_vnni() ? 1 + cpu_has_amx_int8() : 0;
+    gemm_isa = isa < 0 || isa > has ? has : isa;
+    return gemm_isa;
 }
 
-int gemm_isa_avx512(void) {
-    const int v = use_avx512;
+static int current_isa(void) {
+    const int v = gemm_isa;
     return v < 0 ? set_gemm_isa(-1) : v;
 }
+
+int gemm_isa_avx512(void) { return current_isa() >= 1; }
+
+int gemm_isa_amx(void) { return current_isa() == 2; }
 
 /* a[r] = the int32 dot products of n k-pairs: panel vectors w times row r's k-pair (xt's groups ts apart), for
  * nt groups. In assembly: gcc's intrinsics version shuffled the accumulators between registers every k-pair. */

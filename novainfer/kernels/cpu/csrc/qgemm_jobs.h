@@ -21,7 +21,11 @@ typedef struct {
 
 typedef struct {
     const float *x; int16_t *xq; int32_t *xt; float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
-    const void *w; const void *scales, *zeros; int has_zeros, quant, scale_fmt, npanels, nchunks, avx512;
+    /* AMX (qgemm_amx.c): xq's signed high and unsigned low bytes, per tile of 16 rows and group of G: the 16
+     * rows' G high bytes, then their low bytes (a tile each, contiguous); rows past M zero */
+    int8_t *xa;
+    float *xsT;  /* and xsum transposed [ngp, mp] (a tile's 16 rows side by side) */
+    const void *w; const void *scales, *zeros; int has_zeros, quant, scale_fmt, npanels, nchunks, avx512, amx;
     _Atomic int failed;
     float *y;
 } panel_job;
@@ -33,6 +37,24 @@ void quantize_rows(const float *x, int M, int K, int G, int mp, int ngp, int16_t
 
 /* 1 when the GEMMs run their AVX-512 VNNI tiles (the default where the CPU has them), else 0 (AVX2). */
 int gemm_isa_avx512(void);
+
+/* 1 when the panel GEMM runs its AMX tiles (the default where the CPU and the OS allow them), else 0. */
+int gemm_isa_amx(void);
+
+/* AMX-INT8 usable by this process (the tile state requested from Linux on the first call). */
+int cpu_has_amx_int8(void);
+
+/* Rows [m0, m1) of xq [., K] split into signed high and unsigned low bytes (x = 256 * hi + lo), stored as xa. */
+void split_rows_amx(const int16_t *xq, int m0, int m1, int K, int G, int8_t *xa);
+
+/* AMX: panels a chunk (unpacked together; each tile of activations then runs against all of them from L1). */
+#define AMX_PANELS 8
+
+/* Panel pnl unpacked: quants to int16 k-pair vectors wp [K/2][16][2], scales and zeros to float32 [ng][16]. */
+void unpack_panel(const panel_job *j, int pnl, int16_t *wp, float *sp, float *zp);
+
+/* Every activation row of j against panels [p0, p1) on AMX (j->xa); -1 when its scratch cannot be had. */
+int panel_rows_amx(const panel_job *j, int p0, int p1);
 
 /* Every activation row of j against panel pnl (the few-row kernel's, unpacking in registers). */
 void few_rows_avx512(const gemm_job *j, int pnl);
