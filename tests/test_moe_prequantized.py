@@ -206,6 +206,73 @@ def test_int4_moe_kernel_matches_the_torch_reference(tokens, group):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def _int4_experts(e: int, hidden: int, inter: int, group: int, g: torch.Generator, scale: float = 0.05):
+    """Random INT4 experts (w13, w2 as (codes, scales, zero points)), zero points anywhere in 0..15 (asymmetric)."""
+
+    def packed(n: int, k: int):
+        from novainfer.layers.quantization.int4 import pack_int4
+
+        codes = torch.randint(0, 16, (e * n, k), generator=g, dtype=torch.uint8)
+        scales = torch.rand(e, n, k // group, generator=g) * scale
+        zeros = torch.randint(0, 16, (e, n, k // group), generator=g, dtype=torch.uint8)
+        return pack_int4(codes).view(e, n, k // 8), scales, zeros
+
+    return packed(2 * inter, hidden), packed(hidden, inter)
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4])
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_moe_gemv_matches_the_torch_reference(tokens, group, monkeypatch):
+    """Up to moe_gemv.MAX_TOKENS tokens fused_experts_int4 takes one GEMV per (token, expert) pair: the reference's
+    output with the interpreter's tiles and with tiles that leave partial row tiles (N = 192, 224, 384) and K steps
+    past K (224 in steps of 128) or a group over several steps (128 in steps of 64); and the grouped GEMMs' output."""
+    from novainfer.kernels import moe_gemv
+    from novainfer.kernels.fused_moe import experts_gemv
+    from novainfer.kernels.fused_moe_quant import fused_experts_int4
+
+    g = torch.Generator().manual_seed(100 * tokens + group)
+    hidden, inter = {32: (224, 96), 128: (384, 128)}[group]
+    (q13, s13, z13), (q2, s2, z2) = _int4_experts(6, hidden, inter, group, g)
+    x = torch.randn(tokens, hidden, generator=g)
+    weights, ids = _routing(tokens, 6, 3, tokens)
+    act = get_act_and_mul("silu")
+    want = fused_experts_int4_reference(x, q13, s13, z13, q2, s2, z2, group, weights, ids, act)
+    tol = dict(rtol=1e-4, atol=1e-5 * want.abs().max().item())
+    launches = []
+    launch = moe_gemv._int4_moe_gemv
+    monkeypatch.setattr(moe_gemv, "_int4_moe_gemv", lambda *a: launches.append(a[-1]) or launch(*a))
+    got = fused_experts_int4(x, q13, s13, z13, q2, s2, z2, group, weights, ids, act)
+    assert launches == [None, None]  # gate/up and down, each one GEMV launch with the default tiles
+    torch.testing.assert_close(got, want, **tol)
+    tiles = {32: (128, 128, 4), 128: (256, 64, 4)}[group]
+    w = (q13, q2, weights, ids, act, s13, s2)
+    got_tiled = experts_gemv(x, *w, tiles=tiles, w13_zeros=z13, w2_zeros=z2, group=group)
+    torch.testing.assert_close(got_tiled, want, **tol)
+    assert launches[2:] == [tiles, tiles]
+    grouped = fused_experts_int4(
+        x, q13, s13, z13, q2, s2, z2, group, weights, ids, act, tiles=((16, 64, 64, 4, 1),) * 2
+    )
+    assert len(launches) == 4  # explicit tiles: the grouped GEMMs, no GEMV
+    bf16 = 2.0**-8
+    torch.testing.assert_close(got, grouped, rtol=bf16, atol=bf16 * grouped.abs().max().item())
+
+
+def test_int4_moe_gemv_in_half_precision():
+    """float16 activations and scales (GPTQ's): the GEMV's output rounds as the reference's product does."""
+    from novainfer.kernels.fused_moe_quant import fused_experts_int4
+
+    g = torch.Generator().manual_seed(7)
+    (q13, s13, z13), (q2, s2, z2) = _int4_experts(4, 256, 128, 64, g, scale=0.01)
+    s13, s2 = s13.half(), s2.half()
+    x = torch.randn(2, 256, generator=g).half()
+    weights, ids = _routing(2, 4, 2, 3)
+    act = get_act_and_mul("silu")
+    want = fused_experts_int4_reference(x, q13, s13, z13, q2, s2, z2, 64, weights, ids, act)
+    got = fused_experts_int4(x, q13, s13, z13, q2, s2, z2, 64, weights, ids, act)
+    assert got.dtype == torch.float16
+    assert ((got.float() - want).norm() / want.norm()).item() < 5e-3  # the float16 gate/up and activation
+
+
 def test_moe_kernels_compile_for_hopper_on_wgmma():
     """What the interpreter cannot show: the grouped GEMMs compile for sm_90 (tests/sm90_moe_ptx.py, in a process
     without the interpreter), on wgmma, the quantized-activation FP8 path as a float8 e4m3 product."""

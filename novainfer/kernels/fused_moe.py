@@ -314,14 +314,18 @@ def experts_gemv(
     w2_scale: torch.Tensor | None = None,
     block: tuple[int, int] = (128, 128),
     tiles: tuple[int, int, int] | None = None,
+    w13_zeros: torch.Tensor | None = None,
+    w2_zeros: torch.Tensor | None = None,
+    group: int = 128,
 ) -> torch.Tensor:
     """fused_experts for a few tokens by one GEMV per (token, expert) pair (kernels/moe_gemv.py), no alignment;
-    w13 / w2 float8 with their block scales, or unquantized."""
+    w13 / w2 float8 with their block scales, INT4 codes with their scales and zero points (one each per group
+    inputs: kernels/fused_moe_quant.py's layout), or unquantized."""
     ids = topk_ids.flatten().to(torch.int32)
 
     def product(down: bool, a, out, a_row_div: int, weights) -> None:
-        w, scale = (w2, w2_scale) if down else (w13, w13_scale)
-        moe_gemv(a, w, ids, a_row_div, out, weights, scale=scale, block=block, tiles=tiles)
+        w, scale, zeros = (w2, w2_scale, w2_zeros) if down else (w13, w13_scale, w13_zeros)
+        moe_gemv(a, w, ids, a_row_div, out, weights, scale=scale, block=block, tiles=tiles, zeros=zeros, group=group)
 
     return pair_products(hidden_states, topk_weights, topk_ids.shape[1], w13.shape[1], act_and_mul, product)
 

@@ -10,6 +10,8 @@ down GEMM with the routing weight, per-token sum), with grouped GEMMs that dequa
 - INT4: kernels/int4_gemm.py's layout per expert, stacked: qweight int32 [E, N, K/8] (of each 32 inputs, input
   4j + w in nibble j of word w), scales [E, N, K/G], zero points uint8 [E, N, K/G]; w = (code - zero) * scale.
   BLOCK_K divides G, so one scale and zero column a step.
+Up to moe_gemv.MAX_TOKENS tokens both formats (block FP8 weight-only) take kernels/moe_gemv.py's one GEMV per
+(token, expert) pair instead: no alignment, and each routed expert's rows read once, not padded to BLOCK_M rows.
 The torch references are layers/quantization/prequantized_moe.py's dequantize_* followed by
 layers/fused_moe/moe_torch.py's fused_experts_torch.
 """
@@ -302,7 +304,12 @@ def fused_experts_int4(
 ) -> torch.Tensor:
     """[tokens, hidden] -> [tokens, hidden] with INT4 experts: w13_qweight int32 [E, 2 * inter, hidden / 8] (gate
     rows, then up rows), w13_scales / w13_zeros [E, 2 * inter, hidden / G]; w2_* [E, hidden, inter / 8] and
-    [E, hidden, inter / G]; tiles: (gate/up, down) instead of INT4_MOE_TILES' (a benchmark's sweep)."""
+    [E, hidden, inter / G]. Up to MAX_TOKENS tokens one GEMV per (token, expert) pair (kernels/moe_gemv.py), else
+    the grouped GEMMs; tiles: their (gate/up, down) tiles instead of INT4_MOE_TILES' (a benchmark's sweep, which
+    also takes the grouped GEMMs at any token count)."""
+    if hidden_states.shape[0] <= MAX_TOKENS and tiles is None:
+        w = (w13_qweight, w2_qweight, topk_weights, topk_ids, act_and_mul, w13_scales, w2_scales)
+        return experts_gemv(hidden_states, *w, w13_zeros=w13_zeros, w2_zeros=w2_zeros, group=group)
 
     def gemm(down: bool, a, out, ids, a_row_div: int, weights, tiles) -> None:
         q, s, z = (w2_qweight, w2_scales, w2_zeros) if down else (w13_qweight, w13_scales, w13_zeros)
