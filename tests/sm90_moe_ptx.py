@@ -1,7 +1,6 @@
-"""Compile the pre-quantized fused-MoE kernels (kernels/fused_moe_quant.py, and kernels/fused_moe_gguf.py's grouped
-GEMM of Q4_K_M's two types) for an H100/H200 (sm_90) on a machine
-without a GPU; print their PTX as one JSON line (tests/test_moe_prequantized.py checks it). Run without
-TRITON_INTERPRET."""
+"""Compile the pre-quantized fused-MoE kernels (kernels/fused_moe_quant.py, kernels/fused_moe_gguf.py's grouped
+GEMM of Q4_K_M's two types, kernels/moe_gemv.py's INT4 GEMV) for an H100/H200 (sm_90) on a machine without a GPU;
+print their PTX as one JSON line (tests/test_moe_prequantized.py checks it). Run without TRITON_INTERPRET."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from novainfer.kernels import fused_moe_gguf, fused_moe_quant, gguf_gemm  # noqa: E402
+from novainfer.kernels import fused_moe_gguf, fused_moe_quant, gguf_gemm, moe_gemv  # noqa: E402
 from tests.sm90_ptx import ptx  # noqa: E402
 
 ROUTING = {"c_ptr": "*bf16", "topk_weights_ptr": "*bf16", "sorted_ids_ptr": "*i32", "block_experts_ptr": "*i32"}
@@ -48,4 +47,13 @@ for qtype in ("Q4_K", "Q6_K"):  # the GGUF experts: a tile dequantized in regist
     out[f"gguf_moe_{qtype}"] = ptx(
         fused_moe_gguf._gguf_moe_kernel, ROUTING | gguf | {"sc_ptr": "*i8" if half else "*u8"}, TILES | consts, 4, 3
     )
+block_n, block_k, warps = moe_gemv.INT4_TILES
+out["int4_moe_gemv"] = ptx(
+    moe_gemv._int4_moe_gemv_kernel,
+    {"x_ptr": "*bf16", "q_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "ids_ptr": "*i32", "rw_ptr": "*bf16"}
+    | {"out_ptr": "*bf16"},
+    {"A_ROW_DIV": 1, "MUL_ROUTED_WEIGHT": True, "GROUP": 128, "BLOCK_N": block_n, "BLOCK_K": block_k},
+    warps,
+    1,
+)
 print(json.dumps(out))

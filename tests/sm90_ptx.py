@@ -17,6 +17,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from novainfer.kernels import fp8_block, gemv, int4_gemm  # noqa: E402
 
 ALIGNED = {"N", "K", "stride_qn", "stride_xm", "stride_om", "stride_am", "stride_cm", "K_PER_SPLIT", "KB_PER_SPLIT"}
+ALIGNED |= {"stride_qe", "stride_se", "stride_sn"}  # the MoE kernels' per-expert strides
 
 
 def ptx(fn, types: dict[str, str], constexprs: dict, warps: int, stages: int) -> str:

@@ -275,7 +275,8 @@ def test_int4_moe_gemv_in_half_precision():
 
 def test_moe_kernels_compile_for_hopper_on_wgmma():
     """What the interpreter cannot show: the grouped GEMMs compile for sm_90 (tests/sm90_moe_ptx.py, in a process
-    without the interpreter), on wgmma, the quantized-activation FP8 path as a float8 e4m3 product."""
+    without the interpreter), on wgmma, the quantized-activation FP8 path as a float8 e4m3 product; the INT4 GEMV
+    compiles too, reading its codes in 16-byte vectors."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -284,6 +285,8 @@ def test_moe_kernels_compile_for_hopper_on_wgmma():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ptx = json.loads(proc.stdout.splitlines()[-1])
+    gemv = ptx.pop("int4_moe_gemv")  # the INT4 GEMV: codes in 16-byte loads, no int-to-float conversion a weight
+    assert "ld.global.L1::evict_first.L2::cache_hint.v4.b32" in gemv and "cvt.rn.f32.s32" not in gemv
     assert all("wgmma.mma_async" in p for p in ptx.values()), [k for k, p in ptx.items() if "wgmma" not in p]
     assert ".e4m3.e4m3" in ptx["fp8_moe_quantized"] and ".bf16.bf16" in ptx["fp8_moe_weight_only"]
 
