@@ -10,7 +10,11 @@ in bf16, block FP8, compressed-tensors FP8 and INT4: bench-shape throughput, bat
 --part moe: the fused-MoE grouped GEMMs (kernels/fused_moe_quant.py: block FP8, INT4 g128) against their torch
 references and the bf16 fused MoE (kernels/fused_moe.py) on one Qwen3-30B-A3B layer (128 experts, 8 active,
 hidden 2048, expert inter 768) by token count, then the whole random Qwen3-30B-A3B in bf16, block FP8 and INT4
-(random:qwen3-moe-small with --tiny).
+(random:qwen3-moe-small with --tiny). Up to moe_gemv.MAX_TOKENS tokens each format's default is kernels/moe_gemv.py's
+GEMV per (token, expert) pair; there INT4 is also timed on the grouped GEMMs ("grouped") and with each of
+moe_gemv.INT4_CANDIDATES' tiles, and a table sets the INT4 GEMV beside them and the bf16 GEMV:
+
+    python benchmarks/quant_gpu.py --part moe-kernels --moe-formats int4 --moe-tokens 1 2 3 4
 
 Kernel times are device times: each call captured in a CUDA graph (as decode runs), over enough copies of the weight
 that none is read from L2; each quantized kernel is also run with every candidate tile shape of its module (the
@@ -317,12 +321,27 @@ MOE_TILE_CANDIDATES = [
 MOE_SWEEP_BLOCK_M = (32, 64, 128)
 
 
-def moe_candidates(m: int, shape: dict, device: torch.device) -> list[tuple[str, object]]:
-    """(label, (gate/up tiles, down tiles)) of the quantized fused MoE at m tokens: the package's choice first
-    (None), then on a GPU the sweep's."""
+def moe_candidates(fmt: str, m: int, shape: dict, device: torch.device) -> list[tuple[str, object]]:
+    """(label, tiles) of a quantized fused MoE at m tokens: the package's choice first (None), then on a GPU the
+    grouped GEMMs' sweep ((gate/up tiles, down tiles)). INT4 up to moe_gemv.MAX_TOKENS tokens, where the package
+    takes the GEMV: also the grouped GEMMs with the package's tiles ("grouped", the path before the GEMV) and on a GPU
+    the GEMV with each of moe_gemv.INT4_CANDIDATES (("gemv", tiles))."""
+    from novainfer.kernels import moe_gemv
+    from novainfer.kernels.fused_moe import moe_tiles
+    from novainfer.kernels.fused_moe_quant import INT4_MOE_TILES
+
+    cands: list[tuple[str, object]] = [("default", None)]
+    if fmt == "int4" and m <= moe_gemv.MAX_TOKENS:
+        pairs, e, h, inter = m * shape["top_k"], shape["experts"], shape["hidden"], shape["inter"]
+        up, down = (
+            moe_tiles(pairs, e, n, k, d, INT4_MOE_TILES) for n, k, d in ((2 * inter, h, False), (h, inter, True))
+        )
+        cands.append(("grouped", (up, down)))
+        if device.type == "cuda":
+            cands += [(f"gemv{t}", ("gemv", t)) for t in moe_gemv.INT4_CANDIDATES if t != moe_gemv.INT4_TILES]
     if device.type != "cuda":
-        return [("default", None)]
-    return [("default", None)] + [
+        return cands
+    return cands + [
         (str((bm, *c)), ((bm, *c), (bm, *c)))
         for bm in MOE_SWEEP_BLOCK_M
         if bm <= max(32, 4 * m * shape["top_k"] // shape["experts"])  # tiles mostly padding: not worth a compile
@@ -338,7 +357,7 @@ def moe_kernel_rows(
     every candidate tile shape (the sweep: default and best printed); rel err of every run against its torch
     reference (the experts dequantized, float32)."""
     from novainfer.kernels.fp8_block import WEIGHT_ONLY_MAX_M
-    from novainfer.kernels.fused_moe import fused_experts
+    from novainfer.kernels.fused_moe import experts_gemv, fused_experts
     from novainfer.kernels.fused_moe_quant import fused_experts_fp8_block, fused_experts_int4
     from novainfer.layers.activation import get_act_and_mul
     from novainfer.layers.fused_moe.routing import select_experts
@@ -364,6 +383,10 @@ def moe_kernel_rows(
             if fmt == "fp8-block":
                 w = (*ops.fp8["w13"], *ops.fp8["w2"], (128, 128))
                 return lambda: fused_experts_fp8_block(x, *w, weights, ids_i, act, tiles=tiles)
+            if tiles is not None and tiles[0] == "gemv":  # the INT4 GEMV with a candidate's tiles
+                (q13, s13, z13), (q2, s2, z2) = ops.int4["w13"], ops.int4["w2"]
+                w = (q13, q2, weights, ids_i, act, s13, s2)
+                return lambda: experts_gemv(x, *w, tiles=tiles[1], w13_zeros=z13, w2_zeros=z2, group=128)
             w = (*ops.int4["w13"], *ops.int4["w2"], 128)
             return lambda: fused_experts_int4(x, *w, weights, ids_i, act, tiles=tiles)
 
@@ -379,7 +402,7 @@ def moe_kernel_rows(
         row["bf16_us"] = device_us(lambda i: run("bf16", i, None), int(ops.nbytes["bf16"] * touched), device, iters)
         for fmt in formats:
             sweep = {}
-            for label, tiles in moe_candidates(m, shape, device):
+            for label, tiles in moe_candidates(fmt, m, shape, device):
                 try:
                     err = rel(run(fmt, 0, tiles)(), refs[fmt])
                     us = device_us(lambda i: run(fmt, i, tiles), int(ops.nbytes[fmt] * touched), device, iters)
@@ -395,6 +418,10 @@ def moe_kernel_rows(
             row[f"{fmt}_rel"] = max(e for _, e in sweep.values())
             row[f"{fmt}_sweep_us"] = {label: us for label, (us, _) in sweep.items()}
             row[f"{fmt}_ok"] = device.type != "cuda" or row[f"{fmt}_rel"] <= MAX_REL[fmt]
+            if "grouped" in sweep:  # INT4 at a GEMV token count: the grouped GEMMs it replaced, the best GEMV tiles
+                gemv = {lb: us for lb, (us, _) in sweep.items() if lb == "default" or lb.startswith("gemv")}
+                row["int4_grouped_us"] = sweep["grouped"][0]
+                row["int4_gemv_best"] = min(gemv, key=gemv.get)
         del refs
         out.append(row)
         print(
@@ -407,7 +434,39 @@ def moe_kernel_rows(
             flush=True,
         )
         torch.cuda.empty_cache() if device.type == "cuda" else None
+    print_int4_gemv_table(out)
     return out
+
+
+def print_int4_gemv_table(rows: list[dict]) -> None:
+    """The INT4 GEMV's rows (up to moe_gemv.MAX_TOKENS tokens) beside the INT4 grouped GEMMs and the bf16 GEMV,
+    then the GEMV candidate with the least total time over them (INT4_TILES to paste)."""
+    from novainfer.kernels.moe_gemv import INT4_TILES
+
+    rows = [r for r in rows if "int4_grouped_us" in r]
+    if not rows:
+        return
+    print(
+        f"\nINT4 MoE GEMV (default: INT4_TILES {INT4_TILES} on a GPU) against the INT4 grouped GEMMs and the bf16 GEMV"
+    )
+    print(
+        f"{'tokens':>6s} | {'bf16 GEMV':>9s} | {'INT4 GEMV':>9s} | {'x bf16':>6s} | {'INT4 grouped':>12s} | "
+        f"{'x bf16':>6s} | {'GEMV x grouped':>14s} | {'best GEMV tiles (us)':>26s} | rel err"
+    )
+    for r in rows:
+        us, grouped, best = r["int4_us"], r["int4_grouped_us"], r["int4_gemv_best"]
+        print(
+            f"{r['tokens']:6d} | {r['bf16_us']:9.1f} | {us:9.1f} | {r['bf16_us'] / us:6.2f} | {grouped:12.1f} | "
+            f"{r['bf16_us'] / grouped:6.2f} | {grouped / us:14.2f} | {best:>17s} {r['int4_sweep_us'][best]:8.1f} | "
+            f"{r['int4_rel']:.1e}"
+        )
+    labels = [lb for lb in rows[0]["int4_sweep_us"] if lb == "default" or lb.startswith("gemv")]
+    total = {lb: sum(r["int4_sweep_us"].get(lb, float("inf")) for r in rows) for lb in labels}
+    best = min(total, key=total.get)
+    print(
+        f"int4: INT4_TILES best over {[r['tokens'] for r in rows]} tokens: {best} ({total[best]:.1f} us in all; "
+        f"default {total['default']:.1f})"
+    )
 
 
 def model_folder(base: str, fmt: str, out_dir: str) -> str:
@@ -503,9 +562,9 @@ def main() -> None:
     if args.part in ("moe", "moe-kernels"):
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         shape, tokens = (
-            (MOE_SHAPE_TINY, [1, 5, 20])
+            (MOE_SHAPE_TINY, [1, 3, 5, 20])
             if args.tiny
-            else (MOE_SHAPE, args.moe_tokens or [1, 4, 16, 64, 256, 1024, 4096])
+            else (MOE_SHAPE, args.moe_tokens or [1, 2, 3, 4, 16, 64, 256, 1024, 4096])
         )
         formats = tuple(args.moe_formats.split(","))
         result["moe_kernels"] = moe_kernel_rows(shape, tokens, device, 1 if args.tiny else 20, formats)
