@@ -187,11 +187,11 @@ def test_trusted_client_template_renders_off_the_event_loop(trusting):
     t0 = time.monotonic()
     thread.start()
     time.sleep(0.2)
-    worst = 0.0
+    worst, probes = 0.0, 0
     while thread.is_alive():
         t1 = time.monotonic()
         assert httpx.get(url + "/health", timeout=30).status_code == 200
-        worst = max(worst, time.monotonic() - t1)
+        worst, probes = max(worst, time.monotonic() - t1), probes + 1
         time.sleep(0.05)
     thread.join()
     assert slow["resp"].status_code == 200, slow["resp"].text
@@ -200,8 +200,10 @@ def test_trusted_client_template_renders_off_the_event_loop(trusting):
             "tokens"
         ]
     )
-    took = time.monotonic() - t0  # a template on the event loop made /health wait for all of it
-    assert took > 1.0 and worst < min(1.5, took / 3), (took, worst)
+    # a template on the event loop made the first probe wait for all of it; the bound is relative to the render
+    # time, which depends on the machine (0.9-1.6 s seen)
+    took = time.monotonic() - t0
+    assert probes >= 4 and worst < min(1.5, took / 3), (took, worst, probes)
 
 
 # ---- 3. an SSE client that stops reading -------------------------------------------------------------------
