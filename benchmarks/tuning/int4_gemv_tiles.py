@@ -6,12 +6,16 @@ It imports novainfer from the current directory, so one script times two trees i
 
     python benchmarks/tuning/int4_gemv_tiles.py --out new.json
     (cd /path/to/old/tree && python /path/to/this/benchmarks/tuning/int4_gemv_tiles.py --out old.json)
+    python benchmarks/tuning/int4_gemv_tiles.py --kernels docs/bench/2026-12-05/s12/int4_gemm_pair_form.py
+
+--kernels: a file that stands in for kernels/int4_gemm.py's GEMV (its int4_gemv and GEMV_CANDIDATES).
     TRITON_INTERPRET=1 python benchmarks/tuning/int4_gemv_tiles.py --tiny
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -33,8 +37,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--kernels", default=None, help="a file with int4_gemv and GEMV_CANDIDATES (default: the package)")
     args = ap.parse_args()
-    from novainfer.kernels import int4_gemm
+    if args.kernels:
+        spec = importlib.util.spec_from_file_location("int4_gemv_under_test", args.kernels)
+        int4_gemm = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(int4_gemm)
+    else:
+        from novainfer.kernels import int4_gemm
     from novainfer.layers.quantization.int4 import dequantize_int4
 
     device = torch.device("cpu" if args.tiny else "cuda")
