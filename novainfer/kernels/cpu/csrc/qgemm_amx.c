@@ -11,7 +11,8 @@
  * two int32 C tiles stored to L1, then the group's scaling in AVX-512 into 16 float registers while the tiles of
  * the next group run. A chunk of AMX_PANELS panels is packed together and each tile of activations runs against
  * all of them, so the activations come from L1 (one panel at a time streamed them from beyond L2: 1.0-1.1x the
- * VNNI tiles, against 1.37x now at 512 rows, Q4_K 3584 x 1024, one thread of a 2-core Xeon VM).
+ * VNNI tiles, against 1.37x with the chunks, and 1.45-1.75x with the group loop in assembly (tile_amx), at 512
+ * rows, Q4_K 3584 x 1024, 1024 x 3584, 12288 x 1536, one thread of a 2-core Xeon VM). Groups of 32 only.
  * Per group the work that does not shrink is the two C tile stores and the float scaling of 16 x 16 sums: so
  * Q6_K's groups of 16 stay on the VNNI tiles (0.8-0.95x there), as do fewer than 32 rows (qgemm_panel_cpu.c).
  */
@@ -107,85 +108,83 @@ void split_rows_amx(const int16_t *xq, int m0, int m1, int K, int G, int8_t *xa)
 static __thread int8_t *wbuf;
 static __thread size_t wbuf_cap;
 
-/* Group g's int32 sums (high bytes' in C tile ch, low bytes' in cl) stored to c[0..255], c[256..511]. */
-#define GROUP_SUMS(g, ch, cl, c)                                     \
-    do {                                                             \
-        _tile_loadd(T_HI, xa + (size_t)(g) * 32 * G, G);             \
-        _tile_loadd(T_LO, xa + (size_t)(g) * 32 * G + 16 * G, G);    \
-        _tile_loadd(T_W, wb + (size_t)(g) * G * PANEL, 64);          \
-        _tile_zero(ch);                                              \
-        _tile_zero(cl);                                              \
-        _tile_dpbssd(ch, T_HI, T_W);                                 \
-        _tile_dpbusd(cl, T_LO, T_W);                                 \
-        _tile_stored(ch, (c), 64);                                   \
-        _tile_stored(cl, (c) + 256, 64);                             \
-    } while (0)
+/* A tile of 16 rows x a panel's 16 outputs over all K / 32 groups, as one assembly block (in C, gcc kept the 16
+ * sums on the stack, a store and a load of each a group, and its loop bookkeeping in vector registers: 1.4x the
+ * time). Per group g: its tile products (high bytes TDPBSSD, low bytes TDPBUSD) into one of two C tile pairs; then
+ * the scaling of group g - 1's sums, stored the group before, in AVX-512 while the products run; then group g's
+ * sums stored (a tile store waits for its product). A group's scaling is the VNNI tiles' op for op: for row r,
+ * f = fma(float(256 * high + low), s * dx[r], f), then with zeros f = fma(z, xsum[r], f).
+ * Registers: zmm0-15 the sums f (row r in zmm r), zmm30 s, zmm31 z, zmm18-29 temporaries; tmm0, tmm1 A (high,
+ * low bytes), tmm2 B, tmm3-4 and tmm5-6 the C pairs, stored to c (+0) and c + 2048 bytes (high, then low +1024). */
+#define SROW(r, t, u, cb)                                                     \
+    "vpslld $8, " #cb "+" #r "*64(%[c]), %%zmm" #t "\n\t"                       \
+    "vpaddd " #cb "+1024+" #r "*64(%[c]), %%zmm" #t ", %%zmm" #t "\n\t"         \
+    "vcvtdq2ps %%zmm" #t ", %%zmm" #t "\n\t"                                    \
+    "vmulps " #r "*4(%[dx])%{1to16%}, %%zmm30, %%zmm" #u "\n\t"                 \
+    "vfmadd231ps %%zmm" #u ", %%zmm" #t ", %%zmm" #r "\n\t"
+#define SROWZ(r, t, u, cb) SROW(r, t, u, cb) "vfmadd231ps " #r "*4(%[xs])%{1to16%}, %%zmm31, %%zmm" #r "\n\t"
+#define ROWS16(R, cb)                                                                                        \
+    R(0, 18, 19, cb) R(1, 20, 21, cb) R(2, 22, 23, cb) R(3, 24, 25, cb) R(4, 26, 27, cb) R(5, 28, 29, cb)    \
+    R(6, 18, 19, cb) R(7, 20, 21, cb) R(8, 22, 23, cb) R(9, 24, 25, cb) R(10, 26, 27, cb) R(11, 28, 29, cb)  \
+    R(12, 18, 19, cb) R(13, 20, 21, cb) R(14, 22, 23, cb) R(15, 24, 25, cb)
+#define SCALE_Z(cb)                                                                               \
+    "vmovaps (%[sp]), %%zmm30\n\tvmovaps (%[zp]), %%zmm31\n\t" ROWS16(SROWZ, cb)                    \
+    "add $64, %[sp]\n\tadd $64, %[zp]\n\tadd %[mpb], %[dx]\n\tadd %[mpb], %[xs]\n\t"
+#define SCALE_N(cb) "vmovaps (%[sp]), %%zmm30\n\t" ROWS16(SROW, cb) "add $64, %[sp]\n\tadd %[mpb], %[dx]\n\t"
+#define PRODUCTS(ch, cl)                                                          \
+    "tileloadd (%[xa],%[s32],1), %%tmm0\n\t"                                       \
+    "tileloadd 512(%[xa],%[s32],1), %%tmm1\n\t"                                    \
+    "tileloadd (%[wb],%[s64],1), %%tmm2\n\t"                                       \
+    "tilezero %%tmm" #ch "\n\ttilezero %%tmm" #cl "\n\t"                           \
+    "tdpbssd %%tmm2, %%tmm0, %%tmm" #ch "\n\ttdpbusd %%tmm2, %%tmm1, %%tmm" #cl "\n\t" \
+    "add $1024, %[xa]\n\tadd $512, %[wb]\n\t"
+#define STORE(ch, cl, cb) \
+    "tilestored %%tmm" #ch ", " #cb "(%[c],%[s64],1)\n\ttilestored %%tmm" #cl ", " #cb "+1024(%[c],%[s64],1)\n\t"
+#define ZERO_F(r) "vpxord %%zmm" #r ", %%zmm" #r ", %%zmm" #r "\n\t"
+#define OUT_F(r) "vmovaps %%zmm" #r ", " #r "*64(%[out])\n\t"
+#define EACH16(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7) M(8) M(9) M(10) M(11) M(12) M(13) M(14) M(15)
+/* buffer 0 holds the newest stored group while n groups remain: two a turn, then the odd one out */
+#define GROUP_LOOP(SCALE)                                                                   \
+    EACH16(ZERO_F) PRODUCTS(3, 4) STORE(3, 4, 0)                                            \
+    "1:\n\tcmp $2, %[n]\n\tjl 2f\n\t"                                                       \
+    PRODUCTS(5, 6) SCALE(0) STORE(5, 6, 2048) PRODUCTS(3, 4) SCALE(2048) STORE(3, 4, 0)      \
+    "sub $2, %[n]\n\tjmp 1b\n"                                                              \
+    "2:\n\ttest %[n], %[n]\n\tjz 3f\n\t"                                                    \
+    PRODUCTS(5, 6) SCALE(0) STORE(5, 6, 2048) SCALE(2048) "jmp 4f\n"                        \
+    "3:\n\t" SCALE(0) "4:\n\t" EACH16(OUT_F)
 
-/* f[r] += group g's sums c scaled, as the VNNI tiles do (256 * high + low is their int32): for row r,
- * f = fma(float(sum), s * dx[r], f), then with zeros f = fma(z, xsum[r], f). In assembly: gcc kept the 16 sums
- * in memory (a load and a store a row a group). */
-#define ROW(r, t, u)                                                         \
-    "vpslld $8, " #r "*64(%[c]), %%zmm" #t "\n\t"                              \
-    "vpaddd 1024+" #r "*64(%[c]), %%zmm" #t ", %%zmm" #t "\n\t"                \
-    "vcvtdq2ps %%zmm" #t ", %%zmm" #t "\n\t"                                   \
-    "vmulps " #r "*4(%[dx])%{1to16%}, %[s], %%zmm" #u "\n\t"                   \
-    "vfmadd231ps %%zmm" #u ", %%zmm" #t ", %[f" #r "]\n\t"
-#define ZERO(r) "vfmadd231ps " #r "*4(%[xs])%{1to16%}, %[z], %[f" #r "]\n\t"
-#define ROWS0(R) R(0, 28, 29) R(1, 30, 31) R(2, 28, 29) R(3, 30, 31) R(4, 28, 29) R(5, 30, 31) R(6, 28, 29) \
-    R(7, 30, 31)
-#define ROWS1(R) R(8, 28, 29) R(9, 30, 31) R(10, 28, 29) R(11, 30, 31) R(12, 28, 29) R(13, 30, 31)     \
-    R(14, 28, 29) R(15, 30, 31)
-#define ROWZ(r, t, u) ROW(r, t, u) ZERO(r)
-#define F(r) [f##r] "+v"(f[r])
-#define FS0 F(0), F(1), F(2), F(3), F(4), F(5), F(6), F(7)
-#define FS1 F(8), F(9), F(10), F(11), F(12), F(13), F(14), F(15)
-#define TMP "xmm28", "xmm29", "xmm30", "xmm31", "memory"
-static inline __attribute__((always_inline)) void scale_group(const panel_job *j, const float *sp, const float *zp,
-                                                              const float *xsT, int m0, int g, const int G,
-                                                              const int32_t *c, __m512 f[16]) {
-    const float *dx = j->dxT + (size_t)(g * G / 32) * j->mp + m0;
-    const __m512 s = _mm512_load_ps(sp + g * PANEL);
-    if (j->has_zeros) {
-        const __m512 z = _mm512_load_ps(zp + g * PANEL);
-        const float *xs = xsT + (size_t)g * j->mp + m0;
-        __asm__(ROWS0(ROWZ) : FS0 : [c] "r"(c), [dx] "r"(dx), [xs] "r"(xs), [s] "v"(s), [z] "v"(z) : TMP);
-        __asm__(ROWS1(ROWZ) : FS1 : [c] "r"(c), [dx] "r"(dx), [xs] "r"(xs), [s] "v"(s), [z] "v"(z) : TMP);
-    } else {
-        __asm__(ROWS0(ROW) : FS0 : [c] "r"(c), [dx] "r"(dx), [s] "v"(s) : TMP);
-        __asm__(ROWS1(ROW) : FS1 : [c] "r"(c), [dx] "r"(dx), [s] "v"(s) : TMP);
-    }
-}
-#undef ROW
-#undef ZERO
-#undef ROWS0
-#undef ROWS1
-#undef TMP
-#undef ROWZ
-#undef F
-#undef FS0
-#undef FS1
-
-/* y[m0..m0+16, the panel's outputs] (rows past M computed, not stored) over the packed panel wb. The tiles of group
- * g + 1 run while the vector units scale group g's sums: two pairs of C tiles, two buffers c[0..511], c[512..]. */
-static inline __attribute__((always_inline)) void tile_amx(const panel_job *j, const int8_t *wb, const float *sp,
-                                                           const float *zp, int n0, int m0, const int G,
-                                                           int32_t *c) {
-    const int K = j->K, ng = K / G;
-    const int8_t *xa = j->xa + (size_t)m0 * K * 2;  /* this tile's rows: its groups' high and low bytes */
-    __m512 f[16];
-    for (int r = 0; r < 16; r++) f[r] = _mm512_setzero_ps();
-    GROUP_SUMS(0, T_CHI, T_CLO, c);
-    for (int g = 1; g < ng; g++) {
-        if (g & 1) GROUP_SUMS(g, T_CHI2, T_CLO2, c + 512);
-        else GROUP_SUMS(g, T_CHI, T_CLO, c);
-        scale_group(j, sp, zp, j->xsT, m0, g - 1, G, c + 512 * ((g - 1) & 1), f);
-    }
-    scale_group(j, sp, zp, j->xsT, m0, ng - 1, G, c + 512 * ((ng - 1) & 1), f);
+/* y[m0..m0+16, the panel's outputs] (rows past M computed, not stored) over the packed panel wb (groups of 32). */
+static void tile_amx(const panel_job *j, const int8_t *wb, const float *sp, const float *zp, int n0, int m0,
+                     int32_t *c) {
+    const int8_t *xa = j->xa + (size_t)m0 * j->K * 2;  /* this tile's rows: its groups' high and low bytes */
+    const float *dx = j->dxT + m0, *xs = j->has_zeros ? j->xsT + m0 : dx;
+    long n = j->K / 32 - 1;  /* groups after the first */
+    const long s32 = 32, s64 = 64, mpb = (long)j->mp * (long)sizeof(float);
+    float out[256] __attribute__((aligned(64)));
+#define OPERANDS                                                                                            \
+    : [xa] "+r"(xa), [wb] "+r"(wb), [sp] "+r"(sp), [zp] "+r"(zp), [dx] "+r"(dx), [xs] "+r"(xs), [n] "+r"(n) \
+    : [c] "r"(c), [out] "r"(out), [s32] "r"(s32), [s64] "r"(s64), [mpb] "r"(mpb)                           \
+    : "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", "xmm11",       \
+      "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22",      \
+      "xmm23", "xmm24", "xmm25", "xmm26", "xmm27", "xmm28", "xmm29", "xmm30", "xmm31", "memory", "cc"
+    if (j->has_zeros) __asm__ volatile(GROUP_LOOP(SCALE_Z) OPERANDS);
+    else __asm__ volatile(GROUP_LOOP(SCALE_N) OPERANDS);
+#undef OPERANDS
     const int nr = j->N - n0 < PANEL ? j->N - n0 : PANEL, mr = j->M - m0 < 16 ? j->M - m0 : 16;
     const __mmask16 keep = (__mmask16)((1u << nr) - 1);
-    for (int r = 0; r < mr; r++) _mm512_mask_storeu_ps(j->y + (size_t)(m0 + r) * j->N + n0, keep, f[r]);
+    for (int r = 0; r < mr; r++) _mm512_mask_storeu_ps(j->y + (size_t)(m0 + r) * j->N + n0, keep, _mm512_load_ps(out + 16 * r));
 }
-#undef GROUP_SUMS
+#undef SROW
+#undef SROWZ
+#undef ROWS16
+#undef SCALE_Z
+#undef SCALE_N
+#undef PRODUCTS
+#undef STORE
+#undef ZERO_F
+#undef OUT_F
+#undef EACH16
+#undef GROUP_LOOP
 
 int panel_rows_amx(const panel_job *j, int p0, int p1) {
     const int K = j->K, np = p1 - p0;
@@ -211,8 +210,7 @@ int panel_rows_amx(const panel_job *j, int p0, int p1) {
         for (int i = 0; i < np; i++) {
             const int8_t *w = wb + (size_t)i * wbytes;
             const float *s = sp + (size_t)i * PANEL * j->ng, *z = zp + (size_t)i * PANEL * j->ng;
-            if (j->G == 32) tile_amx(j, w, s, z, (p0 + i) * PANEL, m0, 32, c);
-            else tile_amx(j, w, s, z, (p0 + i) * PANEL, m0, 16, c);
+            tile_amx(j, w, s, z, (p0 + i) * PANEL, m0, c);
         }
     _tile_release();
     return 0;

@@ -207,6 +207,34 @@ static void prepare_rows(void *arg, int c) {
     }
 }
 
+/* The activations' scratch of a panel GEMM (rounded rows, steps, sums, interleaved or split copies), kept by the
+ * calling thread between calls: allocated fresh each call, its pages cost ~1,000 page faults a 512-row GEMM of
+ * the 0.8B models (a few ms, ~10% of a prefill). Past SCRATCH_KEEP bytes it is given back after the call. */
+#define SCRATCH_KEEP ((size_t)64 << 20)
+static __thread char *xscratch;
+static __thread size_t xscratch_cap;
+
+/* parts[i] = sizes[i] bytes of the scratch, each 64-byte aligned; 0 when the memory cannot be had. */
+static int carve_scratch(const size_t *sizes, char **parts, int n) {
+    size_t need = 0;
+    for (int i = 0; i < n; i++) need += (sizes[i] + 63) / 64 * 64;
+    if (need > xscratch_cap) {
+        free(xscratch);
+        xscratch = aligned_alloc(64, need ? need : 64);
+        xscratch_cap = xscratch ? need : 0;
+        if (!xscratch) return 0;
+    }
+    for (size_t i = 0, off = 0; i < (size_t)n; off += (sizes[i] + 63) / 64 * 64, i++) parts[i] = xscratch + off;
+    return 1;
+}
+
+static void release_scratch(void) {
+    if (xscratch_cap <= SCRATCH_KEEP) return;
+    free(xscratch);
+    xscratch = NULL;
+    xscratch_cap = 0;
+}
+
 static _Atomic int panel_calls;
 
 /* How many GEMMs this kernel has run (tests check which kernel a row count picks: both give the same bits). */
@@ -224,31 +252,47 @@ static int run_panel(panel_job *j, const float *x, int nthreads) {
      * AMX tile computes past M (zeros) */
     j->mp = j->M + 16;
     const int mt = (j->M + 15) / 16 * 16;  /* AMX: rows in whole tiles of 16, those past M zero */
-    int16_t *xq = malloc(sizeof(int16_t) * (size_t)j->M * j->K);
-    float *dxT = calloc((size_t)(j->K / 32) * j->mp, sizeof(float));
-    float *xsum = malloc(sizeof(float) * (size_t)j->M * j->ngp);
-    int32_t *xt = j->amx ? NULL : malloc(sizeof(int16_t) * (size_t)(j->M + PMR - 1) / PMR * PMR * j->K);
-    int8_t *xhl = j->amx ? calloc((size_t)mt * j->K, 2) : NULL;
-    float *xsT = j->amx && j->has_zeros ? calloc((size_t)j->ngp * j->mp, sizeof(float)) : NULL;
-    int rc = -1;
-    if (xq && dxT && xsum && (j->amx ? xhl && (xsT || !j->has_zeros) : xt != NULL)) {
-        j->x = x; j->xq = xq; j->xt = xt; j->dxT = dxT; j->xsum = xsum;
-        j->xa = xhl; j->xsT = xsT;
-        j->nchunks = j->M >= 64 ? 2 * nthreads : 1;  /* a few rows: not worth waking a worker */
-        pool_run(prepare_rows, j, j->nchunks, nthreads);
-        j->npanels = (j->N + PNR - 1) / PNR;
-        /* chunks of ~32 rows' work or more (a panel's claim costs an atomic, ~0.1 us against a 16-row panel's
-         * ~3 us): at 512 rows a panel each, so the core that finishes first waits at most one panel (~0.1 ms);
-         * at 16 rows two (chunks of 16 panels left a 60-panel qkv's cores 16 panels apart: 4-5% of a step) */
-        int per = j->amx ? AMX_PANELS : j->M >= 32 ? 1 : 32 / j->M;
-        if (j->npanels / per >= 0xffff) per = j->npanels / 0xfffe + 1;  /* the pool takes < 2^16 chunks */
-        j->nchunks = (j->npanels + per - 1) / per;
-        atomic_store(&j->failed, 0);
-        pool_run(panel_chunk, j, j->nchunks, nthreads);
-        rc = atomic_load(&j->failed) ? -1 : 0;
-    }
-    free(xq); free(dxT); free(xsum); free(xt); free(xhl); free(xsT);
-    return rc;
+    const size_t sizes[6] = {
+        sizeof(int16_t) * (size_t)j->M * j->K,                                         /* xq */
+        sizeof(float) * (size_t)(j->K / 32) * j->mp,                                   /* dxT */
+        sizeof(float) * (size_t)j->M * j->ngp,                                         /* xsum */
+        j->amx ? 0 : sizeof(int16_t) * (size_t)(j->M + PMR - 1) / PMR * PMR * j->K,  /* xt */
+        j->amx ? (size_t)mt * j->K * 2 : 0,                                            /* xhl */
+        j->amx && j->has_zeros ? sizeof(float) * (size_t)j->ngp * j->mp : 0,          /* xsT */
+    };
+    char *parts[6];
+    if (!carve_scratch(sizes, parts, 6)) return -1;
+    int16_t *xq = (int16_t *)parts[0];
+    float *dxT = (float *)parts[1], *xsum = (float *)parts[2], *xsT = sizes[5] ? (float *)parts[5] : NULL;
+    int32_t *xt = j->amx ? NULL : (int32_t *)parts[3];
+    int8_t *xhl = j->amx ? (int8_t *)parts[4] : NULL;
+    /* what the row preparation leaves unwritten and a tile reads: the steps and sums of rows M..mp (a tile's rows
+     * past M, computed and not stored), the bytes of the last AMX tile's rows past M, xsT's padding groups */
+    for (int b = 0; b < j->K / 32; b++) memset(dxT + (size_t)b * j->mp + j->M, 0, sizeof(float) * (j->mp - j->M));
+    if (xsT)
+        for (int g = 0; g < j->ngp; g++)
+            if (g < j->ng) memset(xsT + (size_t)g * j->mp + j->M, 0, sizeof(float) * (j->mp - j->M));
+            else memset(xsT + (size_t)g * j->mp, 0, sizeof(float) * j->mp);
+    if (xhl && j->M % 16)
+        for (int g = 0; g < j->ng; g++)
+            for (int h = 0; h < 2; h++)
+                memset(xhl + ((size_t)(j->M / 16) * j->ng + g) * 32 * j->G + h * 16 * j->G + (j->M % 16) * j->G, 0,
+                       (size_t)(16 - j->M % 16) * j->G);
+    j->x = x; j->xq = xq; j->xt = xt; j->dxT = dxT; j->xsum = xsum;
+    j->xa = xhl; j->xsT = xsT;
+    j->nchunks = j->M >= 64 ? 2 * nthreads : 1;  /* a few rows: not worth waking a worker */
+    pool_run(prepare_rows, j, j->nchunks, nthreads);
+    j->npanels = (j->N + PNR - 1) / PNR;
+    /* chunks of ~32 rows' work or more (a panel's claim costs an atomic, ~0.1 us against a 16-row panel's
+     * ~3 us): at 512 rows a panel each, so the core that finishes first waits at most one panel (~0.1 ms);
+     * at 16 rows two (chunks of 16 panels left a 60-panel qkv's cores 16 panels apart: 4-5% of a step) */
+    int per = j->amx ? AMX_PANELS : j->M >= 32 ? 1 : 32 / j->M;
+    if (j->npanels / per >= 0xffff) per = j->npanels / 0xfffe + 1;  /* the pool takes < 2^16 chunks */
+    j->nchunks = (j->npanels + per - 1) / per;
+    atomic_store(&j->failed, 0);
+    pool_run(panel_chunk, j, j->nchunks, nthreads);
+    release_scratch();
+    return atomic_load(&j->failed) ? -1 : 0;
 }
 
 int q4_gemm_panel(const float *x, int M, int K, const uint8_t *w, const void *scales, const void *zeros,
