@@ -86,6 +86,13 @@ TARGETS = {"fp8-block": (1.1, 1.6), "int4-gptq": (1.0, 2.5)}  # (bench shape, ba
 # relative error against the torch reference on the GPU (bf16 output rounding, float32 accumulation); under the CPU
 # interpreter the float8 cast truncates where CUDA rounds, so the fp8 figure is only printed there
 MAX_REL = {"fp8-block": 1e-2, "int4": 1e-2}
+# The fused MoE with FP8 activations (past WEIGHT_ONLY_MAX_M tokens) against its reference, which rounds the same
+# inputs to e4m3: the kernel's gate/up output, summed in another order, differs from the reference's in its last
+# bf16 bit (2^-8) now and then, and an input within that of an e4m3 rounding boundary (3 mantissa bits, steps 2^-3)
+# moves by a whole step: about 1 input in 32, by ~1/16 on average, ~1e-2 in norm. Measured 1.3-1.5e-2 at 16-4,096
+# tokens and 2.2e-2 at 4 (fewer inputs, more spread) on H100s (docs/bench/2026-12-05, 2026-12-06); a wrong scale or
+# group gives errors of order 1.
+MAX_REL_FP8_ACTIVATIONS = 3e-2
 
 
 def timed(fn, iters: int) -> float:
@@ -417,7 +424,8 @@ def moe_kernel_rows(
             row[f"{fmt}_x"] = row["bf16_us"] / row[f"{fmt}_us"]
             row[f"{fmt}_rel"] = max(e for _, e in sweep.values())
             row[f"{fmt}_sweep_us"] = {label: us for label, (us, _) in sweep.items()}
-            row[f"{fmt}_ok"] = device.type != "cuda" or row[f"{fmt}_rel"] <= MAX_REL[fmt]
+            bound = MAX_REL_FP8_ACTIVATIONS if fmt == "fp8-block" and m > WEIGHT_ONLY_MAX_M else MAX_REL[fmt]
+            row[f"{fmt}_ok"] = device.type != "cuda" or row[f"{fmt}_rel"] <= bound
             if "grouped" in sweep:  # INT4 at a GEMV token count: the grouped GEMMs it replaced, the best GEMV tiles
                 gemv = {lb: us for lb, (us, _) in sweep.items() if lb == "default" or lb.startswith("gemv")}
                 row["int4_grouped_us"] = sweep["grouped"][0]
@@ -569,7 +577,8 @@ def main() -> None:
         formats = tuple(args.moe_formats.split(","))
         result["moe_kernels"] = moe_kernel_rows(shape, tokens, device, 1 if args.tiny else 20, formats)
         bad = [f"tokens={r['tokens']} {f}" for r in result["moe_kernels"] for f in formats if not r[f"{f}_ok"]]
-        print("MoE kernel checks: " + (f"FAILED {bad}" if bad else f"all within {MAX_REL} of the torch references"))
+        bounds = f"{MAX_REL}, fp8-block with FP8 activations {MAX_REL_FP8_ACTIVATIONS}"
+        print("MoE kernel checks: " + (f"FAILED {bad}" if bad else f"all within {bounds} of the torch references"))
         result["kernel_failures"] = bad
     if args.part in ("moe", "moe-e2e"):
         name = "qwen3-moe-small" if args.tiny else "qwen3-30b-a3b"

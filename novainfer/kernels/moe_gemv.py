@@ -26,18 +26,19 @@ import triton.language as tl
 # GEMMs at 1-2 tokens and about even to 1.15x at 3-4; block FP8 weight-only 1.3-2.9x)
 MAX_TOKENS = 4
 TILES = (32, 256, 4)
-# The INT4 kernel's (BLOCK_N, BLOCK_K, warps): on an H100 (2026-12-05) the sweep's best, (4, 1024, 1), was within 1-4%
-# of it; not measured on an H200 (`benchmarks/quant_gpu.py --part moe-kernels` times INT4_CANDIDATES). From its sm_90
+# The INT4 kernel's (BLOCK_N, BLOCK_K, warps): the best over 1, 2 and 4 tokens in two H100 sweeps (2026-12-05, -06;
+# 2.7% under (8, 1024, 2), the first guess); not measured on an H200 (`benchmarks/quant_gpu.py --part moe-kernels`
+# times INT4_CANDIDATES, docs/bench/2026-12-06/h100_call_a). From its sm_90
 # SASS (ptxas, no GPU): a thread holds BLOCK_N * BLOCK_K / (1024 * warps) rows of one 32-input chunk; with four (the
 # first six candidates; the last two hold two and eight) its four 16-byte loads of codes are in flight together and
 # x's 32 inputs are widened once for the four rows: ~4.5 instructions a weight, against ~5.4 with two rows and ~7.5
 # in kernels/int4_gemm.py's GEMV.
-# (8, 1024, 2) makes 1,536 two-warp programs of Qwen3-30B-A3B's gate/up at one token; its down product (K = 768)
+# (4, 1024, 1) makes 3,072 one-warp programs of Qwen3-30B-A3B's gate/up at one token; its down product (K = 768)
 # leaves a quarter of the chunks idle, which (16, 256, 1) or (32, 256, 2) would not.
-INT4_TILES = (8, 1024, 2)
+INT4_TILES = (4, 1024, 1)
 INT4_CANDIDATES = [
-    (8, 1024, 2),
     (4, 1024, 1),
+    (8, 1024, 2),
     (16, 512, 2),
     (16, 256, 1),
     (32, 256, 2),
