@@ -21,7 +21,16 @@ a)
     step moe_kernels 300 python3 benchmarks/quant_gpu.py --part moe-kernels --moe-tokens 1 2 4 16 256 --out "$OUT/moe_kernels"
     ;;
 b)
-    # issue 38: the MoE formats end to end on an H200 (INT4 with the per-pair GEMV, untimed on an H200)
-    step moe_e2e 560 python3 benchmarks/quant_gpu.py --part moe-e2e --formats bf16,int4-gptq --repeat 1 --out "$OUT/moe_e2e"
+    # issue 38: INT4 in the batch-1 decode stack (b7e7654): its CPU test on a real GPU (float32, stack against the
+    # layer path), then the 7B batch-1 INT4 against bf16 from this tree and INT4 from the tree before (.bench/base,
+    # a `git archive e4f6b6f novainfer benchmarks tests`), one after the other
+    step int4_stack_test 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_decoder.py -k int4
+    step e2e_new 260 python3 benchmarks/quant_gpu.py --part e2e --formats bf16,int4-gptq --repeat 2 --num-prompts 32 --out "$OUT/e2e_new"
+    (cd .bench/base && step e2e_base 170 python3 benchmarks/quant_gpu.py --part e2e --formats int4-gptq --repeat 2 --num-prompts 32 --out "$OUT/e2e_base")
+    ;;
+c)
+    # issue 38: the one-row INT4 GEMV with two K steps' loads in flight (lab kernel) against the package's, 7B/30B layers
+    step gemv_unrolled 200 python3 benchmarks/tuning/int4_gemv_tiles.py --rows 1 --kernels docs/bench/2026-12-06/int4_gemv_unrolled.py --out "$OUT/gemv_unrolled.json"
+    step gemv_package 200 python3 benchmarks/tuning/int4_gemv_tiles.py --rows 1 --out "$OUT/gemv_package.json"
     ;;
 esac
