@@ -24,9 +24,9 @@ b)
     # issue 38: INT4 in the batch-1 decode stack (b7e7654): its CPU test on a real GPU (float32, stack against the
     # layer path), then the 7B batch-1 INT4 against bf16 from this tree and INT4 from the tree before (.bench/base,
     # a `git archive e4f6b6f novainfer benchmarks tests`), one after the other
-    step int4_stack_test 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_decoder.py -k int4
-    step e2e_new 260 python3 benchmarks/quant_gpu.py --part e2e --formats bf16,int4-gptq --repeat 1 --num-prompts 32 --out "$OUT/e2e_new"
-    (cd .bench/base && step e2e_base 170 python3 benchmarks/quant_gpu.py --part e2e --formats int4-gptq --repeat 1 --num-prompts 32 --out "$OUT/e2e_base")
+    step int4_stack_test 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_decoder.py -k int4
+    step e2e_new 220 python3 benchmarks/quant_gpu.py --part e2e --formats bf16,int4-gptq --repeat 1 --num-prompts 32 --out "$OUT/e2e_new"
+    (cd .bench/base && step e2e_base 130 python3 benchmarks/quant_gpu.py --part e2e --formats int4-gptq --repeat 1 --num-prompts 32 --out "$OUT/e2e_base")
     ;;
 c)
     # issue 38: the one-row INT4 GEMV with two K steps' loads in flight (lab kernel) against the package's, 7B/30B layers
