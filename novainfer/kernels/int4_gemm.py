@@ -365,12 +365,11 @@ def int4_gemv(
     n = qweight.shape[0]
     assert m <= GEMV_MAX_M and x.stride(1) == 1, x.shape
     assert norm_weight is not None or residual is None
-    fused = bias is not None or norm_weight is not None or silu_and_mul
-    if tiles is None and not x.is_cuda:  # the interpreter: small tiles (the fused kernel's cost there is per program)
-        tiles = (min(triton.next_power_of_2(n), 64), 128, 4, 1) if fused else (4, 64, 4, 1)
+    if tiles is None and not x.is_cuda:
+        tiles = (4, 64, 4, 1)  # the interpreter: small tiles
     block_n, block_k, warps, stages = tiles or GEMV_TILES.get((n, k), GEMV_DEFAULT)
     block_k = min(block_k, triton.next_power_of_2(k))
-    if fused:
+    if bias is not None or norm_weight is not None or silu_and_mul:
         assert m == 1 and x.is_contiguous() and (residual is None or residual.is_contiguous()), x.shape
         fusions = dict(bias=bias, norm_weight=norm_weight, eps=eps, residual=residual, silu_and_mul=silu_and_mul)
         return _int4_gemv_fused(x, qweight, scales, zeros, group, (block_n, block_k, warps, stages), **fusions)
