@@ -156,42 +156,6 @@ def test_block_fp8_model_takes_the_stack_and_matches_the_layer_path(tmp_path):
         assert abs(a[t].logprob - b[t].logprob) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["gptq-sym", "awq"])
-def test_int4_model_takes_the_stack_and_matches_the_layer_path(tmp_path, name):
-    """Pre-quantized INT4 checkpoints (GPTQ symmetric with groups of 32, AWQ's asymmetric zero points with groups of
-    128; Qwen2's qkv bias): the stack's INT4 GEMVs with the norm prologue and the SiLU epilogue give the greedy
-    tokens and logprobs of the layer-by-layer path (the dequantized torch product on the CPU). An act-order GPTQ
-    checkpoint (x's columns gathered by the layer) keeps the layer path."""
-    from novainfer import LLM, SamplingParams
-    from tests.test_quant_formats import FORMATS, write_pair
-    from tests.tiny_models import make_tiny_model
-
-    base = make_tiny_model(str(tmp_path / "qwen2"), "qwen2", seed=7, num_heads=4, num_kv_heads=4, head_dim=32)
-    quantize, qconfig, _ = FORMATS[name]
-    qdir, _ = write_pair(base, str(tmp_path / name), quantize, qconfig)
-    # no prefix cache: the second run's prompt is a prefill as the first's
-    llm = LLM(
-        qdir, dtype="float32", attention_backend="triton", block_size=4, enforce_eager=True, enable_prefix_caching=False
-    )
-    runner = llm.llm_engine.executor.workers[0].model_runner
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-    prompt = "The quick brown fox jumps over the lazy dog"
-    runner.decode_strategy = None
-    layered = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    runner.decode_strategy = select_decode_strategy(runner.model, triton_backend, graphs_only=False)
-    assert supports(runner.model.model) and isinstance(runner.decode_strategy, GPUDecodeStack)
-    with counting_stack_calls() as calls:
-        stacked = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
-    assert calls.count(True) == 7 and stacked.token_ids == layered.token_ids
-    for t, a, b in zip(stacked.token_ids, stacked.logprobs, layered.logprobs):
-        assert abs(a[t].logprob - b[t].logprob) < 1e-4
-    if name == "gptq-sym":
-        quantize, qconfig, _ = FORMATS["gptq-asym-act-order"]
-        qdir, _ = write_pair(base, str(tmp_path / "act-order"), quantize, qconfig)
-        llm = LLM(qdir, dtype="float32", attention_backend="triton", block_size=4, enforce_eager=True)
-        assert not supports(llm.llm_engine.executor.workers[0].model_runner.model.model)
-
-
 def test_stack_refuses_layers_it_does_not_fuse(tiny_qwen3):
     """Qwen3 normalises q and k per head: not a piece the stack fuses, so its model keeps the layer path."""
     from novainfer import LLM

@@ -10,11 +10,9 @@ At one token a step, the GPU time goes to kernel count rather than bytes (measur
 5. down projection: one GEMV.
 The elementwise steps round as the layer-by-layer kernels do; the projections sum in float32 in their own
 order (as cuBLAS's kernels differ between batch sizes). Taken for the batch-1 decode CUDA graph of a model
-whose layers are plain llama pieces on one rank with unquantized, pre-quantized block-FP8 or INT4 weights (Llama,
-Qwen2, Mistral; kernels/gemv.py reads the float8 weights with their block scales, kernels/int4_gemm.py's GEMV the
-INT4 codes of GPTQ without act order, AWQ and compressed-tensors, with the same fusions; an INT4 qkv bias is added
-to the rounded product, as the INT4 layer adds it); every other step and model runs the layers as before
-(worker/decode_strategy.py picks it).
+whose layers are plain llama pieces on one rank with unquantized or pre-quantized block-FP8 weights (Llama, Qwen2,
+Mistral; kernels/gemv.py reads the float8 weights with their block scales); every other step and model runs the
+layers as before (worker/decode_strategy.py picks it).
 """
 
 from __future__ import annotations
@@ -25,10 +23,8 @@ from torch import nn
 from novainfer.attention import triton_backend
 from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
 from novainfer.kernels.gemv import gemv
-from novainfer.kernels.int4_gemm import int4_gemv
 from novainfer.kernels.paged_attention import DecodeRope, decode_attention
 from novainfer.layers.quantization.fp8_block import Fp8BlockLinearMethod
-from novainfer.layers.quantization.int4 import Int4LinearMethod
 from novainfer.models.llama import LlamaModel
 from novainfer.worker.cpu_decode_stack import plain_llama_layers
 
@@ -68,7 +64,14 @@ class GPUDecodeStack:
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
-        qkv = _gemv(attn.qkv_proj, h, bias=attn.qkv_proj.bias, norm_weight=norm.weight, eps=norm.eps, residual=residual)
+        qkv = gemv(
+            h,
+            **_weights(attn.qkv_proj),
+            bias=attn.qkv_proj.bias,
+            norm_weight=norm.weight,
+            eps=norm.eps,
+            residual=residual,
+        )
         qkv, residual = qkv if residual is not None else (qkv, h)  # the first layer: its input is the residual
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         a, rope = attn.attn, attn.rotary_emb
@@ -93,40 +96,34 @@ class GPUDecodeStack:
                 meta.slot_mapping,
             ),
         )
-        h = _gemv(attn.o_proj, o.view(1, -1))  # (supports() leaves o_proj and down_proj biases out)
+        h = gemv(o.view(1, -1), **_weights(attn.o_proj))  # (supports() leaves o_proj and down_proj biases out)
         norm = layer.post_attention_layernorm
-        act, residual = _gemv(
-            mlp.gate_up_proj,
+        act, residual = gemv(
             h,
+            **_weights(mlp.gate_up_proj),
             bias=mlp.gate_up_proj.bias,
             norm_weight=norm.weight,
             eps=norm.eps,
             residual=residual,
             silu_and_mul=True,
         )
-        return _gemv(mlp.down_proj, act), residual
+        return gemv(act, **_weights(mlp.down_proj)), residual
 
 
-def _gemv(linear: nn.Module, x: torch.Tensor, **fusions) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """linear's product for the one row x, with gemv()'s fusions: kernels/gemv.py's GEMV, or for an INT4 layer
-    kernels/int4_gemm.py's (the same fusions)."""
+def _weights(linear: nn.Module) -> dict:
+    """gemv()'s weight arguments for a linear layer: its weight, and a block-FP8 layer's scales and block."""
     method = linear.quant_method
     if method is None:
-        return gemv(x, linear.weight, **fusions)
-    if type(method) is Int4LinearMethod:
-        return int4_gemv(x, linear.qweight, linear.scales, linear.qzeros, method.fmt.group_size, **fusions)
-    return gemv(x, linear.weight, weight_scale=linear.weight_scale_inv, block=method.block, **fusions)
+        return {"weight": linear.weight}
+    return {"weight": linear.weight, "weight_scale": linear.weight_scale_inv, "block": method.block}
 
 
 def _gemv_reads(linear: nn.Module, silu_and_mul: bool = False) -> bool:
-    """Whether _gemv computes this layer: unquantized; INT4 without act order (Int4LinearMethod.apply gathers x's
-    columns by perm first, which the GEMV's norm prologue does not); or block FP8 whose row blocks are a power of
-    two (a program's rows share one) and, for gate/up, whole blocks per half."""
+    """Whether kernels/gemv.py computes this layer: unquantized, or block FP8 whose row blocks are a power of two
+    (a program's rows share one) and, for gate/up, whole blocks per half."""
     method = linear.quant_method
     if method is None:
         return True
-    if type(method) is Int4LinearMethod:
-        return linear.perm is None
     if type(method) is not Fp8BlockLinearMethod:
         return False
     bn = method.block[0]
@@ -134,8 +131,8 @@ def _gemv_reads(linear: nn.Module, silu_and_mul: bool = False) -> bool:
 
 
 def supports(model: LlamaModel) -> bool:
-    """Whether every layer of a LlamaModel is made of the pieces the stack fuses, unquantized, block FP8 or INT4 (see
-    _gemv_reads), over the Triton backend's cache, without o_proj and down_proj biases."""
+    """Whether every layer of a LlamaModel is made of the pieces the stack fuses, unquantized or block FP8, over the
+    Triton backend's cache, without o_proj and down_proj biases."""
     if not plain_llama_layers(model):
         return False
     for layer in model.layers:
