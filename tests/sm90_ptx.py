@@ -50,14 +50,6 @@ if __name__ == "__main__":
             4,
             1,
         ),
-        "int4_gemv_fused": ptx(  # the decode stack's gate_up: the norm prologue and the SiLU epilogue
-            int4_gemm._int4_gemv_fused_kernel,
-            INT4 | {n: "*bf16" for n in ("res_ptr", "norm_w_ptr", "bias_ptr", "res_out_ptr")} | {"eps": "fp32"},
-            {"NORM": True, "HAS_RESIDUAL": True, "HAS_BIAS": True, "SILU_MUL": True}
-            | {"GROUP": 128, "BLOCK_N": 4, "BLOCK_K": 512, "EVEN_K": False},
-            2,
-            1,
-        ),
         "fp8_gemv": ptx(
             gemv._gemv_kernel,
             FP8,

@@ -69,43 +69,6 @@ def test_block_fp8_gemv_with_prologue_and_epilogue_matches_the_dequantized_produ
     torch.testing.assert_close(y, F.silu(gate) * up, rtol=1e-4, atol=1e-3)  # rstd on the sums: another rounding
 
 
-@pytest.mark.parametrize("group,k,sym", [(32, 224, True), (32, 224, False), (128, 384, True), (128, 384, False)])
-def test_int4_gemv_with_prologue_and_epilogue_matches_the_unfused_kernels(group, k, sym):
-    """The INT4 GEMV's one-row fusions against the layer-by-layer kernels (add + RMSNorm, the plain INT4 GEMV, the
-    bias added to its rounded output, SiLU-and-mul): symmetric (zero 8) and asymmetric zero points, gate/up rows
-    with their own scales and zeros, an odd N (the last tile clamps), K a masked tail of the K step (224) or whole
-    steps (384, then a step longer than K). float16, as the bf16 GEMV test."""
-    from novainfer.kernels.int4_gemm import int4_gemv
-    from novainfer.layers.quantization.int4 import pack_int4
-
-    g = torch.Generator().manual_seed(group + k + sym)
-    dt, n, eps = torch.float16, 37, 1e-6
-    codes = torch.randint(0, 16, (2 * n, k), generator=g, dtype=torch.uint8)
-    scales = (torch.rand(2 * n, k // group, generator=g) * 0.05 + 0.01).to(dt)
-    zeros = torch.full(scales.shape, 8, dtype=torch.uint8) if sym else torch.randint(0, 16, scales.shape, generator=g)
-    qweight, zeros = pack_int4(codes), zeros.to(torch.uint8)
-    gu = (qweight, scales, zeros, group)  # concat(gate, up)
-    w = (qweight[:n].contiguous(), scales[:n].contiguous(), zeros[:n].contiguous(), group)  # gate alone
-    x, r, nw = (torch.randn(1, k, generator=g).to(dt) for _ in range(3))
-    nw, b = nw[0] + 1, torch.randn(2 * n, generator=g).to(dt)
-
-    def close(y, ref):
-        assert y.shape == ref.shape and y.dtype == ref.dtype
-        assert (y.float() - ref.float()).abs().max() <= 2e-3 * ref.float().abs().max() + 1e-3
-
-    for tiles in [None, (8, 256, 4, 1)]:
-        normed, ref_res = fused_ops.rms_norm(x, nw, eps, r)
-        y, res = int4_gemv(x, *w, tiles, norm_weight=nw, eps=eps, residual=r)
-        assert torch.equal(res, ref_res)
-        close(y, int4_gemv(normed, *w))
-        y, res = int4_gemv(x, *gu, tiles, bias=b, norm_weight=nw, eps=eps, residual=r, silu_and_mul=True)
-        assert torch.equal(res, ref_res)
-        close(y, fused_ops.silu_and_mul(int4_gemv(normed, *gu) + b))
-        close(int4_gemv(x, *w, tiles, norm_weight=nw, eps=eps), int4_gemv(fused_ops.rms_norm(x, nw, eps), *w))
-        close(int4_gemv(x, *gu, tiles, silu_and_mul=True), fused_ops.silu_and_mul(int4_gemv(x, *gu)))
-        assert torch.equal(int4_gemv(x, *w, tiles, bias=b[:n]), int4_gemv(x, *w, tiles) + b[:n])  # apply()'s rounding
-
-
 @pytest.mark.parametrize("fixture", ["tiny_qwen2", "tiny_llama"])
 def test_engine_with_stack_matches_transformers(fixture, request):
     """One sequence at a time (so every decode step takes the stack), prompts that cross KV blocks, greedy

@@ -557,8 +557,6 @@ def test_gpu_kernels_compile_for_hopper_with_vector_weight_loads():
     assert proc.returncode == 0, proc.stderr[-3000:]
     ptx = json.loads(proc.stdout.splitlines()[-1])
     assert "v4.b32" in ptx["int4_gemv"] and "cvt.rn.f32.s32" not in ptx["int4_gemv"]
-    fused = ptx["int4_gemv_fused"]  # the decode stack's gate_up; its one conversion is the RMSNorm's K
-    assert "v4.b32" in fused and fused.count("cvt.rn.f32.s32") == 1
     assert "ld.global.L1::evict_first.L2::cache_hint.v4.b32" in ptx["fp8_gemv"]
     gemm = ptx["int4_gemm_split"]
     assert "wgmma.mma_async" in gemm and ("red.global" in gemm or "atom.global" in gemm)

@@ -16,12 +16,7 @@ float32 is 2^23 + code, and one subtraction of 2^23 + zero leaves code - zero ex
 An act-order (GPTQ desc_act) checkpoint's inputs are sorted by group at load; the layer gathers x's columns in the
 same order before calling these kernels.
 
-int4_gemv: a few rows of x (decode); a program reads BLOCK_N whole weight rows once for all rows of x. For one row
-it takes kernels/gemv.py's fusions for the batch-1 decode stack (worker/gpu_decode_stack.py), in a kernel of its own
-(_int4_gemv_fused_kernel) so the few-row one compiles as before: the residual add + RMSNorm prologue (x times the
-norm weight in float32 as the weights stream, the row's rstd multiplying the sums at the end), the SiLU-and-mul
-epilogue over concat(gate, up) rows (a program unpacks matching gate and up rows), and a bias added to the rounded
-product as Int4LinearMethod.apply adds it.
+int4_gemv: a few rows of x (decode); a program reads BLOCK_N whole weight rows once for all rows of x.
 int4_gemm: more rows; a tile of codes is unpacked in registers and multiplied as the left operand of one tl.dot per
 K step (out^T = W x^T: Hopper's wgmma reads a left operand from registers, and x's few rows fill the narrow side),
 split over K (float32 atomics) where the output tiles alone would leave SMs idle.
@@ -38,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from novainfer.kernels.fused_ops import silu_mul
 from novainfer.kernels.tiling import even_split, grouped_tile, row_bucket, split_k
 
 MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: OR-ing a code 0..15 into the mantissa gives 2^23 + code
@@ -143,90 +137,6 @@ def _int4_gemv_kernel(
         tl.store(out_ptr + 2 * stride_om + rows, tl.sum(acc2, 1).to(dt), mask=omask)
     if M > 3:
         tl.store(out_ptr + 3 * stride_om + rows, tl.sum(acc3, 1).to(dt), mask=omask)
-
-
-@triton.jit
-def _int4_gemv_fused_kernel(
-    x_ptr,
-    res_ptr,
-    norm_w_ptr,
-    q_ptr,
-    s_ptr,
-    z_ptr,
-    bias_ptr,
-    out_ptr,
-    res_out_ptr,
-    N,
-    K,
-    stride_qn,
-    eps,
-    NORM: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
-    """_int4_gemv_kernel for one row of x with kernels/gemv.py's fusions (the module docstring); N: output rows
-    (with SILU_MUL gate's, up's are the N rows after them)."""
-    C: tl.constexpr = BLOCK_K // 32
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rload = tl.minimum(rows, N - 1).to(tl.int64)
-    chunk = tl.arange(0, C)
-    lane = tl.arange(0, 4)
-    q_ptrs = q_ptr + rload[:, None, None] * stride_qn + (chunk[:, None] * 4 + lane[None, :])[None, :, :]
-    sz_row = rload[:, None] * (K // GROUP)
-    x_k = (chunk[:, None] * 32 + lane[None, :])[None, :, :] + 0 * rows[:, None, None]
-    res_row = (rows == 0)[:, None, None]  # the first row of program 0 writes the new residual
-    acc = tl.zeros([BLOCK_N, C], tl.float32)
-    acc_up = tl.zeros([BLOCK_N, C], tl.float32)
-    sq = tl.zeros([BLOCK_N, C, 4], tl.float32)  # NORM: (x + residual)^2, each row the same sums
-    for k0 in range(0, K, BLOCK_K):
-        grp = sz_row + ((k0 + chunk * 32) // GROUP)[None, :]
-        q, s, zoff = _step_weights(q_ptrs + k0 // 8, s_ptr, z_ptr, grp, k0, K, chunk, EVEN_K)
-        if SILU_MUL:
-            up_grp = grp + N * (K // GROUP)
-            q_up, s_up, z_up = _step_weights(
-                q_ptrs + N * stride_qn + k0 // 8, s_ptr, z_ptr, up_grp, k0, K, chunk, EVEN_K
-            )
-        p = tl.zeros([BLOCK_N, C, 4], tl.float32)
-        p_up = tl.zeros([BLOCK_N, C, 4], tl.float32)
-        xmask = k0 + x_k < K
-        for j in tl.static_range(8):
-            offs = k0 + 4 * j + x_k
-            xv = _load_k(x_ptr + offs, xmask, EVEN_K)
-            if NORM:  # x * norm weight now; the row's rstd, a scalar, multiplies the sums at the end
-                if HAS_RESIDUAL:
-                    xv = xv + _load_k(res_ptr + offs, xmask, EVEN_K)  # rounded like torch's add
-                    tl.store(res_out_ptr + offs, xv, mask=xmask & res_row)
-                xf = xv.to(tl.float32)
-                sq += xf * xf
-                xf = xf * _load_k(norm_w_ptr + offs, xmask, EVEN_K).to(tl.float32)
-            else:
-                xf = xv.to(tl.float32)
-            p += xf * _codes(q, j, zoff)
-            if SILU_MUL:
-                p_up += xf * _codes(q_up, j, z_up)
-        acc += tl.sum(p, 2) * s
-        if SILU_MUL:
-            acc_up += tl.sum(p_up, 2) * s_up
-    y = tl.sum(acc, 1)
-    y_up = tl.sum(acc_up, 1)
-    if NORM:
-        rstd = tl.rsqrt(tl.sum(tl.sum(sq, 2), 1) / K + eps)
-        y *= rstd
-        y_up *= rstd
-    dt = out_ptr.dtype.element_ty
-    y = y.to(dt)
-    y_up = y_up.to(dt)
-    if HAS_BIAS:  # added to the rounded product, as Int4LinearMethod.apply's y + bias
-        y = (y.to(tl.float32) + tl.load(bias_ptr + rload).to(tl.float32)).to(dt)
-        if SILU_MUL:
-            y_up = (y_up.to(tl.float32) + tl.load(bias_ptr + N + rload).to(tl.float32)).to(dt)
-    out = silu_mul(y, y_up) if SILU_MUL else y
-    tl.store(out_ptr + rows, out, mask=rows < N)
 
 
 @triton.jit
@@ -348,31 +258,15 @@ def int4_gemv(
     zeros: torch.Tensor,
     group: int,
     tiles: tuple[int, int, int, int] | None = None,
-    *,
-    bias: torch.Tensor | None = None,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-    residual: torch.Tensor | None = None,
-    silu_and_mul: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (M <= GEMV_MAX_M, unit stride along K) times the packed weight -> [M, N] in x's dtype.
-
-    For one row x ([1, K] contiguous), kernels/gemv.py's gemv() fusions: bias (added to the product rounded to x's
-    dtype, as Int4LinearMethod.apply adds it); norm_weight (with eps, and an optional residual, which makes it
-    return (y, x + residual)): x is RMS-normed first; silu_and_mul: the weight is concat(gate, up) by rows and the
-    result silu(gate x) * (up x), [1, N / 2]."""
+) -> torch.Tensor:
+    """x [M, K] (M <= GEMV_MAX_M, unit stride along K) times the packed weight -> [M, N] in x's dtype."""
     m, k = x.shape
     n = qweight.shape[0]
     assert m <= GEMV_MAX_M and x.stride(1) == 1, x.shape
-    assert norm_weight is not None or residual is None
     if tiles is None and not x.is_cuda:
         tiles = (4, 64, 4, 1)  # the interpreter: small tiles
     block_n, block_k, warps, stages = tiles or GEMV_TILES.get((n, k), GEMV_DEFAULT)
     block_k = min(block_k, triton.next_power_of_2(k))
-    if bias is not None or norm_weight is not None or silu_and_mul:
-        assert m == 1 and x.is_contiguous() and (residual is None or residual.is_contiguous()), x.shape
-        fusions = dict(bias=bias, norm_weight=norm_weight, eps=eps, residual=residual, silu_and_mul=silu_and_mul)
-        return _int4_gemv_fused(x, qweight, scales, zeros, group, (block_n, block_k, warps, stages), **fusions)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
@@ -394,41 +288,6 @@ def int4_gemv(
         num_stages=stages,
     )
     return out
-
-
-def _int4_gemv_fused(x, qweight, scales, zeros, group, tiles, bias, norm_weight, eps, residual, silu_and_mul):
-    """int4_gemv's one-row launch with its fusions (arguments as int4_gemv's, the tile resolved)."""
-    n, k = qweight.shape[0], x.shape[1]
-    block_n, block_k, warps, stages = tiles
-    n_out = n // 2 if silu_and_mul else n
-    out = torch.empty((1, n_out), dtype=x.dtype, device=x.device)
-    res_out = torch.empty_like(x) if residual is not None else out
-    _int4_gemv_fused_kernel[(triton.cdiv(n_out, block_n),)](
-        x,
-        residual if residual is not None else x,
-        norm_weight if norm_weight is not None else x,
-        qweight,
-        scales,
-        zeros,
-        bias if bias is not None else x,
-        out,
-        res_out,
-        n_out,
-        k,
-        qweight.stride(0),
-        eps,
-        NORM=norm_weight is not None,
-        HAS_RESIDUAL=residual is not None,
-        HAS_BIAS=bias is not None,
-        SILU_MUL=silu_and_mul,
-        GROUP=group,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0,
-        num_warps=warps,
-        num_stages=stages,
-    )
-    return out if residual is None else (out, res_out)
 
 
 def int4_gemm(
