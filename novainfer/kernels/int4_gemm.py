@@ -45,33 +45,6 @@ def _codes(q, j: tl.constexpr, zoff):
 
 
 @triton.jit
-def _step_weights(q_ptrs, s_ptr, z_ptr, grp, k0, K, chunk, EVEN_K: tl.constexpr):
-    """A GEMV K step's words [BLOCK_N, C, 4] (q_ptrs: the step's), float32 scales [BLOCK_N, C] and 2^23 + zero
-    [BLOCK_N, C, 1] (grp: the chunks' group offsets). K is a multiple of 32: without EVEN_K the tail step masks
-    whole chunks (their scales read as 0)."""
-    if EVEN_K:
-        q = tl.load(q_ptrs, eviction_policy="evict_first")
-        s = tl.load(s_ptr + grp).to(tl.float32)
-        zoff = (tl.load(z_ptr + grp).to(tl.float32) + 8388608.0)[:, :, None]
-    else:
-        cmask = (k0 + chunk * 32 < K)[None, :]
-        q = tl.load(q_ptrs, mask=cmask[:, :, None], other=0, eviction_policy="evict_first")
-        s = tl.load(s_ptr + grp, mask=cmask, other=0.0).to(tl.float32)
-        zoff = (tl.load(z_ptr + grp, mask=cmask, other=0).to(tl.float32) + 8388608.0)[:, :, None]
-    return q, s, zoff
-
-
-@triton.jit
-def _load_k(ptrs, kmask, EVEN_K: tl.constexpr):
-    """A load along K, masked (other 0) only where the step may pass K."""
-    if EVEN_K:
-        v = tl.load(ptrs)
-    else:
-        v = tl.load(ptrs, mask=kmask, other=0.0)
-    return v
-
-
-@triton.jit
 def _int4_gemv_kernel(
     x_ptr,
     q_ptr,
@@ -105,7 +78,15 @@ def _int4_gemv_kernel(
     acc3 = tl.zeros([BLOCK_N, C], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         grp = sz_row + ((k0 + chunk * 32) // GROUP)[None, :]
-        q, s, zoff = _step_weights(q_ptrs + k0 // 8, s_ptr, z_ptr, grp, k0, K, chunk, EVEN_K)
+        if EVEN_K:
+            q = tl.load(q_ptrs + k0 // 8, eviction_policy="evict_first")
+            s = tl.load(s_ptr + grp).to(tl.float32)
+            zoff = (tl.load(z_ptr + grp).to(tl.float32) + 8388608.0)[:, :, None]
+        else:  # K is a multiple of 32: the tail step masks whole chunks (their x and scales read as 0)
+            cmask = (k0 + chunk * 32 < K)[None, :]
+            q = tl.load(q_ptrs + k0 // 8, mask=cmask[:, :, None], other=0, eviction_policy="evict_first")
+            s = tl.load(s_ptr + grp, mask=cmask, other=0.0).to(tl.float32)
+            zoff = (tl.load(z_ptr + grp, mask=cmask, other=0).to(tl.float32) + 8388608.0)[:, :, None]
         p0 = tl.zeros([BLOCK_N, C, 4], tl.float32)
         p1 = tl.zeros([BLOCK_N, C, 4], tl.float32)
         p2 = tl.zeros([BLOCK_N, C, 4], tl.float32)
@@ -114,13 +95,22 @@ def _int4_gemv_kernel(
         for j in tl.static_range(8):
             w = _codes(q, j, zoff)
             xj = x_ptr + k0 + 4 * j + x_k
-            p0 += _load_k(xj, xmask, EVEN_K).to(tl.float32) * w
-            if M > 1:
-                p1 += _load_k(xj + stride_xm, xmask, EVEN_K).to(tl.float32) * w
-            if M > 2:
-                p2 += _load_k(xj + 2 * stride_xm, xmask, EVEN_K).to(tl.float32) * w
-            if M > 3:
-                p3 += _load_k(xj + 3 * stride_xm, xmask, EVEN_K).to(tl.float32) * w
+            if EVEN_K:
+                p0 += tl.load(xj).to(tl.float32) * w
+                if M > 1:
+                    p1 += tl.load(xj + stride_xm).to(tl.float32) * w
+                if M > 2:
+                    p2 += tl.load(xj + 2 * stride_xm).to(tl.float32) * w
+                if M > 3:
+                    p3 += tl.load(xj + 3 * stride_xm).to(tl.float32) * w
+            else:
+                p0 += tl.load(xj, mask=xmask, other=0.0).to(tl.float32) * w
+                if M > 1:
+                    p1 += tl.load(xj + stride_xm, mask=xmask, other=0.0).to(tl.float32) * w
+                if M > 2:
+                    p2 += tl.load(xj + 2 * stride_xm, mask=xmask, other=0.0).to(tl.float32) * w
+                if M > 3:
+                    p3 += tl.load(xj + 3 * stride_xm, mask=xmask, other=0.0).to(tl.float32) * w
         acc0 += tl.sum(p0, 2) * s  # a chunk lies in one group: its scale once per 32 inputs
         if M > 1:
             acc1 += tl.sum(p1, 2) * s
