@@ -11,7 +11,31 @@ import triton
 import triton.language as tl
 
 from novainfer.kernels import int4_gemm
-from novainfer.kernels.int4_gemm import _codes, _load_k, _step_weights
+from novainfer.kernels.int4_gemm import _codes
+
+
+@triton.jit
+def _step_weights(q_ptrs, s_ptr, z_ptr, grp, k0, K, chunk, EVEN_K: tl.constexpr):
+    """A K step's words, float32 scales and 2^23 + zero; the tail step masks whole chunks."""
+    if EVEN_K:
+        q = tl.load(q_ptrs, eviction_policy="evict_first")
+        s = tl.load(s_ptr + grp).to(tl.float32)
+        zoff = (tl.load(z_ptr + grp).to(tl.float32) + 8388608.0)[:, :, None]
+    else:
+        cmask = (k0 + chunk * 32 < K)[None, :]
+        q = tl.load(q_ptrs, mask=cmask[:, :, None], other=0, eviction_policy="evict_first")
+        s = tl.load(s_ptr + grp, mask=cmask, other=0.0).to(tl.float32)
+        zoff = (tl.load(z_ptr + grp, mask=cmask, other=0).to(tl.float32) + 8388608.0)[:, :, None]
+    return q, s, zoff
+
+
+@triton.jit
+def _load_k(ptrs, kmask, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        v = tl.load(ptrs)
+    else:
+        v = tl.load(ptrs, mask=kmask, other=0.0)
+    return v
 
 
 @triton.jit
