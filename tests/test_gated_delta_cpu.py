@@ -1,6 +1,6 @@
-"""The C Gated DeltaNet kernels, scalar and AVX-512: the decode step (csrc/gated_delta_cpu.c) against the layer's
-torch decode path, for a batch mixing continuing sequences and a one-token prompt that must ignore its slot's stale
-state; the prefill (csrc/gated_delta_prefill_cpu.c) against the torch references of kernels/gated_delta_rule.py
+"""The C Gated DeltaNet kernels, scalar, AVX2 and AVX-512: the decode step (csrc/gated_delta_cpu.c) against the
+layer's torch decode path, for a batch mixing continuing sequences and a one-token prompt that must ignore its slot's
+stale state; the prefill (csrc/gated_delta_prefill_cpu.c) against the torch references of kernels/gated_delta_rule.py
 (causal_conv1d_torch, chunk_gated_delta_rule_torch) on packed sequences of varied lengths across chunk boundaries,
 from carried states; the gated RMSNorm against its torch form. Outputs and the conv / recurrent states left in each
 slot equal within 1e-5 relative."""
@@ -29,7 +29,7 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 def test_c_decode_step_equals_torch(isa, monkeypatch):
     if gated_delta_cpu.set_isa(isa) != isa:
         pytest.skip(f"this CPU has no {isa}")
@@ -62,11 +62,12 @@ def test_c_decode_step_equals_torch(isa, monkeypatch):
     assert torch.equal(results["c"][1][[2, 4]], conv0[[2, 4]])  # other slots untouched
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("lens", [[1, 2, 64, 65, 130], [7]])
 def test_c_prefill_equals_torch_reference(isa, lens):
-    """dv = 84 runs a 64-column AVX-512 block, a 16-column one and a scalar rest; lengths 1 and 2 keep part of the
-    old conv window; 64, 65 and 130 cross the reference's 64-token chunks; slot 5 is never touched."""
+    """dv = 84 runs a 64-column AVX-512 block, a 16-column one and a scalar rest (AVX2: two 32-column blocks, two
+    8-column ones and the rest); lengths 1 and 2 keep part of the old conv window; 64, 65 and 130 cross the
+    reference's 64-token chunks; slot 5 is never touched."""
     if gated_delta_cpu.set_isa(isa) != isa:
         pytest.skip(f"this CPU has no {isa}")
     gen = torch.Generator().manual_seed(len(lens))

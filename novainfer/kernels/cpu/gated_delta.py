@@ -54,11 +54,12 @@ def _lib() -> ctypes.CDLL | None:
 
 
 def set_isa(isa: str) -> str:
-    """ "scalar", "avx512" (where the CPU has it) or "auto"; returns the one in use (tests compare both)."""
-    code = {"scalar": 0, "avx512": 1, "auto": -1}[isa]
+    """ "scalar", "avx2", "avx512" (each where the CPU has it) or "auto"; returns the one in use (tests run each)."""
+    names = ("scalar", "avx2", "avx512")
+    code = -1 if isa == "auto" else names.index(isa)
     used = _lib().set_gated_delta_isa(code)
     _lib().set_gated_delta_prefill_isa(code)
-    return "avx512" if used else "scalar"
+    return names[used]
 
 
 def usable(mixed: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> bool:
@@ -165,7 +166,7 @@ def prefill(
         *_tail(g, beta, (c, weight_t.shape[0], num_k_heads, nv, dk, dv), scratch, out),
     )
     if rc:
-        raise MemoryError("gated_delta prefill: out of memory for its task table")
+        raise MemoryError("gated_delta prefill: out of memory for its scratch")
     return out
 
 

@@ -5,7 +5,7 @@
  * Per value head h (key head h / (nv / nk): value heads are grouped by key head), with S its state:
  *   S *= exp(g);  u = beta (v - S^T k);  S += k u^T;  out = S^T q
  * done in two sweeps over S's rows (decay + S^T k, then the update + S^T q). gated_delta_head_ref is the
- * scalar form; an AVX-512 form of the same sweeps runs where the CPU has AVX-512F (picked at run time).
+ * scalar form; AVX-512 and AVX2 forms of the same sweeps run where the CPU has them (picked at run time).
  * gated_rms_norm is the layer's output norm (layers/linear_attention.py: GatedRMSNorm is the torch reference). */
 #include <immintrin.h>
 #include <math.h>
@@ -14,6 +14,7 @@
 
 #include "cpu_pool.h"
 #include "simd_cpu.h"
+#include "vec_ops_cpu.h"
 
 typedef struct {
     const float *mixed; int64_t mixed_stride;
@@ -23,13 +24,6 @@ typedef struct {
     float *conv_out; /* scratch [B, C]: q (normalised, scaled), k (normalised), v */
     float *out;      /* [B, nv, dv] */
 } gdn_job;
-
-static void l2_normalize(float *x, int n, float scale) {
-    float ss = 0.f;
-    for (int i = 0; i < n; i++) ss += x[i] * x[i];
-    const float r = scale / sqrtf(ss + 1e-6f);
-    for (int i = 0; i < n; i++) x[i] *= r;
-}
 
 /* Sequence b: its conv window shifted by the new input, the conv output (SiLU) into conv_out. */
 static void conv_seq(void *arg, int b) {
@@ -76,38 +70,40 @@ void gated_delta_head_ref(float *S, const float *q, const float *k, const float 
     }
 }
 
-/* The same sweeps 16 values at a time (dv a multiple of 16). */
-__attribute__((target("avx512f")))
-static void gated_delta_head_avx512(float *S, const float *q, const float *k, const float *v, float decay,
-                                    float beta, float *out, int dk, int dv) {
-    float kv[dv];
-    const __m512 vd = _mm512_set1_ps(decay), vb = _mm512_set1_ps(beta);
-    for (int c = 0; c < dv; c += 16) _mm512_storeu_ps(kv + c, _mm512_setzero_ps());
-    for (int i = 0; i < dk; i++) {
-        float *row = S + (size_t)i * dv;
-        const __m512 ki = _mm512_set1_ps(k[i]);
-        for (int c = 0; c < dv; c += 16) {
-            const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(row + c), vd);
-            _mm512_storeu_ps(row + c, s);
-            _mm512_storeu_ps(kv + c, _mm512_fmadd_ps(s, ki, _mm512_loadu_ps(kv + c)));
-        }
+/* The same sweeps one vector of X's width at a time (dv a multiple of it), for the op sets of vec_ops_cpu.h. */
+#define GATED_DELTA_HEAD(X)                                                                                            \
+    X##_TARGET static void gated_delta_head_##X(float *S, const float *q, const float *k, const float *v,              \
+                                                float decay, float beta, float *out, int dk, int dv) {                 \
+        float kv[dv];                                                                                                  \
+        const X##_T vd = X##_SET1(decay), vb = X##_SET1(beta);                                                         \
+        for (int c = 0; c < dv; c += X##_W) X##_STORE(kv + c, X##_ZERO());                                             \
+        for (int i = 0; i < dk; i++) {                                                                                 \
+            float *row = S + (size_t)i * dv;                                                                           \
+            const X##_T ki = X##_SET1(k[i]);                                                                           \
+            for (int c = 0; c < dv; c += X##_W) {                                                                      \
+                const X##_T s = X##_MUL(X##_LOAD(row + c), vd);                                                        \
+                X##_STORE(row + c, s);                                                                                 \
+                X##_STORE(kv + c, X##_FMADD(s, ki, X##_LOAD(kv + c)));                                                 \
+            }                                                                                                          \
+        }                                                                                                              \
+        for (int c = 0; c < dv; c += X##_W) { /* kv becomes u */                                                       \
+            X##_STORE(kv + c, X##_MUL(vb, X##_SUB(X##_LOAD(v + c), X##_LOAD(kv + c))));                                \
+            X##_STORE(out + c, X##_ZERO());                                                                            \
+        }                                                                                                              \
+        for (int i = 0; i < dk; i++) {                                                                                 \
+            float *row = S + (size_t)i * dv;                                                                           \
+            const X##_T ki = X##_SET1(k[i]), qi = X##_SET1(q[i]);                                                      \
+            for (int c = 0; c < dv; c += X##_W) {                                                                      \
+                const X##_T s = X##_FMADD(ki, X##_LOAD(kv + c), X##_LOAD(row + c));                                    \
+                X##_STORE(row + c, s);                                                                                 \
+                X##_STORE(out + c, X##_FMADD(s, qi, X##_LOAD(out + c)));                                               \
+            }                                                                                                          \
+        }                                                                                                              \
     }
-    for (int c = 0; c < dv; c += 16) {  /* kv becomes u */
-        _mm512_storeu_ps(kv + c, _mm512_mul_ps(vb, _mm512_sub_ps(_mm512_loadu_ps(v + c), _mm512_loadu_ps(kv + c))));
-        _mm512_storeu_ps(out + c, _mm512_setzero_ps());
-    }
-    for (int i = 0; i < dk; i++) {
-        float *row = S + (size_t)i * dv;
-        const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
-        for (int c = 0; c < dv; c += 16) {
-            const __m512 s = _mm512_fmadd_ps(ki, _mm512_loadu_ps(kv + c), _mm512_loadu_ps(row + c));
-            _mm512_storeu_ps(row + c, s);
-            _mm512_storeu_ps(out + c, _mm512_fmadd_ps(s, qi, _mm512_loadu_ps(out + c)));
-        }
-    }
-}
+GATED_DELTA_HEAD(V16)
+GATED_DELTA_HEAD(V8)
 
-static int use_avx512 = -1;  /* -1: not yet probed; set_gated_delta_isa overrides */
+static int level = -1; /* vec_level's: -1 not yet probed; set_gated_delta_isa overrides */
 
 /* (sequence, value head) pair `task`: that head's state updated in its slot, its output written. */
 static void head_task(void *arg, int task) {
@@ -121,19 +117,16 @@ static void head_task(void *arg, int task) {
     const float *q = co + (size_t)kh * j->dk, *k = co + key_dim + (size_t)kh * j->dk;
     const float *v = co + 2 * key_dim + (size_t)h * j->dv;
     float *out = j->out + ((size_t)b * j->nv + h) * j->dv;
-    if (use_avx512 && j->dv % 16 == 0)
-        gated_delta_head_avx512(S, q, k, v, decay, beta, out, j->dk, j->dv);
+    if (level == 2 && j->dv % 16 == 0)
+        gated_delta_head_V16(S, q, k, v, decay, beta, out, j->dk, j->dv);
+    else if (level >= 1 && j->dv % 8 == 0)
+        gated_delta_head_V8(S, q, k, v, decay, beta, out, j->dk, j->dv);
     else
         gated_delta_head_ref(S, q, k, v, decay, beta, out, j->dk, j->dv);
 }
 
-/* isa: 0 scalar, 1 AVX-512 (where the CPU has it), -1 the best available; returns whether AVX-512 is used. */
-int set_gated_delta_isa(int isa) {
-    __builtin_cpu_init();
-    const int has = __builtin_cpu_supports("avx512f");
-    use_avx512 = isa == 0 ? 0 : has;
-    return use_avx512;
-}
+/* isa: 0 scalar, 1 AVX2, 2 AVX-512 (each where the CPU has it), -1 the best available; returns the level used. */
+int set_gated_delta_isa(int isa) { return level = vec_level(isa); }
 
 /* One decode step of B sequences. mixed [B, C] (row stride mixed_stride), conv_state [slots, K-1, C],
  * ssm_state [slots, nv, dk, dv], conv_w [C, K], g and beta [B, nv]; continues[b] 0: the sequence starts from
@@ -142,7 +135,7 @@ void gated_delta_decode(const float *mixed, int64_t mixed_stride, float *conv_st
                         const int64_t *slots, const uint8_t *continues, int B, const float *conv_w, const float *g,
                         const float *beta, int C, int K, int nk, int nv, int dk, int dv, float *conv_out, float *out,
                         int nthreads) {
-    if (use_avx512 < 0) set_gated_delta_isa(-1);
+    if (level < 0) set_gated_delta_isa(-1);
     gdn_job j = {mixed, mixed_stride, conv_state, ssm_state, slots, continues, conv_w, g, beta, C, K, nk, nv, dk, dv,
                  conv_out, out};
     pool_run(conv_seq, &j, B, nthreads < B ? nthreads : B);

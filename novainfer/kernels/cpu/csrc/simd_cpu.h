@@ -15,6 +15,22 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* The dot product of n floats. */
+static inline float dot_f32(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float s = hsum8(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* x *= scale / sqrt(sum(x^2) + 1e-6): the Gated DeltaNet's q / k normalisation. */
+static inline void l2_normalize(float *x, int n, float scale) {
+    const float r = scale / sqrtf(dot_f32(x, x, n) + 1e-6f);
+    for (int i = 0; i < n; i++) x[i] *= r;
+}
+
 /* exp(x) for 8 floats (Cephes' polynomial, relative error ~1e-7 on [-87, 88]). */
 static inline __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
