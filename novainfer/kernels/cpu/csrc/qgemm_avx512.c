@@ -24,15 +24,6 @@
  * asm statements since one takes at most 30 operands and each "+v" counts twice, were no faster). */
 #define NT 3
 
-/* Few rows, q6: each group (192 bytes) prefetches the panel's bytes this far on. One activation row's q6 tile
- * streams from DRAM, and the hardware prefetchers alone kept it ~5% slower (an LM head of 248320 x 1024 at M = 1:
- * 5.87 ms against 6.12; 2048 and 8192 bytes did as well); the loads and the sums are untouched. */
-#define Q6_AHEAD 4096
-/* q4 (a group of 32: 256 bytes) and q8 (256 or 512) likewise: weights past the L3 at M = 1 ran 10-25% faster
- * (Q4_K 1024 x 3584 x 24 copies: 32 -> 40 GB/s; M = 2 as much), 2048 and 8192 bytes a little less well. */
-#define Q4_AHEAD 4096
-#define Q8_AHEAD 4096
-
 static int cpu_has_avx512_vnni(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -163,12 +154,7 @@ static inline __attribute__((always_inline)) void few_tile512(const gemm_job *j,
     for (int g = 0; g < ng; g++) {
         __m512i a[MB][2];
         for (int m = 0; m < mr; m++) a[m][0] = a[m][1] = _mm512_setzero_si512();
-        {  /* the group's cache lines (q6: 3, q4: G / 8, q8: G / 4) AHEAD bytes on (no fault past the end) */
-            const int gbytes = quant == QUANT_Q6 ? G * 12 : quant == QUANT_Q4 ? G * 8 : G * 16;
-            const int ahead_by = quant == QUANT_Q6 ? Q6_AHEAD : quant == QUANT_Q4 ? Q4_AHEAD : Q8_AHEAD;
-            const char *ahead = (const char *)wb + (size_t)g * gbytes + ahead_by;
-            for (int l = 0; l < gbytes; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
-        }
+        prefetch_group(wb, g, G, quant);
         for (int p = g * G / 2; p < (g + 1) * G / 2; p += 4) {  /* 4 k-pairs: 64 bytes of q4, 96 of q6, 128 of q8 */
             __m512i v[4];
             if (quant != QUANT_Q8) {  /* panel_cpu.h: blocks p/2 and p/2 + 1; nibble t: k-pair + t/2, half t%2 */

@@ -62,6 +62,7 @@ static inline __attribute__((always_inline)) void tile(const gemm_job *j, int pa
     for (int g = 0; g < ng; g++) {
         __m256i a[MB][2];
         for (int m = 0; m < mr; m++) a[m][0] = a[m][1] = _mm256_setzero_si256();
+        prefetch_group(wb, g, G, quant);
         const int p0 = g * G / 2;
         if (quant != QUANT_Q8) {
             for (int p = p0; p < p0 + G / 2; p += 2) {  /* 4 elements (two k-pairs) per 32 bytes of nibbles */
