@@ -138,8 +138,7 @@ static void prefill_head_ref(const prefill_job *j, float *S, int h, int kh, int 
                     float *row = S + (size_t)i * ld;                                                                   \
                     const X##_T ki = X##_SET1(k[i]);                                                                   \
                     for (int b = 0; b < NB; b++)                                                                       \
-                        X##_STORE(row + X##_W * b,                                                                     \
-                                         X##_FMADD(ki, u[b], X##_MUL(a, X##_LOAD(row + X##_W * b))));                  \
+                        X##_STORE(row + X##_W * b, X##_FMADD(ki, u[b], X##_MUL(a, X##_LOAD(row + X##_W * b))));        \
                 }                                                                                                      \
                 break;                                                                                                 \
             }                                                                                                          \
@@ -175,18 +174,17 @@ static void rule_task(void *arg, int task) {
         for (; c + 64 <= j->dv; c += 64) prefill_head_V16_4(j, S + c, j->dv, h, kh, s, e, c);
         for (; c + 16 <= j->dv; c += 16) prefill_head_V16_1(j, S + c, j->dv, h, kh, s, e, c);
     }
-    if (level >= 1 && c + 32 <= j->dv) {
-        /* Rows dv floats apart map a column block to a few L1 sets, more lines than their ways: each block is
-         * copied out to rows of its own width, run there and copied back. */
+    if (level >= 1) {
+        /* Rows dv floats apart map a column block to a few L1 sets, more lines than their ways: each 32-column
+         * block is copied out to rows of its own width, run there and copied back. */
         float blk[j->dk * 32];
         for (; c + 32 <= j->dv; c += 32) {
             for (int i = 0; i < j->dk; i++) memcpy(blk + i * 32, S + (size_t)i * j->dv + c, sizeof(float) * 32);
             prefill_head_V8_4(j, blk, 32, h, kh, s, e, c);
             for (int i = 0; i < j->dk; i++) memcpy(S + (size_t)i * j->dv + c, blk + i * 32, sizeof(float) * 32);
         }
-    }
-    if (level >= 1)
         for (; c + 8 <= j->dv; c += 8) prefill_head_V8_1(j, S + c, j->dv, h, kh, s, e, c);
+    }
     if (c < j->dv) prefill_head_ref(j, S, h, kh, s, e, c, j->dv - c);
 }
 
