@@ -112,7 +112,7 @@ async def one_request(
         res.latency = time.perf_counter() - start
         res.ok = True
     except httpx.HTTPError as exc:
-        res.error = repr(exc)
+        res.error = f"{exc!r} after {time.perf_counter() - start:.3f} s ({len(res.text)} chars streamed)"
     return res
 
 

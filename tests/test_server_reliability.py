@@ -32,6 +32,8 @@ def server(tiny_qwen2, tmp_path_factory):
             "1",
             "--request-header-timeout",
             "2",
+            "--keep-alive-timeout",
+            "6",
         ],
         str(tmp_path_factory.mktemp("server") / "server.log"),
     )
@@ -389,9 +391,11 @@ def test_logprob_work_is_bounded(server):
 def test_connections_that_never_finish_their_headers_are_closed(server):
     """Slowloris: partial request heads, trickled a byte at a time, are cut off by --request-header-timeout."""
     socks = []
-    for _ in range(4):
+    heads = [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"] * 4
+    heads += [HEALTH, HEALTH + b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"]  # after a response; pipelined
+    for head in heads:
         s = socket.create_connection(("127.0.0.1", server.port))
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        s.sendall(head)
         s.settimeout(0.2)
         socks.append(s)
     t0, closed = time.monotonic(), set()
@@ -412,6 +416,44 @@ def test_connections_that_never_finish_their_headers_are_closed(server):
         s.close()
     assert len(closed) == len(socks) and time.monotonic() - t0 < 6
     assert _complete(server.url).status_code == 200
+
+
+HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def _read_response(s: socket.socket) -> bytes:
+    """One whole (Content-Length) response from a raw socket."""
+    def more() -> bytes:
+        chunk = s.recv(4096)
+        if not chunk:
+            raise ConnectionError("the server closed the connection")
+        return chunk
+
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += more()
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(
+        next(v for k, _, v in (h.partition(b":") for h in head.split(b"\r\n")) if k.lower() == b"content-length")
+    )
+    while len(body) < length:
+        body += more()
+    return head
+
+
+def test_an_idle_keep_alive_connection_serves_until_the_keep_alive_timeout(server):
+    """A client may come back on a pooled connection later than --request-header-timeout (2 s here): only
+    --keep-alive-timeout (6 s) closes a silent one, and cleanly, so no client reuses a connection being closed."""
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.settimeout(20)
+        s.sendall(HEALTH)
+        assert _read_response(s).startswith(b"HTTP/1.1 200")
+        time.sleep(3)
+        s.sendall(HEALTH)
+        assert _read_response(s).startswith(b"HTTP/1.1 200")
+        idle = time.monotonic()
+        assert s.recv(1) == b""  # closed by the server: end of stream, not a reset
+        assert 5 < time.monotonic() - idle < 12
 
 
 # ---- 6. smaller checks -------------------------------------------------------------------------------------

@@ -68,8 +68,14 @@ class ServerConfig:
     request_header_timeout: float = setting(
         10.0,
         "seconds a connection may take to send a whole request head "
-        "(after connecting or after its previous response); then it is "
-        "closed",
+        "(after connecting, or from the first byte of its next request); "
+        "then it is closed",
+    )
+    keep_alive_timeout: float = setting(
+        65.0,
+        "seconds an idle keep-alive connection waits for its next request; "
+        "longer than clients' pools keep one (httpx 5 s) and load balancers' "
+        "idle timeouts (60 s), so none reuses a connection the server is closing",
     )
     shutdown_timeout: float = setting(10.0, "on SIGTERM, seconds in-flight requests may finish before they are aborted")
     drain_delay: float = setting(

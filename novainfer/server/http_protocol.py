@@ -3,7 +3,8 @@
 uvicorn arms no timer on a new connection, and its keep-alive timer is cancelled by any byte received, so a
 client that sends a partial request head, a byte now and then, holds a connection (and its buffers) for ever.
 Here a connection that has not sent a whole request head within `header_timeout` seconds of connecting, or of
-its previous response, is closed, however it trickles.
+the first byte of its next request, is closed, however it trickles. A silent keep-alive connection is left to
+uvicorn's keep-alive timeout: closing it sooner would race a client that reuses it at that moment.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ logger = logging.getLogger(__name__)
 
 
 class HeaderDeadlineProtocol(H11Protocol):
-    """H11Protocol that closes a connection whose request head is not complete `header_timeout` s after it
-    could start."""
+    """H11Protocol that closes a connection whose request head is not complete `header_timeout` s after the
+    connection opened or the head's first byte came."""
 
     header_timeout: float = 10.0
 
@@ -28,19 +29,29 @@ class HeaderDeadlineProtocol(H11Protocol):
         self._head_deadline: asyncio.TimerHandle | None = None
         self._arm_head_deadline()
 
+    def data_received(self, data: bytes) -> None:
+        if self._head_deadline is None and self.conn.their_state is h11.IDLE:  # a keep-alive's next request
+            self._arm_head_deadline()
+        super().data_received(data)
+
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._arm_head_deadline()
+        self._cancel_head_deadline()
+        if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:  # part of a pipelined head waits
+            self._arm_head_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
+        self._cancel_head_deadline()
         super().connection_lost(exc)
 
     def _arm_head_deadline(self) -> None:
+        self._cancel_head_deadline()
+        self._head_deadline = self.loop.call_later(self.header_timeout, self._head_deadline_passed)
+
+    def _cancel_head_deadline(self) -> None:
         if self._head_deadline is not None:
             self._head_deadline.cancel()
-        self._head_deadline = self.loop.call_later(self.header_timeout, self._head_deadline_passed)
+            self._head_deadline = None
 
     def _head_deadline_passed(self) -> None:
         self._head_deadline = None

@@ -85,6 +85,7 @@ def run_server(app: FastAPI, config: ServerConfig, log_level: str) -> int:
         port=config.port,
         log_config=None,
         http=header_deadline_protocol(config.request_header_timeout),
+        timeout_keep_alive=config.keep_alive_timeout,
         log_level=log_level.lower(),
         timeout_graceful_shutdown=int(config.shutdown_timeout) + 5,
     )
