@@ -7,6 +7,10 @@ from hypothesis import settings
 # Without a GPU, Triton kernels run in Triton's CPU interpreter (set before anything imports triton).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.triton_interpreter import patch_once_per_launch
+
+    patch_once_per_launch()
 
 from novainfer.config import EngineConfig  # noqa: E402
 from tests.tiny_models import make_tiny_model  # noqa: E402
