@@ -423,6 +423,7 @@ HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 
 def _read_response(s: socket.socket) -> bytes:
     """One whole (Content-Length) response from a raw socket."""
+
     def more() -> bytes:
         chunk = s.recv(4096)
         if not chunk:
