@@ -7,11 +7,11 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from novainfer import LLM, SamplingParams
 from novainfer.loader.default_model import DEFAULT_MODEL_FILE, default_model_path
 from novainfer.loader.gguf_loader import iter_gguf_weights, load_gguf_config, load_gguf_tokenizer
+from tests.hf_gguf import hf_model_from_gguf
 from tests.tiny_models import hf_greedy_with
 
 
@@ -24,9 +24,7 @@ def gguf_path():
 
 @pytest.fixture(scope="module")
 def hf_model(gguf_path):
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32
-    ).eval()
+    return hf_model_from_gguf(gguf_path)
 
 
 @pytest.fixture(scope="module")

@@ -33,9 +33,7 @@ def test_file_has_llama_cpp_q4_k_m_types(tiny_gguf):
 
 
 def test_greedy_tokens_match_transformers_on_the_same_file(tiny_gguf):
-    import os
-
-    from transformers import AutoModelForCausalLM
+    from tests.hf_gguf import hf_model_from_gguf
 
     from novainfer import LLM, SamplingParams
 
@@ -47,9 +45,7 @@ def test_greedy_tokens_match_transformers_on_the_same_file(tiny_gguf):
             llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0].outputs[0].token_ids
         )
         llm.llm_engine.shutdown()
-    hf = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(tiny_gguf), gguf_file=os.path.basename(tiny_gguf), dtype=torch.float32
-    ).eval()
+    hf = hf_model_from_gguf(tiny_gguf)
     with torch.inference_mode():
         ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=12, do_sample=False, min_new_tokens=12)[0]
         logits = hf(torch.tensor([PROMPT + greedy[None]])).logits[0, len(PROMPT) - 1 : -1]
