@@ -11,6 +11,7 @@ it is spawned, as before (config.may_use_cuda decides without torch).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import multiprocessing
 import os
@@ -49,7 +50,11 @@ class EngineCoreStartError(RuntimeError):
 class AsyncMPClient:
     """One engine core process and the two sockets to it."""
 
-    def __init__(self, config: EngineConfig, startup_timeout: float = 1800.0):
+    def __init__(
+        self, config: EngineConfig, startup_timeout: float = 1800.0, import_while_loading: tuple[str, ...] = ()
+    ):
+        """Starts the core and waits until it is ready. import_while_loading: modules this process will need
+        (a server's app), imported while the core loads its model rather than before or after."""
         self._dir = _ipc_dir()
         self.input_address = f"ipc://{self._dir}/input"
         self.output_address = f"ipc://{self._dir}/output"
@@ -80,9 +85,9 @@ class AsyncMPClient:
             self.input_address,
             self.output_address,
         )
-        # the tokenizer's pickle needs transformers' tokenizer classes: import them while the core loads (~1 s)
-        import transformers.tokenization_utils_tokenizers  # noqa: F401
-
+        # the tokenizer's pickle needs transformers' tokenizer classes (~1 s): they too load meanwhile
+        for module in ("transformers.tokenization_utils_tokenizers", *import_while_loading):
+            importlib.import_module(module)
         self.ready = self._wait_ready(startup_timeout)
         self.tokenizer = pickle.loads(self.ready.tokenizer)  # our own child's, over our private directory
         self.ready.tokenizer = b""

@@ -130,9 +130,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """Load every model, then serve them over HTTP until interrupted."""
     from novainfer.config import EngineConfig
     from novainfer.loader.default_model import DEFAULT_MODEL_NAME
-    from novainfer.server.api_server import RequestIdFilter, build_app
     from novainfer.server.async_llm import AsyncLLM
-    from novainfer.server.launcher import run_server
+    from novainfer.server.request_context import RequestIdFilter
 
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())
@@ -146,10 +145,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_key=ServerConfig.resolve_api_key(args.api_key, args.api_key_file),
     )
     _check_port_free(args.host, args.port)  # before minutes of loading, not after
-    # this process never imports torch: each model's engine core, a process of its own, does
+    # this process never imports torch: each model's engine core, a process of its own, does; while the first
+    # loads, this one imports the app (FastAPI and the routes: ~1 s)
+    app_modules = ("novainfer.server.api_server", "novainfer.server.launcher")
     engines = [
-        (name, AsyncLLM(EngineConfig.from_kwargs(path, **engine_kwargs(args)))) for name, path in zip(names, paths)
+        (name, AsyncLLM(EngineConfig.from_kwargs(path, **engine_kwargs(args)), import_while_loading=app_modules))
+        for name, path in zip(names, paths)
     ]
+    from novainfer.server.api_server import build_app
+    from novainfer.server.launcher import run_server
+
     app = build_app(engines, config)
     base = f"http://{args.host}:{args.port}"
     print(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import hashlib
 import logging
 import os
@@ -46,6 +45,7 @@ from novainfer.server.protocol import (
 )
 from novainfer.server.protocol_anthropic import AnthropicErrorResponse, CountTokensRequest, MessagesRequest
 from novainfer.server.protocol_responses import ResponsesRequest
+from novainfer.server.request_context import REQUEST_ID
 from novainfer.server.responses import ResponsesHandler
 from novainfer.server.serving import OpenAIServing, ServedModel
 from novainfer.server.serving_completions import CompletionHandler
@@ -54,7 +54,6 @@ from novainfer.server.sse import ClientStalledError, bounded_send
 from novainfer.server.tool_calling import ToolConfig
 
 logger = logging.getLogger(__name__)
-REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 _VALID_ID = re.compile(r"^[\x21-\x7e]{1,128}$")  # printable ASCII without spaces
 # pydantic names the member of a union that failed ("constrained-str", "list[int]"): not part of the field path
 _UNION_MEMBER = re.compile(r"^(constrained-)?(str|int|float|bool|none|list\[.*\]|dict\[.*\])$|^function-")
@@ -105,14 +104,6 @@ def _events(description: str, errors: dict[int | str, dict[str, Any]]) -> dict[i
 
 
 WEBUI_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "webui")
-
-
-class RequestIdFilter(logging.Filter):
-    """Adds the current request id to every log record (`-` outside a request)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.request_id = REQUEST_ID.get()
-        return True
 
 
 class RequestContextMiddleware:

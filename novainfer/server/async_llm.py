@@ -37,13 +37,19 @@ class AsyncLLM(AsyncEngineBase):
     """submit / stream / cancel over an engine core process."""
 
     def __init__(
-        self, config: EngineConfig, on_stats: StatsHook | None = None, on_finished: FinishedHook | None = None
+        self,
+        config: EngineConfig,
+        on_stats: StatsHook | None = None,
+        on_finished: FinishedHook | None = None,
+        import_while_loading: tuple[str, ...] = (),
     ):
+        """Starts the engine core and waits until it is ready; import_while_loading: AsyncMPClient's."""
         super().__init__(on_stats, on_finished)
         config = with_model_path(config)  # a bad path fails here, before the core process starts
         self.model_path = config.model_config.model
         self.config = config
-        self.core = AsyncMPClient(config)  # loads the model's config and tokenizer in the core (torch is there)
+        # the core loads the model's config and tokenizer (torch is there)
+        self.core = AsyncMPClient(config, import_while_loading=import_while_loading)
         self.tokenizer = self.core.tokenizer
         ready = self.core.ready
         self.max_model_len, self.num_blocks = ready.max_model_len, ready.num_blocks
