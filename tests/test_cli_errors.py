@@ -1,6 +1,7 @@
 """The command line's user errors: one clear message on stderr (two for a usage error), a non-zero exit, no
 traceback unless --debug or NOVAINFER_DEBUG=1; and the offline API's refusals name the field or architecture."""
 
+import concurrent.futures
 import os
 import socket
 import subprocess
@@ -30,6 +31,13 @@ def cli(*args: str, env: dict | None = None, stdin: str = "") -> subprocess.Comp
         env=full,
         input=stdin,
     )
+
+
+def cli_together(*runs: tuple[tuple[str, ...], str]) -> list[subprocess.CompletedProcess]:
+    """cli(*args, stdin=stdin) for each (args, stdin), the processes running side by side (each start is seconds
+    of imports on one core)."""
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+        return list(pool.map(lambda run: cli(*run[0], stdin=run[1]), runs))
 
 
 def error_lines(proc: subprocess.CompletedProcess) -> list[str]:
@@ -87,11 +95,17 @@ def test_user_errors_are_one_message(args, code, message):
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_bad_model_files_are_one_message(command, corrupt_gguf, gpt2):
     """generate fails in this process, serve in its engine core process: the same one line either way."""
-    for path, message in (
+    cases = (
         (corrupt_gguf, f"GGUF file {corrupt_gguf} is corrupt or truncated"),
         (gpt2, "unsupported model architecture ['GPT2LMHeadModel']"),
-    ):
-        proc = cli(command, *(["--model", path, "hi"] if command == "generate" else [path, "--port", "0"]))
+    )
+    procs = cli_together(
+        *(
+            ((command, *(["--model", path, "hi"] if command == "generate" else [path, "--port", "0"])), "")
+            for path, _ in cases
+        )
+    )
+    for (path, message), proc in zip(cases, procs):
         lines = error_lines(proc)
         assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
         assert len(lines) == 1 and lines[0].startswith(f"novainfer {command}: error: {message}"), proc.stderr
@@ -131,9 +145,11 @@ def test_version():
 def test_generate_prompts_one_per_option_labelled(tiny_qwen2):
     prompts = ["The cat sat on", "Hello, my name is"]
     flags = ["--model", tiny_qwen2, "--dtype", "float32", "--max-tokens", "6", "--temperature", "0"]
-    several = cli("generate", *flags, "--prompt", prompts[0], "--prompt", prompts[1])
-    one = cli("generate", *flags, prompts[1])
-    piped = cli("generate", *flags, stdin=prompts[1])
+    several, one, piped = cli_together(
+        (("generate", *flags, "--prompt", prompts[0], "--prompt", prompts[1]), ""),
+        (("generate", *flags, prompts[1]), ""),
+        (("generate", *flags), prompts[1]),
+    )
     llm = LLM(tiny_qwen2, dtype="float32", device="cpu")
     texts = [
         o.outputs[0].text for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
