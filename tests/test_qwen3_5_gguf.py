@@ -7,12 +7,13 @@ stay blocks with the one-GPU GGUF config; unknown metadata is refused."""
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 import torch
 
 from benchmarks.gguf_checkpoint import (
     QWEN35_SHAPES,
-    convert_hf_to_gguf,
     convert_hf_to_ggufs,
     llama_cpp_converter,
     llama_quantize,
@@ -33,12 +34,13 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen35-gguf")
     hf = write_qwen35_hf(str(root / "hf"), QWEN35_SHAPES["tiny"])
     moe = write_qwen35_hf(str(root / "moe-hf"), QWEN35_SHAPES["tiny-moe"])
-    return {
-        "hf": hf,
-        **convert_hf_to_ggufs(hf, {"f32": str(root / "f32.gguf"), "q8_0": str(root / "q8_0.gguf")}),
-        "moe-hf": moe,
-        "moe-f32": convert_hf_to_gguf(moe, str(root / "moe-f32.gguf"), "f32"),
-    }
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two converter processes side by side
+        dense = pool.submit(convert_hf_to_ggufs, hf, {"f32": str(root / "f32.gguf"), "q8_0": str(root / "q8_0.gguf")})
+        experts = pool.submit(
+            convert_hf_to_ggufs, moe, {"f32": str(root / "moe-f32.gguf"), "q8_0": str(root / "moe-q8_0.gguf")}
+        )
+        dense, experts = dense.result(), experts.result()
+    return {"hf": hf, **dense, "moe-hf": moe, "moe-f32": experts["f32"], "moe-q8_0": experts["q8_0"]}
 
 
 @pytest.mark.parametrize("model", ["", "moe-"], ids=["qwen35", "qwen35moe"])
@@ -94,9 +96,9 @@ def test_weights_stay_quantized_and_reordered_blocks_load(files):
 
 
 @pytest.fixture(scope="module")
-def moe_q8_0(files, tmp_path_factory):
+def moe_q8_0(files):
     """The MoE checkpoint through llama.cpp's converter at q8_0: its ffn_*_exps stacks Q8_0 (one test's file)."""
-    return convert_hf_to_gguf(files["moe-hf"], str(tmp_path_factory.mktemp("qwen35moe-q8") / "moe-q8_0.gguf"), "q8_0")
+    return files["moe-q8_0"]
 
 
 def test_moe_experts_stay_quantized_with_the_gpu_config(moe_q8_0):
