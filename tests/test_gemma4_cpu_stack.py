@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from benchmarks.gguf_checkpoint import convert_hf_to_gguf, llama_cpp_converter
+from benchmarks.gguf_checkpoint import convert_hf_to_ggufs, llama_cpp_converter
 from novainfer import LLM, SamplingParams
 from novainfer.kernels.cpu import library
 from novainfer.worker import cpu_gemma4_stack
@@ -32,15 +32,16 @@ def tiny_hf(tmp_path_factory) -> str:
     return save_tiny(str(tmp_path_factory.mktemp("gemma4_stack") / "hf"), moe=False, **SHAPE)
 
 
-def converted(hf: str, outtype: str) -> str:
-    """The checkpoint converted by llama.cpp's converter to outtype (once a module run)."""
-    path = os.path.join(os.path.dirname(hf), f"{outtype}.gguf")
-    return path if os.path.exists(path) else convert_hf_to_gguf(hf, path, outtype, no_mtp=False)
+@pytest.fixture(scope="module")
+def converted(tiny_hf) -> dict[str, str]:
+    """The checkpoint converted by llama.cpp's converter to q8_0 and f16 (one converter process)."""
+    outs = {kind: os.path.join(os.path.dirname(tiny_hf), f"{kind}.gguf") for kind in ("q8_0", "f16")}
+    return convert_hf_to_ggufs(tiny_hf, outs, no_mtp=False)
 
 
 @pytest.fixture(scope="module", params=["q8_0", "f16"])
-def gguf_file(request, tiny_hf) -> str:
-    return converted(tiny_hf, request.param)
+def gguf_file(request, converted) -> str:
+    return converted[request.param]
 
 
 def run(path: str) -> list[list[tuple[list[int], list[float]]]]:
@@ -81,14 +82,14 @@ def test_decode_steps_equal_the_layer_path_to_the_bit(gguf_file, monkeypatch):
     assert on == off
 
 
-def test_f16_weights_kept_as_stored_give_the_tokens_of_their_float32_copies(tiny_hf, monkeypatch):
+def test_f16_weights_kept_as_stored_give_the_tokens_of_their_float32_copies(converted, monkeypatch):
     import torch
     from gguf import GGMLQuantizationType as T
 
     from novainfer.layers.quantization.gguf_cpu import GGUFCPUConfig, GGUFCPULinearMethod
     from novainfer.loader.model_loader import load_hf_config, load_model
 
-    path = converted(tiny_hf, "f16")
+    path = converted["f16"]
     model = load_model(path, load_hf_config(path), torch.float32, torch.device("cpu"), quant_config=GGUFCPUConfig())
     assert model.model.per_layer_model_projection.weight.packed.kind == "f16"
     assert model.model.embed_tokens.weight.packed.kind == "f16"  # the embedding (tied head) rows too

@@ -5,6 +5,7 @@ in NovaInfer as its HF checkpoint does, and llama.cpp (where llama-cpp-python is
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 
@@ -90,11 +91,13 @@ def files(tmp_path_factory):
     if llama_cpp_converter() is None:
         pytest.skip("llama.cpp's converter (llama-cpp-python sdist) could not be fetched")
     root = tmp_path_factory.mktemp("gpt-oss-gguf")
-    out = {}
-    for kind in ("mxfp4", "float"):
-        tensors = write_gpt_oss(str(root / kind), kind == "mxfp4")
-        out[kind] = tensors, convert_hf_to_gguf(str(root / kind), str(root / f"{kind}.gguf"), "f32", no_mtp=False)
-    return out
+    tensors = {kind: write_gpt_oss(str(root / kind), kind == "mxfp4") for kind in ("mxfp4", "float")}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the two converter processes side by side
+        paths = {
+            kind: pool.submit(convert_hf_to_gguf, str(root / kind), str(root / f"{kind}.gguf"), "f32", no_mtp=False)
+            for kind in tensors
+        }
+        return {kind: (tensors[kind], paths[kind].result()) for kind in tensors}
 
 
 def test_config_from_the_gguf_metadata(files):
