@@ -323,6 +323,14 @@ def convert_hf_to_ggufs(
     return dict(outs)
 
 
+def convert_side_by_side(jobs: list[tuple[str, dict[str, str]]], no_mtp: bool = True) -> list[dict[str, str]]:
+    """convert_hf_to_ggufs for each (hf_dir, {outtype: path}), the converter processes running side by side."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(lambda job: convert_hf_to_ggufs(job[0], job[1], no_mtp=no_mtp), jobs))
+
+
 def llama_quantize(src: str, out: str, ftype: str = "Q4_K_M", threads: int = 2) -> str:
     """llama.cpp's quantizer (llama_model_quantize through llama_cpp's binding) from a float GGUF."""
     import llama_cpp

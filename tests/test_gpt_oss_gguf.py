@@ -5,7 +5,6 @@ in NovaInfer as its HF checkpoint does, and llama.cpp (where llama-cpp-python is
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.gguf_checkpoint import convert_hf_to_gguf, llama_cpp_converter
+from benchmarks.gguf_checkpoint import convert_side_by_side, llama_cpp_converter
 from tests.test_mxfp4 import GPT_OSS_QUANT, random_mxfp4
 
 E, H, INTER, LAYERS, HEADS, KV, HEAD_DIM, VOCAB = 4, 64, 64, 2, 4, 2, 16, 512
@@ -92,12 +91,10 @@ def files(tmp_path_factory):
         pytest.skip("llama.cpp's converter (llama-cpp-python sdist) could not be fetched")
     root = tmp_path_factory.mktemp("gpt-oss-gguf")
     tensors = {kind: write_gpt_oss(str(root / kind), kind == "mxfp4") for kind in ("mxfp4", "float")}
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the two converter processes side by side
-        paths = {
-            kind: pool.submit(convert_hf_to_gguf, str(root / kind), str(root / f"{kind}.gguf"), "f32", no_mtp=False)
-            for kind in tensors
-        }
-        return {kind: (tensors[kind], paths[kind].result()) for kind in tensors}
+    outs = convert_side_by_side(
+        [(str(root / kind), {"f32": str(root / f"{kind}.gguf")}) for kind in tensors], no_mtp=False
+    )
+    return {kind: (tensors[kind], out["f32"]) for kind, out in zip(tensors, outs)}
 
 
 def test_config_from_the_gguf_metadata(files):

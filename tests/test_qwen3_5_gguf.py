@@ -7,14 +7,12 @@ stay blocks with the one-GPU GGUF config; unknown metadata is refused."""
 
 from __future__ import annotations
 
-import concurrent.futures
-
 import pytest
 import torch
 
 from benchmarks.gguf_checkpoint import (
     QWEN35_SHAPES,
-    convert_hf_to_ggufs,
+    convert_side_by_side,
     llama_cpp_converter,
     llama_quantize,
     write_qwen35_hf,
@@ -34,12 +32,12 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen35-gguf")
     hf = write_qwen35_hf(str(root / "hf"), QWEN35_SHAPES["tiny"])
     moe = write_qwen35_hf(str(root / "moe-hf"), QWEN35_SHAPES["tiny-moe"])
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two converter processes side by side
-        dense = pool.submit(convert_hf_to_ggufs, hf, {"f32": str(root / "f32.gguf"), "q8_0": str(root / "q8_0.gguf")})
-        experts = pool.submit(
-            convert_hf_to_ggufs, moe, {"f32": str(root / "moe-f32.gguf"), "q8_0": str(root / "moe-q8_0.gguf")}
-        )
-        dense, experts = dense.result(), experts.result()
+    dense, experts = convert_side_by_side(
+        [
+            (hf, {"f32": str(root / "f32.gguf"), "q8_0": str(root / "q8_0.gguf")}),
+            (moe, {"f32": str(root / "moe-f32.gguf"), "q8_0": str(root / "moe-q8_0.gguf")}),
+        ]
+    )
     return {"hf": hf, **dense, "moe-hf": moe, "moe-f32": experts["f32"], "moe-q8_0": experts["q8_0"]}
 
 
