@@ -110,7 +110,13 @@ def test_trim_returns_freed_heap_pages_to_the_system():
     if not trim_malloc_heap():
         pytest.skip("the C library has no malloc_trim")
     chunks = [torch.ones(16 << 10) for _ in range(2048)]  # 64 KB each: below the mmap threshold, in the heap
-    pin = torch.ones(16)  # allocated after them: the freed chunks are not at the heap's top
+    # pins of the same size until one lies above every chunk, so the freed chunks are not the heap's top (which
+    # free() alone would give back). One small pin is not enough: a process that ran other tests (pytest-xdist
+    # workers run whole files in turn) has holes below the chunks that take it
+    top, pins = max(c.data_ptr() for c in chunks), []
+    while not pins or pins[-1].data_ptr() < top:
+        assert len(pins) < 4096, "no 64 KB allocation landed above the chunks"
+        pins.append(torch.ones(16 << 10))
     before = _rss_mb()
     del chunks
     freed = _rss_mb()
@@ -118,4 +124,4 @@ def test_trim_returns_freed_heap_pages_to_the_system():
     after = _rss_mb()
     assert before - freed < 32, (before, freed)  # free() alone keeps the pages resident
     assert freed - after > 64, (freed, after)  # 128 MB were freed; the trim gives (most of) them back
-    del pin
+    del pins
