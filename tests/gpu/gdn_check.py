@@ -162,9 +162,10 @@ def decode_case(gdr, fla, batch: int, dtype: torch.dtype, tol: float, time_it: b
     record(name, "ours conv1d_update", ms, err_o, err_s, tol)
 
 
-def decode_tiles(gdr, batch: int = 256) -> None:
+def decode_tiles(gdr, batch: int = 256, smoke: bool = False) -> None:
     """The decode kernel's time per V-block width and warp count, for a float32 and a bfloat16 state pool
-    (mamba_ssm_cache_dtype), bf16 activations: which tile the pool's bytes bind, and what halving them buys."""
+    (mamba_ssm_cache_dtype), bf16 activations: which tile the pool's bytes bind, and what halving them buys.
+    smoke: one launch of the first tile per pool, untimed (the interpreter checks the launch's arguments)."""
     import triton
 
     gen = torch.Generator(device=DEV).manual_seed(7)
@@ -179,14 +180,20 @@ def decode_tiles(gdr, batch: int = 256) -> None:
 
                 def launch():
                     gdr._recurrent_kernel[(batch * HV, triton.cdiv(V, bv))](
-                        q, k, v, g, beta, torch.empty_like(v), p, slots, slots, K**-0.5, gdr.L2_EPS,
+                        q, k, v, g, beta, torch.empty_like(v), p, slots, slots, g, g, K**-0.5, gdr.L2_EPS,
                         q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0),
-                        HK=HK, HV=HV, K=K, V=V, BK=K, BV=bv, VARLEN=False, L2NORM=True, num_warps=warps,
+                        HK=HK, HV=HV, K=K, V=V, BK=K, BV=bv, VARLEN=False, L2NORM=True, RAW_GATES=False,
+                        num_warps=warps,
                     )  # fmt: skip
 
+                if smoke:
+                    launch()
+                    break
                 ms = bench(launch)
                 gbs = 2 * batch * HV * K * V * p.element_size() / ms / 1e6
                 row.append(f"BV{bv}/w{warps} {ms:.3f} ({gbs:,.0f})")
+            if smoke:
+                break
         print(f"{tag(state_dtype)}: " + ", ".join(row), flush=True)
 
 
@@ -251,6 +258,7 @@ def main() -> None:
         gdr = load_kernels()
         decode_case(gdr, None, 3, torch.float32, 1e-4, time_it=False)
         prefill_case(gdr, None, [70, 5], torch.float32, 1e-4, time_it=False)
+        decode_tiles(gdr, batch=3, smoke=True)
         report()
     if not torch.cuda.is_available():
         sys.exit("gdn_check needs a CUDA GPU (or --smoke)")
