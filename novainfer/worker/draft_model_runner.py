@@ -142,11 +142,11 @@ class DraftModelRunner:
         self.kv_cache = None
         release_kv_cache(self.layers)
 
-    def profile_run(self, ids: torch.Tensor, meta: AttentionMetadata, rows: int) -> None:
-        """The largest draft forward (a reading chunk of max_num_batched_tokens, logits for rows sequences), for
-        the target runner's memory profile; meta addresses the scratch cache."""
+    def profile_run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, rows: int) -> None:
+        """The largest draft forward (reading chunks of max_num_batched_tokens in all, logits for rows sequences),
+        for the target runner's memory profile; meta addresses the scratch cache."""
         with attention_metadata(meta):
-            hidden = self.model(ids, torch.arange(len(ids), device=self.device))
+            hidden = self.model(ids, positions)
         self.model.compute_logits(hidden[-rows:])
 
     # ---- proposing -----------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ timed run, 7-10% of the 7B bench shape (benchmarks/tuning/triton_compiles.py).""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata
@@ -14,18 +15,25 @@ from novainfer.sampling_params import SamplingParams
 SHORT_PREFILL = 16  # tokens: under prefill_tiles' 32-token bound for the small tiles
 
 
-def one_sequence_metadata(n: int, block_size: int, device: torch.device) -> AttentionMetadata:
-    """A step that prefills one n-token sequence into the cache's first blocks."""
-    blocks = (n + block_size - 1) // block_size
+def packed_prefill_metadata(lens: list[int], block_size: int, device: torch.device) -> AttentionMetadata:
+    """A step that prefills fresh sequences of lens tokens, packed back to back, each into its own run of the
+    cache's first blocks (in order)."""
+    blocks = [(n + block_size - 1) // block_size for n in lens]
+    first = np.cumsum([0, *blocks])
+    starts = np.cumsum([0, *lens]).tolist()
+    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    for i, b in enumerate(blocks):
+        tables[i, :b] = torch.arange(first[i], first[i] + b, dtype=torch.int32)
+    slots = torch.cat([torch.arange(n) + int(first[i]) * block_size for i, n in enumerate(lens)])
     return AttentionMetadata(
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=device),
-        seq_lens=torch.tensor([n], dtype=torch.int32, device=device),
-        slot_mapping=torch.arange(n, device=device),
-        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
-        max_query_len=n,
-        max_seq_len=n,
-        query_start_loc_cpu=[0, n],
-        seq_lens_cpu=[n],
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        slot_mapping=slots.to(device),
+        block_tables=tables.to(device),
+        max_query_len=max(lens),
+        max_seq_len=max(lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=list(lens),
     )
 
 
@@ -35,7 +43,7 @@ def warm_up_kernels(model: torch.nn.Module, sampler: torch.nn.Module, block_size
     rank runs it (the forward's collectives need all of them); what it writes to the cache no sequence owns."""
     n = SHORT_PREFILL
     ids = torch.zeros(n, dtype=torch.long, device=device)
-    with attention_metadata(one_sequence_metadata(n, block_size, device)):
+    with attention_metadata(packed_prefill_metadata([n], block_size, device)):
         hidden = model(ids, torch.arange(n, device=device))
     logits = model.compute_logits(hidden[-1:]).float()
     rows = [SamplingRow(SamplingParams(temperature=1.0), [0], [0])]

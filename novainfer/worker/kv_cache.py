@@ -22,7 +22,7 @@ from novainfer.layers.attention import Attention
 from novainfer.layers.sampler import Sampler
 from novainfer.layers.sampling_metadata import SamplingMetadata, SamplingRow
 from novainfer.sampling_params import SamplingParams
-from novainfer.worker.kernel_warmup import one_sequence_metadata
+from novainfer.worker.kernel_warmup import packed_prefill_metadata
 from novainfer.worker.kv_layout import KVLayout, allocate_grouped, plan_kv_layout
 
 
@@ -123,17 +123,32 @@ def num_blocks_that_fit(
 
 
 @torch.inference_mode()
+def profile_lens(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> list[int]:
+    """The prompt lengths of the largest step: the whole token budget in as few sequences as max_model_len allows
+    (a budget past max_model_len is only reached by several prompts at once)."""
+    full, rest = divmod(min(max_num_batched_tokens, max_model_len * max_num_seqs), max_model_len)
+    return [max_model_len] * full + ([rest] if rest else [])
+
+
+def profile_blocks(lens: list[int], block_size: int) -> int:
+    """Blocks of the scratch cache that profile_step's sequences (of lens tokens) fill."""
+    return sum((n + block_size - 1) // block_size for n in lens)
+
+
+@torch.inference_mode()
 def profile_step(
-    model: nn.Module, sampler: Sampler, drafter: Any, num_tokens: int, rows: int, block_size: int, device: torch.device
+    model: nn.Module, sampler: Sampler, drafter: Any, lens: list[int], rows: int, block_size: int, device: torch.device
 ) -> None:
-    """The largest step's forward (one sequence of num_tokens over a scratch cache the caller bound) and a
-    sampling pass over rows rows with every parameter on; the draft model's forward (drafter, or None) apart."""
-    meta = one_sequence_metadata(num_tokens, block_size, device)
-    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    """The largest step's forward (fresh prompts of lens tokens, packed, over a scratch cache of profile_blocks
+    blocks the caller bound) and a sampling pass over rows rows with every parameter on; the draft model's forward
+    (drafter, or None) apart."""
+    meta = packed_prefill_metadata(lens, block_size, device)
+    ids = torch.zeros(sum(lens), dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lens])
     if drafter is not None:  # its forwards run apart from the target's, so its peak is measured alone
-        drafter.profile_run(ids, meta, rows)
+        drafter.profile_run(ids, positions, meta, rows)
     with attention_metadata(meta):
-        hidden = model(ids, torch.arange(num_tokens, device=device))
+        hidden = model(ids, positions)
     logits = model.compute_logits(hidden[-rows:]).float()
     worst = SamplingParams(
         temperature=1.0, top_k=50, top_p=0.9, min_p=0.1, repetition_penalty=1.1, presence_penalty=0.1, logprobs=20

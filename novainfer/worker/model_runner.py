@@ -34,6 +34,8 @@ from novainfer.worker.kv_cache import (
     kv_bytes_per_block,
     kv_layout_of,
     num_blocks_that_fit,
+    profile_blocks,
+    profile_lens,
     profile_step,
     release_kv_cache,
 )
@@ -142,9 +144,10 @@ class ModelRunner:
     def profile_run(self) -> None:
         """The peak memory of a step, with a scratch cache (worker/kv_cache.py)."""
         sc = self.config.scheduler_config
-        n = min(sc.max_num_batched_tokens, self.max_model_len)
-        self.allocate_kv_cache(self.blocks_for(n))
-        profile_step(self.model, self.sampler, self.drafter, n, min(n, sc.max_num_seqs), self.block_size, self.device)
+        lens = profile_lens(sc.max_num_batched_tokens, self.max_model_len, sc.max_num_seqs)
+        self.allocate_kv_cache(profile_blocks(lens, self.block_size))
+        rows = min(sum(lens), sc.max_num_seqs)
+        profile_step(self.model, self.sampler, self.drafter, lens, rows, self.block_size, self.device)
         self.kv_cache = None
         release_kv_cache(self.attention_layers())
         if self.drafter is not None:
