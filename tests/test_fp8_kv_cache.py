@@ -78,6 +78,33 @@ def test_prefill_reads_fp8_as_the_reference(window):
     assert rel_err(out, torch_backend.paged_attention(q, kc, vc, meta, 0.3, window)) < 0.05
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_queries_over_fp8_take_float16_products_scaled_per_row(dtype):
+    """A bf16 / fp16 query over an fp8 cache is divided by its row's largest |q| and multiplied in float16 (e4m3
+    widens to it in one instruction): queries past float16's 65504 neither overflow nor lose the reference's
+    result; decode (one and four splits) and prefill, to the output dtype's rounding."""
+    ctx = [0, 3, 15, 40]
+    q, kc, vc, k8, v8, bt, qsl, sl, meta = fp8_case(4, ctx, [1] * len(ctx), 6, 2)
+    q = (q * torch.logspace(-3, 5 if dtype == torch.bfloat16 else 4, 16)).to(dtype)  # elements 1e-3 .. 1e5
+    sm = 0.25 / q.float().abs().amax().item()
+    ref = torch_backend.paged_attention(q.float(), k8, v8, meta, sm, k_scale=K_SCALE, v_scale=V_SCALE)
+    for splits in (1, 4):
+        out = kernels.decode_attention(
+            q, k8, v8, bt, sl, sm, num_splits=splits, min_split_keys=8, k_scale=K_SCALE, v_scale=V_SCALE
+        )
+        assert out.dtype == dtype and rel_err(out.float(), ref) < 1e-2
+    ctx, qlen = [0, 8, 5], [7, 5, 21]
+    q, kc, vc, k8, v8, bt, qsl, sl, meta = fp8_case(5, ctx, qlen, 4, 2)
+    q = (q * 1e5).to(dtype) if dtype == torch.bfloat16 else q.to(dtype)
+    ref = torch_backend.paged_attention(
+        q.float(), k8, v8, meta, 0.3 / q.float().abs().amax().item(), k_scale=K_SCALE, v_scale=V_SCALE
+    )
+    out = kernels.prefill_attention(
+        q, k8, v8, bt, qsl, sl, max(qlen), 0.3 / q.float().abs().amax().item(), k_scale=K_SCALE, v_scale=V_SCALE
+    )
+    assert out.dtype == dtype and rel_err(out.float(), ref) < 1e-2
+
+
 def test_scales_are_ignored_by_a_full_precision_cache():
     """A bf16/fp32 cache stores and reads values as they are, whatever the layer's scales (as vLLM does)."""
     q, kc, vc, bt, qsl, sl, meta = make_case(4, [6, 11], [1, 1], 4, 2)

@@ -18,8 +18,9 @@ start at the window's first tile, so a long context costs only the window), logi
 softmax's normalizer and emits nothing, gpt-oss: folded in once the keys are done). The torch reference is
 attention/torch_backend.py.
 
-An fp8 (e4m3) cache is read widened to the query's dtype; its layer's k_scale is folded into the softmax scale and
-its v_scale into the output (the values were stored divided by them, kernels/kv_store.py).
+An fp8 (e4m3) cache is read widened to the query's dtype (float16 for a 16-bit query: see _fp8_query); its layer's
+k_scale is folded into the softmax scale and its v_scale into the output (the values were stored divided by them,
+kernels/kv_store.py).
 """
 
 from __future__ import annotations
@@ -60,11 +61,23 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _fp8_query(q, scale):
+    """A 16-bit query against an fp8 cache, as float16 scaled into [-1, 1] per row, and the score scale per row.
+
+    e4m3 widens to float16 in one instruction (to bfloat16 in several), so the products run in float16; each row's
+    largest |q| is divided out (and multiplied back into the scale), so no query overflows float16's range."""
+    qf = q.to(tl.float32)
+    qmax = tl.max(tl.abs(qf), 1)
+    qmax = tl.where(qmax > 0, qmax, 1.0)
+    return (qf / qmax[:, None]).to(tl.float16), scale * qmax[:, None]
+
+
+@triton.jit
 def _attend_tile(q, k, v, valid, m, l, acc, scale, soft_cap, HAS_SOFT_CAP: tl.constexpr, PRECISION: tl.constexpr):
     """One online-softmax step: fold a K/V tile into the running max m, sum l and output acc (float32).
 
     A row that has seen no visible key yet (a window's edge) keeps m = -inf, l = 0 and acc = 0. K/V stored narrower
-    (fp8) are widened to q's dtype."""
+    (fp8) are widened to q's dtype. scale is a scalar or one per row ([rows, 1])."""
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
     if HAS_SOFT_CAP:  # cap * tanh(s / cap), tanh written with exp (saturates to +-1 without overflow)
         s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0))
@@ -181,6 +194,10 @@ def _decode_kernel(
                 tl.store(v_cache_ptr + cache_off, v_new, mask=smask)
                 tl.debug_barrier()  # the stores are seen by this program's threads reading the last tile
 
+        if FP8 and q_ptr.dtype.element_ty != tl.float32:
+            q, qk_scale = _fp8_query(q, scale)
+        else:
+            qk_scale = scale
         tile_start = first_tile + split * tiles_per_split
         tile_end = tl.minimum(tile_start + tiles_per_split, num_tiles)
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
@@ -204,7 +221,7 @@ def _decode_kernel(
                 HEAD_DIM,
                 BLOCK_SIZE,
             )
-            m, l, acc = _attend_tile(q, k, v, pmask[None, :], m, l, acc, scale, soft_cap, HAS_SOFT_CAP, PRECISION)
+            m, l, acc = _attend_tile(q, k, v, pmask[None, :], m, l, acc, qk_scale, soft_cap, HAS_SOFT_CAP, PRECISION)
 
         o_ptrs = out_ptr + seq * o_stride_t + heads[:, None] * o_stride_h + d[None, :]
         if HAS_SINKS:
@@ -330,6 +347,10 @@ def _prefill_kernel(
     q = tl.load(
         q_ptr + (q_start + rows)[:, None] * q_stride_t + head * q_stride_h + d[None, :], mask=rmask[:, None], other=0.0
     )
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv and q_ptr.dtype.element_ty != tl.float32:
+        q, qk_scale = _fp8_query(q, scale)
+    else:
+        qk_scale = scale
     # keys visible to the last row of this block; nothing when the block lies past the sequence's queries
     kv_end = tl.where(mblk * BLOCK_M < q_len, tl.minimum(seq_len, context + (mblk + 1) * BLOCK_M), 0)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -358,7 +379,7 @@ def _prefill_kernel(
         valid = pmask[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             valid = valid & (q_pos[:, None] - pos[None, :] < window)
-        m, l, acc = _attend_tile(q, k, v, valid, m, l, acc, scale, soft_cap, HAS_SOFT_CAP, PRECISION)
+        m, l, acc = _attend_tile(q, k, v, valid, m, l, acc, qk_scale, soft_cap, HAS_SOFT_CAP, PRECISION)
     if HAS_SINKS:
         m, l, acc = _fold_sink(m, l, acc, tl.load(sinks_ptr + head).to(tl.float32) + tl.zeros([BLOCK_M], tl.float32))
     out = acc / tl.where(rmask, l, 1.0)[:, None] * v_scale
