@@ -35,7 +35,7 @@ run: $(STAMP)
 	$(BIN)/novainfer generate "The capital of France is" --max-tokens 32
 
 # One worker a CPU (at most 4), whole files to a worker so each module's fixtures are built once: the tests wait on
-# servers and subprocesses much of the time, so two workers on the 2-core machine take 0.75x the time of one.
+# servers and subprocesses much of the time, so two workers on the 2-core machine take 0.66-0.75x the time of one.
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q -n logical --maxprocesses 4 --dist loadfile tests
 
