@@ -5,7 +5,8 @@ timed run, 7-10% of the 7B bench shape (benchmarks/tuning/triton_compiles.py).""
 
 from __future__ import annotations
 
-import numpy as np
+from itertools import accumulate
+
 import torch
 
 from novainfer.attention.metadata import AttentionMetadata, attention_metadata
@@ -19,12 +20,12 @@ def packed_prefill_metadata(lens: list[int], block_size: int, device: torch.devi
     """A step that prefills fresh sequences of lens tokens, packed back to back, each into its own run of the
     cache's first blocks (in order)."""
     blocks = [(n + block_size - 1) // block_size for n in lens]
-    first = np.cumsum([0, *blocks])
-    starts = np.cumsum([0, *lens]).tolist()
+    first = list(accumulate(blocks, initial=0))
+    starts = list(accumulate(lens, initial=0))
     tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
     for i, b in enumerate(blocks):
         tables[i, :b] = torch.arange(first[i], first[i] + b, dtype=torch.int32)
-    slots = torch.cat([torch.arange(n) + int(first[i]) * block_size for i, n in enumerate(lens)])
+    slots = torch.cat([torch.arange(n) + first[i] * block_size for i, n in enumerate(lens)])
     return AttentionMetadata(
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),

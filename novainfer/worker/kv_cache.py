@@ -122,7 +122,6 @@ def num_blocks_that_fit(
     return num_blocks
 
 
-@torch.inference_mode()
 def profile_lens(max_num_batched_tokens: int, max_model_len: int, max_num_seqs: int) -> list[int]:
     """The prompt lengths of the largest step: the whole token budget in as few sequences as max_model_len allows
     (a budget past max_model_len is only reached by several prompts at once)."""
