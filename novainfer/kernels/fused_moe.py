@@ -21,6 +21,7 @@ from torch import nn
 
 from novainfer.kernels.moe_gemv import MAX_TOKENS, moe_gemv
 from novainfer.kernels.moe_routing import align_by_expert
+from novainfer.kernels.tiling import fits, launch_or_fallback
 
 
 @triton.jit
@@ -133,7 +134,6 @@ MOE_TILES: dict[int, tuple[tuple[int, int, int, int, int], tuple[int, int, int, 
     1 << 62: ((128, 256, 64, 8, 4), (128, 256, 64, 8, 4)),
 }
 FALLBACK_TILES = (64, 64, 64, 4, 3)  # what the kernel ran before the sweep: fits any GPU's shared memory
-_too_big: set[tuple[int, int, int, int, int]] = set()  # tiles this GPU could not launch
 
 
 def moe_tiles(
@@ -147,7 +147,7 @@ def moe_tiles(
     ]
     narrow = min(block_n, max(32, triton.next_power_of_2(n))), min(block_k, max(32, triton.next_power_of_2(k)))
     tiles = (block_m, *narrow, warps, stages)
-    return (block_m, *FALLBACK_TILES[1:]) if tiles in _too_big else tiles
+    return tiles if fits(tiles) else (block_m, *FALLBACK_TILES[1:])
 
 
 def _grouped_gemm(
@@ -171,12 +171,8 @@ def _grouped_gemm(
 
 def launch_with_fallback(launch: Callable[[tuple[int, int, int, int, int]], None], tiles) -> None:
     """launch(tiles); where this GPU's shared memory is short of them (a smaller GPU than the sweep's), launch with
-    FALLBACK_TILES' N, K, warps and stages instead, and remember it (moe_tiles picks those next time)."""
-    try:
-        launch(tiles)
-    except triton.runtime.errors.OutOfResources:
-        _too_big.add(tiles)
-        launch((tiles[0], *FALLBACK_TILES[1:]))
+    FALLBACK_TILES' N, K, warps and stages instead (moe_tiles picks those next time)."""
+    launch_or_fallback(launch, tiles, (tiles[0], *FALLBACK_TILES[1:]))
 
 
 def _launch(a, b, out, sorted_ids, block_experts, num_padded, num_pairs, a_row_div, topk_weights, bias, tiles) -> None:

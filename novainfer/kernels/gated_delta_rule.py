@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from novainfer.kernels.fused_ops import gdn_gate
-from novainfer.kernels.tiling import sm_count
+from novainfer.kernels.tiling import launch_or_fallback, sm_count
 
 CHUNK = 64
 L2_EPS = 1e-6  # x * rsqrt(sum(x^2) + eps), as transformers' and fla's l2norm
@@ -614,10 +614,12 @@ def chunk_gated_delta_rule_triton(
         "PRECISION": precision,
         "num_warps": 8 if bv == 64 else 4,
     }
-    try:
-        _chunk_scan_kernel[(seqs, hv, triton.cdiv(dv, bv))](*args, **meta)
-    except triton.runtime.errors.OutOfResources:  # the loop's pipelined loads overflow a smaller shared memory
-        _chunk_scan_kernel[(seqs, hv, triton.cdiv(dv, bv))](*args, **meta, num_stages=1)
+
+    def launch(stages: int) -> None:
+        _chunk_scan_kernel[(seqs, hv, triton.cdiv(dv, bv))](*args, **meta, num_stages=stages)
+
+    # Three stages (Triton's default) pipeline the loop's loads; where they overflow a smaller shared memory, one.
+    launch_or_fallback(launch, 3, 1, key=("gdn_scan", *sorted(meta.items())))
     return o
 
 

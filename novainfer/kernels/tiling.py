@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from functools import lru_cache
+from typing import TypeVar
 
 import torch
 import triton
@@ -43,6 +45,32 @@ def even_split(k: int, split: int, step: int) -> tuple[int, int]:
     where the rounding up leaves the last ones empty)."""
     per_split = triton.cdiv(triton.cdiv(k, split), step) * step
     return triton.cdiv(k, per_split), per_split
+
+
+T = TypeVar("T")
+_unfit: set[Hashable] = set()  # launch choices this process's GPU lacked the shared memory for
+
+
+def fits(key: Hashable) -> bool:
+    """Whether the choice remembered under key has not failed to launch on this GPU."""
+    return key not in _unfit
+
+
+def launch_or_fallback(launch: Callable[[T], None], choice: T, fallback: T, key: Hashable | None = None) -> None:
+    """launch(choice); where this GPU's shared memory is short of it, launch(fallback) and remember that under key
+    (choice by default), so later calls go straight to the fallback."""
+    key = choice if key is None else key
+    if key in _unfit:
+        launch(fallback)
+        return
+    try:
+        launch(choice)
+    except triton.runtime.errors.OutOfResources as err:
+        # Triton 3.6 keeps this very object in its kernel cache and raises it at every later launch of the choice;
+        # each raise appends the frames it crossed (and their tensors) to its traceback, so cut that here.
+        err.__traceback__ = None
+        _unfit.add(key)
+        launch(fallback)
 
 
 def row_bucket(m: int, table: dict[int, object]) -> int:
