@@ -91,20 +91,15 @@ def kernel_rows(shapes, rows: list[int], device: torch.device, iters: int) -> li
             for m in rows:
                 x = torch.randn(m, k, device=device, generator=g).to(dtype)
                 want = x.float() @ ref.T
-                int8_x = m == 1 or gguf_gemm.GEMV_MAX_M < m <= gguf_gemm.MMQ_MAX_M
-                if int8_x:  # the int8 GEMV's and GEMM's exact product is over x's int8 rounding (as llama.cpp's)
+                if m == 1:  # the int8 GEMV's exact product is over x's int8 rounding (as llama.cpp's MMVQ)
                     xq, dx, _ = gguf_gemm.quantize_q8_reference(x)
-                    want = (xq.float().view(-1, 32) * dx[:, None]).view(m, -1) @ ref.T
+                    want = (xq.float().view(-1, 32) * dx[:, None]).view(1, -1) @ ref.T
                 err = rel(gguf_gemm.gguf_matmul(x, [w]), want)
                 err_x = rel(gguf_gemm.gguf_matmul(x, [w]), x.float() @ ref.T)
 
-                def quant(i: int, tiles=None, path=None):
+                def quant(i: int, tiles=None):
                     while len(copies) <= i:
                         copies.append(w.map(torch.clone, w.shape[0]))  # L2 holds none
-                    if path == "mmq":
-                        return lambda: gguf_gemm.gguf_mmq(x, copies[i], tiles=tiles)
-                    if path == "dequant":
-                        return lambda: torch.nn.functional.linear(x, gguf_gemm.gguf_dequantize(copies[i], x.dtype))
                     if tiles is not None:
                         return lambda: gguf_gemm.gguf_gemv(x, copies[i], tiles=tiles)
                     return lambda: gguf_gemm.gguf_matmul(x, [copies[i]])
@@ -127,32 +122,11 @@ def kernel_rows(shapes, rows: list[int], device: torch.device, iters: int) -> li
                     row.update(
                         best_tiles=best, best_us=sweep[best][0], sweep_ok=all(e <= MAX_REL for _, e in sweep.values())
                     )
-                if 1 < m <= 512 and device.type == "cuda" and qtype in MIX_TYPES:  # the int8 GEMM's tiles
-                    row["dequant_us"] = device_us(lambda i: quant(i, path="dequant"), w.nbytes(), device, iters)
-                    xq, dx, _ = gguf_gemm.quantize_q8_reference(x)
-                    want8 = (xq.float().view(-1, 32) * dx[:, None]).view(m, -1) @ ref.T
-                    sweep = {}
-                    for tiles in gguf_gemm.MMQ_CANDIDATES:
-                        e = rel(gguf_gemm.gguf_mmq(x, w, tiles=tiles), want8)
-                        sweep[str(tiles)] = (device_us(lambda i: quant(i, tiles, "mmq"), w.nbytes(), device, iters), e)
-                    best = min(sweep, key=lambda t: sweep[t][0])
-                    row.update(
-                        mmq_sweep=sweep,
-                        best_mmq=best,
-                        best_mmq_us=sweep[best][0],
-                        sweep_ok=all(e <= MAX_REL for _, e in sweep.values()),
-                    )
                 out.append(row)
                 print(
                     f"{name:12s} {qtype:5s} M={m:5d} {us:9.1f} us  bf16 {us16:9.1f} us  x{us16 / us:5.2f}  "
                     f"rel {err:.1e} (float x {err_x:.1e})"
-                    + (f"  best GEMV {row['best_tiles']} {row['best_us']:.1f} us" if "best_tiles" in row else "")
-                    + (
-                        f"  dequant+cuBLAS {row['dequant_us']:.1f} us, best MMQ {row['best_mmq']} "
-                        f"{row['best_mmq_us']:.1f} us"
-                        if "best_mmq" in row
-                        else ""
-                    ),
+                    + (f"  best GEMV {row['best_tiles']} {row['best_us']:.1f} us" if "best_tiles" in row else ""),
                     flush=True,
                 )
     return out
@@ -309,17 +283,11 @@ def print_table(result: dict, shape: str) -> None:
     print(f"\n{result['device']}: random {shape}-shape Q4_K_M GGUF")
     kernels = result.get("kernels", [])
     if kernels:
-        print(
-            f"{'layer':12s} | {'type':5s} | {'M':>5s} | {'GGUF us':>9s} | {'bf16 us':>9s} | {'x bf16':>6s} | rel err | "
-            f"{'dequant us':>10s} | {'best MMQ us':>11s} | best MMQ tiles"
-        )
+        print(f"{'layer':12s} | {'type':5s} | {'M':>5s} | {'GGUF us':>9s} | {'bf16 us':>9s} | {'x bf16':>6s} | rel err")
         for r in kernels:
-            extra = ""
-            if "best_mmq" in r:
-                extra = f" | {r['dequant_us']:10.1f} | {r['best_mmq_us']:11.1f} | {r['best_mmq']}"
             print(
                 f"{r['layer']:12s} | {r['qtype']:5s} | {r['m']:5d} | {r['us']:9.1f} | {r['bf16_us']:9.1f} | "
-                f"{r['bf16_us'] / r['us']:6.2f} | {r['rel']:.1e}" + extra
+                f"{r['bf16_us'] / r['us']:6.2f} | {r['rel']:.1e}"
             )
     e2e = result.get("e2e", {})
     if e2e:
