@@ -28,8 +28,9 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, MODE: tl.constexpr, PF: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr):
+def gemv_kernel(
+    x_ptr, w_ptr, out_ptr, N, K, MODE: tl.constexpr, PF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -61,10 +62,18 @@ def gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, MODE: tl.constexpr, PF: tl.constexp
 
 
 SHAPES = {  # (N, K, (BLOCK_N, BLOCK_K, warps, stages)) a layer, from kernels/gemv.py's GEMV_TILES
-    "qwen3.5-9b": [(12352, 4096, (8, 256, 2, 1)), (4096, 4096, (8, 1024, 2, 3)), (24576, 4096, (8, 512, 2, 3)),
-                   (4096, 12288, (1, 1024, 4, 3))],
-    "qwen2.5-7b": [(4608, 3584, (4, 512, 4, 3)), (3584, 3584, (2, 512, 2, 3)), (37888, 3584, (2, 512, 2, 3)),
-                   (3584, 18944, (2, 2048, 2, 3))],
+    "qwen3.5-9b": [
+        (12352, 4096, (8, 256, 2, 1)),
+        (4096, 4096, (8, 1024, 2, 3)),
+        (24576, 4096, (8, 512, 2, 3)),
+        (4096, 12288, (1, 1024, 4, 3)),
+    ],
+    "qwen2.5-7b": [
+        (4608, 3584, (4, 512, 4, 3)),
+        (3584, 3584, (2, 512, 2, 3)),
+        (37888, 3584, (2, 512, 2, 3)),
+        (3584, 18944, (2, 2048, 2, 3)),
+    ],
 }
 
 
@@ -84,8 +93,20 @@ def chain(x0, steps, mode, pf):
     x = x0
     for w, out, (bn, bk, warps, stages) in steps:
         n, k = w.shape
-        gemv_kernel[(triton.cdiv(n, bn),)](x[:k], w, out, n, k, MODE=mode, PF=pf, BLOCK_N=bn, BLOCK_K=bk,
-                                           num_warps=warps, num_stages=stages, launch_pdl=mode >= 1)
+        gemv_kernel[(triton.cdiv(n, bn),)](
+            x[:k],
+            w,
+            out,
+            n,
+            k,
+            MODE=mode,
+            PF=pf,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            num_warps=warps,
+            num_stages=stages,
+            launch_pdl=mode >= 1,
+        )
         x = out
     return x
 
