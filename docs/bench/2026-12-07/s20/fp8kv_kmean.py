@@ -7,7 +7,7 @@ calibration pass would give). SmolLM2-135M (30 layers), as fp8kv_rotation.py.
     PYTHONPATH=. python docs/bench/2026-12-07/s20/fp8kv_kmean.py k|kv
 """
 
-import sys, torch
+import sys
 import novainfer
 import novainfer.attention.torch_backend as tb
 from novainfer.kernels.kv_fp8 import to_fp8
@@ -49,9 +49,9 @@ def llm(*a, **k):
 
 
 novainfer.LLM = llm
-import benchmarks.kv_cache_accuracy as kca
+import benchmarks.kv_cache_accuracy as kca  # noqa: E402
 
 kca.main()
-for l in (0, 5, 15, 29):
-    mu = sums[l] / counts[l]
-    print(l, "mean |mu|", mu.abs().mean().item(), "max |mu|", mu.abs().max().item())
+for layer in (0, 5, 15, 29):
+    mu = sums[layer] / counts[layer]
+    print(layer, "mean |mu|", mu.abs().mean().item(), "max |mu|", mu.abs().max().item())
