@@ -135,6 +135,12 @@ class Range:
     low_open: bool = False
     nullable: bool = False
 
+    @property
+    def upper(self) -> float | None:
+        """high, or for an integer without one int64's largest: requests cross to the engine core in msgpack, which
+        holds no larger integer."""
+        return INT64_MAX if self.high is None and self.integer else self.high
+
     def check(self, name: str, value: object) -> None:
         """Raise ValueError naming the field when value has the wrong type or lies outside the range."""
         if value is None and self.nullable:
@@ -147,18 +153,20 @@ class Range:
             raise ValueError(f"{name} must be a finite number, got {value}")
         if self.low is not None and (value <= self.low if self.low_open else value < self.low):
             raise ValueError(f"{name} must be {'>' if self.low_open else '>='} {self.low}, got {value}")
-        if self.high is not None and value > self.high:
-            raise ValueError(f"{name} must be <= {self.high}, got {value}")
+        if self.upper is not None and value > self.upper:
+            raise ValueError(f"{name} must be <= {self.upper}, got {value}")
 
     def field_bounds(self) -> dict[str, float | bool]:
         """The range as pydantic Field keywords (ge/gt/le; finite floats only)."""
         bounds: dict[str, float | bool] = {} if self.integer else {"allow_inf_nan": False}
         if self.low is not None:
             bounds["gt" if self.low_open else "ge"] = self.low
-        if self.high is not None:
-            bounds["le"] = self.high
+        if self.upper is not None:
+            bounds["le"] = self.upper
         return bounds
 
+
+INT64_MAX = 2**63 - 1
 
 RANGES: dict[str, Range] = {
     "n": Range(integer=True, low=1),
@@ -170,7 +178,7 @@ RANGES: dict[str, Range] = {
     "top_k": Range(integer=True, low=-1),
     "min_p": Range(low=0.0, high=1.0),
     # a 64-bit generator seed; larger ones would fail the whole step
-    "seed": Range(integer=True, low=-(2**63), high=2**63 - 1, nullable=True),
+    "seed": Range(integer=True, low=-(2**63), high=INT64_MAX, nullable=True),
     "max_tokens": Range(integer=True, low=1, nullable=True),
     "min_tokens": Range(integer=True, low=0),
     "logprobs": Range(integer=True, low=0, nullable=True),

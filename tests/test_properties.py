@@ -16,21 +16,23 @@ from novainfer import SamplingParams
 from novainfer.core import Batch, Context, Status
 
 # ---- SamplingParams ----------------------------------------------------------------------------------
-# The documented ranges (vLLM's), written out here as the oracle: (integer, low, high, low excluded, None ok)
+# The documented ranges (vLLM's), written out here as the oracle: (integer, low, high, low excluded, None ok); an
+# integer's largest is int64's, since requests cross to the engine core in msgpack
+I64 = 2**63 - 1
 SPEC = {
-    "n": (True, 1, None, False, False),
+    "n": (True, 1, I64, False, False),
     "presence_penalty": (False, -2, 2, False, False),
     "frequency_penalty": (False, -2, 2, False, False),
     "repetition_penalty": (False, 0, None, True, False),
     "temperature": (False, 0, None, False, False),
     "top_p": (False, 0, 1, True, False),
-    "top_k": (True, -1, None, False, False),
+    "top_k": (True, -1, I64, False, False),
     "min_p": (False, 0, 1, False, False),
     "seed": (True, -(2**63), 2**63 - 1, False, True),
-    "max_tokens": (True, 1, None, False, True),
-    "min_tokens": (True, 0, None, False, False),
-    "logprobs": (True, 0, None, False, True),
-    "prompt_logprobs": (True, 0, None, False, True),
+    "max_tokens": (True, 1, I64, False, True),
+    "min_tokens": (True, 0, I64, False, False),
+    "logprobs": (True, 0, I64, False, True),
+    "prompt_logprobs": (True, 0, I64, False, True),
 }
 
 ANY_VALUE = st.one_of(
