@@ -36,6 +36,16 @@ def timed(fn, repeat: int) -> float:
     return statistics.median(times)
 
 
+def decode_rate(n: int, t_full: float, t_one: float) -> float:
+    """Decode tok/s from the time of n tokens and of one: (n - 1) / (t_full - t_one); refused when the runs' noise
+    exceeds the decode time (too few tokens or repeats), rather than reported as a negative or huge rate."""
+    if t_full <= t_one:
+        raise SystemExit(
+            f"decode time not resolved: {n} tokens took {t_full:.4f} s, one {t_one:.4f} s; raise --output-len"
+        )
+    return (n - 1) / (t_full - t_one)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="random:qwen2.5-0.5b")
@@ -115,7 +125,7 @@ def main() -> None:
     r = {
         "model": args.model,
         "device": device_name(),
-        "decode_tok_s": (args.output_len - 1) / (t_full - t_one),
+        "decode_tok_s": decode_rate(args.output_len, t_full, t_one),
         "ttft_ms": ttft * 1e3,
         "enforce_eager": args.enforce_eager,
         "quantization": args.quantization,
@@ -304,7 +314,7 @@ def hf_latency(path: str, prompt: list[int], long_prompt: list[int], n: int, rep
     t_full = timed(lambda: run(model, [prompt], [n], 0.0, 0, device), repeat)
     t_one = timed(lambda: run(model, [prompt], [1], 0.0, 0, device), repeat)
     ttft = timed(lambda: run(model, [long_prompt], [1], 0.0, 0, device), repeat)
-    return {"hf_decode_tok_s": (n - 1) / (t_full - t_one), "hf_ttft_ms": ttft * 1e3}
+    return {"hf_decode_tok_s": decode_rate(n, t_full, t_one), "hf_ttft_ms": ttft * 1e3}
 
 
 if __name__ == "__main__":

@@ -51,11 +51,11 @@ def test_latency_benchmark_runs(tmp_path):
         "--prompt-len",
         "12",
         "--output-len",
-        "6",
+        "24",
         "--ttft-prompt-len",
         "24",
         "--repeat",
-        "1",
+        "3",
         tmp_path=tmp_path,
     )
     assert r["decode_tok_s"] > 0 and r["ttft_ms"] > 0 and r["hf_decode_tok_s"] > 0
