@@ -114,21 +114,23 @@ def test_unknown_qwen35_metadata_is_refused(files, monkeypatch):
         gguf_loader.load_gguf_config(files["f32"])
 
 
-@pytest.mark.parametrize("whole", [True, False], ids=["decoder-layers", "mixer"])
-def test_decode_layers_in_one_c_call_match_the_layer_path(whole, files, monkeypatch):
-    """Q8_0 weights stay packed, so a decode step's decoder layers each run as one C call: the DeltaNet ones (norms,
-    mixer and MLP: kernels/cpu/gdn_layer.py; the mixer alone where the layer's MLP is not the dense one, here
-    forced) and the gated-attention ones (kernels/cpu/gated_attn_layer.py). A batch of two prompts of different
-    lengths decodes the same greedy tokens, logprobs within 2e-3, as the layer-by-layer path (the C calls
-    disabled). Not to the bit: the gates' exp / softplus / sigmoid and the small dense b / a products are C's, not
-    torch's; the next layer's int8 activation quantization turns their last-bit differences into a rounding step
-    here and there (1e-4 to 5e-4 in a logprob on this random model)."""
+@pytest.mark.parametrize("path", ["stack", "decoder-layers", "mixer"])
+def test_decode_layers_in_one_c_call_match_the_layer_path(path, files, monkeypatch):
+    """Q8_0 weights stay packed, so a decode step runs in C: the whole decoder stack in one call
+    (kernels/cpu/hybrid_stack.py), or each decoder layer as one call where the stack is off: the DeltaNet ones (norms,
+    mixer and MLP: kernels/cpu/gdn_layer.py; the mixer alone where the layer's MLP is not the dense one, here forced,
+    which also leaves the stack out) and the gated-attention ones (kernels/cpu/gated_attn_layer.py). A batch of two
+    prompts of different lengths decodes, through the stack, the same tokens and logprobs to the bit as through the
+    per-layer calls (the same kernels), and the same greedy tokens, logprobs within 2e-3, as the layer-by-layer path
+    (the C calls disabled). Not to the bit: the gates' exp / softplus / sigmoid and the small dense b / a products
+    are C's, not torch's; the next layer's int8 activation quantization turns their last-bit differences into a
+    rounding step here and there (1e-4 to 5e-4 in a logprob on this random model)."""
     from novainfer import LLM, SamplingParams
-    from novainfer.kernels.cpu import gated_attn_layer, gdn_layer
+    from novainfer.kernels.cpu import gated_attn_layer, gdn_layer, hybrid_stack
     from novainfer.models import qwen3_5_cpu_decode
+    from novainfer.worker import cpu_hybrid_stack
 
-    calls = {"gdn": [], "attn": []}
-    entry = "run_layer" if whole else "run"
+    calls = {"stack": [], "gdn": [], "attn": []}
 
     def counting(cls, name, key):
         run = getattr(cls, name)
@@ -139,22 +141,80 @@ def test_decode_layers_in_one_c_call_match_the_layer_path(whole, files, monkeypa
 
         monkeypatch.setattr(cls, name, counted)
 
-    counting(gdn_layer.GDNLayerKernel, entry, "gdn")
+    def generate():
+        for v in calls.values():
+            v.clear()
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    counting(hybrid_stack.HybridStackKernel, "run", "stack")
+    counting(gdn_layer.GDNLayerKernel, "run" if path == "mixer" else "run_layer", "gdn")
     counting(gated_attn_layer.GatedAttnLayerKernel, "run", "attn")
-    if not whole:
+    if path == "mixer":
         monkeypatch.setattr(qwen3_5_cpu_decode, "norms_and_mlp_supported", lambda *args: False)
+    if path != "stack":
+        monkeypatch.setattr(cpu_hybrid_stack.CPUHybridStack, "forward", lambda self, *args: None)
     params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": [3, 77, 78]}]
     llm = LLM(files["q8_0"], max_model_len=256, block_size=4, enable_prefix_caching=False)
-    fast = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert 2 in calls["gdn"]  # both sequences' decode rows in one call
-    assert (2 in calls["attn"]) == whole
+    fast = generate()
+    if path == "stack":
+        assert 2 in calls["stack"] and not calls["gdn"] and not calls["attn"]  # both decode rows, every layer
+        monkeypatch.setattr(cpu_hybrid_stack.CPUHybridStack, "forward", lambda self, *args: None)
+        per_layer = generate()
+        assert not calls["stack"] and 2 in calls["gdn"] and 2 in calls["attn"]
+        assert [(o.token_ids, o.logprobs) for o in per_layer] == [(o.token_ids, o.logprobs) for o in fast]
+    else:
+        assert not calls["stack"] and 2 in calls["gdn"]
+        assert (2 in calls["attn"]) == (path == "decoder-layers")
     monkeypatch.setattr(gdn_layer, "layer_kernel", lambda *layers: None)
     monkeypatch.setattr(qwen3_5_cpu_decode, "gated_attn_kernel", lambda decoder: None)
-    calls["gdn"].clear(), calls["attn"].clear()
-    slow = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    assert not calls["gdn"] and not calls["attn"]
+    slow = generate()
+    assert not calls["stack"] and not calls["gdn"] and not calls["attn"]
     for a, b in zip(fast, slow):
         assert a.token_ids == b.token_ids
         for t, la, lb in zip(a.token_ids, a.logprobs, b.logprobs):
             assert abs(la[t].logprob - lb[t].logprob) < 2e-3
+
+
+def test_a_bad_kv_index_stops_the_stack_before_any_state_moves(files, monkeypatch):
+    """The whole-stack call checks a step's KV slots before its first layer (a DeltaNet one, which would move its
+    states): a slot past the cache raises ValueError naming it, and every DeltaNet layer's conv and recurrent states
+    are as they were."""
+    import copy
+
+    from novainfer import LLM, SamplingParams
+    from novainfer.attention.metadata import attention_metadata, get_attention_metadata
+    from novainfer.worker import cpu_hybrid_stack
+
+    seen = []
+    forward = cpu_hybrid_stack.CPUHybridStack.forward
+
+    def keep(self, input_ids, positions):
+        seen.append((self, get_attention_metadata(), input_ids.clone(), positions.clone()))
+        return forward(self, input_ids, positions)
+
+    monkeypatch.setattr(cpu_hybrid_stack.CPUHybridStack, "forward", keep)
+    llm = LLM(files["q8_0"], max_model_len=256, block_size=4, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)
+    stack, meta, ids, pos = seen[-1]
+    bad = copy.copy(meta)
+    bad.__dict__.pop("cpu_attn_operands", None)  # the step's converted operands, cached on it
+    bad.slot_mapping = meta.slot_mapping.clone()
+    bad.slot_mapping[0] = 1 << 40
+    states = [
+        t.clone()
+        for layer in stack.layers
+        if layer.is_linear
+        for t in (layer.linear_attn.conv_state, layer.linear_attn.ssm_state)
+    ]
+    assert len(states) >= 2
+    with torch.inference_mode(), attention_metadata(bad), pytest.raises(ValueError, match="KV slot 1099511627776"):
+        stack.forward(ids, pos)
+    after = [
+        t
+        for layer in stack.layers
+        if layer.is_linear
+        for t in (layer.linear_attn.conv_state, layer.linear_attn.ssm_state)
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(states, after))

@@ -1,7 +1,7 @@
 """A decode step's hidden states through a whole-stack fast path with the model's results, where one applies: the
-CPU C stack (cpu_decode_stack.py; cpu_gemma4_stack.py for Gemma 4) or the GPU fused stack (gpu_decode_stack.py;
-gpu_hybrid_decode_stack.py for Qwen3.5's hybrid layers);
-else the model's forward."""
+CPU C stack (cpu_decode_stack.py; cpu_gemma4_stack.py for Gemma 4, cpu_hybrid_stack.py for Qwen3.5's hybrid layers)
+or the GPU fused stack (gpu_decode_stack.py; gpu_hybrid_decode_stack.py for Qwen3.5's hybrid layers); else the
+model's forward."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from torch import nn
 
 from novainfer.attention import cpu_backend, torch_backend
 from novainfer.models.llama import LlamaModel
-from novainfer.worker import cpu_decode_stack, cpu_gemma4_stack
+from novainfer.worker import cpu_decode_stack, cpu_gemma4_stack, cpu_hybrid_stack
 
 
 class DecodeStrategy(Protocol):
@@ -32,6 +32,8 @@ def select_decode_strategy(
         return cpu_gemma4_stack.CPUGemma4Stack(inner)
     if not isinstance(inner, LlamaModel) or attn_backend is torch_backend:
         return None
+    if attn_backend is cpu_backend and cpu_hybrid_stack.supports(inner):
+        return cpu_hybrid_stack.CPUHybridStack(inner)
     if attn_backend is cpu_backend:
         return cpu_decode_stack.CPUDecodeStack(inner) if cpu_decode_stack.supports(inner) else None
     from novainfer.worker import gpu_decode_stack, gpu_hybrid_decode_stack  # Triton: where its backend runs

@@ -65,6 +65,27 @@ def available() -> bool:
     return _lib() is not None
 
 
+def attn_operands(positions: torch.Tensor, meta) -> tuple[torch.Tensor, ...]:
+    """(positions int64, KV slots int64, block tables int32, seq lens int32) of a decode step, contiguous: built once
+    a step (kept on its metadata), the same for every gated-attention layer and the hybrid stack."""
+    operands = meta.__dict__.get("cpu_attn_operands")
+    if operands is None:
+        operands = (
+            positions.to(torch.int64).contiguous(),
+            meta.slot_mapping.to(torch.int64).contiguous(),
+            meta.block_tables.to(torch.int32).contiguous(),
+            meta.seq_lens.to(torch.int32).contiguous(),
+        )
+        meta.__dict__["cpu_attn_operands"] = operands
+    return operands
+
+
+def kv_args(operands: tuple[torch.Tensor, ...], num_blocks: int) -> list[int]:
+    """The C calls' arguments from pos to num_blocks (gated_attn_layer_decode's order) for attn_operands(...)."""
+    pos, slots, tables, lens = operands
+    return [pos.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), num_blocks]
+
+
 class GatedAttnLayerKernel:
     """One layer's filled descriptor (with the tensors it points into) and its workspace."""
 
@@ -111,16 +132,6 @@ class GatedAttnLayerKernel:
             self.workspace = torch.empty(need)
         h = h.contiguous()
         residual = None if residual is None else residual.contiguous()
-        operands = meta.__dict__.get("cpu_attn_operands")  # the same for the model's every attention layer
-        if operands is None:
-            operands = (
-                positions.to(torch.int64).contiguous(),
-                meta.slot_mapping.to(torch.int64).contiguous(),
-                meta.block_tables.to(torch.int32).contiguous(),
-                meta.seq_lens.to(torch.int32).contiguous(),
-            )
-            meta.__dict__["cpu_attn_operands"] = operands
-        pos, slots, tables, lens = operands
         out, res_out = torch.empty_like(h), torch.empty_like(h)
         where = ops.KVWhere()
         rc = lib.gated_attn_layer_decode(
@@ -130,12 +141,7 @@ class GatedAttnLayerKernel:
             res_out.data_ptr(),
             out.data_ptr(),
             m,
-            pos.data_ptr(),
-            slots.data_ptr(),
-            tables.data_ptr(),
-            tables.stride(0),
-            lens.data_ptr(),
-            self.num_blocks,
+            *kv_args(attn_operands(positions, meta), self.num_blocks),
             self.workspace.data_ptr(),
             library.num_threads(),
             where,

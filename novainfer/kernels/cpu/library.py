@@ -35,6 +35,7 @@ _SOURCES = [
     "gemma4_stack_cpu.c",
     "gdn_layer_cpu.c",
     "gated_attn_layer_cpu.c",
+    "hybrid_stack_cpu.c",
     "repack_panels_cpu.c",
     "gated_delta_cpu.c",
     "gated_delta_prefill_cpu.c",

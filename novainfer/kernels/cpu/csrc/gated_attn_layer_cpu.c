@@ -12,7 +12,7 @@
 #include "stack_cpu.h"
 
 /* Everything the layer reads; the layout matches GatedAttnLayerDesc in kernels/cpu/gated_attn_layer.py. */
-typedef struct {
+typedef struct gated_attn_layer {
     const float *input_norm, *post_norm, *q_norm, *k_norm;  /* weights 1 + w (offset norms) */
     float input_eps, post_eps, qk_eps, scale;
     qlinear qkv, o, gate_up, down;
@@ -42,16 +42,27 @@ static void rotate(float *x, const float *c, const float *s, int rot) {
  * residual, out [M, H] the MLP's output. pos/slots [M] int64; block_tables [M, bt_stride] and seq_lens [M] int32:
  * one query per sequence over a cache of num_blocks blocks. ws: gated_attn_layer_workspace(d, M) floats. Returns
  * STACK_OK or an error code; the KV indices are checked before anything is written (where: the offender). */
-int gated_attn_layer_decode(const gated_attn_layer *d, const float *h, const float *res, float *res_out, float *out,
-                            int M, const int64_t *pos, const int64_t *slots, const int32_t *block_tables,
-                            int bt_stride, const int32_t *seq_lens, int num_blocks, float *ws, int nthreads,
-                            int *where) {
-    const int H = d->qkv.K, D = d->D, qs = d->nh * D, kvs = d->nkv * D, W = d->qkv.N;
+/* A decode step's KV slots, block tables and positions against the layer's cache and rotary table: STACK_OK, or the
+ * error (and where). hybrid_stack_cpu.c checks them once before its first layer, so that a bad index stops the
+ * step before any DeltaNet state has moved. */
+int gated_attn_layer_check(const gated_attn_layer *d, int M, const int64_t *pos, const int64_t *slots,
+                           const int32_t *block_tables, int bt_stride, const int32_t *seq_lens, int num_blocks,
+                           int *where) {
     int rc = check_kv_slots(slots, M, (int64_t)num_blocks * d->block_size, where);
     if (!rc) rc = check_block_tables(block_tables, bt_stride, seq_lens, M, d->block_size, num_blocks, where);
     if (rc) return kv_error(rc);
     for (int m = 0; m < M; m++)
         if (pos[m] < 0 || pos[m] >= d->max_pos) return STACK_BAD_POSITION;
+    return STACK_OK;
+}
+
+int gated_attn_layer_decode(const gated_attn_layer *d, const float *h, const float *res, float *res_out, float *out,
+                            int M, const int64_t *pos, const int64_t *slots, const int32_t *block_tables,
+                            int bt_stride, const int32_t *seq_lens, int num_blocks, float *ws, int nthreads,
+                            int *where) {
+    const int H = d->qkv.K, D = d->D, qs = d->nh * D, kvs = d->nkv * D, W = d->qkv.N;
+    int rc = gated_attn_layer_check(d, M, pos, slots, block_tables, bt_stride, seq_lens, num_blocks, where);
+    if (rc) return rc;
     float *normed = ws, *mixed = normed + (size_t)M * H, *qkvg = mixed + (size_t)M * H;
     float *q = qkvg + (size_t)M * W, *k = q + (size_t)M * qs, *v = k + (size_t)M * kvs, *attn = v + (size_t)M * kvs;
     add_rms_norm(h, res, res ? res_out : NULL, d->input_norm, d->input_eps, normed, M, H, nthreads);

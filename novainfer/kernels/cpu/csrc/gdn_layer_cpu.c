@@ -13,7 +13,7 @@
 #include "stack_cpu.h"
 
 /* Everything the layer reads; the layout matches GDNLayerDesc in kernels/cpu/gdn_layer.py. */
-typedef struct {
+typedef struct gdn_layer {
     qlinear in_qkv, in_z, in_b, in_a, out;
     const float *b_dense, *a_dense;  /* [nv, H] float32 where the file keeps in_b / in_a unquantized, else NULL */
     const float *input_norm, *post_norm;  /* the decoder layer's (weights 1 + w), NULL for the mixer alone */

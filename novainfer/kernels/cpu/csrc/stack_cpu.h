@@ -1,9 +1,11 @@
-/* What the whole-stack decode kernels share (decoder_stack_cpu.c, gemma4_stack_cpu.c): a quantized linear layer's
- * descriptor and call, and their error codes. Header-only, static inline. */
+/* What the whole-stack decode kernels share (decoder_stack_cpu.c, gemma4_stack_cpu.c, hybrid_stack_cpu.c): a quantized
+ * linear layer's descriptor and call (static inline), their error codes, and the Qwen3.5 layer calls the hybrid stack
+ * chains. */
 #ifndef NOVAINFER_STACK_CPU_H
 #define NOVAINFER_STACK_CPU_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "cpu_kernels.h"
 #include "panel_cpu.h"
@@ -35,5 +37,20 @@ static inline int linear(const qlinear *l, const float *x, int M, float *y, int 
             for (int n = 0; n < l->N; n++) y[(size_t)m * l->N + n] += l->bias[n];
     return STACK_OK;
 }
+
+/* Qwen3.5's two decoder layers (gdn_layer_cpu.c, gated_attn_layer_cpu.c), which hybrid_stack_cpu.c chains. */
+struct gdn_layer;
+struct gated_attn_layer;
+size_t gdn_layer_workspace(const struct gdn_layer *d, int M);
+int gdn_layer_decode(const struct gdn_layer *d, const float *h, const float *res, float *res_out, float *out, int M,
+                     const int64_t *slots, const uint8_t *continues, float *ws, int nthreads);
+size_t gated_attn_layer_workspace(const struct gated_attn_layer *d, int M);
+int gated_attn_layer_check(const struct gated_attn_layer *d, int M, const int64_t *pos, const int64_t *slots,
+                           const int32_t *block_tables, int bt_stride, const int32_t *seq_lens, int num_blocks,
+                           int *where);
+int gated_attn_layer_decode(const struct gated_attn_layer *d, const float *h, const float *res, float *res_out,
+                            float *out, int M, const int64_t *pos, const int64_t *slots, const int32_t *block_tables,
+                            int bt_stride, const int32_t *seq_lens, int num_blocks, float *ws, int nthreads,
+                            int *where);
 
 #endif
