@@ -1,7 +1,7 @@
 /* A Qwen3.5 / Qwen3-Next CPU decode step's whole decoder stack in one call (models/qwen3_5.py's hybrid layers): each
  * Gated DeltaNet layer through gdn_layer_decode (gdn_layer_cpu.c), each gated-attention layer through
  * gated_attn_layer_decode (gated_attn_layer_cpu.c), in order. The same kernels as one C call a layer, so the hidden
- * states are those to the bit; what it saves is each layer's Python-level dispatch (~70 us a layer on a 2-core Zen 4,
+ * states are those to the bit; what it saves is each layer's Python-level dispatch (~70 us a layer on a 2-core Zen 5,
  * 1.7 ms of Qwen3.5-0.8B's 17.8 ms step). The KV indices and positions are checked before the first layer, so a bad
  * one stops the step before any DeltaNet state moves. Wrapper: kernels/cpu/hybrid_stack.py. */
 #include <stdint.h>
