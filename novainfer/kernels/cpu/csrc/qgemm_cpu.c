@@ -128,8 +128,9 @@ static void panel_rows(const gemm_job *j, int panel) {
     }
 }
 
-static void gemm_chunk(void *arg, int chunk) {
+static void gemm_chunk(void *arg, int claim) {
     gemm_job *j = arg;  /* chunk c: panels [c * P / nchunks, (c + 1) * P / nchunks) */
+    const int chunk = pool_chunk_order(claim, j->nchunks, j->nthreads);
     const int p0 = (int)((long)chunk * j->npanels / j->nchunks), p1 = (int)((long)(chunk + 1) * j->npanels / j->nchunks);
     for (int p = p0; p < p1; p++) {
         if (j->avx512) few_rows_avx512(j, p);
@@ -163,6 +164,7 @@ static int run_gemm(gemm_job *j, const float *x, int nthreads) {
         const int c = num_chunks(j->N, nthreads);
         j->nchunks = j->npanels < c ? j->npanels : c;
         atomic_store(&j->failed, 0);
+        j->nthreads = nthreads;
         pool_run(gemm_chunk, j, j->nchunks, nthreads);
         rc = atomic_load(&j->failed) ? -1 : 0;
     }

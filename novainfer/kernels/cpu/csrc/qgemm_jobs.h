@@ -17,7 +17,7 @@
 
 typedef struct {
     const int16_t *xq; const float *dxT, *xsum; int M, K, G, N, ng, ngp, mp;
-    const void *w; const void *scales, *zeros; int has_zeros, quant, scale_fmt, npanels, nchunks, avx512;
+    const void *w; const void *scales, *zeros; int has_zeros, quant, scale_fmt, npanels, nchunks, avx512, nthreads;
     _Atomic int failed;
     float *y;
 } gemm_job;
