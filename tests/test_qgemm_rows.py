@@ -54,3 +54,23 @@ def test_a_row_gives_the_same_bits_alone_or_in_any_batch(qtype, k, threads):
                 )
     finally:
         library.set_num_threads(None)
+
+
+@pytest.mark.parametrize("n", [112, 336, 533])  # 3, 10 and 16 chunks on two threads, the last of 34 panels
+def test_chunks_dealt_to_two_threads_cover_every_row_once(n):
+    """The few-row GEMV deals its chunks so that each thread walks a contiguous run (cpu_pool.h's
+    pool_chunk_order), for chunk counts that do and do not divide over the threads: every output row computed,
+    once, with the bits of the one-thread run and within the bound of dequantize-then-matmul."""
+    qtype, k = T.Q4_1, 256
+    blocks = random_blocks(qtype, n, k)
+    w = repack(blocks, qtype, (n, k))
+    ref_w = torch.from_numpy(dequantize(blocks, qtype).reshape(n, k).astype(np.float32))
+    x = torch.randn(1, k)
+    library.set_num_threads(1)
+    try:
+        one = qgemm.quant_gemm(x, w)
+        library.set_num_threads(2)
+        two = qgemm.quant_gemm(x, w)
+    finally:
+        library.set_num_threads(None)
+    assert torch.equal(one, two) and _within_bound(x, ref_w, two)
