@@ -29,34 +29,47 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+class WideConfig(Config):
+    """1,152 conv channels: the decode conv in two tasks (csrc's CONV_CHANNELS 1,024), the second partial."""
+
+    linear_key_head_dim, linear_value_head_dim = 128, 160
+
+
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
-def test_c_decode_step_equals_torch(isa, monkeypatch):
+@pytest.mark.parametrize("config,threads", [(Config, 1), (WideConfig, 2)], ids=["narrow", "wide-2-threads"])
+def test_c_decode_step_equals_torch(isa, config, threads, monkeypatch):
+    from novainfer.kernels.cpu import library
+
     if gated_delta_cpu.set_isa(isa) != isa:
         pytest.skip(f"this CPU has no {isa}")
     torch.manual_seed(0)
-    layer = GatedDeltaNet(Config())
+    layer = GatedDeltaNet(config())
     for p in layer.parameters():
         p.data.normal_(0, 0.3)
     conv0 = torch.randn(5, *layer.state_shapes()[0])
-    ssm0 = torch.randn(5, 4, 16, 32) * 0.3
+    ssm0 = torch.randn(5, *layer.state_shapes()[1]) * 0.3
     x = torch.randn(3, 48)
-    # slots 3 and 0 continue (seq_lens > 1); slot 1 starts a one-token prompt over stale state
-    args = (x, [1, 1, 1], [9, 1, 4], [3, 1, 0])
-    results = {}
-    for path in ("c", "torch"):
-        layer.conv_state, layer.ssm_state = conv0.clone(), ssm0.clone()
-        if path == "torch":
-            monkeypatch.setattr(gated_delta_cpu, "usable", lambda *a: False)
-        calls: list[int] = []
-        real = linear_attention.gated_delta_cpu.decode_step
-        monkeypatch.setattr(
-            linear_attention.gated_delta_cpu,
-            "decode_step",
-            lambda *a, calls=calls, real=real: calls.append(1) or real(*a),
-        )
-        results[path] = (run(layer, *args), layer.conv_state.clone(), layer.ssm_state.clone())
-        assert len(calls) == (path == "c")
-    gated_delta_cpu.set_isa("auto")
+    library.set_num_threads(threads)
+    try:
+        # slots 3 and 0 continue (seq_lens > 1); slot 1 starts a one-token prompt over stale state
+        args = (x, [1, 1, 1], [9, 1, 4], [3, 1, 0])
+        results = {}
+        for path in ("c", "torch"):
+            layer.conv_state, layer.ssm_state = conv0.clone(), ssm0.clone()
+            if path == "torch":
+                monkeypatch.setattr(gated_delta_cpu, "usable", lambda *a: False)
+            calls: list[int] = []
+            real = linear_attention.gated_delta_cpu.decode_step
+            monkeypatch.setattr(
+                linear_attention.gated_delta_cpu,
+                "decode_step",
+                lambda *a, calls=calls, real=real: calls.append(1) or real(*a),
+            )
+            results[path] = (run(layer, *args), layer.conv_state.clone(), layer.ssm_state.clone())
+            assert len(calls) == (path == "c")
+    finally:
+        gated_delta_cpu.set_isa("auto")
+        library.set_num_threads(None)
     for got, want in zip(results["c"], results["torch"]):
         assert relative(got, want) < 1e-5
     assert torch.equal(results["c"][1][[2, 4]], conv0[[2, 4]])  # other slots untouched
