@@ -1,77 +1,36 @@
-"""Lab (session 21): the Python around each Qwen3.5 layer's C call, from wrappers around the layer forward and the C entry points."""
+"""Lab (session 21): the Python around each Qwen3.5 layer's C call, from wrappers around the layer forward and the C
+entry points. python q35_overhead.py <Qwen3.5 Q4_K_M GGUF>"""
 
-import os
 import sys
-import time
-import collections
-import random
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), *[".."] * 4))
-from novainfer import LLM, SamplingParams
-from novainfer.kernels.cpu import gdn_layer, gated_attn_layer
+import labtime as lt
+
+from novainfer import LLM
+from novainfer.kernels.cpu import gated_attn_layer, gdn_layer
 from novainfer.models import llama, qwen3_5
-
-acc = collections.defaultdict(float)
-cnt = collections.Counter()
-
-
-def wrap(obj, name, key):
-    f = getattr(obj, name)
-
-    def g(*a, **k):
-        t = time.perf_counter()
-        r = f(*a, **k)
-        acc[key] += time.perf_counter() - t
-        cnt[key] += 1
-        return r
-
-    setattr(obj, name, g)
+from novainfer.worker import cpu_hybrid_stack
 
 
 class LibProxy:
+    """A ctypes library whose two layer entry points are timed."""
+
     def __init__(self, lib):
         self._lib = lib
 
     def __getattr__(self, n):
         f = getattr(self._lib, n)
-        if n in ("gdn_layer_decode", "gated_attn_layer_decode"):
-
-            def g(*a):
-                t = time.perf_counter()
-                r = f(*a)
-                acc["C:" + n] += time.perf_counter() - t
-                cnt["C:" + n] += 1
-                return r
-
-            return g
-        return f
+        return lt.timed(f, "C:" + n) if n in ("gdn_layer_decode", "gated_attn_layer_decode") else f
 
 
 for mod in (gdn_layer, gated_attn_layer):
-    lib = mod._lib()
-    proxy = LibProxy(lib)
+    proxy = LibProxy(mod._lib())
     mod._lib = lambda p=proxy: p
-wrap(qwen3_5.HybridDecoderLayer, "forward", "layer.forward")
-for c in list(vars(qwen3_5).values()):
-    pass
-
-wrap(llama.LlamaModel, "forward", "model.forward")
+cpu_hybrid_stack.CPUHybridStack.forward = lambda self, *a: None  # the one-call-a-layer path it replaced
+lt.wrap(qwen3_5.HybridDecoderLayer, "forward", "layer.forward")
+lt.wrap(llama.LlamaModel, "forward", "model.forward")
 llm = LLM(sys.argv[1])
-
-
-def run(n):
-    p = [random.randrange(1000, 200000) for _ in range(16)]
-    t = time.perf_counter()
-    llm.generate(
-        [{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False
-    )
-    return time.perf_counter() - t
-
-
-run(8)
-acc.clear()
-cnt.clear()
-T = run(129)
+lt.generate_s(llm, 8)
+lt.reset()
+T = lt.generate_s(llm, 129)
 print(f"total {T / 128 * 1e3:.2f} ms/step")
-for k in acc:
-    print(f"{k:28s} {acc[k] * 1e3 / 128:.3f} ms/step  calls/step {cnt[k] / 129:.1f}")
+lt.report(128, 129)
