@@ -27,6 +27,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--rounds", type=int, default=1, help="profile this many workloads back to back, each fresh")
+    ap.add_argument("--sort", nargs="+", default=["tottime"], help="pstats orders to print (tottime, cumulative)")
     ap.add_argument("--torch-profiler", action="store_true", help="torch.profiler (host + device) instead of cProfile")
     ap.add_argument("--quantization", default=None, choices=["fp8"], help="fp8: vLLM's dynamic FP8 linear layers")
     args = ap.parse_args()
@@ -39,10 +41,12 @@ def main() -> None:
         quantization=args.quantization,
     )
     vocab = llm.llm_engine.config.model_config.hf_config.vocab_size
-    prompts, outs = make_workload(args.num_prompts, args.input_len, args.output_len, vocab, 0)
+    # one more workload than the rounds: the first warms up; fresh prompts each round (no prefix-cache hits)
+    prompts, outs = make_workload(args.num_prompts * (args.rounds + 1), args.input_len, args.output_len, vocab, 0)
     inputs = [{"prompt_token_ids": p} for p in prompts]
+    warm, inputs = inputs[: args.num_prompts], inputs[args.num_prompts :]
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.output_len)
-    llm.generate(inputs[:2], params, use_tqdm=False)
+    llm.generate(warm, params, use_tqdm=False)
     engine = llm.llm_engine
     steps0 = engine.step_id
     sync()
@@ -52,7 +56,7 @@ def main() -> None:
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             t0 = time.perf_counter()
-            llm.generate(inputs, params, use_tqdm=False)
+            llm.generate(inputs[: args.num_prompts], params, use_tqdm=False)
             sync()
             elapsed = time.perf_counter() - t0
         steps = engine.step_id - steps0
@@ -69,16 +73,19 @@ def main() -> None:
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
-    llm.generate(inputs, params, use_tqdm=False)
+    for r in range(args.rounds):
+        llm.generate(inputs[r * args.num_prompts : (r + 1) * args.num_prompts], params, use_tqdm=False)
+        sync()
     prof.disable()
     sync()
     elapsed = time.perf_counter() - t0
     steps = engine.step_id - steps0
     print(
         f"{steps} steps, {elapsed / steps * 1e3:.2f} ms/step under cProfile, "
-        f"{args.num_prompts * args.output_len / elapsed:,.0f} output tok/s"
+        f"{args.rounds * args.num_prompts * args.output_len / elapsed:,.0f} output tok/s"
     )
-    pstats.Stats(prof).sort_stats("tottime").print_stats(args.top)
+    for key in args.sort:
+        pstats.Stats(prof).sort_stats(key).print_stats(args.top)
 
 
 if __name__ == "__main__":
