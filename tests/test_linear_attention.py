@@ -159,6 +159,28 @@ def test_triton_path_matches_torch_path():
         torch.testing.assert_close(triton_layer.ssm_state, torch_layer.ssm_state, atol=1e-4, rtol=1e-4)
 
 
+def test_prefill_index_built_once_a_step(monkeypatch):
+    """Two DeltaNet layers on one step's metadata (a save splits sequence 0 into two waves): the kernels' token
+    and chunk index is built once per wave, not per layer, and both layers still give the torch path's outputs."""
+    import novainfer.layers.linear_attention as la
+
+    built = []
+    real = la.packed_index
+    monkeypatch.setattr(la, "packed_index", lambda cu, tokens: built.append(tokens) or real(cu, tokens))
+    x = torch.randn(11, 32, generator=torch.Generator().manual_seed(4))
+    lens, seq_lens, slots, saves = [7, 4], [7, 4], [0, 1], {0: (5, 2)}
+    ref_layers = [tiny_layer(9 + i, 3) for i in range(2)]
+    ours = [tiny_layer(9 + i, 3) for i in range(2)]
+    meta = step_metadata(ours[0], lens, seq_lens, slots, None, saves)
+    ref_meta = step_metadata(ref_layers[0], lens, seq_lens, slots, None, saves)
+    for ref_layer, layer in zip(ref_layers, ours):
+        out = layer.mix(*project(layer, x), meta, use_triton=True).float()
+        ref = ref_layer.mix(*project(ref_layer, x), ref_meta, use_triton=False).float()
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(layer.ssm_state, ref_layer.ssm_state, atol=1e-4, rtol=1e-4)
+    assert built == [9, 2]  # wave 1: sequence 0's first 5 tokens and sequence 1; wave 2: sequence 0's last 2
+
+
 def test_graph_decode_inputs_pad_state_slots():
     """A decode graph's static inputs carry the slots; the rows padded up to the captured batch size get slot -1,
     which the kernels neither read nor write: the real rows and every slot equal the torch path's."""

@@ -23,6 +23,7 @@ Each public function runs the Triton kernel on CUDA tensors and the torch refere
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -512,11 +513,27 @@ def _chunk_scan_kernel(
     tl.store(s_ptrs, h.to(state_ptr.dtype.element_ty), mask=mask_kv)
 
 
-def _chunk_table(cu_seqlens: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(start, end) token of every chunk of every sequence, padded with empty chunks to tokens // C + N entries
-    (a bound known without reading cu_seqlens back to the host)."""
+@dataclass(frozen=True)
+class PackedIndex:
+    """Where each token and each 64-token chunk of packed sequences lies (from cu_seqlens, on the device): the same
+    for every DeltaNet layer of a step, so a prefill builds it once (layers/linear_attention.py keeps it on the step's
+    wave) instead of ~20 small kernels a layer. chunk_start / chunk_end are padded with empty chunks to
+    tokens // CHUNK + sequences entries, a bound known without reading cu_seqlens back to the host."""
+
+    seq_of_token: torch.Tensor  # [tokens] int64: the sequence each token belongs to
+    chunk_start: torch.Tensor  # [tokens // CHUNK + sequences] int32
+    chunk_end: torch.Tensor
+
+
+def _seq_of_token(cu: torch.Tensor, tokens: int) -> torch.Tensor:
+    return torch.searchsorted(cu[1:].long(), torch.arange(tokens, device=cu.device), right=True)
+
+
+def packed_index(cu_seqlens: torch.Tensor, tokens: int) -> PackedIndex:
+    """The PackedIndex of `tokens` tokens packed as cu_seqlens says."""
     cu = cu_seqlens.long()
     seqs = cu.numel() - 1
+    seq_of_token = _seq_of_token(cu, tokens)
     lens = cu[1:] - cu[:-1]
     counts = (lens + CHUNK - 1) // CHUNK
     ends = counts.cumsum(0)
@@ -526,7 +543,7 @@ def _chunk_table(cu_seqlens: torch.Tensor, tokens: int) -> tuple[torch.Tensor, t
     seq = seq.clamp(max=seqs - 1)
     start = cu[seq] + (idx - (ends[seq] - counts[seq])) * CHUNK
     end = torch.minimum(start + CHUNK, cu[seq + 1])
-    return torch.where(real, start, 0).int(), torch.where(real, end, 0).int()
+    return PackedIndex(seq_of_token, torch.where(real, start, 0).int(), torch.where(real, end, 0).int())
 
 
 def chunk_gated_delta_rule_triton(
@@ -540,8 +557,10 @@ def chunk_gated_delta_rule_triton(
     cu_seqlens: torch.Tensor,
     use_qk_l2norm: bool = True,
     scale: float | None = None,
+    index: PackedIndex | None = None,
 ) -> torch.Tensor:
-    """Triton chunk_gated_delta_rule: a parallel pass over all chunks (WY pairs), then a scan per sequence."""
+    """Triton chunk_gated_delta_rule: a parallel pass over all chunks (WY pairs), then a scan per sequence (index:
+    packed_index(cu_seqlens, tokens), where the caller keeps one for several layers)."""
     _check_shapes(q, k, v, g, beta, state)
     q, k, v, g, beta = (_rows(x) for x in (q, k, v, g, beta))
     tokens, hk, dk = k.shape
@@ -554,7 +573,8 @@ def chunk_gated_delta_rule_triton(
     u = torch.empty(tokens, hv, dv, dtype=torch.float32, device=q.device)
     gc = torch.empty(tokens, hv, dtype=torch.float32, device=q.device)
     bk, precision = triton.next_power_of_2(dk), "ieee" if q.dtype == torch.float32 else "tf32"
-    chunk_start, chunk_end = _chunk_table(cu_seqlens, tokens)
+    index = index or packed_index(cu_seqlens, tokens)
+    chunk_start, chunk_end = index.chunk_start, index.chunk_end
     _chunk_prepare_kernel[(chunk_start.numel(), hv)](
         k,
         v,
@@ -715,9 +735,10 @@ def causal_conv1d_triton(
     slots: torch.Tensor,
     cu_seqlens: torch.Tensor,
     activation: str | None = "silu",
+    index: PackedIndex | None = None,
 ) -> torch.Tensor:
     """Triton causal_conv1d: the conv over all tokens, then each sequence's new conv state (a second launch, so no
-    program overwrites a state another still reads)."""
+    program overwrites a state another still reads); index: as chunk_gated_delta_rule_triton's."""
     _check_conv(x, weight, conv_state, activation)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -727,7 +748,7 @@ def causal_conv1d_triton(
     out = torch.empty(tokens, dim, dtype=x.dtype, device=x.device)
     if tokens == 0 or seqs == 0:
         return out
-    seq_of_token = torch.searchsorted(cu_seqlens[1:].long(), torch.arange(tokens, device=x.device), right=True)
+    seq_of_token = _seq_of_token(cu_seqlens, tokens) if index is None else index.seq_of_token
     bt, bd = 16, min(triton.next_power_of_2(dim), 256)
     _conv_kernel[(triton.cdiv(tokens, bt), triton.cdiv(dim, bd))](
         x,

@@ -27,6 +27,7 @@ from torch import nn
 from novainfer.attention.metadata import AttentionMetadata, get_attention_metadata
 from novainfer.distributed import get_tp_group, shard_dim
 from novainfer.kernels.gated_delta_rule import (
+    PackedIndex,
     causal_conv1d_torch,
     causal_conv1d_triton,
     causal_conv1d_update_torch,
@@ -35,6 +36,7 @@ from novainfer.kernels.gated_delta_rule import (
     chunk_gated_delta_rule_triton,
     fused_recurrent_gated_delta_rule_torch,
     fused_recurrent_gated_delta_rule_triton,
+    packed_index,
 )
 from novainfer.layers.linear import (
     ColumnParallelLinear,
@@ -87,6 +89,13 @@ class Wave:
     slots: torch.Tensor  # [runs] int64 on the device
     copies_before: list[tuple[int, int]]
     copies_after: list[tuple[int, int]]
+    index: PackedIndex | None = None  # the Triton kernels' token and chunk index, built by the first layer
+
+    def packed_index(self, tokens: int) -> PackedIndex:
+        """The wave's PackedIndex, built once for all DeltaNet layers of the step."""
+        if self.index is None:
+            self.index = packed_index(self.cu, tokens)
+        return self.index
 
 
 def wave_plan(meta: AttentionMetadata, state: StateSlotsMetadata, device: torch.device) -> list[Wave]:
@@ -360,12 +369,13 @@ class GatedDeltaNet(nn.Module):
         pool: torch.Tensor,
         slots: torch.Tensor,
         cu: torch.Tensor,
+        index: PackedIndex | None = None,
     ) -> torch.Tensor:
         """The chunked delta rule over packed sequences from and back into pool[slots]: fla's on CUDA when it
         imports (its states gathered and scattered), else ours in place; ours in float32 (fla's matmuls are TF32)."""
         fla = fla_chunk_rule() if q.is_cuda and q.dtype != torch.float32 else None
         if fla is None:
-            return chunk_gated_delta_rule_triton(q, k, v, g, beta, pool, slots, cu)
+            return chunk_gated_delta_rule_triton(q, k, v, g, beta, pool, slots, cu, index=index)
         # q and k normalised here, not by fla: its L2-norm kernel autotunes again for every bucket of token counts
         from novainfer.kernels.fused_ops import l2_norm_heads_
 
@@ -395,11 +405,13 @@ class GatedDeltaNet(nn.Module):
         slots: torch.Tensor,
         cu: torch.Tensor,
         use_triton: bool,
+        index: PackedIndex | None = None,
     ) -> torch.Tensor:
-        """Conv and chunked rule over packed runs of tokens, each from and back into its slot of the pools."""
+        """Conv and chunked rule over packed runs of tokens, each from and back into its slot of the pools (index:
+        the Triton kernels' PackedIndex of cu)."""
         if use_triton:
-            conv = causal_conv1d_triton(x, self.conv1d.weight[:, 0], None, conv_pool, slots, cu)
-            return self._chunk_rule(*self._split(conv), g, beta, ssm_pool, slots, cu)
+            conv = causal_conv1d_triton(x, self.conv1d.weight[:, 0], None, conv_pool, slots, cu, index=index)
+            return self._chunk_rule(*self._split(conv), g, beta, ssm_pool, slots, cu, index)
         if gated_delta_cpu.usable(x, conv_pool, ssm_pool):
             return gated_delta_cpu.prefill(
                 x, conv_pool, ssm_pool, slots, cu, self.conv1d.weight, g, beta, self.num_k_heads, self.head_k_dim
@@ -426,7 +438,8 @@ class GatedDeltaNet(nn.Module):
                 self._copy_state(src, dst)
             idx = wave.rows
             x, gw, bw = (mixed, g, beta) if idx is None else (mixed[idx], g[idx], beta[idx])
-            o = self._run(x, gw, bw, conv_pool, ssm_pool, wave.slots, wave.cu, use_triton)
+            index = wave.packed_index(x.shape[0]) if use_triton else None
+            o = self._run(x, gw, bw, conv_pool, ssm_pool, wave.slots, wave.cu, use_triton, index)
             if idx is None:
                 out = o
             else:
