@@ -3,8 +3,10 @@
 # H200, where the 9B's short-prompt prefill step spends its host time, and one INT4 GEMV experiment.
 # 1. Qwen3.5-9B batch-1 decode, twice (latency.py, 3 repeats each; no H200 figure since `61aa818`: 72.9%);
 # 2. the INT4 decode GEMV with its loads one K step ahead (int4_gemv_prefetch.py) against the package's, same call;
-# 3. cProfile of five 512-token prefills one at a time (profile_step.py --rounds 5), by own and cumulative time.
-# Six files come back (the limit is 8): gpu.txt, lat1/2.log, int4_base/prefetch.log, prof.log.
+# 3. 4-bit weights dequantized slice by slice into an L2-resident scratch before cuBLAS (l2_sliced.py) against
+#    today's whole-weight dequantization and bf16, 7B layers at 32 / 128 / 256 rows, INT4 and Q4_K;
+# 4. cProfile of five 512-token prefills one at a time (profile_step.py --rounds 5), by own and cumulative time.
+# Seven files come back (the limit is 8): gpu.txt, lat1/2.log, int4_base/prefetch.log, l2_sliced.log, prof.log.
 # $OUT set; .whl/ holds py3.12 wheels of msgspec, pyzmq, gguf and xxhash.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -26,7 +28,11 @@ timeout 150 python3 benchmarks/tuning/int4_gemv_tiles.py --rows 1 \
 echo "int4 prefetch rc=$?"
 grep -E "m=1|total" $OUT/int4_prefetch.log | cut -c1-150
 t0=$SECONDS
+timeout 240 python3 docs/bench/2026-12-07/s22/l2_sliced.py --rows 32 128 256 --iters 5 > $OUT/l2_sliced.log 2>&1
+echo "l2_sliced rc=$? $((SECONDS - t0)) s"
+grep -E "^\||worst" $OUT/l2_sliced.log | cut -c1-240
+t0=$SECONDS
 timeout 240 python3 benchmarks/tuning/profile_step.py --model random:qwen3.5-9b --num-prompts 1 --input-len 512 \
   --output-len 1 --rounds 5 --top 30 --sort tottime cumulative > $OUT/prof.log 2>&1
 echo "prof rc=$? $((SECONDS - t0)) s"
-grep -v -i "warn\|Loading" $OUT/prof.log | cut -c1-150 | tail -n 75
+grep -v -i "warn\|Loading" $OUT/prof.log | cut -c1-150 | tail -n 40
