@@ -75,7 +75,8 @@ def main() -> None:
         sum(math.exp(lp) * (lp - b.get(t, min(b.values()))) for t, lp in a.items()) for a, b in zip(ref, got)
     ) / len(ref)
     print(f"model {args.model}, {len(seqs)} windows x {args.length} tokens of docs/*.md, {len(ref)} positions")
-    print(f"kv {args.kv_cache_dtype} vs {args.reference} KV: top-1 agreement {agree:.2%}, mean KL (top-{args.top}) {kl:.5f}")
+    vs = f"kv {args.kv_cache_dtype} vs {args.reference} KV"
+    print(f"{vs}: top-1 agreement {agree:.2%}, mean KL (top-{args.top}) {kl:.5f}")
 
 
 if __name__ == "__main__":
