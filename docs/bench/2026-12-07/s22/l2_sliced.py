@@ -99,19 +99,25 @@ def main() -> None:
     g = torch.Generator(device=device).manual_seed(0)
     rng = np.random.default_rng(0)
     start, worst = time.time(), 0.0
-    print("| layer | format | rows | bf16 (us) | whole (us) | " + " | ".join(f"sliced {m} MB" for m in slice_mb) + " |")
+    print(
+        "| layer | format | rows | bf16 (us) | the package's path (us) | whole (us) | "
+        + " | ".join(f"sliced {m} MB" for m in slice_mb)
+        + " |"
+    )
     for name, k, n in shapes:
         ops = Operands(k, n, device, g)
         for fmt in args.formats:
             if fmt == "int4":
                 copies = [ops.copy("int4", i) for i in range(1 if args.tiny else 8)]
                 dequants = [int4_rows(*c) for c in copies]
+                packaged = [lambda x, c=c: int4_gemm.int4_linear(x, *c, GROUP) for c in copies]
                 wf = dequantize_int4(ops.q4, ops.s4, ops.z4, GROUP).float().t()  # [K, N] -> [N, K]
                 qbytes = ops.q4.nbytes + ops.s4.nbytes + ops.z4.nbytes
             else:
                 w, _ = random_weight(fmt, n, k, device, rng)
                 copies = [w] + [w.map(torch.clone, n) for _ in range(0 if args.tiny else 7)]
                 dequants = [gguf_rows(c) for c in copies]
+                packaged = [lambda x, c=c: gguf_gemm.gguf_matmul(x, [c]) for c in copies]
                 wf = gguf_gemm.dequantize(w).float()
                 qbytes = w.nbytes()
             dense = torch.empty((n, k), dtype=dtype, device=device)
@@ -120,7 +126,8 @@ def main() -> None:
                 ref = x.float() @ wf.t()
                 bf16 = device_us(lambda i: lambda w=ops.copy("bf16", i)[0]: torch.nn.functional.linear(x, w),
                                  2 * n * k, device, args.iters)  # fmt: skip
-                err = rel(whole(x, n, dequants[0], dense).float(), ref)
+                err = max(rel(whole(x, n, dequants[0], dense).float(), ref), rel(packaged[0](x).float(), ref))
+                t_pkg = device_us(lambda i: lambda: packaged[i % len(packaged)](x), qbytes, device, args.iters)
                 t_whole = device_us(lambda i: lambda: whole(x, n, dequants[i % len(dequants)], dense), qbytes, device,
                                     args.iters)  # fmt: skip
                 cells = []
@@ -133,9 +140,8 @@ def main() -> None:
                                    qbytes, device, args.iters)  # fmt: skip
                     cells.append(f"{us:8.1f} ({bf16 / us:.2f}x, {r} rows, rel {e:.1e})")
                 print(
-                    f"| {name} | {fmt} | {m} | {bf16:8.1f} | {t_whole:8.1f} ({bf16 / t_whole:.2f}x) | "
-                    + " | ".join(cells)
-                    + " |",
+                    f"| {name} | {fmt} | {m} | {bf16:8.1f} | {t_pkg:8.1f} ({bf16 / t_pkg:.2f}x) | "
+                    f"{t_whole:8.1f} ({bf16 / t_whole:.2f}x) | " + " | ".join(cells) + " |",
                     flush=True,
                 )
     print(f"worst rel err {worst:.1e} (bound 1e-2); total {time.time() - start:.0f} s")
