@@ -2,7 +2,7 @@
 # Session 22's GPU call (needs_h200), not run in session 22 (no device was lent): issue 33's batch-1 target on an
 # H200, where the 9B's short-prompt prefill step spends its host time, and one INT4 GEMV experiment.
 # 1. Qwen3.5-9B batch-1 decode, twice (latency.py, 3 repeats each; no H200 figure since `61aa818`: 72.9%);
-# 2. the INT4 decode GEMV with its loads one K step ahead (int4_gemv_prefetch.py) against the package's, same call;
+# 2. the INT4 decode GEMV with its loads one K step ahead (int4_gemv_prefetch.patch) against the package's, same call;
 # 3. 4-bit weights dequantized slice by slice into an L2-resident scratch before cuBLAS (l2_sliced.py) against
 #    today's whole-weight dequantization and bf16, 7B layers at 32 / 128 / 256 rows, INT4 and Q4_K;
 # 4. cProfile of five 512-token prefills one at a time (profile_step.py --rounds 5), by own and cumulative time.
@@ -23,8 +23,10 @@ t0=$SECONDS
 timeout 150 python3 benchmarks/tuning/int4_gemv_tiles.py --rows 1 > $OUT/int4_base.log 2>&1
 echo "int4 base rc=$? $((SECONDS - t0)) s"
 grep -E "m=1|total" $OUT/int4_base.log | cut -c1-150
+# the stand-in: the package's kernels file with int4_gemv_prefetch.patch applied (no copy kept in the lab)
+patch -s -o /tmp/int4_gemv_prefetch.py novainfer/kernels/int4_gemm.py docs/bench/2026-12-07/s22/int4_gemv_prefetch.patch
 timeout 150 python3 benchmarks/tuning/int4_gemv_tiles.py --rows 1 \
-  --kernels docs/bench/2026-12-07/s22/int4_gemv_prefetch.py > $OUT/int4_prefetch.log 2>&1
+  --kernels /tmp/int4_gemv_prefetch.py > $OUT/int4_prefetch.log 2>&1
 echo "int4 prefetch rc=$?"
 grep -E "m=1|total" $OUT/int4_prefetch.log | cut -c1-150
 t0=$SECONDS
