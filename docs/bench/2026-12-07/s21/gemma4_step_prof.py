@@ -24,10 +24,7 @@ for mod in (llama, gemma4):
             lt.wrap(c, "compute_logits", "logits:" + c.__name__)
 llm = LLM(sys.argv[1])
 lt.generate_s(llm, 4)
-lt.reset()
-T = lt.generate_s(llm, 65)
-print(f"step {T / 64 * 1e3:.2f} ms")
-lt.report(64, 65)
+lt.step_report(llm, 64)
 model = next(o for o in gc.get_objects() if isinstance(o, nn.Module) and type(o).__name__.endswith("ForCausalLM"))
 tot = collections.Counter()
 for name, m in model.named_modules():

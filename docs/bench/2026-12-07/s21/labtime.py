@@ -51,3 +51,11 @@ def report(steps: int, calls_per: int, width: int = 28):
     """Each key's ms a step and calls a step."""
     for k in acc:
         print(f"{k:{width}s} {acc[k] * 1e3 / steps:.3f} ms/step  calls/step {cnt[k] / calls_per:.2f}")
+
+
+def step_report(llm, steps: int) -> None:
+    """One greedy generate of steps + 1 tokens on a fresh prompt, timed afresh: ms a decode step, then report()."""
+    reset()
+    t = generate_s(llm, steps + 1)
+    print(f"step {t / steps * 1e3:.2f} ms")
+    report(steps, steps + 1)

@@ -16,7 +16,4 @@ lt.wrap(llama.LlamaForCausalLM, "compute_logits", "logits")
 llm = LLM(sys.argv[1])
 lt.generate_s(llm, 8)
 for _ in range(3):
-    lt.reset()
-    T = lt.generate_s(llm, 129)
-    print(f"total {T / 128 * 1e3:.2f} ms/step")
-    lt.report(128, 129)
+    lt.step_report(llm, 128)
