@@ -38,7 +38,7 @@ import triton.language as tl  # noqa: E402
 from benchmarks.quant_gpu import SHAPES_7B, SHAPES_TINY, Operands, device_us, rel  # noqa: E402
 from novainfer.kernels import int4_gemm  # noqa: E402
 from novainfer.kernels.int4_gemm import MAGIC  # noqa: E402
-from novainfer.kernels.tiling import grouped_tile, split_k  # noqa: E402
+from novainfer.kernels.tiling import even_split, grouped_tile, split_k  # noqa: E402
 from novainfer.layers.quantization.int4 import dequantize_int4  # noqa: E402
 
 GROUP = 128
@@ -149,8 +149,7 @@ def w4_gemm(kind: str, x, q, s, z, tiles, split=None) -> torch.Tensor:
     if split is None:
         split, per_split = split_k(k, tiles_mn, bk, x.device, programs_per_sm=1)
     else:
-        per_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
-        split = triton.cdiv(k, per_split)
+        split, per_split = even_split(k, split, bk)
     out = (
         torch.zeros((m, n), dtype=torch.float32, device=x.device)
         if split > 1
